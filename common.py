@@ -1,0 +1,1254 @@
+"""common.py: everything that is not a parallelism.
+
+A strategy file (ddp.py, zero.py, ...) supplies a small adapter class; this module launches the
+process group, builds the single-device reference model, generates the data, and runs the three
+modes against the reference. Nothing here knows how any strategy splits the work.
+
+The adapter contract (subclass `Strategy`)
+------------------------------------------
+    name                      short name used in reports ("ddp")
+    syncs_initial_params      True if the strategy claims to make replicas identical itself
+                              (e.g. DDP broadcasts from rank 0). Correctness mode then hands
+                              ranks != 0 a *perturbed* copy of the weights, so a missing sync fails.
+    add_args(parser)          staticmethod: the strategy's own flags
+    constraints(args, world, config) -> list[str]
+                              staticmethod: each string names one violated constraint. Checked on
+                              every rank before the process group exists; rank 0 prints the first
+                              one as a single line and every rank exits with code 2.
+    __init__(ref_model, args, env)
+                              build the local (sharded) model and optimizer *from the full
+                              reference weights* (never from a fresh random init), so both start
+                              bit-identical. `ref_model` is this rank's private copy: slice it,
+                              wrap it, or keep it.
+    step(batch) -> float      forward, backward and optimizer step on this rank's share of the
+                              global batch (`Batch`, the same object on every rank). Returns the
+                              global loss with the reference's normalisation: the mean over all
+                              target tokens of the global batch (`batch.n_tokens`), whatever the
+                              split. Use `lm_loss_sum` and `global_loss`. Gradients of the last step
+                              must stay readable until the next step (zero them at the start).
+    full_grads(), full_params() -> dict[str, Tensor]
+                              full tensors keyed by the reference's parameter names. Collective:
+                              every rank calls; rank 0's result is compared.
+    model_states() -> dict[str, list[Tensor]]
+                              the tensors this rank keeps resident between steps, by category
+                              ("params", "grads", "optimizer"); the default reads self.model and
+                              self.optimizer. Bytes are counted over unique storages.
+    expected_comm() -> list[Expect]
+                              the textbook per-step communication: benchmark mode prints it beside
+                              the measured figures and fails when they differ.
+    extra_checks() -> list[(name, ok, detail)]
+                              strategy-specific correctness checks (collective; rank 0's verdict).
+    native                    optional Strategy subclass wrapping PyTorch's own implementation,
+                              used by `--compare-native`.
+
+Strategy code marks its forward and backward with `with phase("forward"):` so the benchmark can
+time them and the memory tracker can tell activations from the rest.
+
+Modes (`--mode correctness|learning|benchmark|all`)
+---------------------------------------------------
+correctness  rank 0 runs the reference (plain HF model + torch.optim.AdamW on the whole global
+             batch) while the strategy runs on every rank, same batches, >= 2 optimizer steps.
+             Compares the loss at every step, every gradient at every step and every parameter
+             after every step; prints a per-tensor table; the last line starts PASS or FAIL.
+learning     --steps steps on the synthetic language, reference and strategy side by side,
+             against the language's exact entropy rate (the loss floor).
+benchmark    --warmup steps, then --bench-iters timed steps (a fixed count: adaptive counts
+             deadlock because ranks decide differently). Step and forward time (max over ranks),
+             tokens/s, memory per rank, communication per step by op and group beside formulas,
+             the single-device reference, and with --compare-native PyTorch's implementation.
+
+`--out DIR` writes correctness.json, learning.csv (+ .png with matplotlib), benchmark.json.
+
+Communication is counted by wrapping the `torch.distributed` functions while a step runs, so
+strategy code calls plain `dist.all_reduce(...)`. Bytes are the logical buffer per call: the
+tensor for all_reduce/broadcast/send/recv, the *full* (gathered) tensor for all_gather and
+reduce_scatter, the send buffer for all_to_all. Per-rank wire traffic for a ring algorithm is
+derived from that: all_reduce 2(W-1)/W, all_gather and reduce_scatter (W-1)/W, all_to_all (W-1)/W.
+Loss logging (one scalar all_reduce) runs under `meter.paused()` and is not counted.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import csv
+import datetime
+import json
+import math
+import os
+import socket
+import sys
+import time
+import types
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+IGNORE_INDEX = -100
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# ----------------------------------------------------------------------------------------------
+# Model presets. `tiny` is for CPU tests (GQA, untied embeddings); `small` for CPU benchmarks
+# (~19M parameters); the Llama 3 shapes are for GPU runs and memory planning.
+# ----------------------------------------------------------------------------------------------
+PRESETS = {
+    "tiny": dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6),
+    "small": dict(model_type="llama", vocab_size=8192, hidden_size=384, intermediate_size=1024,
+                  num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2,
+                  max_position_embeddings=8192, tie_word_embeddings=False, rms_norm_eps=1e-6),
+    "llama3.2-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048,
+                        intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                        num_key_value_heads=8, max_position_embeddings=131072,
+                        tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=500000.0,
+                        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                          high_freq_factor=4.0,
+                                          original_max_position_embeddings=8192)),
+    "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096,
+                      intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, max_position_embeddings=8192,
+                      tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=500000.0),
+}
+
+
+class ConfigError(Exception):
+    """A violated configuration constraint: one line, exit code 2, before any collective."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments
+# ----------------------------------------------------------------------------------------------
+MODE_DEFAULTS = {  # (steps, dtype on cpu) per mode; see the numerics policy in the README
+    "correctness": (2, "float64"),
+    "learning": (200, "float32"),
+    "benchmark": (None, "float32"),
+}
+
+
+def base_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--mode", default="correctness",
+                   choices=["correctness", "learning", "benchmark", "all"])
+    p.add_argument("--model", default="tiny",
+                   help="preset (%s), a local HF model directory, or a config.json path"
+                   % ", ".join(PRESETS))
+    p.add_argument("--dtype", default=None, choices=list(DTYPES),
+                   help="default: float64 for correctness, float32 otherwise on CPU; "
+                        "bfloat16 for learning/benchmark on CUDA")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="default: cuda when available")
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"],
+                   help="HF attention implementation of the reference model")
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    p.add_argument("--length", type=int, default=64, help="sequence length")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps (default 2 for correctness, 200 for learning)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="AdamW learning rate (default 1e-3 correctness, 3e-3 learning)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0, help="model init, language and sample seed")
+    p.add_argument("--branching", type=int, default=4,
+                   help="successors per token in the synthetic Markov language")
+    p.add_argument("--rtol", type=float, default=None,
+                   help="correctness tolerance on losses and gradients (default by dtype: 1e-9 "
+                        "float64, 1e-5 float32; for bfloat16, k in err <= k * single-device err)")
+    p.add_argument("--param-rtol", type=float, default=None,
+                   help="tolerance on parameters after the steps (default: rtol, x10 in float32)")
+    p.add_argument("--warmup", type=int, default=2, help="benchmark warm-up steps")
+    p.add_argument("--bench-iters", type=int, default=5, help="benchmark timed steps")
+    p.add_argument("--log-every", type=int, default=10, help="learning-mode print interval")
+    p.add_argument("--compare-native", action="store_true",
+                   help="also run PyTorch's own implementation, where the strategy has one")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="process-group timeout in seconds: a dead peer fails instead of hanging")
+    p.add_argument("--out", default=None, help="directory for json/csv/png results")
+    p.add_argument("--plant-bug", default=None, choices=["grad"],
+                   help="test hook: perturb one reported gradient to prove the check catches it")
+    return p
+
+
+def resolve_defaults(args, mode: str, device: str) -> argparse.Namespace:
+    """A copy of args with the mode-dependent defaults filled in."""
+    a = copy.copy(args)
+    a.mode = mode
+    steps, cpu_dtype = MODE_DEFAULTS[mode]
+    if a.steps is None:
+        a.steps = steps
+    if a.dtype is None:
+        a.dtype = cpu_dtype if (device == "cpu" or mode == "correctness") else "bfloat16"
+    if a.lr is None:
+        a.lr = 1e-3 if mode == "correctness" else 3e-3
+    if a.rtol is None:
+        a.rtol = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 4.0}[a.dtype]
+    if a.param_rtol is None:
+        # Adam's first updates are ~ g/(|g|+eps): float32 rounding of near-zero gradients moves
+        # such entries by a visible fraction of lr, so parameters get 10x the gradient tolerance.
+        a.param_rtol = a.rtol * (10 if a.dtype == "float32" else 1)
+    return a
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch: torchrun environment, gloo on CPU and NCCL on CUDA, a timeout, clean teardown
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Env:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_from_os() -> tuple[int, int, int]:
+    """(rank, world, local_rank) from torchrun's variables; a plain `python x.py` is world 1."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args) -> Env:
+    rank, world, local_rank = env_from_os()
+    if "RANK" not in os.environ:  # plain python: a group of one, so strategy code is unchanged
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        # torchrun gives each worker one thread; a plain run may use the whole machine.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    kw = dict(backend=backend, timeout=datetime.timedelta(seconds=args.timeout))
+    if backend == "nccl":
+        kw["device_id"] = device
+    dist.init_process_group(**kw)
+    return Env(rank, world, local_rank, device, backend)
+
+
+def teardown(clean: bool = True):
+    """Destroy the group; after a barrier when every rank got here normally, so no rank tears
+    down gloo while a peer is still inside a collective."""
+    if dist.is_initialized():
+        if clean:
+            with METER.paused():
+                dist.barrier()
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------
+# Model: HF transformers from a preset, a config.json, or a local checkpoint directory
+# ----------------------------------------------------------------------------------------------
+def load_config(spec: str):
+    """The HF config for `--model`: preset name, model directory, or config.json path."""
+    from transformers import AutoConfig, CONFIG_MAPPING
+    if spec in PRESETS:
+        kw = dict(PRESETS[spec])
+        return CONFIG_MAPPING[kw.pop("model_type")](**kw)
+    if os.path.isdir(spec):
+        if not os.path.isfile(os.path.join(spec, "config.json")):
+            raise ConfigError(f"--model {spec}: directory has no config.json")
+        return AutoConfig.from_pretrained(spec)
+    if os.path.isfile(spec) and spec.endswith(".json"):
+        with open(spec) as f:
+            kw = json.load(f)
+        return CONFIG_MAPPING[kw.pop("model_type", "llama")](**kw)
+    raise ConfigError(f"--model {spec}: not a preset ({', '.join(PRESETS)}), "
+                      f"a model directory or a config.json")
+
+
+def has_weights(spec: str) -> bool:
+    return os.path.isdir(spec) and any(
+        f.endswith((".safetensors", ".bin")) for f in os.listdir(spec))
+
+
+def _promoting_rmsnorm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """HF's RMSNorm with `.to(float32)` replaced by promotion to at least float32: identical
+    for bf16/fp32, and truly float64 in float64 runs (HF's cast would round every norm to
+    float32, so a loss scaled by a non-power-of-two W shows 1e-7 errors in a float64 run)."""
+    dtype = hidden_states.dtype
+    h = hidden_states.to(torch.promote_types(dtype, torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * h.to(dtype)
+
+
+def promote_norms(model: torch.nn.Module) -> torch.nn.Module:
+    for m in model.modules():
+        if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon"):
+            m.forward = types.MethodType(_promoting_rmsnorm_forward, m)
+    return model
+
+
+def build_model(args, config, device) -> torch.nn.Module:
+    """The full reference model in args.dtype on `device`: loaded weights when --model is a
+    checkpoint directory, otherwise a seeded random init (identical on every rank)."""
+    from transformers import AutoModelForCausalLM
+    dtype = DTYPES[args.dtype]
+    if has_weights(args.model):
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32,
+                                                     attn_implementation=args.attn)
+    else:
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn)
+    return promote_norms(model.to(device=device, dtype=dtype)).train()
+
+
+def param_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def common_constraints(args, world, config) -> list[str]:
+    errs = []
+    if args.batch < 1 or args.length < 2:
+        errs.append(f"--batch ({args.batch}) must be >= 1 and --length ({args.length}) >= 2")
+    drop = getattr(config, "attention_dropout", 0.0) or 0.0
+    if drop > 0:
+        errs.append(f"attention_dropout={drop}: dropout is not reproducible across layouts; "
+                    "set it to 0")
+    if args.branching > config.vocab_size:
+        errs.append(f"--branching {args.branching} exceeds vocab_size {config.vocab_size}")
+    return errs
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: a sparse random Markov chain over the vocabulary. Sequences start from the stationary
+# distribution pi, so every position's next-token entropy is exactly the chain's entropy rate
+#     H = sum_i pi_i * H(P_i)     (nats),
+# the floor that a perfect model's cross-entropy reaches. Sample i is a pure function of
+# (seed, i): the same whatever the world size, rank or layout.
+# ----------------------------------------------------------------------------------------------
+class MarkovLanguage:
+    def __init__(self, vocab: int, seed: int, branching: int = 4):
+        rng = np.random.default_rng([seed, 0x5EED])
+        self.vocab, self.seed = vocab, seed
+        self.succ = np.stack([rng.choice(vocab, branching, replace=False) for _ in range(vocab)])
+        self.prob = rng.dirichlet(np.ones(branching), size=vocab)            # (V, k)
+        self.cum = np.cumsum(self.prob, axis=1)
+        self.cum[:, -1] = 1.0
+        self.pi = self._stationary()
+        row_entropy = -(self.prob * np.log(self.prob)).sum(axis=1)
+        self.entropy_rate = float((self.pi * row_entropy).sum())
+
+    def _stationary(self, iters: int = 10000, tol: float = 1e-13) -> np.ndarray:
+        pi = np.full(self.vocab, 1.0 / self.vocab)
+        for _ in range(iters):  # lazy chain (I+P)/2: same pi, and no oscillation if periodic
+            nxt = np.zeros_like(pi)
+            np.add.at(nxt, self.succ, pi[:, None] * self.prob)
+            nxt = 0.5 * (pi + nxt)
+            if np.abs(nxt - pi).sum() < tol:
+                return nxt / nxt.sum()
+            pi = nxt
+        return pi / pi.sum()
+
+    def sample(self, start: int, count: int, length: int) -> np.ndarray:
+        """Samples start..start+count-1, each length+1 tokens, as an int64 array."""
+        u = np.stack([np.random.default_rng([self.seed, i]).random(length + 1)
+                      for i in range(start, start + count)])
+        x = np.empty((count, length + 1), dtype=np.int64)
+        x[:, 0] = np.searchsorted(np.cumsum(self.pi), u[:, 0]).clip(max=self.vocab - 1)
+        rows = np.arange(count)
+        for t in range(1, length + 1):
+            cur = x[:, t - 1]
+            j = (u[:, t, None] > self.cum[cur]).sum(axis=1)
+            x[:, t] = self.succ[cur, j]
+        return x
+
+
+@dataclass
+class Batch:
+    """A global batch. labels are already shifted (labels[:, t] is the token after
+    input_ids[:, t]), so every position has a target and a sequence split loses no token."""
+    input_ids: torch.Tensor   # (B, S)
+    labels: torch.Tensor      # (B, S), IGNORE_INDEX where there is no target
+    index: int                # step index s: samples [s*B, (s+1)*B)
+
+    @property
+    def n_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def rows(self, start: int, stop: int) -> "Batch":
+        return Batch(self.input_ids[start:stop], self.labels[start:stop], self.index)
+
+    def shard(self, rank: int, world: int) -> "Batch":
+        """This rank's contiguous share of the sequences (world must divide the batch)."""
+        n = self.input_ids.shape[0] // world
+        return self.rows(rank * n, (rank + 1) * n)
+
+    def split(self, k: int) -> list["Batch"]:
+        n = self.input_ids.shape[0] // k
+        return [self.rows(i * n, (i + 1) * n) for i in range(k)]
+
+
+def make_batch(lang: MarkovLanguage, step: int, batch: int, length: int, device) -> Batch:
+    x = torch.from_numpy(lang.sample(step * batch, batch, length)).to(device)
+    return Batch(x[:, :-1].contiguous(), x[:, 1:].contiguous(), step)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss: the reference normalisation is the mean over all target tokens of the global batch.
+# A strategy computes the cross-entropy *sum* over its tokens and divides by batch.n_tokens.
+# ----------------------------------------------------------------------------------------------
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of token cross-entropies; half-precision logits are upcast to fp32 first."""
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def global_loss(local_sum: torch.Tensor, n_tokens: int, group=None) -> float:
+    """The global mean loss from each rank's CE sum (logging only: not metered)."""
+    t = local_sum.detach().to(torch.float64).reshape(1).clone()
+    with METER.paused():
+        dist.all_reduce(t, group=group)
+    return t.item() / n_tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# Phases: strategies mark forward/backward/optimizer; benchmark times them, the memory tracker
+# tags storages allocated inside "forward" as activations.
+# ----------------------------------------------------------------------------------------------
+class Phases:
+    def __init__(self):
+        self.stack: list[str] = []
+        self.elapsed: dict[str, float] = {}
+        self.sync = None  # torch.cuda.synchronize on CUDA so times are real
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if self.sync:
+            self.sync()
+        t0 = time.perf_counter()
+        self.stack.append(name)
+        try:
+            yield
+        finally:
+            self.stack.pop()
+            if self.sync:
+                self.sync()
+            self.elapsed[name] = self.elapsed.get(name, 0.0) + time.perf_counter() - t0
+
+    @property
+    def current(self) -> str | None:
+        return self.stack[-1] if self.stack else None
+
+    def reset(self):
+        self.elapsed = {}
+
+
+phase = Phases()
+
+
+# ----------------------------------------------------------------------------------------------
+# Communication meter: wraps torch.distributed functions while active. Strategies name their
+# groups with `name_group(group, "dp")` so reports say which group carried the bytes.
+# ----------------------------------------------------------------------------------------------
+_GROUP_NAMES: dict = {}
+
+
+def name_group(group, name: str):
+    _GROUP_NAMES[group] = name
+    return group
+
+
+def group_name(group) -> str:
+    if group is None or group is dist.group.WORLD:
+        return "world"
+    return _GROUP_NAMES.get(group, f"group{id(group) % 10000}")
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return t.numel() * t.element_size()
+
+
+# op -> (positional index of the tensor whose size is "the bytes", group kwarg position)
+_METERED = {
+    "all_reduce": (0, 2), "broadcast": (0, 2), "reduce": (0, 3),
+    "all_gather_into_tensor": (0, 2),      # output = full tensor
+    "reduce_scatter_tensor": (1, 3),       # input = full tensor
+    "all_gather": (0, 2), "reduce_scatter": (1, 3),  # list forms: the full list
+    "all_to_all_single": (1, 5),           # the send buffer
+    "send": (0, 2), "recv": (0, 2), "isend": (0, 2), "irecv": (0, 2),
+    "batch_isend_irecv": (None, None),
+}
+RING_FACTOR = {  # per-rank wire bytes / logical bytes, for ring algorithms on W ranks
+    "all_reduce": lambda w: 2 * (w - 1) / w, "all_gather_into_tensor": lambda w: (w - 1) / w,
+    "reduce_scatter_tensor": lambda w: (w - 1) / w, "all_gather": lambda w: (w - 1) / w,
+    "reduce_scatter": lambda w: (w - 1) / w, "all_to_all_single": lambda w: (w - 1) / w,
+    "broadcast": lambda w: (w - 1) / w, "reduce": lambda w: (w - 1) / w,
+}
+
+
+class CommMeter:
+    def __init__(self):
+        self.counts: dict[tuple[str, str], list[int]] = {}
+        self._depth = 0       # only the outermost call counts (batch_isend_irecv -> isend)
+        self._paused = 0
+        self._saved: dict = {}
+
+    def _wrap(self, name, fn):
+        idx, gpos = _METERED[name]
+
+        def wrapper(*args, **kwargs):
+            if self._depth == 0 and not self._paused:
+                if name == "batch_isend_irecv":
+                    for op in args[0]:
+                        opn = getattr(op.op, "__name__", "p2p").lstrip("_")
+                        self._add(opn, group_name(op.group), _nbytes(op.tensor))
+                else:
+                    t = args[idx] if len(args) > idx else next(iter(kwargs.values()))
+                    g = kwargs.get("group", args[gpos] if len(args) > gpos else None)
+                    self._add(name, group_name(g), _nbytes(t))
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+        wrapper.__name__ = name
+        wrapper.__wrapped__ = fn
+        return wrapper
+
+    def _add(self, op, group, nbytes):
+        c = self.counts.setdefault((op, group), [0, 0])
+        c[0] += 1
+        c[1] += nbytes
+
+    @contextlib.contextmanager
+    def measuring(self):
+        """Count every metered call in the block (cumulative until reset())."""
+        assert not self._saved, "meter already active"
+        for name in _METERED:
+            fn = getattr(dist, name)
+            self._saved[name] = fn
+            setattr(dist, name, self._wrap(name, fn))
+        try:
+            yield self
+        finally:
+            for name, fn in self._saved.items():
+                setattr(dist, name, fn)
+            self._saved = {}
+
+    @contextlib.contextmanager
+    def paused(self):
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def reset(self):
+        self.counts = {}
+
+    def snapshot(self, per: int = 1) -> dict[tuple[str, str], tuple[float, float]]:
+        return {k: (c / per, b / per) for k, (c, b) in sorted(self.counts.items())}
+
+
+METER = CommMeter()
+
+
+@dataclass
+class Expect:
+    """One row of the textbook communication per optimizer step."""
+    op: str
+    group: str
+    calls: int
+    bytes: int
+    formula: str
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory: a live-storage tracker (TorchDispatchMode) that works on CPU and CUDA. Storages that
+# exist when tracking starts are seeded from the strategy's model states; every storage created
+# by an op inside the block is added, and removed when Python frees it. Storages created inside
+# phase("forward") are also counted as activations (saved tensors and forward temporaries).
+# ----------------------------------------------------------------------------------------------
+def unique_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        st = t.untyped_storage()
+        if st.data_ptr() in seen:
+            continue
+        seen.add(st.data_ptr())
+        total += st.nbytes()
+    return total
+
+
+class MemoryTracker(TorchDispatchMode):
+    def __init__(self, preexisting=()):
+        super().__init__()
+        self.live: dict[int, tuple[int, bool]] = {}   # id(storage) -> (bytes, is_activation)
+        self.cur = self.peak = self.act_cur = self.act_peak = 0
+        for t in preexisting:
+            self._track(t, False)
+
+    def _track(self, t, is_act):
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self.live or st.nbytes() == 0:
+            return
+        self.live[key] = (st.nbytes(), is_act)
+        self.cur += st.nbytes()
+        self.peak = max(self.peak, self.cur)
+        if is_act:
+            self.act_cur += st.nbytes()
+            self.act_peak = max(self.act_peak, self.act_cur)
+        weakref.finalize(st, self._free, key)
+
+    def _free(self, key):
+        nbytes, is_act = self.live.pop(key, (0, False))
+        self.cur -= nbytes
+        if is_act:
+            self.act_cur -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        is_act = phase.current == "forward"
+        for t in tree_flatten(out)[0]:
+            self._track(t, is_act)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The adapter base class and the single-device reference
+# ----------------------------------------------------------------------------------------------
+class Strategy:
+    name = "strategy"
+    syncs_initial_params = False
+    native = None
+
+    @staticmethod
+    def add_args(parser):
+        pass
+
+    @staticmethod
+    def constraints(args, world, config) -> list[str]:
+        return []
+
+    def __init__(self, ref_model, args, env):
+        raise NotImplementedError
+
+    def step(self, batch: Batch) -> float:
+        raise NotImplementedError
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        return {n: p.grad for n, p in self.model.named_parameters()}
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def model_states(self) -> dict[str, list[torch.Tensor]]:
+        opt = getattr(self, "optimizer", None)
+        states = [v for s in (opt.state.values() if opt else []) for v in s.values()
+                  if isinstance(v, torch.Tensor)]
+        return {"params": list(self.model.parameters()),
+                "grads": [p.grad for p in self.model.parameters()],
+                "optimizer": states}
+
+    def expected_comm(self) -> list[Expect]:
+        return []
+
+    def extra_checks(self) -> list[tuple[str, bool, str]]:
+        return []
+
+
+def make_adamw(params, args) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay,
+                             betas=(0.9, 0.95), eps=1e-8)
+
+
+class Reference(Strategy):
+    """The plain HF model and torch.optim.AdamW on the whole global batch, on one device."""
+    name = "reference"
+
+    def __init__(self, ref_model, args, env):
+        self.model = ref_model
+        self.optimizer = make_adamw(self.model.parameters(), args)
+
+    def step(self, batch: Batch) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        with phase("forward"):
+            loss = lm_loss_sum(self.model(input_ids=batch.input_ids).logits,
+                               batch.labels) / batch.n_tokens
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer"):
+            self.optimizer.step()
+        return loss.item()
+
+
+# ----------------------------------------------------------------------------------------------
+# Comparison
+# ----------------------------------------------------------------------------------------------
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(max |got - ref|, that divided by max |ref|): an error relative to the tensor's scale,
+    so entries near zero do not blow it up."""
+    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
+    if got.shape != ref.shape:
+        return math.inf, math.inf
+    abs_err = (got - ref).abs().max().item() if ref.numel() else 0.0
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    return abs_err, abs_err / max(scale, 1e-300)
+
+
+class Comparison:
+    """Accumulates, per tensor, the worst error over steps of grads and params."""
+
+    def __init__(self, names: list[str], shapes: dict):
+        self.names, self.shapes = names, shapes
+        self.rows = {n: {"grad": (0.0, 0.0), "param": (0.0, 0.0)} for n in names}
+        self.missing: set[str] = set()
+        self.loss: list[tuple[float, float]] = []
+
+    def add(self, kind: str, got: dict, ref: dict):
+        for n in self.names:
+            if n not in got or got[n] is None or ref.get(n) is None:
+                self.missing.add(f"{kind}:{n}")
+                continue
+            e = rel_err(got[n], ref[n])
+            if e[1] > self.rows[n][kind][1] or math.isnan(e[1]):
+                self.rows[n][kind] = e
+        self.extra = sorted(set(got) - set(self.names))
+
+    def max_err(self, kind=None) -> float:
+        kinds = [kind] if kind else ["grad", "param"]
+        return max((self.rows[n][k][1] for n in self.names for k in kinds), default=0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Running a strategy: shared set-up for the modes
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    args: argparse.Namespace
+    env: Env
+    config: object
+    lang: MarkovLanguage
+    results: dict = field(default_factory=dict)
+
+    def batch(self, step: int) -> Batch:
+        return make_batch(self.lang, step, self.args.batch, self.args.length, self.env.device)
+
+    def print(self, *a, **k):
+        if self.env.is_main:
+            print(*a, **k, flush=True)
+
+
+def perturbed(model, seed: int) -> torch.nn.Module:
+    """A copy with every weight nudged: what a rank would hold had it initialised on its own."""
+    m = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g, dtype=torch.float64)
+                   .to(p.device, p.dtype))
+    return m
+
+
+def make_pair(run: Run, cls, perturb: bool, with_ref: bool):
+    """(reference on rank 0 or None, strategy) from one reference build."""
+    ref_model = build_model(run.args, run.config, run.env.device)
+    local = ref_model
+    if perturb and cls.syncs_initial_params and run.env.rank != 0:
+        local = perturbed(ref_model, 1000 + run.env.rank)
+    else:
+        local = copy.deepcopy(ref_model)
+    ref = Reference(ref_model, run.args, run.env) if (with_ref and run.env.is_main) else None
+    if not ref:
+        del ref_model
+    with METER.measuring():  # count the one-time set-up traffic (e.g. the initial broadcast)
+        METER.reset()
+        strat = cls(local, run.args, run.env)
+        setup = METER.snapshot()
+    METER.reset()
+    return ref, strat, setup
+
+
+def broadcast_verdict(ok: bool) -> bool:
+    t = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    with METER.paused():
+        dist.broadcast(t, 0)
+    return bool(t.item())
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+def write_json(run: Run, name: str, obj):
+    if run.args.out and run.env.is_main:
+        os.makedirs(run.args.out, exist_ok=True)
+        with open(os.path.join(run.args.out, name), "w") as f:
+            json.dump(obj, f, indent=1, default=str)
+
+
+# ----------------------------------------------------------------------------------------------
+# Mode: correctness
+# ----------------------------------------------------------------------------------------------
+def run_correctness(run: Run, cls) -> bool:
+    args, env = run.args, run.env
+    ok = True
+    classes = [cls] + ([cls.native] if args.compare_native and cls.native else [])
+    for c in classes:
+        ok &= _correctness_one(run, c)
+    return ok
+
+
+def _correctness_one(run: Run, cls) -> bool:
+    args, env = run.args, run.env
+    ref, strat, _ = make_pair(run, cls, perturb=True, with_ref=True)
+    lowp = args.dtype == "bfloat16"
+    ref64 = None
+    if lowp and env.is_main:  # bf16: compare errors against an fp64 twin, not values
+        a64 = copy.copy(args)
+        a64.dtype = "float64"
+        ref64 = Reference(build_model(a64, run.config, env.device), a64, env)
+    names = [n for n, _ in ref.model.named_parameters()] if ref else []
+    shapes = {n: tuple(p.shape) for n, p in ref.model.named_parameters()} if ref else {}
+    cmp = Comparison(names, shapes)
+    cmp_low = Comparison(names, shapes) if lowp else None
+    run.print(f"correctness: {cls.name} W={env.world} {args.dtype} model={args.model} "
+              f"batch={args.batch} length={args.length} steps={args.steps} "
+              f"params={param_count(ref.model) if ref else '?'}")
+    for s in range(args.steps):
+        batch = run.batch(s)
+        loss = strat.step(batch)
+        grads, params = strat.full_grads(), strat.full_params()
+        if args.plant_bug == "grad" and env.is_main and grads:
+            k = next(iter(grads))
+            grads = dict(grads)
+            grads[k] = grads[k] * (1 + 1e-6) + 1e-6 * grads[k].abs().max()
+        if env.is_main:
+            ref_loss = ref.step(batch)
+            target = ref64 if lowp else ref
+            if lowp:
+                ref64.step(batch)
+                g64, p64 = ref64.full_grads(), ref64.full_params()
+                cmp.add("grad", grads, g64)
+                cmp.add("param", params, p64)
+                cmp_low.add("grad", ref.full_grads(), g64)
+                cmp_low.add("param", ref.full_params(), p64)
+            else:
+                cmp.add("grad", grads, target.full_grads())
+                cmp.add("param", params, target.full_params())
+            cmp.loss.append((loss, ref_loss))
+            run.print(f"  step {s}: loss {loss:.12f}  reference {ref_loss:.12f}  "
+                      f"rel diff {abs(loss - ref_loss) / abs(ref_loss):.2e}")
+    extra = strat.extra_checks()
+    verdict = False
+    if env.is_main:
+        verdict = _report_correctness(run, cls, cmp, cmp_low, extra)
+    return broadcast_verdict(verdict)
+
+
+def _report_correctness(run, cls, cmp: Comparison, cmp_low, extra) -> bool:
+    args, env = run.args, run.env
+    lowp = cmp_low is not None
+
+    def tol(n, kind):  # bf16: k times the single-device bf16 error, plus a small floor
+        r = args.rtol if kind == "grad" else args.param_rtol
+        return r * cmp_low.rows[n][kind][1] + 1e-6 if lowp else r
+
+    w = max(len(n) for n in cmp.names) + 2
+    run.print(f"{'tensor':<{w}}{'shape':<16}{'grad abs':>11}{'grad rel':>11}"
+              f"{'param abs':>11}{'param rel':>11}{'tol g/p':>18}  ok")
+    bad = []
+    for n in cmp.names:
+        r = cmp.rows[n]
+        t_g, t_p = tol(n, "grad"), tol(n, "param")
+        good = r["grad"][1] <= t_g and r["param"][1] <= t_p
+        if not good:
+            bad.append(n)
+        run.print(f"{n:<{w}}{str(cmp.shapes[n]):<16}{r['grad'][0]:>11.2e}{r['grad'][1]:>11.2e}"
+                  f"{r['param'][0]:>11.2e}{r['param'][1]:>11.2e}{t_g:>10.1e}/{t_p:.1e}  "
+                  f"{'ok' if good else 'FAIL'}")
+    loss_err = max((abs(a - b) / abs(b) for a, b in cmp.loss), default=0.0)
+    loss_tol = (args.rtol * max((abs(a - b) / abs(b) for a, b in cmp.loss), default=0) + 1e-3
+                if lowp else args.rtol)
+    n = len(cmp.names)
+    n_grad = n - sum(1 for m in cmp.missing if m.startswith("grad:"))
+    n_param = n - sum(1 for m in cmp.missing if m.startswith("param:"))
+    for name, good, detail in extra:
+        run.print(f"check {name}: {'ok' if good else 'FAIL'} ({detail})")
+    problems = []
+    if bad:
+        problems.append(f"{len(bad)} tensors over tolerance (first: {bad[0]})")
+    if cmp.missing:
+        problems.append(f"{len(cmp.missing)} tensors missing (first: {sorted(cmp.missing)[0]})")
+    if getattr(cmp, "extra", None):
+        problems.append(f"unexpected tensors {cmp.extra[:3]}")
+    if loss_err > loss_tol or math.isnan(loss_err):
+        problems.append(f"loss rel diff {loss_err:.2e} > {loss_tol:.1e}")
+    problems += [f"check {nm} failed" for nm, g, _ in extra if not g]
+    max_err = cmp.max_err()
+    summary = (f"{cls.name} W={env.world} {args.dtype}: {args.steps} steps, "
+               f"{n_grad}/{n} grads + {n_param}/{n} params compared, "
+               f"max rel err {max_err:.1e} (grad {cmp.max_err('grad'):.1e}, "
+               f"param {cmp.max_err('param'):.1e}), loss {loss_err:.1e}, "
+               f"tol {'%gx bf16 single-device error' % args.rtol if lowp else '%.0e' % args.rtol}"
+               f"{'' if lowp or args.param_rtol == args.rtol else ' (params %.0e)' % args.param_rtol}")
+    ok = not problems
+    run.results.setdefault("correctness", []).append(dict(
+        strategy=cls.name, world=env.world, dtype=args.dtype, steps=args.steps,
+        tensors=n, grads_compared=n_grad, params_compared=n_param, max_rel_err=max_err,
+        max_grad_err=cmp.max_err("grad"), max_param_err=cmp.max_err("param"),
+        loss_rel_err=loss_err, rtol=args.rtol, param_rtol=args.param_rtol, ok=ok, problems=problems,
+        checks=[dict(name=a, ok=b, detail=c) for a, b, c in extra]))
+    write_json(run, "correctness.json", run.results["correctness"])
+    run.print(("PASS " if ok else "FAIL ") + summary + ("" if ok else " -- " + "; ".join(problems)))
+    return ok
+
+
+# ----------------------------------------------------------------------------------------------
+# Mode: learning
+# ----------------------------------------------------------------------------------------------
+def run_learning(run: Run, cls) -> bool:
+    args, env = run.args, run.env
+    ref, strat, _ = make_pair(run, cls, perturb=False, with_ref=True)
+    floor = run.lang.entropy_rate
+    run.print(f"learning: {cls.name} W={env.world} {args.dtype} model={args.model} "
+              f"steps={args.steps} lr={args.lr} batch={args.batch} length={args.length}; "
+              f"entropy floor {floor:.4f} nats (uniform would be {math.log(run.config.vocab_size):.4f})")
+    run.print(f"{'step':>6}{'reference':>12}{cls.name:>12}{'rel diff':>11}{'floor':>9}")
+    rows, t0 = [], time.time()
+    for s in range(args.steps):
+        batch = run.batch(s)
+        loss = strat.step(batch)
+        ref_loss = ref.step(batch) if ref else float("nan")
+        rows.append((s, ref_loss, loss))
+        if env.is_main and (s % args.log_every == 0 or s == args.steps - 1):
+            run.print(f"{s:>6}{ref_loss:>12.4f}{loss:>12.4f}"
+                      f"{abs(loss - ref_loss) / ref_loss:>11.1e}{floor:>9.4f}"
+                      f"   [{s + 1}/{args.steps}, {time.time() - t0:.0f}s]")
+    ok = True
+    if env.is_main:
+        ok = _report_learning(run, cls, rows, floor)
+    return broadcast_verdict(ok)
+
+
+LEARNING_TOL = {"float64": 1e-6, "float32": 2e-3, "bfloat16": 5e-2}
+
+
+def _report_learning(run, cls, rows, floor) -> bool:
+    args = run.args
+    diffs = [abs(l - r) / r for _, r, l in rows]
+    first = rows[0][2]
+    tail = rows[-min(5, len(rows)):]
+    last = sum(l for _, _, l in tail) / len(tail)
+    tol = LEARNING_TOL[args.dtype]
+    # "well below the initial loss": at least half of the way from the start to the floor
+    target = first - (first - floor) / 2
+    agree, learned = max(diffs) <= tol, last <= target
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "learning.csv"), "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["step", "reference", cls.name, "floor"])
+            w.writerows([(s, r, l, floor) for s, r, l in rows])
+        _plot_learning(args.out, cls.name, rows, floor)
+    summary = (f"{cls.name} W={run.env.world} {args.dtype}: loss {first:.3f} -> {last:.3f} "
+               f"(floor {floor:.3f}, target <= {target:.3f}), max rel diff vs reference "
+               f"{max(diffs):.1e} (tol {tol:.0e})")
+    run.results["learning"] = dict(strategy=cls.name, world=run.env.world, dtype=args.dtype,
+                                   first=first, last=last, floor=floor,
+                                   max_rel_diff=max(diffs), ok=agree and learned)
+    run.print(("PASS " if agree and learned else "FAIL ") + summary)
+    return agree and learned
+
+
+def _plot_learning(out, name, rows, floor):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = [s for s, _, _ in rows]
+    ax.plot(steps, [r for _, r, _ in rows], label="single-device reference", lw=2)
+    ax.plot(steps, [l for _, _, l in rows], "--", label=name)
+    ax.axhline(floor, color="gray", ls=":", label="entropy floor")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "learning.png"), dpi=100)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# Mode: benchmark
+# ----------------------------------------------------------------------------------------------
+def _sync(env):
+    if env.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _max_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    with METER.paused():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _gather_objects(obj):
+    out = [None] * dist.get_world_size()
+    with METER.paused():
+        dist.all_gather_object(out, obj)
+    return out
+
+
+def bench_strategy(run: Run, strat, ranks_active=True) -> dict:
+    """Warm-up, fixed timed iterations, then one tracked step for memory. Collective."""
+    args, env = run.args, run.env
+    phase.sync = (lambda: torch.cuda.synchronize()) if env.device.type == "cuda" else None
+    for s in range(args.warmup):
+        strat.step(run.batch(s))
+    times, fwd = [], []
+    METER.reset()
+    with METER.measuring():
+        for i in range(args.bench_iters):
+            batch = run.batch(args.warmup + i)
+            with METER.paused():
+                dist.barrier()
+            _sync(env)
+            phase.reset()
+            t0 = time.perf_counter()
+            strat.step(batch)
+            _sync(env)
+            times.append(time.perf_counter() - t0)
+            fwd.append(phase.elapsed.get("forward", float("nan")))
+        comm = METER.snapshot(per=args.bench_iters)
+        raw_counts = {k: tuple(v) for k, v in METER.counts.items()}
+    METER.reset()
+    mem = measure_memory(run, strat)
+    step_t = _max_over_ranks(sorted(times)[len(times) // 2])
+    fwd_t = _max_over_ranks(sorted(fwd)[len(fwd) // 2])
+    phase.sync = None
+    tokens = args.batch * args.length
+    return dict(step_s=step_t, forward_s=fwd_t, tokens_per_s=tokens / step_t,
+                comm=comm, comm_divisible=all(c % args.bench_iters == 0 and
+                                              b % args.bench_iters == 0
+                                              for c, b in raw_counts.values()),
+                memory=_gather_objects(mem))
+
+
+def measure_memory(run: Run, strat) -> dict:
+    """One more step under the live-storage tracker (CPU) or the CUDA allocator's peak."""
+    env = run.env
+    states = strat.model_states()
+    pre = [t for ts in states.values() for t in ts if t is not None]
+    batch = run.batch(10_000)
+    if env.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    tracker = MemoryTracker(pre)
+    with tracker:
+        strat.step(batch)
+    states = strat.model_states()
+    out = {k: unique_bytes(v) for k, v in states.items()}
+    out["model_states"] = unique_bytes(t for v in states.values() for t in v)
+    out["activations"] = tracker.act_peak
+    if env.device.type == "cuda":
+        out["peak"] = torch.cuda.max_memory_allocated()
+        out["peak_source"] = "torch.cuda.max_memory_allocated"
+        del base
+    else:
+        out["peak"] = tracker.peak
+        out["peak_source"] = "live-tensor tracker (CPU)"
+    return out
+
+
+def run_benchmark(run: Run, cls) -> bool:
+    args, env = run.args, run.env
+    run.print(f"benchmark: {cls.name} W={env.world} {args.dtype} device={env.device.type} "
+              f"model={args.model} batch={args.batch} length={args.length} "
+              f"warmup={args.warmup} iters={args.bench_iters}")
+    _, strat, setup = make_pair(run, cls, perturb=False, with_ref=False)
+    n_params = sum(p.numel() for p in strat.full_params().values())
+    ours = bench_strategy(run, strat)
+    expected = strat.expected_comm()
+    del strat
+    native = None
+    if args.compare_native and cls.native:
+        _, nat, _ = make_pair(run, cls.native, perturb=False, with_ref=False)
+        native = bench_strategy(run, nat)
+        del nat
+    # The single-device reference, alone on rank 0 with one rank's share of the machine.
+    ref = None
+    if env.is_main:
+        model = build_model(args, run.config, env.device)
+        ref = _bench_single(run, Reference(model, args, env))
+        del model
+    with METER.paused():
+        dist.barrier()
+    ok = True
+    if env.is_main:
+        ok = _report_benchmark(run, cls, n_params, ours, native, ref, expected, setup)
+    return broadcast_verdict(ok)
+
+
+def _bench_single(run: Run, strat) -> dict:
+    """bench_strategy for one process, without collectives."""
+    args, env = run.args, run.env
+    for s in range(args.warmup):
+        strat.step(run.batch(s))
+    times, fwd = [], []
+    for i in range(args.bench_iters):
+        batch = run.batch(args.warmup + i)
+        _sync(env)
+        phase.reset()
+        t0 = time.perf_counter()
+        strat.step(batch)
+        _sync(env)
+        times.append(time.perf_counter() - t0)
+        fwd.append(phase.elapsed.get("forward", float("nan")))
+    step_t = sorted(times)[len(times) // 2]
+    return dict(step_s=step_t, forward_s=sorted(fwd)[len(fwd) // 2],
+                tokens_per_s=args.batch * args.length / step_t,
+                memory=[measure_memory(run, strat)])
+
+
+def _report_benchmark(run, cls, n_params, ours, native, ref, expected, setup) -> bool:
+    args, env = run.args, run.env
+    elem = torch.tensor([], dtype=DTYPES[args.dtype]).element_size()
+    run.print(f"parameters: {n_params:,} ({fmt_bytes(n_params * elem)} in {args.dtype}); "
+              f"times are medians over {args.bench_iters} steps, max over ranks")
+    hdr = (f"{'':<22}{'step ms':>10}{'fwd ms':>10}{'tokens/s':>12}{'peak/rank':>12}"
+           f"{'step vs ref':>13}")
+    run.print(hdr)
+    rows = [("single device (ref)", ref), (f"{cls.name} (ours)", ours)]
+    if native:
+        rows.append((f"{cls.native.name} (torch)", native))
+    for label, r in rows:
+        peak = max(m["peak"] for m in r["memory"])
+        run.print(f"{label:<22}{r['step_s'] * 1e3:>10.1f}{r['forward_s'] * 1e3:>10.1f}"
+                  f"{r['tokens_per_s']:>12.0f}{fmt_bytes(peak):>12}"
+                  f"{r['step_s'] / ref['step_s']:>12.2f}x")
+    if native:
+        run.print(f"step time ours / torch: {ours['step_s'] / native['step_s']:.3f}")
+    run.print(f"memory per rank ({ours['memory'][0]['peak_source']}):")
+    run.print(f"  {'rank':<14}{'params':>12}{'grads':>12}{'optimizer':>12}{'states':>12}"
+              f"{'activations':>13}{'peak':>12}")
+    for label, r in rows:
+        for i, m in enumerate(r["memory"]):
+            run.print(f"  {label.split()[0] + ':' + str(i):<14}{fmt_bytes(m['params']):>12}"
+                      f"{fmt_bytes(m['grads']):>12}{fmt_bytes(m['optimizer']):>12}"
+                      f"{fmt_bytes(m['model_states']):>12}{fmt_bytes(m['activations']):>13}"
+                      f"{fmt_bytes(m['peak']):>12}")
+    # Communication: measured per step vs formula
+    W = env.world
+    run.print("communication per optimizer step (rank 0; bytes = logical buffer, "
+              "wire = per-rank ring traffic):")
+    run.print(f"  {'op':<24}{'group':<8}{'calls':>7}{'bytes':>14}{'wire/rank':>14}"
+              f"{'expected':>22}  formula")
+    exp = {(e.op, e.group): e for e in expected}
+    measured = ours["comm"]
+    comm_ok = ours["comm_divisible"]
+    for key in sorted(set(measured) | set(exp)):
+        calls, nbytes = measured.get(key, (0, 0))
+        e = exp.get(key)
+        wire = nbytes * RING_FACTOR.get(key[0], lambda w: 1.0)(W)
+        match = e is not None and e.calls == calls and e.bytes == nbytes
+        comm_ok &= match
+        etxt = f"{e.calls} / {e.bytes:,}" if e else "(none expected)"
+        run.print(f"  {key[0]:<24}{key[1]:<8}{calls:>7g}{nbytes:>14,.0f}{wire:>14,.0f}"
+                  f"{etxt:>22}  {'ok' if match else 'MISMATCH'} {e.formula if e else ''}")
+    if setup:
+        run.print("  one-time set-up: " + ", ".join(
+            f"{op}[{g}] {c:g} calls {b:,.0f} B" for (op, g), (c, b) in setup.items()))
+    run.results["benchmark"] = dict(
+        strategy=cls.name, world=W, dtype=args.dtype, device=env.device.type,
+        model=args.model, batch=args.batch, length=args.length, params=n_params,
+        ours=_jsonable(ours), native=_jsonable(native), reference=_jsonable(ref),
+        expected=[e.__dict__ for e in expected], setup=_jsonable({"comm": setup})["comm"],
+        comm_ok=comm_ok)
+    write_json(run, "benchmark.json", run.results["benchmark"])
+    run.print(("PASS " if comm_ok else "FAIL ") + f"{cls.name} W={W} benchmark: "
+              f"{ours['tokens_per_s']:.0f} tokens/s, communication "
+              f"{'matches' if comm_ok else 'DIFFERS FROM'} the formulas")
+    return comm_ok
+
+
+def _jsonable(r):
+    if r is None:
+        return None
+    r = dict(r)
+    if "comm" in r:
+        r["comm"] = {f"{op}|{g}": dict(calls=c, bytes=b) for (op, g), (c, b) in r["comm"].items()}
+    return r
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------
+def fail_config(msg: str, rank: int):
+    """One line from rank 0, exit code 2. Under torchrun the other ranks wait (up to 30 s) so
+    the launcher, which SIGTERMs every worker once one has exited, cannot kill rank 0 before it
+    has printed: rank 0's exit code 2 is then torchrun's "root cause"."""
+    if rank == 0:
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(30)
+    sys.exit(2)
+
+
+def main(cls, argv=None):
+    parser = base_parser(os.path.basename(sys.argv[0]))
+    cls.add_args(parser)
+    args = parser.parse_args(argv)
+    rank, world, _ = env_from_os()
+    # Validation happens before the process group exists: no collective can hang on bad input.
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail_config("--device cuda: CUDA is not available", rank)
+    try:
+        config = load_config(args.model)
+    except ConfigError as e:
+        fail_config(str(e), rank)
+    errs = common_constraints(args, world, config) + cls.constraints(args, world, config)
+    if errs:
+        fail_config(errs[0], rank)
+    env = launch(args)
+    modes = ["correctness", "learning", "benchmark"] if args.mode == "all" else [args.mode]
+    ok, clean = True, False
+    try:
+        lang = MarkovLanguage(config.vocab_size, args.seed, args.branching)
+        for mode in modes:
+            run = Run(resolve_defaults(args, mode, env.device.type), env, config, lang)
+            ok &= {"correctness": run_correctness, "learning": run_learning,
+                   "benchmark": run_benchmark}[mode](run, cls)
+        clean = True
+    finally:
+        teardown(clean)
+    sys.exit(0 if ok else 1)

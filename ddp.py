@@ -1,0 +1,239 @@
+"""ddp.py: data parallelism from raw torch.distributed primitives.
+
+The idea
+    Every rank holds a full replica of the model and optimizer and runs forward/backward on its
+    own 1/W of the global batch. Before the optimizer step the gradients are averaged over the
+    W ranks with all_reduce, so every replica applies the same update and stays identical.
+
+Who talks to whom
+    Once, at start: broadcast every parameter from rank 0 (replicas that initialised on their
+    own differ; the correctness test starts ranks != 0 from perturbed weights to prove it).
+    Every optimizer step: all_reduce of the gradients, in buckets, over the whole group.
+
+Overlap (Li et al., "PyTorch Distributed", VLDB 2020)
+    Gradients become ready in roughly reverse parameter order during the backward. Parameters
+    are packed into buckets of --bucket-mb in reverse order, and each parameter's .grad is a view
+    into its bucket's flat buffer. A post-accumulate-grad hook counts the ready parameters; when a
+    bucket is complete its all_reduce is launched asynchronously, so communication of late layers
+    overlaps the backward of early ones. Buckets launch strictly in index order, so every rank
+    issues the same collectives in the same order whatever the autograd scheduling.
+
+Gradient accumulation (--grad-accum K)
+    Each rank splits its share into K micro-batches. The first K-1 backward passes only
+    accumulate into the bucket buffers; the hooks launch communication on the K-th alone.
+
+Loss scaling
+    The reference loss is the CE sum over the global batch divided by N (its target tokens).
+    Each rank backpropagates  W * CE_sum(local) / N  and the all_reduce averages (divides by W),
+    so the result is exactly d(CE_sum(global) / N), even when ranks hold unequal token counts.
+
+Communication per optimizer step (Psi = parameter count, b = bytes per element)
+    all_reduce bytes  = Psi * b                    exactly, whatever K
+    all_reduce calls  = number of buckets
+    ring traffic/rank = 2 (W-1)/W * Psi * b       (reduce-scatter + all-gather phases)
+Memory per rank: the full model states (params + grads + AdamW's 2 moments = 4 Psi b) plus the
+activations of B/(W K) sequences.
+"""
+import contextlib
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import common
+from common import Expect, phase
+
+
+# ----------------------------------------------------------------------------------------------
+# Buckets
+# ----------------------------------------------------------------------------------------------
+def plan_buckets(params: list[torch.nn.Parameter], cap_bytes: int) -> list[list[int]]:
+    """Indices of `params` packed in reverse order into buckets of at most cap_bytes
+    (a parameter larger than the cap gets a bucket of its own)."""
+    buckets, cur, cur_bytes = [], [], 0
+    for i in reversed(range(len(params))):
+        nbytes = params[i].numel() * params[i].element_size()
+        if cur and cur_bytes + nbytes > cap_bytes:
+            buckets.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(i)
+        cur_bytes += nbytes
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+class Bucket:
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+        p0 = params[0]
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=p0.dtype,
+                                  device=p0.device)
+        offset = 0
+        for p in params:  # .grad becomes a view: autograd accumulates straight into the buffer
+            p.grad = self.buffer[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.ready = 0
+        self.handle = None
+
+
+class DataParallel:
+    """Wraps a model: broadcast at construction, bucketed overlapped all_reduce in backward."""
+
+    def __init__(self, model: torch.nn.Module, group=None, bucket_mb: float = 25.0,
+                 broadcast: bool = True):
+        self.model, self.group = model, group
+        self.world = dist.get_world_size(group)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if broadcast:  # replicas must start identical: rank 0's weights win
+            src = dist.get_global_rank(group, 0) if group is not None else 0
+            with torch.no_grad():
+                for p in params:
+                    dist.broadcast(p.data, src=src, group=group)
+        self.buckets = [Bucket([params[i] for i in idx])
+                        for idx in plan_buckets(params, int(bucket_mb * 2**20))]
+        self.bucket_of = {}
+        for b in self.buckets:
+            for p in b.params:
+                self.bucket_of[p] = b
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.sync = True      # False during the first K-1 micro-steps of accumulation
+        self.next_launch = 0  # buckets launch in index order on every rank
+
+    def _on_grad_ready(self, p):
+        if not self.sync:
+            return
+        b = self.bucket_of[p]
+        b.ready += 1
+        while (self.next_launch < len(self.buckets)
+               and self.buckets[self.next_launch].ready == len(self.buckets[self.next_launch].params)):
+            self._launch(self.buckets[self.next_launch])
+
+    def _launch(self, b: Bucket):
+        # Pre-divide by W (as torch DDP does) so the sum is the average and stays in range.
+        b.buffer.div_(self.world)
+        b.handle = dist.all_reduce(b.buffer, group=self.group, async_op=True)
+        self.next_launch += 1
+
+    def finish(self):
+        """Launch what the hooks did not (unused parameters), then wait for every bucket."""
+        while self.next_launch < len(self.buckets):
+            self._launch(self.buckets[self.next_launch])
+        for b in self.buckets:
+            b.handle.wait()
+            b.handle, b.ready = None, 0
+        self.next_launch = 0
+
+    def zero_grad(self):
+        for b in self.buckets:  # zero in place: .grad must stay a view of the bucket
+            b.buffer.zero_()
+
+
+# ----------------------------------------------------------------------------------------------
+# Harness adapter
+# ----------------------------------------------------------------------------------------------
+def ddp_constraints(args, world, config) -> list[str]:
+    k = args.grad_accum
+    if k < 1:
+        return [f"--grad-accum must be >= 1 (got {k})"]
+    if args.batch % (world * k):
+        return [f"global batch {args.batch} is not divisible by world size x grad-accum = "
+                f"{world} x {k} = {world * k}"]
+    if args.bucket_mb <= 0:
+        return [f"--bucket-mb must be > 0 (got {args.bucket_mb})"]
+    return []
+
+
+class DDP(common.Strategy):
+    name = "ddp"
+    syncs_initial_params = True
+
+    @staticmethod
+    def add_args(p):
+        p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size")
+        p.add_argument("--grad-accum", type=int, default=1,
+                       help="micro-batches per optimizer step (no communication on the first K-1)")
+        p.add_argument("--no-broadcast", action="store_true",
+                       help="skip the initial broadcast (to see correctness fail)")
+
+    constraints = staticmethod(ddp_constraints)
+
+    def __init__(self, model, args, env):
+        self.args, self.env = args, env
+        self.model = model
+        self.dp = DataParallel(model, bucket_mb=args.bucket_mb, broadcast=not args.no_broadcast)
+        self.optimizer = common.make_adamw(model.parameters(), args)
+
+    def step(self, batch: common.Batch) -> float:
+        W, K = self.env.world, self.args.grad_accum
+        self.dp.zero_grad()
+        local_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        for k, mb in enumerate(batch.shard(self.env.rank, W).split(K)):
+            self.dp.sync = k == K - 1
+            with phase("forward"):
+                ce = common.lm_loss_sum(self.model(input_ids=mb.input_ids).logits, mb.labels)
+            with phase("backward"):
+                (ce * W / batch.n_tokens).backward()
+            local_sum += ce.detach().double()
+        with phase("backward"):
+            self.dp.finish()
+        with phase("optimizer"):
+            self.optimizer.step()
+        return common.global_loss(local_sum, batch.n_tokens)
+
+    def expected_comm(self):
+        grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return [Expect("all_reduce", "world", len(self.dp.buckets), grad_bytes,
+                       f"Psi*b = {grad_bytes:,} B in {len(self.dp.buckets)} buckets "
+                       f"of <= {self.args.bucket_mb:g} MiB, whatever K")]
+
+    def extra_checks(self):
+        # Replicas must be identical after the steps: compare a checksum vector across ranks.
+        sums = torch.stack([p.detach().double().sum() for p in self.model.parameters()])
+        lo, hi = sums.clone(), sums.clone()
+        with common.METER.paused():
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        spread = (hi - lo).abs().max().item()
+        return [("replicas identical across ranks", spread == 0.0,
+                 f"max spread of per-tensor sums {spread:.1e}")]
+
+
+class TorchDDP(common.Strategy):
+    """Baseline: torch.nn.parallel.DistributedDataParallel on the same data and loss scaling."""
+    name = "torch-ddp"
+    syncs_initial_params = True
+    constraints = staticmethod(ddp_constraints)
+
+    def __init__(self, model, args, env):
+        from torch.nn.parallel import DistributedDataParallel
+        self.args, self.env = args, env
+        self.model = model
+        with warnings.catch_warnings():  # broadcast_buffers=False is the behaviour we want
+            warnings.simplefilter("ignore", FutureWarning)
+            self.ddp = DistributedDataParallel(
+                model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+                bucket_cap_mb=args.bucket_mb, broadcast_buffers=False)
+        self.optimizer = common.make_adamw(model.parameters(), args)
+
+    def step(self, batch):
+        W, K = self.env.world, self.args.grad_accum
+        self.optimizer.zero_grad(set_to_none=True)
+        local_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        for k, mb in enumerate(batch.shard(self.env.rank, W).split(K)):
+            ctx = contextlib.nullcontext() if k == K - 1 else self.ddp.no_sync()
+            with ctx:
+                with phase("forward"):
+                    ce = common.lm_loss_sum(self.ddp(input_ids=mb.input_ids).logits, mb.labels)
+                with phase("backward"):
+                    (ce * W / batch.n_tokens).backward()
+            local_sum += ce.detach().double()
+        with phase("optimizer"):
+            self.optimizer.step()
+        return common.global_loss(local_sum, batch.n_tokens)
+
+
+DDP.native = TorchDDP
+
+if __name__ == "__main__":
+    common.main(DDP)

@@ -1,0 +1,48 @@
+"""Helpers: launch a strategy script under torchrun (real gloo process groups on CPU)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+class Result:
+    def __init__(self, proc, out_dir):
+        self.proc, self.out = proc, out_dir
+        self.rc, self.stdout, self.stderr = proc.returncode, proc.stdout, proc.stderr
+
+    def json(self, name):
+        with open(os.path.join(self.out, name)) as f:
+            return json.load(f)
+
+    @property
+    def last_line(self):
+        lines = [l for l in self.stdout.splitlines() if l.strip()]
+        return lines[-1] if lines else ""
+
+    def __repr__(self):  # shown by pytest when an assertion on the result fails
+        return f"<rc={self.rc}\n--- stdout\n{self.stdout[-4000:]}\n--- stderr\n{self.stderr[-4000:]}>"
+
+
+def launch(script, nproc, *args, out=None, timeout=300, torchrun=True):
+    """Run ROOT/script with `nproc` workers (torchrun) or as a plain python process."""
+    cmd = [sys.executable]
+    if torchrun:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd += [os.path.join(ROOT, script), *map(str, args), "--timeout", "60"]
+    if out is not None:
+        cmd += ["--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return Result(proc, out)
+
+
+@pytest.fixture
+def run(tmp_path):
+    def _run(script, nproc, *args, **kw):
+        return launch(script, nproc, *args, out=tmp_path, **kw)
+    return _run

@@ -1,0 +1,140 @@
+"""ddp.py against the single-device reference, under torchrun with gloo on CPU."""
+import re
+
+import pytest
+import torch
+
+import common
+import ddp
+
+
+def assert_pass(r, world, dtype, n_tensors=39):
+    assert r.rc == 0, r
+    assert r.last_line.startswith("PASS"), r
+    res = r.json("correctness.json")[0]
+    assert res["ok"] and res["world"] == world and res["dtype"] == dtype, res
+    # every parameter's gradient and value was compared: tiny has 39 parameter tensors
+    assert res["tensors"] == n_tensors == res["grads_compared"] == res["params_compared"], res
+    return res
+
+
+@pytest.mark.parametrize("world,dtype,extra", [
+    (2, "float64", []),
+    (2, "float32", ["--grad-accum", "2"]),
+    pytest.param(3, "float64", ["--batch", "6", "--grad-accum", "2"], marks=pytest.mark.slow),
+    pytest.param(3, "float32", ["--batch", "6"], marks=pytest.mark.slow),
+])
+def test_correctness(run, world, dtype, extra):
+    r = run("ddp.py", world, "--mode", "correctness", "--dtype", dtype, *extra)
+    res = assert_pass(r, world, dtype)
+    assert res["max_grad_err"] <= (1e-12 if dtype == "float64" else 1e-5)
+    assert res["checks"][0]["ok"]  # replicas identical across ranks
+
+
+def test_correctness_small_buckets_and_world_size_one(run):
+    # A plain `python ddp.py` is a group of one; tiny buckets exercise the launch ordering.
+    r = run("ddp.py", 1, "--bucket-mb", "0.01", torchrun=False)
+    res = assert_pass(r, 1, "float64")
+    assert res["max_rel_err"] == 0.0  # same arithmetic as the reference: bit-identical
+
+
+def test_initial_broadcast_matters(run):
+    # Ranks != 0 start from perturbed weights; without the broadcast the replicas disagree.
+    r = run("ddp.py", 2, "--no-broadcast")
+    assert r.rc == 1, r
+    assert r.last_line.startswith("FAIL"), r
+    res = r.json("correctness.json")[0]
+    assert not res["checks"][0]["ok"]
+
+
+def test_planted_gradient_error_fails(run):
+    r = run("ddp.py", 2, "--plant-bug", "grad")
+    assert r.rc == 1 and r.last_line.startswith("FAIL"), r
+    assert "1 tensors over tolerance" in r.last_line
+
+
+@pytest.mark.slow
+def test_compare_native_correctness(run):
+    r = run("ddp.py", 2, "--compare-native", "--grad-accum", "2")
+    assert r.rc == 0, r
+    res = r.json("correctness.json")
+    assert [x["strategy"] for x in res] == ["ddp", "torch-ddp"] and all(x["ok"] for x in res)
+
+
+def test_learning(run):
+    r = run("ddp.py", 2, "--mode", "learning", "--steps", "40")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    rows = open(r.out / "learning.csv").read().splitlines()
+    assert len(rows) == 41 and rows[0].startswith("step,reference,ddp")
+    first, last = float(rows[1].split(",")[2]), float(rows[-1].split(",")[2])
+    floor = float(rows[1].split(",")[3])
+    assert last < first - (first - floor) / 2
+
+
+def expected_buckets(model, cap_bytes):
+    """Independent count of greedy reverse-order buckets."""
+    n, cur = 0, 0
+    for p in reversed(list(model.parameters())):
+        b = p.numel() * p.element_size()
+        if cur and cur + b > cap_bytes:
+            n, cur = n + 1, 0
+        cur += b
+    return n + (cur > 0)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_benchmark_comm_and_memory(run, accum):
+    r = run("ddp.py", 2, "--mode", "benchmark", "--bucket-mb", "0.25", "--grad-accum", accum,
+            "--warmup", "1", "--bench-iters", "3")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    b = r.json("benchmark.json")
+    cfg = common.load_config("tiny")
+    n_params = b["params"]
+    assert n_params == 180800
+    grad_bytes = 4 * n_params  # float32
+    # Comm: all_reduce bytes per optimizer step == gradient bytes exactly, whatever K.
+    ar = b["ours"]["comm"]["all_reduce|world"]
+    assert ar["bytes"] == grad_bytes
+    ref = common.build_model(common.resolve_defaults(
+        common.base_parser("t").parse_args([]), "benchmark", "cpu"), cfg, "cpu")
+    assert ar["calls"] == expected_buckets(ref, int(0.25 * 2**20)) > 1
+    assert set(b["ours"]["comm"]) == {"all_reduce|world"}
+    # One-time broadcast of every parameter from rank 0.
+    assert b["setup"]["broadcast|world"] == {"calls": 39, "bytes": grad_bytes}
+    # Memory per rank: full model states on each rank, activations of half the batch.
+    for m in b["ours"]["memory"]:
+        assert m["params"] == m["grads"] == grad_bytes
+        assert 2 * grad_bytes <= m["optimizer"] <= 2 * grad_bytes + 39 * 8  # m, v, step
+        assert m["model_states"] == m["params"] + m["grads"] + m["optimizer"]
+    ref_act = b["reference"]["memory"][0]["activations"]
+    act = b["ours"]["memory"][0]["activations"]
+    assert 0.4 <= act / ref_act * accum <= 0.6, (act, ref_act)
+
+
+def test_bad_config_torchrun(run):
+    r = run("ddp.py", 3, "--batch", "8")
+    assert r.rc != 0, r
+    errors = [l for l in (r.stdout + r.stderr).splitlines() if l.startswith("error:")]
+    assert errors == ["error: global batch 8 is not divisible by world size x grad-accum = "
+                      "3 x 1 = 3"], r
+    # rank 0 exited with code 2 and is torchrun's root cause; nothing of ours raised
+    assert re.search(r"Root Cause.*\n(.*\n){0,4}\s*exitcode\s*:\s*2", r.stderr), r
+    assert "common.py" not in r.stderr and "ddp.py\", line" not in r.stderr
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--grad-accum", "3"], "global batch 8 is not divisible by world size x grad-accum"),
+    (["--model", "/no/such/dir"], "--model /no/such/dir: not a preset"),
+])
+def test_bad_config_plain(run, args, msg):
+    r = run("ddp.py", 1, *args, torchrun=False)
+    assert r.rc == 2, r
+    assert r.stdout == "" and r.stderr.strip().startswith("error: " + msg), r
+    assert len(r.stderr.strip().splitlines()) == 1, r
+
+
+def test_plan_buckets():
+    ps = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 20, 30, 40)]
+    assert ddp.plan_buckets(ps, 4 * 50) == [[3], [2, 1], [0]]   # reverse order, greedy
+    assert ddp.plan_buckets(ps, 4 * 10) == [[3], [2], [1], [0]]  # oversize gets its own
+    assert ddp.plan_buckets(ps, 10**9) == [[3, 2, 1, 0]]

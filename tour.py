@@ -1,0 +1,80 @@
+"""tour.py: run every strategy's correctness check under torchrun on CPU and summarise.
+
+    python tour.py              # every entry whose script exists
+    python tour.py --only ddp   # entries whose label starts with "ddp"
+
+Each entry is one `torchrun --standalone --nproc_per_node=W script --mode correctness` run
+against the single-device reference; the table shows what each compared and its worst error.
+A strategy joins the tour by adding its lines to TOUR below.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# (label, script, world size, extra arguments)
+TOUR = [
+    ("ddp", "ddp.py", 2, []),
+    ("ddp float32 grad-accum 2", "ddp.py", 2, ["--dtype", "float32", "--grad-accum", "2"]),
+    ("ddp uneven W=3", "ddp.py", 3, ["--batch", "6"]),
+]
+
+
+def torchrun_cmd(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}"]
+
+
+def run_entry(script, nproc, extra, timeout=600):
+    with tempfile.TemporaryDirectory() as out:
+        cmd = torchrun_cmd(nproc) + [os.path.join(HERE, script), "--mode", "correctness",
+                                     "--out", out] + extra
+        t0 = time.time()
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        secs = time.time() - t0
+        path = os.path.join(out, "correctness.json")
+        results = json.load(open(path)) if os.path.exists(path) else []
+    last = next((l for l in reversed(p.stdout.splitlines()) if l.startswith(("PASS", "FAIL"))),
+                None)
+    return p.returncode, results, last, secs, p
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default=None, help="run entries whose label starts with this")
+    args = ap.parse_args()
+    entries = [e for e in TOUR if os.path.exists(os.path.join(HERE, e[1]))
+               and (args.only is None or e[0].startswith(args.only))]
+    rows, failed = [], 0
+    for label, script, nproc, extra in entries:
+        print(f"[{len(rows) + 1}/{len(entries)}] torchrun --nproc_per_node={nproc} {script} "
+              f"--mode correctness {' '.join(extra)}", flush=True)
+        rc, results, last, secs, p = run_entry(script, nproc, extra)
+        ok = rc == 0 and results and all(r["ok"] for r in results)
+        failed += not ok
+        if not ok:
+            print(p.stdout[-3000:] + p.stderr[-3000:])
+        r = results[0] if results else {}
+        rows.append((label, nproc, r.get("dtype", "?"),
+                     f"{r.get('grads_compared', '?')}+{r.get('params_compared', '?')}"
+                     f"/{2 * r['tensors'] if r else '?'}",
+                     f"{r['max_rel_err']:.1e}" if r else "-",
+                     f"{r['rtol']:.0e}" if r else "-", f"{secs:.0f}s",
+                     "PASS" if ok else "FAIL"))
+    hdr = ("strategy", "W", "dtype", "tensors", "max rel err", "tol", "time", "result")
+    widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)]
+    print()
+    for row in [hdr] + rows:
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
+    print(f"\n{len(rows) - failed} passed, {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
