@@ -72,6 +72,7 @@ import argparse
 import contextlib
 import copy
 import csv
+import inspect
 import datetime
 import json
 import math
@@ -479,19 +480,22 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-# op -> (positional index of the tensor whose size is "the bytes", group kwarg position)
+# op -> the argument whose size is "the bytes" (names as in torch.distributed's signatures)
 _METERED = {
-    "all_reduce": (0, 2), "broadcast": (0, 2), "reduce": (0, 3),
-    "all_gather_into_tensor": (0, 2),      # output = full tensor
-    "reduce_scatter_tensor": (1, 3),       # input = full tensor
-    "all_gather": (0, 2), "reduce_scatter": (1, 3),  # list forms: the full list
-    "all_to_all_single": (1, 5),           # the send buffer
-    "send": (0, 2), "recv": (0, 2), "isend": (0, 2), "irecv": (0, 2),
-    "batch_isend_irecv": (None, None),
+    "all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor",
+    "all_gather_into_tensor": "output_tensor",   # the full (gathered) tensor
+    "all_gather_single": "output_tensor",        # torch >= 2.13 name of the same
+    "reduce_scatter_tensor": "input",            # the full (unreduced) tensor
+    "reduce_scatter_single": "input",
+    "all_gather": "tensor_list", "reduce_scatter": "input_list",
+    "all_to_all_single": "input",                # the send buffer
+    "send": "tensor", "recv": "tensor", "isend": "tensor", "irecv": "tensor",
+    "batch_isend_irecv": "p2p_op_list",
 }
 RING_FACTOR = {  # per-rank wire bytes / logical bytes, for ring algorithms on W ranks
     "all_reduce": lambda w: 2 * (w - 1) / w, "all_gather_into_tensor": lambda w: (w - 1) / w,
     "reduce_scatter_tensor": lambda w: (w - 1) / w, "all_gather": lambda w: (w - 1) / w,
+    "all_gather_single": lambda w: (w - 1) / w, "reduce_scatter_single": lambda w: (w - 1) / w,
     "reduce_scatter": lambda w: (w - 1) / w, "all_to_all_single": lambda w: (w - 1) / w,
     "broadcast": lambda w: (w - 1) / w, "reduce": lambda w: (w - 1) / w,
 }
@@ -505,18 +509,17 @@ class CommMeter:
         self._saved: dict = {}
 
     def _wrap(self, name, fn):
-        idx, gpos = _METERED[name]
+        sig = inspect.signature(fn)
 
         def wrapper(*args, **kwargs):
             if self._depth == 0 and not self._paused:
+                bound = sig.bind(*args, **kwargs).arguments
                 if name == "batch_isend_irecv":
-                    for op in args[0]:
+                    for op in bound["p2p_op_list"]:
                         opn = getattr(op.op, "__name__", "p2p").lstrip("_")
                         self._add(opn, group_name(op.group), _nbytes(op.tensor))
                 else:
-                    t = args[idx] if len(args) > idx else next(iter(kwargs.values()))
-                    g = kwargs.get("group", args[gpos] if len(args) > gpos else None)
-                    self._add(name, group_name(g), _nbytes(t))
+                    self._add(name, group_name(bound.get("group")), _nbytes(bound[_METERED[name]]))
             self._depth += 1
             try:
                 return fn(*args, **kwargs)
@@ -536,7 +539,9 @@ class CommMeter:
         """Count every metered call in the block (cumulative until reset())."""
         assert not self._saved, "meter already active"
         for name in _METERED:
-            fn = getattr(dist, name)
+            fn = getattr(dist, name, None)
+            if fn is None:  # e.g. all_gather_single before torch 2.13
+                continue
             self._saved[name] = fn
             setattr(dist, name, self._wrap(name, fn))
         try:
