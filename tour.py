@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TOUR = [
     ("ddp", "ddp.py", 2, []),
     ("ddp float32 grad-accum 2", "ddp.py", 2, ["--dtype", "float32", "--grad-accum", "2"]),
-    ("ddp uneven W=3", "ddp.py", 3, ["--batch", "6"]),
+    ("ddp W=3 grad-accum 2", "ddp.py", 3, ["--batch", "6", "--grad-accum", "2"]),
 ]
 
 
@@ -65,9 +65,10 @@ def main():
                      f"{r.get('grads_compared', '?')}+{r.get('params_compared', '?')}"
                      f"/{2 * r['tensors'] if r else '?'}",
                      f"{r['max_rel_err']:.1e}" if r else "-",
-                     f"{r['rtol']:.0e}" if r else "-", f"{secs:.0f}s",
+                     f"{r['rtol']:.0e}/{r['param_rtol']:.0e}" if r else "-", f"{secs:.0f}s",
                      "PASS" if ok else "FAIL"))
-    hdr = ("strategy", "W", "dtype", "tensors", "max rel err", "tol", "time", "result")
+    hdr = ("strategy", "W", "dtype", "grads+params", "max rel err", "tol grad/param", "time",
+           "result")
     widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)]
     print()
     for row in [hdr] + rows:
