@@ -81,6 +81,7 @@ import socket
 import sys
 import time
 import types
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -90,6 +91,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+# torch 2.13 renames all_gather_into_tensor/reduce_scatter_tensor to *_single; 2.11 lacks the new
+# names, so strategies keep the old ones (both are metered) and the warning is noise.
+warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated")
 
 IGNORE_INDEX = -100
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -170,8 +175,11 @@ def base_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120.0,
                    help="process-group timeout in seconds: a dead peer fails instead of hanging")
     p.add_argument("--out", default=None, help="directory for json/csv/png results")
-    p.add_argument("--plant-bug", default=None, choices=["grad"],
-                   help="test hook: perturb one reported gradient to prove the check catches it")
+    p.add_argument("--clip", type=float, default=0.0,
+                   help="clip gradients to this global L2 norm (0: off)")
+    p.add_argument("--plant-bug", default=None, choices=["grad", "no-average"],
+                   help="test hook: 'grad' perturbs one reported gradient (harness); "
+                        "'no-average' makes a data-parallel strategy skip its gradient average")
     return p
 
 
@@ -322,6 +330,8 @@ def common_constraints(args, world, config) -> list[str]:
     if drop > 0:
         errs.append(f"attention_dropout={drop}: dropout is not reproducible across layouts; "
                     "set it to 0")
+    if args.clip < 0:
+        errs.append(f"--clip must be >= 0 (got {args.clip})")
     if args.branching > config.vocab_size:
         errs.append(f"--branching {args.branching} exceeds vocab_size {config.vocab_size}")
     return errs
@@ -688,7 +698,7 @@ class Reference(Strategy):
     name = "reference"
 
     def __init__(self, ref_model, args, env):
-        self.model = ref_model
+        self.model, self.args = ref_model, args
         self.optimizer = make_adamw(self.model.parameters(), args)
 
     def step(self, batch: Batch) -> float:
@@ -699,6 +709,8 @@ class Reference(Strategy):
         with phase("backward"):
             loss.backward()
         with phase("optimizer"):
+            if self.args.clip:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
             self.optimizer.step()
         return loss.item()
 

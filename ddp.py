@@ -34,7 +34,6 @@ Communication per optimizer step (Psi = parameter count, b = bytes per element)
 Memory per rank: the full model states (params + grads + AdamW's 2 moments = 4 Psi b) plus the
 activations of B/(W K) sequences.
 """
-import contextlib
 import warnings
 
 import torch
@@ -81,8 +80,8 @@ class DataParallel:
     """Wraps a model: broadcast at construction, bucketed overlapped all_reduce in backward."""
 
     def __init__(self, model: torch.nn.Module, group=None, bucket_mb: float = 25.0,
-                 broadcast: bool = True):
-        self.model, self.group = model, group
+                 broadcast: bool = True, average: bool = True):
+        self.model, self.group, self.average = model, group, average
         self.world = dist.get_world_size(group)
         params = [p for p in model.parameters() if p.requires_grad]
         if broadcast:  # replicas must start identical: rank 0's weights win
@@ -100,6 +99,9 @@ class DataParallel:
         self.sync = True      # False during the first K-1 micro-steps of accumulation
         self.next_launch = 0  # buckets launch in index order on every rank
 
+    def set_sync(self, sync: bool):
+        self.sync = sync
+
     def _on_grad_ready(self, p):
         if not self.sync:
             return
@@ -111,7 +113,8 @@ class DataParallel:
 
     def _launch(self, b: Bucket):
         # Pre-divide by W (as torch DDP does) so the sum is the average and stays in range.
-        b.buffer.div_(self.world)
+        if self.average:
+            b.buffer.div_(self.world)
         b.handle = dist.all_reduce(b.buffer, group=self.group, async_op=True)
         self.next_launch += 1
 
@@ -127,6 +130,22 @@ class DataParallel:
     def zero_grad(self):
         for b in self.buckets:  # zero in place: .grad must stay a view of the bucket
             b.buffer.zero_()
+
+
+def forward_backward(model, batch: common.Batch, rank: int, world: int, accum: int,
+                     set_sync=lambda sync: None) -> torch.Tensor:
+    """The data-parallel micro-step loop: this rank's 1/W of the batch in `accum` micro-batches,
+    each backpropagating W * CE_sum / N (see "Loss scaling" above). set_sync(k == accum-1) tells
+    the gradient machinery which backward is the last. Returns the local CE sum (float64)."""
+    local_sum = torch.zeros((), dtype=torch.float64, device=batch.input_ids.device)
+    for k, mb in enumerate(batch.shard(rank, world).split(accum)):
+        set_sync(k == accum - 1)
+        with phase("forward"):
+            ce = common.lm_loss_sum(model(input_ids=mb.input_ids).logits, mb.labels)
+        with phase("backward"):
+            (ce * world / batch.n_tokens).backward()
+        local_sum += ce.detach().double()
+    return local_sum
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,23 +180,19 @@ class DDP(common.Strategy):
     def __init__(self, model, args, env):
         self.args, self.env = args, env
         self.model = model
-        self.dp = DataParallel(model, bucket_mb=args.bucket_mb, broadcast=not args.no_broadcast)
+        self.dp = DataParallel(model, bucket_mb=args.bucket_mb, broadcast=not args.no_broadcast,
+                               average=args.plant_bug != "no-average")
         self.optimizer = common.make_adamw(model.parameters(), args)
 
     def step(self, batch: common.Batch) -> float:
-        W, K = self.env.world, self.args.grad_accum
         self.dp.zero_grad()
-        local_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
-        for k, mb in enumerate(batch.shard(self.env.rank, W).split(K)):
-            self.dp.sync = k == K - 1
-            with phase("forward"):
-                ce = common.lm_loss_sum(self.model(input_ids=mb.input_ids).logits, mb.labels)
-            with phase("backward"):
-                (ce * W / batch.n_tokens).backward()
-            local_sum += ce.detach().double()
+        local_sum = forward_backward(self.model, batch, self.env.rank, self.env.world,
+                                     self.args.grad_accum, self.dp.set_sync)
         with phase("backward"):
             self.dp.finish()
         with phase("optimizer"):
+            if self.args.clip:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
             self.optimizer.step()
         return common.global_loss(local_sum, batch.n_tokens)
 
@@ -217,18 +232,14 @@ class TorchDDP(common.Strategy):
         self.optimizer = common.make_adamw(model.parameters(), args)
 
     def step(self, batch):
-        W, K = self.env.world, self.args.grad_accum
         self.optimizer.zero_grad(set_to_none=True)
-        local_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
-        for k, mb in enumerate(batch.shard(self.env.rank, W).split(K)):
-            ctx = contextlib.nullcontext() if k == K - 1 else self.ddp.no_sync()
-            with ctx:
-                with phase("forward"):
-                    ce = common.lm_loss_sum(self.ddp(input_ids=mb.input_ids).logits, mb.labels)
-                with phase("backward"):
-                    (ce * W / batch.n_tokens).backward()
-            local_sum += ce.detach().double()
+        # what torch DDP's no_sync() context toggles
+        local_sum = forward_backward(
+            self.ddp, batch, self.env.rank, self.env.world, self.args.grad_accum,
+            lambda sync: setattr(self.ddp, "require_backward_grad_sync", sync))
         with phase("optimizer"):
+            if self.args.clip:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
             self.optimizer.step()
         return common.global_loss(local_sum, batch.n_tokens)
 
