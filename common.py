@@ -90,7 +90,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten  # noqa: F401  (re-exported for strategies)
 
 # torch 2.13 renames all_gather_into_tensor/reduce_scatter_tensor to *_single; 2.11 lacks the new
 # names, so strategies keep the old ones (both are metered) and the warning is noise.
@@ -619,17 +619,46 @@ class MemoryTracker(TorchDispatchMode):
     def _track(self, t, is_act):
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
-        st = t.untyped_storage()
+        self._track_storage(t.untyped_storage(), is_act)
+
+    def _track_storage(self, st, is_act):
         key = id(st)
         if key in self.live or st.nbytes() == 0:
             return
-        self.live[key] = (st.nbytes(), is_act)
-        self.cur += st.nbytes()
+        self.live[key] = (0, is_act)
+        self._set(key, st.nbytes())
+        weakref.finalize(st, self._free, key)
+
+    def _set(self, key, nbytes):
+        old, is_act = self.live[key]
+        self.live[key] = (nbytes, is_act)
+        self.cur += nbytes - old
         self.peak = max(self.peak, self.cur)
         if is_act:
-            self.act_cur += st.nbytes()
+            self.act_cur += nbytes - old
             self.act_peak = max(self.act_peak, self.act_cur)
-        weakref.finalize(st, self._free, key)
+
+    def _resized(self, st):
+        """storage.resize_ (how ZeRO-3/FSDP free and re-gather parameters) is no dispatcher op,
+        so the tracker wraps it while active."""
+        if id(st) in self.live:
+            self._set(id(st), st.nbytes())
+        else:
+            self._track_storage(st, False)
+
+    def __enter__(self):
+        orig = self._orig_resize = torch.UntypedStorage.resize_
+
+        def resize_(st, nbytes):
+            out = orig(st, nbytes)
+            self._resized(st)
+            return out
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._orig_resize
+        return super().__exit__(*exc)
 
     def _free(self, key):
         nbytes, is_act = self.live.pop(key, (0, False))
@@ -685,6 +714,14 @@ class Strategy:
         return []
 
     def extra_checks(self) -> list[tuple[str, bool, str]]:
+        return []
+
+    def memory_formula(self) -> dict[str, float] | None:
+        """Textbook resident bytes per rank by model_states() category (benchmark report)."""
+        return None
+
+    def report_lines(self) -> list[str]:
+        """Extra benchmark lines (e.g. padding)."""
         return []
 
 
@@ -850,7 +887,7 @@ def _correctness_one(run: Run, cls) -> bool:
     shapes = {n: tuple(p.shape) for n, p in ref.model.named_parameters()} if ref else {}
     cmp = Comparison(names, shapes)
     cmp_low = Comparison(names, shapes) if lowp else None
-    run.print(f"correctness: {cls.name} W={env.world} {args.dtype} model={args.model} "
+    run.print(f"correctness: {strat.name} W={env.world} {args.dtype} model={args.model} "
               f"batch={args.batch} length={args.length} steps={args.steps} "
               f"params={param_count(ref.model) if ref else '?'}")
     for s in range(args.steps):
@@ -880,11 +917,11 @@ def _correctness_one(run: Run, cls) -> bool:
     extra = strat.extra_checks()
     verdict = False
     if env.is_main:
-        verdict = _report_correctness(run, cls, cmp, cmp_low, extra)
+        verdict = _report_correctness(run, strat.name, cmp, cmp_low, extra)
     return broadcast_verdict(verdict)
 
 
-def _report_correctness(run, cls, cmp: Comparison, cmp_low, extra) -> bool:
+def _report_correctness(run, name, cmp: Comparison, cmp_low, extra) -> bool:
     args, env = run.args, run.env
     lowp = cmp_low is not None
 
@@ -924,7 +961,7 @@ def _report_correctness(run, cls, cmp: Comparison, cmp_low, extra) -> bool:
         problems.append(f"loss rel diff {loss_err:.2e} > {loss_tol:.1e}")
     problems += [f"check {nm} failed" for nm, g, _ in extra if not g]
     max_err = cmp.max_err()
-    summary = (f"{cls.name} W={env.world} {args.dtype}: {args.steps} steps, "
+    summary = (f"{name} W={env.world} {args.dtype}: {args.steps} steps, "
                f"{n_grad}/{n} grads + {n_param}/{n} params compared, "
                f"max rel err {max_err:.1e} (grad {cmp.max_err('grad'):.1e}, "
                f"param {cmp.max_err('param'):.1e}), loss {loss_err:.1e}, "
@@ -932,7 +969,7 @@ def _report_correctness(run, cls, cmp: Comparison, cmp_low, extra) -> bool:
                f"{'' if lowp or args.param_rtol == args.rtol else ' (params %.0e)' % args.param_rtol}")
     ok = not problems
     run.results.setdefault("correctness", []).append(dict(
-        strategy=cls.name, world=env.world, dtype=args.dtype, steps=args.steps,
+        strategy=name, world=env.world, dtype=args.dtype, steps=args.steps,
         tensors=n, grads_compared=n_grad, params_compared=n_param, max_rel_err=max_err,
         max_grad_err=cmp.max_err("grad"), max_param_err=cmp.max_err("param"),
         loss_rel_err=loss_err, rtol=args.rtol, param_rtol=args.param_rtol, ok=ok, problems=problems,
@@ -949,10 +986,10 @@ def run_learning(run: Run, cls) -> bool:
     args, env = run.args, run.env
     ref, strat, _ = make_pair(run, cls, perturb=False, with_ref=True)
     floor = run.lang.entropy_rate
-    run.print(f"learning: {cls.name} W={env.world} {args.dtype} model={args.model} "
+    run.print(f"learning: {strat.name} W={env.world} {args.dtype} model={args.model} "
               f"steps={args.steps} lr={args.lr} batch={args.batch} length={args.length}; "
               f"entropy floor {floor:.4f} nats (uniform would be {math.log(run.config.vocab_size):.4f})")
-    run.print(f"{'step':>6}{'reference':>12}{cls.name:>12}{'rel diff':>11}{'floor':>9}")
+    run.print(f"{'step':>6}{'reference':>12}{strat.name:>12}{'rel diff':>11}{'floor':>9}")
     rows, t0 = [], time.time()
     for s in range(args.steps):
         batch = run.batch(s)
@@ -965,14 +1002,14 @@ def run_learning(run: Run, cls) -> bool:
                       f"   [{s + 1}/{args.steps}, {time.time() - t0:.0f}s]")
     ok = True
     if env.is_main:
-        ok = _report_learning(run, cls, rows, floor)
+        ok = _report_learning(run, strat.name, rows, floor)
     return broadcast_verdict(ok)
 
 
 LEARNING_TOL = {"float64": 1e-6, "float32": 2e-3, "bfloat16": 5e-2}
 
 
-def _report_learning(run, cls, rows, floor) -> bool:
+def _report_learning(run, name, rows, floor) -> bool:
     args = run.args
     diffs = [abs(l - r) / r for _, r, l in rows]
     first = rows[0][2]
@@ -986,13 +1023,13 @@ def _report_learning(run, cls, rows, floor) -> bool:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "learning.csv"), "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["step", "reference", cls.name, "floor"])
+            w.writerow(["step", "reference", name, "floor"])
             w.writerows([(s, r, l, floor) for s, r, l in rows])
-        _plot_learning(args.out, cls.name, rows, floor)
-    summary = (f"{cls.name} W={run.env.world} {args.dtype}: loss {first:.3f} -> {last:.3f} "
+        _plot_learning(args.out, name, rows, floor)
+    summary = (f"{name} W={run.env.world} {args.dtype}: loss {first:.3f} -> {last:.3f} "
                f"(floor {floor:.3f}, target <= {target:.3f}), max rel diff vs reference "
                f"{max(diffs):.1e} (tol {tol:.0e})")
-    run.results["learning"] = dict(strategy=cls.name, world=run.env.world, dtype=args.dtype,
+    run.results["learning"] = dict(strategy=name, world=run.env.world, dtype=args.dtype,
                                    first=first, last=last, floor=floor,
                                    max_rel_diff=max(diffs), ok=agree and learned)
     run.print(("PASS " if agree and learned else "FAIL ") + summary)
@@ -1107,13 +1144,14 @@ def measure_memory(run: Run, strat) -> dict:
 
 def run_benchmark(run: Run, cls) -> bool:
     args, env = run.args, run.env
-    run.print(f"benchmark: {cls.name} W={env.world} {args.dtype} device={env.device.type} "
+    _, strat, setup = make_pair(run, cls, perturb=False, with_ref=False)
+    name = strat.name
+    run.print(f"benchmark: {name} W={env.world} {args.dtype} device={env.device.type} "
               f"model={args.model} batch={args.batch} length={args.length} "
               f"warmup={args.warmup} iters={args.bench_iters}")
-    _, strat, setup = make_pair(run, cls, perturb=False, with_ref=False)
     n_params = sum(p.numel() for p in strat.full_params().values())
     ours = bench_strategy(run, strat)
-    expected = strat.expected_comm()
+    expected, formula, lines = strat.expected_comm(), strat.memory_formula(), strat.report_lines()
     del strat
     native = None
     if args.compare_native and cls.native:
@@ -1130,7 +1168,8 @@ def run_benchmark(run: Run, cls) -> bool:
         dist.barrier()
     ok = True
     if env.is_main:
-        ok = _report_benchmark(run, cls, n_params, ours, native, ref, expected, setup)
+        ok = _report_benchmark(run, name, cls, n_params, ours, native, ref, expected, setup,
+                               formula, lines)
     return broadcast_verdict(ok)
 
 
@@ -1155,7 +1194,8 @@ def _bench_single(run: Run, strat) -> dict:
                 memory=[measure_memory(run, strat)])
 
 
-def _report_benchmark(run, cls, n_params, ours, native, ref, expected, setup) -> bool:
+def _report_benchmark(run, name, cls, n_params, ours, native, ref, expected, setup, formula,
+                      lines) -> bool:
     args, env = run.args, run.env
     elem = torch.tensor([], dtype=DTYPES[args.dtype]).element_size()
     run.print(f"parameters: {n_params:,} ({fmt_bytes(n_params * elem)} in {args.dtype}); "
@@ -1163,7 +1203,7 @@ def _report_benchmark(run, cls, n_params, ours, native, ref, expected, setup) ->
     hdr = (f"{'':<22}{'step ms':>10}{'fwd ms':>10}{'tokens/s':>12}{'peak/rank':>12}"
            f"{'step vs ref':>13}")
     run.print(hdr)
-    rows = [("single device (ref)", ref), (f"{cls.name} (ours)", ours)]
+    rows = [("single device (ref)", ref), (f"{name} (ours)", ours)]
     if native:
         rows.append((f"{cls.native.name} (torch)", native))
     for label, r in rows:
@@ -1182,6 +1222,12 @@ def _report_benchmark(run, cls, n_params, ours, native, ref, expected, setup) ->
                       f"{fmt_bytes(m['grads']):>12}{fmt_bytes(m['optimizer']):>12}"
                       f"{fmt_bytes(m['model_states']):>12}{fmt_bytes(m['activations']):>13}"
                       f"{fmt_bytes(m['peak']):>12}")
+    if formula:
+        run.print(f"  {'formula':<14}" + "".join(
+            f"{fmt_bytes(formula[k]):>12}" for k in ("params", "grads", "optimizer",
+                                                     "model_states")))
+    for line in lines:
+        run.print(line)
     # Communication: measured per step vs formula
     W = env.world
     run.print("communication per optimizer step (rank 0; bytes = logical buffer, "
@@ -1204,13 +1250,13 @@ def _report_benchmark(run, cls, n_params, ours, native, ref, expected, setup) ->
         run.print("  one-time set-up: " + ", ".join(
             f"{op}[{g}] {c:g} calls {b:,.0f} B" for (op, g), (c, b) in setup.items()))
     run.results["benchmark"] = dict(
-        strategy=cls.name, world=W, dtype=args.dtype, device=env.device.type,
+        strategy=name, world=W, dtype=args.dtype, device=env.device.type,
         model=args.model, batch=args.batch, length=args.length, params=n_params,
         ours=_jsonable(ours), native=_jsonable(native), reference=_jsonable(ref),
         expected=[e.__dict__ for e in expected], setup=_jsonable({"comm": setup})["comm"],
-        comm_ok=comm_ok)
+        memory_formula=formula, comm_ok=comm_ok)
     write_json(run, "benchmark.json", run.results["benchmark"])
-    run.print(("PASS " if comm_ok else "FAIL ") + f"{cls.name} W={W} benchmark: "
+    run.print(("PASS " if comm_ok else "FAIL ") + f"{name} W={W} benchmark: "
               f"{ours['tokens_per_s']:.0f} tokens/s, communication "
               f"{'matches' if comm_ok else 'DIFFERS FROM'} the formulas")
     return comm_ok

@@ -151,13 +151,21 @@ def forward_backward(model, batch: common.Batch, rank: int, world: int, accum: i
 # ----------------------------------------------------------------------------------------------
 # Harness adapter
 # ----------------------------------------------------------------------------------------------
-def ddp_constraints(args, world, config) -> list[str]:
+def batch_constraints(args, world) -> list[str]:
+    """Every data-parallel strategy splits the global batch into world x grad-accum parts."""
     k = args.grad_accum
     if k < 1:
         return [f"--grad-accum must be >= 1 (got {k})"]
     if args.batch % (world * k):
         return [f"global batch {args.batch} is not divisible by world size x grad-accum = "
                 f"{world} x {k} = {world * k}"]
+    return []
+
+
+def ddp_constraints(args, world, config) -> list[str]:
+    errs = batch_constraints(args, world)
+    if errs:
+        return errs
     if args.bucket_mb <= 0:
         return [f"--bucket-mb must be > 0 (got {args.bucket_mb})"]
     return []

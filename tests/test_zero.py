@@ -1,0 +1,124 @@
+"""zero.py (ZeRO-1/2/3) against the single-device reference, under torchrun on CPU."""
+import json
+
+import pytest
+import torch
+
+import common
+import zero
+
+TINY_PARAMS = 180_800
+
+
+def assert_pass(r, name, world):
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    res = r.json("correctness.json")[0]
+    assert res["strategy"] == name and res["world"] == world and res["ok"], res
+    assert res["tensors"] == res["grads_compared"] == res["params_compared"] == 39, res
+    return res
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world,extra", [
+    (2, []),
+    pytest.param(3, ["--batch", "6"], marks=pytest.mark.slow),                  # uneven shards
+    pytest.param(2, ["--dtype", "float32", "--grad-accum", "2"], marks=pytest.mark.slow),
+])
+def test_correctness_with_clipping(run, stage, world, extra):
+    # --clip 0.5 is below the initial gradient norm (1.25), so clipping is active.
+    r = run("zero.py", world, "--stage", stage, "--clip", "0.5", *extra)
+    res = assert_pass(r, f"zero{stage}", world)
+    assert res["max_grad_err"] <= (1e-12 if "float32" not in extra else 1e-5)
+
+
+@pytest.mark.slow
+def test_stage3_tied_embeddings(run, tmp_path):
+    cfg = dict(common.PRESETS["tiny"], tie_word_embeddings=True)
+    (tmp_path / "tied.json").write_text(json.dumps(cfg))
+    r = run("zero.py", 2, "--stage", "3", "--model", tmp_path / "tied.json")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    assert r.json("correctness.json")[0]["tensors"] == 38  # lm_head is the embedding
+
+
+def test_dropping_the_gradient_average_fails(run):
+    r = run("zero.py", 2, "--stage", "2", "--plant-bug", "no-average")
+    assert r.rc == 1 and r.last_line.startswith("FAIL"), r
+
+
+def test_learning(run):
+    r = run("zero.py", 2, "--stage", "3", "--mode", "learning", "--steps", "40")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_benchmark_comm_and_memory(run, stage):
+    W = 3  # 3 does not divide the units' sizes, so the buffers are padded
+    r = run("zero.py", W, "--mode", "benchmark", "--stage", stage, "--clip", "1.0",
+            "--batch", "6", "--warmup", "1", "--bench-iters", "2")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    b = r.json("benchmark.json")
+    # Independent padded size: each unit padded up to a multiple of W.
+    L, H, I, V, KV = 4, 64, 128, 256, 32
+    layer = 2 * H * H + 2 * H * KV + 3 * H * I + 2 * H
+    units = [V * H] + [layer] * L + [H + V * H]
+    assert sum(units) == TINY_PARAMS
+    padded = sum(-(-u // W) * W for u in units)
+    assert padded > TINY_PARAMS
+    e = 4  # float32 bytes
+    comm = b["ours"]["comm"]
+    n = len(units)
+    assert comm["reduce_scatter_tensor|world"] == {"calls": n, "bytes": padded * e}
+    gathers = 2 if stage == 3 else 1    # stage 3: forward + backward
+    assert comm["all_gather_into_tensor|world"] == {"calls": gathers * n,
+                                                     "bytes": gathers * padded * e}
+    assert comm["all_reduce|world"] == {"calls": 1, "bytes": 8}   # the clip norm
+    # Model-state bytes per rank: ZeRO's formulas, fp32 (optimizer = m + v shards).
+    shard = padded // W * e
+    want = {1: (padded * e, padded * e), 2: (padded * e, shard), 3: (shard, shard)}[stage]
+    for m in b["ours"]["memory"]:
+        assert (m["params"], m["grads"], m["optimizer"]) == (*want, 2 * shard), m
+        assert m["model_states"] == sum(want) + 2 * shard
+    assert b["memory_formula"]["model_states"] == sum(want) + 2 * shard
+    # against the single device's 16 Psi bytes (4 Psi params, grads, 2 x 4 Psi Adam)
+    ref = b["reference"]["memory"][0]
+    assert ref["params"] == ref["grads"] == TINY_PARAMS * e
+    assert b["ours"]["memory"][0]["model_states"] < ref["model_states"]
+
+
+def test_bad_config(run):
+    r = run("zero.py", 1, "--stage", "4", torchrun=False)
+    assert r.rc == 2 and r.stderr.strip() == "error: --stage must be 1, 2 or 3 (got 4)", r
+
+
+def test_shard_adamw_matches_torch():
+    torch.manual_seed(0)
+    ref = [torch.randn(7, 3, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    flat = [p.detach().clone().reshape(-1) for p in ref]
+    opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    ours = zero.ShardAdamW(flat, lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        grads = [torch.randn(7, 3, dtype=torch.float64) for _ in ref]
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        opt.step()
+        ours.step([g.reshape(-1) for g in grads])
+    for p, q in zip(ref, flat):
+        assert torch.allclose(p.detach().reshape(-1), q, rtol=0, atol=1e-14)
+    # bf16 shards keep fp32 masters: the master tracks fp32 AdamW, the shard is its rounding
+    half = [p.detach().reshape(-1).to(torch.bfloat16) for p in ref]
+    mixed = zero.ShardAdamW(half, lr=1e-2, weight_decay=0.1)
+    assert mixed.mixed and mixed.master[0].dtype == torch.float32
+    mixed.step([torch.ones(21, dtype=torch.bfloat16)] * 2)
+    assert torch.equal(half[0], mixed.master[0].to(torch.bfloat16))
+
+
+def test_units_cover_every_parameter_once():
+    args = common.resolve_defaults(common.base_parser("t").parse_args([]), "correctness", "cpu")
+    for tied in (False, True):
+        cfg = common.load_config("tiny")
+        cfg.tie_word_embeddings = tied
+        m = common.build_model(args, cfg, "cpu")
+        units = zero.decoder_units(m)
+        ids = [id(p) for _, mods in units for mod in mods for p in mod.parameters()]
+        assert len(set(ids)) == len(list(m.parameters()))
+        assert [n for n, _ in units][0] == ("embed+head" if tied else "embed")

@@ -1,0 +1,418 @@
+"""zero.py: ZeRO stages 1, 2 and 3 from raw torch.distributed primitives.
+
+The idea (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", SC 2020)
+    Data parallelism keeps W identical copies of the model states. ZeRO keeps one: each rank
+    owns 1/W of every state and the rest is communicated when needed.
+      stage 1  optimizer states sharded: grads are reduce-scattered after the backward, each rank
+               updates its 1/W of the parameters, and the updated parameters are all-gathered;
+      stage 2  + gradients sharded: a unit's gradients are reduce-scattered *during* the backward
+               (hooks) as soon as they are complete, and the full gradients are freed as they go;
+      stage 3  + parameters sharded: a unit's parameters are all-gathered just before it runs,
+               in the forward and again in the backward, and freed right after.
+
+Layout
+    The model is cut into units: the embeddings, each decoder layer, and the head (final norm +
+    LM head); with tied embeddings the embeddings and the head form one unit. Each unit's
+    parameters live in one flat buffer padded to a multiple of W, and every parameter is a view
+    into it. Rank r owns elements [r*s, (r+1)*s) of each buffer, s = padded/W: its parameter shard,
+    gradient shard and AdamW states. Padding is reported by the benchmark. Freeing a full buffer
+    is `storage.resize_(0)`; re-gathering resizes it back and all-gathers into the same storage,
+    so the Parameter objects, and the tensors autograd saved from them, stay valid (FSDP2's trick).
+
+Optimizer
+    AdamW on the flat shards, written here (ShardAdamW): decoupled weight decay and bias
+    correction exactly as torch.optim.AdamW. Gradient clipping by global norm (--clip) sums the
+    squared shard norms with one all_reduce. Mixed precision (--dtype bfloat16, GPU): bf16
+    parameters and gradients for compute, fp32 master parameters and Adam states in the shards.
+
+Model-state bytes per rank (Psi = parameters, N = W; the paper's K=12 for mixed precision)
+                  params      grads        optimizer
+    mixed bf16    stage 1: 2Psi + 2Psi + 12Psi/N     stage 2: 2Psi + 14Psi/N   stage 3: 16Psi/N
+    fp32          stage 1: 4Psi + 4Psi +  8Psi/N     stage 2: 4Psi + 12Psi/N   stage 3: 16Psi/N
+    (fp64 doubles the fp32 row). The benchmark prints these beside the measured resident bytes.
+
+Communication per optimizer step (bytes = full buffers, b = bytes per element, Psi padded)
+    stage 1, 2   reduce_scatter Psi*b + all_gather Psi*b                     = 2 Psi b
+    stage 3      all_gather Psi*b (forward) + Psi*b (backward) + reduce_scatter Psi*b = 3 Psi b
+    one call per unit each; --clip adds one 8-byte all_reduce. With --grad-accum K, stages 2 and
+    3 reduce-scatter (and stage 3 gathers) on every micro-batch; stage 1 only on the last.
+"""
+import torch
+import torch.distributed as dist
+
+import common
+import ddp
+from common import Expect, phase
+
+
+def pad_to(n: int, w: int) -> int:
+    return -(-n // w) * w
+
+
+# ----------------------------------------------------------------------------------------------
+# Units: which modules' parameters share one flat buffer
+# ----------------------------------------------------------------------------------------------
+def decoder_units(model) -> list[tuple[str, list[torch.nn.Module]]]:
+    """(name, modules) for an HF causal LM: embeddings, each decoder layer, head (norm + LM
+    head); one embed+head unit when the embeddings are tied to the LM head."""
+    base = model.model
+    layers = [(f"layers.{i}", [layer]) for i, layer in enumerate(base.layers)]
+    if model.lm_head.weight is base.embed_tokens.weight:
+        return [("embed+head", [base.embed_tokens, base.norm, model.lm_head])] + layers
+    return [("embed", [base.embed_tokens])] + layers + [("head", [base.norm, model.lm_head])]
+
+
+class FlatUnit:
+    """One unit's parameters as views into a flat buffer padded to a multiple of W."""
+
+    def __init__(self, name, modules, group, names: dict, shard_params: bool, stage: int):
+        self.name, self.modules, self.group = name, modules, group
+        self.W, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        seen, self.params = set(), []
+        for m in modules:
+            for p in m.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    self.params.append(p)
+        self.names = [names[id(p)] for p in self.params]
+        self.numel = sum(p.numel() for p in self.params)
+        self.padded = pad_to(self.numel, self.W)
+        self.shard_numel = s = self.padded // self.W
+        dtype, device = self.params[0].dtype, self.params[0].device
+        lo = self.rank * s
+        # Full parameter buffer; parameters become views into it.
+        self.full = torch.zeros(self.padded, dtype=dtype, device=device)
+        self.offsets, off = [], 0
+        with torch.no_grad():
+            for p in self.params:
+                self.full[off:off + p.numel()].copy_(p.reshape(-1))
+                p.data = self.full[off:off + p.numel()].view_as(p)
+                self.offsets.append(off)
+                off += p.numel()
+        # This rank's parameter shard: a view of the full buffer (stages 1, 2), or its own
+        # tensor when the full buffer is freed between uses (stage 3).
+        self.shard = self.full[lo:lo + s].clone() if shard_params else self.full[lo:lo + s]
+        # Full gradient buffer; .grad of every parameter is a view into it. Stage 1 keeps it;
+        # stages 2 and 3 allocate it when the unit's first gradient arrives and free it once
+        # reduce-scattered, so only the units inside the backward's window hold full gradients.
+        self.grad_full = torch.zeros(self.padded, dtype=dtype, device=device)
+        self.grads_alive = True
+        self._bind_grads()
+        # The reduced gradient shard: inside the full buffer for stage 1 (it is resident anyway),
+        # its own tensor for stages 2 and 3.
+        self.grad_shard = (self.grad_full[lo:lo + s] if stage == 1
+                           else torch.zeros(s, dtype=dtype, device=device))
+        self.gathered = True
+        self.ready = 0
+
+    def _bind_grads(self):
+        for p, off in zip(self.params, self.offsets):
+            p.grad = self.grad_full[off:off + p.numel()].view_as(p)
+
+    # -- parameter storage --
+    def free_params(self):
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def gather_params(self, async_op=False):
+        """All-gather the shards into the full buffer (re-allocated). Autograd saved views of it
+        in the forward, so the write must not bump their version counter."""
+        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+        with torch.autograd._unsafe_preserve_version_counter(self.full):
+            handle = dist.all_gather_into_tensor(self.full, self.shard, group=self.group,
+                                                 async_op=async_op)
+        self.gathered = True
+        return handle
+
+    # -- gradient storage (stages 2, 3) --
+    def alloc_grads(self, first: torch.nn.Parameter):
+        """Called when `first` got the unit's first gradient (a fresh tensor from autograd):
+        re-allocate the flat buffer, bind every .grad to it, keep first's values."""
+        fresh = first.grad
+        self.grad_full.untyped_storage().resize_(self.padded * self.grad_full.element_size())
+        self.grad_full.zero_()
+        self._bind_grads()
+        first.grad.copy_(fresh)
+        self.grads_alive = True
+
+    def free_grads(self):
+        for p in self.params:
+            p.grad = None  # the next backward hands us fresh gradients again
+        self.grad_full.untyped_storage().resize_(0)
+        self.grads_alive = False
+
+
+# ----------------------------------------------------------------------------------------------
+# AdamW on flat shards
+# ----------------------------------------------------------------------------------------------
+class ShardAdamW:
+    """torch.optim.AdamW's update on flat shards, with fp32 master copies when the shards are
+    half precision. Weight decay applies to every parameter, as in the reference."""
+
+    def __init__(self, shards: list[torch.Tensor], lr, weight_decay, betas=(0.9, 0.95), eps=1e-8):
+        self.shards = shards
+        self.mixed = shards[0].dtype in (torch.bfloat16, torch.float16)
+        self.master = [s.detach().float().clone() for s in shards] if self.mixed else shards
+        self.exp_avg = [torch.zeros_like(m) for m in self.master]
+        self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
+        self.lr, self.wd, self.betas, self.eps = lr, weight_decay, betas, eps
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor]):
+        self.t += 1
+        b1, b2 = self.betas
+        bc1, bc2 = 1 - b1 ** self.t, 1 - b2 ** self.t
+        for p, g, m, v, s in zip(self.master, grads, self.exp_avg, self.exp_avg_sq, self.shards):
+            g = g.to(p.dtype)
+            p.mul_(1 - self.lr * self.wd)
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v.sqrt() / bc2 ** 0.5).add_(self.eps)
+            p.addcdiv_(m, denom, value=-self.lr / bc1)
+            if self.mixed:
+                s.copy_(p)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return (self.master if self.mixed else []) + self.exp_avg + self.exp_avg_sq
+
+
+def clip_shard_grads(grads: list[torch.Tensor], max_norm: float, group=None) -> float:
+    """Global-norm clipping from shard norms: one scalar all_reduce. Padding is zero."""
+    sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device)
+    for g in grads:
+        sq += g.double().pow(2).sum()
+    dist.all_reduce(sq, group=group)
+    norm = sq.sqrt().item()
+    coef = min(1.0, max_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s formula
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine: hooks that implement the three stages on an HF model
+# ----------------------------------------------------------------------------------------------
+class Zero:
+    def __init__(self, model, group=None, stage: int = 1, average: bool = True):
+        self.model, self.group, self.stage, self.average = model, group, stage, average
+        self.W = dist.get_world_size(group)
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.units = [FlatUnit(n, mods, group, names, shard_params=stage == 3, stage=stage)
+                      for n, mods in decoder_units(model)]
+        covered = sum(len(u.params) for u in self.units)
+        assert covered == len(names), f"units cover {covered} of {len(names)} parameters"
+        self.unit_of = {p: u for u in self.units for p in u.params}
+        for p in self.unit_of:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        if stage == 3:
+            for u in self.units:
+                for m in u.modules:
+                    m.register_forward_pre_hook(lambda mod, args, u=u: self._pre_forward(u))
+                u.modules[-1].register_forward_hook(
+                    lambda mod, args, out, u=u: self._post_forward(u, out))
+                u.free_params()
+        if stage >= 2:
+            for u in self.units:
+                u.free_grads()
+        # Reduce-scatters launch in reverse unit order (the backward's order) on every rank.
+        self.order = list(reversed(self.units))
+        self.next_launch, self.pending = 0, []
+
+    # -- stage 3: gather before use, free after --
+    def _pre_forward(self, u: FlatUnit):
+        if not u.gathered:
+            u.gather_params()
+
+    def _post_forward(self, u: FlatUnit, out):
+        u.free_params()
+        if torch.is_grad_enabled():  # gather again when the backward reaches this unit
+            t = next(t for t in common.tree_flatten(out)[0]
+                     if isinstance(t, torch.Tensor) and t.requires_grad)
+            t.register_hook(lambda grad, u=u: self._pre_backward(u))
+
+    def _pre_backward(self, u: FlatUnit):
+        if not u.gathered:
+            u.gather_params()
+
+    # -- gradients --
+    def zero_grad(self):
+        for u in self.units:
+            if self.stage == 1:
+                u.grad_full.zero_()
+            else:
+                u.grad_shard.zero_()
+
+    def _on_grad_ready(self, p):
+        u = self.unit_of[p]
+        if self.stage == 1:
+            return  # stage 1 keeps full gradients and reduce-scatters once, in finish()
+        if not u.grads_alive:
+            u.alloc_grads(first=p)
+        u.ready += 1
+        if u.ready < len(u.params):
+            return
+        if self.stage == 3:
+            u.free_params()  # this unit's backward is done with its parameters
+        # Launch in the fixed order on every rank, whatever order autograd finished units in.
+        while (self.next_launch < len(self.order)
+               and self.order[self.next_launch].ready == len(self.order[self.next_launch].params)):
+            self._launch(self.order[self.next_launch])
+            self.next_launch += 1
+        if self.next_launch == len(self.order):
+            self.next_launch = 0  # this micro-batch's reductions are all launched
+
+    def _launch(self, u: FlatUnit):
+        """Reduce-scatter u's full gradient (async). Earlier launches complete first, so at most
+        the in-flight unit and the one being computed hold full gradients."""
+        self._complete()
+        if self.average:  # pre-divide: the sum over ranks is then the average
+            u.grad_full.div_(self.W)
+        out = torch.empty_like(u.grad_shard)
+        handle = dist.reduce_scatter_tensor(out, u.grad_full, group=self.group, async_op=True)
+        self.pending.append((u, out, handle))
+        u.ready = 0
+
+    def _complete(self):
+        while self.pending:
+            u, out, handle = self.pending.pop(0)
+            handle.wait()
+            if self.stage == 1:
+                u.grad_shard.copy_(out)
+            else:
+                u.grad_shard.add_(out)  # accumulates over micro-batches
+                u.free_grads()
+
+    def finish(self):
+        """After the last micro-batch's backward: every shard holds its reduced gradient."""
+        if self.stage == 1:
+            for u in self.order:
+                self._launch(u)
+        assert self.next_launch == 0, "a unit's gradients never arrived"
+        self._complete()
+
+    def all_gather_params(self):
+        """After the update (stages 1, 2): every rank's full buffer gets every updated shard."""
+        for u in self.units:
+            dist.all_gather_into_tensor(u.full, u.shard.clone(), group=self.group)
+
+    # -- reassembly for the harness (collectives) --
+    def full_tensors(self, kind: str) -> dict[str, torch.Tensor]:
+        out = {}
+        for u in self.units:
+            src = u.grad_shard if kind == "grad" else u.shard
+            flat = torch.empty(u.padded, dtype=src.dtype, device=src.device)
+            dist.all_gather_into_tensor(flat, src.contiguous(), group=self.group)
+            for n, p, off in zip(u.names, u.params, u.offsets):
+                out[n] = flat[off:off + p.numel()].view(p.shape)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Harness adapter
+# ----------------------------------------------------------------------------------------------
+def zero_constraints(args, world, config) -> list[str]:
+    errs = ddp.batch_constraints(args, world)
+    if args.stage not in (1, 2, 3):
+        errs.append(f"--stage must be 1, 2 or 3 (got {args.stage})")
+    return errs
+
+
+class ZeRO(common.Strategy):
+    name = "zero"
+    syncs_initial_params = False
+
+    @staticmethod
+    def add_args(p):
+        p.add_argument("--stage", type=int, default=1, help="ZeRO stage: 1, 2 or 3")
+        p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+
+    constraints = staticmethod(zero_constraints)
+
+    def __init__(self, model, args, env):
+        self.args, self.env, self.model = args, env, model
+        self.name = f"zero{args.stage}"
+        self.zero = Zero(model, stage=args.stage, average=args.plant_bug != "no-average")
+        self.optimizer = ShardAdamW([u.shard for u in self.zero.units], args.lr,
+                                    args.weight_decay)
+
+    def step(self, batch: common.Batch) -> float:
+        z = self.zero
+        z.zero_grad()
+        local_sum = ddp.forward_backward(self.model, batch, self.env.rank, self.env.world,
+                                         self.args.grad_accum)
+        with phase("backward"):
+            z.finish()
+        with phase("optimizer"):
+            grads = [u.grad_shard for u in z.units]
+            if self.args.clip:
+                clip_shard_grads(grads, self.args.clip)
+            self.optimizer.step(grads)
+            if self.args.stage < 3:
+                z.all_gather_params()
+        return common.global_loss(local_sum, batch.n_tokens)
+
+    def full_grads(self):
+        return self.zero.full_tensors("grad")
+
+    def full_params(self):
+        return self.zero.full_tensors("param")
+
+    def model_states(self):
+        z = self.zero
+        if self.args.stage == 3:
+            params = [u.shard for u in z.units]
+        else:
+            params = [u.full for u in z.units]
+        grads = [u.grad_full for u in z.units] if self.args.stage == 1 else \
+            [u.grad_shard for u in z.units]
+        return {"params": params, "grads": grads, "optimizer": self.optimizer.state_tensors()}
+
+    def report_lines(self):
+        numel, padded = self.psi()
+        return [f"flat buffers: {len(self.zero.units)} units, {numel:,} parameters padded to "
+                f"{padded:,} (+{padded - numel} for divisibility by W={self.env.world}); "
+                f"shard per rank {padded // self.env.world:,}"]
+
+    def psi(self) -> tuple[int, int]:
+        """(parameters, padded parameters)."""
+        return (sum(u.numel for u in self.zero.units), sum(u.padded for u in self.zero.units))
+
+    def expected_comm(self):
+        z, K = self.zero, self.args.grad_accum
+        _, padded = self.psi()
+        b = z.units[0].full.element_size()
+        n = len(z.units)
+        full = padded * b
+        rs_times = K if self.args.stage >= 2 else 1
+        rows = [Expect("reduce_scatter_tensor", "world", n * rs_times, full * rs_times,
+                       f"Psi*b = {full:,} B per reduction, one per unit ({n})"
+                       + (f", x{K} micro-batches" if rs_times > 1 else ""))]
+        if self.args.stage < 3:
+            rows.append(Expect("all_gather_into_tensor", "world", n, full,
+                               f"Psi*b = {full:,} B: updated parameters, one per unit"))
+        else:
+            rows.append(Expect("all_gather_into_tensor", "world", 2 * n * K, 2 * full * K,
+                               f"2 Psi*b: forward + backward gather per unit"
+                               + (f", x{K} micro-batches" if K > 1 else "")))
+        if self.args.clip:
+            rows.append(Expect("all_reduce", "world", 1, 8, "clip: squared-norm sum (fp64)"))
+        return rows
+
+    def memory_formula(self) -> dict[str, float]:
+        """ZeRO's resident model-state bytes per rank for this stage and precision."""
+        _, padded = self.psi()
+        b = self.zero.units[0].full.element_size()
+        mixed = self.optimizer.mixed
+        opt = (12 if mixed else 2 * b) * padded / self.env.world  # master + m + v, or m + v
+        shard = padded / self.env.world
+        params = padded * b if self.args.stage < 3 else shard * b
+        grads = padded * b if self.args.stage == 1 else shard * b
+        return {"params": params, "grads": grads, "optimizer": opt,
+                "model_states": params + grads + opt}
+
+
+if __name__ == "__main__":
+    common.main(ZeRO)
