@@ -38,8 +38,9 @@ The adapter contract (subclass `Strategy`)
                               the measured figures and fails when they differ.
     extra_checks() -> list[(name, ok, detail)]
                               strategy-specific correctness checks (collective; rank 0's verdict).
-    native                    optional Strategy subclass wrapping PyTorch's own implementation,
-                              used by `--compare-native`.
+    native                    optional Strategy subclass (or list of them) wrapping PyTorch's own
+                              implementation, used by `--compare-native`; the first is the one
+                              the step-time ratio is taken against.
 
 Strategy code marks its forward and backward with `with phase("forward"):` so the benchmark can
 time them and the memory tracker can tell activations from the rest.
@@ -865,10 +866,15 @@ def write_json(run: Run, name: str, obj):
 # ----------------------------------------------------------------------------------------------
 # Mode: correctness
 # ----------------------------------------------------------------------------------------------
+def natives(cls) -> list:
+    n = cls.native
+    return list(n) if isinstance(n, (list, tuple)) else ([n] if n else [])
+
+
 def run_correctness(run: Run, cls) -> bool:
     args, env = run.args, run.env
     ok = True
-    classes = [cls] + ([cls.native] if args.compare_native and cls.native else [])
+    classes = [cls] + (natives(cls) if args.compare_native else [])
     for c in classes:
         ok &= _correctness_one(run, c)
     return ok
@@ -948,8 +954,8 @@ def _report_correctness(run, name, cmp: Comparison, cmp_low, extra) -> bool:
     n = len(cmp.names)
     n_grad = n - sum(1 for m in cmp.missing if m.startswith("grad:"))
     n_param = n - sum(1 for m in cmp.missing if m.startswith("param:"))
-    for name, good, detail in extra:
-        run.print(f"check {name}: {'ok' if good else 'FAIL'} ({detail})")
+    for check, good, detail in extra:
+        run.print(f"check {check}: {'ok' if good else 'FAIL'} ({detail})")
     problems = []
     if bad:
         problems.append(f"{len(bad)} tensors over tolerance (first: {bad[0]})")
@@ -1153,10 +1159,10 @@ def run_benchmark(run: Run, cls) -> bool:
     ours = bench_strategy(run, strat)
     expected, formula, lines = strat.expected_comm(), strat.memory_formula(), strat.report_lines()
     del strat
-    native = None
-    if args.compare_native and cls.native:
-        _, nat, _ = make_pair(run, cls.native, perturb=False, with_ref=False)
-        native = bench_strategy(run, nat)
+    native = []
+    for ncls in (natives(cls) if args.compare_native else []):
+        _, nat, _ = make_pair(run, ncls, perturb=False, with_ref=False)
+        native.append((nat.name, bench_strategy(run, nat)))
         del nat
     # The single-device reference, alone on rank 0 with one rank's share of the machine.
     ref = None
@@ -1204,15 +1210,14 @@ def _report_benchmark(run, name, cls, n_params, ours, native, ref, expected, set
            f"{'step vs ref':>13}")
     run.print(hdr)
     rows = [("single device (ref)", ref), (f"{name} (ours)", ours)]
-    if native:
-        rows.append((f"{cls.native.name} (torch)", native))
+    rows += [(f"{n} (baseline)", r) for n, r in native]
     for label, r in rows:
         peak = max(m["peak"] for m in r["memory"])
         run.print(f"{label:<22}{r['step_s'] * 1e3:>10.1f}{r['forward_s'] * 1e3:>10.1f}"
                   f"{r['tokens_per_s']:>12.0f}{fmt_bytes(peak):>12}"
                   f"{r['step_s'] / ref['step_s']:>12.2f}x")
     if native:
-        run.print(f"step time ours / torch: {ours['step_s'] / native['step_s']:.3f}")
+        run.print(f"step time ours / {native[0][0]}: {ours['step_s'] / native[0][1]['step_s']:.3f}")
     run.print(f"memory per rank ({ours['memory'][0]['peak_source']}):")
     run.print(f"  {'rank':<14}{'params':>12}{'grads':>12}{'optimizer':>12}{'states':>12}"
               f"{'activations':>13}{'peak':>12}")
@@ -1252,7 +1257,8 @@ def _report_benchmark(run, name, cls, n_params, ours, native, ref, expected, set
     run.results["benchmark"] = dict(
         strategy=name, world=W, dtype=args.dtype, device=env.device.type,
         model=args.model, batch=args.batch, length=args.length, params=n_params,
-        ours=_jsonable(ours), native=_jsonable(native), reference=_jsonable(ref),
+        ours=_jsonable(ours), native={n: _jsonable(r) for n, r in native},
+        reference=_jsonable(ref),
         expected=[e.__dict__ for e in expected], setup=_jsonable({"comm": setup})["comm"],
         memory_formula=formula, comm_ok=comm_ok)
     write_json(run, "benchmark.json", run.results["benchmark"])

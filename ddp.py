@@ -188,7 +188,9 @@ class DDP(common.Strategy):
     def __init__(self, model, args, env):
         self.args, self.env = args, env
         self.model = model
-        self.dp = DataParallel(model, bucket_mb=args.bucket_mb, broadcast=not args.no_broadcast,
+        # getattr: DDP also serves as a memory baseline for other strategies' flags
+        self.dp = DataParallel(model, bucket_mb=getattr(args, "bucket_mb", 25.0),
+                               broadcast=not getattr(args, "no_broadcast", False),
                                average=args.plant_bug != "no-average")
         self.optimizer = common.make_adamw(model.parameters(), args)
 
@@ -206,9 +208,10 @@ class DDP(common.Strategy):
 
     def expected_comm(self):
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return [Expect("all_reduce", "world", len(self.dp.buckets), grad_bytes,
+        rows = [Expect("all_reduce", "world", len(self.dp.buckets), grad_bytes,
                        f"Psi*b = {grad_bytes:,} B in {len(self.dp.buckets)} buckets "
-                       f"of <= {self.args.bucket_mb:g} MiB, whatever K")]
+                       f"of <= {getattr(self.args, 'bucket_mb', 25.0):g} MiB, whatever K")]
+        return rows
 
     def extra_checks(self):
         # Replicas must be identical after the steps: compare a checksum vector across ranks.
@@ -236,7 +239,7 @@ class TorchDDP(common.Strategy):
             warnings.simplefilter("ignore", FutureWarning)
             self.ddp = DistributedDataParallel(
                 model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                bucket_cap_mb=args.bucket_mb, broadcast_buffers=False)
+                bucket_cap_mb=getattr(args, "bucket_mb", 25.0), broadcast_buffers=False)
         self.optimizer = common.make_adamw(model.parameters(), args)
 
     def step(self, batch):

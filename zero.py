@@ -104,6 +104,7 @@ class FlatUnit:
         self.grad_shard = (self.grad_full[lo:lo + s] if stage == 1
                            else torch.zeros(s, dtype=dtype, device=device))
         self.gathered = True
+        self.handle = None   # an in-flight (prefetched) all-gather
         self.ready = 0
 
     def _bind_grads(self):
@@ -123,7 +124,15 @@ class FlatUnit:
             handle = dist.all_gather_into_tensor(self.full, self.shard, group=self.group,
                                                  async_op=async_op)
         self.gathered = True
-        return handle
+        self.handle = handle
+
+    def wait(self):
+        """Make sure the parameters are usable: gather now, or finish a prefetched gather."""
+        if not self.gathered:
+            self.gather_params()
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
 
     # -- gradient storage (stages 2, 3) --
     def alloc_grads(self, first: torch.nn.Parameter):
@@ -196,12 +205,15 @@ def clip_shard_grads(grads: list[torch.Tensor], max_norm: float, group=None) -> 
 # The engine: hooks that implement the three stages on an HF model
 # ----------------------------------------------------------------------------------------------
 class Zero:
-    def __init__(self, model, group=None, stage: int = 1, average: bool = True):
+    """Installs ZeRO's hooks into `model`. `units` defaults to decoder_units(model); the unit
+    order is the forward order, and reductions launch in its reverse."""
+
+    def __init__(self, model, group=None, stage: int = 1, average: bool = True, units=None):
         self.model, self.group, self.stage, self.average = model, group, stage, average
         self.W = dist.get_world_size(group)
         names = {id(p): n for n, p in model.named_parameters()}
         self.units = [FlatUnit(n, mods, group, names, shard_params=stage == 3, stage=stage)
-                      for n, mods in decoder_units(model)]
+                      for n, mods in (units or decoder_units(model))]
         covered = sum(len(u.params) for u in self.units)
         assert covered == len(names), f"units cover {covered} of {len(names)} parameters"
         self.unit_of = {p: u for u in self.units for p in u.params}
@@ -223,19 +235,21 @@ class Zero:
 
     # -- stage 3: gather before use, free after --
     def _pre_forward(self, u: FlatUnit):
-        if not u.gathered:
-            u.gather_params()
+        u.wait()
 
     def _post_forward(self, u: FlatUnit, out):
         u.free_params()
-        if torch.is_grad_enabled():  # gather again when the backward reaches this unit
+        self._hook_backward(u, out)
+
+    def _hook_backward(self, u: FlatUnit, out):
+        """Call _pre_backward(u) when the backward reaches u's output."""
+        if torch.is_grad_enabled():
             t = next(t for t in common.tree_flatten(out)[0]
                      if isinstance(t, torch.Tensor) and t.requires_grad)
             t.register_hook(lambda grad, u=u: self._pre_backward(u))
 
     def _pre_backward(self, u: FlatUnit):
-        if not u.gathered:
-            u.gather_params()
+        u.wait()
 
     # -- gradients --
     def zero_grad(self):
@@ -284,6 +298,12 @@ class Zero:
             else:
                 u.grad_shard.add_(out)  # accumulates over micro-batches
                 u.free_grads()
+
+    def start_microbatch(self, sync: bool = True):
+        """Before each micro-batch: the previous one's last reductions still read their full
+        gradient buffers, which this backward would accumulate into (FSDP's root unit is both
+        first and last in the backward), so they complete now."""
+        self._complete()
 
     def finish(self):
         """After the last micro-batch's backward: every shard holds its reduced gradient."""
@@ -342,7 +362,7 @@ class ZeRO(common.Strategy):
         z = self.zero
         z.zero_grad()
         local_sum = ddp.forward_backward(self.model, batch, self.env.rank, self.env.world,
-                                         self.args.grad_accum)
+                                         self.args.grad_accum, z.start_microbatch)
         with phase("backward"):
             z.finish()
         with phase("optimizer"):

@@ -1,0 +1,197 @@
+"""fsdp.py: fully sharded data parallel with prefetch, from raw torch.distributed primitives.
+
+The idea (Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel",
+VLDB 2023)
+    FSDP is ZeRO-3 organised for overlap. Parameters, gradients and optimizer states are sharded
+    over the W ranks. The model is cut into units, and a unit's full parameters exist only while
+    it computes:
+      forward    pre-forward hook: all-gather the unit, and *prefetch* (launch asynchronously)
+                 the next --prefetch units' all-gathers, so communication overlaps compute;
+                 post-forward: free the full parameters (reshard), unless
+                 --no-reshard-after-forward (ZeRO-2 behaviour: keep them until the backward);
+      backward   pre-backward hook (on the unit's output): all-gather again, prefetching the
+                 units the backward reaches next; after the unit's backward: reduce-scatter its
+                 gradients into the shard (async), free the full gradients and parameters;
+      step       AdamW on the local shards only (zero.ShardAdamW).
+
+Units
+    Each decoder layer is one unit. The root unit holds the embeddings, the final norm and the
+    LM head. Its parameters are used at both ends of the forward and first in the backward, so
+    the root is gathered once per step and freed after the backward, as FSDP2 does for the root.
+
+Sharding: flat buffers (FSDP1 style), not per-parameter dim-0 shards (FSDP2 style)
+    A unit's parameters are views into one flat buffer padded to a multiple of W (zero.FlatUnit),
+    and rank r owns a contiguous 1/W of it. Then one all-gather and one reduce-scatter per unit
+    move one contiguous buffer, with no copy-in or copy-out, and the parameters stay plain
+    tensors that HF's modules use unchanged. FSDP2 shards each parameter along dim 0 as a
+    DTensor instead. That costs a copy into and out of the communication buffer, but every shard
+    is a well-formed piece of one parameter: per-parameter optimizers, frozen parameters and
+    sharded state dicts are then straightforward. This reference suite uses plain AdamW and
+    reassembles full tensors for checkpoints, so the flat layout's simplicity wins here.
+    `--compare-native` runs FSDP2's `fully_shard` with the same units and data.
+
+Communication per step (b = bytes per element, Psi padded, Psi_root the root unit's share)
+    all_gather     forward: every unit once (Psi*b); backward: every layer again, not the root,
+                   which stays gathered ((Psi - Psi_root)*b). Without resharding after the
+                   forward (--no-reshard-after-forward) the backward gathers nothing.
+    reduce_scatter one per unit: Psi*b
+    total          3 Psi - Psi_root (ZeRO-3's 3 Psi, less the root's backward gather); 2 Psi
+                   without resharding. --clip adds one 8-byte all_reduce; --grad-accum K
+                   multiplies everything by K.
+Model-state bytes per rank: 16 Psi / N in fp32 (params, grads, Adam m and v, all sharded),
+plus the gathered working set: the root and at most 1 + prefetch layers.
+"""
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import common
+import ddp
+import zero
+from common import Expect, phase
+
+
+def fsdp_units(model) -> list[tuple[str, list[torch.nn.Module]]]:
+    """Forward order: the root (embeddings, final norm, LM head), then each decoder layer."""
+    base = model.model
+    root = ("root", [base.embed_tokens, base.norm, model.lm_head])
+    return [root] + [(f"layers.{i}", [layer]) for i, layer in enumerate(base.layers)]
+
+
+class FullyShard(zero.Zero):
+    """ZeRO-3's engine (zero.Zero, stage 3) with FSDP's schedule: prefetch in both directions,
+    optional resharding after the forward, and a root unit that stays gathered for the step."""
+
+    def __init__(self, model, group=None, prefetch: int = 1, reshard_after_forward=True,
+                 average=True):
+        super().__init__(model, group, stage=3, average=average, units=fsdp_units(model))
+        self.prefetch, self.reshard = prefetch, reshard_after_forward
+        self.root, self.layers = self.units[0], self.units[1:]
+        self.position = {u: i for i, u in enumerate(self.layers)}
+
+    def _prefetch(self, order: list):
+        for u in order[:self.prefetch]:
+            if not u.gathered:
+                u.gather_params(async_op=True)  # same order on every rank
+
+    def _pre_forward(self, u):
+        u.wait()
+        if u is self.root:
+            self._prefetch(self.layers)
+        elif u in self.position:
+            self._prefetch(self.layers[self.position[u] + 1:])
+
+    def _post_forward(self, u, out):
+        if u is not self.root and self.reshard:
+            u.free_params()
+        self._hook_backward(u, out)
+
+    def _pre_backward(self, u):
+        u.wait()
+        if u is self.root:  # the backward starts at the head, then the last layer
+            self._prefetch(self.layers[::-1])
+        else:
+            self._prefetch(self.layers[:self.position[u]][::-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Harness adapter
+# ----------------------------------------------------------------------------------------------
+def fsdp_constraints(args, world, config) -> list[str]:
+    errs = ddp.batch_constraints(args, world)
+    if args.prefetch < 0:
+        errs.append(f"--prefetch must be >= 0 (got {args.prefetch})")
+    return errs
+
+
+class FSDP(zero.ZeRO):
+    name = "fsdp"
+
+    @staticmethod
+    def add_args(p):
+        p.add_argument("--prefetch", type=int, default=1,
+                       help="units whose all-gather is launched ahead of use")
+        p.add_argument("--no-reshard-after-forward", action="store_true",
+                       help="keep full parameters from the forward to the backward (ZeRO-2)")
+        p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+
+    constraints = staticmethod(fsdp_constraints)
+
+    def __init__(self, model, args, env):
+        self.args, self.env, self.model = args, env, model
+        args.stage = 3  # zero.ZeRO's reporting: FSDP's model states are stage 3's
+        self.zero = FullyShard(model, prefetch=args.prefetch,
+                               reshard_after_forward=not args.no_reshard_after_forward,
+                               average=args.plant_bug != "no-average")
+        self.optimizer = zero.ShardAdamW([u.shard for u in self.zero.units], args.lr,
+                                         args.weight_decay)
+
+    def expected_comm(self):
+        z, K = self.zero, self.args.grad_accum
+        b = z.root.full.element_size()
+        root, layers = z.root.padded * b, sum(u.padded for u in z.layers) * b
+        n, L = len(z.units), len(z.layers)
+        regather = L if z.reshard else 0
+        rows = [Expect("all_gather_into_tensor", "world", (n + regather) * K,
+                       (root + layers + (layers if z.reshard else 0)) * K,
+                       "forward: every unit; backward: " + ("each layer again"
+                                                            if z.reshard else "none")
+                       + (f"; x{K} micro-batches" if K > 1 else "")),
+                Expect("reduce_scatter_tensor", "world", n * K, (root + layers) * K,
+                       f"Psi*b = {root + layers:,} B, one per unit"
+                       + (f"; x{K} micro-batches" if K > 1 else ""))]
+        if self.args.clip:
+            rows.append(Expect("all_reduce", "world", 1, 8, "clip: squared-norm sum (fp64)"))
+        return rows
+
+
+class TorchFSDP2(common.Strategy):
+    """Baseline: PyTorch's FSDP2 (fully_shard) on each decoder layer and the root."""
+    name = "torch-fsdp2"
+    constraints = staticmethod(fsdp_constraints)
+
+    def __init__(self, model, args, env):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        self.args, self.env, self.model = args, env, model
+        mesh = init_device_mesh(env.device.type, (env.world,))
+        reshard = not args.no_reshard_after_forward
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        self.optimizer = common.make_adamw(model.parameters(), args)
+
+    def step(self, batch):
+        self.optimizer.zero_grad(set_to_none=True)
+
+        def set_sync(sync):  # FSDP2's switch for reduce-scattering on this backward
+            self.model.set_requires_gradient_sync(sync)
+        local_sum = ddp.forward_backward(self.model, batch, self.env.rank, self.env.world,
+                                         self.args.grad_accum, set_sync)
+        with phase("optimizer"):
+            if self.args.clip:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
+            self.optimizer.step()
+        return common.global_loss(local_sum, batch.n_tokens)
+
+    def full_grads(self):
+        return {n: p.grad.full_tensor() for n, p in self.model.named_parameters()}
+
+    def full_params(self):
+        return {n: p.detach().full_tensor() for n, p in self.model.named_parameters()}
+
+    def model_states(self):
+        local = lambda ts: [t.to_local() for t in ts if t is not None]  # noqa: E731
+        opt = [v for s in self.optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return {"params": local(self.model.parameters()),
+                "grads": local(p.grad for p in self.model.parameters()),
+                "optimizer": local(opt)}
+
+
+FSDP.native = [TorchFSDP2, ddp.DDP]
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore", message=".*FSDP.*")
+    common.main(FSDP)

@@ -1,0 +1,69 @@
+"""fsdp.py against the single-device reference and PyTorch's FSDP2, under torchrun on CPU."""
+import pytest
+
+L, H, I, V, KV = 4, 64, 128, 256, 32
+LAYER = 2 * H * H + 2 * H * KV + 3 * H * I + 2 * H
+ROOT = 2 * V * H + H
+
+
+def padded(n, w):
+    return -(-n // w) * w
+
+
+@pytest.mark.parametrize("world,extra", [
+    (2, []),
+    (3, ["--batch", "6"]),                                                     # uneven shards
+    pytest.param(2, ["--no-reshard-after-forward", "--prefetch", "2"], marks=pytest.mark.slow),
+    pytest.param(2, ["--dtype", "float32", "--grad-accum", "2"], marks=pytest.mark.slow),
+])
+def test_correctness_with_clipping(run, world, extra):
+    r = run("fsdp.py", world, "--clip", "0.5", *extra)
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    res = r.json("correctness.json")[0]
+    assert res["strategy"] == "fsdp" and res["tensors"] == res["grads_compared"] == 39
+
+
+@pytest.mark.slow
+def test_matches_fsdp2_and_ddp(run):
+    r = run("fsdp.py", 2, "--compare-native", "--clip", "0.5")
+    assert r.rc == 0, r
+    res = r.json("correctness.json")
+    assert [x["strategy"] for x in res] == ["fsdp", "torch-fsdp2", "ddp"]
+    assert all(x["ok"] and x["max_grad_err"] < 1e-12 for x in res), res
+
+
+def test_dropping_the_gradient_average_fails(run):
+    r = run("fsdp.py", 2, "--plant-bug", "no-average")
+    assert r.rc == 1 and r.last_line.startswith("FAIL"), r
+
+
+def test_learning(run):
+    r = run("fsdp.py", 2, "--mode", "learning", "--steps", "40")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_benchmark_comm_and_memory(run, reshard):
+    W = 3
+    r = run("fsdp.py", W, "--mode", "benchmark", "--batch", "6", "--warmup", "1",
+            "--bench-iters", "2", *([] if reshard else ["--no-reshard-after-forward"]))
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    b = r.json("benchmark.json")
+    e = 4
+    root, layers = padded(ROOT, W) * e, L * padded(LAYER, W) * e
+    comm = b["ours"]["comm"]
+    assert comm["reduce_scatter_tensor|world"] == {"calls": L + 1, "bytes": root + layers}
+    assert comm["all_gather_into_tensor|world"] == (
+        {"calls": 2 * L + 1, "bytes": root + 2 * layers} if reshard
+        else {"calls": L + 1, "bytes": root + layers})
+    shard = (root + layers) // W
+    for m in b["ours"]["memory"]:  # 16 Psi / N in fp32: params, grads, m, v all sharded
+        assert (m["params"], m["grads"], m["optimizer"]) == (shard, shard, 2 * shard), m
+    # the working set: resharding keeps less gathered than keeping every layer
+    peak = b["ours"]["memory"][0]["peak"]
+    assert peak < b["reference"]["memory"][0]["peak"]
+
+
+def test_bad_config(run):
+    r = run("fsdp.py", 1, "--prefetch", "-1", torchrun=False)
+    assert r.rc == 2 and r.stderr.strip() == "error: --prefetch must be >= 0 (got -1)", r
