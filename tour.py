@@ -22,6 +22,12 @@ TOUR = [
     ("ddp", "ddp.py", 2, []),
     ("ddp float32 grad-accum 2", "ddp.py", 2, ["--dtype", "float32", "--grad-accum", "2"]),
     ("ddp W=3 grad-accum 2", "ddp.py", 3, ["--batch", "6", "--grad-accum", "2"]),
+    ("zero1 clip", "zero.py", 2, ["--stage", "1", "--clip", "0.5"]),
+    ("zero2 clip", "zero.py", 2, ["--stage", "2", "--clip", "0.5"]),
+    ("zero3 clip", "zero.py", 2, ["--stage", "3", "--clip", "0.5"]),
+    ("zero3 W=3 uneven shards", "zero.py", 3, ["--stage", "3", "--batch", "6"]),
+    ("fsdp clip", "fsdp.py", 2, ["--clip", "0.5"]),
+    ("fsdp W=3 uneven shards", "fsdp.py", 3, ["--batch", "6"]),
 ]
 
 

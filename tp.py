@@ -1,0 +1,422 @@
+"""tp.py: Megatron tensor parallelism with a vocab-parallel loss, from raw torch.distributed.
+
+The idea (Shoeybi et al., "Megatron-LM", 2019)
+    Split each weight matrix across T ranks so that a transformer block needs just two
+    all-reduces in the forward and two in the backward:
+      MLP        gate and up are column-parallel (each rank computes a slice of the intermediate
+                 features), down is row-parallel (each rank's partial sum, then all-reduce);
+      attention  q, k and v are column-parallel by heads (q heads and kv heads both / T), so each
+                 rank attends with its own heads; o_proj is row-parallel.
+    Entering a parallel region is Megatron's f (identity forward, all-reduce backward); leaving it
+    is g (all-reduce forward, identity backward). They mirror each other and are the only
+    communication inside a block.
+
+Vocabulary
+    The embedding is vocab-parallel: rank r owns rows [r*V/T, (r+1)*V/T), looks up the ids it
+    owns (zeros for the rest) and the partial embeddings are all-reduced. The LM head is
+    column-parallel over the vocabulary, and the loss never materialises full logits: the global
+    max, the sum of exponentials and the target logit each come from one all-reduce of size
+    B*S. A vocabulary that T does not divide is padded with rows that are masked to -inf in the
+    loss (their gradient is exactly zero). With tied embeddings the same shard serves both.
+
+Replicated parameters
+    The norms are replicated, with identical inputs and gradients on every rank (the grad of a
+    region's input is already all-reduced by f), so they need no communication; correctness
+    checks that they stay identical. With a single kv head (MQA) the kv projections are
+    replicated instead of split: each rank's gradient of them covers its own q heads only, so
+    those gradients are all-reduced.
+
+Communication per step (N = B*S tokens, H hidden, L layers, b bytes; all over the tp group)
+    forward   all_reduce  embedding 1 + 2 per layer, each N*H*b; loss 3 of N*b
+    backward  all_reduce  2 per layer (the f of attention and MLP) + 1 (the f of the LM head)
+    total     (4L + 2) all-reduces of N*H*b, plus 3 of N*b  (+1 for replicated kv grads)
+Memory: weights and optimizer states / T (norms replicated); activations inside attention and
+MLP / T, the residual stream and norms full (sp.py shards those too).
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import common
+from common import Expect, phase
+
+
+# ----------------------------------------------------------------------------------------------
+# Communication: Megatron's f and g, mirror images of each other
+# ----------------------------------------------------------------------------------------------
+class CopyToTP(torch.autograd.Function):
+    """f: identity forward; all-reduce of the gradient backward (every rank's branch of the
+    region contributed to d(input))."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce of the partial outputs forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class TPRegion:
+    """How activations enter and leave a parallel region: f/g for TP; sp.py swaps in the
+    sequence all-gather / reduce-scatter pair."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def enter(self, x):
+        return CopyToTP.apply(x, self.group)
+
+    def exit(self, x):
+        return ReduceFromTP.apply(x, self.group)
+
+    def embed_exit(self, x):
+        """After the vocab-parallel lookup: the partial embeddings are summed."""
+        return ReduceFromTP.apply(x, self.group)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parallel modules
+# ----------------------------------------------------------------------------------------------
+class ColumnParallelLinear(nn.Module):
+    """Rows `rows` of the full (out, in) weight and bias: this rank computes a slice of the
+    output features. `rows=None` replicates the layer (MQA's single kv head)."""
+
+    def __init__(self, linear: nn.Linear, rows: slice | None):
+        super().__init__()
+        rows = rows or slice(None)
+        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
+        self.bias = (nn.Parameter(linear.bias.detach()[rows].clone())
+                     if linear.bias is not None else None)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Columns `cols` of the full weight: each rank's partial product is reduced by
+    region.exit; the (replicated) bias is added once, after the reduction."""
+
+    def __init__(self, linear: nn.Linear, cols: slice, region: TPRegion):
+        super().__init__()
+        self.region = region
+        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
+        self.bias = (nn.Parameter(linear.bias.detach().clone())
+                     if linear.bias is not None else None)
+
+    def forward(self, x):
+        y = self.region.exit(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [lo, lo + V_pad/T) of the (padded) embedding table."""
+
+    def __init__(self, emb: nn.Embedding, lo: int, per_rank: int, region: TPRegion):
+        super().__init__()
+        self.lo, self.per_rank, self.region = lo, per_rank, region
+        w = torch.zeros(per_rank, emb.weight.shape[1], dtype=emb.weight.dtype,
+                        device=emb.weight.device)
+        rows = emb.weight.detach()[lo:lo + per_rank]
+        w[:rows.shape[0]] = rows  # rows past the true vocabulary stay zero (padding)
+        self.weight = nn.Parameter(w)
+
+    def forward(self, ids):
+        outside = (ids < self.lo) | (ids >= self.lo + self.per_rank)
+        local = (ids - self.lo).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+        return self.region.embed_exit(out)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token CE from vocab-sharded logits (N, V_pad/T) with three all-reduces of N values:
+    the global max, the sum of exponentials, and the target logit (from its owner)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, lo, vocab, group):
+        dtype = logits.dtype
+        x = logits.float() if dtype in (torch.bfloat16, torch.float16) else logits.clone()
+        n_local = x.shape[-1]
+        padded = torch.arange(lo, lo + n_local, device=x.device) >= vocab
+        x.masked_fill_(padded, float("-inf"))                        # padding never wins
+        gmax = x.max(dim=-1).values
+        dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+        x.sub_(gmax[:, None])
+        exp = x.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        ignore = labels == common.IGNORE_INDEX
+        t = labels - lo
+        mine = (t >= 0) & (t < n_local) & ~ignore
+        target = torch.where(mine, x.gather(1, t.clamp(0, n_local - 1)[:, None])[:, 0],
+                             torch.zeros_like(gmax))
+        dist.all_reduce(target, group=group)
+        loss = (sum_exp.log() - target).masked_fill(ignore, 0.0)
+        exp.div_(sum_exp[:, None])                                   # local softmax
+        ctx.save_for_backward(exp, t, mine, ignore)
+        ctx.dtype = dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, t, mine, ignore = ctx.saved_tensors
+        grad = softmax  # d loss / d logit = softmax - onehot(target), no communication
+        rows = mine.nonzero()[:, 0]
+        grad[rows, t[rows]] -= 1.0
+        grad.mul_(grad_loss.masked_fill(ignore, 0.0)[:, None])
+        return grad.to(ctx.dtype), None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# Installing it into an HF Llama
+# ----------------------------------------------------------------------------------------------
+def pad_vocab(vocab: int, t: int) -> int:
+    return -(-vocab // t) * t
+
+
+class TensorParallel:
+    """Replaces the Linear/Embedding modules of an HF Llama (in place) with their T-way sharded
+    versions; HF's own attention code then runs on the local heads unchanged, since it reshapes
+    with view(..., -1, head_dim)."""
+
+    def __init__(self, model, group, region: TPRegion | None = None):
+        self.model, self.group = model, group
+        self.region = region or TPRegion(group)
+        T, r = dist.get_world_size(group), dist.get_rank(group)
+        cfg = model.config
+        self.T, self.rank, self.vocab = T, r, cfg.vocab_size
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        hq, hkv = cfg.num_attention_heads // T, cfg.num_key_value_heads
+        self.replicate_kv = hkv % T != 0          # only allowed for a single kv head
+        hkv_local = hkv if self.replicate_kv else hkv // T
+        # sharded: name -> dim along which the full tensor is split (vocab ones are padded)
+        self.split_dim: dict[str, int] = {}
+        self.partial_grads: list[nn.Parameter] = []  # replicated params with per-rank grads
+
+        def rows(n_per_rank):
+            return slice(r * n_per_rank, (r + 1) * n_per_rank)
+        base = model.model
+        for i, layer in enumerate(base.layers):
+            a, m, p = layer.self_attn, layer.mlp, f"model.layers.{i}."
+            a.q_proj = ColumnParallelLinear(a.q_proj, rows(hq * head_dim))
+            kv_rows = None if self.replicate_kv else rows(hkv_local * head_dim)
+            a.k_proj = ColumnParallelLinear(a.k_proj, kv_rows)
+            a.v_proj = ColumnParallelLinear(a.v_proj, kv_rows)
+            a.o_proj = RowParallelLinear(a.o_proj, rows(hq * head_dim), self.region)
+            a.num_key_value_groups = hq // hkv_local
+            inter = m.gate_proj.weight.shape[0] // T
+            m.gate_proj = ColumnParallelLinear(m.gate_proj, rows(inter))
+            m.up_proj = ColumnParallelLinear(m.up_proj, rows(inter))
+            m.down_proj = RowParallelLinear(m.down_proj, rows(inter), self.region)
+            for n in ("q_proj", "o_proj"):
+                self.split_dim[p + f"self_attn.{n}.weight"] = 0 if n == "q_proj" else 1
+            for n in ("gate_proj", "up_proj"):
+                self.split_dim[p + f"mlp.{n}.weight"] = 0
+            self.split_dim[p + "mlp.down_proj.weight"] = 1
+            for n in ("q_proj", "k_proj", "v_proj"):
+                if getattr(a, n).bias is not None and (n == "q_proj" or not self.replicate_kv):
+                    self.split_dim[p + f"self_attn.{n}.bias"] = 0
+            if m.gate_proj.bias is not None:
+                self.split_dim[p + "mlp.gate_proj.bias"] = 0
+                self.split_dim[p + "mlp.up_proj.bias"] = 0
+            if self.replicate_kv:
+                self.partial_grads += [q for q in (*a.k_proj.parameters(), *a.v_proj.parameters())]
+            else:
+                for n in ("k_proj", "v_proj"):
+                    self.split_dim[p + f"self_attn.{n}.weight"] = 0
+            # Entering each region: f on the shared input of q/k/v, and of gate/up.
+            a.register_forward_pre_hook(self._enter_kwargs, with_kwargs=True)
+            m.register_forward_pre_hook(self._enter_args)
+        # Vocabulary: padded to a multiple of T, embedding and head split by rows.
+        self.vocab_padded = pad_vocab(cfg.vocab_size, T)
+        per = self.vocab_padded // T
+        self.vocab_lo = r * per
+        tied = model.lm_head.weight is base.embed_tokens.weight
+        base.embed_tokens = VocabParallelEmbedding(base.embed_tokens, self.vocab_lo, per,
+                                                   self.region)
+        head = nn.Linear(1, 1, bias=False)  # placeholder replaced by the vocab shard below
+        if tied:
+            head.weight = base.embed_tokens.weight
+        else:
+            full = model.lm_head.weight.detach()
+            w = torch.zeros(per, full.shape[1], dtype=full.dtype, device=full.device)
+            mine = full[self.vocab_lo:self.vocab_lo + per]
+            w[:mine.shape[0]] = mine
+            head.weight = nn.Parameter(w)
+        model.lm_head = head
+        model.lm_head.register_forward_pre_hook(self._enter_args)
+        self.split_dim["model.embed_tokens.weight"] = 0
+        if not tied:
+            self.split_dim["lm_head.weight"] = 0
+
+    def _enter_kwargs(self, module, args, kwargs):
+        if "hidden_states" in kwargs:
+            kwargs["hidden_states"] = self.region.enter(kwargs["hidden_states"])
+        else:
+            args = (self.region.enter(args[0]),) + tuple(args[1:])
+        return args, kwargs
+
+    def _enter_args(self, module, args):
+        return (self.region.enter(args[0]),) + tuple(args[1:])
+
+    def loss_sum(self, logits, labels) -> torch.Tensor:
+        return VocabParallelCrossEntropy.apply(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), self.vocab_lo,
+            self.vocab, self.group).sum()
+
+    def reduce_partial_grads(self, extra=()):
+        """All-reduce the gradients that each rank holds only a part of (one flat call)."""
+        params = [p for p in (*self.partial_grads, *extra) if p.grad is not None]
+        if not params:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=self.group)
+        off = 0
+        for p in params:
+            p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+            off += p.numel()
+
+    def full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full tensors from this rank's shards (collective): gather along the split dim and
+        drop the vocabulary padding."""
+        out = {}
+        for name, t in tensors.items():
+            d = self.split_dim.get(name)
+            if d is None:
+                out[name] = t
+                continue
+            parts = [torch.empty_like(t) for _ in range(self.T)]
+            dist.all_gather(parts, t.contiguous(), group=self.group)
+            full = torch.cat(parts, dim=d)
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                full = full[:self.vocab]
+            out[name] = full
+        return out
+
+    def clip(self, max_norm: float) -> float:
+        """Global-norm clipping: sharded grads' squares summed over the group, replicated ones
+        counted once."""
+        sharded = torch.zeros(1, dtype=torch.float64, device=self.device())
+        replicated = torch.zeros(1, dtype=torch.float64, device=self.device())
+        for n, p in self.model.named_parameters():
+            if p.grad is not None:
+                target = sharded if n in self.split_dim else replicated
+                target += p.grad.double().pow(2).sum()
+        dist.all_reduce(sharded, group=self.group)
+        norm = (sharded + replicated).sqrt().item()
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    def device(self):
+        return next(self.model.parameters()).device
+
+
+# ----------------------------------------------------------------------------------------------
+# Harness adapter
+# ----------------------------------------------------------------------------------------------
+def tp_constraints(args, world, config) -> list[str]:
+    T = world
+    h, kv = config.num_attention_heads, config.num_key_value_heads
+    if h % T:
+        return [f"tensor parallel size {T} does not divide num_attention_heads {h}"]
+    if kv % T and kv != 1:
+        return [f"tensor parallel size {T} does not divide num_key_value_heads {kv} "
+                f"(only a single kv head may be replicated)"]
+    if config.intermediate_size % T:
+        return [f"tensor parallel size {T} does not divide intermediate_size "
+                f"{config.intermediate_size}"]
+    return []
+
+
+class TP(common.Strategy):
+    name = "tp"
+
+    @staticmethod
+    def add_args(p):
+        p.add_argument("--dtensor", action="store_true",
+                       help="also run PyTorch DTensor's parallelize_module (same as "
+                            "--compare-native)")
+
+    constraints = staticmethod(tp_constraints)
+
+    def __init__(self, model, args, env):
+        self.args, self.env, self.model = args, env, model
+        self.tp = TensorParallel(model, group=None, region=self.make_region())
+        self.optimizer = common.make_adamw(model.parameters(), args)
+
+    def make_region(self):
+        return TPRegion(None)
+
+    def step(self, batch: common.Batch) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        with phase("forward"):
+            ce = self.tp.loss_sum(self.model(input_ids=batch.input_ids).logits, batch.labels)
+        with phase("backward"):
+            (ce / batch.n_tokens).backward()
+            self.tp.reduce_partial_grads()
+        with phase("optimizer"):
+            if self.args.clip:
+                self.tp.clip(self.args.clip)
+            self.optimizer.step()
+        return ce.item() / batch.n_tokens  # every rank computed the full loss
+
+    def full_grads(self):
+        return self.tp.full({n: p.grad for n, p in self.model.named_parameters()})
+
+    def full_params(self):
+        return self.tp.full({n: p.detach() for n, p in self.model.named_parameters()})
+
+    def extra_checks(self):
+        # Replicated parameters (norms, replicated kv) must stay identical across TP ranks.
+        rep = [p for n, p in self.model.named_parameters() if n not in self.tp.split_dim]
+        sums = torch.stack([p.detach().double().sum() for p in rep])
+        lo, hi = sums.clone(), sums.clone()
+        with common.METER.paused():
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        spread = (hi - lo).abs().max().item()
+        return [(f"{len(rep)} replicated tensors identical across ranks", spread == 0.0,
+                 f"max spread of per-tensor sums {spread:.1e}")]
+
+    def expected_comm(self):
+        cfg, a = self.model.config, self.args
+        N, H, L = a.batch * a.length, cfg.hidden_size, cfg.num_hidden_layers
+        b = common.DTYPES[a.dtype].itemsize
+        b_ce = 4 if a.dtype == "bfloat16" else b
+        calls = 4 * L + 2 + 3 + (1 if self.tp.partial_grads else 0)
+        nbytes = (4 * L + 2) * N * H * b + 3 * N * b_ce
+        if self.tp.partial_grads:
+            nbytes += sum(p.numel() for p in self.tp.partial_grads) * b
+        if a.clip:
+            calls, nbytes = calls + 1, nbytes + 8
+        return [Expect("all_reduce", "world", calls, nbytes,
+                       f"(4L+2) x N*H*b + 3 x N*b_ce = {4 * L + 2} x {N * H * b:,} + "
+                       f"3 x {N * b_ce:,} B (L={L}, N=B*S={N}, H={H})"
+                       + (" + kv grads" if self.tp.partial_grads else "")
+                       + (" + clip" if a.clip else ""))]
+
+
+if __name__ == "__main__":
+    common.main(TP)
