@@ -1,0 +1,331 @@
+"""sp.py: sequence parallelism, Megatron-style (with TP) and Ulysses, from raw torch.distributed.
+
+--variant megatron (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models", 2022)
+    Tensor parallelism (tp.py) leaves the norms, residual adds and dropout outside the parallel
+    regions, so every rank stores their activations in full. SP shards them along the sequence:
+    between regions each rank holds S/T tokens. Megatron's f/g pair becomes
+      enter  all-gather along the sequence   (backward: reduce-scatter)
+      exit   reduce-scatter along the sequence (backward: all-gather)
+    An all-gather plus a reduce-scatter move the same bytes as one all-reduce, so SP costs what TP
+    costs and divides the remaining activations by T. The norms (and row-parallel biases) now
+    see only their own tokens, so their gradients are all-reduced over the group. The embedding's
+    partial sums are all-reduced and each rank keeps its sequence chunk at the first layer.
+    Megatron reduce-scatters there, but HF builds its RoPE tables and causal mask from the
+    embedding output's length, so it stays full-length until then: attention always runs on the
+    gathered full sequence, and RoPE sees true positions. The LM head gathers the sequence and
+    the loss is the vocab-parallel one, over every token.
+
+--variant ulysses (Jacobs et al., "DeepSpeed Ulysses", 2023)
+    Full weights on every rank; rank r holds tokens [r*S/W, (r+1)*S/W) of every sequence and
+    passes their global position ids, so RoPE is right. Attention needs all tokens, so an
+    all-to-all turns (local tokens, all heads) into (all tokens, local heads) before attention and
+    back after. Heads and kv heads must divide by W. The attention function plugs into HF's
+    attention registry. Replicated weights see different tokens, so their gradients are
+    all-reduced (ddp.DataParallel).
+
+Communication per step (N = B*S tokens, H hidden, L layers, b bytes, W = T ranks)
+    megatron  all_gather (4L+2) and reduce_scatter (4L+1) of N*H*b each, all_reduce: embedding
+              N*H*b, loss 3 x N*b, norm/bias grads 1. Per-rank wire traffic equals TP's.
+    ulysses   all_to_all per layer: q, k, v in and the output back, forward and backward:
+              2 x (2H + 2 H_kv) x N/W * b per layer, which is about 1/W of TP's 4 N*H*b, plus the
+              data-parallel all_reduce of the gradients (Psi*b).
+"""
+import torch
+import torch.distributed as dist
+
+import common
+import ddp
+import tp
+from common import Expect, phase
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron SP: sequence all-gather / reduce-scatter pair (dim 1 of (B, S, H))
+# ----------------------------------------------------------------------------------------------
+def _gather_seq(x, group):
+    """(B, s, H) chunks from every rank -> (B, W*s, H)."""
+    W = dist.get_world_size(group)
+    xt = x.transpose(0, 1).contiguous()                        # (s, B, H): chunks on dim 0
+    out = torch.empty((W * xt.shape[0],) + xt.shape[1:], dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, xt, group=group)
+    return out.transpose(0, 1)
+
+
+def _reduce_scatter_seq(x, group):
+    """(B, S, H) partial sums -> this rank's (B, S/W, H) chunk of the sum."""
+    W = dist.get_world_size(group)
+    xt = x.transpose(0, 1).contiguous()
+    out = torch.empty((xt.shape[0] // W,) + xt.shape[1:], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, xt, group=group)
+    return out.transpose(0, 1)
+
+
+class GatherFromSP(torch.autograd.Function):
+    """enter: all-gather the sequence forward; reduce-scatter the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class ReduceScatterToSP(torch.autograd.Function):
+    """exit: reduce-scatter the partial sums forward; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
+class SplitToSP(torch.autograd.Function):
+    """Keep this rank's chunk of a full (replicated) sequence; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        W, r = dist.get_world_size(group), dist.get_rank(group)
+        s = x.shape[1] // W
+        return x[:, r * s:(r + 1) * s].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad.contiguous(), ctx.group), None
+
+
+class SPRegion(tp.TPRegion):
+    def enter(self, x):
+        return GatherFromSP.apply(x, self.group)
+
+    def exit(self, x):
+        return ReduceScatterToSP.apply(x, self.group)
+
+
+class MegatronSP(tp.TP):
+    name = "sp-megatron"
+
+    def __init__(self, model, args, env):
+        super().__init__(model, args, env)
+        group = None
+        # The residual stream is sequence-sharded from the first layer's input on.
+        model.model.layers[0].register_forward_pre_hook(
+            lambda mod, args, kwargs: _split_first(args, kwargs, group), with_kwargs=True)
+        # Norms and the row-parallel biases act on this rank's tokens only.
+        self.seq_partial = [p for n, p in model.named_parameters()
+                            if "norm" in n or n.endswith(("o_proj.bias", "down_proj.bias"))]
+
+    def make_region(self):
+        return SPRegion(None)
+
+    def step(self, batch):
+        self.optimizer.zero_grad(set_to_none=True)
+        with phase("forward"):
+            ce = self.tp.loss_sum(self.model(input_ids=batch.input_ids).logits, batch.labels)
+        with phase("backward"):
+            (ce / batch.n_tokens).backward()
+            self.tp.reduce_partial_grads(extra=self.seq_partial)
+        with phase("optimizer"):
+            if self.args.clip:
+                self.tp.clip(self.args.clip)
+            self.optimizer.step()
+        return ce.item() / batch.n_tokens
+
+    def expected_comm(self):
+        cfg, a = self.model.config, self.args
+        N, H, L = a.batch * a.length, cfg.hidden_size, cfg.num_hidden_layers
+        b = common.DTYPES[a.dtype].itemsize
+        b_ce = 4 if a.dtype == "bfloat16" else b
+        nhb = N * H * b
+        partial = self.seq_partial + self.tp.partial_grads
+        ar_calls = 1 + 3 + 1 + (1 if a.clip else 0)
+        ar_bytes = nhb + 3 * N * b_ce + sum(p.numel() for p in partial) * b + (8 if a.clip else 0)
+        return [
+            Expect("all_gather_into_tensor", "world", 4 * L + 2, (4 * L + 2) * nhb,
+                   f"(4L+2) x N*H*b: 2 region entries per layer + LM head (fwd), "
+                   f"2 row exits per layer + first-layer split (bwd)"),
+            Expect("reduce_scatter_tensor", "world", 4 * L + 1, (4 * L + 1) * nhb,
+                   "(4L+1) x N*H*b: 2 row exits per layer (fwd), 2 entries per layer + "
+                   "LM head (bwd)"),
+            Expect("all_reduce", "world", ar_calls, ar_bytes,
+                   "embedding N*H*b + loss 3 x N*b + norm/bias grads"
+                   + (" + clip" if a.clip else "")),
+        ]
+
+    def report_lines(self):
+        return _per_layer_lines(self.model.config, self.args, self.env.world)
+
+
+def _split_first(args, kwargs, group):
+    if "hidden_states" in kwargs:
+        kwargs["hidden_states"] = SplitToSP.apply(kwargs["hidden_states"], group)
+    else:
+        args = (SplitToSP.apply(args[0], group),) + tuple(args[1:])
+    return args, kwargs
+
+
+# ----------------------------------------------------------------------------------------------
+# Ulysses: all-to-all between sequence-sharded and head-sharded layouts
+# ----------------------------------------------------------------------------------------------
+def _seq_to_heads(x, group):
+    """(B, h, s, d) with local tokens -> (B, h/W, W*s, d) with local heads."""
+    W = dist.get_world_size(group)
+    B, h, s, d = x.shape
+    send = x.reshape(B, W, h // W, s, d).transpose(0, 1).contiguous()   # (W, B, h/W, s, d)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)                     # dim 0: source rank
+    return recv.permute(1, 2, 0, 3, 4).reshape(B, h // W, W * s, d)
+
+
+def _heads_to_seq(x, group):
+    """(B, h/W, S, d) with local heads -> (B, h, S/W, d) with local tokens."""
+    W = dist.get_world_size(group)
+    B, hl, S, d = x.shape
+    send = x.reshape(B, hl, W, S // W, d).permute(2, 0, 1, 3, 4).contiguous()  # (W, B, hl, s, d)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)                     # dim 0: head group
+    return recv.transpose(0, 1).reshape(B, W * hl, S // W, d)
+
+
+class SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad.contiguous(), ctx.group), None
+
+
+class HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _heads_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad.contiguous(), ctx.group), None
+
+
+def ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      **kwargs):
+    """HF attention-interface function: q/k/v arrive as (B, heads, local tokens, d)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    group = module.sp_group
+    q, k, v = (SeqToHeads.apply(t, group) for t in (query, key, value))
+    # All tokens of the sequence are here now: plain causal attention over them.
+    out, _ = sdpa_attention_forward(module, q, k, v, None, scaling=scaling, dropout=dropout,
+                                    is_causal=True)
+    out = HeadsToSeq.apply(out.transpose(1, 2).contiguous(), group)      # (B, h, s, d)
+    return out.transpose(1, 2).contiguous(), None
+
+
+class Ulysses(common.Strategy):
+    name = "sp-ulysses"
+
+    def __init__(self, model, args, env):
+        from transformers import AttentionInterface
+        self.args, self.env, self.model = args, env, model
+        AttentionInterface.register("ulysses", ulysses_attention)
+        model.config._attn_implementation = "ulysses"
+        for layer in model.model.layers:
+            layer.self_attn.sp_group = None
+        # Replicated weights, different tokens: DDP's bucketed gradient all-reduce.
+        self.dp = ddp.DataParallel(model, broadcast=False,
+                                   average=args.plant_bug != "no-average")
+        self.optimizer = common.make_adamw(model.parameters(), args)
+
+    def step(self, batch):
+        W, r = self.env.world, self.env.rank
+        s = batch.input_ids.shape[1] // W
+        chunk = slice(r * s, (r + 1) * s)
+        positions = torch.arange(r * s, (r + 1) * s, device=batch.input_ids.device)
+        self.dp.zero_grad()
+        with phase("forward"):
+            logits = self.model(input_ids=batch.input_ids[:, chunk],
+                                position_ids=positions[None].expand(batch.input_ids.shape[0], s)
+                                ).logits
+            ce = common.lm_loss_sum(logits, batch.labels[:, chunk])
+        with phase("backward"):
+            (ce * W / batch.n_tokens).backward()   # averaged over W by DataParallel
+            self.dp.finish()
+        with phase("optimizer"):
+            if self.args.clip:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
+            self.optimizer.step()
+        return common.global_loss(ce.detach(), batch.n_tokens)
+
+    def expected_comm(self):
+        cfg, a, W = self.model.config, self.args, self.env.world
+        N, H, L = a.batch * a.length, cfg.hidden_size, cfg.num_hidden_layers
+        hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
+        kv = cfg.num_key_value_heads * hd
+        b = common.DTYPES[a.dtype].itemsize
+        per_layer = 2 * (2 * H + 2 * kv) * N // W * b
+        grads = sum(p.numel() for p in self.model.parameters()) * b
+        return [Expect("all_to_all_single", "world", 8 * L, L * per_layer,
+                       f"per layer 8 calls, 2 x (2H + 2H_kv) x N/W x b = {per_layer:,} B"),
+                Expect("all_reduce", "world", len(self.dp.buckets), grads,
+                       f"gradients Psi*b = {grads:,} B")]
+
+    def report_lines(self):
+        return _per_layer_lines(self.model.config, self.args, self.env.world)
+
+
+def _per_layer_lines(cfg, a, W):
+    """Per-layer activation traffic of the three schemes side by side (per-rank wire bytes)."""
+    N, H = a.batch * a.length, cfg.hidden_size
+    hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
+    kv = cfg.num_key_value_heads * hd
+    b = common.DTYPES[a.dtype].itemsize
+    tp_wire = 4 * N * H * b * 2 * (W - 1) / W           # 4 all-reduces of N*H*b
+    sp_wire = 4 * N * H * b * (W - 1) / W * 2           # 4 all-gathers + 4 reduce-scatters
+    uly_wire = 2 * (2 * H + 2 * kv) * N / W * b * (W - 1) / W
+    return [f"per-layer activation traffic, per-rank wire bytes at W={W}: TP {tp_wire:,.0f}, "
+            f"Megatron SP {sp_wire:,.0f} (= TP), Ulysses {uly_wire:,.0f} "
+            f"({uly_wire / tp_wire if tp_wire else 0:.2f} of TP, ~1/W with GQA)"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Harness adapter: one script, two variants
+# ----------------------------------------------------------------------------------------------
+def sp_constraints(args, world, config) -> list[str]:
+    if args.length % world:
+        return [f"sequence length {args.length} is not divisible by the sequence-parallel "
+                f"size {world}"]
+    if args.variant == "megatron":
+        return tp.tp_constraints(args, world, config)
+    h, kv = config.num_attention_heads, config.num_key_value_heads
+    if h % world or kv % world:
+        return [f"ulysses needs num_attention_heads ({h}) and num_key_value_heads ({kv}) "
+                f"divisible by the sequence-parallel size {world}"]
+    return []
+
+
+class SP(common.Strategy):
+    """Dispatches to the variant chosen by --variant (the harness builds one class)."""
+    name = "sp"
+    native = [tp.TP]   # --compare-native: tensor parallelism alone, for activation memory
+
+    @staticmethod
+    def add_args(p):
+        p.add_argument("--variant", default="megatron", choices=["megatron", "ulysses"])
+
+    constraints = staticmethod(sp_constraints)
+
+    def __new__(cls, model, args, env):
+        return (MegatronSP if args.variant == "megatron" else Ulysses)(model, args, env)
+
+
+if __name__ == "__main__":
+    common.main(SP)
