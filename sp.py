@@ -26,7 +26,8 @@ Models", 2022)
 
 Communication per step (N = B*S tokens, H hidden, L layers, b bytes, W = T ranks)
     megatron  all_gather (4L+2) and reduce_scatter (4L+1) of N*H*b each, all_reduce: embedding
-              N*H*b, loss 3 x N*b, norm/bias grads 1. Per-rank wire traffic equals TP's.
+              N*H*b, loss 3 x N*b, norm/bias grads 1: per-rank wire traffic equal to TP's. Plus
+              the 2L+1 backward re-gathers of the region inputs that are not kept (memory /T).
     ulysses   all_to_all per layer: q, k, v in and the output back, forward and backward:
               2 x (2H + 2 H_kv) x N/W * b per layer, which is about 1/W of TP's 4 N*H*b, plus the
               data-parallel all_reduce of the gradients (Psi*b).
@@ -44,12 +45,13 @@ from common import Expect, phase
 # Megatron SP: sequence all-gather / reduce-scatter pair (dim 1 of (B, S, H))
 # ----------------------------------------------------------------------------------------------
 def _gather_seq(x, group):
-    """(B, s, H) chunks from every rank -> (B, W*s, H)."""
+    """(B, s, H) chunks from every rank -> (B, W*s, H), contiguous (so the linears that consume
+    it save views of this very storage, which _Regather recognises)."""
     W = dist.get_world_size(group)
-    xt = x.transpose(0, 1).contiguous()                        # (s, B, H): chunks on dim 0
-    out = torch.empty((W * xt.shape[0],) + xt.shape[1:], dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, xt, group=group)
-    return out.transpose(0, 1)
+    B, s = x.shape[:2]
+    out = torch.empty((W * B, s) + x.shape[2:], dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)   # dim 0: source rank
+    return out.view((W, B, s) + x.shape[2:]).transpose(0, 1).reshape((B, W * s) + x.shape[2:])
 
 
 def _reduce_scatter_seq(x, group):
@@ -102,9 +104,48 @@ class SplitToSP(torch.autograd.Function):
         return _gather_seq(grad.contiguous(), ctx.group), None
 
 
+class _Regather:
+    """Saved-tensor hooks for one region's forward: a tensor saved for the backward that views
+    the gathered sequence is stored as this rank's chunk instead, and all-gathered again (once,
+    shared by q/k/v or gate/up) when the backward needs it. This is what makes SP's activation
+    memory 1/T: Megatron re-gathers the region input in the backward rather than keep it."""
+
+    def __init__(self, full, local, group):
+        self.key = full.untyped_storage().data_ptr()
+        self.local, self.group, self.cache = local, group, None
+
+    def pack(self, t):
+        if t.device.type != "meta" and t.untyped_storage().data_ptr() == self.key:
+            return (self, t.shape, t.stride(), t.storage_offset())
+        return t
+
+    @staticmethod
+    def unpack(packed):
+        if not isinstance(packed, tuple):
+            return packed
+        self, shape, stride, offset = packed
+        if self.cache is None:
+            self.cache = _gather_seq(self.local, self.group)
+        return torch.as_strided(self.cache, shape, stride, offset)
+
+
 class SPRegion(tp.TPRegion):
+    def __init__(self, group):
+        super().__init__(group)
+        self._contexts = []
+
     def enter(self, x):
-        return GatherFromSP.apply(x, self.group)
+        full = GatherFromSP.apply(x, self.group)
+        if torch.is_grad_enabled():
+            r = _Regather(full, x.detach(), self.group)
+            ctx = torch.autograd.graph.saved_tensors_hooks(r.pack, _Regather.unpack)
+            ctx.__enter__()
+            self._contexts.append(ctx)
+        return full
+
+    def leave(self):
+        if self._contexts:
+            self._contexts.pop().__exit__(None, None, None)
 
     def exit(self, x):
         return ReduceScatterToSP.apply(x, self.group)
@@ -149,9 +190,10 @@ class MegatronSP(tp.TP):
         ar_calls = 1 + 3 + 1 + (1 if a.clip else 0)
         ar_bytes = nhb + 3 * N * b_ce + sum(p.numel() for p in partial) * b + (8 if a.clip else 0)
         return [
-            Expect("all_gather_into_tensor", "world", 4 * L + 2, (4 * L + 2) * nhb,
-                   f"(4L+2) x N*H*b: 2 region entries per layer + LM head (fwd), "
-                   f"2 row exits per layer + first-layer split (bwd)"),
+            Expect("all_gather_into_tensor", "world", 6 * L + 3, (6 * L + 3) * nhb,
+                   f"(6L+3) x N*H*b: 2 region entries per layer + LM head (fwd); the same "
+                   f"2L+1 re-gathered for the weight grads, 2 row exits per layer and the "
+                   f"first-layer split (bwd)"),
             Expect("reduce_scatter_tensor", "world", 4 * L + 1, (4 * L + 1) * nhb,
                    "(4L+1) x N*H*b: 2 row exits per layer (fwd), 2 entries per layer + "
                    "LM head (bwd)"),

@@ -92,6 +92,9 @@ class TPRegion:
         """After the vocab-parallel lookup: the partial embeddings are summed."""
         return ReduceFromTP.apply(x, self.group)
 
+    def leave(self):
+        """Called after the region's module has run (sp.py ends its saved-tensor hooks)."""
+
 
 # ----------------------------------------------------------------------------------------------
 # Parallel modules
@@ -245,6 +248,8 @@ class TensorParallel:
             # Entering each region: f on the shared input of q/k/v, and of gate/up.
             a.register_forward_pre_hook(self._enter_kwargs, with_kwargs=True)
             m.register_forward_pre_hook(self._enter_args)
+            for mod in (a, m):
+                mod.register_forward_hook(self._leave)
         # Vocabulary: padded to a multiple of T, embedding and head split by rows.
         self.vocab_padded = pad_vocab(cfg.vocab_size, T)
         per = self.vocab_padded // T
@@ -263,6 +268,7 @@ class TensorParallel:
             head.weight = nn.Parameter(w)
         model.lm_head = head
         model.lm_head.register_forward_pre_hook(self._enter_args)
+        model.lm_head.register_forward_hook(self._leave)
         self.split_dim["model.embed_tokens.weight"] = 0
         if not tied:
             self.split_dim["lm_head.weight"] = 0
@@ -276,6 +282,9 @@ class TensorParallel:
 
     def _enter_args(self, module, args):
         return (self.region.enter(args[0]),) + tuple(args[1:])
+
+    def _leave(self, module, args, out):
+        self.region.leave()
 
     def loss_sum(self, logits, labels) -> torch.Tensor:
         return VocabParallelCrossEntropy.apply(
