@@ -1,0 +1,156 @@
+"""tp.py and sp.py (Megatron SP, Ulysses) against the single-device reference on CPU."""
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import common
+import tp
+
+BASE = common.PRESETS["tiny"]
+CONFIGS = {  # GQA that 4 divides; vocab 250 is padded to 252 at T=4 (and 250 at T=2)
+    "gqa": dict(BASE, num_attention_heads=8, num_key_value_heads=4, vocab_size=250),
+    "bias": dict(BASE, num_attention_heads=8, num_key_value_heads=4, attention_bias=True,
+                 mlp_bias=True),
+    "tied": dict(BASE, num_attention_heads=8, num_key_value_heads=4, vocab_size=250,
+                 tie_word_embeddings=True),
+    "mqa": dict(BASE, num_key_value_heads=1),
+}
+N_TENSORS = {"gqa": 39, "bias": 67, "tied": 38, "mqa": 39}
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    def _cfg(name):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(CONFIGS[name]))
+        return path
+    return _cfg
+
+
+def check(r, name, world, n_tensors):
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    res = r.json("correctness.json")[0]
+    assert res["strategy"] == name and res["world"] == world and res["ok"], res
+    assert res["tensors"] == res["grads_compared"] == res["params_compared"] == n_tensors
+    return res
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("script,variant,name", [
+    ("tp.py", None, "tp"), ("sp.py", "megatron", "sp-megatron"),
+    ("sp.py", "ulysses", "sp-ulysses")])
+def test_correctness_gqa(run, cfg, script, variant, name, world):
+    extra = ["--variant", variant] if variant else []
+    r = run(script, world, "--model", cfg("gqa"), "--clip", "0.5", *extra)
+    res = check(r, name, world, 39)
+    assert res["max_grad_err"] < 1e-12
+    if script == "tp.py":  # norms (replicated) identical across ranks
+        assert res["checks"][0]["ok"] and "replicated" in res["checks"][0]["name"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["bias", "tied", "mqa"])
+@pytest.mark.parametrize("script,variant,name", [
+    ("tp.py", None, "tp"), ("sp.py", "megatron", "sp-megatron"),
+    ("sp.py", "ulysses", "sp-ulysses")])
+def test_correctness_biases_tied_mqa(run, cfg, config, script, variant, name):
+    if variant == "ulysses" and config == "mqa":
+        pytest.skip("ulysses needs kv heads divisible by W (checked in test_bad_config)")
+    extra = ["--variant", variant] if variant else []
+    check(run(script, 2, "--model", cfg(config), *extra), name, 2, N_TENSORS[config])
+
+
+@pytest.mark.slow
+def test_dtensor_baseline_matches(run, cfg):
+    r = run("tp.py", 2, "--model", cfg("gqa"), "--dtensor")
+    assert r.rc == 0, r
+    assert [x["strategy"] for x in r.json("correctness.json")] == ["tp", "dtensor-tp"]
+
+
+@pytest.mark.parametrize("script,variant", [("tp.py", None), ("sp.py", "megatron")])
+def test_learning(run, cfg, script, variant):
+    extra = ["--variant", variant] if variant else []
+    r = run(script, 2, "--model", cfg("gqa"), "--mode", "learning", "--steps", "40", *extra)
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+
+
+def bench(run, cfg, script, *extra):
+    r = run(script, 2, "--model", cfg("gqa"), "--mode", "benchmark", "--warmup", "1",
+            "--bench-iters", "2", *extra)
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    return r.json("benchmark.json")
+
+
+B, S, H, L, KV = 8, 64, 64, 4, 32   # defaults and the gqa config (head_dim 8, 4 kv heads)
+N, E = B * S, 4                     # tokens, float32 bytes
+
+
+def test_benchmark_tp_comm(run, cfg):
+    b = bench(run, cfg, "tp.py")
+    # 2 all-reduces per layer forward, 2 backward, embedding, LM-head f, 3 loss statistics
+    assert b["ours"]["comm"] == {"all_reduce|world": {
+        "calls": 4 * L + 2 + 3, "bytes": (4 * L + 2) * N * H * E + 3 * N * E}}
+
+
+def test_benchmark_sp_comm_and_memory(run, cfg):
+    b = bench(run, cfg, "sp.py", "--variant", "megatron", "--compare-native")
+    c = b["ours"]["comm"]
+    norms = (2 * L + 1) * H
+    assert c["all_gather_into_tensor|world"] == {"calls": 6 * L + 3, "bytes": (6 * L + 3) * N * H * E}
+    assert c["reduce_scatter_tensor|world"] == {"calls": 4 * L + 1, "bytes": (4 * L + 1) * N * H * E}
+    assert c["all_reduce|world"] == {"calls": 5, "bytes": N * H * E + 3 * N * E + norms * E}
+    # activation memory per rank: sequence parallelism stores less than TP alone
+    sp_act = b["ours"]["memory"][0]["activations"]
+    tp_act = b["native"]["tp"]["memory"][0]["activations"]
+    assert sp_act < 0.9 * tp_act, (sp_act, tp_act)
+
+
+def test_benchmark_ulysses_comm(run, cfg):
+    b = bench(run, cfg, "sp.py", "--variant", "ulysses")
+    c = b["ours"]["comm"]
+    per_layer = 2 * (2 * H + 2 * KV) * N // 2 * E   # q, k, v in and out back, fwd and bwd
+    assert c["all_to_all_single|world"] == {"calls": 8 * L, "bytes": L * per_layer}
+    assert c["all_reduce|world"]["bytes"] == b["params"] * E   # replicated weights' grads
+    tp_layer_wire = 4 * N * H * E * 2 * (2 - 1) / 2
+    assert per_layer * (2 - 1) / 2 < 0.5 * tp_layer_wire        # about 1/W of TP's
+
+
+@pytest.mark.parametrize("script,world,args,msg", [
+    ("tp.py", 3, [], "tensor parallel size 3 does not divide num_attention_heads 4"),
+    ("sp.py", 2, ["--length", "63"],
+     "sequence length 63 is not divisible by the sequence-parallel size 2"),
+    ("sp.py", 2, ["--variant", "ulysses", "--model", "mqa"],
+     "ulysses needs num_attention_heads (4) and num_key_value_heads (1) divisible"),
+])
+def test_bad_config(run, cfg, script, world, args, msg):
+    args = [cfg(a) if a in CONFIGS else a for a in args]
+    r = run(script, world, *args)
+    assert r.rc != 0, r
+    errors = [l for l in (r.stdout + r.stderr).splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: " + msg), r
+    assert "exitcode  : 2" in r.stderr
+
+
+@pytest.fixture
+def group():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common._free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_vocab_parallel_cross_entropy_masks_padding(group):
+    torch.manual_seed(0)
+    logits = torch.randn(6, 10, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([0, 3, 7, common.IGNORE_INDEX, 2, 6])
+    # columns 8, 9 are vocabulary padding: they must not count
+    ours = tp.VocabParallelCrossEntropy.apply(logits, labels, 0, 8, None)
+    ref = torch.nn.functional.cross_entropy(logits[:, :8], labels, reduction="none",
+                                            ignore_index=common.IGNORE_INDEX)
+    assert torch.allclose(ours, ref, rtol=0, atol=1e-14)
+    g_ours, = torch.autograd.grad(ours.sum(), logits)
+    g_ref, = torch.autograd.grad(ref.sum(), logits)
+    assert torch.allclose(g_ours, g_ref, atol=1e-14) and g_ours[:, 8:].abs().max() == 0
