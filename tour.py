@@ -28,6 +28,12 @@ TOUR = [
     ("zero3 W=3 uneven shards", "zero.py", 3, ["--stage", "3", "--batch", "6"]),
     ("fsdp clip", "fsdp.py", 2, ["--clip", "0.5"]),
     ("fsdp W=3 uneven shards", "fsdp.py", 3, ["--batch", "6"]),
+    ("tp", "tp.py", 2, ["--model", "configs/tiny-gqa8.json"]),
+    ("tp W=4 padded vocab", "tp.py", 4, ["--model", "configs/tiny-gqa8.json"]),
+    ("sp megatron", "sp.py", 2, ["--model", "configs/tiny-gqa8.json"]),
+    ("sp megatron W=4", "sp.py", 4, ["--model", "configs/tiny-gqa8.json"]),
+    ("sp ulysses", "sp.py", 2, ["--variant", "ulysses", "--model", "configs/tiny-gqa8.json"]),
+    ("sp ulysses W=4", "sp.py", 4, ["--variant", "ulysses", "--model", "configs/tiny-gqa8.json"]),
 ]
 
 
@@ -39,7 +45,8 @@ def torchrun_cmd(nproc: int) -> list[str]:
 def run_entry(script, nproc, extra, timeout=600):
     with tempfile.TemporaryDirectory() as out:
         cmd = torchrun_cmd(nproc) + [os.path.join(HERE, script), "--mode", "correctness",
-                                     "--out", out] + extra
+                                     "--out", out] + [os.path.join(HERE, a) if a.startswith(
+                                         "configs/") else a for a in extra]
         t0 = time.time()
         env = dict(os.environ, OMP_NUM_THREADS="1")
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
