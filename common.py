@@ -374,7 +374,6 @@ class MarkovLanguage:
                       for i in range(start, start + count)])
         x = np.empty((count, length + 1), dtype=np.int64)
         x[:, 0] = np.searchsorted(np.cumsum(self.pi), u[:, 0]).clip(max=self.vocab - 1)
-        rows = np.arange(count)
         for t in range(1, length + 1):
             cur = x[:, t - 1]
             j = (u[:, t, None] > self.cum[cur]).sum(axis=1)
@@ -726,6 +725,32 @@ class Strategy:
         return []
 
 
+def spread_across_ranks(tensors, group=None) -> float:
+    """Max over tensors of (max - min across ranks) of each tensor's sum: 0.0 when every rank
+    holds identical replicas (a checksum, for extra_checks; not metered)."""
+    sums = torch.stack([t.detach().double().sum() for t in tensors])
+    lo, hi = sums.clone(), sums.clone()
+    with METER.paused():
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    return (hi - lo).abs().max().item()
+
+
+def full_tensor(t):
+    """A DTensor's full value (a collective); a plain tensor as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def local_model_states(model, optimizer) -> dict[str, list[torch.Tensor]]:
+    """model_states() for PyTorch's DTensor-based baselines: the local shards."""
+    local = lambda ts: [t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+                        for t in ts if t is not None]
+    opt = [v for s in optimizer.state.values() for v in s.values()
+           if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return {"params": local(model.parameters()),
+            "grads": local(p.grad for p in model.parameters()), "optimizer": local(opt)}
+
+
 def make_adamw(params, args) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay,
                              betas=(0.9, 0.95), eps=1e-8)
@@ -872,7 +897,7 @@ def natives(cls) -> list:
 
 
 def run_correctness(run: Run, cls) -> bool:
-    args, env = run.args, run.env
+    args = run.args
     ok = True
     classes = [cls] + (natives(cls) if args.compare_native else [])
     for c in classes:
@@ -1130,7 +1155,6 @@ def measure_memory(run: Run, strat) -> dict:
     if env.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
     tracker = MemoryTracker(pre)
     with tracker:
         strat.step(batch)
@@ -1141,7 +1165,6 @@ def measure_memory(run: Run, strat) -> dict:
     if env.device.type == "cuda":
         out["peak"] = torch.cuda.max_memory_allocated()
         out["peak_source"] = "torch.cuda.max_memory_allocated"
-        del base
     else:
         out["peak"] = tracker.peak
         out["peak_source"] = "live-tensor tracker (CPU)"

@@ -214,13 +214,7 @@ class DDP(common.Strategy):
         return rows
 
     def extra_checks(self):
-        # Replicas must be identical after the steps: compare a checksum vector across ranks.
-        sums = torch.stack([p.detach().double().sum() for p in self.model.parameters()])
-        lo, hi = sums.clone(), sums.clone()
-        with common.METER.paused():
-            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        spread = (hi - lo).abs().max().item()
+        spread = common.spread_across_ranks(self.model.parameters())
         return [("replicas identical across ranks", spread == 0.0,
                  f"max spread of per-tensor sums {spread:.1e}")]
 

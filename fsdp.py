@@ -44,7 +44,6 @@ plus the gathered working set: the root and at most 1 + prefetch layers.
 import warnings
 
 import torch
-import torch.distributed as dist
 
 import common
 import ddp
@@ -176,18 +175,13 @@ class TorchFSDP2(common.Strategy):
         return common.global_loss(local_sum, batch.n_tokens)
 
     def full_grads(self):
-        return {n: p.grad.full_tensor() for n, p in self.model.named_parameters()}
+        return {n: common.full_tensor(p.grad) for n, p in self.model.named_parameters()}
 
     def full_params(self):
-        return {n: p.detach().full_tensor() for n, p in self.model.named_parameters()}
+        return {n: common.full_tensor(p.detach()) for n, p in self.model.named_parameters()}
 
     def model_states(self):
-        local = lambda ts: [t.to_local() for t in ts if t is not None]  # noqa: E731
-        opt = [v for s in self.optimizer.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor) and v.dim() > 0]
-        return {"params": local(self.model.parameters()),
-                "grads": local(p.grad for p in self.model.parameters()),
-                "optimizer": local(opt)}
+        return common.local_model_states(self.model, self.optimizer)
 
 
 FSDP.native = [TorchFSDP2, ddp.DDP]

@@ -191,9 +191,9 @@ class MegatronSP(tp.TP):
         ar_bytes = nhb + 3 * N * b_ce + sum(p.numel() for p in partial) * b + (8 if a.clip else 0)
         return [
             Expect("all_gather_into_tensor", "world", 6 * L + 3, (6 * L + 3) * nhb,
-                   f"(6L+3) x N*H*b: 2 region entries per layer + LM head (fwd); the same "
-                   f"2L+1 re-gathered for the weight grads, 2 row exits per layer and the "
-                   f"first-layer split (bwd)"),
+                   "(6L+3) x N*H*b: 2 region entries per layer + LM head (fwd); the same "
+                   "2L+1 re-gathered for the weight grads, 2 row exits per layer and the "
+                   "first-layer split (bwd)"),
             Expect("reduce_scatter_tensor", "world", 4 * L + 1, (4 * L + 1) * nhb,
                    "(4L+1) x N*H*b: 2 row exits per layer (fwd), 2 entries per layer + "
                    "LM head (bwd)"),

@@ -400,12 +400,7 @@ class TP(common.Strategy):
     def extra_checks(self):
         # Replicated parameters (norms, replicated kv) must stay identical across TP ranks.
         rep = [p for n, p in self.model.named_parameters() if n not in self.tp.split_dim]
-        sums = torch.stack([p.detach().double().sum() for p in rep])
-        lo, hi = sums.clone(), sums.clone()
-        with common.METER.paused():
-            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        spread = (hi - lo).abs().max().item()
+        spread = common.spread_across_ranks(rep)
         return [(f"{len(rep)} replicated tensors identical across ranks", spread == 0.0,
                  f"max spread of per-tensor sums {spread:.1e}")]
 
@@ -427,9 +422,10 @@ class TP(common.Strategy):
                        + (" + clip" if a.clip else ""))]
 
 
-class DTensorTP(common.Strategy):
+class DTensorTP(common.Reference):
     """Baseline: PyTorch DTensor's parallelize_module with the same Megatron plan (colwise
-    q/k/v/gate/up, rowwise o/down, vocab-sharded embedding) and a full-vocabulary LM head."""
+    q/k/v/gate/up, rowwise o/down, vocab-sharded embedding) and a full-vocabulary LM head.
+    The step is the reference's: DTensor makes the plain training code parallel."""
     name = "dtensor-tp"
     constraints = staticmethod(tp_constraints)
 
@@ -438,7 +434,6 @@ class DTensorTP(common.Strategy):
         from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                        parallelize_module)
-        self.args, self.env, self.model = args, env, model
         mesh = init_device_mesh(env.device.type, (env.world,))
         plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
                 "lm_head": ColwiseParallel(output_layouts=Replicate())}
@@ -449,38 +444,16 @@ class DTensorTP(common.Strategy):
             plan.update({p + f"mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
             plan[p + "self_attn.o_proj"] = RowwiseParallel()
             plan[p + "mlp.down_proj"] = RowwiseParallel()
-        parallelize_module(model, mesh, plan)
-        self.optimizer = common.make_adamw(model.parameters(), args)
-
-    def step(self, batch):
-        self.optimizer.zero_grad(set_to_none=True)
-        with phase("forward"):
-            loss = common.lm_loss_sum(self.model(input_ids=batch.input_ids).logits,
-                                      batch.labels) / batch.n_tokens
-        with phase("backward"):
-            loss.backward()
-        with phase("optimizer"):
-            if self.args.clip:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
-            self.optimizer.step()
-        return loss.item()
-
-    def _full(self, t):
-        return t.full_tensor() if hasattr(t, "full_tensor") else t
+        super().__init__(parallelize_module(model, mesh, plan), args, env)
 
     def full_grads(self):
-        return {n: self._full(p.grad) for n, p in self.model.named_parameters()}
+        return {n: common.full_tensor(p.grad) for n, p in self.model.named_parameters()}
 
     def full_params(self):
-        return {n: self._full(p.detach()) for n, p in self.model.named_parameters()}
+        return {n: common.full_tensor(p.detach()) for n, p in self.model.named_parameters()}
 
     def model_states(self):
-        local = lambda ts: [t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-                            for t in ts if t is not None]
-        opt = [v for s in self.optimizer.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor) and v.dim() > 0]
-        return {"params": local(self.model.parameters()),
-                "grads": local(p.grad for p in self.model.parameters()), "optimizer": local(opt)}
+        return common.local_model_states(self.model, self.optimizer)
 
 
 TP.native = DTensorTP

@@ -415,7 +415,7 @@ class ZeRO(common.Strategy):
                                f"Psi*b = {full:,} B: updated parameters, one per unit"))
         else:
             rows.append(Expect("all_gather_into_tensor", "world", 2 * n * K, 2 * full * K,
-                               f"2 Psi*b: forward + backward gather per unit"
+                               "2 Psi*b: forward + backward gather per unit"
                                + (f", x{K} micro-batches" if K > 1 else "")))
         if self.args.clip:
             rows.append(Expect("all_reduce", "world", 1, 8, "clip: squared-norm sum (fp64)"))

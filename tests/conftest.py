@@ -42,6 +42,17 @@ def launch(script, nproc, *args, out=None, timeout=300, torchrun=True):
 
 
 @pytest.fixture
+def group():
+    """A gloo process group of one, in this process (for unit tests of collective code)."""
+    import torch.distributed as dist
+    import common
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common._free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
 def run(tmp_path):
     def _run(script, nproc, *args, **kw):
         return launch(script, nproc, *args, out=tmp_path, **kw)

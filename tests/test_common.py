@@ -1,6 +1,5 @@
 """Unit tests of the harness (no torchrun): data, loss, comparison, meter, tracker, models."""
 import math
-import os
 
 import numpy as np
 import pytest
@@ -83,14 +82,6 @@ def test_rmsnorm_is_float64_in_float64_runs():
     assert (norm(x) - exact).abs().max() < 1e-14   # HF's own cast to float32 gives ~1e-7
 
 
-@pytest.fixture
-def group():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common._free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_comm_meter_counts_calls_and_bytes(group):
     meter = common.CommMeter()
@@ -128,7 +119,6 @@ def test_memory_tracker_sees_allocations_and_frees():
 
 
 def test_load_config_and_checkpoint_dir(tmp_path):
-    from transformers import LlamaForCausalLM
     assert common.load_config("tiny").num_key_value_heads < common.load_config("tiny").num_attention_heads
     with pytest.raises(common.ConfigError, match="not a preset"):
         common.load_config(str(tmp_path / "missing"))
