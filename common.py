@@ -668,7 +668,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        is_act = phase.current == "forward"
+        is_act = "forward" in phase.stack  # phases nest (e.g. attention inside forward)
         for t in tree_flatten(out)[0]:
             self._track(t, is_act)
         return out

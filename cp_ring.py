@@ -1,0 +1,421 @@
+"""cp_ring.py: context parallelism with ring attention (zig-zag load-balanced), from raw p2p.
+
+The idea (Liu et al., "Ring Attention with Blockwise Transformers", 2023; Brandon et al.,
+"Striped Attention", 2023, and Llama 3's zig-zag/all-gather context parallelism)
+    The sequence is sharded over W ranks; every layer except attention is per-token, so only
+    attention needs the other ranks' keys and values. Ring attention computes it in W steps:
+    each rank attends its queries to the K/V block it holds, then passes the block to the next
+    rank (send to r+1, receive from r-1), overlapping the transfer with the block's compute.
+    Blocks are combined exactly with their log-sum-exp:
+        out <- out - sigmoid(lse_b - lse) * (out - out_b)
+        lse <- lse - logsigmoid(lse - lse_b)
+    in fp32 (fp64 in float64 runs). The backward is a custom autograd Function: dQ accumulates
+    locally, while dK/dV travel around the ring with their K/V and arrive home after a last hop.
+
+Layouts (--variant)
+    zigzag     the sequence is cut into 2W chunks; rank r holds chunks r and 2W-1-r, so every
+               rank has the same causal work (default)
+    ring       contiguous chunks: rank W-1 attends to everything, rank 0 to its own block only;
+               kept to show why zig-zag exists
+    allgather  zig-zag layout, but K/V are all-gathered per layer and dK/dV reduce-scattered
+               (Llama 3's choice: simpler, and fine when K/V are small thanks to GQA)
+    Causal work per (query chunk, key chunk) pair is decided from global positions: a chunk
+    entirely after the key chunk attends in full, one entirely before it skips, and the diagonal
+    takes the mask. Under zig-zag half of each off-diagonal block is skipped.
+
+GQA: only the kv heads travel. RoPE: each rank passes its tokens' global position ids (not
+contiguous under zig-zag). Integration: an attention function registered in HF's attention
+registry, with no copy of the model code. The loss is the global token mean, and weight
+gradients are summed over the CP group (ddp.DataParallel: every rank saw different tokens).
+
+Communication per layer (s = S/W local tokens, kv = H_kv * d, b bytes, batch B)
+    ring/zigzag  forward: W-1 hops of K and V, each B*s*2kv*b; backward: W-1 hops of K, V, dK,
+                 dV plus the last hop of dK, dV home. Forward bytes sent per rank
+                 = 2 (W-1)/W * S * kv * b * B, the textbook figure.
+    allgather    forward: one all_gather of K and V (B*S*2kv*b); backward: one reduce_scatter
+                 of dK and dV (same size).
+Block kernel: pure torch (returns lse); used for every dtype here (CPU, float64).
+"""
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import common
+import ddp
+from common import Expect, phase
+
+NEG_INF = float("-inf")
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout: which global positions each rank holds, as contiguous chunks
+# ----------------------------------------------------------------------------------------------
+def layout(variant: str, world: int, seq: int) -> list[list[tuple[int, int]]]:
+    """For each rank, its chunks [(start, end), ...] in local order."""
+    if variant == "ring":
+        s = seq // world
+        return [[(r * s, (r + 1) * s)] for r in range(world)]
+    c = seq // (2 * world)  # zigzag and allgather
+    return [[(r * c, (r + 1) * c), ((2 * world - 1 - r) * c, (2 * world - r) * c)]
+            for r in range(world)]
+
+
+def positions(chunks) -> torch.Tensor:
+    return torch.cat([torch.arange(a, b) for a, b in chunks])
+
+
+def relation(q: tuple[int, int], k: tuple[int, int]) -> str:
+    """Causal work of query chunk q against key chunk k (global position ranges)."""
+    if q[0] >= k[1]:
+        return "full"       # every query is after every key
+    if q[1] <= k[0]:
+        return "skip"       # every query is before every key
+    return "mask"           # overlapping (the diagonal): position mask
+
+
+class CPContext:
+    """What the attention function needs: group, layout, and counters for the benchmark."""
+
+    def __init__(self, variant, group, seq):
+        self.variant, self.group = variant, group
+        self.W, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.chunks = layout(variant, self.W, seq)
+        self.flops = 0          # attention forward FLOPs computed on this rank
+        self.seconds = 0.0      # time in attention forward + backward
+
+    def offsets(self, rank):
+        """(start, end) of each chunk inside rank's local tensor, with its global range."""
+        out, off = [], 0
+        for a, b in self.chunks[rank]:
+            out.append((off, off + b - a, (a, b)))
+            off += b - a
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Block kernels (pure torch; they return the log-sum-exp)
+# ----------------------------------------------------------------------------------------------
+def _expand(x, n_rep):
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def _reduce_rep(x, n_rep):
+    if n_rep == 1:
+        return x
+    B, H, n, d = x.shape
+    return x.view(B, H // n_rep, n_rep, n, d).sum(2)
+
+
+def _scores(q, k, scale, rel, qr, kr):
+    s = (q @ k.transpose(-1, -2)) * scale
+    if rel == "mask":
+        qpos = torch.arange(*qr, device=q.device)
+        kpos = torch.arange(*kr, device=q.device)
+        s = s.masked_fill(kpos[None, :] > qpos[:, None], NEG_INF)
+    return s
+
+
+def block_forward(q, k, v, scale, rel, qr, kr):
+    """(out, lse) of q attending to one K/V block; a fully masked row gives out 0, lse -inf."""
+    s = _scores(q, k, scale, rel, qr, kr)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)   # rows with lse = -inf: all zero
+    return p @ v, lse
+
+
+def merge(out, lse, out_b, lse_b):
+    """Combine two partial softmax-attention results exactly (no NaN for masked blocks)."""
+    if out is None:
+        return out_b, lse_b
+    new_out = out - torch.sigmoid(lse_b - lse)[..., None] * (out - out_b)
+    new_lse = lse - F.logsigmoid(lse - lse_b)
+    seen = lse > NEG_INF  # rows that had nothing yet take the block as it is
+    return (torch.where(seen[..., None], new_out, out_b),
+            torch.where(seen, new_lse, lse_b))
+
+
+def block_backward(q, k, v, do, lse, delta, scale, rel, qr, kr):
+    """(dq, dk, dv) of one block from the final lse and delta = rowsum(dO * O)."""
+    s = _scores(q, k, scale, rel, qr, kr)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    dv = p.transpose(-1, -2) @ do
+    ds = p * (do @ v.transpose(-1, -2) - delta[..., None])
+    return (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention over the sharded sequence: the ring and the all-gather drivers
+# ----------------------------------------------------------------------------------------------
+def _acc_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _hop(tensors: list, cp: CPContext):
+    """Send `tensors` to the next rank and receive the previous rank's (async; every send and
+    its recv are posted together, so no ordering can deadlock). Returns (buffers, requests)."""
+    def peer(r):
+        return dist.get_global_rank(cp.group, r % cp.W) if cp.group else r % cp.W
+    recv = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, peer(cp.rank + 1), cp.group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, t, peer(cp.rank - 1), cp.group) for t in recv]
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(reqs):
+    for r in reqs:
+        r.wait()
+
+
+def _attend(q, k, v, cp, src, scale, n_rep, acc):
+    """Accumulate q's attention to rank src's K/V block into acc[(q chunk)] = (out, lse)."""
+    for (qa, qb, qr), (ka, kb, kr) in ((x, y) for x in cp.offsets(cp.rank)
+                                       for y in cp.offsets(src)):
+        rel = relation(qr, kr)
+        if rel == "skip":
+            continue
+        qq = q[:, :, qa:qb].to(acc["dtype"])
+        kk = _expand(k[:, :, ka:kb], n_rep).to(acc["dtype"])
+        vv = _expand(v[:, :, ka:kb], n_rep).to(acc["dtype"])
+        out_b, lse_b = block_forward(qq, kk, vv, scale, rel, qr, kr)
+        acc[qa] = merge(*acc.get(qa, (None, None)), out_b, lse_b)
+        cp.flops += 4 * qq.shape[0] * qq.shape[1] * (qb - qa) * (kb - ka) * qq.shape[-1]
+
+
+def _grad(q, k, v, do, lse, delta, cp, src, scale, n_rep, dq, dkv):
+    """Accumulate the block's contributions into dq (local) and dkv (src's block)."""
+    for (qa, qb, qr), (ka, kb, kr) in ((x, y) for x in cp.offsets(cp.rank)
+                                       for y in cp.offsets(src)):
+        rel = relation(qr, kr)
+        if rel == "skip":
+            continue
+        dt = dq.dtype
+        kk = _expand(k[:, :, ka:kb], n_rep).to(dt)
+        vv = _expand(v[:, :, ka:kb], n_rep).to(dt)
+        dq_b, dk_b, dv_b = block_backward(q[:, :, qa:qb].to(dt), kk, vv, do[:, :, qa:qb],
+                                          lse[:, :, qa:qb], delta[:, :, qa:qb], scale, rel,
+                                          qr, kr)
+        dq[:, :, qa:qb] += dq_b
+        dkv[0][:, :, ka:kb] += _reduce_rep(dk_b, n_rep)
+        dkv[1][:, :, ka:kb] += _reduce_rep(dv_b, n_rep)
+
+
+def _finish(acc):
+    keys = sorted(k for k in acc if k != "dtype")
+    return (torch.cat([acc[k][0] for k in keys], dim=2),
+            torch.cat([acc[k][1] for k in keys], dim=2))
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of local q (B, H, s, d) to the whole sharded sequence, K/V (B, Hkv, s, d)
+    passed around the ring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp, scale):
+        t0 = time.perf_counter()
+        n_rep = q.shape[1] // k.shape[1]
+        acc = {"dtype": _acc_dtype(q)}
+        kv = torch.stack([k, v]).contiguous()          # only kv heads travel
+        for step in range(cp.W):
+            src = (cp.rank - step) % cp.W
+            if step < cp.W - 1:
+                nxt, reqs = _hop([kv], cp)             # overlaps the block below
+            _attend(q, kv[0], kv[1], cp, src, scale, n_rep, acc)
+            if step < cp.W - 1:
+                _wait(reqs)
+                kv = nxt[0]
+        out, lse = _finish(acc)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.scale = cp, scale
+        cp.seconds += time.perf_counter() - t0
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        t0 = time.perf_counter()
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, scale = ctx.cp, ctx.scale
+        n_rep = q.shape[1] // k.shape[1]
+        dt = out.dtype
+        do = dout.to(dt)
+        delta = (do * out).sum(-1)
+        dq = torch.zeros_like(q, dtype=dt)
+        kv = torch.stack([k, v]).contiguous()
+        dkv = torch.zeros_like(kv, dtype=dt)           # travels with kv, home after W hops
+        for step in range(cp.W):
+            src = (cp.rank - step) % cp.W
+            _grad(q, kv[0], kv[1], do, lse, delta, cp, src, scale, n_rep, dq, dkv)
+            if cp.W == 1:
+                break
+            if step < cp.W - 1:                        # K/V and their dK/dV move on together
+                (kv, dkv), reqs = _hop([kv, dkv], cp)
+            else:                                      # the last hop brings our dK/dV home
+                (dkv,), reqs = _hop([dkv], cp)
+            _wait(reqs)
+        cp.seconds += time.perf_counter() - t0
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """Llama 3 style: all-gather K/V once per layer, reduce-scatter dK/dV in the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp, scale):
+        t0 = time.perf_counter()
+        n_rep = q.shape[1] // k.shape[1]
+        kv = torch.stack([k, v], dim=1).contiguous()   # (B, 2, Hkv, s, d): rank blocks on dim 0
+        full = torch.empty((cp.W * kv.shape[0],) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
+        dist.all_gather_into_tensor(full, kv, group=cp.group)
+        full = full.view((cp.W,) + kv.shape)
+        acc = {"dtype": _acc_dtype(q)}
+        for src in range(cp.W):
+            _attend(q, full[src][:, 0], full[src][:, 1], cp, src, scale, n_rep, acc)
+        out, lse = _finish(acc)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.scale = cp, scale
+        cp.seconds += time.perf_counter() - t0
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        t0 = time.perf_counter()
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, scale = ctx.cp, ctx.scale
+        n_rep = q.shape[1] // k.shape[1]
+        dt = out.dtype
+        do = dout.to(dt)
+        delta = (do * out).sum(-1)
+        kv = torch.stack([k, v], dim=1).contiguous()
+        full = torch.empty((cp.W * kv.shape[0],) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
+        dist.all_gather_into_tensor(full, kv, group=cp.group)   # K/V were not kept: gather again
+        full = full.view((cp.W,) + kv.shape)
+        dq = torch.zeros_like(q, dtype=dt)
+        dfull = torch.zeros(full.shape, dtype=dt, device=q.device)
+        for src in range(cp.W):
+            blk = [dfull[src][:, 0], dfull[src][:, 1]]
+            _grad(q, full[src][:, 0], full[src][:, 1], do, lse, delta, cp, src, scale, n_rep,
+                  dq, blk)
+        mine = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+        dist.reduce_scatter_tensor(mine, dfull.to(kv.dtype).view((-1,) + kv.shape[1:]),
+                                   group=cp.group)
+        cp.seconds += time.perf_counter() - t0
+        return dq.to(q.dtype), mine[:, 0], mine[:, 1], None, None
+
+
+def cp_attention(q, k, v, cp: CPContext, scale: float):
+    fn = AllGatherAttention if cp.variant == "allgather" else RingAttention
+    return fn.apply(q, k, v, cp, scale)
+
+
+def hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                 **kwargs):
+    """HF attention-interface function: local (B, heads, s, d) in, (B, s, heads, d) out."""
+    with phase("attention"):
+        out = cp_attention(query, key, value, module.cp, scaling or query.shape[-1] ** -0.5)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def reference_attention(q, k, v, scale):
+    """Full causal attention on one device (for the standalone check)."""
+    n_rep = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, _expand(k, n_rep), _expand(v, n_rep),
+                                          is_causal=True, scale=scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# Harness adapter
+# ----------------------------------------------------------------------------------------------
+def cp_constraints(args, world, config) -> list[str]:
+    errs = []
+    parts = world if args.variant == "ring" else 2 * world
+    if args.length % parts:
+        what = "W" if args.variant == "ring" else "2W"
+        errs.append(f"sequence length {args.length} is not divisible by {what} = {parts} "
+                    f"({args.variant} layout over {world} ranks)")
+    return errs
+
+
+class CP(common.Strategy):
+    name = "cp"
+
+    @staticmethod
+    def add_args(p):
+        p.add_argument("--variant", default="zigzag", choices=["zigzag", "ring", "allgather"])
+
+    constraints = staticmethod(cp_constraints)
+
+    def __init__(self, model, args, env):
+        from transformers import AttentionInterface
+        self.args, self.env, self.model = args, env, model
+        self.name = f"cp-{args.variant}"
+        self.cp = CPContext(args.variant, None, args.length)
+        AttentionInterface.register("ring_cp", hf_attention)
+        model.config._attn_implementation = "ring_cp"
+        for layer in model.model.layers:
+            layer.self_attn.cp = self.cp
+        self.pos = positions(self.cp.chunks[env.rank]).to(env.device)
+        # Same weights, different tokens: gradients are summed over the CP group.
+        self.dp = ddp.DataParallel(model, broadcast=False, average=args.plant_bug != "no-average")
+        self.optimizer = common.make_adamw(model.parameters(), args)
+
+    def step(self, batch):
+        W = self.env.world
+        B = batch.input_ids.shape[0]
+        self.dp.zero_grad()
+        with phase("forward"):
+            logits = self.model(input_ids=batch.input_ids[:, self.pos],
+                                position_ids=self.pos[None].expand(B, -1)).logits
+            ce = common.lm_loss_sum(logits, batch.labels[:, self.pos])
+        with phase("backward"):
+            (ce * W / batch.n_tokens).backward()    # averaged over W by DataParallel
+            self.dp.finish()
+        with phase("optimizer"):
+            if self.args.clip:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
+            self.optimizer.step()
+        return common.global_loss(ce.detach(), batch.n_tokens)
+
+    def expected_comm(self):
+        cfg, a, W = self.model.config, self.args, self.env.world
+        L, B = cfg.num_hidden_layers, a.batch
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv = cfg.num_key_value_heads * hd
+        b = common.DTYPES[a.dtype].itemsize
+        s = a.length // W
+        blk = B * s * 2 * kv * b                       # one rank's K and V
+        grads = sum(p.numel() for p in self.model.parameters()) * b
+        rows = [Expect("all_reduce", "world", len(self.dp.buckets), grads,
+                       f"weight gradients summed over CP: Psi*b = {grads:,} B")]
+        if self.args.variant == "allgather":
+            full = W * blk
+            return rows + [
+                Expect("all_gather_into_tensor", "world", 2 * L, 2 * L * full,
+                       f"K,V per layer, forward and again in backward: {full:,} B"),
+                Expect("reduce_scatter_tensor", "world", L, L * full,
+                       f"dK,dV per layer: {full:,} B")]
+        if W == 1:
+            return rows
+        per_layer = (W - 1) * blk + (W - 1) * 2 * blk + blk
+        return rows + [Expect(op, "world", L * (3 * (W - 1) + 1), L * per_layer,
+                              f"per layer: fwd (W-1) hops of K,V ({blk:,} B) = "
+                              f"2(W-1)/W*S*kv*b*B; bwd (W-1) hops of K,V + dK,dV, then dK,dV home")
+                       for op in ("isend", "irecv")]
+
+    def report_lines(self):
+        # per-rank attention work: balance of ring vs zigzag (a collective)
+        stats = [None] * self.env.world
+        with common.METER.paused():
+            dist.all_gather_object(stats, (self.cp.flops, self.cp.seconds))
+        fl = [f for f, _ in stats]
+        sec = [t for _, t in stats]
+        self.cp.flops, self.cp.seconds = 0, 0.0
+        return ["attention forward FLOPs per rank (all steps so far): "
+                + ", ".join(f"{f / 1e6:.1f}M" for f in fl)
+                + f"; balance max/min {max(fl) / max(min(fl), 1):.2f}",
+                "attention time per rank (fwd+bwd, s): " + ", ".join(f"{t:.3f}" for t in sec)
+                + f"; balance max/min {max(sec) / max(min(sec), 1e-12):.2f}"]
+
+
+if __name__ == "__main__":
+    common.main(CP)
