@@ -546,19 +546,26 @@ class CommMeter:
 
     @contextlib.contextmanager
     def measuring(self):
-        """Count every metered call in the block (cumulative until reset())."""
+        """Count every metered call in the block (cumulative until reset()). The wrappers go
+        into torch.distributed and into distributed_c10d's globals, where P2POp checks that its
+        op is isend/irecv and where one collective calls another (the depth guard then keeps
+        the inner call from being counted twice)."""
         assert not self._saved, "meter already active"
+        c10d = dist.distributed_c10d
         for name in _METERED:
             fn = getattr(dist, name, None)
             if fn is None:  # e.g. all_gather_single before torch 2.13
                 continue
-            self._saved[name] = fn
-            setattr(dist, name, self._wrap(name, fn))
+            wrapped = self._wrap(name, fn)
+            for mod in (dist, c10d):
+                if getattr(mod, name, None) is fn:
+                    self._saved[(mod, name)] = fn
+                    setattr(mod, name, wrapped)
         try:
             yield self
         finally:
-            for name, fn in self._saved.items():
-                setattr(dist, name, fn)
+            for (mod, name), fn in self._saved.items():
+                setattr(mod, name, fn)
             self._saved = {}
 
     @contextlib.contextmanager

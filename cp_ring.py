@@ -83,7 +83,7 @@ class CPContext:
         self.W, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.chunks = layout(variant, self.W, seq)
         self.flops = 0          # attention forward FLOPs computed on this rank
-        self.seconds = 0.0      # time in attention forward + backward
+        self.seconds = 0.0      # time computing attention blocks, forward + backward
 
     def offsets(self, rank):
         """(start, end) of each chunk inside rank's local tensor, with its global range."""
@@ -175,12 +175,14 @@ def _attend(q, k, v, cp, src, scale, n_rep, acc):
         rel = relation(qr, kr)
         if rel == "skip":
             continue
+        t0 = time.perf_counter()
         qq = q[:, :, qa:qb].to(acc["dtype"])
         kk = _expand(k[:, :, ka:kb], n_rep).to(acc["dtype"])
         vv = _expand(v[:, :, ka:kb], n_rep).to(acc["dtype"])
         out_b, lse_b = block_forward(qq, kk, vv, scale, rel, qr, kr)
         acc[qa] = merge(*acc.get(qa, (None, None)), out_b, lse_b)
         cp.flops += 4 * qq.shape[0] * qq.shape[1] * (qb - qa) * (kb - ka) * qq.shape[-1]
+        cp.seconds += time.perf_counter() - t0
 
 
 def _grad(q, k, v, do, lse, delta, cp, src, scale, n_rep, dq, dkv):
@@ -190,6 +192,7 @@ def _grad(q, k, v, do, lse, delta, cp, src, scale, n_rep, dq, dkv):
         rel = relation(qr, kr)
         if rel == "skip":
             continue
+        t0 = time.perf_counter()
         dt = dq.dtype
         kk = _expand(k[:, :, ka:kb], n_rep).to(dt)
         vv = _expand(v[:, :, ka:kb], n_rep).to(dt)
@@ -199,6 +202,7 @@ def _grad(q, k, v, do, lse, delta, cp, src, scale, n_rep, dq, dkv):
         dq[:, :, qa:qb] += dq_b
         dkv[0][:, :, ka:kb] += _reduce_rep(dk_b, n_rep)
         dkv[1][:, :, ka:kb] += _reduce_rep(dv_b, n_rep)
+        cp.seconds += time.perf_counter() - t0
 
 
 def _finish(acc):
@@ -213,7 +217,6 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cp, scale):
-        t0 = time.perf_counter()
         n_rep = q.shape[1] // k.shape[1]
         acc = {"dtype": _acc_dtype(q)}
         kv = torch.stack([k, v]).contiguous()          # only kv heads travel
@@ -228,12 +231,10 @@ class RingAttention(torch.autograd.Function):
         out, lse = _finish(acc)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.scale = cp, scale
-        cp.seconds += time.perf_counter() - t0
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        t0 = time.perf_counter()
         q, k, v, out, lse = ctx.saved_tensors
         cp, scale = ctx.cp, ctx.scale
         n_rep = q.shape[1] // k.shape[1]
@@ -253,7 +254,6 @@ class RingAttention(torch.autograd.Function):
             else:                                      # the last hop brings our dK/dV home
                 (dkv,), reqs = _hop([dkv], cp)
             _wait(reqs)
-        cp.seconds += time.perf_counter() - t0
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
@@ -262,7 +262,6 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cp, scale):
-        t0 = time.perf_counter()
         n_rep = q.shape[1] // k.shape[1]
         kv = torch.stack([k, v], dim=1).contiguous()   # (B, 2, Hkv, s, d): rank blocks on dim 0
         full = torch.empty((cp.W * kv.shape[0],) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
@@ -274,12 +273,10 @@ class AllGatherAttention(torch.autograd.Function):
         out, lse = _finish(acc)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.scale = cp, scale
-        cp.seconds += time.perf_counter() - t0
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        t0 = time.perf_counter()
         q, k, v, out, lse = ctx.saved_tensors
         cp, scale = ctx.cp, ctx.scale
         n_rep = q.shape[1] // k.shape[1]
@@ -299,7 +296,6 @@ class AllGatherAttention(torch.autograd.Function):
         mine = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
         dist.reduce_scatter_tensor(mine, dfull.to(kv.dtype).view((-1,) + kv.shape[1:]),
                                    group=cp.group)
-        cp.seconds += time.perf_counter() - t0
         return dq.to(q.dtype), mine[:, 0], mine[:, 1], None, None
 
 
@@ -413,7 +409,7 @@ class CP(common.Strategy):
         return ["attention forward FLOPs per rank (all steps so far): "
                 + ", ".join(f"{f / 1e6:.1f}M" for f in fl)
                 + f"; balance max/min {max(fl) / max(min(fl), 1):.2f}",
-                "attention time per rank (fwd+bwd, s): " + ", ".join(f"{t:.3f}" for t in sec)
+                "attention block compute time per rank (fwd+bwd, s): " + ", ".join(f"{t:.3f}" for t in sec)
                 + f"; balance max/min {max(sec) / max(min(sec), 1e-12):.2f}"]
 
 

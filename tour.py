@@ -34,6 +34,10 @@ TOUR = [
     ("sp megatron W=4", "sp.py", 4, ["--model", "configs/tiny-gqa8.json"]),
     ("sp ulysses", "sp.py", 2, ["--variant", "ulysses", "--model", "configs/tiny-gqa8.json"]),
     ("sp ulysses W=4", "sp.py", 4, ["--variant", "ulysses", "--model", "configs/tiny-gqa8.json"]),
+    ("cp zigzag", "cp_ring.py", 2, []),
+    ("cp zigzag W=4", "cp_ring.py", 4, []),
+    ("cp ring W=4", "cp_ring.py", 4, ["--variant", "ring"]),
+    ("cp allgather W=4", "cp_ring.py", 4, ["--variant", "allgather"]),
 ]
 
 
