@@ -1,0 +1,464 @@
+"""pp.py: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, ZB-H1) from raw point-to-point.
+
+The idea
+    Cut the model into stages, one per rank (P ranks), and cut the batch into M micro-batches.
+    Activations flow forward from stage to stage and gradients flow back. Stage r can only run
+    micro-batch m after stage r-1 did, so the pipeline fills and drains. The idle share is the
+    bubble:
+      GPipe / AFAB  (Huang et al. 2019) all forwards, then all backwards: bubble (P-1)/(M+P-1);
+                    every stage holds the activations of all M micro-batches;
+      1F1B          (Narayanan et al., PipeDream-Flush 2021) after P-1-r warm-up forwards each
+                    stage alternates one forward and one backward: same bubble, at most P
+                    micro-batches in flight;
+      interleaved   (Narayanan et al., Megatron 2021) each rank holds V chunks (chunks r, r+P,
+                    ...), so the pipeline is V times deeper and the bubble (P-1)/(V*M+P-1);
+      ZB-H1         (Qi et al., "Zero Bubble Pipeline Parallelism" 2024) the backward splits into
+                    I (gradient of the input, on the critical path) and W (weight gradient,
+                    deferred into the cool-down bubble): (P-1)/(3M+P-1) with T_F = T_I = T_W.
+
+Schedules are pure functions (P, M, V, rank) -> ordered actions (kind, chunk, micro-batch), kind
+in F, B, I, W. A discrete-event simulation (simulate) checks every schedule's dependencies and
+measures its bubble with unit costs (F=1, B=2, I=W=1); one executor runs any of them.
+
+Point-to-point
+    Each send is posted with batch_isend_irecv as soon as its tensor exists and completes
+    asynchronously (its handle is waited at the end of the step), so no stage blocks on a send.
+    A receive is posted right before its data is needed. Shapes are known up front (micro-batch,
+    sequence, hidden). Tags carry (chunk, micro-batch, direction), so messages between the same
+    two ranks cannot be confused when interleaving reorders them; gloo matches by tag.
+
+Stage split: the decoder layers go to P*V chunks, contiguous, minimising the largest chunk's
+parameter count, with the embeddings counted on the first chunk and the final norm and head on
+the last. Tied embeddings: the first and last stages each hold a copy, and their gradients are
+summed over a two-rank group before the step.
+Loss: each micro-batch's CE sum over the global token count N, so the sum over micro-batches is
+the reference's global mean. ZB-H1's W re-traverses the stage's retained graph for the weight
+gradients (correct; its extra compute is the price of not rewriting every layer's backward).
+
+Communication per step (mb = B/M sequences, S length, H hidden, b bytes): every chunk boundary
+(P*V - 1 of them) carries M activations forward and M gradients back, each mb*S*H*b, plus one
+all_reduce of the tied embedding gradient when tied.
+"""
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import common
+from common import Expect, phase
+
+COST = {"F": 1, "B": 2, "I": 1, "W": 1}
+
+
+# ----------------------------------------------------------------------------------------------
+# Schedules: pure functions
+# ----------------------------------------------------------------------------------------------
+def schedule(name: str, P: int, M: int, V: int, rank: int) -> list[tuple[str, int, int]]:
+    """Actions (kind, chunk, micro-batch) for `rank`; chunk c lives on rank c % P."""
+    if name == "gpipe":
+        return [("F", rank, m) for m in range(M)] + [("B", rank, m) for m in range(M)]
+    if name == "1f1b":
+        return _one_f_one_b(P, M, rank)
+    if name == "interleaved":
+        return _interleaved(P, M, V, rank)
+    if name == "zb":
+        return _zb_h1(P, M, rank)
+    raise ValueError(name)
+
+
+def _one_f_one_b(P, M, rank):
+    warm = min(P - rank - 1, M)
+    acts = [("F", rank, m) for m in range(warm)]
+    f, b = warm, 0
+    while f < M:
+        acts += [("F", rank, f), ("B", rank, b)]
+        f, b = f + 1, b + 1
+    acts += [("B", rank, m) for m in range(b, M)]
+    return acts
+
+
+def _interleaved(P, M, V, rank):
+    """Megatron's interleaved 1F1B: micro-batches go through the chunks in groups of P."""
+    n = V * M
+
+    def fwd(k):  # k-th forward on this rank -> (chunk, micro-batch)
+        group, within = divmod(k, P * V)
+        return (((k // P) % V) * P + rank, group * P + within % P)
+
+    def bwd(k):
+        group, within = divmod(k, P * V)
+        return (((V - 1 - (k // P) % V)) * P + rank, group * P + within % P)
+    warm = min((P - rank - 1) * 2 + (V - 1) * P, n)
+    acts = [("F",) + fwd(k) for k in range(warm)]
+    f, b = warm, 0
+    while f < n:
+        acts += [("F",) + fwd(f), ("B",) + bwd(b)]
+        f, b = f + 1, b + 1
+    acts += [("B",) + bwd(k) for k in range(b, n)]
+    return acts
+
+
+def _zb_h1(P, M, rank):
+    """1F1B with each B split into I then W, W deferred by `rank` backward steps: later stages
+    keep their I's back to back, so the gradient wave reaches stage 0 in (P-1) I's instead of
+    (P-1) B's, and their deferred W's fill what would have been the cool-down bubble. In-flight
+    activations (F done, I not) stay those of 1F1B."""
+    delay = rank
+    acts, pending = [], []
+    for kind, c, m in _one_f_one_b(P, M, rank):
+        if kind == "F":
+            acts.append((kind, c, m))
+            continue
+        acts.append(("I", c, m))
+        pending.append(m)
+        if len(pending) > delay:
+            acts.append(("W", c, pending.pop(0)))
+    acts += [("W", rank, m) for m in pending]
+    return acts
+
+
+def simulate(name, P, M, V=1):
+    """Run every rank's actions with unit costs, honouring dependencies. Returns
+    (per-rank action lists with (start, end), makespan, bubble fraction, peak in-flight)."""
+    C = P * V
+    acts = [schedule(name, P, M, V, r) for r in range(P)]
+    done, t_rank, pos = {}, [0.0] * P, [0] * P
+    timeline = [[] for _ in range(P)]
+    inflight, peak = [0] * P, [0] * P
+    progress = True
+    while progress:
+        progress = False
+        for r in range(P):
+            while pos[r] < len(acts[r]):
+                kind, c, m = acts[r][pos[r]]
+                deps = []
+                if kind == "F" and c > 0:
+                    deps.append(("F", c - 1, m))
+                if kind in ("B", "I"):
+                    deps.append(("F", c, m))
+                    if c < C - 1:
+                        deps.append(("B" if ("B", c + 1, m) in done else "I", c + 1, m))
+                if kind == "W":
+                    deps.append(("I", c, m))
+                if any(d not in done for d in deps):
+                    break
+                start = max([t_rank[r]] + [done[d] for d in deps])
+                end = start + COST[kind]
+                done[(kind, c, m)] = end
+                t_rank[r] = end
+                timeline[r].append((kind, c, m, start, end))
+                inflight[r] += 1 if kind == "F" else (-1 if kind in ("B", "I") else 0)
+                peak[r] = max(peak[r], inflight[r])
+                pos[r] += 1
+                progress = True
+    if any(pos[r] < len(acts[r]) for r in range(P)):
+        raise RuntimeError(f"schedule {name} deadlocks (P={P}, M={M}, V={V})")
+    makespan = max(t_rank)
+    busy = sum(e - s for tl in timeline for *_, s, e in tl)
+    return timeline, makespan, 1 - busy / (P * makespan), peak
+
+
+def bubble_formula(name, P, M, V=1) -> float:
+    """(P-1)/(M+P-1); interleaved (P-1)/(V*M+P-1); ZB-H1 with T_F = T_I = T_W:
+    (P-1)(T_F+T_I-T_W) / (M(T_F+T_I+T_W) + (P-1)(T_F+T_I-T_W)) = (P-1)/(3M+P-1)."""
+    if name == "zb":
+        return (P - 1) / (3 * M + P - 1)
+    return (P - 1) / ((V if name == "interleaved" else 1) * M + P - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage split
+# ----------------------------------------------------------------------------------------------
+def split_layers(costs: list[float], first: float, last: float, n: int) -> list[range]:
+    """Contiguous split of layers (costs) into n non-empty chunks minimising the largest chunk
+    cost, the first chunk also paying `first` (embeddings) and the last `last` (norm + head)."""
+    L = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    INF = float("inf")
+    best = [[INF] * (L + 1) for _ in range(n + 1)]   # best[k][i]: first i layers in k chunks
+    cut = [[0] * (L + 1) for _ in range(n + 1)]
+    best[0][0] = 0.0
+    for k in range(1, n + 1):
+        for i in range(k, L + 1):
+            for j in range(k - 1, i):
+                cost = prefix[i] - prefix[j] + (first if j == 0 else 0) + (last if i == L else 0)
+                val = max(best[k - 1][j], cost)
+                if val < best[k][i]:
+                    best[k][i], cut[k][i] = val, j
+    bounds, i = [], L
+    for k in range(n, 0, -1):
+        bounds.append(range(cut[k][i], i))
+        i = cut[k][i]
+    return bounds[::-1]
+
+
+# ----------------------------------------------------------------------------------------------
+# The pipeline: this rank's chunks and the executor
+# ----------------------------------------------------------------------------------------------
+class Pipeline:
+    def __init__(self, model, P: int, V: int, rank: int, schedule_name: str, group=None):
+        self.model, self.P, self.V, self.rank = model, P, V, rank
+        self.schedule_name, self.C = schedule_name, P * V
+        base = model.model
+        n_layer = [sum(p.numel() for p in layer.parameters()) for layer in base.layers]
+        emb = sum(p.numel() for p in base.embed_tokens.parameters())
+        head = sum(p.numel() for p in base.norm.parameters()) + model.lm_head.weight.numel()
+        self.bounds = split_layers([float(x) for x in n_layer], emb, head, self.C)
+        self.costs = [sum(n_layer[i] for i in b) + (emb if c == 0 else 0)
+                      + (head if c == self.C - 1 else 0) for c, b in enumerate(self.bounds)]
+        self.mine = [c for c in range(self.C) if c % P == rank]
+        keep = {i for c in self.mine for i in self.bounds[c]}
+        self.tied = model.lm_head.weight is base.embed_tokens.weight
+        first, last = 0 in self.mine, self.C - 1 in self.mine
+        if self.tied and P > 1 and last and not first:
+            model.lm_head.weight = nn.Parameter(base.embed_tokens.weight.detach().clone())
+        for i in range(len(base.layers)):  # drop what this rank does not run
+            if i not in keep:
+                base.layers[i] = nn.Identity()
+        if not first:
+            base.embed_tokens = None
+        if not last:
+            base.norm, model.lm_head = None, None
+        self.tie_group = None
+        if self.tied and P > 1:  # created on every rank, in the same order
+            self.tie_group = common.name_group(dist.new_group([0, P - 1]), "tied")
+        self.timeline, self.history = [], []
+
+    # -- the model, cut into chunks --
+    def run_chunk(self, c, x, S):
+        base = self.model.model
+        pos = torch.arange(S, device=x.device)[None]
+        h = base.embed_tokens(x) if c == 0 else x
+        cos_sin = base.rotary_emb(h, pos)
+        for i in self.bounds[c]:
+            h = base.layers[i](h, attention_mask=None, position_ids=pos,
+                               position_embeddings=cos_sin)
+        if c == self.C - 1:
+            h = self.model.lm_head(base.norm(h))
+        return h
+
+    def params_of(self, c):
+        base = self.model.model
+        mods = [base.layers[i] for i in self.bounds[c]]
+        if c == 0:
+            mods.append(base.embed_tokens)
+        if c == self.C - 1:
+            mods += [base.norm, self.model.lm_head]
+        return [p for m in mods for p in m.parameters()]
+
+    # -- point-to-point --
+    def _tag(self, c, m, backward):
+        return (m * self.C + c) * 2 + int(backward)
+
+    def _send(self, t, dst_chunk, c, m, backward):
+        op = dist.P2POp(dist.isend, t.contiguous(), dst_chunk % self.P, tag=self._tag(c, m, backward))
+        self.sends.append((dist.batch_isend_irecv([op]), op.tensor))  # keep t alive till done
+
+    def _recv(self, shape, dtype, src_chunk, c, m, backward):
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        op = dist.P2POp(dist.irecv, buf, src_chunk % self.P, tag=self._tag(c, m, backward))
+        for w in dist.batch_isend_irecv([op]):
+            w.wait()
+        return buf
+
+    # -- one optimizer step's worth of micro-batches --
+    def run(self, batch: common.Batch, M: int) -> torch.Tensor:
+        mbs = batch.split(M)
+        B, S = mbs[0].input_ids.shape
+        H = self.model.config.hidden_size
+        dtype = next(self.model.parameters()).dtype
+        self.device = batch.input_ids.device
+        self.sends, self.timeline = [], []
+        inputs, outputs, grads = {}, {}, {}
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        t0 = time.perf_counter()
+        for kind, c, m in schedule(self.schedule_name, self.P, M, self.V, self.rank):
+            if kind == "F":
+                with phase("forward"):
+                    if c == 0:
+                        x = mbs[m].input_ids
+                    else:
+                        x = self._recv((B, S, H), dtype, c - 1, c, m, False).requires_grad_()
+                    start = time.perf_counter() - t0   # waiting for data is bubble, not work
+                    out = self.run_chunk(c, x, S)
+                    if c == self.C - 1:
+                        ce = common.lm_loss_sum(out, mbs[m].labels)
+                        loss_sum += ce.detach().double()
+                        out = ce / batch.n_tokens
+                    else:
+                        self._send(out.detach(), c + 1, c + 1, m, False)
+                    inputs[(c, m)], outputs[(c, m)] = x, out
+            else:
+                with phase("backward"):
+                    if kind in ("B", "I"):
+                        g = None if c == self.C - 1 else self._recv(
+                            (B, S, H), dtype, c + 1, c, m, True)
+                        grads[(c, m)] = g
+                    start = time.perf_counter() - t0
+                    x, out, g = inputs[(c, m)], outputs[(c, m)], grads[(c, m)]
+                    if kind == "B":
+                        torch.autograd.backward(out, g)
+                    elif kind == "I" and c > 0:      # the input's gradient only
+                        (dx,) = torch.autograd.grad(out, x, g, retain_graph=True)
+                        x.grad = dx
+                    elif kind == "W":                # the weights', from the retained graph
+                        torch.autograd.backward(out, g, inputs=self.params_of(c))
+                    if kind in ("B", "I") and c > 0:
+                        self._send(x.grad, c - 1, c - 1, m, True)
+                    if kind in ("B", "W"):
+                        del inputs[(c, m)], outputs[(c, m)], grads[(c, m)]
+            self.timeline.append((kind, c, m, start, time.perf_counter() - t0))
+        for works, _ in self.sends:
+            for w in works:
+                w.wait()
+        self.history = (self.history + [self.timeline])[-2:]
+        return loss_sum
+
+    def sync_tied(self):
+        """The first stage's embedding and the last stage's head are one tied tensor."""
+        first, last = 0 in self.mine, self.C - 1 in self.mine
+        if self.tie_group is None or not (first or last):
+            return
+        w = self.model.model.embed_tokens.weight if first else self.model.lm_head.weight
+        dist.all_reduce(w.grad, group=self.tie_group)
+
+
+# ----------------------------------------------------------------------------------------------
+# Harness adapter
+# ----------------------------------------------------------------------------------------------
+def pp_constraints(args, world, config) -> list[str]:
+    P, V, M = world, args.virtual_stages, args.microbatches
+    V = V if args.schedule == "interleaved" else 1
+    L = config.num_hidden_layers
+    if L < P * V:
+        return [f"{L} decoder layers cannot fill {P * V} pipeline chunks "
+                f"({P} stages x {V} virtual stages)"]
+    if args.batch % M:
+        return [f"global batch {args.batch} is not divisible by --microbatches {M}"]
+    if args.schedule == "interleaved" and P < 2:
+        return ["interleaved 1F1B needs at least 2 pipeline ranks"]
+    if args.schedule == "interleaved" and (M % P or M < P):
+        return [f"interleaved 1F1B needs --microbatches ({M}) to be a multiple of the "
+                f"pipeline size {P}"]
+    if args.attn != "sdpa":
+        return ["pp runs decoder layers itself and relies on sdpa's causal mode (--attn sdpa)"]
+    return []
+
+
+class PP(common.Strategy):
+    name = "pp"
+
+    @staticmethod
+    def add_args(p):
+        p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"])
+        p.add_argument("--microbatches", type=int, default=4, help="M")
+        p.add_argument("--virtual-stages", type=int, default=2,
+                       help="V, chunks per rank for --schedule interleaved")
+
+    constraints = staticmethod(pp_constraints)
+
+    def __init__(self, model, args, env):
+        self.args, self.env = args, env
+        self.name = f"pp-{args.schedule}"
+        V = args.virtual_stages if args.schedule == "interleaved" else 1
+        self.model = model
+        self.pipe = Pipeline(model, env.world, V, env.rank, args.schedule)
+        self.optimizer = common.make_adamw([p for p in model.parameters()], args)
+
+    def step(self, batch):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = self.pipe.run(batch, self.args.microbatches)
+        with phase("backward"):
+            self.pipe.sync_tied()
+        with phase("optimizer"):
+            if self.args.clip:
+                clip_across_stages(self.model, self.args.clip, self.pipe)
+            self.optimizer.step()
+        return common.global_loss(loss_sum, batch.n_tokens)
+
+    def _gather(self, tensors: dict) -> dict:
+        parts = [None] * self.env.world
+        with common.METER.paused():
+            dist.all_gather_object(parts, {n: t.detach().cpu() for n, t in tensors.items()
+                                           if t is not None})
+        out = {}
+        for p in parts:
+            out.update(p)
+        if self.pipe.tied:
+            out.pop("lm_head.weight", None)  # the reference has one tied tensor
+        return out
+
+    def full_grads(self):
+        return self._gather({n: p.grad for n, p in self.model.named_parameters()})
+
+    def full_params(self):
+        return self._gather({n: p for n, p in self.model.named_parameters()})
+
+    def expected_comm(self):
+        a, cfg = self.args, self.model.config
+        M, C = a.microbatches, self.pipe.C
+        act = (a.batch // M) * a.length * cfg.hidden_size * common.DTYPES[a.dtype].itemsize
+        mine = self.pipe.mine
+        sends = sum(1 for c in mine if c < C - 1) * M + sum(1 for c in mine if c > 0) * M
+        recvs = sends
+        rows = [Expect("isend", "world", sends, sends * act,
+                       f"M x (activations out + gradients back) per chunk boundary, "
+                       f"{act:,} B each"),
+                Expect("irecv", "world", recvs, recvs * act, "the mirror of the sends")]
+        if self.pipe.tie_group is not None and (0 in mine or C - 1 in mine):
+            n = self.model.config.vocab_size * cfg.hidden_size * common.DTYPES[a.dtype].itemsize
+            rows.append(Expect("all_reduce", "tied", 1, n, "tied embedding gradient"))
+        if a.clip:
+            rows.append(Expect("all_reduce", "world", 1, 8, "clip: squared-norm sum (fp64)"))
+        return rows
+
+    def report_lines(self):
+        tl = [None] * self.env.world
+        with common.METER.paused():  # the last timed step (the very last one was memory-tracked)
+            dist.all_gather_object(tl, self.pipe.history[0])
+        a = self.args
+        V = a.virtual_stages if a.schedule == "interleaved" else 1
+        end = max(e for t in tl for *_, e in t)
+        busy = sum(e - s for t in tl for *_, s, e in t)
+        measured = 1 - busy / (len(tl) * end)
+        _, _, sim, peak = simulate(a.schedule, self.env.world, a.microbatches, V)
+        lines = [f"bubble: measured {measured:.3f} (wall clock, last step), simulated {sim:.3f} "
+                 f"(unit costs F=1 B=2 I=W=1), formula "
+                 f"{bubble_formula(a.schedule, self.env.world, a.microbatches, V):.3f}; "
+                 f"peak in-flight micro-batches per stage {peak}",
+                 f"stage costs (parameters): {self.pipe.costs}"]
+        return lines + ascii_timeline(tl, end)
+
+
+def clip_across_stages(model, max_norm, pipe):
+    """Global-norm clipping: every stage's squared norm summed; a tied head copy counts once."""
+    sq = torch.zeros(1, dtype=torch.float64)
+    for n, p in model.named_parameters():
+        if p.grad is not None and not (pipe.tied and n == "lm_head.weight"):
+            sq += p.grad.double().pow(2).sum().cpu()
+    dist.all_reduce(sq)
+    coef = min(1.0, max_norm / (sq.sqrt().item() + 1e-6))
+    if coef < 1.0:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+
+
+def ascii_timeline(timelines, end, width=72) -> list[str]:
+    """One row per rank: F/B/I/W with the micro-batch's last digit, '.' idle."""
+    rows = []
+    for r, tl in enumerate(timelines):
+        line = ["."] * width
+        for kind, c, m, s, e in tl:
+            a, b = int(s / end * width), max(int(s / end * width) + 1, int(e / end * width))
+            for i in range(a, min(b, width)):
+                line[i] = kind if i == a else str(m % 10)
+        rows.append(f"  rank {r} |" + "".join(line) + "|")
+    return rows
+
+
+if __name__ == "__main__":
+    common.main(PP)
