@@ -430,6 +430,8 @@ class PP(common.Strategy):
                  f"{bubble_formula(a.schedule, self.env.world, a.microbatches, V):.3f}; "
                  f"peak in-flight micro-batches per stage {peak}",
                  f"stage costs (parameters): {self.pipe.costs}"]
+        if a.out and self.env.is_main:
+            plot_timeline(tl, end, f"{a.out}/timeline.png", self.name)
         return lines + ascii_timeline(tl, end)
 
 
@@ -458,6 +460,32 @@ def ascii_timeline(timelines, end, width=72) -> list[str]:
                 line[i] = kind if i == a else str(m % 10)
         rows.append(f"  rank {r} |" + "".join(line) + "|")
     return rows
+
+
+def plot_timeline(timelines, end, path, title):
+    """The schedule as a Gantt chart (when matplotlib is installed)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    import os
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    colors = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:green"}
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(timelines) + 1))
+    for r, tl in enumerate(timelines):
+        for kind, c, m, s, e in tl:
+            ax.barh(r, (e - s) * 1e3, left=s * 1e3, color=colors[kind], edgecolor="black",
+                    linewidth=0.3)
+            ax.text((s + e) / 2 * 1e3, r, f"{kind}{m}", ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(len(timelines)), [f"rank {r}" for r in range(len(timelines))])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    ax.set_title(f"{title}: F forward, B/I backward (input), W weight gradient")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

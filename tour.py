@@ -38,6 +38,10 @@ TOUR = [
     ("cp zigzag W=4", "cp_ring.py", 4, []),
     ("cp ring W=4", "cp_ring.py", 4, ["--variant", "ring"]),
     ("cp allgather W=4", "cp_ring.py", 4, ["--variant", "allgather"]),
+    ("pp gpipe", "pp.py", 2, ["--schedule", "gpipe"]),
+    ("pp 1f1b W=4", "pp.py", 4, ["--schedule", "1f1b"]),
+    ("pp interleaved V=2", "pp.py", 2, ["--schedule", "interleaved"]),
+    ("pp zb-h1 W=4", "pp.py", 4, ["--schedule", "zb"]),
 ]
 
 
