@@ -28,6 +28,17 @@ class Result:
         return f"<rc={self.rc}\n--- stdout\n{self.stdout[-4000:]}\n--- stderr\n{self.stderr[-4000:]}>"
 
 
+def assert_config_error(r, msg, torchrun=True):
+    """A bad configuration: exactly one `error: <msg...>` line, and exit code 2 (under torchrun,
+    rank 0's code 2 is the launcher's reported root cause; torchrun itself exits 1)."""
+    errors = [l for l in (r.stdout + r.stderr).splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: " + msg), r
+    if torchrun:
+        assert r.rc != 0 and "exitcode  : 2" in r.stderr, r
+    else:
+        assert r.rc == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r
+
+
 def launch(script, nproc, *args, out=None, timeout=300, torchrun=True):
     """Run ROOT/script with `nproc` workers (torchrun) or as a plain python process."""
     cmd = [sys.executable]

@@ -6,6 +6,7 @@ import torch
 
 import common
 import ddp
+from conftest import assert_config_error
 
 
 def assert_pass(r, world, dtype, n_tensors=39):
@@ -113,10 +114,8 @@ def test_benchmark_comm_and_memory(run, accum):
 
 def test_bad_config_torchrun(run):
     r = run("ddp.py", 3, "--batch", "8")
-    assert r.rc != 0, r
-    errors = [l for l in (r.stdout + r.stderr).splitlines() if l.startswith("error:")]
-    assert errors == ["error: global batch 8 is not divisible by world size x grad-accum = "
-                      "3 x 1 = 3"], r
+    assert_config_error(r, "global batch 8 is not divisible by world size x grad-accum = "
+                           "3 x 1 = 3")
     # rank 0 exited with code 2 and is torchrun's root cause; nothing of ours raised
     assert re.search(r"Root Cause.*\n(.*\n){0,4}\s*exitcode\s*:\s*2", r.stderr), r
     assert "common.py" not in r.stderr and "ddp.py\", line" not in r.stderr
@@ -127,10 +126,7 @@ def test_bad_config_torchrun(run):
     (["--model", "/no/such/dir"], "--model /no/such/dir: not a preset"),
 ])
 def test_bad_config_plain(run, args, msg):
-    r = run("ddp.py", 1, *args, torchrun=False)
-    assert r.rc == 2, r
-    assert r.stdout == "" and r.stderr.strip().startswith("error: " + msg), r
-    assert len(r.stderr.strip().splitlines()) == 1, r
+    assert_config_error(run("ddp.py", 1, *args, torchrun=False), msg, torchrun=False)
 
 
 def test_plan_buckets():

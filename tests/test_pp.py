@@ -5,6 +5,7 @@ import pytest
 
 import common
 import pp
+from conftest import assert_config_error
 
 CASES = [(P, M, V) for P in (2, 3, 4) for M in (1, 2, 3, 4, 8) for V in (1, 2)]
 
@@ -115,7 +116,4 @@ def test_benchmark_comm_bubble_timeline(run):
 def test_bad_config(run, cfg, args, world, msg):
     if args == ["--layers2"]:
         args = ["--model", cfg(num_hidden_layers=2)]
-    r = run("pp.py", world, *args)
-    assert r.rc != 0, r
-    errors = [l for l in (r.stdout + r.stderr).splitlines() if l.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: " + msg), r
+    assert_config_error(run("pp.py", world, *args), msg)

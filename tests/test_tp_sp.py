@@ -6,6 +6,7 @@ import torch
 
 import common
 import tp
+from conftest import assert_config_error
 
 BASE = common.PRESETS["tiny"]
 CONFIGS = {  # GQA that 4 divides; vocab 250 is padded to 252 at T=4 (and 250 at T=2)
@@ -126,11 +127,7 @@ def test_benchmark_ulysses_comm(run, cfg):
 ])
 def test_bad_config(run, cfg, script, world, args, msg):
     args = [cfg(a) if a in CONFIGS else a for a in args]
-    r = run(script, world, *args)
-    assert r.rc != 0, r
-    errors = [l for l in (r.stdout + r.stderr).splitlines() if l.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: " + msg), r
-    assert "exitcode  : 2" in r.stderr
+    assert_config_error(run(script, world, *args), msg)
 
 
 def test_vocab_parallel_cross_entropy_masks_padding(group):
