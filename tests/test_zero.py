@@ -122,3 +122,18 @@ def test_units_cover_every_parameter_once():
         ids = [id(p) for _, mods in units for mod in mods for p in mod.parameters()]
         assert len(set(ids)) == len(list(m.parameters()))
         assert [n for n, _ in units][0] == ("embed+head" if tied else "embed")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,psi_units", [(1, 10), (2, 9), (3, 8)])
+def test_bf16_mixed_precision_memory_and_correctness(run, stage, psi_units):
+    # 2Psi + 2Psi + 12Psi/N, 2Psi + 14Psi/N, 16Psi/N at N=2: fp32 masters and Adam in the shards
+    r = run("zero.py", 2, "--mode", "benchmark", "--stage", stage, "--dtype", "bfloat16",
+            "--warmup", "1", "--bench-iters", "1")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    m = r.json("benchmark.json")["ours"]["memory"][0]
+    assert m["model_states"] == psi_units * TINY_PARAMS, m
+    assert m["optimizer"] == 12 * TINY_PARAMS // 2   # master + m + v, fp32, sharded
+    if stage == 2:  # and the errors stay within 4x the single-device bf16 error
+        c = run("zero.py", 2, "--stage", stage, "--dtype", "bfloat16")
+        assert c.rc == 0 and c.last_line.startswith("PASS"), c
