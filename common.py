@@ -751,14 +751,23 @@ def full_tensor(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def local_model_states(model, optimizer) -> dict[str, list[torch.Tensor]]:
-    """model_states() for PyTorch's DTensor-based baselines: the local shards."""
-    local = lambda ts: [t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-                        for t in ts if t is not None]
-    opt = [v for s in optimizer.state.values() for v in s.values()
-           if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return {"params": local(model.parameters()),
-            "grads": local(p.grad for p in model.parameters()), "optimizer": local(opt)}
+class DTensorBaseline(Strategy):
+    """Reassembly for PyTorch's DTensor-based baselines (FSDP2, DTensor TP): full tensors via
+    full_tensor(), resident bytes from the local shards."""
+
+    def full_grads(self):
+        return {n: full_tensor(p.grad) for n, p in self.model.named_parameters()}
+
+    def full_params(self):
+        return {n: full_tensor(p.detach()) for n, p in self.model.named_parameters()}
+
+    def model_states(self):
+        local = lambda ts: [t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+                            for t in ts if t is not None]
+        opt = [v for s in self.optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return {"params": local(self.model.parameters()),
+                "grads": local(p.grad for p in self.model.parameters()), "optimizer": local(opt)}
 
 
 def make_adamw(params, args) -> torch.optim.AdamW:

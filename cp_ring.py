@@ -211,6 +211,15 @@ def _finish(acc):
             torch.cat([acc[k][1] for k in keys], dim=2))
 
 
+def _backward_setup(ctx, dout):
+    """What both backwards start from: saved tensors, dO in the accumulation dtype, the row sums
+    delta = rowsum(dO * O) of the softmax backward, and a zero dQ."""
+    q, k, v, out, lse = ctx.saved_tensors
+    do = dout.to(out.dtype)
+    return (q, k, v, lse, ctx.cp, ctx.scale, q.shape[1] // k.shape[1], do, (do * out).sum(-1),
+            torch.zeros_like(q, dtype=out.dtype))
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention of local q (B, H, s, d) to the whole sharded sequence, K/V (B, Hkv, s, d)
     passed around the ring."""
@@ -235,13 +244,8 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        cp, scale = ctx.cp, ctx.scale
-        n_rep = q.shape[1] // k.shape[1]
-        dt = out.dtype
-        do = dout.to(dt)
-        delta = (do * out).sum(-1)
-        dq = torch.zeros_like(q, dtype=dt)
+        q, k, v, lse, cp, scale, n_rep, do, delta, dq = _backward_setup(ctx, dout)
+        dt = dq.dtype
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros_like(kv, dtype=dt)           # travels with kv, home after W hops
         for step in range(cp.W):
@@ -277,17 +281,12 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        cp, scale = ctx.cp, ctx.scale
-        n_rep = q.shape[1] // k.shape[1]
-        dt = out.dtype
-        do = dout.to(dt)
-        delta = (do * out).sum(-1)
+        q, k, v, lse, cp, scale, n_rep, do, delta, dq = _backward_setup(ctx, dout)
+        dt = dq.dtype
         kv = torch.stack([k, v], dim=1).contiguous()
         full = torch.empty((cp.W * kv.shape[0],) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
         dist.all_gather_into_tensor(full, kv, group=cp.group)   # K/V were not kept: gather again
         full = full.view((cp.W,) + kv.shape)
-        dq = torch.zeros_like(q, dtype=dt)
         dfull = torch.zeros(full.shape, dtype=dt, device=q.device)
         for src in range(cp.W):
             blk = [dfull[src][:, 0], dfull[src][:, 1]]
@@ -356,21 +355,7 @@ class CP(common.Strategy):
         self.optimizer = common.make_adamw(model.parameters(), args)
 
     def step(self, batch):
-        W = self.env.world
-        B = batch.input_ids.shape[0]
-        self.dp.zero_grad()
-        with phase("forward"):
-            logits = self.model(input_ids=batch.input_ids[:, self.pos],
-                                position_ids=self.pos[None].expand(B, -1)).logits
-            ce = common.lm_loss_sum(logits, batch.labels[:, self.pos])
-        with phase("backward"):
-            (ce * W / batch.n_tokens).backward()    # averaged over W by DataParallel
-            self.dp.finish()
-        with phase("optimizer"):
-            if self.args.clip:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
-            self.optimizer.step()
-        return common.global_loss(ce.detach(), batch.n_tokens)
+        return ddp.token_sharded_step(self, batch, self.pos)
 
     def expected_comm(self):
         cfg, a, W = self.model.config, self.args, self.env.world

@@ -148,6 +148,27 @@ def forward_backward(model, batch: common.Batch, rank: int, world: int, accum: i
     return local_sum
 
 
+def token_sharded_step(strat, batch: common.Batch, pos: torch.Tensor) -> float:
+    """One step when ranks hold the same weights but different tokens of every sequence
+    (Ulysses, context parallelism): forward this rank's positions `pos` with their global
+    position ids, backpropagate W * CE_sum / N, average the gradients (strat.dp, DataParallel),
+    clip, step. Returns the global loss."""
+    W, B = strat.env.world, batch.input_ids.shape[0]
+    strat.dp.zero_grad()
+    with phase("forward"):
+        logits = strat.model(input_ids=batch.input_ids[:, pos],
+                             position_ids=pos[None].expand(B, -1)).logits
+        ce = common.lm_loss_sum(logits, batch.labels[:, pos])
+    with phase("backward"):
+        (ce * W / batch.n_tokens).backward()
+        strat.dp.finish()
+    with phase("optimizer"):
+        if strat.args.clip:
+            torch.nn.utils.clip_grad_norm_(strat.model.parameters(), strat.args.clip)
+        strat.optimizer.step()
+    return common.global_loss(ce.detach(), batch.n_tokens)
+
+
 # ----------------------------------------------------------------------------------------------
 # Harness adapter
 # ----------------------------------------------------------------------------------------------

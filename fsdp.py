@@ -145,7 +145,7 @@ class FSDP(zero.ZeRO):
         return rows
 
 
-class TorchFSDP2(common.Strategy):
+class TorchFSDP2(common.DTensorBaseline):
     """Baseline: PyTorch's FSDP2 (fully_shard) on each decoder layer and the root."""
     name = "torch-fsdp2"
     constraints = staticmethod(fsdp_constraints)
@@ -173,15 +173,6 @@ class TorchFSDP2(common.Strategy):
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
             self.optimizer.step()
         return common.global_loss(local_sum, batch.n_tokens)
-
-    def full_grads(self):
-        return {n: common.full_tensor(p.grad) for n, p in self.model.named_parameters()}
-
-    def full_params(self):
-        return {n: common.full_tensor(p.detach()) for n, p in self.model.named_parameters()}
-
-    def model_states(self):
-        return common.local_model_states(self.model, self.optimizer)
 
 
 FSDP.native = [TorchFSDP2, ddp.DDP]

@@ -286,26 +286,11 @@ class Ulysses(common.Strategy):
         self.dp = ddp.DataParallel(model, broadcast=False,
                                    average=args.plant_bug != "no-average")
         self.optimizer = common.make_adamw(model.parameters(), args)
+        s, r = args.length // env.world, env.rank   # this rank's contiguous tokens
+        self.pos = torch.arange(r * s, (r + 1) * s, device=env.device)
 
     def step(self, batch):
-        W, r = self.env.world, self.env.rank
-        s = batch.input_ids.shape[1] // W
-        chunk = slice(r * s, (r + 1) * s)
-        positions = torch.arange(r * s, (r + 1) * s, device=batch.input_ids.device)
-        self.dp.zero_grad()
-        with phase("forward"):
-            logits = self.model(input_ids=batch.input_ids[:, chunk],
-                                position_ids=positions[None].expand(batch.input_ids.shape[0], s)
-                                ).logits
-            ce = common.lm_loss_sum(logits, batch.labels[:, chunk])
-        with phase("backward"):
-            (ce * W / batch.n_tokens).backward()   # averaged over W by DataParallel
-            self.dp.finish()
-        with phase("optimizer"):
-            if self.args.clip:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
-            self.optimizer.step()
-        return common.global_loss(ce.detach(), batch.n_tokens)
+        return ddp.token_sharded_step(self, batch, self.pos)
 
     def expected_comm(self):
         cfg, a, W = self.model.config, self.args, self.env.world

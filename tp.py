@@ -422,7 +422,7 @@ class TP(common.Strategy):
                        + (" + clip" if a.clip else ""))]
 
 
-class DTensorTP(common.Reference):
+class DTensorTP(common.DTensorBaseline, common.Reference):
     """Baseline: PyTorch DTensor's parallelize_module with the same Megatron plan (colwise
     q/k/v/gate/up, rowwise o/down, vocab-sharded embedding) and a full-vocabulary LM head.
     The step is the reference's: DTensor makes the plain training code parallel."""
@@ -445,15 +445,6 @@ class DTensorTP(common.Reference):
             plan[p + "self_attn.o_proj"] = RowwiseParallel()
             plan[p + "mlp.down_proj"] = RowwiseParallel()
         super().__init__(parallelize_module(model, mesh, plan), args, env)
-
-    def full_grads(self):
-        return {n: common.full_tensor(p.grad) for n, p in self.model.named_parameters()}
-
-    def full_params(self):
-        return {n: common.full_tensor(p.detach()) for n, p in self.model.named_parameters()}
-
-    def model_states(self):
-        return common.local_model_states(self.model, self.optimizer)
 
 
 TP.native = DTensorTP
