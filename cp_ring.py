@@ -261,16 +261,21 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
+def _gather_kv(k, v, cp):
+    """Every rank's K and V as (W, B, 2, Hkv, s, d): one all-gather, rank blocks on dim 0."""
+    kv = torch.stack([k, v], dim=1).contiguous()
+    full = torch.empty((cp.W * kv.shape[0],) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
+    dist.all_gather_into_tensor(full, kv, group=cp.group)
+    return full.view((cp.W,) + kv.shape)
+
+
 class AllGatherAttention(torch.autograd.Function):
     """Llama 3 style: all-gather K/V once per layer, reduce-scatter dK/dV in the backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, cp, scale):
         n_rep = q.shape[1] // k.shape[1]
-        kv = torch.stack([k, v], dim=1).contiguous()   # (B, 2, Hkv, s, d): rank blocks on dim 0
-        full = torch.empty((cp.W * kv.shape[0],) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
-        dist.all_gather_into_tensor(full, kv, group=cp.group)
-        full = full.view((cp.W,) + kv.shape)
+        full = _gather_kv(k, v, cp)
         acc = {"dtype": _acc_dtype(q)}
         for src in range(cp.W):
             _attend(q, full[src][:, 0], full[src][:, 1], cp, src, scale, n_rep, acc)
@@ -283,17 +288,14 @@ class AllGatherAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, lse, cp, scale, n_rep, do, delta, dq = _backward_setup(ctx, dout)
         dt = dq.dtype
-        kv = torch.stack([k, v], dim=1).contiguous()
-        full = torch.empty((cp.W * kv.shape[0],) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
-        dist.all_gather_into_tensor(full, kv, group=cp.group)   # K/V were not kept: gather again
-        full = full.view((cp.W,) + kv.shape)
+        full = _gather_kv(k, v, cp)                      # K/V were not kept: gather again
         dfull = torch.zeros(full.shape, dtype=dt, device=q.device)
         for src in range(cp.W):
             blk = [dfull[src][:, 0], dfull[src][:, 1]]
             _grad(q, full[src][:, 0], full[src][:, 1], do, lse, delta, cp, src, scale, n_rep,
                   dq, blk)
-        mine = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
-        dist.reduce_scatter_tensor(mine, dfull.to(kv.dtype).view((-1,) + kv.shape[1:]),
+        mine = torch.empty(full.shape[1:], dtype=full.dtype, device=full.device)
+        dist.reduce_scatter_tensor(mine, dfull.to(full.dtype).view((-1,) + full.shape[2:]),
                                    group=cp.group)
         return dq.to(q.dtype), mine[:, 0], mine[:, 1], None, None
 
