@@ -1130,19 +1130,20 @@ def _gather_objects(obj):
     return out
 
 
-def bench_strategy(run: Run, strat, ranks_active=True) -> dict:
-    """Warm-up, fixed timed iterations, then one tracked step for memory. Collective."""
+def _timed_steps(run: Run, strat, timed=contextlib.nullcontext,
+                 before_each=lambda: None) -> tuple[float, float]:
+    """--warmup steps, then --bench-iters timed ones inside `timed()` (e.g. the comm meter):
+    medians of (step, forward) seconds on this rank. CUDA work is synchronised around each step
+    and phase, so the times are real."""
     args, env = run.args, run.env
     phase.sync = (lambda: torch.cuda.synchronize()) if env.device.type == "cuda" else None
     for s in range(args.warmup):
         strat.step(run.batch(s))
     times, fwd = [], []
-    METER.reset()
-    with METER.measuring():
+    with timed():
         for i in range(args.bench_iters):
             batch = run.batch(args.warmup + i)
-            with METER.paused():
-                dist.barrier()
+            before_each()
             _sync(env)
             phase.reset()
             t0 = time.perf_counter()
@@ -1150,15 +1151,26 @@ def bench_strategy(run: Run, strat, ranks_active=True) -> dict:
             _sync(env)
             times.append(time.perf_counter() - t0)
             fwd.append(phase.elapsed.get("forward", float("nan")))
-        comm = METER.snapshot(per=args.bench_iters)
-        raw_counts = {k: tuple(v) for k, v in METER.counts.items()}
+    phase.sync = None
+    return sorted(times)[len(times) // 2], sorted(fwd)[len(fwd) // 2]
+
+
+def bench_strategy(run: Run, strat) -> dict:
+    """Timed steps (comm metered, ranks aligned by a barrier), then one tracked step for
+    memory. Collective: times are the max over ranks."""
+    args = run.args
+
+    def barrier():  # align the ranks' starts (not counted)
+        with METER.paused():
+            dist.barrier()
+    METER.reset()
+    step_t, fwd_t = _timed_steps(run, strat, METER.measuring, barrier)
+    comm = METER.snapshot(per=args.bench_iters)
+    raw_counts = {k: tuple(v) for k, v in METER.counts.items()}
     METER.reset()
     mem = measure_memory(run, strat)
-    step_t = _max_over_ranks(sorted(times)[len(times) // 2])
-    fwd_t = _max_over_ranks(sorted(fwd)[len(fwd) // 2])
-    phase.sync = None
-    tokens = args.batch * args.length
-    return dict(step_s=step_t, forward_s=fwd_t, tokens_per_s=tokens / step_t,
+    step_t, fwd_t = _max_over_ranks(step_t), _max_over_ranks(fwd_t)
+    return dict(step_s=step_t, forward_s=fwd_t, tokens_per_s=args.batch * args.length / step_t,
                 comm=comm, comm_divisible=all(c % args.bench_iters == 0 and
                                               b % args.bench_iters == 0
                                               for c, b in raw_counts.values()),
@@ -1223,22 +1235,9 @@ def run_benchmark(run: Run, cls) -> bool:
 
 def _bench_single(run: Run, strat) -> dict:
     """bench_strategy for one process, without collectives."""
-    args, env = run.args, run.env
-    for s in range(args.warmup):
-        strat.step(run.batch(s))
-    times, fwd = [], []
-    for i in range(args.bench_iters):
-        batch = run.batch(args.warmup + i)
-        _sync(env)
-        phase.reset()
-        t0 = time.perf_counter()
-        strat.step(batch)
-        _sync(env)
-        times.append(time.perf_counter() - t0)
-        fwd.append(phase.elapsed.get("forward", float("nan")))
-    step_t = sorted(times)[len(times) // 2]
-    return dict(step_s=step_t, forward_s=sorted(fwd)[len(fwd) // 2],
-                tokens_per_s=args.batch * args.length / step_t,
+    step_t, fwd_t = _timed_steps(run, strat)
+    return dict(step_s=step_t, forward_s=fwd_t,
+                tokens_per_s=run.args.batch * run.args.length / step_t,
                 memory=[measure_memory(run, strat)])
 
 
