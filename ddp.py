@@ -80,10 +80,13 @@ class DataParallel:
     """Wraps a model: broadcast at construction, bucketed overlapped all_reduce in backward."""
 
     def __init__(self, model: torch.nn.Module, group=None, bucket_mb: float = 25.0,
-                 broadcast: bool = True, average: bool = True):
+                 broadcast: bool = True, average: bool = True, params=None):
+        """params: the replicated parameters to synchronise (default: all of the model's;
+        expert parallelism passes the non-expert ones)."""
         self.model, self.group, self.average = model, group, average
         self.world = dist.get_world_size(group)
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = [p for p in (model.parameters() if params is None else params)
+                  if p.requires_grad]
         if broadcast:  # replicas must start identical: rank 0's weights win
             src = dist.get_global_rank(group, 0) if group is not None else 0
             with torch.no_grad():

@@ -1,0 +1,560 @@
+"""ep_moe.py: expert parallelism for a Mixture-of-Experts model (HF Mixtral), from raw primitives.
+
+The idea
+    A MoE layer replaces the MLP with E experts and a router that sends each token to its top-k.
+    Expert parallelism puts E/W experts on each of W ranks. Everything else (attention, norms,
+    embeddings, the routers) is replicated and data-parallel: each rank runs B/W sequences, and
+    the replicated gradients are summed over the ranks. An expert's weights live on one rank
+    only, so its gradient needs no all-reduce: the tokens come to the expert instead.
+
+Who talks to whom, per MoE layer (Lepikhin et al. "GShard" 2020; Fedus et al. "Switch" 2021)
+    1. route: logits = x W_g^T, p = softmax(logits) (fp32 or wider), top-k of p, weights
+       renormalised to sum to 1: the same math as HF's MixtralTopKRouter.
+    2. sort this rank's (token, choice) pairs by expert, which is by destination rank
+       (rank d owns experts [d E/W, (d+1) E/W)).
+    3. all_to_all_single of the per-expert counts (E int64), so every rank knows how many rows it
+       will receive from whom and for which of its experts.
+    4. dispatch: an uneven all_to_all_single of the token rows.
+    5. the local experts run on contiguous row groups (rows re-sorted expert-major).
+    6. combine: the reverse all_to_all_single, then out[t] += w[t, j] * y[t, j] in token order.
+    The all-to-all is an autograd Function whose backward is the same exchange with the splits
+    swapped, so the backward mirrors the forward: 4 token all-to-alls per layer per step.
+
+Communication per layer per step, dropless (T = tokens per rank, H = hidden, b = bytes/element)
+    logical send bytes, summed over ranks:  4 k (W T) H b     (dispatch + combine, fwd + bwd)
+    per-rank wire, forward dispatch+combine: 2 k T H b (W-1)/W  under uniform routing (the rows
+                                             that stay on their own rank cost nothing)
+    replicated gradients: all_reduce of Psi_dense b per step, as DDP; experts: none.
+
+Capacity (--capacity-factor c; default: none, i.e. dropless)
+    Each expert takes at most C = ceil(c k N / E) rows per layer, N = tokens in the global batch.
+    Priority (stated, GShard-style): every first choice before any second choice, then global
+    token order (batch row, then position). Drops are therefore a function of the global batch,
+    not of the layout: the single-device reference applies exactly the same drops. A dropped
+    choice contributes nothing (its weight is zero; the token's other choice keeps its weight,
+    and the residual stream carries the token on). In this mode the count exchange is an
+    all_gather of every rank's (slot, expert) counts instead: from it each rank computes both its
+    own drops and how many rows it will receive, so dropped rows are never sent.
+
+Load balancing
+    --aux-coef a: Switch's auxiliary loss, as HF's load_balancing_loss_func computes it:
+        aux = E * sum_e f_e * P_e,  f_e = (top-k assignments to e) / (L N),  P_e = (sum of
+        router probabilities of e) / (L N), over all L layers and N tokens of the global batch.
+        f is a global count, so one all_reduce of the (L, E) counts per step; P is a sum, so each
+        rank backpropagates E * sum_e f_e * P_e(local) and the sum over ranks is exact.
+    --z-coef z: the router z-loss of ST-MoE (Zoph et al. 2022): mean over layers and tokens of
+        logsumexp(logits)^2. A plain sum over tokens, so no communication.
+    --aux-free-bias: DeepSeek-V3's auxiliary-loss-free balancing (Wang et al. 2024): a per-layer,
+        per-expert bias added to the probabilities for the top-k *selection* only (the combine
+        weights stay the unbiased probabilities); after each step b_e += rate * sign(mean load -
+        load_e), from the global loads (the same all_reduce of counts).
+
+Numerics: HF's router casts the logits with .float(), which would round a float64 run to float32;
+route() promotes to at least float32 instead (identical in float32 and bfloat16). The reference
+is HF's model with the same router, HF's own expert module, and the same loss terms.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import common
+from common import Expect, phase
+from ddp import DataParallel
+
+
+# ----------------------------------------------------------------------------------------------
+# Communication: the uneven all-to-all and its mirror
+# ----------------------------------------------------------------------------------------------
+class AllToAll(torch.autograd.Function):
+    """Rows x (sum(send_splits), ...) -> (sum(recv_splits), ...): send_splits[d] rows go to rank
+    d, recv_splits[s] rows arrive from rank s. Backward: the same exchange with splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, recv_splits, send_splits, group):
+        ctx.splits, ctx.group = (recv_splits, send_splits), group
+        out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        recv_splits, send_splits = ctx.splits
+        gx = grad.new_empty((sum(send_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(gx, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
+        return gx, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing, capacity and the router losses (shared by the reference and the parallel block)
+# ----------------------------------------------------------------------------------------------
+def route(weight, x, top_k, bias=None):
+    """HF MixtralTopKRouter's math: (logits (N,E), probs (N,E), weights (N,k), experts (N,k)).
+    The bias, if any, only changes which experts are selected."""
+    logits = F.linear(x, weight)
+    probs = F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    if bias is None:
+        top, idx = torch.topk(probs, top_k, dim=-1)
+    else:
+        idx = torch.topk(probs + bias, top_k, dim=-1).indices
+        top = probs.gather(-1, idx)
+    return logits, probs, top / top.sum(dim=-1, keepdim=True), idx
+
+
+def expert_capacity(factor: float, n_global: int, top_k: int, n_experts: int) -> int:
+    return math.ceil(factor * top_k * n_global / n_experts)
+
+
+def capacity_keep(idx, counts_all, rank: int, capacity: int):
+    """Which of this rank's choices idx (N, k) fit, and the kept counts of every rank.
+
+    counts_all (W, k, E): choices per (rank, slot, expert). The queue of expert e is ordered by
+    slot, then rank, then local token order (= slot, then global token order). The choice
+    (t, j) -> e sits at  sum_{j'<j} counts[:, j', e] + sum_{r'<r} counts[r', j, e]
+    + #{t' < t : idx[t', j] = e}, and is kept when that is < capacity.
+    Returns keep (N, k) bool and kept_all (W, k, E)."""
+    glob = counts_all.sum(0)                                         # (k, E)
+    ahead_all = (glob.cumsum(0) - glob)[None] + (counts_all.cumsum(0) - counts_all)  # (W, k, E)
+    kept_all = (capacity - ahead_all).clamp(min=0).minimum(counts_all)
+    onehot = F.one_hot(idx, counts_all.shape[-1])                    # (N, k, E)
+    before = (onehot.cumsum(0) - onehot).gather(-1, idx[..., None])[..., 0]
+    pos = before + ahead_all[rank].gather(1, idx.T).T
+    return pos < capacity, kept_all
+
+
+def router_losses(stats: list[dict], n_global: int, n_experts: int, reduce=None):
+    """(counts (L,E) global top-k assignments, aux, z) from the per-layer records of one forward.
+    aux (Switch / HF load_balancing_loss_func) and z (ST-MoE) are this rank's share: summed over
+    ranks they are the global values. reduce: all_reduce of the counts (None on one device)."""
+    counts = torch.stack([s["counts"] for s in stats])              # (L, E)
+    if reduce is not None:
+        counts = reduce(counts)
+    rows = len(stats) * n_global
+    prob_sum = torch.stack([s["prob_sum"] for s in stats]).sum(0)
+    f = counts.sum(0).to(prob_sum.dtype) / rows
+    aux = n_experts * (f * prob_sum / rows).sum()
+    z = sum(s["z_sum"] for s in stats) / rows if "z_sum" in stats[0] else None
+    return counts, aux, z
+
+
+def update_bias(blocks, counts, rate: float):
+    """Aux-loss-free balancing: b_e += rate * sign(mean load - load_e), per layer."""
+    with torch.no_grad():
+        for blk, load in zip(blocks, counts.to(blocks[0].bias.dtype)):
+            blk.bias += rate * torch.sign(load.mean() - load)
+
+
+# ----------------------------------------------------------------------------------------------
+# MoE blocks: a common routing front, then either HF's experts (reference) or the all-to-all
+# ----------------------------------------------------------------------------------------------
+class MoEBlock(nn.Module):
+    """Replaces a MixtralSparseMoeBlock, keeping its `gate` (router) so parameter names stay
+    HF's. Subclasses implement dispatch_combine(x, weights, experts)."""
+
+    def __init__(self, hf_block, stats: list, opts):
+        super().__init__()
+        self.gate = hf_block.gate
+        self.top_k, self.num_experts = hf_block.top_k, hf_block.gate.num_experts
+        self.stats, self.opts = stats, opts
+        w = self.gate.weight
+        self.register_buffer("bias", torch.zeros(self.num_experts, device=w.device,
+                                                 dtype=torch.promote_types(w.dtype, torch.float32))
+                             if opts.aux_free_bias else None)
+        self.world, self.rank = 1, 0
+
+    def forward(self, hidden):
+        b, s, h = hidden.shape
+        x = hidden.reshape(-1, h)
+        logits, probs, w, idx = route(self.gate.weight, x, self.top_k, self.bias)
+        rec = dict(counts=torch.bincount(idx.reshape(-1), minlength=self.num_experts),
+                   prob_sum=probs.sum(0), choices=idx.numel() * self.world)
+        if self.opts.z_coef:
+            rec["z_sum"] = torch.logsumexp(logits.to(probs.dtype), dim=-1).pow(2).sum()
+        self.stats.append(rec)
+        keep = None
+        if self.opts.capacity_factor:
+            cap = expert_capacity(self.opts.capacity_factor, x.shape[0] * self.world,
+                                  self.top_k, self.num_experts)
+            local = F.one_hot(idx, self.num_experts).sum(0)         # (k, E)
+            keep, kept_all = capacity_keep(idx, self.gather_counts(local), self.rank, cap)
+            rec.update(kept_all=kept_all, kept=int(kept_all.sum()))
+        return self.dispatch_combine(x, w, idx, keep, rec).reshape(b, s, h)
+
+    def gather_counts(self, local):
+        return local[None]
+
+
+class ReferenceMoE(MoEBlock):
+    """Single device: the global batch's drops applied as zero weights, then HF's own experts."""
+
+    def __init__(self, hf_block, stats, opts):
+        super().__init__(hf_block, stats, opts)
+        self.experts = hf_block.experts
+
+    def dispatch_combine(self, x, w, idx, keep, rec):
+        if keep is not None:
+            w = w * keep
+        rec["load"] = rec.get("kept_all", rec["counts"][None]).reshape(-1, self.num_experts).sum(0)
+        return self.experts(x, idx, w)
+
+
+class LocalExperts(nn.Module):
+    """This rank's slice [first, first + n) of HF's fused expert weights, run group by group."""
+
+    def __init__(self, hf_experts, first: int, n: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(hf_experts.gate_up_proj.detach()[first:first + n].clone())
+        self.down_proj = nn.Parameter(hf_experts.down_proj.detach()[first:first + n].clone())
+        self.act_fn = hf_experts.act_fn
+
+    def forward(self, x, counts: list[int]):
+        outs, off = [], 0
+        for e, n in enumerate(counts):          # x: rows grouped by local expert, counts[e] each
+            gate, up = F.linear(x[off:off + n], self.gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
+            off += n
+        return torch.cat(outs)
+
+
+class ExpertParallelMoE(MoEBlock):
+    def __init__(self, hf_block, stats, opts, group):
+        super().__init__(hf_block, stats, opts)
+        self.group = group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.local = self.num_experts // self.world
+        self.experts = LocalExperts(hf_block.experts, self.rank * self.local, self.local)
+
+    def gather_counts(self, local):
+        out = local.new_empty((self.world * local.shape[0],) + tuple(local.shape[1:]))
+        dist.all_gather_into_tensor(out, local.contiguous(), group=self.group)
+        return out.view((self.world,) + tuple(local.shape))
+
+    def dispatch_combine(self, x, w, idx, keep, rec):
+        N, k = idx.shape
+        W, El, E = self.world, self.local, self.num_experts
+        flat_e, flat_w = idx.reshape(-1), w.reshape(-1)
+        flat_t = torch.arange(N, device=x.device).repeat_interleave(k)
+        if keep is not None:                    # dropped choices are never sent
+            sel = keep.reshape(-1)
+            flat_e, flat_t, flat_w = flat_e[sel], flat_t[sel], flat_w[sel]
+        # 2. sort by expert = by destination rank (stable: token order inside each expert)
+        order = torch.argsort(flat_e, stable=True)
+        e_s, t_s, w_s = flat_e[order], flat_t[order], flat_w[order]
+        send = torch.bincount(e_s, minlength=E)                     # rows per expert, (E,)
+        # 3. counts: recv[s, e] rows from rank s for my local expert e
+        if keep is None:
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=self.group)
+            recv = recv.view(W, El)
+        else:
+            recv = rec["kept_all"].sum(1)[:, self.rank * El:(self.rank + 1) * El]
+        send_splits = send.view(W, El).sum(1).tolist()
+        recv_splits = recv.sum(1).tolist()
+        # 4. dispatch
+        xr = AllToAll.apply(x[t_s], recv_splits, send_splits, self.group)
+        # 5. local experts on expert-major rows (arrivals are source-major)
+        expert_of_row = torch.arange(El, device=x.device).repeat(W).repeat_interleave(
+            recv.reshape(-1))
+        perm = torch.argsort(expert_of_row, stable=True)
+        y = self.experts(xr[perm], recv.sum(0).tolist())
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), device=x.device)
+        # 6. combine: back to the senders, weighted, summed per token
+        yb = AllToAll.apply(y[inv], send_splits, recv_splits, self.group)
+        rec.update(load=recv.sum(0), sent_off=sum(send_splits) - send_splits[self.rank],
+                   recv_off=sum(recv_splits) - recv_splits[self.rank], sent=sum(send_splits))
+        return torch.zeros_like(x).index_add(0, t_s, (yb * w_s[:, None]).to(x.dtype))
+
+
+def install(model, make_block) -> list[MoEBlock]:
+    """Swap every decoder layer's MixtralSparseMoeBlock for make_block(hf_block), in place."""
+    blocks = []
+    for layer in model.model.layers:
+        layer.mlp = make_block(layer.mlp)
+        blocks.append(layer.mlp)
+    return blocks
+
+
+def is_expert(name: str) -> bool:
+    return ".experts." in name
+
+
+# ----------------------------------------------------------------------------------------------
+# The single-device reference: HF's model and experts, the same drops and loss terms
+# ----------------------------------------------------------------------------------------------
+class MoEReference(common.Reference):
+    def __init__(self, ref_model, args, env):
+        super().__init__(ref_model, args, env)
+        self.stats = []
+        self.blocks = install(ref_model, lambda b: ReferenceMoE(b, self.stats, args))
+
+    def step(self, batch):
+        self.optimizer.zero_grad(set_to_none=True)
+        self.stats.clear()
+        with phase("forward"):
+            loss = common.lm_loss_sum(self.model(input_ids=batch.input_ids).logits,
+                                      batch.labels) / batch.n_tokens
+            counts, aux, z = router_losses(self.stats, batch.input_ids.numel(),
+                                           self.blocks[0].num_experts)
+            loss = loss + self.args.aux_coef * aux + (self.args.z_coef * z if z is not None else 0)
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer"):
+            if self.args.clip:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
+            self.optimizer.step()
+        if self.args.aux_free_bias:
+            update_bias(self.blocks, counts, self.args.bias_rate)
+        return loss.item()
+
+
+# ----------------------------------------------------------------------------------------------
+# Harness adapter
+# ----------------------------------------------------------------------------------------------
+def ep_constraints(args, world, config) -> list[str]:
+    E = getattr(config, "num_local_experts", None)
+    if not E:
+        return [f"--model {args.model} is not a Mixture-of-Experts config (no num_local_experts); "
+                "use --model tiny-moe or a Mixtral config"]
+    errs = []
+    if E % world:
+        errs.append(f"world size {world} does not divide num_local_experts {E}")
+    if args.batch % world:
+        errs.append(f"global batch {args.batch} is not divisible by world size {world}")
+    if getattr(config, "router_jitter_noise", 0.0):
+        errs.append(f"router_jitter_noise={config.router_jitter_noise} is random per layout; "
+                    "set it to 0")
+    if args.capacity_factor is not None and args.capacity_factor <= 0:
+        errs.append(f"--capacity-factor must be > 0 (got {args.capacity_factor})")
+    if args.aux_free_bias and args.aux_coef:
+        errs.append("--aux-free-bias replaces the auxiliary loss: set --aux-coef 0")
+    if args.aux_coef < 0 or args.z_coef < 0:
+        errs.append("--aux-coef and --z-coef must be >= 0")
+    return errs
+
+
+class ExpertParallel(common.Strategy):
+    name = "ep"
+    reference = MoEReference
+    # Top-k routing is discontinuous: in float32, rounding differences between the layouts flip
+    # a few expert choices within tens of steps and the two loss curves drift apart by ~1%
+    # (both still learn). Learning mode therefore compares in float64 on CPU by default.
+    cpu_dtype = {"learning": "float64"}
+
+    @staticmethod
+    def add_args(p):
+        p.set_defaults(model="tiny-moe")
+        p.add_argument("--capacity-factor", type=float, default=None,
+                       help="expert capacity ceil(c k N / E) rows per layer; default dropless")
+        p.add_argument("--aux-coef", type=float, default=0.01,
+                       help="Switch/HF load-balancing loss coefficient")
+        p.add_argument("--z-coef", type=float, default=0.0, help="router z-loss coefficient")
+        p.add_argument("--aux-free-bias", action="store_true",
+                       help="DeepSeek-V3 style selection bias instead of the auxiliary loss")
+        p.add_argument("--bias-rate", type=float, default=1e-3,
+                       help="aux-free bias update per step")
+        p.add_argument("--bucket-mb", type=float, default=25.0,
+                       help="gradient bucket size for the replicated parameters")
+
+    constraints = staticmethod(ep_constraints)
+
+    def __init__(self, model, args, env):
+        self.args, self.env, self.model = args, env, model
+        ranks = list(range(env.world))
+        # all-to-all over "ep"; replicated gradients and router counts over "dp" (the same ranks
+        # here; compose4d would pass its data x context group for both)
+        self.group = common.name_group(dist.new_group(ranks), "ep")
+        self.dp_group = common.name_group(dist.new_group(ranks), "dp")
+        self.stats: list[dict] = []
+        self.blocks = install(model, lambda b: ExpertParallelMoE(b, self.stats, args, self.group))
+        self.expert_params = [p for n, p in model.named_parameters() if is_expert(n)]
+        dense = [p for n, p in model.named_parameters() if not is_expert(n)]
+        # The loss on each rank is its share of the global objective, so replicated gradients
+        # are summed, not averaged; every rank built the same weights, so no broadcast.
+        self.dp = DataParallel(model, self.dp_group, bucket_mb=args.bucket_mb, broadcast=False,
+                               average=False, params=dense)
+        self.optimizer = common.make_adamw(model.parameters(), args)
+        self.history: list[dict] = []     # per step: loads, drops, off-rank rows
+        self.metered = dict(steps=0, kept=0)
+
+    @property
+    def counts_reduced(self) -> bool:
+        return bool(self.args.aux_coef or self.args.aux_free_bias)
+
+    def _reduce_counts(self, counts):
+        counts = counts.clone()
+        dist.all_reduce(counts, group=self.dp_group)
+        return counts
+
+    def step(self, batch: common.Batch) -> float:
+        self.dp.zero_grad()
+        for p in self.expert_params:
+            p.grad = None
+        self.stats.clear()
+        mb = batch.shard(self.env.rank, self.env.world)
+        with phase("forward"):
+            ce = common.lm_loss_sum(self.model(input_ids=mb.input_ids).logits, mb.labels)
+            obj = ce / batch.n_tokens
+            counts, aux, z = router_losses(self.stats, batch.input_ids.numel(),
+                                           self.blocks[0].num_experts,
+                                           self._reduce_counts if self.counts_reduced else None)
+            if self.args.aux_coef:
+                obj = obj + self.args.aux_coef * aux
+            if z is not None:
+                obj = obj + self.args.z_coef * z
+        with phase("backward"):
+            obj.backward()
+            self.dp.finish()
+        with phase("optimizer"):
+            if self.args.clip:
+                self.clip(self.args.clip)
+            self.optimizer.step()
+        if self.args.aux_free_bias:
+            update_bias(self.blocks, counts, self.args.bias_rate)
+        self._record()
+        return common.global_loss(obj.detach() * batch.n_tokens, batch.n_tokens)
+
+    def clip(self, max_norm: float):
+        """Global norm: replicated gradients are identical on every rank (count them once),
+        expert gradients are disjoint (sum their squares over the ranks)."""
+        dense = [p.grad for p in self.dp.bucket_of]
+        sq_dense = sum(g.double().pow(2).sum() for g in dense)
+        sq_exp = sum(p.grad.double().pow(2).sum() for p in self.expert_params).reshape(1)
+        dist.all_reduce(sq_exp, group=self.group)
+        norm = (sq_dense + sq_exp[0]).sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in dense + [p.grad for p in self.expert_params]:
+            g.mul_(coef.to(g.dtype))
+
+    def _record(self):
+        s = self.stats
+        rec = dict(load=torch.stack([r["load"] for r in s]).cpu(),     # (L, E/W) rows received
+                   sent_off=sum(r["sent_off"] for r in s), recv_off=sum(r["recv_off"] for r in s),
+                   choices=sum(r["choices"] for r in s),
+                   kept=sum(r.get("kept", r["choices"]) for r in s))
+        self.history.append(rec)
+        del self.history[:-50]
+        if common.METER.active:               # the benchmark's metered window
+            self.metered["steps"] += 1
+            self.metered["kept"] += rec["kept"]
+
+    # ---- reassembly ------------------------------------------------------------------------
+    def _gather_experts(self, tensors: dict) -> dict:
+        out = {}
+        for n, t in tensors.items():
+            if is_expert(n):
+                full = t.new_empty((self.env.world * t.shape[0],) + tuple(t.shape[1:]))
+                dist.all_gather_into_tensor(full, t.contiguous(), group=self.group)
+                t = full
+            out[n] = t
+        return out
+
+    def full_grads(self):
+        return self._gather_experts({n: p.grad for n, p in self.model.named_parameters()})
+
+    def full_params(self):
+        return self._gather_experts({n: p.detach() for n, p in self.model.named_parameters()})
+
+    # ---- reports ---------------------------------------------------------------------------
+    def expected_comm(self):
+        cfg = self.model.config
+        L, E, H, k, W = (cfg.num_hidden_layers, cfg.num_local_experts, cfg.hidden_size,
+                         cfg.num_experts_per_tok, self.env.world)
+        b = self.model.model.embed_tokens.weight.element_size()
+        n_global = self.args.batch * self.args.length
+        dense_bytes = sum(p.numel() * p.element_size() for p in self.dp.bucket_of)
+        rows = []
+        if self.args.capacity_factor:
+            kept = self.metered["kept"] / max(1, self.metered["steps"])
+            rows.append(Expect("all_to_all_single", "ep", 4 * L * W, 4 * kept * H * b,
+                               f"4 x kept rows x H b = 4 x {kept:,.0f} x {H} x {b} (kept over "
+                               f"{L} layers; {k * n_global * L:,} choices)", ranks="sum"))
+            rows.append(Expect("all_gather_into_tensor", "ep", L, L * W * k * E * 8,
+                               f"L x W k E x 8 = (slot, expert) counts of every rank"))
+        else:
+            rows.append(Expect("all_to_all_single", "ep", 5 * L * W,
+                               4 * L * k * n_global * H * b + L * W * E * 8,
+                               f"per layer 4 k (W T) H b (dispatch+combine, fwd+bwd) + W E x 8 "
+                               f"(counts) = L x ({4 * k * n_global * H * b:,} + {W * E * 8})",
+                               ranks="sum"))
+        n_buckets = len(self.dp.buckets)
+        calls, nbytes = n_buckets, dense_bytes
+        formula = f"Psi_dense b = {dense_bytes:,} B in {n_buckets} buckets"
+        if self.counts_reduced:
+            calls, nbytes = calls + 1, nbytes + L * E * 8
+            formula += f" + (L, E) counts {L * E * 8} B"
+        rows.append(Expect("all_reduce", "dp", calls, nbytes, formula))
+        if self.args.clip:
+            rows.append(Expect("all_reduce", "ep", 1, 8, "expert grad-norm^2 (float64)"))
+        return rows
+
+    def _loads(self, last: int):
+        """Global rows per expert (L, E) summed over the last `last` steps (collective)."""
+        local = torch.stack([h["load"] for h in self.history[-last:]]).sum(0)
+        with common.METER.paused():
+            parts = [None] * self.env.world
+            dist.all_gather_object(parts, local)
+        return torch.cat(parts, dim=1).double(), len(self.history[-last:])
+
+    def _balance_lines(self, last: int) -> list[str]:
+        loads, n = self._loads(last)
+        imb = loads.max(1).values / loads.mean(1)
+        h = self.history[-last:]
+        drop = 1 - sum(r["kept"] for r in h) / sum(r["choices"] for r in h)
+        lines = [f"expert load (rows received) over the last {n} steps: imbalance max/mean per layer "
+                 + ", ".join(f"{x:.2f}" for x in imb.tolist())
+                 + f" (mean {imb.mean():.2f}); dropped choices {100 * drop:.2f}%"]
+        if self.args.aux_free_bias:
+            b = torch.stack([blk.bias for blk in self.blocks])
+            lines.append(f"aux-free bias range [{b.min():.4f}, {b.max():.4f}]")
+        return lines
+
+    def learning_lines(self):
+        return self._balance_lines(10)
+
+    def report_lines(self):
+        cfg = self.model.config
+        W, El = self.env.world, cfg.num_local_experts // self.env.world
+        last = min(len(self.history), self.args.bench_iters)
+        loads, n = self._loads(last)
+        per_step = loads.sum(0) / n                                  # (E,) rows per step
+        lines = ["tokens per expert per step (summed over layers), by rank:"]
+        for r in range(W):
+            lines.append(f"  rank {r}: " + "  ".join(
+                f"e{r * El + e}={per_step[r * El + e]:.0f}" for e in range(El))
+                + f"   rank total {per_step[r * El:(r + 1) * El].sum():.0f}")
+        lines += self._balance_lines(last)
+        # wire bytes: rows that leave their rank, forward dispatch + combine, per layer
+        T = self.args.batch * self.args.length // W
+        H, k, L = cfg.hidden_size, cfg.num_experts_per_tok, cfg.num_hidden_layers
+        b = self.model.model.embed_tokens.weight.element_size()
+        off = torch.tensor([float(sum(x["sent_off"] + x["recv_off"] for x in self.history[-last:]))])
+        with common.METER.paused():
+            dist.all_reduce(off)
+        measured = off.item() / (W * last * L) * H * b
+        formula = 2 * k * T * H * b * (W - 1) / W
+        lines.append(f"dispatch + combine wire bytes per layer per rank (forward, rank mean): "
+                     f"{measured:,.0f} vs 2 k T H b (W-1)/W = {formula:,.0f} "
+                     f"(uniform routing; ratio {measured / formula if formula else 0:.3f})")
+        return lines
+
+    def extra_checks(self):
+        h = self.history
+        drop = 1 - sum(r["kept"] for r in h) / max(1, sum(r["choices"] for r in h))
+        spread = common.spread_across_ranks([p for p in self.dp.bucket_of])
+        exp = [n for n, _ in self.model.named_parameters() if is_expert(n)]
+        in_dp = any(is_expert(n) for n, p in self.model.named_parameters()
+                    if p in self.dp.bucket_of)
+        return [("replicated parameters identical across ranks", spread == 0.0,
+                 f"max spread {spread:.1e}"),
+                ("expert weights outside the gradient all-reduce", not in_dp and len(exp) > 0,
+                 f"{len(exp)} expert tensors, E/W = "
+                 f"{self.model.config.num_local_experts // self.env.world} experts each"),
+                ("capacity", True, f"dropped choices {100 * drop:.2f}% over {len(h)} steps "
+                 f"(factor {self.args.capacity_factor or 'none: dropless'})")]
+
+
+if __name__ == "__main__":
+    common.main(ExpertParallel)
