@@ -152,13 +152,14 @@ MODE_DEFAULTS = {  # (steps, dtype on cpu) per mode; see the numerics policy in 
     "correctness": (2, "float64"),
     "learning": (200, "float32"),
     "benchmark": (None, "float32"),
+    "peak": (1, "float32"),
 }
 
 
 def base_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--mode", default="correctness",
-                   choices=["correctness", "learning", "benchmark", "all"])
+                   choices=["correctness", "learning", "benchmark", "all", "peak"])
     p.add_argument("--model", default="tiny",
                    help="preset (%s), a local HF model directory, or a config.json path"
                    % ", ".join(PRESETS))
@@ -194,6 +195,12 @@ def base_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory for json/csv/png results")
     p.add_argument("--clip", type=float, default=0.0,
                    help="clip gradients to this global L2 norm (0: off)")
+    p.add_argument("--mem-budget-gb", type=float, default=None,
+                   help="peak mode: a simulated OOM as soon as a rank's live tensor bytes "
+                        "exceed this (CPU tracker); on CUDA the real allocator decides")
+    p.add_argument("--mem-fraction", type=float, default=None,
+                   help="peak mode on CUDA: torch.cuda.set_per_process_memory_fraction, to "
+                        "emulate a smaller GPU")
     p.add_argument("--plant-bug", default=None, choices=["grad", "no-average"],
                    help="test hook: 'grad' perturbs one reported gradient (harness); "
                         "'no-average' makes a data-parallel strategy skip its gradient average")
@@ -646,11 +653,16 @@ def unique_bytes(tensors) -> int:
     return total
 
 
+class SimulatedOOM(RuntimeError):
+    """The live-tensor tracker went over its --mem-budget-gb limit (CPU: a simulated OOM)."""
+
+
 class MemoryTracker(TorchDispatchMode):
-    def __init__(self, preexisting=()):
+    def __init__(self, preexisting=(), limit: int | None = None):
         super().__init__()
         self.live: dict[int, tuple[int, bool]] = {}   # id(storage) -> (bytes, is_activation)
         self.cur = self.peak = self.act_cur = self.act_peak = 0
+        self.limit = limit
         for t in preexisting:
             self._track(t, False)
 
@@ -672,6 +684,9 @@ class MemoryTracker(TorchDispatchMode):
         self.live[key] = (nbytes, is_act)
         self.cur += nbytes - old
         self.peak = max(self.peak, self.cur)
+        if self.limit is not None and self.cur > self.limit:
+            self.limit = None  # raise once; the step unwinds
+            raise SimulatedOOM(f"live tensors {self.cur:,} B exceed the budget")
         if is_act:
             self.act_cur += nbytes - old
             self.act_peak = max(self.act_peak, self.act_cur)
@@ -1225,16 +1240,17 @@ def bench_strategy(run: Run, strat) -> dict:
                 memory=_gather_objects(mem))
 
 
-def measure_memory(run: Run, strat) -> dict:
-    """One more step under the live-storage tracker (CPU) or the CUDA allocator's peak."""
+def measure_memory(run: Run, strat, limit: int | None = None, step: int = 10_000) -> dict:
+    """One more step under the live-storage tracker (CPU) or the CUDA allocator's peak.
+    limit: raise SimulatedOOM when the tracked bytes exceed it (peak mode's CPU budget)."""
     env = run.env
     states = strat.model_states()
     pre = [t for ts in states.values() for t in ts if t is not None]
-    batch = run.batch(10_000)
+    batch = run.batch(step)
     if env.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    tracker = MemoryTracker(pre)
+    tracker = MemoryTracker(pre, limit)
     with tracker:
         strat.step(batch)
     states = strat.model_states()
@@ -1372,6 +1388,38 @@ def _jsonable(r):
 
 
 # ----------------------------------------------------------------------------------------------
+# Mode: peak (one trial of oom_search.py): one full training step at --length / --batch
+# ----------------------------------------------------------------------------------------------
+OOM_EXIT = 3
+
+
+def run_peak(run: Run, cls) -> bool:
+    """Build the strategy, run one full step (forward, backward, optimizer) under the memory
+    tracker, and print one machine-readable line from rank 0:
+        TRIAL OK {"peak": max over ranks, "ranks": [per-rank memory dicts], ...}
+    An out-of-memory (CUDA's, or the CPU tracker going over --mem-budget-gb) prints
+        TRIAL OOM rank r: ...
+    and exits with code 3 at once: the peers are stopped by torchrun, not left in a collective."""
+    args, env = run.args, run.env
+    limit = int(args.mem_budget_gb * 2**30) if args.mem_budget_gb else None
+    if env.device.type == "cuda" and args.mem_fraction:
+        torch.cuda.set_per_process_memory_fraction(args.mem_fraction, env.device)
+    try:
+        _, strat, _ = make_pair(run, cls, perturb=False, with_ref=False)
+        mem = measure_memory(run, strat, limit if env.device.type == "cpu" else None, step=0)
+    except (SimulatedOOM, torch.OutOfMemoryError) as e:
+        kind = "simulated (CPU live-tensor tracker)" if isinstance(e, SimulatedOOM) else "CUDA"
+        print(f"TRIAL OOM rank {env.rank} {kind}: {str(e).splitlines()[0][:200]}", flush=True)
+        os._exit(OOM_EXIT)
+    mems = _gather_objects(mem)
+    run.print("TRIAL OK " + json.dumps(dict(
+        strategy=strat.name, world=env.world, length=args.length, batch=args.batch,
+        dtype=args.dtype, device=env.device.type, peak=max(m["peak"] for m in mems),
+        source=mem["peak_source"], ranks=mems)))
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
 # Entry point
 # ----------------------------------------------------------------------------------------------
 def fail_config(msg: str, rank: int):
@@ -1413,7 +1461,7 @@ def main(cls, argv=None):
                 a.dtype = cls.cpu_dtype.get(mode)
             run = Run(resolve_defaults(a, mode, env.device.type, env.world), env, config, lang)
             ok &= {"correctness": run_correctness, "learning": run_learning,
-                   "benchmark": run_benchmark}[mode](run, cls)
+                   "benchmark": run_benchmark, "peak": run_peak}[mode](run, cls)
         clean = True
     finally:
         teardown(clean)

@@ -472,7 +472,7 @@ class ExpertParallel(common.Strategy):
                                f"4 x kept rows x H b = 4 x {kept:,.0f} x {H} x {b} (kept over "
                                f"{L} layers; {k * n_global * L:,} choices)", ranks="sum"))
             rows.append(Expect("all_gather_into_tensor", "ep", L, L * W * k * E * 8,
-                               f"L x W k E x 8 = (slot, expert) counts of every rank"))
+                               "L x W k E x 8 = (slot, expert) counts of every rank"))
         else:
             rows.append(Expect("all_to_all_single", "ep", 5 * L * W,
                                4 * L * k * n_global * H * b + L * W * E * 8,

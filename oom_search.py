@@ -1,0 +1,388 @@
+"""oom_search.py: the longest sequence (or largest micro-batch) that fits, per strategy and world
+size: measured by real training steps, and predicted by a formula.
+
+    python oom_search.py --strategy tp --nproc 2 --lo 1024 --hi 65536 --step 512 --mem-budget-gb 1
+    python oom_search.py --strategy all --nproc 1,2,4 --lo 256 --step 256 --mem-budget-gb 0.5 --predict
+    python oom_search.py --strategy ddp --nproc 2 --search micro-batch --length 512 --mem-budget-gb 1
+
+Trials
+    Each trial is a fresh `torchrun --nproc_per_node=N <strategy>.py --mode peak` subprocess (plain
+    python for N=1) with a timeout: one full training step (forward, backward, AdamW) at length L
+    and --batch sequences per model replica (the global batch is --batch x the data-parallel
+    degree: W for ddp/zero/fsdp, 1 for tp/sp/ulysses/cp; pp runs W micro-batches of --batch).
+    Outcomes: OK (with the peak bytes per rank), OOM, crash, timeout, invalid (a configuration
+    error, exit 2). On CUDA an OOM is the allocator's (`--mem-fraction f` emulates a smaller GPU
+    with torch.cuda.set_per_process_memory_fraction). On CPU it is *simulated*: the harness's
+    live-tensor tracker raises as soon as a rank's live bytes exceed --mem-budget-gb, so a trial
+    far over budget stops early instead of swapping the machine.
+
+Search
+    Binary search on the --step grid for the largest value whose trial is OK; without --hi, doubling
+    from --lo until a trial fails. A crash or a timeout is retried (--retries) and, if it persists,
+    ends that search: it is reported with the largest confirmed OK, never counted as an OOM.
+
+Prediction (--predict; bytes per rank, e = bytes per element of the run's dtype)
+    model states   params e + grads e + AdamW 2e per parameter (16 Psi in fp32), divided as the
+                   strategy divides them (ZeRO-1: optimizer / W; ZeRO-2: + grads; ZeRO-3 and FSDP:
+                   everything, plus one gathered unit; TP/SP: the layers / T; PP: the stage's share).
+    activations    per layer and token, HF Llama without dropout, following the accounting of
+                   Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+                   Models", eq. 1: s b h (34 + 5 a s / h) for GPT with 2-byte activations and
+                   dropout masks). For Llama (RMSNorm, RoPE, GQA, SwiGLU) the saved tensors are:
+                   two norms' inputs and outputs 4h, q/k/v 1h + 2kv, rotated q/k 1h + 1kv,
+                   attention output and its o_proj input 2h, SwiGLU gate/up/silu/product 4I:
+                       e (8h + 3kv + 4I)   per token per layer, and 2 a s e more with --attn eager
+                   (the score matrix and its softmax; SDPA's fused kernel keeps only the lse).
+                   Divided by T under TP for the parts inside the region (all but the 4h of the
+                   norms), by T under Megatron SP and Ulysses, by C under context parallelism; a
+                   pipeline stage holds L/P layers for min(P, M) micro-batches in flight (1F1B).
+    logits, loss   the logits e, the loss's log-softmax 4 and the logits' gradient e, per token per
+                   vocabulary entry (vocab-parallel under TP/SP: / T; on the last stage only in PP).
+    cp blocks      cp_ring's block kernel is plain torch (no fused kernel): its backward holds the
+                   scores, probabilities, dP and dS of one (S/2C)^2 block per head: 4 b a (S/2C)^2 e.
+    Peak = states + activations + logits/loss. Stated tolerance against the measured CPU peak on the
+    tiny preset: within 35% (tests/test_oom_search.py); the table prints the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# name -> (script, extra args, data-parallel batch multiplier)
+STRATEGIES = {
+    "ddp": ("ddp.py", []),
+    "zero1": ("zero.py", ["--stage", "1"]),
+    "zero2": ("zero.py", ["--stage", "2"]),
+    "zero3": ("zero.py", ["--stage", "3"]),
+    "fsdp": ("fsdp.py", []),
+    "tp": ("tp.py", []),
+    "sp": ("sp.py", ["--variant", "megatron"]),
+    "ulysses": ("sp.py", ["--variant", "ulysses"]),
+    "cp": ("cp_ring.py", ["--variant", "zigzag"]),
+    "pp": ("pp.py", ["--schedule", "1f1b"]),
+}
+DATA_PARALLEL = {"ddp", "zero1", "zero2", "zero3", "fsdp"}
+
+
+def trial_args(strategy: str, nproc: int, length: int, batch: int) -> list[str]:
+    """The strategy's command-line arguments for one trial (--batch = sequences per replica)."""
+    script, extra = STRATEGIES[strategy]
+    glob = batch * nproc if strategy in DATA_PARALLEL or strategy == "pp" else batch
+    if strategy == "pp":
+        extra = extra + ["--microbatches", str(nproc)]
+    return [script, *extra, "--length", str(length), "--batch", str(glob)]
+
+
+# ----------------------------------------------------------------------------------------------
+# One trial
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Outcome:
+    kind: str                   # OK | OOM | crash | timeout | invalid
+    peak: int | None = None     # max over ranks, bytes
+    seconds: float = 0.0
+    detail: str = ""
+
+
+def run_trial(strategy, nproc, length, batch, args) -> Outcome:
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    script, *rest = trial_args(strategy, nproc, length, batch)
+    cmd += [os.path.join(HERE, script), *rest, "--mode", "peak", "--model", args.model,
+            "--timeout", str(args.timeout)]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
+    if args.device:
+        cmd += ["--device", args.device]
+    if args.mem_budget_gb:
+        cmd += ["--mem-budget-gb", str(args.mem_budget_gb)]
+    if args.mem_fraction:
+        cmd += ["--mem-fraction", str(args.mem_fraction)]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               PYTHONWARNINGS="ignore")
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=HERE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)      # torchrun and every worker
+        proc.communicate()
+        return Outcome("timeout", seconds=time.time() - t0, detail=f"over {args.timeout:g} s")
+    return classify(proc.returncode, out, err, time.time() - t0)
+
+
+def classify(rc: int, out: str, err: str, seconds: float = 0.0) -> Outcome:
+    text = out + err
+    for line in out.splitlines():
+        if line.startswith("TRIAL OK ") and rc == 0:
+            res = json.loads(line[len("TRIAL OK "):])
+            return Outcome("OK", res["peak"], seconds, res.get("source", ""))
+    oom = [l for l in text.splitlines() if "TRIAL OOM" in l]
+    if oom:
+        return Outcome("OOM", None, seconds, oom[0][oom[0].index("TRIAL OOM"):][:160])
+    errors = [l for l in text.splitlines() if l.startswith("error:")]
+    if errors:
+        return Outcome("invalid", None, seconds, errors[0])
+    last = [l for l in text.splitlines() if l.strip()][-1:] or [""]
+    return Outcome("crash", None, seconds, f"exit {rc}: {last[0][:160]}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The search (pure: `trial(x) -> Outcome`, so tests can drive it with fakes)
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class SearchResult:
+    best: int | None                      # largest value whose trial was OK
+    best_peak: int | None
+    failed_at: int | None = None          # smallest value seen to fail (OOM)
+    stopped: str = ""                     # why the search ended early (crash, timeout, invalid)
+    trials: list = dataclasses.field(default_factory=list)   # (value, Outcome)
+
+
+def search(trial, lo: int, hi: int | None, step: int, retries: int = 1,
+           progress=lambda msg: None, cap: int = 1 << 22) -> SearchResult:
+    """Largest x on the grid {lo, lo + step, ...} (up to hi) with trial(x).kind == "OK",
+    assuming OK below some threshold and OOM above it."""
+    res = SearchResult(None, None)
+
+    def probe(x) -> str:
+        for attempt in range(retries + 1):
+            o = trial(x)
+            res.trials.append((x, o))
+            progress(f"  {x:>8}: {o.kind}" + (f" peak {o.peak / 2**20:,.1f} MiB" if o.peak else "")
+                     + (f" ({o.detail})" if o.kind != "OK" and o.detail else "")
+                     + f"  [{o.seconds:.1f}s]")
+            if o.kind not in ("crash", "timeout"):
+                break
+        if o.kind == "OK":
+            if res.best is None or x > res.best:
+                res.best, res.best_peak = x, o.peak
+        elif o.kind == "OOM":
+            res.failed_at = x if res.failed_at is None else min(res.failed_at, x)
+        else:
+            res.stopped = f"{o.kind} at {x}: {o.detail}"
+        return o.kind
+
+    def snap(x):  # onto the grid
+        return lo + ((x - lo) // step) * step
+
+    if probe(lo) != "OK":
+        return res
+    good = lo
+    if hi is None:                                 # double until a trial fails
+        x = max(2 * lo, lo + step)
+        while x <= cap:
+            k = probe(snap(x))
+            if k != "OK":
+                if k != "OOM":
+                    return res
+                break
+            good, x = snap(x), 2 * x
+        else:
+            return res
+        bad = snap(x)
+    else:
+        hi = snap(hi)
+        if hi == lo:
+            return res
+        k = probe(hi)
+        if k == "OK":
+            return res
+        if k != "OOM":
+            return res
+        bad = hi
+    while bad - good > step:                       # invariant: good OK, bad OOM
+        mid = snap((good + bad) // 2)
+        if mid <= good:
+            mid = good + step
+        k = probe(mid)
+        if k == "OK":
+            good = mid
+        elif k == "OOM":
+            bad = mid
+        else:
+            break
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# Prediction
+# ----------------------------------------------------------------------------------------------
+def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
+                 eager: bool = False) -> dict:
+    """Predicted peak bytes per rank (the largest rank), by category (see the docstring)."""
+    h, I, V, Ly = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
+    a = cfg.num_attention_heads
+    kv = cfg.num_key_value_heads * (h // a)
+    tied = cfg.tie_word_embeddings
+    layer_params = 2 * h * h + 2 * kv * h + 3 * h * I + 2 * h       # q,o + k,v + MLP + norms
+    embed = V * h
+    psi = Ly * layer_params + embed * (1 if tied else 2) + h
+    T = W if strategy in ("tp", "sp") else 1
+    # --- model states: params e, grads e, AdamW m and v 2e
+    p_b, g_b, o_b = psi * elem, psi * elem, 2 * psi * elem
+    extra = 0
+    if strategy == "zero1":
+        o_b /= W
+    elif strategy == "zero2":
+        o_b, g_b = o_b / W, g_b / W
+    elif strategy in ("zero3", "fsdp"):
+        p_b, g_b, o_b = p_b / W, g_b / W, o_b / W
+        extra = 2 * max(layer_params, embed) * elem   # one gathered unit and its full gradient
+    elif strategy in ("tp", "sp"):
+        shard = Ly * (layer_params - 2 * h) / T + Ly * 2 * h + embed * (1 if tied else 2) / T + h
+        p_b, g_b, o_b = shard * elem, shard * elem, 2 * shard * elem
+    elif strategy == "pp":
+        stage0 = math.ceil(Ly / W) * layer_params + embed + (0 if W > 1 else embed + h)
+        p_b, g_b, o_b = stage0 * elem, stage0 * elem, 2 * stage0 * elem
+    states = p_b + g_b + o_b + extra
+    # --- activations
+    tokens = b * L_seq
+    inside = (h + 2 * kv) + (h + kv) + 2 * h + 4 * I + (2 * a * L_seq if eager else 0)
+    outside = 4 * h                                                 # two norms: input, output
+    if strategy == "tp":
+        act_tok = inside / T + outside
+    elif strategy in ("sp", "ulysses", "cp"):
+        act_tok = (inside + outside) / W
+    else:
+        act_tok = inside + outside
+    layers = Ly
+    in_flight = 1
+    if strategy == "pp":
+        layers, in_flight = math.ceil(Ly / W), W     # 1F1B, M = W micro-batches of b
+    acts = act_tok * elem * tokens * layers * in_flight
+    blocks = 0
+    if strategy == "cp":  # cp_ring's pure-torch kernel: score blocks of (S/2C)^2 per head; its
+        c = L_seq / (2 * W)   # backward holds s, p, dP and dS of one block at a time
+        blocks = 4 * b * a * c * c * elem
+    # --- logits and loss (the last stage under PP: one micro-batch)
+    vocab = V / T if strategy in ("tp", "sp") else V
+    tok_logits = tokens / (W if strategy in ("ulysses", "cp") else 1)
+    logits = tok_logits * vocab * (2 * elem + 4)
+    if strategy == "pp" and W > 1:
+        logits = 0    # stage 0 (the largest activations) holds no logits; the last stage does
+    return dict(states=states, activations=acts, attention_blocks=blocks, logits=logits,
+                peak=states + acts + blocks + logits)
+
+
+def predict_max(strategy, W, b, cfg, budget, lo, hi, step, elem, eager) -> int | None:
+    """The largest grid length whose predicted peak fits the budget (the formula is monotone)."""
+    ok = lambda L: predict_peak(strategy, W, L, b, cfg, elem, eager)["peak"] <= budget  # noqa
+    r = search(lambda x: Outcome("OK" if ok(x) else "OOM"), lo, hi or (1 << 22), step)
+    return r.best
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--strategy", default="all",
+                   help="comma list of %s, or all" % ", ".join(STRATEGIES))
+    p.add_argument("--nproc", default="1,2", help="comma list of world sizes")
+    p.add_argument("--search", default="length", choices=["length", "micro-batch"])
+    p.add_argument("--lo", type=int, default=None, help="default: --step")
+    p.add_argument("--hi", type=int, default=None, help="default: double from lo until a failure")
+    p.add_argument("--step", type=int, default=None, help="grid (default 256 for length, 1 for "
+                   "micro-batch)")
+    p.add_argument("--length", type=int, default=256, help="fixed length for --search micro-batch")
+    p.add_argument("--batch", type=int, default=1,
+                   help="sequences per model replica (fixed for --search length)")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    p.add_argument("--mem-budget-gb", type=float, default=None,
+                   help="CPU: simulated OOM above this many GiB of live tensors per rank")
+    p.add_argument("--mem-fraction", type=float, default=None,
+                   help="CUDA: fraction of the GPU's memory each process may use")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per trial")
+    p.add_argument("--retries", type=int, default=1, help="re-runs of a crashed/timed-out trial")
+    p.add_argument("--predict", action="store_true", help="print the analytic estimate beside it")
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    a = p.parse_args(argv)
+    names = list(STRATEGIES) if a.strategy == "all" else a.strategy.split(",")
+    bad = [n for n in names if n not in STRATEGIES]
+    if bad:
+        p.exit(2, f"error: unknown strategy {bad[0]} (choose from {', '.join(STRATEGIES)})\n")
+    a.strategies = names
+    a.worlds = [int(x) for x in a.nproc.split(",")]
+    if a.step is None:
+        a.step = 256 if a.search == "length" else 1
+    if a.lo is None:
+        a.lo = a.step
+    if a.lo < 1 or a.step < 1 or (a.hi is not None and a.hi < a.lo):
+        p.exit(2, "error: need 1 <= --lo <= --hi and --step >= 1\n")
+    if a.device != "cuda" and not a.mem_budget_gb:
+        p.exit(2, "error: on CPU --mem-budget-gb is required (the OOM is simulated against it)\n")
+    return a
+
+
+def main(argv=None):
+    args = parse(argv)
+    sys.path.insert(0, HERE)
+    import common
+    cfg = common.load_config(args.model)
+    elem = {"float64": 8, "float32": 4, "bfloat16": 2}[args.dtype or (
+        "bfloat16" if args.device == "cuda" else "float32")]
+    budget = (args.mem_budget_gb or 0) * 2**30
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else \
+        (lambda m: print(m, flush=True))
+    what = "length" if args.search == "length" else "micro-batch"
+    oom_kind = ("CUDA OOM" + (f" at memory fraction {args.mem_fraction}" if args.mem_fraction
+                              else "")) if args.device == "cuda" else \
+        f"simulated OOM: CPU live-tensor tracker over {args.mem_budget_gb:g} GiB per rank"
+    log(f"oom_search: max {what} per strategy and world size, model {args.model}, "
+        f"{'length %d' % args.length if what == 'micro-batch' else 'batch %d per replica' % args.batch}"
+        f", {oom_kind}")
+    rows = []
+    for name in args.strategies:
+        for W in args.worlds:
+            log(f"{name} W={W}:")
+
+            def trial(x, name=name, W=W):
+                L, b = (x, args.batch) if what == "length" else (args.length, x)
+                return run_trial(name, W, L, b, args)
+            r = search(trial, args.lo, args.hi, args.step, args.retries, log)
+            row = dict(strategy=name, world=W, max=r.best, peak_at_max=r.best_peak,
+                       failed_at=r.failed_at, stopped=r.stopped,
+                       trials=[(x, o.kind, o.peak, round(o.seconds, 1)) for x, o in r.trials])
+            if args.predict:
+                if what == "length":
+                    row["predicted_max"] = predict_max(name, W, args.batch, cfg, budget, args.lo,
+                                                       args.hi, args.step, elem,
+                                                       args.attn == "eager")
+                if r.best:
+                    L, b = (r.best, args.batch) if what == "length" else (args.length, r.best)
+                    row["predicted_peak_at_max"] = predict_peak(name, W, L, b, cfg, elem,
+                                                                args.attn == "eager")["peak"]
+            rows.append(row)
+    if args.json:
+        print(json.dumps(dict(model=args.model, search=what, budget_gb=args.mem_budget_gb,
+                              oom=oom_kind, results=rows), indent=1))
+        return 0
+    mib = lambda v: f"{v / 2**20:,.1f}" if v else "-"  # noqa: E731
+    print(f"\n{'strategy':<10}{'W':>3}{'max ' + what:>18}{'predicted max':>15}"
+          f"{'peak at max MiB':>17}{'predicted MiB':>15}  note")
+    for r in rows:
+        print(f"{r['strategy']:<10}{r['world']:>3}{str(r['max'] or '-'):>18}"
+              f"{str(r.get('predicted_max') or '-'):>15}{mib(r['peak_at_max']):>17}"
+              f"{mib(r.get('predicted_peak_at_max')):>15}  {r['stopped']}")
+    print(f"({oom_kind})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
