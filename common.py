@@ -81,6 +81,7 @@ import copy
 import csv
 import inspect
 import datetime
+import functools
 import json
 import math
 import os
@@ -418,7 +419,7 @@ class Batch:
     labels: torch.Tensor      # (B, S), IGNORE_INDEX where there is no target
     index: int                # step index s: samples [s*B, (s+1)*B)
 
-    @property
+    @functools.cached_property
     def n_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
 
@@ -646,9 +647,9 @@ def unique_bytes(tensors) -> int:
         if t is None or t.device.type == "meta":
             continue
         st = t.untyped_storage()
-        if st.data_ptr() in seen:
+        if st._cdata in seen:   # the StorageImpl (also distinct for FakeTensors, unlike data_ptr)
             continue
-        seen.add(st.data_ptr())
+        seen.add(st._cdata)
         total += st.nbytes()
     return total
 

@@ -182,8 +182,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, t, mine, ignore = ctx.saved_tensors
         grad = softmax  # d loss / d logit = softmax - onehot(target), no communication
-        rows = mine.nonzero()[:, 0]
-        grad[rows, t[rows]] -= 1.0
+        # -1 at each owned target (a static-shape scatter: no nonzero, so it also runs on
+        # FakeTensors in oom_search's simulation)
+        grad.scatter_add_(1, t.clamp(0, grad.shape[1] - 1)[:, None], -mine.to(grad.dtype)[:, None])
         grad.mul_(grad_loss.masked_fill(ignore, 0.0)[:, None])
         return grad.to(ctx.dtype), None, None, None, None
 

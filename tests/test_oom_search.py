@@ -105,3 +105,13 @@ def test_prediction_within_tolerance_of_measured_peak(strategy):
         assert o.kind == "OK", o
         pred = oom.predict_peak(strategy, W, L, 1, cfg)["peak"]
         assert abs(pred / o.peak - 1) <= 0.35, (strategy, pred, o.peak)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "pp", pytest.param("cp", marks=pytest.mark.slow)])
+def test_simulation_matches_measured_peak(strategy):
+    """The real step under FakeTensorMode (rank 0 of a fake world of 2) against a real CPU run."""
+    args = types.SimpleNamespace(model="tiny", dtype=None, device=None, mem_budget_gb=None,
+                                 mem_fraction=None, timeout=300)
+    o = oom.run_trial(strategy, 2, 1024, 1, args)
+    sim = oom.simulate_peak(strategy, 2, 1024, 1, "tiny")
+    assert o.kind == "OK" and abs(sim["peak"] / o.peak - 1) <= 0.05, (sim["peak"], o.peak)
