@@ -332,15 +332,21 @@ def promote_norms(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def model_kwargs(config, attn: str) -> dict:
+    """The implementation choices every model build makes (from_config / from_pretrained)."""
+    kw = dict(attn_implementation=attn)
+    if getattr(config, "num_local_experts", None):
+        # HF's reference expert loop; its grouped_mm kernel takes no float64
+        kw["experts_implementation"] = "eager"
+    return kw
+
+
 def build_model(args, config, device) -> torch.nn.Module:
     """The full reference model in args.dtype on `device`: loaded weights when --model is a
     checkpoint directory, otherwise a seeded random init (identical on every rank)."""
     from transformers import AutoModelForCausalLM
     dtype = DTYPES[args.dtype]
-    kw = dict(attn_implementation=args.attn)
-    if getattr(config, "num_local_experts", None):
-        # HF's reference expert loop; its grouped_mm kernel takes no float64
-        kw["experts_implementation"] = "eager"
+    kw = model_kwargs(config, args.attn)
     if has_weights(args.model):
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, **kw)
     else:
@@ -833,17 +839,25 @@ class Reference(Strategy):
         self.model, self.args = ref_model, args
         self.optimizer = make_adamw(self.model.parameters(), args)
 
+    def objective(self, batch: Batch) -> torch.Tensor:
+        """The loss to minimise: mean token cross-entropy (subclasses add terms)."""
+        return lm_loss_sum(self.model(input_ids=batch.input_ids).logits,
+                           batch.labels) / batch.n_tokens
+
+    def after_step(self):
+        """Non-gradient state updates after the optimizer step (none here)."""
+
     def step(self, batch: Batch) -> float:
         self.optimizer.zero_grad(set_to_none=True)
         with phase("forward"):
-            loss = lm_loss_sum(self.model(input_ids=batch.input_ids).logits,
-                               batch.labels) / batch.n_tokens
+            loss = self.objective(batch)
         with phase("backward"):
             loss.backward()
         with phase("optimizer"):
             if self.args.clip:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
             self.optimizer.step()
+        self.after_step()
         return loss.item()
 
 

@@ -196,7 +196,6 @@ class ReferenceMoE(MoEBlock):
     def dispatch_combine(self, x, w, idx, keep, rec):
         if keep is not None:
             w = w * keep
-        rec["load"] = rec.get("kept_all", rec["counts"][None]).reshape(-1, self.num_experts).sum(0)
         return self.experts(x, idx, w)
 
 
@@ -290,24 +289,16 @@ class MoEReference(common.Reference):
         self.stats = []
         self.blocks = install(ref_model, lambda b: ReferenceMoE(b, self.stats, args))
 
-    def step(self, batch):
-        self.optimizer.zero_grad(set_to_none=True)
+    def objective(self, batch):
         self.stats.clear()
-        with phase("forward"):
-            loss = common.lm_loss_sum(self.model(input_ids=batch.input_ids).logits,
-                                      batch.labels) / batch.n_tokens
-            counts, aux, z = router_losses(self.stats, batch.input_ids.numel(),
-                                           self.blocks[0].num_experts)
-            loss = loss + self.args.aux_coef * aux + (self.args.z_coef * z if z is not None else 0)
-        with phase("backward"):
-            loss.backward()
-        with phase("optimizer"):
-            if self.args.clip:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
-            self.optimizer.step()
+        loss = super().objective(batch)
+        self.counts, aux, z = router_losses(self.stats, batch.input_ids.numel(),
+                                            self.blocks[0].num_experts)
+        return loss + self.args.aux_coef * aux + (self.args.z_coef * z if z is not None else 0)
+
+    def after_step(self):
         if self.args.aux_free_bias:
-            update_bias(self.blocks, counts, self.args.bias_rate)
-        return loss.item()
+            update_bias(self.blocks, self.counts, self.args.bias_rate)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -68,25 +68,25 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# name -> (script, extra args, data-parallel batch multiplier)
+# name -> (script, its common.Strategy class, extra args)
 STRATEGIES = {
-    "ddp": ("ddp.py", []),
-    "zero1": ("zero.py", ["--stage", "1"]),
-    "zero2": ("zero.py", ["--stage", "2"]),
-    "zero3": ("zero.py", ["--stage", "3"]),
-    "fsdp": ("fsdp.py", []),
-    "tp": ("tp.py", []),
-    "sp": ("sp.py", ["--variant", "megatron"]),
-    "ulysses": ("sp.py", ["--variant", "ulysses"]),
-    "cp": ("cp_ring.py", ["--variant", "zigzag"]),
-    "pp": ("pp.py", ["--schedule", "1f1b"]),
+    "ddp": ("ddp.py", "DDP", []),
+    "zero1": ("zero.py", "ZeRO", ["--stage", "1"]),
+    "zero2": ("zero.py", "ZeRO", ["--stage", "2"]),
+    "zero3": ("zero.py", "ZeRO", ["--stage", "3"]),
+    "fsdp": ("fsdp.py", "FSDP", []),
+    "tp": ("tp.py", "TP", []),
+    "sp": ("sp.py", "SP", ["--variant", "megatron"]),
+    "ulysses": ("sp.py", "SP", ["--variant", "ulysses"]),
+    "cp": ("cp_ring.py", "CP", ["--variant", "zigzag"]),
+    "pp": ("pp.py", "PP", ["--schedule", "1f1b"]),
 }
 DATA_PARALLEL = {"ddp", "zero1", "zero2", "zero3", "fsdp"}
 
 
 def trial_args(strategy: str, nproc: int, length: int, batch: int) -> list[str]:
     """The strategy's command-line arguments for one trial (--batch = sequences per replica)."""
-    script, extra = STRATEGIES[strategy]
+    script, _, extra = STRATEGIES[strategy]
     glob = batch * nproc if strategy in DATA_PARALLEL or strategy == "pp" else batch
     if strategy == "pp":
         extra = extra + ["--microbatches", str(nproc)]
@@ -310,10 +310,9 @@ def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers import AutoModelForCausalLM
     import common
-    script, extra = STRATEGIES[strategy]
-    mod = importlib.import_module(script[:-3])
+    script, cls_name, _ = STRATEGIES[strategy]
+    strat_cls = getattr(importlib.import_module(script[:-3]), cls_name)
     parser = common.base_parser(script)
-    strat_cls = _strategy_class(mod)
     strat_cls.add_args(parser)
     argv = trial_args(strategy, W, length, batch)[1:] + ["--mode", "peak", "--model", model,
                                                          "--dtype", dtype, "--device", "cpu",
@@ -332,10 +331,7 @@ def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
     common.Run.batch = lambda self, step: batch_
     try:
         with torch.device("meta"):
-            kw = dict(attn_implementation=attn)
-            if getattr(config, "num_local_experts", None):
-                kw["experts_implementation"] = "eager"
-            net = AutoModelForCausalLM.from_config(config, **kw)
+            net = AutoModelForCausalLM.from_config(config, **common.model_kwargs(config, attn))
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
             for m in net.modules():
@@ -367,18 +363,6 @@ def simulated_trial(strategy, W, length, batch, args, budget) -> Outcome:
                        f"simulation unsupported: {type(e).__name__} {str(e)[:80]}")
     kind = "OK" if mem["peak"] <= budget else "OOM"
     return Outcome(kind, mem["peak"], time.time() - t0, "FakeTensorMode, rank 0 of a fake group")
-
-
-def _strategy_class(mod):
-    # the class the script's __main__ hands to common.main
-    import ast
-    import inspect
-    tree = ast.parse(inspect.getsource(mod))
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "main"
-                and getattr(node.func.value, "id", "") == "common" and node.args):
-            return getattr(mod, node.args[0].id)
-    raise LookupError(f"no common.main(...) in {mod.__name__}")
 
 
 # ----------------------------------------------------------------------------------------------
