@@ -82,6 +82,7 @@ import csv
 import inspect
 import datetime
 import functools
+import gc
 import json
 import math
 import os
@@ -280,13 +281,17 @@ def launch(args) -> Env:
 
 
 def teardown(clean: bool = True):
-    """Destroy the group; after a barrier when every rank got here normally, so no rank tears
-    down gloo while a peer is still inside a collective."""
+    """Destroy the groups; after a barrier when every rank got here normally, so no rank tears
+    down gloo while a peer is still inside a collective. Then collect the cyclic garbage (a
+    strategy's hooks refer to it, and it to its subgroups) so that every ProcessGroupGloo is
+    destructed, and its worker threads joined, now and not during interpreter shutdown, where
+    that can abort the process ("terminate called without an active exception")."""
     if dist.is_initialized():
         if clean:
             with METER.paused():
                 dist.barrier()
         dist.destroy_process_group()
+    gc.collect()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -459,12 +464,19 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def scalar(t: torch.Tensor) -> float:
+    """`t.item()` for logging, and NaN for a FakeTensor (oom_search --simulate runs the real step
+    on FakeTensors, which have shapes but no values)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return float("nan") if isinstance(t, FakeTensor) else t.item()
+
+
 def global_loss(local_sum: torch.Tensor, n_tokens: int, group=None) -> float:
     """The global mean loss from each rank's CE sum (logging only: not metered)."""
     t = local_sum.detach().to(torch.float64).reshape(1).clone()
     with METER.paused():
         dist.all_reduce(t, group=group)
-    return t.item() / n_tokens
+    return scalar(t) / n_tokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -506,7 +518,7 @@ phase = Phases()
 # Communication meter: wraps torch.distributed functions while active. Strategies name their
 # groups with `name_group(group, "dp")` so reports say which group carried the bytes.
 # ----------------------------------------------------------------------------------------------
-_GROUP_NAMES: dict = {}
+_GROUP_NAMES = weakref.WeakKeyDictionary()   # a name must not keep a destroyed group alive
 
 
 def name_group(group, name: str):
@@ -1281,6 +1293,18 @@ def measure_memory(run: Run, strat, limit: int | None = None, step: int = 10_000
     return out
 
 
+def steady_peak(run: Run, strat, limit: int | None = None) -> dict:
+    """The peak of a training step in steady state: the first step creates the optimizer's
+    states in its optimizer phase, after the activations are gone; from the second step on they
+    are live through the forward and backward as well. So two steps are tracked and the second
+    step's breakdown is returned, with the peak of both (the first can be the larger one, e.g.
+    while AdamW's states are being created next to the full gradients)."""
+    first = measure_memory(run, strat, limit, step=0)
+    mem = measure_memory(run, strat, limit, step=1)
+    mem["peak"] = max(first["peak"], mem["peak"])
+    return mem
+
+
 def run_benchmark(run: Run, cls) -> bool:
     args, env = run.args, run.env
     _, strat, setup = make_pair(run, cls, perturb=False, with_ref=False)
@@ -1409,8 +1433,8 @@ OOM_EXIT = 3
 
 
 def run_peak(run: Run, cls) -> bool:
-    """Build the strategy, run one full step (forward, backward, optimizer) under the memory
-    tracker, and print one machine-readable line from rank 0:
+    """Build the strategy, run two full steps (forward, backward, optimizer) under the memory
+    tracker (`steady_peak`), and print one machine-readable line from rank 0:
         TRIAL OK {"peak": max over ranks, "ranks": [per-rank memory dicts], ...}
     An out-of-memory (CUDA's, or the CPU tracker going over --mem-budget-gb) prints
         TRIAL OOM rank r: ...
@@ -1421,7 +1445,7 @@ def run_peak(run: Run, cls) -> bool:
         torch.cuda.set_per_process_memory_fraction(args.mem_fraction, env.device)
     try:
         _, strat, _ = make_pair(run, cls, perturb=False, with_ref=False)
-        mem = measure_memory(run, strat, limit if env.device.type == "cpu" else None, step=0)
+        mem = steady_peak(run, strat, limit if env.device.type == "cpu" else None)
     except (SimulatedOOM, torch.OutOfMemoryError) as e:
         kind = "simulated (CPU live-tensor tracker)" if isinstance(e, SimulatedOOM) else "CUDA"
         print(f"TRIAL OOM rank {env.rank} {kind}: {str(e).splitlines()[0][:200]}", flush=True)

@@ -5,17 +5,20 @@ size: measured by real training steps, and predicted by a formula.
     python oom_search.py --strategy all --nproc 1,2,4 --lo 256 --step 256 --mem-budget-gb 0.5 --predict
     python oom_search.py --strategy ddp --nproc 2 --search micro-batch --length 512 --mem-budget-gb 1
     python oom_search.py --simulate --model llama3-8b --strategy pp --nproc 8 --mem-budget-gb 80
+    python oom_search.py --compare --model small --strategy all --nproc 2 --length 1024
 
 Trials
     Each trial is a fresh `torchrun --nproc_per_node=N <strategy>.py --mode peak` subprocess (plain
-    python for N=1) with a timeout: one full training step (forward, backward, AdamW) at length L
-    and --batch sequences per model replica (the global batch is --batch x the data-parallel
-    degree: W for ddp/zero/fsdp, 1 for tp/sp/ulysses/cp; pp runs W micro-batches of --batch).
-    Outcomes: OK (with the peak bytes per rank), OOM, crash, timeout, invalid (a configuration
-    error, exit 2). On CUDA an OOM is the allocator's (`--mem-fraction f` emulates a smaller GPU
-    with torch.cuda.set_per_process_memory_fraction). On CPU it is *simulated*: the harness's
-    live-tensor tracker raises as soon as a rank's live bytes exceed --mem-budget-gb, so a trial
-    far over budget stops early instead of swapping the machine.
+    python for N=1) with a timeout: full training steps (forward, backward, AdamW) at length L and
+    --batch sequences per model replica (the global batch is --batch x the data-parallel degree: W
+    for ddp/zero/fsdp, 1 for tp/sp/ulysses/cp; pp runs W micro-batches of --batch). The peak is
+    the steady state's: two steps are tracked (`common.steady_peak`), because AdamW's states only
+    exist from the first optimizer phase on, and from the second step on they are live through
+    the forward and backward too. Outcomes: OK (with the peak bytes per rank), OOM, crash,
+    timeout, invalid (a configuration error, exit 2). On CUDA an OOM is the allocator's
+    (`--mem-fraction f` emulates a smaller GPU with torch.cuda.set_per_process_memory_fraction).
+    On CPU it is *simulated*: the harness's live-tensor tracker raises as soon as a rank's live
+    bytes exceed --mem-budget-gb, so a trial far over budget stops early instead of swapping.
 
 Search
     Binary search on the --step grid for the largest value whose trial is OK; without --hi, doubling
@@ -25,7 +28,8 @@ Search
 Prediction (--predict; bytes per rank, e = bytes per element of the run's dtype)
     model states   params e + grads e + AdamW 2e per parameter (16 Psi in fp32), divided as the
                    strategy divides them (ZeRO-1: optimizer / W; ZeRO-2: + grads; ZeRO-3 and FSDP:
-                   everything, plus one gathered unit; TP/SP: the layers / T; PP: the stage's share).
+                   everything, plus one gathered unit; TP/SP: the layers / T; PP: the stage's
+                   share under pp.split_layers' balanced split).
     activations    per layer and token, HF Llama without dropout, following the accounting of
                    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
                    Models", eq. 1: s b h (34 + 5 a s / h) for GPT with 2-byte activations and
@@ -35,24 +39,27 @@ Prediction (--predict; bytes per rank, e = bytes per element of the run's dtype)
                        e (8h + 3kv + 4I)   per token per layer, and 2 a s e more with --attn eager
                    (the score matrix and its softmax; SDPA's fused kernel keeps only the lse).
                    Divided by T under TP for the parts inside the region (all but the 4h of the
-                   norms), by T under Megatron SP and Ulysses, by C under context parallelism; a
-                   pipeline stage holds L/P layers for min(P, M) micro-batches in flight (1F1B).
+                   norms), by T under Megatron SP and Ulysses, by C under context parallelism;
+                   under 1F1B with M = P micro-batches stage r holds its layers for P - r
+                   micro-batches in flight (so stage 0 holds one whole model's worth).
     logits, loss   the logits e, the loss's log-softmax 4 and the logits' gradient e, per token per
                    vocabulary entry (vocab-parallel under TP/SP: / T; on the last stage only in PP).
     cp blocks      cp_ring's block kernel is plain torch (no fused kernel): its backward holds the
                    scores, probabilities, dP and dS of one (S/2C)^2 block per head: 4 b a (S/2C)^2 e.
-    Peak = states + activations + logits/loss. Stated tolerance against the measured CPU peak on the
+    Peak = states + activations + logits/loss (PP: the largest stage). Stated tolerance against the measured CPU peak on the
     tiny preset: within 35% (tests/test_oom_search.py); the table prints the ratio.
 
 Simulation (--simulate)
-    The real training step of the strategy, under FakeTensorMode, as rank 0 of a world of N on
+    The real training steps of the strategy, under FakeTensorMode, as rank 0 of a world of N on
     torch's fake process group: the model is built on the meta device and materialised as
     FakeTensors, so nothing is allocated and any preset "fits" on a laptop; the harness's
     live-tensor tracker counts the fake storages. It sees exactly what a real rank 0 allocates
     (including temporaries), so it agrees with the measured CPU peak far more closely than the
-    formula (tests: within 5% on tiny). Limits: rank 0 only (its the largest share for every
-    strategy here but PP's last stage with large vocabularies); TP and SP do not run yet (a
-    data-dependent .item() in their step) and are reported as "simulation unsupported".
+    formula (tests: within 5% on tiny; `--compare` prints measured, predicted and simulated
+    side by side). Ranks: rank 0 has the largest share for every strategy here except PP, where
+    the first stage (most micro-batches in flight) and the last (the logits) are both simulated.
+    Values are fake, so the logged loss is NaN (`common.scalar`), and a strategy that branches on
+    a tensor's value (tp's --clip) cannot run (reported as "simulation unsupported").
 """
 from __future__ import annotations
 
@@ -239,8 +246,34 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
     tied = cfg.tie_word_embeddings
     layer_params = 2 * h * h + 2 * kv * h + 3 * h * I + 2 * h       # q,o + k,v + MLP + norms
     embed = V * h
-    psi = Ly * layer_params + embed * (1 if tied else 2) + h
+    head = (0 if tied else embed) + h                                # lm_head + final norm
+    psi = Ly * layer_params + embed + head
     T = W if strategy in ("tp", "sp") else 1
+    tokens = b * L_seq
+    # --- activations per token per layer
+    inside = (h + 2 * kv) + (h + kv) + 2 * h + 4 * I + (2 * a * L_seq if eager else 0)
+    outside = 4 * h                                                 # two norms: input, output
+    if strategy == "tp":
+        act_tok = inside / T + outside
+    elif strategy in ("sp", "ulysses", "cp"):
+        act_tok = (inside + outside) / W
+    else:
+        act_tok = inside + outside
+    logits_tok = V * (2 * elem + 4)      # logits, the loss's fp32 log-softmax, the logits' grad
+    if strategy == "pp":
+        # pp.split_layers' balanced split; 1F1B with M = W micro-batches of b: stage r holds
+        # W - r of them in flight; the first stage has the embedding, the last the head + logits
+        import pp
+        bounds = pp.split_layers([float(layer_params)] * Ly, embed, head, W)
+        stages = []
+        for r, rng in enumerate(bounds):
+            n = len(rng) * layer_params + (embed if r == 0 else 0) + (head if r == W - 1 else 0)
+            stages.append(dict(
+                stage=r, states=4 * n * elem, activations=act_tok * elem * tokens * len(rng) *
+                (W - r), attention_blocks=0, logits=tokens * logits_tok if r == W - 1 else 0))
+        for d in stages:
+            d["peak"] = d["states"] + d["activations"] + d["logits"]
+        return max(stages, key=lambda d: d["peak"])
     # --- model states: params e, grads e, AdamW m and v 2e
     p_b, g_b, o_b = psi * elem, psi * elem, 2 * psi * elem
     extra = 0
@@ -252,37 +285,18 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
         p_b, g_b, o_b = p_b / W, g_b / W, o_b / W
         extra = 2 * max(layer_params, embed) * elem   # one gathered unit and its full gradient
     elif strategy in ("tp", "sp"):
-        shard = Ly * (layer_params - 2 * h) / T + Ly * 2 * h + embed * (1 if tied else 2) / T + h
+        shard = Ly * (layer_params - 2 * h) / T + Ly * 2 * h + (embed + head - h) / T + h
         p_b, g_b, o_b = shard * elem, shard * elem, 2 * shard * elem
-    elif strategy == "pp":
-        stage0 = math.ceil(Ly / W) * layer_params + embed + (0 if W > 1 else embed + h)
-        p_b, g_b, o_b = stage0 * elem, stage0 * elem, 2 * stage0 * elem
     states = p_b + g_b + o_b + extra
-    # --- activations
-    tokens = b * L_seq
-    inside = (h + 2 * kv) + (h + kv) + 2 * h + 4 * I + (2 * a * L_seq if eager else 0)
-    outside = 4 * h                                                 # two norms: input, output
-    if strategy == "tp":
-        act_tok = inside / T + outside
-    elif strategy in ("sp", "ulysses", "cp"):
-        act_tok = (inside + outside) / W
-    else:
-        act_tok = inside + outside
-    layers = Ly
-    in_flight = 1
-    if strategy == "pp":
-        layers, in_flight = math.ceil(Ly / W), W     # 1F1B, M = W micro-batches of b
-    acts = act_tok * elem * tokens * layers * in_flight
+    acts = act_tok * elem * tokens * Ly
     blocks = 0
     if strategy == "cp":  # cp_ring's pure-torch kernel: score blocks of (S/2C)^2 per head; its
         c = L_seq / (2 * W)   # backward holds s, p, dP and dS of one block at a time
         blocks = 4 * b * a * c * c * elem
-    # --- logits and loss (the last stage under PP: one micro-batch)
+    # --- logits and loss (vocab-parallel under TP/SP; a sequence shard under Ulysses/CP)
     vocab = V / T if strategy in ("tp", "sp") else V
     tok_logits = tokens / (W if strategy in ("ulysses", "cp") else 1)
     logits = tok_logits * vocab * (2 * elem + 4)
-    if strategy == "pp" and W > 1:
-        logits = 0    # stage 0 (the largest activations) holds no logits; the last stage does
     return dict(states=states, activations=acts, attention_blocks=blocks, logits=logits,
                 peak=states + acts + blocks + logits)
 
@@ -298,11 +312,11 @@ def predict_max(strategy, W, b, cfg, budget, lo, hi, step, elem, eager) -> int |
 # Simulation: the real training step under FakeTensorMode, as rank 0 of a fake process group
 # ----------------------------------------------------------------------------------------------
 def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
-                  dtype: str = "float32", attn: str = "sdpa") -> dict:
+                  dtype: str = "float32", attn: str = "sdpa", rank: int = 0) -> dict:
     """Peak bytes of rank 0 of a world of W for one full step, without allocating: the model is
     built on the meta device and materialised as FakeTensors, the process group is torch's fake
     backend (collectives return at once), and the harness's live-tensor tracker counts the fake
-    storages exactly as it counts real ones. Loss logging is skipped (its .item() has no value)."""
+    storages exactly as it counts real ones. The logged loss is NaN (`common.scalar`)."""
     import importlib
     import torch
     import torch.distributed as dist
@@ -325,9 +339,8 @@ def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
     lang = common.MarkovLanguage(config.vocab_size, 0, args.branching)
     batch_ = common.make_batch(lang, 0, args.batch, args.length, "cpu")
     batch_.n_tokens  # computed on real tensors, before fake mode
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=W)
-    saved = common.global_loss, common.Run.batch
-    common.global_loss = lambda *a, **k: float("nan")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=W)
+    saved = common.Run.batch
     common.Run.batch = lambda self, step: batch_
     try:
         with torch.device("meta"):
@@ -343,26 +356,32 @@ def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
                     if b is not None:
                         m._buffers[k] = torch.empty(b.shape, dtype=b.dtype)
             common.promote_norms(net).train()
-            env = common.Env(0, W, 0, torch.device("cpu"), "fake")
+            env = common.Env(rank, W, rank, torch.device("cpu"), "fake")
             strat = strat_cls(net, args, env)
             run = common.Run(args, env, config, lang)
-            mem = common.measure_memory(run, strat, step=0)
+            mem = common.steady_peak(run, strat)
     finally:
-        common.global_loss, common.Run.batch = saved
+        common.Run.batch = saved
         dist.destroy_process_group()
     return mem
 
 
 def simulated_trial(strategy, W, length, batch, args, budget) -> Outcome:
+    """Rank 0, and under PP also the last stage (it holds the logits, the first the most
+    micro-batches in flight); every other strategy gives rank 0 the largest share."""
     t0 = time.time()
+    ranks = [0, W - 1] if strategy == "pp" and W > 1 else [0]
     try:
-        mem = simulate_peak(strategy, W, length, batch, args.model, args.dtype or "float32",
-                            args.attn)
+        peak = max(simulate_peak(strategy, W, length, batch, args.model,
+                                 args.dtype or "float32", args.attn, rank=r)["peak"]
+                   for r in ranks)
     except Exception as e:  # a strategy whose step needs real values (reported, never an OOM)
         return Outcome("crash", None, time.time() - t0,
                        f"simulation unsupported: {type(e).__name__} {str(e)[:80]}")
-    kind = "OK" if mem["peak"] <= budget else "OOM"
-    return Outcome(kind, mem["peak"], time.time() - t0, "FakeTensorMode, rank 0 of a fake group")
+    kind = "OK" if peak <= budget else "OOM"
+    return Outcome(kind, peak, time.time() - t0,
+                   f"FakeTensorMode, rank{'s' if len(ranks) > 1 else ''} "
+                   f"{', '.join(map(str, ranks))} of a fake group")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -396,6 +415,9 @@ def parse(argv=None):
     p.add_argument("--simulate", action="store_true",
                    help="no real trials: each one is the real step under FakeTensorMode as rank 0 "
                         "of a fake world of N (any model size, on a laptop)")
+    p.add_argument("--compare", action="store_true",
+                   help="no search: at --length and --batch, the peak measured by a real trial "
+                        "beside the predicted and the simulated peak")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     a = p.parse_args(argv)
     names = list(STRATEGIES) if a.strategy == "all" else a.strategy.split(",")
@@ -410,9 +432,41 @@ def parse(argv=None):
         a.lo = a.step
     if a.lo < 1 or a.step < 1 or (a.hi is not None and a.hi < a.lo):
         p.exit(2, "error: need 1 <= --lo <= --hi and --step >= 1\n")
-    if (a.device != "cuda" or a.simulate) and not a.mem_budget_gb:
+    if (a.device != "cuda" or a.simulate) and not a.mem_budget_gb and not a.compare:
         p.exit(2, "error: on CPU --mem-budget-gb is required (the OOM is simulated against it)\n")
     return a
+
+
+def compare(args, cfg, elem, log) -> int:
+    """Measured vs predicted vs simulated peak at one length: how far each estimate can be
+    trusted (the README's agreement table comes from this)."""
+    rows = []
+    for name in args.strategies:
+        for W in args.worlds:
+            o = run_trial(name, W, args.length, args.batch, args)
+            pred = predict_peak(name, W, args.length, args.batch, cfg, elem,
+                                args.attn == "eager")["peak"]
+            sim = simulated_trial(name, W, args.length, args.batch, args, float("inf"))
+            rows.append(dict(strategy=name, world=W, measured=o.peak, measured_kind=o.kind,
+                             predicted=pred, simulated=sim.peak, simulated_note=sim.detail))
+            log(f"{name} W={W}: measured {o.kind} {o.peak}, predicted {pred}, simulated "
+                f"{sim.peak or sim.detail}")
+    if args.json:
+        print(json.dumps(dict(model=args.model, length=args.length, batch=args.batch,
+                              results=rows), indent=1))
+        return 0
+    mib = lambda v: f"{v / 2**20:,.1f}" if v else "-"  # noqa: E731
+    ratio = lambda v, m: f"{v / m:.3f}" if v and m else "-"  # noqa: E731
+    print(f"\n{args.model}, length {args.length}, batch {args.batch} per replica; peak MiB of "
+          f"rank 0 (CPU: live-tensor tracker)")
+    print(f"{'strategy':<10}{'W':>3}{'measured':>10}{'predicted':>11}{'ratio':>7}"
+          f"{'simulated':>11}{'ratio':>7}")
+    for r in rows:
+        m = r["measured"]
+        print(f"{r['strategy']:<10}{r['world']:>3}{mib(m):>10}{mib(r['predicted']):>11}"
+              f"{ratio(r['predicted'], m):>7}{mib(r['simulated']):>11}"
+              f"{ratio(r['simulated'], m):>7}")
+    return 0
 
 
 def main(argv=None):
@@ -422,9 +476,11 @@ def main(argv=None):
     cfg = common.load_config(args.model)
     elem = {"float64": 8, "float32": 4, "bfloat16": 2}[args.dtype or (
         "bfloat16" if args.device == "cuda" else "float32")]
-    budget = (args.mem_budget_gb or 0) * 2**30
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else \
         (lambda m: print(m, flush=True))
+    if args.compare:
+        return compare(args, cfg, elem, log)
+    budget = (args.mem_budget_gb or 0) * 2**30
     what = "length" if args.search == "length" else "micro-batch"
     if args.simulate:
         oom_kind = f"simulated: FakeTensorMode peak of rank 0 over {args.mem_budget_gb:g} GiB"

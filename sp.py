@@ -111,11 +111,11 @@ class _Regather:
     memory 1/T: Megatron re-gathers the region input in the backward rather than keep it."""
 
     def __init__(self, full, local, group):
-        self.key = full.untyped_storage().data_ptr()
+        self.key = full.untyped_storage()._cdata   # the StorageImpl (FakeTensors share data_ptr 0)
         self.local, self.group, self.cache = local, group, None
 
     def pack(self, t):
-        if t.device.type != "meta" and t.untyped_storage().data_ptr() == self.key:
+        if t.device.type != "meta" and t.untyped_storage()._cdata == self.key:
             return (self, t.shape, t.stride(), t.storage_offset())
         return t
 
@@ -178,7 +178,7 @@ class MegatronSP(tp.TP):
             if self.args.clip:
                 self.tp.clip(self.args.clip)
             self.optimizer.step()
-        return ce.item() / batch.n_tokens
+        return common.scalar(ce) / batch.n_tokens
 
     def expected_comm(self):
         cfg, a = self.model.config, self.args

@@ -390,7 +390,7 @@ class TP(common.Strategy):
             if self.args.clip:
                 self.tp.clip(self.args.clip)
             self.optimizer.step()
-        return ce.item() / batch.n_tokens  # every rank computed the full loss
+        return common.scalar(ce) / batch.n_tokens  # every rank computed the full loss
 
     def full_grads(self):
         return self.tp.full({n: p.grad for n, p in self.model.named_parameters()})

@@ -107,7 +107,9 @@ def test_prediction_within_tolerance_of_measured_peak(strategy):
         assert abs(pred / o.peak - 1) <= 0.35, (strategy, pred, o.peak)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3", "pp", pytest.param("cp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "sp", "pp",
+                                      *[pytest.param(s, marks=pytest.mark.slow)
+                                        for s in ("tp", "ulysses", "cp")]])
 def test_simulation_matches_measured_peak(strategy):
     """The real step under FakeTensorMode (rank 0 of a fake world of 2) against a real CPU run."""
     args = types.SimpleNamespace(model="tiny", dtype=None, device=None, mem_budget_gb=None,
