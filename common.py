@@ -47,6 +47,8 @@ The adapter contract (subclass `Strategy`)
     learning_lines()          extra lines printed after a learning run (collective).
     cpu_dtype                 {mode: dtype}: a strategy's own CPU default where MODE_DEFAULTS'
                               does not suit it (ep_moe learns in float64: see its docstring).
+    modes                     {name: function(run, cls) -> bool}: extra --mode values (compose4d's
+                              "train": a logged run with checkpoints, outside the comparisons).
 
 Strategy code marks its forward and backward with `with phase("forward"):` so the benchmark can
 time them and the memory tracker can tell activations from the rest.
@@ -155,13 +157,14 @@ MODE_DEFAULTS = {  # (steps, dtype on cpu) per mode; see the numerics policy in 
     "learning": (200, "float32"),
     "benchmark": (None, "float32"),
     "peak": (1, "float32"),
+    "train": (100, "float32"),   # a strategy's own mode (compose4d's training run)
 }
 
 
-def base_parser(prog: str) -> argparse.ArgumentParser:
+def base_parser(prog: str, modes=()) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--mode", default="correctness",
-                   choices=["correctness", "learning", "benchmark", "all", "peak"])
+                   choices=["correctness", "learning", "benchmark", "all", "peak", *modes])
     p.add_argument("--model", default="tiny",
                    help="preset (%s), a local HF model directory, or a config.json path"
                    % ", ".join(PRESETS))
@@ -755,6 +758,7 @@ class Strategy:
     native = None
     reference = None  # None: common.Reference (set after its definition)
     cpu_dtype: dict = {}  # mode -> default dtype on CPU where the strategy needs another one
+    modes: dict = {}      # extra --mode name -> function(run, cls) -> bool (compose4d's "train")
 
     @staticmethod
     def add_args(parser):
@@ -1473,7 +1477,7 @@ def fail_config(msg: str, rank: int):
 
 
 def main(cls, argv=None):
-    parser = base_parser(os.path.basename(sys.argv[0]))
+    parser = base_parser(os.path.basename(sys.argv[0]), cls.modes)
     cls.add_args(parser)
     args = parser.parse_args(argv)
     rank, world, _ = env_from_os()
@@ -1500,7 +1504,7 @@ def main(cls, argv=None):
                 a.dtype = cls.cpu_dtype.get(mode)
             run = Run(resolve_defaults(a, mode, env.device.type, env.world), env, config, lang)
             ok &= {"correctness": run_correctness, "learning": run_learning,
-                   "benchmark": run_benchmark, "peak": run_peak}[mode](run, cls)
+                   "benchmark": run_benchmark, "peak": run_peak, **cls.modes}[mode](run, cls)
         clean = True
     finally:
         teardown(clean)

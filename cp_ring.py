@@ -313,6 +313,16 @@ def hf_attention(module, query, key, value, attention_mask, scaling=None, dropou
     return out.transpose(1, 2).contiguous(), None
 
 
+def install(model, cp: CPContext):
+    """Route every decoder layer's attention through hf_attention over cp's group (HF's
+    attention registry). The caller feeds each rank its tokens with their global positions."""
+    from transformers import AttentionInterface
+    AttentionInterface.register("ring_cp", hf_attention)
+    model.config._attn_implementation = "ring_cp"
+    for layer in model.model.layers:
+        layer.self_attn.cp = cp
+
+
 def reference_attention(q, k, v, scale):
     """Full causal attention on one device (for the standalone check)."""
     n_rep = q.shape[1] // k.shape[1]
@@ -343,14 +353,10 @@ class CP(common.Strategy):
     constraints = staticmethod(cp_constraints)
 
     def __init__(self, model, args, env):
-        from transformers import AttentionInterface
         self.args, self.env, self.model = args, env, model
         self.name = f"cp-{args.variant}"
         self.cp = CPContext(args.variant, None, args.length)
-        AttentionInterface.register("ring_cp", hf_attention)
-        model.config._attn_implementation = "ring_cp"
-        for layer in model.model.layers:
-            layer.self_attn.cp = self.cp
+        install(model, self.cp)
         self.pos = positions(self.cp.chunks[env.rank]).to(env.device)
         # Same weights, different tokens: gradients are summed over the CP group.
         self.dp = ddp.DataParallel(model, broadcast=False, average=args.plant_bug != "no-average")

@@ -199,9 +199,18 @@ def split_layers(costs: list[float], first: float, last: float, n: int) -> list[
 # The pipeline: this rank's chunks and the executor
 # ----------------------------------------------------------------------------------------------
 class Pipeline:
-    def __init__(self, model, P: int, V: int, rank: int, schedule_name: str, group=None):
-        self.model, self.P, self.V, self.rank = model, P, V, rank
+    """This rank's chunks of `model` and the executor of its schedule. `group` is the pipeline
+    group (None: the world; ranks are group ranks); `tie_group` the two-rank group of the first
+    and last stage when the embeddings are tied (created by the caller, on every rank, in the
+    same order). A composition (compose4d.py) may set `positions` (the global position ids of
+    this rank's tokens, for context parallelism), `seq_shards` (the residual stream is split
+    that many ways along the sequence, for Megatron SP) and `loss_sum` (the vocab-parallel loss)."""
+
+    def __init__(self, model, P: int, V: int, rank: int, schedule_name: str, group=None,
+                 tie_group=None):
+        self.model, self.P, self.V, self.rank, self.group = model, P, V, rank, group
         self.schedule_name, self.C = schedule_name, P * V
+        self.positions, self.seq_shards, self.loss_sum = None, 1, common.lm_loss_sum
         base = model.model
         n_layer = [sum(p.numel() for p in layer.parameters()) for layer in base.layers]
         emb = sum(p.numel() for p in base.embed_tokens.parameters())
@@ -222,15 +231,14 @@ class Pipeline:
             base.embed_tokens = None
         if not last:
             base.norm, model.lm_head = None, None
-        self.tie_group = None
-        if self.tied and P > 1:  # created on every rank, in the same order
-            self.tie_group = common.name_group(dist.new_group([0, P - 1]), "tied")
+        self.tie_group = tie_group if self.tied and P > 1 else None
         self.timeline, self.history = [], []
 
     # -- the model, cut into chunks --
     def run_chunk(self, c, x, S):
         base = self.model.model
-        pos = torch.arange(S, device=x.device)[None]
+        pos = (torch.arange(S, device=x.device) if self.positions is None
+               else self.positions)[None]
         h = base.embed_tokens(x) if c == 0 else x
         cos_sin = base.rotary_emb(h, pos)
         for i in self.bounds[c]:
@@ -254,20 +262,27 @@ class Pipeline:
         return (m * self.C + c) * 2 + int(backward)
 
     def _send(self, t, dst_chunk, c, m, backward):
-        op = dist.P2POp(dist.isend, t.contiguous(), dst_chunk % self.P, tag=self._tag(c, m, backward))
+        op = dist.P2POp(dist.isend, t.contiguous(), group=self.group, group_peer=dst_chunk % self.P,
+                        tag=self._tag(c, m, backward))
         self.sends.append((dist.batch_isend_irecv([op]), op.tensor))  # keep t alive till done
 
     def _recv(self, shape, dtype, src_chunk, c, m, backward):
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        op = dist.P2POp(dist.irecv, buf, src_chunk % self.P, tag=self._tag(c, m, backward))
+        op = dist.P2POp(dist.irecv, buf, group=self.group, group_peer=src_chunk % self.P,
+                        tag=self._tag(c, m, backward))
         for w in dist.batch_isend_irecv([op]):
             w.wait()
         return buf
 
     # -- one optimizer step's worth of micro-batches --
-    def run(self, batch: common.Batch, M: int) -> torch.Tensor:
+    def run(self, batch: common.Batch, M: int, n_tokens: int | None = None) -> torch.Tensor:
+        """This rank's part of one optimizer step over `batch` in M micro-batches; each
+        micro-batch backpropagates its CE sum / n_tokens (default: the batch's own count).
+        Returns the CE sum of the micro-batches this rank computed the loss of (float64)."""
+        n_tokens = n_tokens or batch.n_tokens
         mbs = batch.split(M)
         B, S = mbs[0].input_ids.shape
+        S_act = S // self.seq_shards
         H = self.model.config.hidden_size
         dtype = next(self.model.parameters()).dtype
         self.device = batch.input_ids.device
@@ -281,13 +296,13 @@ class Pipeline:
                     if c == 0:
                         x = mbs[m].input_ids
                     else:
-                        x = self._recv((B, S, H), dtype, c - 1, c, m, False).requires_grad_()
+                        x = self._recv((B, S_act, H), dtype, c - 1, c, m, False).requires_grad_()
                     start = time.perf_counter() - t0   # waiting for data is bubble, not work
                     out = self.run_chunk(c, x, S)
                     if c == self.C - 1:
-                        ce = common.lm_loss_sum(out, mbs[m].labels)
+                        ce = self.loss_sum(out, mbs[m].labels)
                         loss_sum += ce.detach().double()
-                        out = ce / batch.n_tokens
+                        out = ce / n_tokens
                     else:
                         self._send(out.detach(), c + 1, c + 1, m, False)
                     inputs[(c, m)], outputs[(c, m)] = x, out
@@ -295,7 +310,7 @@ class Pipeline:
                 with phase("backward"):
                     if kind in ("B", "I"):
                         g = None if c == self.C - 1 else self._recv(
-                            (B, S, H), dtype, c + 1, c, m, True)
+                            (B, S_act, H), dtype, c + 1, c, m, True)
                         grads[(c, m)] = g
                     start = time.perf_counter() - t0
                     x, out, g = inputs[(c, m)], outputs[(c, m)], grads[(c, m)]
@@ -365,7 +380,10 @@ class PP(common.Strategy):
         self.name = f"pp-{args.schedule}"
         V = args.virtual_stages if args.schedule == "interleaved" else 1
         self.model = model
-        self.pipe = Pipeline(model, env.world, V, env.rank, args.schedule)
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        tie = (common.name_group(dist.new_group([0, env.world - 1]), "tied")
+               if tied and env.world > 1 else None)
+        self.pipe = Pipeline(model, env.world, V, env.rank, args.schedule, tie_group=tie)
         self.optimizer = common.make_adamw([p for p in model.parameters()], args)
 
     def step(self, batch):

@@ -34,6 +34,7 @@ Communication per step (N = B*S tokens, H hidden, L layers, b bytes, W = T ranks
 """
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 import common
 import ddp
@@ -156,13 +157,7 @@ class MegatronSP(tp.TP):
 
     def __init__(self, model, args, env):
         super().__init__(model, args, env)
-        group = None
-        # The residual stream is sequence-sharded from the first layer's input on.
-        model.model.layers[0].register_forward_pre_hook(
-            lambda mod, args, kwargs: _split_first(args, kwargs, group), with_kwargs=True)
-        # Norms and the row-parallel biases act on this rank's tokens only.
-        self.seq_partial = [p for n, p in model.named_parameters()
-                            if "norm" in n or n.endswith(("o_proj.bias", "down_proj.bias"))]
+        self.seq_partial = shard_residual_stream(model, None)
 
     def make_region(self):
         return SPRegion(None)
@@ -204,6 +199,17 @@ class MegatronSP(tp.TP):
 
     def report_lines(self):
         return _per_layer_lines(self.model.config, self.args, self.env.world)
+
+
+def shard_residual_stream(model, group) -> list[nn.Parameter]:
+    """Megatron SP on a model whose linear layers tensor_parallel already split with an
+    SPRegion: the residual stream is sequence-sharded from the first layer's input on (call
+    before a pipeline drops layers). Returns the parameters whose gradients are partial over the
+    group (the norms and the row-parallel biases act on this rank's tokens only)."""
+    model.model.layers[0].register_forward_pre_hook(
+        lambda mod, args, kwargs: _split_first(args, kwargs, group), with_kwargs=True)
+    return [p for n, p in model.named_parameters()
+            if "norm" in n or n.endswith(("o_proj.bias", "down_proj.bias"))]
 
 
 def _split_first(args, kwargs, group):

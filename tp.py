@@ -321,6 +321,17 @@ class TensorParallel:
             out[name] = full
         return out
 
+    def local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a full tensor (the inverse of full(): vocabulary rows padded
+        with zeros, then the rank's chunk along the split dim)."""
+        d = self.split_dim.get(name)
+        if d is None:
+            return full
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            pad = self.vocab_padded - full.shape[0]
+            full = torch.cat([full, full.new_zeros(pad, *full.shape[1:])]) if pad else full
+        return full.chunk(self.T, dim=d)[self.rank].clone()
+
     def clip(self, max_norm: float) -> float:
         """Global-norm clipping: sharded grads' squares summed over the group, replicated ones
         counted once."""

@@ -320,13 +320,29 @@ class Zero:
 
     # -- reassembly for the harness (collectives) --
     def full_tensors(self, kind: str) -> dict[str, torch.Tensor]:
+        return self.gather_flat([u.grad_shard if kind == "grad" else u.shard
+                                 for u in self.units])
+
+    def gather_flat(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-parameter tensors from one flat shard per unit (parameters, gradients or an
+        optimizer state), all-gathered over the group."""
         out = {}
-        for u in self.units:
-            src = u.grad_shard if kind == "grad" else u.shard
+        for u, src in zip(self.units, shards):
             flat = torch.empty(u.padded, dtype=src.dtype, device=src.device)
             dist.all_gather_into_tensor(flat, src.contiguous(), group=self.group)
             for n, p, off in zip(u.names, u.params, u.offsets):
                 out[n] = flat[off:off + p.numel()].view(p.shape)
+        return out
+
+    def flat_shards(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The inverse of gather_flat: this rank's flat shard of each unit, from per-parameter
+        tensors (zero padding)."""
+        out = []
+        for u in self.units:
+            flat = torch.zeros(u.padded, dtype=u.full.dtype, device=u.full.device)
+            for n, p, off in zip(u.names, u.params, u.offsets):
+                flat[off:off + p.numel()] = tensors[n].reshape(-1)
+            out.append(flat[u.rank * u.shard_numel:(u.rank + 1) * u.shard_numel].clone())
         return out
 
 

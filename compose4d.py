@@ -1,0 +1,658 @@
+"""compose4d.py: DP x TP(+SP) x PP x CP training of an HF Llama, composed from the strategy files.
+
+    torchrun --nproc_per_node=8 compose4d.py --tp 2 --pp 2 --cp 2                # correctness
+    torchrun --nproc_per_node=8 compose4d.py --tp 2 --pp 2 --cp 2 --sp --mode benchmark
+    torchrun --nproc_per_node=4 compose4d.py --tp 2 --pp 2 --mode train --steps 200 \\
+        --lr-schedule cosine --lr-warmup 20 --save ckpt --export-hf hf_out
+    torchrun --nproc_per_node=2 compose4d.py --pp 2 --mode train --steps 300 --resume ckpt
+
+Nothing here re-implements a parallelism; the blocks come from their own files:
+    tp.TensorParallel      Megatron column/row-parallel layers, vocab-parallel embedding and loss
+    sp.SPRegion            Megatron sequence parallelism (--sp): all-gather / reduce-scatter at the
+                           region edges; sp.shard_residual_stream splits the residual stream
+    cp_ring.CPContext      zig-zag ring attention over the cp group, through HF's attention registry
+    pp.Pipeline            the stage split and the 1F1B / interleaved executor, over the pp group;
+                           with P = 1 it is plain gradient accumulation over the micro-batches
+    zero.Zero, ShardAdamW  ZeRO-1 (default) or ZeRO-2 over the dp x cp group
+What is here: the rank grid and its groups, the step that strings the blocks together, gradient
+clipping across all four dimensions, layout-independent checkpoints and the HF export.
+
+Rank grid (Fast-LLM's arithmetic)
+    rank = tp + T * (cp + C * (dp + D * pp)): TP innermost (inside a node), then CP, then DP, PP
+    outermost; --pipeline-first swaps PP inside DP (rank = tp + T * (cp + C * (pp + P * dp))).
+    D = W / (T P C). Groups, created on every rank in this order: tp, cp, dp, pp, dp x cp, and the
+    tied-embedding pairs (first and last stage of each pipeline) when the embeddings are tied.
+    Gradients are summed and ZeRO's shards live over dp x cp: CP ranks hold the same weights and
+    see different tokens of the same sequences, exactly as DP ranks see different sequences.
+
+One step
+    Each rank takes its dp share of the sequences and its cp share (zig-zag chunks, with their
+    global positions for RoPE) of every sequence, and runs its pipeline stage's schedule over
+    --grad-accum micro-batches; every micro-batch backpropagates CE_sum / N_global, so the sums
+    over dp x cp (ZeRO's reduce-scatter), over tp (the partial gradients of replicated norms under
+    SP) and over the tied pair give the reference's gradient exactly. Then: global-norm clipping
+    (each gradient element counted once: tp-replicated ones on tp rank 0 only, the tied head copy
+    on the first stage only), AdamW on the shards, all-gather of the updated parameters.
+
+Communication per step (N_r = tokens per rank per step = B S / (D C), H hidden, b bytes, L layers,
+M micro-batches, Psi_r = parameters held per rank = about Psi / (T P))
+    tp group     TP: (4 L_stage + 2) all-reduces of N_r H b (+3 of N_r b for the loss); with SP
+                 they become all-gathers / reduce-scatters of the same size (tp.py, sp.py)
+    cp group     per layer (C-1) forward hops of K,V and (C-1) backward hops of K,V,dK,dV (cp_ring)
+    pp group     2 M (activation + gradient) sends of N_r H b / (M T_sp) per stage boundary (pp.py)
+    dp x cp      ZeRO-1: one reduce-scatter + one all-gather of Psi_r b; ZeRO-2: reduce-scatters
+                 per micro-batch (M Psi_r b) (zero.py)
+    world        one 8-byte all-reduce of the squared gradient norm
+
+Checkpoints (--save DIR, --resume DIR)
+    Layout-independent: the ranks with dp x cp rank 0 each write their (pp, tp) slice as
+    per-parameter TP-local tensors (parameters, or fp32 masters under mixed precision, and AdamW's
+    two moments) with the split dimension of each; a run at any other (dp, tp, pp, cp) reads all
+    slices, rebuilds full tensors, and slices them its own way. The data position is the step
+    index (the synthetic data is a function of it). Atomic: everything is written into
+    DIR/.tmp-step-N, renamed to DIR/step-N, and only then does DIR/latest (replaced with
+    os.replace) name it, so a crash never leaves a half-written "latest".
+--export-hf DIR writes the full model with save_pretrained; AutoModelForCausalLM.from_pretrained
+    loads it and gives the same logits.
+"""
+import json
+import math
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+
+import common
+import cp_ring
+import pp
+import sp
+import tp
+import zero
+from common import Expect, phase
+
+
+# ----------------------------------------------------------------------------------------------
+# Rank grid and process groups
+# ----------------------------------------------------------------------------------------------
+class Grid:
+    """Coordinates of every rank. `order` lists the dimensions innermost first."""
+
+    def __init__(self, world: int, T: int, P: int, C: int, pipeline_first: bool = False):
+        self.size = dict(tp=T, cp=C, dp=world // (T * P * C), pp=P)
+        self.order = ["tp", "cp", "pp", "dp"] if pipeline_first else ["tp", "cp", "dp", "pp"]
+        self.world = world
+
+    def coords(self, rank: int) -> dict[str, int]:
+        out = {}
+        for d in self.order:
+            out[d] = rank % self.size[d]
+            rank //= self.size[d]
+        return out
+
+    def rank_of(self, c: dict[str, int]) -> int:
+        r = 0
+        for d in reversed(self.order):
+            r = r * self.size[d] + c[d]
+        return r
+
+    def groups_over(self, dims: tuple[str, ...]) -> list[list[int]]:
+        """Every group in which `dims` vary and the other coordinates are fixed (rank order)."""
+        seen = {}
+        for r in range(self.world):
+            c = self.coords(r)
+            key = tuple(c[d] for d in self.order if d not in dims)
+            seen.setdefault(key, []).append(r)
+        return list(seen.values())
+
+
+def make_groups(grid: Grid, rank: int, tied: bool) -> dict:
+    """tp, cp, dp, pp, dp x cp (and the tied pairs): every rank creates every group, same order."""
+    out = {}
+    for name, dims in (("tp", ("tp",)), ("cp", ("cp",)), ("dp", ("dp",)), ("pp", ("pp",)),
+                       ("dpcp", ("dp", "cp"))):
+        mine, _ = dist.new_subgroups_by_enumeration(grid.groups_over(dims))
+        out[name] = common.name_group(mine, name)
+    out["tied"] = None
+    P = grid.size["pp"]
+    if tied and P > 1:
+        pairs = [[g[0], g[-1]] for g in grid.groups_over(("pp",))]
+        mine, _ = dist.new_subgroups_by_enumeration(pairs)
+        out["tied"] = common.name_group(mine, "tied")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Learning-rate schedule
+# ----------------------------------------------------------------------------------------------
+def lr_at(step: int, args) -> float:
+    """Linear warm-up over --lr-warmup steps, then constant or cosine down to --lr-min-ratio x lr
+    at --steps."""
+    if step < args.lr_warmup:
+        return args.lr * (step + 1) / args.lr_warmup
+    if args.lr_schedule == "constant":
+        return args.lr
+    span = max(1, args.steps - args.lr_warmup)
+    t = min(1.0, (step - args.lr_warmup) / span)
+    lo = args.lr * args.lr_min_ratio
+    return lo + (args.lr - lo) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+class ScheduledReference(common.Reference):
+    """The single-device reference with the same learning-rate schedule."""
+
+    def __init__(self, ref_model, args, env):
+        super().__init__(ref_model, args, env)
+        self.t = 0
+
+    def step(self, batch):
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr_at(self.t, self.args)
+        self.t += 1
+        return super().step(batch)
+
+
+# ----------------------------------------------------------------------------------------------
+# Constraints
+# ----------------------------------------------------------------------------------------------
+def compose_constraints(args, world, config) -> list[str]:
+    T, P, C, M = args.tp, args.pp, args.cp, args.grad_accum
+    if min(T, P, C, M) < 1:
+        return ["--tp, --pp, --cp and --grad-accum must be >= 1"]
+    if world % (T * P * C):
+        return [f"world size {world} is not divisible by tp x pp x cp = {T} x {P} x {C} = "
+                f"{T * P * C} (dp = W / (tp pp cp))"]
+    D = world // (T * P * C)
+    if getattr(config, "num_local_experts", None):
+        return ["compose4d composes dense Llama models; MoE (--ep) is not implemented"]
+    errs = tp.tp_constraints(args, T, config) if T > 1 else []
+    if errs:
+        return errs
+    V = args.virtual_stages if args.schedule == "interleaved" else 1
+    L = config.num_hidden_layers
+    if L < P * V:
+        return [f"{L} decoder layers cannot fill {P * V} pipeline chunks ({P} stages x {V} "
+                f"virtual stages)"]
+    if args.schedule == "interleaved" and (P < 2 or M % P):
+        return [f"the interleaved schedule needs --pp >= 2 and --grad-accum ({M}) a multiple of "
+                f"--pp ({P})"]
+    if args.schedule == "interleaved" and args.zero == 2:
+        return ["--zero 2 reduce-scatters per micro-batch and needs each micro-batch's backward "
+                "of a stage in one piece: use --schedule 1f1b"]
+    if args.batch % (D * M):
+        return [f"global batch {args.batch} is not divisible by dp x grad-accum = {D} x {M}"]
+    if args.length % (2 * C):
+        return [f"sequence length {args.length} is not divisible by 2 x cp = {2 * C} (zig-zag "
+                f"chunks)"]
+    if args.sp and (args.length // C) % T:
+        return [f"--sp: the {args.length // C} tokens per cp rank are not divisible by tp = {T}"]
+    if args.zero not in (1, 2):
+        return [f"--zero must be 1 or 2 (got {args.zero})"]
+    if args.attn != "sdpa":
+        return ["compose4d runs decoder layers itself (pp.Pipeline) with sdpa (--attn sdpa)"]
+    if args.resume and not os.path.isdir(args.resume):
+        return [f"--resume {args.resume}: no such directory"]
+    return []
+
+
+# ----------------------------------------------------------------------------------------------
+# The composed strategy
+# ----------------------------------------------------------------------------------------------
+class Compose4D(common.Strategy):
+    name = "4d"
+    reference = ScheduledReference
+
+    @staticmethod
+    def add_args(p):
+        p.add_argument("--tp", type=int, default=1, help="tensor-parallel size T")
+        p.add_argument("--pp", type=int, default=1, help="pipeline stages P")
+        p.add_argument("--cp", type=int, default=1, help="context-parallel size C (zig-zag ring)")
+        p.add_argument("--sp", action="store_true", help="Megatron sequence parallelism in TP")
+        p.add_argument("--pipeline-first", action="store_true",
+                       help="PP inside DP in the rank grid (default: PP outermost)")
+        p.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved"])
+        p.add_argument("--virtual-stages", type=int, default=2, help="V for --schedule interleaved")
+        p.add_argument("--zero", type=int, default=1, help="ZeRO stage over dp x cp: 1 or 2")
+        p.add_argument("--grad-accum", type=int, default=1,
+                       help="micro-batches per step per replica (the pipeline's M)")
+        p.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"])
+        p.add_argument("--lr-warmup", type=int, default=0, help="linear warm-up steps")
+        p.add_argument("--lr-min-ratio", type=float, default=0.1, help="cosine floor / lr")
+        p.add_argument("--save", default=None, help="train mode: checkpoint directory")
+        p.add_argument("--save-every", type=int, default=0, help="steps between saves (0: end)")
+        p.add_argument("--resume", default=None, help="train mode: resume from DIR/latest")
+        p.add_argument("--export-hf", default=None,
+                       help="train mode: write the trained model as an HF model directory")
+
+    constraints = staticmethod(compose_constraints)
+
+    def __init__(self, model, args, env):
+        self.args, self.env, self.model = args, env, model
+        T, P, C = args.tp, args.pp, args.cp
+        self.grid = Grid(env.world, T, P, C, args.pipeline_first)
+        self.me = self.grid.coords(env.rank)
+        self.name = (f"4d-dp{self.grid.size['dp']}-tp{T}{'sp' if args.sp else ''}-pp{P}-cp{C}"
+                     f"-zero{args.zero}")
+        self.tied = model.lm_head.weight is model.model.embed_tokens.weight
+        g = self.groups = make_groups(self.grid, env.rank, self.tied)
+        # Tensor (and sequence) parallelism: split the linear layers, the vocabulary, the loss.
+        self.tp, self.partial = None, []
+        if T > 1:
+            region = sp.SPRegion(g["tp"]) if args.sp else tp.TPRegion(g["tp"])
+            self.tp = tp.TensorParallel(model, g["tp"], region)
+            self.partial = list(self.tp.partial_grads)
+            if args.sp:
+                self.partial += sp.shard_residual_stream(model, g["tp"])
+        # Context parallelism: ring attention over the cp group, this rank's zig-zag tokens.
+        self.pos = None
+        if C > 1:
+            cp = cp_ring.CPContext("zigzag", g["cp"], args.length)
+            cp_ring.install(model, cp)
+            self.pos = cp_ring.positions(cp.chunks[self.me["cp"]]).to(env.device)
+        # Pipeline: this rank's stage (drops the other layers), over the pp group.
+        V = args.virtual_stages if args.schedule == "interleaved" else 1
+        self.pipe = pp.Pipeline(model, P, V, self.me["pp"], args.schedule, group=g["pp"],
+                                tie_group=g["tied"])
+        self.pipe.positions = self.pos
+        self.pipe.seq_shards = T if args.sp else 1
+        if self.tp is not None:
+            self.pipe.loss_sum = self.tp.loss_sum
+        self.first, self.last = 0 in self.pipe.mine, self.pipe.C - 1 in self.pipe.mine
+        # ZeRO over dp x cp, on this stage's (TP-sharded) parameters; gradients summed.
+        self.zero = zero.Zero(model, group=g["dpcp"], stage=args.zero, average=False,
+                              units=self._units())
+        self.optimizer = zero.ShardAdamW([u.shard for u in self.zero.units], args.lr,
+                                         args.weight_decay)
+        self._plan_shard_slices()
+        self.t = 0              # optimizer steps taken (the schedule's position)
+        self.last_norm = float("nan")
+
+    def _units(self):
+        """ZeRO units of this stage in forward order; the tied head copy is a unit of its own, so
+        its flat layout (and shards) match the embedding's on the first stage."""
+        base, units = self.model.model, []
+        if self.first:
+            units.append(("embed", [base.embed_tokens]))
+        units += [(f"layers.{i}", [base.layers[i]]) for c in self.pipe.mine
+                  for i in self.pipe.bounds[c]]
+        if self.last:
+            units.append(("norm", [base.norm]))
+            if not (self.tied and self.first):
+                units.append(("head", [self.model.lm_head]))
+        return units
+
+    def _plan_shard_slices(self):
+        """Per unit, which (start, end) ranges of this rank's gradient shard are (a) partial over
+        tp (summed there), and (b) counted in the global norm."""
+        partial = {id(p) for p in self.partial}
+        tp_rank = self.me["tp"]
+        self.partial_slices, self.norm_slices = [], []
+        for u in self.zero.units:
+            lo, s = u.rank * u.shard_numel, u.shard_numel
+            ps, ns = [], []
+            for n, p, off in zip(u.names, u.params, u.offsets):
+                a, b = max(off, lo), min(off + p.numel(), lo + s)
+                if a >= b:
+                    continue
+                if id(p) in partial:
+                    ps.append((a - lo, b - lo))
+                split = self.tp is not None and n in self.tp.split_dim
+                head_copy = self.tied and n == "lm_head.weight"
+                if (split or tp_rank == 0) and not head_copy:
+                    ns.append((a - lo, b - lo))
+            self.partial_slices.append(ps)
+            self.norm_slices.append(ns)
+
+    # -- the step --
+    def local_batch(self, batch: common.Batch) -> common.Batch:
+        b = batch.shard(self.me["dp"], self.grid.size["dp"])
+        if self.pos is not None:
+            b = common.Batch(b.input_ids[:, self.pos], b.labels[:, self.pos], b.index)
+        return b
+
+    def step(self, batch: common.Batch) -> float:
+        z, g = self.zero, self.groups
+        z.zero_grad()
+        loss_sum = self.pipe.run(self.local_batch(batch), self.args.grad_accum, batch.n_tokens)
+        with phase("backward"):
+            z.finish()                              # summed over dp x cp, sharded
+            grads = [u.grad_shard for u in z.units]
+            self._reduce_slices(grads, self.partial_slices, g["tp"])      # SP / MQA partials
+            if g["tied"] is not None and (self.first or self.last):       # embedding + head copy
+                dist.all_reduce(grads[0] if self.first else grads[-1], group=g["tied"])
+        with phase("optimizer"):
+            self.last_norm = self.clip(grads, self.args.clip)
+            self.optimizer.lr = lr_at(self.t, self.args)
+            self.optimizer.step(grads)
+            z.all_gather_params()
+        self.t += 1
+        # every tp rank computed the same loss: count it once
+        return common.global_loss(loss_sum if self.me["tp"] == 0 else loss_sum * 0,
+                                  batch.n_tokens)
+
+    @staticmethod
+    def _reduce_slices(grads, slices, group):
+        pieces = [grads[i][a:b] for i, sl in enumerate(slices) for a, b in sl]
+        if not pieces or dist.get_world_size(group) == 1:
+            return
+        flat = torch.cat(pieces)
+        dist.all_reduce(flat, group=group)
+        off = 0
+        for piece in pieces:
+            piece.copy_(flat[off:off + piece.numel()])
+            off += piece.numel()
+
+    def clip(self, grads, max_norm: float) -> float:
+        """The global gradient norm over all four dimensions (one scalar all-reduce over the
+        world), and clipping by it when max_norm > 0 (torch's clip_grad_norm_ formula)."""
+        sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device)
+        for gr, sl in zip(grads, self.norm_slices):
+            for a, b in sl:
+                sq += gr[a:b].double().pow(2).sum()
+        dist.all_reduce(sq)
+        norm = common.scalar(sq.sqrt())
+        if max_norm > 0:
+            coef = min(1.0, max_norm / (norm + 1e-6))
+            if coef < 1.0:
+                for gr in grads:
+                    gr.mul_(coef)
+        return norm
+
+    # -- full tensors (collective) --
+    def _full(self, stage_tensors: dict) -> dict[str, torch.Tensor]:
+        """This stage's TP-local tensors -> full tensors of the whole model on every rank."""
+        if self.tp is not None:
+            stage_tensors = self.tp.full(stage_tensors)
+        parts = [None] * self.grid.size["pp"]
+        with common.METER.paused():
+            dist.all_gather_object(parts, {n: t.detach().cpu() for n, t in stage_tensors.items()},
+                                   group=self.groups["pp"])
+        out = {}
+        for part in parts:
+            out.update(part)
+        if self.tied:
+            out.pop("lm_head.weight", None)   # the reference holds one tied tensor
+        return {n: t.to(self.env.device) for n, t in out.items()}
+
+    def _stage_tensors(self, shards) -> dict[str, torch.Tensor]:
+        with common.METER.paused():
+            return self.zero.gather_flat(shards)
+
+    def full_grads(self):
+        return self._full(self._stage_tensors([u.grad_shard for u in self.zero.units]))
+
+    def full_params(self):
+        return self._full(self._stage_tensors([u.shard for u in self.zero.units]))
+
+    def model_states(self):
+        z = self.zero
+        grads = ([u.grad_full for u in z.units] if self.args.zero == 1
+                 else [u.grad_shard for u in z.units])
+        return {"params": [u.full for u in z.units], "grads": grads,
+                "optimizer": self.optimizer.state_tensors()}
+
+    def extra_checks(self):
+        rows = [("rank grid", True, f"{self.grid.size} order {self.grid.order} (innermost first)")]
+        if self.tp is not None:   # replicated parameters must stay identical across tp ranks
+            rep = [p for n, p in self.model.named_parameters() if n not in self.tp.split_dim]
+            spread = common.spread_across_ranks(rep, self.groups["tp"]) if rep else 0.0
+            rows.append(("tp-replicated parameters identical", spread == 0.0,
+                         f"max spread {spread:.1e}"))
+        return rows
+
+    # -- benchmark: communication formulas per group --
+    def expected_comm(self):
+        a, cfg = self.args, self.model.config
+        T, P, C, M = a.tp, a.pp, a.cp, a.grad_accum
+        D = self.grid.size["dp"]
+        b = common.DTYPES[a.dtype].itemsize
+        H = cfg.hidden_size
+        n_tok = a.batch // D * a.length // C          # tokens per rank per step
+        L_st = sum(len(self.pipe.bounds[c]) for c in self.pipe.mine)
+        z = self.zero
+        padded = sum(u.padded for u in z.units)
+        rows = []
+        if D * C > 1:
+            rs = M if a.zero == 2 else 1
+            rows += [Expect("reduce_scatter_tensor", "dpcp", len(z.units) * rs, padded * b * rs,
+                            f"ZeRO-{a.zero}: Psi_r*b = {padded * b:,} B, one per unit"
+                            + (f", x{M} micro-batches" if rs > 1 else "")),
+                     Expect("all_gather_into_tensor", "dpcp", len(z.units), padded * b,
+                            "updated parameters, one per unit")]
+        rows.append(Expect("all_reduce", "world", 1, 8, "global gradient norm (fp64)"))
+        if P > 1:
+            act = (a.batch // D // M) * (a.length // C // (T if a.sp else 1)) * H * b
+            n = sum(1 for c in self.pipe.mine if c < self.pipe.C - 1) * M \
+                + sum(1 for c in self.pipe.mine if c > 0) * M
+            rows += [Expect("isend", "pp", n, n * act, f"M activations out + gradients back per "
+                            f"boundary, {act:,} B each"),
+                     Expect("irecv", "pp", n, n * act, "the mirror of the sends")]
+            if self.groups["tied"] is not None and (self.first or self.last):
+                rows.append(Expect("all_reduce", "tied", 1, z.units[0 if self.first else -1]
+                                   .shard_numel * b, "tied embedding gradient shard"))
+        if C > 1:
+            hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
+            blk = (a.batch // D // M) * (a.length // C) * 2 * (cfg.num_key_value_heads // T) * hd * b
+            per = (C - 1) * blk + (C - 1) * 2 * blk + blk
+            rows += [Expect(op, "cp", M * L_st * (3 * (C - 1) + 1), M * L_st * per,
+                            "ring attention per layer and micro-batch: (C-1) K,V hops forward, "
+                            "(C-1) K,V,dK,dV hops backward, dK,dV home") for op in ("isend", "irecv")]
+        if T > 1:
+            nhb = n_tok * H * b
+            emb, head = int(self.first), int(self.last)
+            if a.sp:
+                ag = M * (6 * L_st + 3 * head) + (M if self.first else 0)
+                rs_ = M * (4 * L_st + head)
+                rows += [Expect("all_gather_into_tensor", "tp", ag, ag * nhb // M,
+                                "SP: region entries (fwd), re-gathers and row exits (bwd)"),
+                         Expect("reduce_scatter_tensor", "tp", rs_, rs_ * nhb // M,
+                                "SP: row exits (fwd), region entries (bwd)")]
+        return rows if not (T > 1) else [r for r in rows] + self._tp_allreduce_rows(T, M, b, n_tok)
+
+    def _tp_allreduce_rows(self, T, M, b, n_tok):
+        a, cfg = self.args, self.model.config
+        H = cfg.hidden_size
+        L_st = sum(len(self.pipe.bounds[c]) for c in self.pipe.mine)
+        nhb_mb = n_tok // M * H * b
+        b_ce = 4 if a.dtype == "bfloat16" else b
+        calls = nbytes = 0
+        if self.first:
+            calls, nbytes = calls + M, nbytes + M * nhb_mb            # embedding
+        if self.last:
+            calls, nbytes = calls + 3 * M, nbytes + 3 * M * n_tok // M * b_ce   # loss
+        if not a.sp:
+            calls += M * (4 * L_st + int(self.last))
+            nbytes += M * (4 * L_st + int(self.last)) * nhb_mb
+        psl = sum(b_ - a_ for sl in self.partial_slices for a_, b_ in sl)
+        if psl:
+            calls, nbytes = calls + 1, nbytes + psl * b
+        return [Expect("all_reduce", "tp", calls, nbytes,
+                       "TP: embedding + loss (3 x N b) per micro-batch"
+                       + ("" if a.sp else " + 2 f and 2 g per layer (+ the head's f)")
+                       + (" + partial (norm) gradient shards" if psl else ""))]
+
+    def report_lines(self):
+        return [f"rank grid {self.grid.size}, order {self.grid.order} (innermost first); "
+                f"this rank {self.me}; stage layers "
+                f"{[list(self.pipe.bounds[c]) for c in self.pipe.mine]}"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: layout-independent, atomic
+# ----------------------------------------------------------------------------------------------
+def _tp_split(strat, name):
+    return None if strat.tp is None else strat.tp.split_dim.get(name)
+
+
+def save_checkpoint(strat: Compose4D, root: str, step: int) -> str:
+    """Collective. Returns the step directory."""
+    env, z, opt = strat.env, strat.zero, strat.optimizer
+    t0 = time.time()
+    params = opt.master if opt.mixed else [u.shard for u in z.units]
+    kinds = {"param": params, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq}
+    with common.METER.paused():
+        local = {k: z.gather_flat(v) for k, v in kinds.items()}    # this stage, TP-local
+    tmp, final = os.path.join(root, f".tmp-step-{step}"), os.path.join(root, f"step-{step}")
+    if env.is_main:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    with common.METER.paused():
+        dist.barrier()
+    if dist.get_rank(strat.groups["dpcp"]) == 0:
+        drop = "lm_head.weight" if strat.tied else None     # the tied copy: saved once, as embed
+        rec = {"tp_rank": strat.me["tp"], "tp": strat.args.tp,
+               "split": {n: _tp_split(strat, n) for n in local["param"] if n != drop},
+               "tensors": {k: {n: t.detach().cpu().clone() for n, t in v.items() if n != drop}
+                           for k, v in local.items()}}
+        path = os.path.join(tmp, f"pp{strat.me['pp']}-tp{strat.me['tp']}.pt")
+        torch.save(rec, path)
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    with common.METER.paused():
+        dist.barrier()
+    if env.is_main:
+        meta = dict(step=step, adam_t=opt.t, layout=strat.grid.size, model=strat.args.model,
+                    dtype=strat.args.dtype, vocab=strat.model.config.vocab_size,
+                    seconds=time.time() - t0)
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)                               # the step is complete ...
+        with open(os.path.join(root, "latest.tmp"), "w") as f:
+            f.write(os.path.basename(final))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))  # ... named
+    with common.METER.paused():
+        dist.barrier()
+    return final
+
+
+def load_checkpoint(root: str) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """(meta, {kind: {name: full tensor}}) from DIR/latest, whatever layout wrote it."""
+    with open(os.path.join(root, "latest")) as f:
+        d = os.path.join(root, f.read().strip())
+    with open(os.path.join(d, "meta.json")) as f:
+        meta = json.load(f)
+    by_stage: dict[str, list] = {}
+    for fn in sorted(os.listdir(d)):
+        if fn.endswith(".pt"):
+            rec = torch.load(os.path.join(d, fn), weights_only=True)
+            by_stage.setdefault(fn.split("-")[0], []).append(rec)
+    full: dict[str, dict] = {}
+    for recs in by_stage.values():
+        recs.sort(key=lambda r: r["tp_rank"])
+        for kind in recs[0]["tensors"]:
+            for n, dim in recs[0]["split"].items():
+                parts = [r["tensors"][kind][n] for r in recs]
+                t = parts[0] if dim is None else torch.cat(parts, dim=dim)
+                if n in ("model.embed_tokens.weight", "lm_head.weight"):
+                    t = t[:meta["vocab"]]             # drop the TP vocabulary padding
+                full.setdefault(kind, {})[n] = t
+    return meta, full
+
+
+def restore(strat: Compose4D, meta: dict, full: dict):
+    """Parameters, AdamW moments and step counters from full tensors, sliced for this layout."""
+    z, opt = strat.zero, strat.optimizer
+
+    def local(kind):
+        out = {}
+        for u in z.units:
+            for n in u.names:
+                src = "model.embed_tokens.weight" if (strat.tied and n == "lm_head.weight") else n
+                t = full[kind][src].to(u.full.device)
+                out[n] = strat.tp.local(n, t) if strat.tp is not None else t
+        return out
+    with torch.no_grad():
+        for shard, new in zip([u.shard for u in z.units], z.flat_shards(local("param"))):
+            shard.copy_(new)
+        if opt.mixed:
+            for m, s in zip(opt.master, [u.shard for u in z.units]):
+                m.copy_(s.float())
+        for kind, dst in (("exp_avg", opt.exp_avg), ("exp_avg_sq", opt.exp_avg_sq)):
+            for d, new in zip(dst, z.flat_shards(local(kind))):
+                d.copy_(new.to(d.dtype))
+    with common.METER.paused():
+        z.all_gather_params()
+    opt.t, strat.t = meta["adam_t"], meta["step"]
+
+
+def export_hf(strat: Compose4D, out: str):
+    """Collective: the full trained model as an HF model directory (rank 0 writes)."""
+    from transformers import AutoModelForCausalLM
+    full = strat.full_params()
+    if strat.env.is_main:
+        cfg = strat.model.config
+        model = AutoModelForCausalLM.from_config(
+            type(cfg).from_dict({**cfg.to_dict(), "_attn_implementation": "sdpa"}))
+        missing, unexpected = model.load_state_dict(
+            {n: t.cpu().to(torch.float32) for n, t in full.items()}, strict=False)
+        assert not unexpected and all(m == "lm_head.weight" for m in missing), (missing, unexpected)
+        tmp = out.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.to(common.DTYPES[strat.args.dtype]).save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.rename(tmp, out)
+    with common.METER.paused():
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------
+# Train mode: a logged run with checkpoints (no reference)
+# ----------------------------------------------------------------------------------------------
+def run_train(run: common.Run, cls) -> bool:
+    args, env = run.args, run.env
+    model = common.build_model(args, run.config, env.device)
+    meta, full = None, None
+    if args.resume and os.path.isfile(os.path.join(args.resume, "latest")):
+        meta, full = load_checkpoint(args.resume)
+    strat = cls(model, args, env)
+    start = 0
+    if meta:
+        restore(strat, meta, full)
+        start = meta["step"]
+        run.print(f"resumed from {args.resume} at step {start} (saved by layout {meta['layout']})")
+    run.print(f"train: {strat.name} W={env.world} {args.dtype} model={args.model} "
+              f"batch={args.batch} length={args.length} steps {start}..{args.steps} "
+              f"lr={args.lr} ({args.lr_schedule}, warm-up {args.lr_warmup})")
+    sizes = [None] * env.world
+    with common.METER.paused():
+        dist.all_gather_object(sizes, f"rank {env.rank}: {strat.me}")
+    for line in sizes:
+        run.print("  " + line)
+    t0, tok = time.time(), 0
+    for s in range(start, args.steps):
+        loss = strat.step(run.batch(s))
+        tok += args.batch * args.length
+        if s % args.log_every == 0 or s == args.steps - 1:
+            dt = time.time() - t0
+            run.print(f"step {s:>5}  loss {loss:.6f}  grad norm {strat.last_norm:.4f}  "
+                      f"lr {lr_at(s, args):.2e}  {tok / max(dt, 1e-9):,.0f} tok/s  "
+                      f"[{s + 1}/{args.steps}, {dt:.0f}s]")
+            run.results.setdefault("losses", []).append((s, loss))
+        run.results.setdefault("all_losses", []).append((s, loss))
+        if args.save and args.save_every and (s + 1) % args.save_every == 0 and s + 1 < args.steps:
+            save_checkpoint(strat, args.save, s + 1)
+    if args.save:
+        d = save_checkpoint(strat, args.save, args.steps)
+        run.print(f"saved {d}")
+    if args.export_hf:
+        export_hf(strat, args.export_hf)
+        run.print(f"exported an HF model to {args.export_hf}")
+    if args.out and env.is_main:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "train.json"), "w") as f:
+            json.dump(dict(strategy=strat.name, losses=run.results["all_losses"]), f)
+    return True
+
+
+Compose4D.modes = {"train": run_train}
+
+
+if __name__ == "__main__":
+    common.main(Compose4D)
