@@ -525,7 +525,8 @@ _GROUP_NAMES = weakref.WeakKeyDictionary()   # a name must not keep a destroyed 
 
 
 def name_group(group, name: str):
-    _GROUP_NAMES[group] = name
+    if group is not None:   # None: this rank is in none of the groups just made
+        _GROUP_NAMES[group] = name
     return group
 
 

@@ -164,6 +164,9 @@ def compose_constraints(args, world, config) -> list[str]:
         return [f"world size {world} is not divisible by tp x pp x cp = {T} x {P} x {C} = "
                 f"{T * P * C} (dp = W / (tp pp cp))"]
     D = world // (T * P * C)
+    if args.dp is not None and args.dp != D:
+        return [f"world size {world} is not dp x tp x pp x cp = {args.dp} x {T} x {P} x {C} = "
+                f"{args.dp * T * P * C}"]
     if getattr(config, "num_local_experts", None):
         return ["compose4d composes dense Llama models; MoE (--ep) is not implemented"]
     errs = tp.tp_constraints(args, T, config) if T > 1 else []
@@ -205,6 +208,8 @@ class Compose4D(common.Strategy):
 
     @staticmethod
     def add_args(p):
+        p.add_argument("--dp", type=int, default=None,
+                       help="data-parallel size D (default: W / (tp pp cp)); checked if given")
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel size T")
         p.add_argument("--pp", type=int, default=1, help="pipeline stages P")
         p.add_argument("--cp", type=int, default=1, help="context-parallel size C (zig-zag ring)")
@@ -222,6 +227,8 @@ class Compose4D(common.Strategy):
         p.add_argument("--save", default=None, help="train mode: checkpoint directory")
         p.add_argument("--save-every", type=int, default=0, help="steps between saves (0: end)")
         p.add_argument("--resume", default=None, help="train mode: resume from DIR/latest")
+        p.add_argument("--stop-at", type=int, default=None,
+                       help="train mode: save and stop after this many steps (an interruption)")
         p.add_argument("--export-hf", default=None,
                        help="train mode: write the trained model as an HF model directory")
 
@@ -413,13 +420,12 @@ class Compose4D(common.Strategy):
         z = self.zero
         padded = sum(u.padded for u in z.units)
         rows = []
-        if D * C > 1:
-            rs = M if a.zero == 2 else 1
-            rows += [Expect("reduce_scatter_tensor", "dpcp", len(z.units) * rs, padded * b * rs,
-                            f"ZeRO-{a.zero}: Psi_r*b = {padded * b:,} B, one per unit"
-                            + (f", x{M} micro-batches" if rs > 1 else "")),
-                     Expect("all_gather_into_tensor", "dpcp", len(z.units), padded * b,
-                            "updated parameters, one per unit")]
+        rs = M if a.zero == 2 else 1   # (over a group of one as well: zero.py does not skip)
+        rows += [Expect("reduce_scatter_tensor", "dpcp", len(z.units) * rs, padded * b * rs,
+                        f"ZeRO-{a.zero}: Psi_r*b = {padded * b:,} B, one per unit"
+                        + (f", x{M} micro-batches" if rs > 1 else "")),
+                 Expect("all_gather_into_tensor", "dpcp", len(z.units), padded * b,
+                        "updated parameters, one per unit")]
         rows.append(Expect("all_reduce", "world", 1, 8, "global gradient norm (fp64)"))
         if P > 1:
             act = (a.batch // D // M) * (a.length // C // (T if a.sp else 1)) * H * b
@@ -440,7 +446,7 @@ class Compose4D(common.Strategy):
                             "(C-1) K,V,dK,dV hops backward, dK,dV home") for op in ("isend", "irecv")]
         if T > 1:
             nhb = n_tok * H * b
-            emb, head = int(self.first), int(self.last)
+            head = int(self.last)
             if a.sp:
                 ag = M * (6 * L_st + 3 * head) + (M if self.first else 0)
                 rs_ = M * (4 * L_st + head)
@@ -448,9 +454,9 @@ class Compose4D(common.Strategy):
                                 "SP: region entries (fwd), re-gathers and row exits (bwd)"),
                          Expect("reduce_scatter_tensor", "tp", rs_, rs_ * nhb // M,
                                 "SP: row exits (fwd), region entries (bwd)")]
-        return rows if not (T > 1) else [r for r in rows] + self._tp_allreduce_rows(T, M, b, n_tok)
+        return rows + (self._tp_allreduce_rows(M, b, n_tok) if T > 1 else [])
 
-    def _tp_allreduce_rows(self, T, M, b, n_tok):
+    def _tp_allreduce_rows(self, M, b, n_tok):
         a, cfg = self.args, self.model.config
         H = cfg.hidden_size
         L_st = sum(len(self.pipe.bounds[c]) for c in self.pipe.mine)
@@ -590,12 +596,13 @@ def export_hf(strat: Compose4D, out: str):
         cfg = strat.model.config
         model = AutoModelForCausalLM.from_config(
             type(cfg).from_dict({**cfg.to_dict(), "_attn_implementation": "sdpa"}))
-        missing, unexpected = model.load_state_dict(
-            {n: t.cpu().to(torch.float32) for n, t in full.items()}, strict=False)
+        model.to(common.DTYPES[strat.args.dtype])            # saved in the run's dtype
+        missing, unexpected = model.load_state_dict({n: t.cpu() for n, t in full.items()},
+                                                    strict=False)
         assert not unexpected and all(m == "lm_head.weight" for m in missing), (missing, unexpected)
         tmp = out.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        model.to(common.DTYPES[strat.args.dtype]).save_pretrained(tmp)
+        model.save_pretrained(tmp)
         shutil.rmtree(out, ignore_errors=True)
         os.rename(tmp, out)
     with common.METER.paused():
@@ -626,7 +633,8 @@ def run_train(run: common.Run, cls) -> bool:
     for line in sizes:
         run.print("  " + line)
     t0, tok = time.time(), 0
-    for s in range(start, args.steps):
+    end = min(args.steps, args.stop_at or args.steps)
+    for s in range(start, end):
         loss = strat.step(run.batch(s))
         tok += args.batch * args.length
         if s % args.log_every == 0 or s == args.steps - 1:
@@ -636,11 +644,12 @@ def run_train(run: common.Run, cls) -> bool:
                       f"[{s + 1}/{args.steps}, {dt:.0f}s]")
             run.results.setdefault("losses", []).append((s, loss))
         run.results.setdefault("all_losses", []).append((s, loss))
-        if args.save and args.save_every and (s + 1) % args.save_every == 0 and s + 1 < args.steps:
+        if args.save and args.save_every and (s + 1) % args.save_every == 0 and s + 1 < end:
             save_checkpoint(strat, args.save, s + 1)
-    if args.save:
-        d = save_checkpoint(strat, args.save, args.steps)
-        run.print(f"saved {d}")
+    if args.save and end > start:
+        t1 = time.time()
+        d = save_checkpoint(strat, args.save, end)
+        run.print(f"saved {d} in {time.time() - t1:.2f} s")
     if args.export_hf:
         export_hf(strat, args.export_hf)
         run.print(f"exported an HF model to {args.export_hf}")

@@ -1,0 +1,171 @@
+"""compose4d.py: the rank grid, correctness of the composition against the single-device
+reference (2x2x2 and every pair of dimensions), learning, benchmark communication, resume across
+layouts (exact in float64), the HF export round trip, and bad layouts."""
+import json
+
+import pytest
+import torch
+
+import common
+import compose4d
+from conftest import assert_config_error
+
+N_TENSORS = 2 + 4 * 9 + 1      # tiny: embed + head + 4 layers x 9 + final norm
+
+
+def test_rank_grid_arithmetic():
+    g = compose4d.Grid(16, T=2, P=2, C=2)      # dp = 2
+    assert g.size == dict(tp=2, cp=2, dp=2, pp=2)
+    # rank = tp + 2 (cp + 2 (dp + 2 pp)): TP innermost, PP outermost
+    assert g.coords(0) == dict(tp=0, cp=0, dp=0, pp=0)
+    assert g.coords(1) == dict(tp=1, cp=0, dp=0, pp=0)
+    assert g.coords(2) == dict(tp=0, cp=1, dp=0, pp=0)
+    assert g.coords(4) == dict(tp=0, cp=0, dp=1, pp=0)
+    assert g.coords(8) == dict(tp=0, cp=0, dp=0, pp=1)
+    assert all(g.rank_of(g.coords(r)) == r for r in range(16))
+    assert g.groups_over(("tp",))[0] == [0, 1]
+    assert g.groups_over(("pp",))[0] == [0, 8]
+    assert g.groups_over(("dp", "cp"))[0] == [0, 2, 4, 6]
+    assert sorted(sum(g.groups_over(("dp",)), [])) == list(range(16))
+    f = compose4d.Grid(16, T=2, P=2, C=2, pipeline_first=True)   # PP inside DP
+    assert f.coords(4) == dict(tp=0, cp=0, dp=0, pp=1) and f.coords(8)["dp"] == 1
+
+
+def test_lr_schedule_warmup_then_cosine():
+    a = type("A", (), dict(lr=1.0, lr_warmup=4, lr_schedule="cosine", steps=14,
+                           lr_min_ratio=0.1))
+    lrs = [compose4d.lr_at(s, a) for s in range(15)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0] and lrs[4] == 1.0
+    assert all(x > y for x, y in zip(lrs[4:14], lrs[5:15]))
+    assert lrs[14] == pytest.approx(0.1)
+
+
+def assert_pass(r, world):
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    res = r.json("correctness.json")[0]
+    assert res["world"] == world and res["tensors"] == N_TENSORS, res
+    assert res["grads_compared"] == res["params_compared"] == N_TENSORS
+    assert res["max_rel_err"] < 1e-11 and res["loss_rel_err"] < 1e-12, res
+    assert all(c["ok"] for c in res["checks"]), res
+    return res
+
+
+def test_correctness_2x2x2_eight_processes(run):
+    r = run("compose4d.py", 8, "--tp", "2", "--pp", "2", "--cp", "2", "--sp", "--grad-accum", "2",
+            "--clip", "0.5", timeout=600)
+    assert_pass(r, 8)
+    assert "'tp': 2, 'cp': 2, 'dp': 1, 'pp': 2" in r.stdout
+
+
+@pytest.mark.parametrize("extra", [
+    ["--dp", "2", "--tp", "2", "--sp", "--zero", "2"],                         # dp x tp (+SP)
+    pytest.param(["--dp", "2", "--pp", "2", "--schedule", "interleaved", "--grad-accum", "2"],
+                 marks=pytest.mark.slow),                                       # dp x pp
+    pytest.param(["--dp", "2", "--cp", "2", "--zero", "2", "--grad-accum", "2"],
+                 marks=pytest.mark.slow),                                       # dp x cp
+    pytest.param(["--tp", "2", "--pp", "2", "--pipeline-first", "--lr-schedule", "cosine",
+                  "--lr-warmup", "1", "--steps", "3"], marks=pytest.mark.slow),  # tp x pp
+    pytest.param(["--tp", "2", "--cp", "2", "--sp"], marks=pytest.mark.slow),  # tp x cp
+    pytest.param(["--pp", "2", "--cp", "2", "--clip", "0.3"], marks=pytest.mark.slow),  # pp x cp
+])
+def test_correctness_each_pair_at_four(run, extra):
+    assert_pass(run("compose4d.py", 4, *extra), 4)
+
+
+@pytest.mark.slow
+def test_correctness_uneven_tied_and_padded(run, tmp_path):
+    # 5 layers over 3 stages, tied embeddings (a copy on the last stage), vocabulary 250
+    cfg = dict(common.PRESETS["tiny"], vocab_size=250, num_hidden_layers=5,
+               tie_word_embeddings=True)
+    path = tmp_path / "tied.json"
+    path.write_text(json.dumps(cfg))
+    r = run("compose4d.py", 3, "--pp", "3", "--model", str(path), "--grad-accum", "3",
+            "--batch", "6")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    # T = 4 does not divide the vocabulary (250): padded rows, exactly zero gradient
+    r = run("compose4d.py", 4, "--tp", "4", "--sp", "--model", "configs/tiny-gqa8.json")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+
+
+def test_learning(run):
+    r = run("compose4d.py", 4, "--tp", "2", "--pp", "2", "--mode", "learning", "--steps", "40",
+            "--lr", "1e-2", "--log-every", "20", "--grad-accum", "2", timeout=600)
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+
+
+def test_benchmark_comm_per_group(run):
+    r = run("compose4d.py", 4, "--tp", "2", "--pp", "2", "--grad-accum", "2", "--mode",
+            "benchmark", "--bench-iters", "2", "--warmup", "1", timeout=600)
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    b = r.json("benchmark.json")
+    assert b["comm_ok"]
+    comm = b["ours"]["comm"]
+    # rank 0 = first stage, tp rank 0: B=8, S=64, H=64, fp32, M=2, 2 of the 4 layers
+    nhb_mb = 4 * 64 * 64 * 4
+    assert comm["all_reduce|tp"]["calls"] == 2 * (1 + 4 * 2)            # embedding + 2f2g/layer
+    assert comm["all_reduce|tp"]["bytes"] == 2 * (1 + 4 * 2) * nhb_mb
+    assert comm["isend|pp"]["calls"] == 2 and comm["isend|pp"]["bytes"] == 2 * nhb_mb
+    assert (comm["all_reduce|world"]["calls"], comm["all_reduce|world"]["bytes"]) == (1, 8)
+    # ZeRO-1 over dp x cp (a group of one here): one reduce-scatter per unit of the stage
+    assert comm["reduce_scatter_tensor|dpcp"]["calls"] == 3     # embed + 2 layers
+
+
+def _train(run, nproc, *extra):
+    r = run("compose4d.py", nproc, "--mode", "train", "--dtype", "float64", "--steps", "6",
+            "--lr-schedule", "cosine", "--lr-warmup", "2", "--log-every", "1", *extra,
+            timeout=600)
+    assert r.rc == 0, r
+    return dict((s, l) for s, l in r.json("train.json")["losses"]), r
+
+
+@pytest.mark.slow
+def test_resume_across_layouts_is_exact_and_export_round_trips(run, tmp_path):
+    ck, hf = tmp_path / "ck", tmp_path / "hf"
+    full, _ = _train(run, 4, "--tp", "2", "--pp", "2")                   # uninterrupted
+    first, r1 = _train(run, 4, "--tp", "2", "--pp", "2", "--stop-at", "3", "--save", str(ck))
+    assert sorted(first) == [0, 1, 2] and "saved" in r1.stdout
+    assert (ck / "latest").read_text() == "step-3"
+    second, r2 = _train(run, 4, "--dp", "2", "--cp", "2", "--resume", str(ck), "--save", str(ck),
+                        "--export-hf", str(hf))
+    assert "resumed from" in r2.stdout and sorted(second) == [3, 4, 5]
+    for s in range(6):
+        got = first.get(s, second.get(s))
+        assert abs(got - full[s]) <= 1e-9 * full[s], (s, got, full[s])
+    # the export loads with transformers and gives the checkpoint's logits
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float64)
+    meta, tensors = compose4d.load_checkpoint(str(ck))
+    assert meta["step"] == 6 and meta["layout"]["cp"] == 2
+    ref = AutoModelForCausalLM.from_config(common.load_config("tiny")).double()
+    ref.load_state_dict(tensors["param"])
+    x = torch.randint(0, 256, (2, 32))
+    assert torch.equal(model(x).logits, ref(x).logits)
+
+
+def test_checkpoint_is_atomic(run, tmp_path):
+    """A save interrupted before its rename leaves only .tmp-step-N: `latest` still names the
+    last complete step, and loading it works."""
+    ck = tmp_path / "ck"
+    _train(run, 2, "--pp", "2", "--stop-at", "2", "--save", str(ck))
+    (ck / ".tmp-step-4").mkdir()
+    (ck / ".tmp-step-4" / "pp0-tp0.pt").write_bytes(b"half a file")
+    meta, tensors = compose4d.load_checkpoint(str(ck))
+    assert meta["step"] == 2 and len(tensors["param"]) == N_TENSORS
+    assert set(tensors) == {"param", "exp_avg", "exp_avg_sq"}
+
+
+@pytest.mark.parametrize("nproc,args,msg", [
+    (2, ["--dp", "3"], "world size 2 is not dp x tp x pp x cp = 3 x 1 x 1 x 1"),
+    (3, ["--tp", "3"], "tensor parallel size 3 does not divide num_attention_heads 4"),
+    (2, ["--pp", "2", "--tp", "2"], "world size 2 is not divisible by tp x pp x cp"),
+    (2, ["--cp", "2", "--length", "66"], "sequence length 66 is not divisible by 2 x cp = 4"),
+])
+def test_bad_layouts(run, nproc, args, msg):
+    assert_config_error(run("compose4d.py", nproc, *args), msg)
+
+
+def test_more_stages_than_layers(run, tmp_path):
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps(dict(common.PRESETS["tiny"], num_hidden_layers=2)))
+    r = run("compose4d.py", 3, "--pp", "3", "--model", str(path), "--batch", "6")
+    assert_config_error(r, "2 decoder layers cannot fill 3 pipeline chunks")
