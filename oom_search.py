@@ -37,13 +37,16 @@ Prediction (--predict; bytes per rank, e = bytes per element of the run's dtype)
                    two norms' inputs and outputs 4h, q/k/v 1h + 2kv, rotated q/k 1h + 1kv,
                    attention output and its o_proj input 2h, SwiGLU gate/up/silu/product 4I:
                        e (8h + 3kv + 4I)   per token per layer, and 2 a s e more with --attn eager
-                   (the score matrix and its softmax; SDPA's fused kernel keeps only the lse).
+                   (the score matrix and its softmax; SDPA's fused kernel keeps only the lse);
+                   in half precision + 12h bytes: RMSNorm runs in fp32 (an fp32 copy of each
+                   norm's input and of its normalised product).
                    Divided by T under TP for the parts inside the region (all but the 4h of the
                    norms), by T under Megatron SP and Ulysses, by C under context parallelism;
                    under 1F1B with M = P micro-batches stage r holds its layers for P - r
                    micro-batches in flight (so stage 0 holds one whole model's worth).
     logits, loss   the logits e, the loss's log-softmax 4 and the logits' gradient e, per token per
-                   vocabulary entry (vocab-parallel under TP/SP: / T; on the last stage only in PP).
+                   vocabulary entry, + 4 for the fp32 copy of half-precision logits (vocab-parallel
+                   under TP/SP: / T; on the last stage only in PP).
     cp blocks      cp_ring's block kernel is plain torch (no fused kernel): its backward holds the
                    scores, probabilities, dP and dS of one (S/2C)^2 block per head: 4 b a (S/2C)^2 e.
     Peak = states + activations + logits/loss (PP: the largest stage). Stated tolerance against the measured CPU peak on the
@@ -251,15 +254,19 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
     T = W if strategy in ("tp", "sp") else 1
     tokens = b * L_seq
     # --- activations per token per layer
-    inside = (h + 2 * kv) + (h + kv) + 2 * h + 4 * I + (2 * a * L_seq if eager else 0)
-    outside = 4 * h                                                 # two norms: input, output
+    inside = ((h + 2 * kv) + (h + kv) + 2 * h + 4 * I + (2 * a * L_seq if eager else 0)) * elem
+    # two norms' inputs and outputs; in half precision common.promote_norms computes RMSNorm in
+    # fp32, which keeps an fp32 copy of the input and of the normalised product (12h bytes)
+    outside = 4 * h * elem + (12 * h if elem < 4 else 0)
     if strategy == "tp":
         act_tok = inside / T + outside
     elif strategy in ("sp", "ulysses", "cp"):
         act_tok = (inside + outside) / W
     else:
         act_tok = inside + outside
-    logits_tok = V * (2 * elem + 4)      # logits, the loss's fp32 log-softmax, the logits' grad
+    # logits, the loss's fp32 log-softmax, the logits' grad; half-precision logits are upcast
+    # to an fp32 copy first (common.lm_loss_sum, tp's vocab-parallel CE)
+    logits_tok = V * (2 * elem + 4 + (4 if elem < 4 else 0))
     if strategy == "pp":
         # pp.split_layers' balanced split; 1F1B with M = W micro-batches of b: stage r holds
         # W - r of them in flight; the first stage has the embedding, the last the head + logits
@@ -269,7 +276,7 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
         for r, rng in enumerate(bounds):
             n = len(rng) * layer_params + (embed if r == 0 else 0) + (head if r == W - 1 else 0)
             stages.append(dict(
-                stage=r, states=4 * n * elem, activations=act_tok * elem * tokens * len(rng) *
+                stage=r, states=4 * n * elem, activations=act_tok * tokens * len(rng) *
                 (W - r), attention_blocks=0, logits=tokens * logits_tok if r == W - 1 else 0))
         for d in stages:
             d["peak"] = d["states"] + d["activations"] + d["logits"]
@@ -288,7 +295,7 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
         shard = Ly * (layer_params - 2 * h) / T + Ly * 2 * h + (embed + head - h) / T + h
         p_b, g_b, o_b = shard * elem, shard * elem, 2 * shard * elem
     states = p_b + g_b + o_b + extra
-    acts = act_tok * elem * tokens * Ly
+    acts = act_tok * tokens * Ly
     blocks = 0
     if strategy == "cp":  # cp_ring's pure-torch kernel: score blocks of (S/2C)^2 per head; its
         c = L_seq / (2 * W)   # backward holds s, p, dP and dS of one block at a time
@@ -347,11 +354,14 @@ def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
             net = AutoModelForCausalLM.from_config(config, **common.model_kwargs(config, attn))
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
+            made = {}   # id(meta parameter) -> fake one, so tied weights stay one tensor
             for m in net.modules():
                 for k, p in list(m._parameters.items()):
                     if p is not None:
-                        m._parameters[k] = torch.nn.Parameter(
-                            torch.empty(p.shape, dtype=common.DTYPES[dtype]))
+                        if id(p) not in made:
+                            made[id(p)] = torch.nn.Parameter(
+                                torch.empty(p.shape, dtype=common.DTYPES[dtype]))
+                        m._parameters[k] = made[id(p)]
                 for k, b in list(m._buffers.items()):
                     if b is not None:
                         m._buffers[k] = torch.empty(b.shape, dtype=b.dtype)
