@@ -664,4 +664,8 @@ Compose4D.modes = {"train": run_train}
 
 
 if __name__ == "__main__":
+    import sys
+    if sys.argv[1:2] == ["plan"]:       # the elastic batch planner (no process group)
+        import elastic
+        sys.exit(elastic.plan_main(sys.argv[2:]))
     common.main(Compose4D)

@@ -45,6 +45,11 @@ TOUR = [
     ("ep dropless aux-loss", "ep_moe.py", 2, []),
     ("ep W=4 capacity 1.0 z-loss", "ep_moe.py", 4, ["--capacity-factor", "1.0", "--z-coef", "1e-3"]),
     ("ep W=4 aux-free bias", "ep_moe.py", 4, ["--aux-free-bias", "--aux-coef", "0", "--steps", "3"]),
+    ("4d tp2 x pp2 x cp2 +sp (8 procs)", "compose4d.py", 8,
+     ["--tp", "2", "--pp", "2", "--cp", "2", "--sp", "--grad-accum", "2", "--clip", "0.5"]),
+    ("4d dp2 x tp2 zero2", "compose4d.py", 4, ["--tp", "2", "--zero", "2"]),
+    ("4d dp2 x pp2 interleaved", "compose4d.py", 4,
+     ["--pp", "2", "--schedule", "interleaved", "--grad-accum", "2"]),
 ]
 
 
