@@ -450,8 +450,12 @@ class Batch:
         return [self.rows(i * n, (i + 1) * n) for i in range(k)]
 
 
-def make_batch(lang: MarkovLanguage, step: int, batch: int, length: int, device) -> Batch:
-    x = torch.from_numpy(lang.sample(step * batch, batch, length)).to(device)
+def make_batch(lang: MarkovLanguage, step: int, batch: int, length: int, device,
+               offset: int | None = None) -> Batch:
+    """Samples [step*batch, (step+1)*batch), or [offset, offset+batch) when the global batch
+    has not been the same every step (compose4d's elastic restarts)."""
+    start = step * batch if offset is None else offset
+    x = torch.from_numpy(lang.sample(start, batch, length)).to(device)
     return Batch(x[:, :-1].contiguous(), x[:, 1:].contiguous(), step)
 
 

@@ -59,6 +59,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import time
 
 import torch
@@ -66,6 +67,7 @@ import torch.distributed as dist
 
 import common
 import cp_ring
+import elastic
 import pp
 import sp
 import tp
@@ -231,6 +233,21 @@ class Compose4D(common.Strategy):
                        help="train mode: save and stop after this many steps (an interruption)")
         p.add_argument("--export-hf", default=None,
                        help="train mode: write the trained model as an HF model directory")
+        p.add_argument("--elastic", action="store_true",
+                       help="train mode: re-plan micro-batch, grad-accum and ZeRO stage for the "
+                            "world size this run starts on (elastic.py), keeping the global "
+                            "batch of the checkpoint (or --batch) within --batch-tolerance")
+        p.add_argument("--batch-tolerance", type=float, default=0.10)
+        p.add_argument("--max-micro-batch", type=int, default=8)
+        p.add_argument("--mem-gib", type=float, default=80.0,
+                       help="--elastic: memory budget per GPU for the planner's memory model")
+        p.add_argument("--grace-s", type=float, default=30.0,
+                       help="seconds between SIGTERM and the forced kill (reported)")
+        p.add_argument("--test-sigterm-at", default=None,
+                       help="test hook STEP:MB: rank 0 sends SIGTERM to the launcher after "
+                            "that micro-batch")
+        p.add_argument("--test-crash-in-save", action="store_true",
+                       help="test hook: exit hard in the middle of a save")
 
     constraints = staticmethod(compose_constraints)
 
@@ -319,24 +336,90 @@ class Compose4D(common.Strategy):
         return b
 
     def step(self, batch: common.Batch) -> float:
-        z, g = self.zero, self.groups
+        loss, _ = self.elastic_step(batch)
+        return loss
+
+    def elastic_step(self, batch: common.Batch, rows=None, mb=None, stop=None, partial=None):
+        """One optimizer step over the global batch's rows `rows` (default: all of them, split
+        into contiguous dp shares of --grad-accum micro-batches; else each dp rank takes its
+        contiguous share of `rows` in micro-batches of at most `mb`). `stop(m) -> bool` (P = 1)
+        may end the step after micro-batch m: the gradients are then reduced and kept, nothing
+        is updated, and the processed rows are returned, for a mid-step checkpoint. `partial`:
+        a restored mid-step gradient (sum over the rows already done) to start from.
+        Returns (global loss or None when cut, processed rows or None)."""
+        z, g, D = self.zero, self.groups, self.grid.size["dp"]
         z.zero_grad()
-        loss_sum = self.pipe.run(self.local_batch(batch), self.args.grad_accum, batch.n_tokens)
+        if partial is not None:
+            self._add_partial(partial)
+        if rows is None:
+            local, mbs = self.local_batch(batch), None
+            M, my_rows = self.args.grad_accum, None
+        else:
+            my_rows = [list(r) for r in _split_even(rows, D)][self.me["dp"]]
+            full = common.Batch(batch.input_ids[my_rows], batch.labels[my_rows], batch.index)
+            if self.pos is not None:
+                full = common.Batch(full.input_ids[:, self.pos], full.labels[:, self.pos],
+                                    full.index)
+            mbs = [full.rows(i, min(i + mb, len(my_rows))) for i in range(0, len(my_rows), mb)]
+            local, M = full, len(mbs)
+        self.pipe.stop_after = stop
+        if M:
+            loss_sum = self.pipe.run(local, M, batch.n_tokens, mbs=mbs)
+        else:   # nothing left for this dp rank (a resumed step): reductions only
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         with phase("backward"):
             z.finish()                              # summed over dp x cp, sharded
             grads = [u.grad_shard for u in z.units]
             self._reduce_slices(grads, self.partial_slices, g["tp"])      # SP / MQA partials
             if g["tied"] is not None and (self.first or self.last):       # embedding + head copy
                 dist.all_reduce(grads[0] if self.first else grads[-1], group=g["tied"])
+        # every tp rank computed the same loss: count it once
+        loss = common.global_loss(loss_sum if self.me["tp"] == 0 else loss_sum * 0, 1)
+        if stop is not None and self.pipe.completed < M:      # cut: keep the gradients
+            done = self._processed(batch, rows, self.pipe.completed)
+            return None, (done, loss)
         with phase("optimizer"):
             self.last_norm = self.clip(grads, self.args.clip)
             self.optimizer.lr = lr_at(self.t, self.args)
             self.optimizer.step(grads)
             z.all_gather_params()
         self.t += 1
-        # every tp rank computed the same loss: count it once
-        return common.global_loss(loss_sum if self.me["tp"] == 0 else loss_sum * 0,
-                                  batch.n_tokens)
+        return loss / batch.n_tokens, None
+
+    def _processed(self, batch, rows, k) -> list[int]:
+        """Global rows done when every dp rank has run its first k micro-batches (fresh step)."""
+        D, M = self.grid.size["dp"], self.args.grad_accum
+        n = batch.input_ids.shape[0] // D
+        mb = n // M
+        return [d * n + i for d in range(D) for i in range(k * mb)]
+
+    def partial_grads(self) -> dict[str, torch.Tensor]:
+        """The reduced gradients of a cut step, full tensors by name (collective)."""
+        return self._full(self._stage_tensors([u.grad_shard for u in self.zero.units]))
+
+    def _add_partial(self, full: dict[str, torch.Tensor]):
+        """Put a restored partial gradient where this layout's reductions count it exactly once:
+        on dp x cp rank 0 (ZeRO-1's full buffers; ZeRO-2: each rank's own shard of it); for
+        tp-partial (SP norm) gradients on tp rank 0 only; for the tied head copy on the first
+        stage only."""
+        z = self.zero
+        if self.args.zero == 1 and dist.get_rank(self.groups["dpcp"]) != 0:
+            return            # ZeRO-1 sums full buffers over dp x cp: add it on one rank
+        partial = {id(p) for p in self.partial}
+        for u in z.units:
+            flat = torch.zeros(u.padded, dtype=u.full.dtype, device=u.full.device)
+            for n, p, off in zip(u.names, u.params, u.offsets):
+                if (id(p) in partial and self.me["tp"] != 0) or \
+                        (self.tied and n == "lm_head.weight"):
+                    continue
+                t = full[n].to(flat.device, flat.dtype)
+                if self.tp is not None:
+                    t = self.tp.local(n, t)
+                flat[off:off + p.numel()] = t.reshape(-1)
+            if self.args.zero == 1:
+                u.grad_full.add_(flat)      # reduce-scattered (summed) with this step's own
+            else:
+                u.grad_shard.add_(flat[u.rank * u.shard_numel:(u.rank + 1) * u.shard_numel])
 
     @staticmethod
     def _reduce_slices(grads, slices, group):
@@ -484,6 +567,17 @@ class Compose4D(common.Strategy):
                 f"{[list(self.pipe.bounds[c]) for c in self.pipe.mine]}"]
 
 
+def _split_even(rows, parts):
+    """Contiguous shares of `rows`, as even as possible (the first ones one larger)."""
+    q, r = divmod(len(rows), parts)
+    out, i = [], 0
+    for p in range(parts):
+        n = q + (1 if p < r else 0)
+        out.append(rows[i:i + n])
+        i += n
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # Checkpoints: layout-independent, atomic
 # ----------------------------------------------------------------------------------------------
@@ -491,12 +585,16 @@ def _tp_split(strat, name):
     return None if strat.tp is None else strat.tp.split_dim.get(name)
 
 
-def save_checkpoint(strat: Compose4D, root: str, step: int) -> str:
-    """Collective. Returns the step directory."""
+def save_checkpoint(strat: Compose4D, root: str, step: int, extra: dict | None = None,
+                    grads: bool = False) -> str:
+    """Collective. Returns the step directory. `extra` goes into meta.json (data position,
+    restarts, a cut step's position); `grads`: also the reduced gradients of a cut step."""
     env, z, opt = strat.env, strat.zero, strat.optimizer
     t0 = time.time()
     params = opt.master if opt.mixed else [u.shard for u in z.units]
     kinds = {"param": params, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq}
+    if grads:
+        kinds["grad"] = [u.grad_shard for u in z.units]
     with common.METER.paused():
         local = {k: z.gather_flat(v) for k, v in kinds.items()}    # this stage, TP-local
     tmp, final = os.path.join(root, f".tmp-step-{step}"), os.path.join(root, f"step-{step}")
@@ -516,12 +614,14 @@ def save_checkpoint(strat: Compose4D, root: str, step: int) -> str:
         torch.save(rec, path)
         with open(path, "rb") as f:
             os.fsync(f.fileno())
+    if strat.args.test_crash_in_save:      # test hook: die mid-save, before anything is renamed
+        os._exit(1)
     with common.METER.paused():
         dist.barrier()
     if env.is_main:
         meta = dict(step=step, adam_t=opt.t, layout=strat.grid.size, model=strat.args.model,
                     dtype=strat.args.dtype, vocab=strat.model.config.vocab_size,
-                    seconds=time.time() - t0)
+                    seconds=time.time() - t0, **(extra or {}))
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f)
             f.flush()
@@ -612,51 +712,130 @@ def export_hf(strat: Compose4D, out: str):
 # ----------------------------------------------------------------------------------------------
 # Train mode: a logged run with checkpoints (no reference)
 # ----------------------------------------------------------------------------------------------
+class Preemption:
+    """SIGTERM (from the batch system, or torchrun passing it on) sets a flag; the ranks agree on
+    it with one MAX all-reduce at micro-batch (P = 1) and step boundaries, so all of them stop
+    after the same micro-batch."""
+
+    def __init__(self):
+        self.flag, self.at = False, None
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        self.flag, self.at = True, self.at or time.time()
+
+    def agreed(self, device) -> bool:
+        t = torch.tensor([int(self.flag)], dtype=torch.int32, device=device)
+        with common.METER.paused():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+
+def replan(run: common.Run, args, target: int, model) -> elastic.Plan:
+    """elastic.plan_world for this world size: TP, PP, CP as given, DP absorbs the change."""
+    return elastic.plan_world(
+        run.env.world, target, params=common.param_count(model), hidden=run.config.hidden_size,
+        layers=run.config.num_hidden_layers, seq=args.length, mem_bytes=args.mem_gib * 2**30,
+        tolerance=args.batch_tolerance, max_micro_batch=args.max_micro_batch,
+        min_zero=args.zero, max_zero=2, tp=args.tp, pp=args.pp, cp=args.cp)
+
+
 def run_train(run: common.Run, cls) -> bool:
+    """A logged training run with checkpoints; SIGTERM saves (mid-step when P = 1) and exits 0;
+    with --elastic the batch is re-planned for the world size the run (re)starts on."""
     args, env = run.args, run.env
     model = common.build_model(args, run.config, env.device)
     meta, full = None, None
     if args.resume and os.path.isfile(os.path.join(args.resume, "latest")):
         meta, full = load_checkpoint(args.resume)
+    target = meta["global_batch"] if meta and "global_batch" in meta else args.batch
+    if args.elastic:
+        plan = replan(run, args, target, model)
+        if not plan.feasible:
+            run.print(f"error: {plan.why}")
+            return False
+        args.batch, args.grad_accum, args.zero = plan.global_batch, plan.grad_accum, plan.zero
     strat = cls(model, args, env)
-    start = 0
+    start, offset, restarts, cut = 0, 0, 0, None
     if meta:
         restore(strat, meta, full)
-        start = meta["step"]
-        run.print(f"resumed from {args.resume} at step {start} (saved by layout {meta['layout']})")
+        start, offset = meta["step"], meta.get("samples", meta["step"] * args.batch)
+        restarts, cut = meta.get("restarts", 0) + 1, meta.get("cut")
+        run.print(f"resumed from {args.resume} at step {start}"
+                  + (f", micro-batch position: {len(cut['rows_done'])} of {cut['global_batch']} "
+                     f"sequences done" if cut else "")
+                  + f" (saved by layout {meta['layout']}, restart {restarts})")
+    D = strat.grid.size["dp"]
+    mb = args.batch // (D * args.grad_accum)
     run.print(f"train: {strat.name} W={env.world} {args.dtype} model={args.model} "
-              f"batch={args.batch} length={args.length} steps {start}..{args.steps} "
+              f"global batch={args.batch} (target {target}) micro-batch={mb} "
+              f"grad-accum={args.grad_accum} length={args.length} steps {start}..{args.steps} "
               f"lr={args.lr} ({args.lr_schedule}, warm-up {args.lr_warmup})")
     sizes = [None] * env.world
     with common.METER.paused():
         dist.all_gather_object(sizes, f"rank {env.rank}: {strat.me}")
     for line in sizes:
         run.print("  " + line)
+    pre = Preemption()
+    extra = lambda off, **kw: dict(samples=off, global_batch=target, restarts=restarts, **kw)  # noqa
     t0, tok = time.time(), 0
     end = min(args.steps, args.stop_at or args.steps)
-    for s in range(start, end):
-        loss = strat.step(run.batch(s))
-        tok += args.batch * args.length
-        if s % args.log_every == 0 or s == args.steps - 1:
+    s = start
+    while s < end:
+        G = cut["global_batch"] if cut else args.batch
+        batch = common.make_batch(run.lang, s, G, args.length, env.device, offset=offset)
+        rows = partial = None
+        if cut:      # finish the step a SIGTERM cut: the rows not done yet, from its gradients
+            rows = [r for r in range(G) if r not in set(cut["rows_done"])]
+            partial = full["grad"]
+        def stop(m, s=s):
+            if args.test_sigterm_at == f"{s}:{m}" and env.is_main:
+                os.kill(os.getppid(), signal.SIGTERM)      # the launcher passes it to all ranks
+                pre.flag = True
+            return pre.agreed(env.device)
+        mid_step = args.pp == 1 and rows is None and args.save   # P > 1: at the step's end
+        loss, stopped = strat.elastic_step(batch, rows, mb, stop if mid_step else None, partial)
+        if stopped:                                  # SIGTERM inside the step: save mid-step
+            done, loss_sum = stopped
+            t1 = time.time()
+            d = save_checkpoint(strat, args.save, s, extra(offset, cut=dict(
+                rows_done=done, loss_sum=loss_sum, global_batch=G)), grads=True)
+            run.print(f"SIGTERM: saved {d} after {len(done)} of {G} sequences of step {s} in "
+                      f"{time.time() - t1:.2f} s (grace {args.grace_s:g} s)")
+            break
+        if cut:
+            loss += cut["loss_sum"] / batch.n_tokens
+            cut, full = None, None
+        offset += G
+        tok += G * args.length
+        if s % args.log_every == 0 or s == end - 1:
             dt = time.time() - t0
             run.print(f"step {s:>5}  loss {loss:.6f}  grad norm {strat.last_norm:.4f}  "
                       f"lr {lr_at(s, args):.2e}  {tok / max(dt, 1e-9):,.0f} tok/s  "
-                      f"[{s + 1}/{args.steps}, {dt:.0f}s]")
-            run.results.setdefault("losses", []).append((s, loss))
+                      f"world {env.world} global batch {G} micro {mb} accum {args.grad_accum} "
+                      f"restarts {restarts}  [{s + 1}/{args.steps}, {dt:.0f}s]")
         run.results.setdefault("all_losses", []).append((s, loss))
-        if args.save and args.save_every and (s + 1) % args.save_every == 0 and s + 1 < end:
-            save_checkpoint(strat, args.save, s + 1)
-    if args.save and end > start:
-        t1 = time.time()
-        d = save_checkpoint(strat, args.save, end)
-        run.print(f"saved {d} in {time.time() - t1:.2f} s")
-    if args.export_hf:
-        export_hf(strat, args.export_hf)
-        run.print(f"exported an HF model to {args.export_hf}")
+        s += 1
+        if args.save and pre.agreed(env.device):     # SIGTERM between steps (or P > 1)
+            t1 = time.time()
+            d = save_checkpoint(strat, args.save, s, extra(offset))
+            run.print(f"SIGTERM: saved {d} at the step boundary in {time.time() - t1:.2f} s "
+                      f"(grace {args.grace_s:g} s)")
+            break
+        if args.save and args.save_every and s % args.save_every == 0 and s < end:
+            save_checkpoint(strat, args.save, s, extra(offset))
+    else:
+        if args.save and end > start:
+            t1 = time.time()
+            d = save_checkpoint(strat, args.save, end, extra(offset))
+            run.print(f"saved {d} in {time.time() - t1:.2f} s")
+        if args.export_hf:
+            export_hf(strat, args.export_hf)
+            run.print(f"exported an HF model to {args.export_hf}")
     if args.out and env.is_main:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "train.json"), "w") as f:
-            json.dump(dict(strategy=strat.name, losses=run.results["all_losses"]), f)
+            json.dump(dict(strategy=strat.name, losses=run.results.get("all_losses", [])), f)
     return True
 
 

@@ -71,8 +71,8 @@ class Plan:
 
 
 def plan_world(world: int, target: int, *, params, hidden, layers, seq, mem_bytes, tolerance,
-               max_micro_batch, min_zero=0, tp=1, pp=1, cp=1, model: MemoryModel | None = None,
-               gpus_per_node=1) -> Plan:
+               max_micro_batch, min_zero=0, max_zero=3, tp=1, pp=1, cp=1,
+               model: MemoryModel | None = None, gpus_per_node=1) -> Plan:
     """The planning rule for one world size (see the docstring)."""
     model = model or MemoryModel()
     out = Plan(world // gpus_per_node, world)
@@ -82,7 +82,7 @@ def plan_world(world: int, target: int, *, params, hidden, layers, seq, mem_byte
     dp = world // (tp * pp * cp)
     lo, hi = target * (1 - tolerance), target * (1 + tolerance)
     best = None
-    for z in range(min_zero, 4):
+    for z in range(min_zero, max_zero + 1):
         states = model.states(params, z, dp, tp, pp)
         for b in range(1, max_micro_batch + 1):
             acts = model.activations(b, seq, hidden, layers, tp, cp)

@@ -60,7 +60,8 @@ Simulation (--simulate)
     (including temporaries), so it agrees with the measured CPU peak far more closely than the
     formula (tests: within 5% on tiny; `--compare` prints measured, predicted and simulated
     side by side). Ranks: rank 0 has the largest share for every strategy here except PP, where
-    the first stage (most micro-batches in flight) and the last (the logits) are both simulated.
+    the first stage, the last (the logits) and the stage the formula ranks largest (middle stages
+    hold more layers when the embeddings are heavy) are simulated.
     Values are fake, so the logged loss is NaN (`common.scalar`), and a strategy that branches on
     a tensor's value (tp's --clip) cannot run (reported as "simulation unsupported").
 """
@@ -270,10 +271,11 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
         # pp.split_layers' balanced split; 1F1B with M = W micro-batches of b: stage r holds
         # W - r of them in flight; the first stage has the embedding, the last the head + logits
         import pp
-        bounds = pp.split_layers([float(layer_params)] * Ly, embed, head, W)
+        last = embed + h if W > 1 else head   # the last stage holds its own copy of a tied head
+        bounds = pp.split_layers([float(layer_params)] * Ly, embed, embed + h, W)
         stages = []
         for r, rng in enumerate(bounds):
-            n = len(rng) * layer_params + (embed if r == 0 else 0) + (head if r == W - 1 else 0)
+            n = len(rng) * layer_params + (embed if r == 0 else 0) + (last if r == W - 1 else 0)
             stages.append(dict(
                 stage=r, states=4 * n * elem, activations=act_tok * tokens * len(rng) *
                 (W - r), attention_blocks=0, logits=tokens * logits_tok if r == W - 1 else 0))
@@ -376,10 +378,17 @@ def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
 
 
 def simulated_trial(strategy, W, length, batch, args, budget) -> Outcome:
-    """Rank 0, and under PP also the last stage (it holds the logits, the first the most
-    micro-batches in flight); every other strategy gives rank 0 the largest share."""
+    """Rank 0, and under PP also the last stage (it holds the logits) and the stage the formula
+    ranks largest (in-flight micro-batches x layers: with heavy embeddings the middle stages get
+    more layers); every other strategy gives rank 0 the largest share."""
     t0 = time.time()
-    ranks = [0, W - 1] if strategy == "pp" and W > 1 else [0]
+    ranks = [0]
+    if strategy == "pp" and W > 1:   # first, last, and the stage the formula ranks largest
+        import common
+        big = predict_peak("pp", W, length, batch, common.load_config(args.model),
+                           {"float64": 8, "bfloat16": 2}.get(args.dtype, 4),
+                           args.attn == "eager")["stage"]
+        ranks = sorted({0, W - 1, big})
     try:
         peak = max(simulate_peak(strategy, W, length, batch, args.model,
                                  args.dtype or "float32", args.attn, rank=r)["peak"]

@@ -211,6 +211,8 @@ class Pipeline:
         self.model, self.P, self.V, self.rank, self.group = model, P, V, rank, group
         self.schedule_name, self.C = schedule_name, P * V
         self.positions, self.seq_shards, self.loss_sum = None, 1, common.lm_loss_sum
+        self.stop_after = None   # P = 1: callable(m) -> True to end the step after micro-batch m
+        self.completed = 0       # micro-batches whose backward ran in the last run()
         base = model.model
         n_layer = [sum(p.numel() for p in layer.parameters()) for layer in base.layers]
         emb = sum(p.numel() for p in base.embed_tokens.parameters())
@@ -275,12 +277,16 @@ class Pipeline:
         return buf
 
     # -- one optimizer step's worth of micro-batches --
-    def run(self, batch: common.Batch, M: int, n_tokens: int | None = None) -> torch.Tensor:
-        """This rank's part of one optimizer step over `batch` in M micro-batches; each
-        micro-batch backpropagates its CE sum / n_tokens (default: the batch's own count).
-        Returns the CE sum of the micro-batches this rank computed the loss of (float64)."""
+    def run(self, batch: common.Batch, M: int, n_tokens: int | None = None,
+            mbs: list | None = None) -> torch.Tensor:
+        """This rank's part of one optimizer step over `batch` in M micro-batches (or the given
+        list `mbs`, whose sizes may differ when P = 1); each micro-batch backpropagates its CE
+        sum / n_tokens (default: the batch's own count). Returns the CE sum of the micro-batches
+        this rank computed the loss of (float64)."""
         n_tokens = n_tokens or batch.n_tokens
-        mbs = batch.split(M)
+        mbs = mbs or batch.split(M)
+        M = len(mbs)
+        self.completed = 0
         B, S = mbs[0].input_ids.shape
         S_act = S // self.seq_shards
         H = self.model.config.hidden_size
@@ -326,6 +332,10 @@ class Pipeline:
                     if kind in ("B", "W"):
                         del inputs[(c, m)], outputs[(c, m)], grads[(c, m)]
             self.timeline.append((kind, c, m, start, time.perf_counter() - t0))
+            if kind == "B" and c == 0:
+                self.completed = m + 1
+                if self.stop_after is not None and self.P == 1 and self.stop_after(m):
+                    break
         for works, _ in self.sends:
             for w in works:
                 w.wait()

@@ -1,4 +1,5 @@
 """elastic.py's batch planner: the rule, the memory model, infeasible counts, and the CLI."""
+import json
 import subprocess
 import sys
 
@@ -78,3 +79,64 @@ def test_plan_rejects_a_world_that_tp_does_not_divide(bad):
                         "1024", "--layers", "8", "--seq", "1024", "--micro-batch", "1",
                         "--grad-accum", "1", *bad], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and r.stderr.strip().startswith("error: --world 6"), r.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# compose4d.py --mode train: SIGTERM, mid-step checkpoints, restarts on other world sizes
+# ----------------------------------------------------------------------------------------------
+TRAIN = ["--mode", "train", "--dtype", "float64", "--steps", "6", "--lr-schedule", "cosine",
+         "--lr-warmup", "2", "--log-every", "1", "--batch", "8", "--elastic",
+         "--max-micro-batch", "1"]
+
+
+def _losses(r):
+    return dict((s, l) for s, l in r.json("train.json")["losses"])
+
+
+@pytest.mark.slow
+def test_sigterm_mid_step_restarts_at_2_then_4_equal_uninterrupted(tmp_path):
+    from conftest import launch
+    ck = tmp_path / "ck"
+
+    def train(nproc, name, *extra):
+        out = tmp_path / name
+        r = launch("compose4d.py", nproc, *TRAIN, "--save", str(ck), *extra, out=out, timeout=600)
+        return r, _losses(r)
+    _, full = train(4, "full", "--save", str(tmp_path / "other"))
+    # W=4 (dp 4, micro-batch 1, accum 2): SIGTERM from the launcher after micro-batch 0 of step 1
+    r1, l1 = train(4, "a", "--test-sigterm-at", "1:0")
+    assert "SIGTERM: saved" in r1.stdout and "after 4 of 8 sequences of step 1" in r1.stdout, r1
+    assert (ck / "latest").read_text() == "step-1"
+    meta = json.loads((ck / "step-1" / "meta.json").read_text())
+    assert meta["cut"]["rows_done"] == [0, 2, 4, 6] and meta["layout"]["dp"] == 4
+    assert sorted(l1) == [0]
+    # restart on 2 ranks: re-planned to accum 4, finishes step 1 from the saved gradients; cut again
+    r2, l2 = train(2, "b", "--resume", str(ck), "--test-sigterm-at", "3:1")
+    assert "micro 1 accum 4 restarts 1" in r2.stdout and "step 3" in r2.stdout, r2
+    # and back on 4
+    r3, l3 = train(4, "c", "--resume", str(ck))
+    assert "accum 2 restarts 2" in r3.stdout, r3
+    got = {**l1, **l2, **l3}
+    assert sorted(got) == list(range(6))
+    for s in range(6):
+        assert abs(got[s] - full[s]) <= 1e-9 * full[s], (s, got[s], full[s])
+
+
+def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path):
+    from conftest import launch
+    ck = tmp_path / "ck"
+    base = ["--mode", "train", "--steps", "4", "--save", str(ck)]
+    r = launch("compose4d.py", 2, *base, "--stop-at", "2", out=tmp_path / "a")
+    assert r.rc == 0 and (ck / "latest").read_text() == "step-2", r
+    r = launch("compose4d.py", 2, *base, "--resume", str(ck), "--test-crash-in-save",
+               out=tmp_path / "b")
+    assert r.rc != 0                                  # died inside the step-4 save
+    assert (ck / ".tmp-step-4").is_dir() and not (ck / "step-4").exists()
+    assert (ck / "latest").read_text() == "step-2"
+    import compose4d
+    meta, tensors = compose4d.load_checkpoint(str(ck))
+    assert meta["step"] == 2 and len(tensors["param"]) == 39
+    # and a restart resumes from it
+    r = launch("compose4d.py", 2, *base, "--resume", str(ck), out=tmp_path / "c")
+    assert r.rc == 0 and "resumed from" in r.stdout and "at step 2" in r.stdout, r
+    assert (ck / "latest").read_text() == "step-4"
