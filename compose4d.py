@@ -55,6 +55,7 @@ Checkpoints (--save DIR, --resume DIR)
 --export-hf DIR writes the full model with save_pretrained; AutoModelForCausalLM.from_pretrained
     loads it and gives the same logits.
 """
+import copy
 import json
 import math
 import os
@@ -166,6 +167,13 @@ def compose_constraints(args, world, config) -> list[str]:
         return [f"world size {world} is not divisible by tp x pp x cp = {T} x {P} x {C} = "
                 f"{T * P * C} (dp = W / (tp pp cp))"]
     D = world // (T * P * C)
+    if args.mode == "train" and args.elastic:     # re-plan first: it sets batch and grad-accum
+        plan = replan(world, config, args)
+        if not plan.feasible:
+            return [f"--elastic: {plan.why}"]
+        args = copy.copy(args)
+        args.batch, args.grad_accum, args.zero = plan.global_batch, plan.grad_accum, plan.zero
+        M = args.grad_accum
     if args.dp is not None and args.dp != D:
         return [f"world size {world} is not dp x tp x pp x cp = {args.dp} x {T} x {P} x {C} = "
                 f"{args.dp * T * P * C}"]
@@ -196,7 +204,8 @@ def compose_constraints(args, world, config) -> list[str]:
         return [f"--zero must be 1 or 2 (got {args.zero})"]
     if args.attn != "sdpa":
         return ["compose4d runs decoder layers itself (pp.Pipeline) with sdpa (--attn sdpa)"]
-    if args.resume and not os.path.isdir(args.resume):
+    if args.resume and not os.path.isdir(args.resume) and args.resume != args.save:
+        # (--save D --resume D is the restart idiom: the first launch finds no D yet)
         return [f"--resume {args.resume}: no such directory"]
     return []
 
@@ -731,11 +740,25 @@ class Preemption:
         return bool(t.item())
 
 
-def replan(run: common.Run, args, target: int, model) -> elastic.Plan:
-    """elastic.plan_world for this world size: TP, PP, CP as given, DP absorbs the change."""
+def target_batch(args) -> int:
+    """The global batch to keep: the checkpoint's, or --batch for a fresh run."""
+    if args.resume and os.path.isfile(os.path.join(args.resume, "latest")):
+        with open(os.path.join(args.resume, "latest")) as f:
+            d = os.path.join(args.resume, f.read().strip())
+        with open(os.path.join(d, "meta.json")) as f:
+            return json.load(f).get("global_batch", args.batch)
+    return args.batch
+
+
+def replan(world: int, config, args) -> elastic.Plan:
+    """elastic.plan_world for this world size: TP, PP, CP as given, DP absorbs the change.
+    Runs before the process group exists (constraints), so an infeasible world ends at once."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        params = common.param_count(AutoModelForCausalLM.from_config(config))
     return elastic.plan_world(
-        run.env.world, target, params=common.param_count(model), hidden=run.config.hidden_size,
-        layers=run.config.num_hidden_layers, seq=args.length, mem_bytes=args.mem_gib * 2**30,
+        world, target_batch(args), params=params, hidden=config.hidden_size,
+        layers=config.num_hidden_layers, seq=args.length, mem_bytes=args.mem_gib * 2**30,
         tolerance=args.batch_tolerance, max_micro_batch=args.max_micro_batch,
         min_zero=args.zero, max_zero=2, tp=args.tp, pp=args.pp, cp=args.cp)
 
@@ -748,12 +771,9 @@ def run_train(run: common.Run, cls) -> bool:
     meta, full = None, None
     if args.resume and os.path.isfile(os.path.join(args.resume, "latest")):
         meta, full = load_checkpoint(args.resume)
-    target = meta["global_batch"] if meta and "global_batch" in meta else args.batch
-    if args.elastic:
-        plan = replan(run, args, target, model)
-        if not plan.feasible:
-            run.print(f"error: {plan.why}")
-            return False
+    target = target_batch(args)
+    if args.elastic:     # feasible: checked in compose_constraints
+        plan = replan(env.world, run.config, args)
         args.batch, args.grad_accum, args.zero = plan.global_batch, plan.grad_accum, plan.zero
     strat = cls(model, args, env)
     start, offset, restarts, cut = 0, 0, 0, None
@@ -790,7 +810,9 @@ def run_train(run: common.Run, cls) -> bool:
             partial = full["grad"]
         def stop(m, s=s):
             if args.test_sigterm_at == f"{s}:{m}" and env.is_main:
-                os.kill(os.getppid(), signal.SIGTERM)      # the launcher passes it to all ranks
+                # under torchrun the launcher passes it on to every rank; alone, to ourselves
+                os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(),
+                        signal.SIGTERM)
                 pre.flag = True
             return pre.agreed(env.device)
         mid_step = args.pp == 1 and rows is None and args.save   # P > 1: at the step's end

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import elastic
-from conftest import ROOT
+from conftest import ROOT, assert_config_error
 
 GiB = 2**30
 BASE = dict(params=5e9, hidden=4096, layers=32, seq=4096, mem_bytes=80 * GiB, tolerance=0.10,
@@ -140,3 +140,10 @@ def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path):
     r = launch("compose4d.py", 2, *base, "--resume", str(ck), out=tmp_path / "c")
     assert r.rc == 0 and "resumed from" in r.stdout and "at step 2" in r.stdout, r
     assert (ck / "latest").read_text() == "step-4"
+
+
+def test_infeasible_world_ends_with_one_line(run):
+    # 3 data-parallel ranks cannot hold a global batch of 8 exactly (tolerance 0)
+    r = run("compose4d.py", 3, "--mode", "train", "--elastic", "--batch", "8",
+            "--batch-tolerance", "0", "--steps", "1")
+    assert_config_error(r, "--elastic: no (zero, micro-batch, grad-accum) keeps the global batch")
