@@ -529,7 +529,7 @@ _GROUP_NAMES = weakref.WeakKeyDictionary()   # a name must not keep a destroyed 
 
 
 def name_group(group, name: str):
-    if group is not None:   # None: this rank is in none of the groups just made
+    if isinstance(group, dist.ProcessGroup):   # not None / NON_GROUP_MEMBER (not a member)
         _GROUP_NAMES[group] = name
     return group
 
