@@ -540,7 +540,7 @@ class Compose4D(common.Strategy):
             nhb = n_tok * H * b
             head = int(self.last)
             if a.sp:
-                ag = M * (6 * L_st + 3 * head) + (M if self.first else 0)
+                ag = M * (6 * L_st + 2 * head + int(self.first))   # sp.py: 6L+3 per model
                 rs_ = M * (4 * L_st + head)
                 rows += [Expect("all_gather_into_tensor", "tp", ag, ag * nhb // M,
                                 "SP: region entries (fwd), re-gathers and row exits (bwd)"),

@@ -110,6 +110,16 @@ def test_benchmark_comm_per_group(run):
     assert comm["reduce_scatter_tensor|dpcp"]["calls"] == 3     # embed + 2 layers
 
 
+def test_benchmark_sp_with_cp_comm(run):
+    r = run("compose4d.py", 4, "--tp", "2", "--cp", "2", "--sp", "--grad-accum", "2", "--mode",
+            "benchmark", "--bench-iters", "1", "--warmup", "1", timeout=600)
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    comm = r.json("benchmark.json")["ours"]["comm"]
+    # SP on one stage holding all 4 layers and the head: M (6L + 2 + 1) all-gathers
+    assert comm["all_gather_into_tensor|tp"]["calls"] == 2 * (6 * 4 + 3)
+    assert comm["isend|cp"]["calls"] == 2 * 4 * (3 * 1 + 1)      # M L (3(C-1) + 1)
+
+
 def _train(run, nproc, *extra):
     r = run("compose4d.py", nproc, "--mode", "train", "--dtype", "float64", "--steps", "6",
             "--lr-schedule", "cosine", "--lr-warmup", "2", "--log-every", "1", *extra,
