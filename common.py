@@ -65,6 +65,10 @@ benchmark    --warmup steps, then --bench-iters timed steps (a fixed count: adap
              deadlock because ranks decide differently). Step and forward time (max over ranks),
              tokens/s, memory per rank, communication per step by op and group beside formulas,
              the single-device reference, and with --compare-native PyTorch's implementation.
+peak         (oom_search.py's trials) two full steps under the memory tracker, the steady-state
+             peak (`steady_peak`): `TRIAL OK {json}`, or `TRIAL OOM ...` and exit code 3 when
+             --mem-budget-gb (CPU, simulated) or the CUDA allocator runs out.
+A strategy may add modes (`Strategy.modes`): compose4d's `train`.
 
 `--out DIR` writes correctness.json, learning.csv (+ .png with matplotlib), benchmark.json.
 
