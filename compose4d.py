@@ -351,9 +351,10 @@ class Compose4D(common.Strategy):
     def elastic_step(self, batch: common.Batch, rows=None, mb=None, stop=None, partial=None):
         """One optimizer step over the global batch's rows `rows` (default: all of them, split
         into contiguous dp shares of --grad-accum micro-batches; else each dp rank takes its
-        contiguous share of `rows` in micro-batches of at most `mb`). `stop(m) -> bool` (P = 1)
-        may end the step after micro-batch m: the gradients are then reduced and kept, nothing
-        is updated, and the processed rows are returned, for a mid-step checkpoint. `partial`:
+        contiguous share of `rows` in micro-batches of at most `mb`). `stop(m) -> bool`, asked
+        on every rank before forward m (pp.Pipeline.stop_check), may end the step once micro-
+        batches 0..m-1 are drained: the gradients are then reduced and kept, nothing is updated,
+        and the processed rows are returned, for a mid-step checkpoint. `partial`:
         a restored mid-step gradient (sum over the rows already done) to start from.
         Returns (global loss or None when cut, processed rows or None)."""
         z, g, D = self.zero, self.groups, self.grid.size["dp"]
@@ -371,7 +372,7 @@ class Compose4D(common.Strategy):
                                     full.index)
             mbs = [full.rows(i, min(i + mb, len(my_rows))) for i in range(0, len(my_rows), mb)]
             local, M = full, len(mbs)
-        self.pipe.stop_after = stop
+        self.pipe.stop_check = stop
         if M:
             loss_sum = self.pipe.run(local, M, batch.n_tokens, mbs=mbs)
         else:   # nothing left for this dp rank (a resumed step): reductions only
@@ -808,14 +809,14 @@ def run_train(run: common.Run, cls) -> bool:
         if cut:      # finish the step a SIGTERM cut: the rows not done yet, from its gradients
             rows = [r for r in range(G) if r not in set(cut["rows_done"])]
             partial = full["grad"]
-        def stop(m, s=s):
-            if args.test_sigterm_at == f"{s}:{m}" and env.is_main:
+        def stop(m, s=s):      # before forward m: micro-batch m - 1 is the last to finish
+            if args.test_sigterm_at == f"{s}:{m - 1}" and env.is_main:
                 # under torchrun the launcher passes it on to every rank; alone, to ourselves
                 os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(),
                         signal.SIGTERM)
                 pre.flag = True
             return pre.agreed(env.device)
-        mid_step = args.pp == 1 and rows is None and args.save   # P > 1: at the step's end
+        mid_step = rows is None and args.save and args.schedule == "1f1b"   # (V = 1)
         loss, stopped = strat.elastic_step(batch, rows, mb, stop if mid_step else None, partial)
         if stopped:                                  # SIGTERM inside the step: save mid-step
             done, loss_sum = stopped

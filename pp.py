@@ -211,8 +211,11 @@ class Pipeline:
         self.model, self.P, self.V, self.rank, self.group = model, P, V, rank, group
         self.schedule_name, self.C = schedule_name, P * V
         self.positions, self.seq_shards, self.loss_sum = None, 1, common.lm_loss_sum
-        self.stop_after = None   # P = 1: callable(m) -> True to end the step after micro-batch m
-        self.completed = 0       # micro-batches whose backward ran in the last run()
+        # A preemption point: stop_check(m) is called by every stage before its forward of
+        # micro-batch m >= 1 (V = 1 schedules); True on all ranks ends the step once the
+        # micro-batches already started are drained (see run()).
+        self.stop_check = None
+        self.completed = 0       # micro-batches run to the end in the last run()
         base = model.model
         n_layer = [sum(p.numel() for p in layer.parameters()) for layer in base.layers]
         emb = sum(p.numel() for p in base.embed_tokens.parameters())
@@ -286,7 +289,7 @@ class Pipeline:
         n_tokens = n_tokens or batch.n_tokens
         mbs = mbs or batch.split(M)
         M = len(mbs)
-        self.completed = 0
+        stop_at = None
         B, S = mbs[0].input_ids.shape
         S_act = S // self.seq_shards
         H = self.model.config.hidden_size
@@ -297,6 +300,16 @@ class Pipeline:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         t0 = time.perf_counter()
         for kind, c, m in schedule(self.schedule_name, self.P, M, self.V, self.rank):
+            if stop_at is not None and m >= stop_at:
+                continue     # never started anywhere: dropping a micro-batch's every action
+                             # from every stage keeps the schedule deadlock-free
+            if (kind == "F" and m > 0 and stop_at is None and self.stop_check is not None
+                    and self.V == 1 and self.stop_check(m)):
+                # every stage calls stop_check(m) before its F(m) and nothing that precedes it
+                # waits for stage 0's F(m), so the agreement cannot deadlock; the micro-batches
+                # < m are then drained
+                stop_at = m
+                continue
             if kind == "F":
                 with phase("forward"):
                     if c == 0:
@@ -332,13 +345,10 @@ class Pipeline:
                     if kind in ("B", "W"):
                         del inputs[(c, m)], outputs[(c, m)], grads[(c, m)]
             self.timeline.append((kind, c, m, start, time.perf_counter() - t0))
-            if kind == "B" and c == 0:
-                self.completed = m + 1
-                if self.stop_after is not None and self.P == 1 and self.stop_after(m):
-                    break
         for works, _ in self.sends:
             for w in works:
                 w.wait()
+        self.completed = M if stop_at is None else stop_at
         self.history = (self.history + [self.timeline])[-2:]
         return loss_sum
 

@@ -88,7 +88,7 @@ def test_correctness_uneven_tied_and_padded(run, tmp_path):
 
 
 def test_learning(run):
-    r = run("compose4d.py", 4, "--tp", "2", "--pp", "2", "--mode", "learning", "--steps", "40",
+    r = run("compose4d.py", 2, "--pp", "2", "--mode", "learning", "--steps", "40",
             "--lr", "1e-2", "--log-every", "20", "--grad-accum", "2", timeout=600)
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
 
@@ -164,18 +164,23 @@ def test_checkpoint_is_atomic(run, tmp_path):
     assert set(tensors) == {"param", "exp_avg", "exp_avg_sq"}
 
 
+def test_bad_layout_under_torchrun(run):
+    assert_config_error(run("compose4d.py", 2, "--dp", "3"),
+                        "world size 2 is not dp x tp x pp x cp = 3 x 1 x 1 x 1")
+
+
 @pytest.mark.parametrize("nproc,args,msg", [
-    (2, ["--dp", "3"], "world size 2 is not dp x tp x pp x cp = 3 x 1 x 1 x 1"),
     (3, ["--tp", "3"], "tensor parallel size 3 does not divide num_attention_heads 4"),
     (2, ["--pp", "2", "--tp", "2"], "world size 2 is not divisible by tp x pp x cp"),
     (2, ["--cp", "2", "--length", "66"], "sequence length 66 is not divisible by 2 x cp = 4"),
+    (3, ["--pp", "3", "--batch", "6", "--model", "TWO_LAYERS"],
+     "2 decoder layers cannot fill 3 pipeline chunks"),
 ])
-def test_bad_layouts(run, nproc, args, msg):
-    assert_config_error(run("compose4d.py", nproc, *args), msg)
-
-
-def test_more_stages_than_layers(run, tmp_path):
+def test_bad_layouts(tmp_path, nproc, args, msg):
+    """Checked before any process group: one process that believes it is rank 0 of nproc."""
+    from conftest import launch
     path = tmp_path / "two.json"
     path.write_text(json.dumps(dict(common.PRESETS["tiny"], num_hidden_layers=2)))
-    r = run("compose4d.py", 3, "--pp", "3", "--model", str(path), "--batch", "6")
-    assert_config_error(r, "2 decoder layers cannot fill 3 pipeline chunks")
+    args = [str(path) if a == "TWO_LAYERS" else a for a in args]
+    assert_config_error(launch("compose4d.py", nproc, *args, as_rank0=True), msg,
+                        torchrun=False)

@@ -93,16 +93,33 @@ def _losses(r):
     return dict((s, l) for s, l in r.json("train.json")["losses"])
 
 
-@pytest.mark.slow
-def test_sigterm_mid_step_restarts_at_2_then_4_equal_uninterrupted(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference curve: 6 steps at W=4 without interruption (float64: the same for every
+    layout to ~1e-15, so both restart tests compare against it)."""
     from conftest import launch
-    ck = tmp_path / "ck"
+    out = tmp_path_factory.mktemp("full")
+    r = launch("compose4d.py", 4, *TRAIN, out=out, timeout=600)
+    assert r.rc == 0, r
+    return _losses(r)
+
+
+def _trainer(tmp_path, ck, layout=()):
+    from conftest import launch
 
     def train(nproc, name, *extra):
         out = tmp_path / name
-        r = launch("compose4d.py", nproc, *TRAIN, "--save", str(ck), *extra, out=out, timeout=600)
+        r = launch("compose4d.py", nproc, *TRAIN, *layout, "--save", str(ck), *extra, out=out,
+                   timeout=600)
         return r, _losses(r)
-    _, full = train(4, "full", "--save", str(tmp_path / "other"))
+    return train
+
+
+@pytest.mark.slow
+def test_sigterm_mid_step_restarts_at_2_then_4_equal_uninterrupted(tmp_path, uninterrupted):
+    ck = tmp_path / "ck"
+    train = _trainer(tmp_path, ck)
+    full = uninterrupted
     # W=4 (dp 4, micro-batch 1, accum 2): SIGTERM from the launcher after micro-batch 0 of step 1
     r1, l1 = train(4, "a", "--test-sigterm-at", "1:0")
     assert "SIGTERM: saved" in r1.stdout and "after 4 of 8 sequences of step 1" in r1.stdout, r1
@@ -142,8 +159,26 @@ def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path):
     assert (ck / "latest").read_text() == "step-4"
 
 
-def test_infeasible_world_ends_with_one_line(run):
+def test_infeasible_world_ends_with_one_line():
     # 3 data-parallel ranks cannot hold a global batch of 8 exactly (tolerance 0)
-    r = run("compose4d.py", 3, "--mode", "train", "--elastic", "--batch", "8",
-            "--batch-tolerance", "0", "--steps", "1")
-    assert_config_error(r, "--elastic: no (zero, micro-batch, grad-accum) keeps the global batch")
+    from conftest import launch
+    r = launch("compose4d.py", 3, "--mode", "train", "--elastic", "--batch", "8",
+               "--batch-tolerance", "0", "--steps", "1", as_rank0=True)
+    assert_config_error(r, "--elastic: no (zero, micro-batch, grad-accum) keeps the global batch",
+                        torchrun=False)
+
+
+@pytest.mark.slow
+def test_sigterm_inside_a_pipeline_step_drains_and_resumes_exactly(tmp_path, uninterrupted):
+    """pp=2 fixed, dp 2 -> 1: the cut drains the micro-batches already in the pipeline."""
+    ck = tmp_path / "ck"
+    train = _trainer(tmp_path, ck, ["--pp", "2"])
+    full = uninterrupted
+    r1, l1 = train(4, "a", "--test-sigterm-at", "2:0")
+    assert "after 2 of 8 sequences of step 2" in r1.stdout, r1
+    r2, l2 = train(2, "b", "--resume", str(ck))
+    assert "accum 8 restarts 1" in r2.stdout and "at step 2" in r2.stdout, r2
+    got = {**l1, **l2}
+    assert sorted(got) == list(range(6))
+    for s in range(6):
+        assert abs(got[s] - full[s]) <= 1e-9 * full[s], (s, got[s], full[s])
