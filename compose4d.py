@@ -300,6 +300,14 @@ class Compose4D(common.Strategy):
         self._plan_shard_slices()
         self.t = 0              # optimizer steps taken (the schedule's position)
         self.last_norm = float("nan")
+        coords = [None] * env.world          # every rank's coordinates, printed once at start
+        with common.METER.paused():
+            dist.all_gather_object(coords, self.me)
+        if env.is_main:
+            print(f"rank grid {self.grid.size}, innermost first {self.grid.order}:", flush=True)
+            for r, c in enumerate(coords):
+                print(f"  rank {r}: " + " ".join(f"{d}={c[d]}" for d in self.grid.order),
+                      flush=True)
 
     def _units(self):
         """ZeRO units of this stage in forward order; the tied head copy is a unit of its own, so
@@ -792,11 +800,6 @@ def run_train(run: common.Run, cls) -> bool:
               f"global batch={args.batch} (target {target}) micro-batch={mb} "
               f"grad-accum={args.grad_accum} length={args.length} steps {start}..{args.steps} "
               f"lr={args.lr} ({args.lr_schedule}, warm-up {args.lr_warmup})")
-    sizes = [None] * env.world
-    with common.METER.paused():
-        dist.all_gather_object(sizes, f"rank {env.rank}: {strat.me}")
-    for line in sizes:
-        run.print("  " + line)
     pre = Preemption()
     extra = lambda off, **kw: dict(samples=off, global_batch=target, restarts=restarts, **kw)  # noqa
     t0, tok = time.time(), 0
