@@ -45,6 +45,8 @@ The adapter contract (subclass `Strategy`)
                               model + AdamW). A strategy whose objective adds terms to the LM
                               loss (ep_moe's router losses) supplies a subclass computing them.
     learning_lines()          extra lines printed after a learning run (collective).
+    report_lines()            extra benchmark lines; `self.bench` (the timings: step_s, forward_s,
+                              tokens_per_s, ...) is set before it is called.
     cpu_dtype                 {mode: dtype}: a strategy's own CPU default where MODE_DEFAULTS'
                               does not suit it (ep_moe learns in float64: see its docstring).
     modes                     {name: function(run, cls) -> bool}: extra --mode values (compose4d's
@@ -1327,6 +1329,7 @@ def run_benchmark(run: Run, cls) -> bool:
               f"warmup={args.warmup} iters={args.bench_iters}")
     n_params = sum(p.numel() for p in strat.full_params().values())
     ours = bench_strategy(run, strat)
+    strat.bench = ours   # the timings, for report lines that need them (compose4d's MFU)
     expected, formula, lines = strat.expected_comm(), strat.memory_formula(), strat.report_lines()
     del strat
     native = []

@@ -40,6 +40,12 @@ def test_lr_schedule_warmup_then_cosine():
     assert lrs[14] == pytest.approx(0.1)
 
 
+def test_model_flops_formula():
+    cfg = common.load_config("tiny")       # h 64, kv 32, I 128, L 4, V 256
+    per_token = 6 * (4 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) + 256 * 64) + 12 * 4 * 64 * 64
+    assert compose4d.model_flops(cfg, 512, 64) == 512 * per_token == 603_979_776
+
+
 def assert_pass(r, world):
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     res = r.json("correctness.json")[0]
