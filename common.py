@@ -818,6 +818,19 @@ class Strategy:
         return []
 
 
+def all_reduce_flat(tensors: list[torch.Tensor], group=None):
+    """Sum `tensors` over the group in place with one all_reduce of their concatenation
+    (many small gradients: one call instead of one each)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    off = 0
+    for t in tensors:
+        t.copy_(flat[off:off + t.numel()].view_as(t))
+        off += t.numel()
+
+
 def spread_across_ranks(tensors, group=None) -> float:
     """Max over tensors of (max - min across ranks) of each tensor's sum: 0.0 when every rank
     holds identical replicas (a checksum, for extra_checks; not metered)."""

@@ -347,10 +347,13 @@ class Compose4D(common.Strategy):
 
     # -- the step --
     def local_batch(self, batch: common.Batch) -> common.Batch:
-        b = batch.shard(self.me["dp"], self.grid.size["dp"])
-        if self.pos is not None:
-            b = common.Batch(b.input_ids[:, self.pos], b.labels[:, self.pos], b.index)
-        return b
+        return self._cp_tokens(batch.shard(self.me["dp"], self.grid.size["dp"]))
+
+    def _cp_tokens(self, b: common.Batch) -> common.Batch:
+        """This rank's zig-zag tokens of every sequence (all of them without CP)."""
+        if self.pos is None:
+            return b
+        return common.Batch(b.input_ids[:, self.pos], b.labels[:, self.pos], b.index)
 
     def step(self, batch: common.Batch) -> float:
         loss, _ = self.elastic_step(batch)
@@ -374,10 +377,8 @@ class Compose4D(common.Strategy):
             M, my_rows = self.args.grad_accum, None
         else:
             my_rows = [list(r) for r in _split_even(rows, D)][self.me["dp"]]
-            full = common.Batch(batch.input_ids[my_rows], batch.labels[my_rows], batch.index)
-            if self.pos is not None:
-                full = common.Batch(full.input_ids[:, self.pos], full.labels[:, self.pos],
-                                    full.index)
+            full = self._cp_tokens(common.Batch(batch.input_ids[my_rows],
+                                                batch.labels[my_rows], batch.index))
             mbs = [full.rows(i, min(i + mb, len(my_rows))) for i in range(0, len(my_rows), mb)]
             local, M = full, len(mbs)
         self.pipe.stop_check = stop
@@ -411,10 +412,6 @@ class Compose4D(common.Strategy):
         mb = n // M
         return [d * n + i for d in range(D) for i in range(k * mb)]
 
-    def partial_grads(self) -> dict[str, torch.Tensor]:
-        """The reduced gradients of a cut step, full tensors by name (collective)."""
-        return self._full(self._stage_tensors([u.grad_shard for u in self.zero.units]))
-
     def _add_partial(self, full: dict[str, torch.Tensor]):
         """Put a restored partial gradient where this layout's reductions count it exactly once:
         on dp x cp rank 0 (ZeRO-1's full buffers; ZeRO-2: each rank's own shard of it); for
@@ -441,15 +438,9 @@ class Compose4D(common.Strategy):
 
     @staticmethod
     def _reduce_slices(grads, slices, group):
-        pieces = [grads[i][a:b] for i, sl in enumerate(slices) for a, b in sl]
-        if not pieces or dist.get_world_size(group) == 1:
-            return
-        flat = torch.cat(pieces)
-        dist.all_reduce(flat, group=group)
-        off = 0
-        for piece in pieces:
-            piece.copy_(flat[off:off + piece.numel()])
-            off += piece.numel()
+        if dist.get_world_size(group) > 1:
+            common.all_reduce_flat([grads[i][a:b] for i, sl in enumerate(slices)
+                                    for a, b in sl], group)
 
     def clip(self, grads, max_norm: float) -> float:
         """The global gradient norm over all four dimensions (one scalar all-reduce over the
@@ -637,6 +628,13 @@ def _tp_split(strat, name):
     return None if strat.tp is None else strat.tp.split_dim.get(name)
 
 
+def _write_synced(path: str, text: str):
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def save_checkpoint(strat: Compose4D, root: str, step: int, extra: dict | None = None,
                     grads: bool = False) -> str:
     """Collective. Returns the step directory. `extra` goes into meta.json (data position,
@@ -674,26 +672,27 @@ def save_checkpoint(strat: Compose4D, root: str, step: int, extra: dict | None =
         meta = dict(step=step, adam_t=opt.t, layout=strat.grid.size, model=strat.args.model,
                     dtype=strat.args.dtype, vocab=strat.model.config.vocab_size,
                     seconds=time.time() - t0, **(extra or {}))
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_synced(os.path.join(tmp, "meta.json"), json.dumps(meta))
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)                               # the step is complete ...
-        with open(os.path.join(root, "latest.tmp"), "w") as f:
-            f.write(os.path.basename(final))
-            f.flush()
-            os.fsync(f.fileno())
+        _write_synced(os.path.join(root, "latest.tmp"), os.path.basename(final))
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))  # ... named
     with common.METER.paused():
         dist.barrier()
     return final
 
 
+def latest_dir(root: str | None) -> str | None:
+    """The step directory DIR/latest names, or None when there is no checkpoint yet."""
+    if not root or not os.path.isfile(os.path.join(root, "latest")):
+        return None
+    with open(os.path.join(root, "latest")) as f:
+        return os.path.join(root, f.read().strip())
+
+
 def load_checkpoint(root: str) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
     """(meta, {kind: {name: full tensor}}) from DIR/latest, whatever layout wrote it."""
-    with open(os.path.join(root, "latest")) as f:
-        d = os.path.join(root, f.read().strip())
+    d = latest_dir(root)
     with open(os.path.join(d, "meta.json")) as f:
         meta = json.load(f)
     by_stage: dict[str, list] = {}
@@ -785,12 +784,11 @@ class Preemption:
 
 def target_batch(args) -> int:
     """The global batch to keep: the checkpoint's, or --batch for a fresh run."""
-    if args.resume and os.path.isfile(os.path.join(args.resume, "latest")):
-        with open(os.path.join(args.resume, "latest")) as f:
-            d = os.path.join(args.resume, f.read().strip())
-        with open(os.path.join(d, "meta.json")) as f:
-            return json.load(f).get("global_batch", args.batch)
-    return args.batch
+    d = latest_dir(args.resume)
+    if d is None:
+        return args.batch
+    with open(os.path.join(d, "meta.json")) as f:
+        return json.load(f).get("global_batch", args.batch)
 
 
 def replan(world: int, config, args) -> elastic.Plan:
@@ -811,10 +809,8 @@ def run_train(run: common.Run, cls) -> bool:
     with --elastic the batch is re-planned for the world size the run (re)starts on."""
     args, env = run.args, run.env
     model = common.build_model(args, run.config, env.device)
-    meta, full = None, None
-    if args.resume and os.path.isfile(os.path.join(args.resume, "latest")):
-        meta, full = load_checkpoint(args.resume)
-    target = target_batch(args)
+    meta, full = load_checkpoint(args.resume) if latest_dir(args.resume) else (None, None)
+    target = meta.get("global_batch", args.batch) if meta else args.batch
     if args.elastic:     # feasible: checked in compose_constraints
         plan = replan(env.world, run.config, args)
         args.batch, args.grad_accum, args.zero = plan.global_batch, plan.grad_accum, plan.zero

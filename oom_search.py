@@ -387,7 +387,7 @@ def simulated_trial(strategy, W, length, batch, args, budget) -> Outcome:
     if strategy == "pp" and W > 1:   # first, last, and the stage the formula ranks largest
         import common
         big = predict_peak("pp", W, length, batch, common.load_config(args.model),
-                           {"float64": 8, "bfloat16": 2}.get(args.dtype, 4),
+                           common.DTYPES[args.dtype or "float32"].itemsize,
                            args.attn == "eager")["stage"]
         ranks = sorted({0, W - 1, big})
     try:
@@ -493,8 +493,8 @@ def main(argv=None):
     sys.path.insert(0, HERE)
     import common
     cfg = common.load_config(args.model)
-    elem = {"float64": 8, "float32": 4, "bfloat16": 2}[args.dtype or (
-        "bfloat16" if args.device == "cuda" else "float32")]
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    elem = common.DTYPES[dtype].itemsize
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else \
         (lambda m: print(m, flush=True))
     if args.compare:

@@ -294,15 +294,8 @@ class TensorParallel:
 
     def reduce_partial_grads(self, extra=()):
         """All-reduce the gradients that each rank holds only a part of (one flat call)."""
-        params = [p for p in (*self.partial_grads, *extra) if p.grad is not None]
-        if not params:
-            return
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, group=self.group)
-        off = 0
-        for p in params:
-            p.grad.copy_(flat[off:off + p.numel()].view_as(p))
-            off += p.numel()
+        common.all_reduce_flat([p.grad for p in (*self.partial_grads, *extra)
+                                if p.grad is not None], self.group)
 
     def full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full tensors from this rank's shards (collective): gather along the split dim and
