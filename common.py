@@ -155,11 +155,26 @@ class ConfigError(Exception):
     """A violated configuration constraint: one line, exit code 2, before any collective."""
 
 
+@dataclass(frozen=True)
+class Plant:
+    """A known bug a strategy can plant in itself (`--plant-bug NAME`): proof that its
+    correctness check can fail. `args` is the configuration in which the check must catch it
+    (the tests and `tour.py --plants` run exactly that, at `world` ranks)."""
+    doc: str
+    args: tuple = ()
+    world: int = 2
+
+
+HARNESS_PLANTS = {"grad": Plant("the harness perturbs one reported gradient by 1e-6 of its "
+                                "scale (float64 only: below float32 noise)")}
+
+
 # ----------------------------------------------------------------------------------------------
 # Arguments
 # ----------------------------------------------------------------------------------------------
 MODE_DEFAULTS = {  # (steps, dtype on cpu) per mode; see the numerics policy in the README
     "correctness": (2, "float64"),
+    "plants": (2, "float64"),    # correctness runs: the clean one, then each planted bug
     "learning": (200, "float32"),
     "benchmark": (None, "float32"),
     "peak": (1, "float32"),
@@ -167,10 +182,11 @@ MODE_DEFAULTS = {  # (steps, dtype on cpu) per mode; see the numerics policy in 
 }
 
 
-def base_parser(prog: str, modes=()) -> argparse.ArgumentParser:
+def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--mode", default="correctness",
-                   choices=["correctness", "learning", "benchmark", "all", "peak", *modes])
+                   choices=["correctness", "learning", "benchmark", "all", "peak", "plants",
+                            *modes])
     p.add_argument("--model", default="tiny",
                    help="preset (%s), a local HF model directory, or a config.json path"
                    % ", ".join(PRESETS))
@@ -191,11 +207,10 @@ def base_parser(prog: str, modes=()) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="model init, language and sample seed")
     p.add_argument("--branching", type=int, default=4,
                    help="successors per token in the synthetic Markov language")
-    p.add_argument("--rtol", type=float, default=None,
-                   help="correctness tolerance on losses and gradients (default by dtype: 1e-9 "
-                        "float64, 1e-5 float32; for bfloat16, k in err <= k * single-device err)")
-    p.add_argument("--param-rtol", type=float, default=None,
-                   help="tolerance on parameters after the steps (default: rtol, x10 in float32)")
+    p.add_argument("--tol-k", type=float, default=None,
+                   help="correctness: a strategy passes when err(strategy vs float64 reference) "
+                        "<= K x the single-device noise + a floor (default %g; see the README's "
+                        "numerics policy)" % 8.0)
     p.add_argument("--warmup", type=int, default=2, help="benchmark warm-up steps")
     p.add_argument("--bench-iters", type=int, default=5, help="benchmark timed steps")
     p.add_argument("--log-every", type=int, default=10, help="learning-mode print interval")
@@ -212,9 +227,13 @@ def base_parser(prog: str, modes=()) -> argparse.ArgumentParser:
     p.add_argument("--mem-fraction", type=float, default=None,
                    help="peak mode on CUDA: torch.cuda.set_per_process_memory_fraction, to "
                         "emulate a smaller GPU")
-    p.add_argument("--plant-bug", default=None, choices=["grad", "no-average"],
-                   help="test hook: 'grad' perturbs one reported gradient (harness); "
-                        "'no-average' makes a data-parallel strategy skip its gradient average")
+    plants = {**HARNESS_PLANTS, **(plants or {})}
+    p.add_argument("--plant-bug", default=None, choices=list(plants), metavar="NAME",
+                   help="plant a known bug; correctness mode must FAIL. " + "; ".join(
+                       f"{k}: {v.doc}" for k, v in plants.items()))
+    p.add_argument("--plants", default=None,
+                   help="--mode plants: comma-separated plants to run after the clean run "
+                        "(default: all of this strategy's own)")
     return p
 
 
@@ -229,15 +248,8 @@ def resolve_defaults(args, mode: str, device: str, world: int = 1) -> argparse.N
         a.dtype = cpu_dtype if (device == "cpu" or mode == "correctness") else "bfloat16"
     if a.lr is None:
         a.lr = 1e-3 if mode == "correctness" else 3e-3
-    if a.rtol is None:
-        # float32: reductions over more ranks (and ring attention's merges) round more, so the
-        # tolerance grows with W beyond 2 (DESIGN.md: "may scale with W").
-        a.rtol = {"float64": 1e-9, "float32": 1e-5 * max(1.0, world / 2),
-                  "bfloat16": 4.0}[a.dtype]
-    if a.param_rtol is None:
-        # Adam's first updates are ~ g/(|g|+eps): float32 rounding of near-zero gradients moves
-        # such entries by a visible fraction of lr, so parameters get 10x the gradient tolerance.
-        a.param_rtol = a.rtol * (10 if a.dtype == "float32" else 1)
+    if a.tol_k is None:
+        a.tol_k = TOL_K
     return a
 
 
@@ -456,13 +468,44 @@ class Batch:
         return [self.rows(i * n, (i + 1) * n) for i in range(k)]
 
 
+PAD_ID = 0   # the input token at padded positions (their labels are IGNORE_INDEX)
+
+
+def ignore_spans(seed: int, start: int, count: int, length: int) -> np.ndarray:
+    """(count, length) bool: which targets of samples start..start+count-1 are ignored, a pure
+    function of (seed, sample index) like the tokens. Each sample gets a padded tail of 0..L/4
+    positions (inputs PAD_ID, labels ignored) and an ignored span of 0..L/8 labels somewhere
+    before it (a masked prompt), so token counts differ per sample, per rank, per micro-batch
+    and per sequence chunk, and a "mean of per-shard means" cannot agree with the global mean."""
+    out = np.zeros((count, length), dtype=bool)
+    for r, i in enumerate(range(start, start + count)):
+        rng = np.random.default_rng([seed, i, 0x1D])
+        tail = int(rng.integers(0, length // 4 + 1))
+        span = int(rng.integers(0, length // 8 + 1))
+        a = int(rng.integers(0, max(1, length - tail - span)))
+        out[r, a:a + span] = True
+        if tail:
+            out[r, length - tail - 1:] = True     # the last real token predicts padding too
+    return out
+
+
 def make_batch(lang: MarkovLanguage, step: int, batch: int, length: int, device,
-               offset: int | None = None) -> Batch:
+               offset: int | None = None, ignore: bool = False) -> Batch:
     """Samples [step*batch, (step+1)*batch), or [offset, offset+batch) when the global batch
-    has not been the same every step (compose4d's elastic restarts)."""
+    has not been the same every step (compose4d's elastic restarts). ignore=True (correctness
+    mode) pads and masks targets as `ignore_spans` says."""
     start = step * batch if offset is None else offset
-    x = torch.from_numpy(lang.sample(start, batch, length)).to(device)
-    return Batch(x[:, :-1].contiguous(), x[:, 1:].contiguous(), step)
+    x = torch.from_numpy(lang.sample(start, batch, length))
+    inputs, labels = x[:, :-1].clone(), x[:, 1:].clone()
+    if ignore:
+        m = torch.from_numpy(ignore_spans(lang.seed, start, batch, length))
+        labels[m] = IGNORE_INDEX
+        # padded tail: the inputs after the last real token are PAD_ID too
+        pad = torch.zeros_like(m)
+        pad[:, 1:] = m[:, :-1] & m[:, -1:]
+        pad &= torch.flip(torch.cummin(torch.flip(m.int(), [1]), 1).values.bool(), [1])
+        inputs[pad] = PAD_ID
+    return Batch(inputs.to(device).contiguous(), labels.to(device).contiguous(), step)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -770,6 +813,7 @@ class Strategy:
     reference = None  # None: common.Reference (set after its definition)
     cpu_dtype: dict = {}  # mode -> default dtype on CPU where the strategy needs another one
     modes: dict = {}      # extra --mode name -> function(run, cls) -> bool (compose4d's "train")
+    plants: dict = {}     # --plant-bug NAME -> what the planted bug does (correctness must FAIL)
 
     @staticmethod
     def add_args(parser):
@@ -895,7 +939,8 @@ class Reference(Strategy):
             loss.backward()
         with phase("optimizer"):
             if self.args.clip:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
+                self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                                self.args.clip)
             self.optimizer.step()
         self.after_step()
         return loss.item()
@@ -906,41 +951,176 @@ def reference_class(cls):
 
 
 # ----------------------------------------------------------------------------------------------
-# Comparison
+# Verdicts: an error is judged against the measured numerical noise of the same computation
 # ----------------------------------------------------------------------------------------------
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """(max |got - ref|, that divided by max |ref|): an error relative to the tensor's scale,
-    so entries near zero do not blow it up."""
+# A fixed tolerance ("1e-5 in float32") encodes one machine's BLAS and one model's conditioning:
+# the gradient of a replicated norm in a trained model is a sum over tokens that cancels heavily,
+# so its error relative to its own size is large however correct the code. What is portable is a
+# comparison of errors. On rank 0 the correctness mode runs the reference twice more:
+#
+#   target  the reference in float64: the best answer we can compute;
+#   noise   the reference on one device in the low dtype N, compared with the target: how far
+#           plain, correct arithmetic in N lands from it on this machine, for this model, for
+#           this tensor (N = the run's dtype for float32/bfloat16; float32 for float64 runs,
+#           scaled by eps64/eps32 = 2^-29: rounding errors propagate linearly in the unit
+#           roundoff, so the float32 error profile, rescaled, is float64's own noise).
+#
+#   PASS  when, for every tensor, step and kind (gradient, parameter, loss, gradient norm),
+#         err(strategy, target) <= TOL_K * noise + TOL_FLOOR_ULPS * eps(dtype)
+#
+# where err is max |got - target| / max |target| over the tensor. A parallel strategy reorders
+# sums (over ranks, over shards, over sequence chunks) and so may be a few times noisier than
+# one device: TOL_K = 8 leaves that room; a real bug (a missing average, a wrong position, one
+# lost micro-batch) is off by 1e-3 to 1, orders of magnitude beyond. The floor keeps a tensor
+# whose noise happens to be zero from demanding bit-equality. Gradients are compared as they
+# were before clipping (the clipped ones divided by the coefficient the strategy applied, from
+# the norm it reports), and the norm itself is compared on its own row, so no scale bug can hide
+# behind clipping.
+EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "bfloat16": 2.0 ** -7}
+TOL_K = 8.0
+# Parameters after an Adam step: each entry moves by lr * m / (sqrt(v) + eps), which multiplies
+# that entry's gradient error by about 1 / (|g| + eps). The parameter error is therefore set by
+# the few entries whose gradient is near zero, a small-sample extreme that differs between two
+# equally correct runs by more than the gradient errors do (measured: up to 6x on the realistic
+# checkpoint in float64). Parameters get PARAM_K_FACTOR times the factor; the bugs only they
+# can show (optimizer state, learning rate, the updated-parameter gather) are off by a fraction
+# of lr, orders of magnitude beyond either.
+PARAM_K_FACTOR = 4.0
+TOL_FLOOR_ULPS = 4.0
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref|: an error relative to the tensor's scale, so entries near
+    zero do not blow it up."""
     got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
     if got.shape != ref.shape:
-        return math.inf, math.inf
-    abs_err = (got - ref).abs().max().item() if ref.numel() else 0.0
-    scale = ref.abs().max().item() if ref.numel() else 0.0
-    return abs_err, abs_err / max(scale, 1e-300)
+        return math.inf
+    if not ref.numel():
+        return 0.0
+    abs_err = (got - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    return abs_err / scale if scale > 0 else (0.0 if abs_err == 0 else math.inf)
+
+
+@dataclass
+class NoisePolicy:
+    dtype: str                   # the run's dtype
+    k: float = TOL_K
+    floor_ulps: float = TOL_FLOOR_ULPS
+
+    @property
+    def noise_dtype(self) -> str:
+        """The dtype whose single-device run measures the noise."""
+        return "float32" if self.dtype == "float64" else self.dtype
+
+    @property
+    def scale(self) -> float:
+        return EPS[self.dtype] / EPS[self.noise_dtype]
+
+    @property
+    def floor(self) -> float:
+        return self.floor_ulps * EPS[self.dtype]
+
+    def factor(self, kind: str) -> float:
+        return self.k * (PARAM_K_FACTOR if kind == "param" else 1.0)
+
+    def tol(self, noise: float, kind: str = "grad") -> float:
+        return self.factor(kind) * noise + self.floor
+
+    def describe(self) -> str:
+        src = (f"single-device {self.noise_dtype} vs float64"
+               + (f", x eps ratio {self.scale:.1e}" if self.scale != 1 else ""))
+        return (f"err <= {self.k:g} x noise + {self.floor_ulps:g} ulp, params "
+                f"{self.factor('param'):g} x ({src})")
+
+
+@dataclass
+class Judged:
+    """One compared quantity at its worst step: its error and the noise it was judged by."""
+    err: float = 0.0
+    noise: float = 0.0
+    tol: float = 0.0
+    step: int = -1
+
+    @property
+    def ratio(self) -> float:
+        return self.err / self.tol if self.tol > 0 else (0.0 if self.err == 0 else math.inf)
+
+    @property
+    def ok(self) -> bool:
+        return self.err <= self.tol   # False for NaN
 
 
 class Comparison:
-    """Accumulates, per tensor, the worst error over steps of grads and params."""
+    """Per tensor and kind ("grad", "param"), plus the loss and the gradient norm: the worst
+    step by err / tol."""
 
-    def __init__(self, names: list[str], shapes: dict):
-        self.names, self.shapes = names, shapes
-        self.rows = {n: {"grad": (0.0, 0.0), "param": (0.0, 0.0)} for n in names}
+    KINDS = ("grad", "param")
+
+    def __init__(self, names: list[str], shapes: dict, policy: NoisePolicy):
+        self.names, self.shapes, self.policy = names, shapes, policy
+        self.rows = {n: {k: Judged() for k in self.KINDS} for n in names}
+        self.scalars: dict[str, Judged] = {}     # "loss", "grad norm"
         self.missing: set[str] = set()
-        self.loss: list[tuple[float, float]] = []
+        self.extra: list[str] = []
 
-    def add(self, kind: str, got: dict, ref: dict):
+    def _judge(self, old: Judged, err: float, noise: float, step: int, kind: str) -> Judged:
+        noise *= self.policy.scale
+        new = Judged(err, noise, self.policy.tol(noise, kind), step)
+        key = lambda j: math.inf if math.isnan(j.ratio) else j.ratio  # noqa: E731
+        return new if old.step < 0 or key(new) > key(old) else old
+
+    def add(self, kind: str, step: int, got: dict, target: dict, noisy: dict):
         for n in self.names:
-            if n not in got or got[n] is None or ref.get(n) is None:
+            if n not in got or got[n] is None or target.get(n) is None:
                 self.missing.add(f"{kind}:{n}")
                 continue
-            e = rel_err(got[n], ref[n])
-            if e[1] > self.rows[n][kind][1] or math.isnan(e[1]):
-                self.rows[n][kind] = e
+            self.rows[n][kind] = self._judge(self.rows[n][kind], rel_err(got[n], target[n]),
+                                             rel_err(noisy[n], target[n]), step, kind)
         self.extra = sorted(set(got) - set(self.names))
 
+    def add_scalar(self, name: str, step: int, got: float, target: float, noisy: float):
+        err = abs(got - target) / abs(target) if target else abs(got - target)
+        noise = abs(noisy - target) / abs(target) if target else abs(noisy - target)
+        self.scalars[name] = self._judge(self.scalars.get(name, Judged()), err, noise, step, name)
+
+    def all(self):
+        """(label, Judged) for everything compared."""
+        for n in self.names:
+            for k in self.KINDS:
+                yield f"{k}:{n}", self.rows[n][k]
+        yield from self.scalars.items()
+
     def max_err(self, kind=None) -> float:
-        kinds = [kind] if kind else ["grad", "param"]
-        return max((self.rows[n][k][1] for n in self.names for k in kinds), default=0.0)
+        kinds = [kind] if kind else list(self.KINDS)
+        return max((self.rows[n][k].err for n in self.names for k in kinds), default=0.0)
+
+    def max_noise(self, kind=None) -> float:
+        kinds = [kind] if kind else list(self.KINDS)
+        return max((self.rows[n][k].noise for n in self.names for k in kinds), default=0.0)
+
+    def worst(self) -> tuple[str, Judged]:
+        return max(self.all(), key=lambda x: math.inf if math.isnan(x[1].ratio) else x[1].ratio,
+                   default=("-", Judged()))
+
+
+def clip_coef(norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s coefficient."""
+    return min(1.0, max_norm / (norm + 1e-6))
+
+
+def preclip_grads(strat, grads: dict, max_norm: float) -> dict:
+    """The gradients before clipping: the clipped ones divided by the coefficient the strategy
+    applied, computed from the pre-clip global norm it reports as `grad_norm` (a float or a
+    0-d tensor). A wrong norm then shows on the norm's own row; a wrongly scaled gradient on the
+    gradient rows, whatever clipping did to it."""
+    if not max_norm:
+        return grads
+    norm = getattr(strat, "grad_norm", None)
+    if norm is None:
+        raise RuntimeError(f"{strat.name} clips (--clip) but does not report grad_norm")
+    coef = clip_coef(float(full_tensor(norm)), max_norm)
+    return {n: (g / coef if g is not None else None) for n, g in grads.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -955,7 +1135,8 @@ class Run:
     results: dict = field(default_factory=dict)
 
     def batch(self, step: int) -> Batch:
-        return make_batch(self.lang, step, self.args.batch, self.args.length, self.env.device)
+        return make_batch(self.lang, step, self.args.batch, self.args.length, self.env.device,
+                          ignore=self.args.mode in ("correctness", "plants"))
 
     def print(self, *a, **k):
         if self.env.is_main:
@@ -1033,77 +1214,109 @@ def run_correctness(run: Run, cls) -> bool:
     return ok
 
 
+def _reference_in(run: Run, cls, dtype: str):
+    """The single-device reference in another dtype, from the same weights."""
+    a = copy.copy(run.args)
+    a.dtype = dtype
+    return reference_class(cls)(build_model(a, run.config, run.env.device), a, run.env)
+
+
+def run_plants(run: Run, cls) -> bool:
+    """The check of the checks: the clean correctness run must PASS and every planted bug must
+    FAIL, in this one configuration. One process group for all of them (a run per plant would
+    pay the start-up again each time)."""
+    names = (run.args.plants.split(",") if run.args.plants else list(cls.plants))
+    unknown = [n for n in names if n not in {**HARNESS_PLANTS, **cls.plants}]
+    if unknown:
+        raise ConfigError(f"--plants: unknown plant {unknown[0]}")
+    rows = []
+    for name in [None] + names:
+        args = copy.copy(run.args)
+        args.mode, args.plant_bug = "correctness", name
+        sub = Run(args, run.env, run.config, run.lang, run.results)
+        run.print(f"\n=== plant: {name or '(none: the clean run must PASS)'}")
+        passed = _correctness_one(sub, cls)
+        rows.append((name or "(none)", passed, passed == (name is None)))
+    run.print(f"\nplants: {cls.name} W={run.env.world} {run.args.dtype}"
+              f"{' clip=%g' % run.args.clip if run.args.clip else ''}")
+    for name, passed, good in rows:
+        doc = ({**HARNESS_PLANTS, **cls.plants}[name].doc if name != "(none)"
+               else "no bug planted")
+        run.print(f"  {name:<24}{'PASS' if passed else 'FAIL':<6}"
+                  f"{'as expected' if good else 'WRONG VERDICT':<15}{doc}")
+    ok = all(g for _, _, g in rows)
+    caught = sum(1 for n, p, _ in rows[1:] if not p)
+    run.results["plants"] = [dict(plant=n, passed=p, expected=g) for n, p, g in rows]
+    write_json(run, "plants.json", run.results["plants"])
+    run.print(f"{'PASS' if ok else 'FAIL'} plants {cls.name} W={run.env.world}: clean run "
+              f"{'PASS' if rows[0][1] else 'FAIL'}, {caught}/{len(rows) - 1} planted bugs caught")
+    return ok
+
+
 def _correctness_one(run: Run, cls) -> bool:
     args, env = run.args, run.env
     ref, strat, _ = make_pair(run, cls, perturb=True, with_ref=True)
-    lowp = args.dtype == "bfloat16"
-    ref64 = None
-    if lowp and env.is_main:  # bf16: compare errors against an fp64 twin, not values
-        a64 = copy.copy(args)
-        a64.dtype = "float64"
-        ref64 = reference_class(cls)(build_model(a64, run.config, env.device), a64, env)
+    policy = NoisePolicy(args.dtype, k=args.tol_k)
+    target = noisy = None
+    if env.is_main:   # the float64 target and the single-device run whose error is the noise
+        target = ref if args.dtype == "float64" else _reference_in(run, cls, "float64")
+        noisy = ref if args.dtype != "float64" else _reference_in(run, cls, policy.noise_dtype)
     names = [n for n, _ in ref.model.named_parameters()] if ref else []
     shapes = {n: tuple(p.shape) for n, p in ref.model.named_parameters()} if ref else {}
-    cmp = Comparison(names, shapes)
-    cmp_low = Comparison(names, shapes) if lowp else None
+    cmp = Comparison(names, shapes, policy)
     run.print(f"correctness: {strat.name} W={env.world} {args.dtype} model={args.model} "
               f"batch={args.batch} length={args.length} steps={args.steps} "
-              f"params={param_count(ref.model) if ref else '?'}")
+              f"params={param_count(ref.model) if ref else '?'}"
+              f"{' clip=%g' % args.clip if args.clip else ''}"
+              f"{' PLANTED BUG: ' + args.plant_bug if args.plant_bug else ''}")
     for s in range(args.steps):
         batch = run.batch(s)
         loss = strat.step(batch)
-        grads, params = strat.full_grads(), strat.full_params()
+        grads = preclip_grads(strat, strat.full_grads(), args.clip)
+        params = strat.full_params()
         if args.plant_bug == "grad" and env.is_main and grads:
             k = next(iter(grads))
             grads = dict(grads)
             grads[k] = grads[k] * (1 + 1e-6) + 1e-6 * grads[k].abs().max()
         if env.is_main:
-            ref_loss = ref.step(batch)
-            target = ref64 if lowp else ref
-            if lowp:
-                ref64.step(batch)
-                g64, p64 = ref64.full_grads(), ref64.full_params()
-                cmp.add("grad", grads, g64)
-                cmp.add("param", params, p64)
-                cmp_low.add("grad", ref.full_grads(), g64)
-                cmp_low.add("param", ref.full_params(), p64)
-            else:
-                cmp.add("grad", grads, target.full_grads())
-                cmp.add("param", params, target.full_params())
-            cmp.loss.append((loss, ref_loss))
-            run.print(f"  step {s}: loss {loss:.12f}  reference {ref_loss:.12f}  "
-                      f"rel diff {abs(loss - ref_loss) / abs(ref_loss):.2e}")
+            losses = {"target": target.step(batch)}
+            losses["noisy"] = losses["target"] if noisy is target else noisy.step(batch)
+            for r in {id(target): target, id(noisy): noisy}.values():
+                r.pre = preclip_grads(r, r.full_grads(), args.clip)
+            cmp.add("grad", s, grads, target.pre, noisy.pre)
+            cmp.add("param", s, params, target.full_params(), noisy.full_params())
+            cmp.add_scalar("loss", s, loss, losses["target"], losses["noisy"])
+            if args.clip:
+                cmp.add_scalar("grad norm", s, *(float(full_tensor(x.grad_norm))
+                                                 for x in (strat, target, noisy)))
+            t = losses["target"]
+            run.print(f"  step {s}: loss {loss:.12f}  float64 reference {t:.12f}  rel err "
+                      f"{abs(loss - t) / abs(t):.2e}  (noise "
+                      f"{abs(losses['noisy'] - t) / abs(t) * policy.scale:.2e})")
     extra = strat.extra_checks()
     verdict = False
     if env.is_main:
-        verdict = _report_correctness(run, strat.name, cmp, cmp_low, extra)
+        verdict = _report_correctness(run, strat.name, cmp, extra)
     return broadcast_verdict(verdict)
 
 
-def _report_correctness(run, name, cmp: Comparison, cmp_low, extra) -> bool:
-    args, env = run.args, run.env
-    lowp = cmp_low is not None
-
-    def tol(n, kind):  # bf16: k times the single-device bf16 error, plus a small floor
-        r = args.rtol if kind == "grad" else args.param_rtol
-        return r * cmp_low.rows[n][kind][1] + 1e-6 if lowp else r
-
-    w = max(len(n) for n in cmp.names) + 2
-    run.print(f"{'tensor':<{w}}{'shape':<16}{'grad abs':>11}{'grad rel':>11}"
-              f"{'param abs':>11}{'param rel':>11}{'tol g/p':>18}  ok")
+def _report_correctness(run, name, cmp: Comparison, extra) -> bool:
+    args, env, policy = run.args, run.env, cmp.policy
+    w = max([len(n) for n in cmp.names] + [12]) + 2
+    run.print(f"{'tensor':<{w}}{'shape':<16}{'grad err':>10}{'noise':>10}"
+              f"{'param err':>11}{'noise':>10}{'err/tol':>9}  ok")
     bad = []
     for n in cmp.names:
-        r = cmp.rows[n]
-        t_g, t_p = tol(n, "grad"), tol(n, "param")
-        good = r["grad"][1] <= t_g and r["param"][1] <= t_p
+        g, p = cmp.rows[n]["grad"], cmp.rows[n]["param"]
+        good = g.ok and p.ok
         if not good:
             bad.append(n)
-        run.print(f"{n:<{w}}{str(cmp.shapes[n]):<16}{r['grad'][0]:>11.2e}{r['grad'][1]:>11.2e}"
-                  f"{r['param'][0]:>11.2e}{r['param'][1]:>11.2e}{t_g:>10.1e}/{t_p:.1e}  "
+        run.print(f"{n:<{w}}{str(cmp.shapes[n]):<16}{g.err:>10.1e}{g.noise:>10.1e}"
+                  f"{p.err:>11.1e}{p.noise:>10.1e}{max(g.ratio, p.ratio):>9.2f}  "
                   f"{'ok' if good else 'FAIL'}")
-    loss_err = max((abs(a - b) / abs(b) for a, b in cmp.loss), default=0.0)
-    loss_tol = (args.rtol * max((abs(a - b) / abs(b) for a, b in cmp.loss), default=0) + 1e-3
-                if lowp else args.rtol)
+    for label, j in cmp.scalars.items():
+        run.print(f"{label:<{w}}{'()':<16}{j.err:>10.1e}{j.noise:>10.1e}{'':>21}{j.ratio:>9.2f}"
+                  f"  {'ok' if j.ok else 'FAIL'}")
     n = len(cmp.names)
     n_grad = n - sum(1 for m in cmp.missing if m.startswith("grad:"))
     n_param = n - sum(1 for m in cmp.missing if m.startswith("param:"))
@@ -1114,24 +1327,32 @@ def _report_correctness(run, name, cmp: Comparison, cmp_low, extra) -> bool:
         problems.append(f"{len(bad)} tensors over tolerance (first: {bad[0]})")
     if cmp.missing:
         problems.append(f"{len(cmp.missing)} tensors missing (first: {sorted(cmp.missing)[0]})")
-    if getattr(cmp, "extra", None):
+    if cmp.extra:
         problems.append(f"unexpected tensors {cmp.extra[:3]}")
-    if loss_err > loss_tol or math.isnan(loss_err):
-        problems.append(f"loss rel diff {loss_err:.2e} > {loss_tol:.1e}")
+    problems += [f"{label} err {j.err:.2e} > tol {j.tol:.1e} (noise {j.noise:.1e})"
+                 for label, j in cmp.scalars.items() if not j.ok]
     problems += [f"check {nm} failed" for nm, g, _ in extra if not g]
-    max_err = cmp.max_err()
+    worst_label, worst = cmp.worst()
+    loss = cmp.scalars.get("loss", Judged())
     summary = (f"{name} W={env.world} {args.dtype}: {args.steps} steps, "
-               f"{n_grad}/{n} grads + {n_param}/{n} params compared, "
-               f"max rel err {max_err:.1e} (grad {cmp.max_err('grad'):.1e}, "
-               f"param {cmp.max_err('param'):.1e}), loss {loss_err:.1e}, "
-               f"tol {'%gx bf16 single-device error' % args.rtol if lowp else '%.0e' % args.rtol}"
-               f"{'' if lowp or args.param_rtol == args.rtol else ' (params %.0e)' % args.param_rtol}")
+               f"{n_grad}/{n} grads{' (pre-clip)' if args.clip else ''} + {n_param}/{n} params "
+               f"compared, max err grad {cmp.max_err('grad'):.1e} (noise {cmp.max_noise('grad'):.1e})"
+               f", param {cmp.max_err('param'):.1e} (noise {cmp.max_noise('param'):.1e}), "
+               f"loss {loss.err:.1e} (noise {loss.noise:.1e}); worst err/tol {worst.ratio:.2f} "
+               f"({worst_label}); {policy.describe()}")
     ok = not problems
     run.results.setdefault("correctness", []).append(dict(
-        strategy=name, world=env.world, dtype=args.dtype, steps=args.steps,
-        tensors=n, grads_compared=n_grad, params_compared=n_param, max_rel_err=max_err,
+        strategy=name, world=env.world, dtype=args.dtype, steps=args.steps, clip=args.clip,
+        plant_bug=args.plant_bug, model=args.model,
+        tensors=n, grads_compared=n_grad, params_compared=n_param, max_rel_err=cmp.max_err(),
         max_grad_err=cmp.max_err("grad"), max_param_err=cmp.max_err("param"),
-        loss_rel_err=loss_err, rtol=args.rtol, param_rtol=args.param_rtol, ok=ok, problems=problems,
+        max_grad_noise=cmp.max_noise("grad"), max_param_noise=cmp.max_noise("param"),
+        loss_rel_err=loss.err, loss_noise=loss.noise,
+        worst_ratio=worst.ratio, worst=worst_label,
+        tol_k=policy.k, tol_k_param=policy.factor("param"), tol_floor=policy.floor, noise_dtype=policy.noise_dtype,
+        noise_scale=policy.scale, ok=ok, problems=problems,
+        scalars={k: vars(v) for k, v in cmp.scalars.items()},
+        rows={n: {k: vars(j) for k, j in r.items()} for n, r in cmp.rows.items()},
         checks=[dict(name=a, ok=b, detail=c) for a, b, c in extra]))
     write_json(run, "correctness.json", run.results["correctness"])
     run.print(("PASS " if ok else "FAIL ") + summary + ("" if ok else " -- " + "; ".join(problems)))
@@ -1502,7 +1723,7 @@ def fail_config(msg: str, rank: int):
 
 
 def main(cls, argv=None):
-    parser = base_parser(os.path.basename(sys.argv[0]), cls.modes)
+    parser = base_parser(os.path.basename(sys.argv[0]), cls.modes, cls.plants)
     cls.add_args(parser)
     args = parser.parse_args(argv)
     rank, world, _ = env_from_os()
@@ -1516,6 +1737,9 @@ def main(cls, argv=None):
     except ConfigError as e:
         fail_config(str(e), rank)
     errs = common_constraints(args, world, config) + cls.constraints(args, world, config)
+    known = {**HARNESS_PLANTS, **cls.plants}
+    errs += [f"--plants: {n!r} is not a plant of {cls.name} ({', '.join(known)})"
+             for n in (args.plants or "").split(",") if n and n not in known]
     if errs:
         fail_config(errs[0], rank)
     env = launch(args)
@@ -1529,7 +1753,8 @@ def main(cls, argv=None):
                 a.dtype = cls.cpu_dtype.get(mode)
             run = Run(resolve_defaults(a, mode, env.device.type, env.world), env, config, lang)
             ok &= {"correctness": run_correctness, "learning": run_learning,
-                   "benchmark": run_benchmark, "peak": run_peak, **cls.modes}[mode](run, cls)
+                   "benchmark": run_benchmark, "peak": run_peak, "plants": run_plants,
+                   **cls.modes}[mode](run, cls)
         clean = True
     finally:
         teardown(clean)

@@ -398,7 +398,7 @@ class Compose4D(common.Strategy):
             done = self._processed(batch, rows, self.pipe.completed)
             return None, (done, loss)
         with phase("optimizer"):
-            self.last_norm = self.clip(grads, self.args.clip)
+            self.grad_norm = self.last_norm = self.clip(grads, self.args.clip)
             self.optimizer.lr = lr_at(self.t, self.args)
             self.optimizer.step(grads)
             z.all_gather_params()

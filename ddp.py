@@ -136,17 +136,20 @@ class DataParallel:
 
 
 def forward_backward(model, batch: common.Batch, rank: int, world: int, accum: int,
-                     set_sync=lambda sync: None) -> torch.Tensor:
+                     set_sync=lambda sync: None, plant: str | None = None) -> torch.Tensor:
     """The data-parallel micro-step loop: this rank's 1/W of the batch in `accum` micro-batches,
     each backpropagating W * CE_sum / N (see "Loss scaling" above). set_sync(k == accum-1) tells
     the gradient machinery which backward is the last. Returns the local CE sum (float64)."""
     local_sum = torch.zeros((), dtype=torch.float64, device=batch.input_ids.device)
     for k, mb in enumerate(batch.shard(rank, world).split(accum)):
-        set_sync(k == accum - 1)
+        set_sync(k == (0 if plant == "sync-first-microbatch" else accum - 1))
         with phase("forward"):
             ce = common.lm_loss_sum(model(input_ids=mb.input_ids).logits, mb.labels)
         with phase("backward"):
-            (ce * world / batch.n_tokens).backward()
+            if plant == "mean-of-means":   # each micro-batch's own mean, averaged
+                (ce / mb.n_tokens / accum).backward()
+            else:
+                (ce * world / batch.n_tokens).backward()
         local_sum += ce.detach().double()
     return local_sum
 
@@ -167,7 +170,8 @@ def token_sharded_step(strat, batch: common.Batch, pos: torch.Tensor) -> float:
         strat.dp.finish()
     with phase("optimizer"):
         if strat.args.clip:
-            torch.nn.utils.clip_grad_norm_(strat.model.parameters(), strat.args.clip)
+            strat.grad_norm = torch.nn.utils.clip_grad_norm_(strat.model.parameters(),
+                                                             strat.args.clip)
         strat.optimizer.step()
     return common.global_loss(ce.detach(), batch.n_tokens)
 
@@ -198,6 +202,18 @@ def ddp_constraints(args, world, config) -> list[str]:
 class DDP(common.Strategy):
     name = "ddp"
     syncs_initial_params = True
+    plants = {
+        "no-average": common.Plant("all_reduce sums the gradients instead of averaging them "
+                                   "(2x at W=2; clipping would hide it)",
+                                   ("--dtype", "float32", "--clip", "0.5")),
+        "mean-of-means": common.Plant("each micro-batch's own mean loss, averaged, instead of "
+                                      "the global token mean", ("--grad-accum", "2")),
+        "sync-first-microbatch": common.Plant("gradient accumulation communicates after the "
+                                              "first micro-batch instead of the last",
+                                              ("--grad-accum", "2")),
+        "no-broadcast": common.Plant("no initial broadcast: replicas keep their own init",
+                                     ("--dtype", "float32")),
+    }
 
     @staticmethod
     def add_args(p):
@@ -214,19 +230,21 @@ class DDP(common.Strategy):
         self.model = model
         # getattr: DDP also serves as a memory baseline for other strategies' flags
         self.dp = DataParallel(model, bucket_mb=getattr(args, "bucket_mb", 25.0),
-                               broadcast=not getattr(args, "no_broadcast", False),
+                               broadcast=not (getattr(args, "no_broadcast", False)
+                                              or args.plant_bug == "no-broadcast"),
                                average=args.plant_bug != "no-average")
         self.optimizer = common.make_adamw(model.parameters(), args)
 
     def step(self, batch: common.Batch) -> float:
         self.dp.zero_grad()
         local_sum = forward_backward(self.model, batch, self.env.rank, self.env.world,
-                                     self.args.grad_accum, self.dp.set_sync)
+                                     self.args.grad_accum, self.dp.set_sync, self.args.plant_bug)
         with phase("backward"):
             self.dp.finish()
         with phase("optimizer"):
             if self.args.clip:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
+                self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                                self.args.clip)
             self.optimizer.step()
         return common.global_loss(local_sum, batch.n_tokens)
 
@@ -268,7 +286,8 @@ class TorchDDP(common.Strategy):
             lambda sync: setattr(self.ddp, "require_backward_grad_sync", sync))
         with phase("optimizer"):
             if self.args.clip:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
+                self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                                self.args.clip)
             self.optimizer.step()
         return common.global_loss(local_sum, batch.n_tokens)
 

@@ -400,7 +400,7 @@ class ExpertParallel(common.Strategy):
             self.dp.finish()
         with phase("optimizer"):
             if self.args.clip:
-                self.clip(self.args.clip)
+                self.grad_norm = self.clip(self.args.clip)
             self.optimizer.step()
         if self.args.aux_free_bias:
             update_bias(self.blocks, counts, self.args.bias_rate)
@@ -418,6 +418,7 @@ class ExpertParallel(common.Strategy):
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for g in dense + [p.grad for p in self.expert_params]:
             g.mul_(coef.to(g.dtype))
+        return norm
 
     def _record(self):
         s = self.stats

@@ -170,7 +170,8 @@ class TorchFSDP2(common.DTensorBaseline):
                                          self.args.grad_accum, set_sync)
         with phase("optimizer"):
             if self.args.clip:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
+                self.grad_norm = common.full_tensor(torch.nn.utils.clip_grad_norm_(
+                    self.model.parameters(), self.args.clip))
             self.optimizer.step()
         return common.global_loss(local_sum, batch.n_tokens)
 

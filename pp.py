@@ -413,7 +413,7 @@ class PP(common.Strategy):
             self.pipe.sync_tied()
         with phase("optimizer"):
             if self.args.clip:
-                clip_across_stages(self.model, self.args.clip, self.pipe)
+                self.grad_norm = clip_across_stages(self.model, self.args.clip, self.pipe)
             self.optimizer.step()
         return common.global_loss(loss_sum, batch.n_tokens)
 
@@ -480,11 +480,13 @@ def clip_across_stages(model, max_norm, pipe):
         if p.grad is not None and not (pipe.tied and n == "lm_head.weight"):
             sq += p.grad.double().pow(2).sum().cpu()
     dist.all_reduce(sq)
-    coef = min(1.0, max_norm / (sq.sqrt().item() + 1e-6))
+    norm = sq.sqrt().item()
+    coef = min(1.0, max_norm / (norm + 1e-6))
     if coef < 1.0:
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.mul_(coef)
+    return norm
 
 
 def ascii_timeline(timelines, end, width=72) -> list[str]:

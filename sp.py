@@ -171,7 +171,7 @@ class MegatronSP(tp.TP):
             self.tp.reduce_partial_grads(extra=self.seq_partial)
         with phase("optimizer"):
             if self.args.clip:
-                self.tp.clip(self.args.clip)
+                self.grad_norm = self.tp.clip(self.args.clip)
             self.optimizer.step()
         return common.scalar(ce) / batch.n_tokens
 

@@ -94,9 +94,9 @@ def main():
                      f"{r.get('grads_compared', '?')}+{r.get('params_compared', '?')}"
                      f"/{2 * r['tensors'] if r else '?'}",
                      f"{r['max_rel_err']:.1e}" if r else "-",
-                     f"{r['rtol']:.0e}/{r['param_rtol']:.0e}" if r else "-", f"{secs:.0f}s",
+                     f"{r['worst_ratio']:.2f}" if r else "-", f"{secs:.0f}s",
                      "PASS" if ok else "FAIL"))
-    hdr = ("strategy", "W", "dtype", "grads+params", "max rel err", "tol grad/param", "time",
+    hdr = ("strategy", "W", "dtype", "grads+params", "max rel err", "worst err/tol", "time",
            "result")
     widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)]
     print()

@@ -392,7 +392,7 @@ class TP(common.Strategy):
             self.tp.reduce_partial_grads()
         with phase("optimizer"):
             if self.args.clip:
-                self.tp.clip(self.args.clip)
+                self.grad_norm = self.tp.clip(self.args.clip)
             self.optimizer.step()
         return common.scalar(ce) / batch.n_tokens  # every rank computed the full loss
 

@@ -384,7 +384,7 @@ class ZeRO(common.Strategy):
         with phase("optimizer"):
             grads = [u.grad_shard for u in z.units]
             if self.args.clip:
-                clip_shard_grads(grads, self.args.clip)
+                self.grad_norm = clip_shard_grads(grads, self.args.clip)
             self.optimizer.step(grads)
             if self.args.stage < 3:
                 z.all_gather_params()
