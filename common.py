@@ -182,6 +182,13 @@ MODE_DEFAULTS = {  # (steps, dtype on cpu) per mode; see the numerics policy in 
 }
 
 
+def _dtype_list(text: str) -> str:
+    bad = [d for d in text.split(",") if d not in DTYPES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r} is not one of {', '.join(DTYPES)}")
+    return text
+
+
 def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--mode", default="correctness",
@@ -190,9 +197,11 @@ def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny",
                    help="preset (%s), a local HF model directory, or a config.json path"
                    % ", ".join(PRESETS))
-    p.add_argument("--dtype", default=None, choices=list(DTYPES),
-                   help="default: float64 for correctness, float32 otherwise on CPU; "
-                        "bfloat16 for learning/benchmark on CUDA")
+    p.add_argument("--dtype", default=None, type=_dtype_list,
+                   help="%s; comma-separated: each in turn in one process group "
+                        "(e.g. float64,float32). Default: float64 for correctness, float32 "
+                        "otherwise on CPU; bfloat16 for learning/benchmark on CUDA"
+                        % "|".join(DTYPES))
     p.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="default: cuda when available")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"],
@@ -1736,7 +1745,12 @@ def main(cls, argv=None):
         config = load_config(args.model)
     except ConfigError as e:
         fail_config(str(e), rank)
-    errs = common_constraints(args, world, config) + cls.constraints(args, world, config)
+    dtypes = args.dtype.split(",") if args.dtype else [None]
+    errs = []
+    for d in dtypes:
+        a = copy.copy(args)
+        a.dtype = d
+        errs += common_constraints(a, world, config) + cls.constraints(a, world, config)
     known = {**HARNESS_PLANTS, **cls.plants}
     errs += [f"--plants: {n!r} is not a plant of {cls.name} ({', '.join(known)})"
              for n in (args.plants or "").split(",") if n and n not in known]
@@ -1747,11 +1761,14 @@ def main(cls, argv=None):
     ok, clean = True, False
     try:
         lang = MarkovLanguage(config.vocab_size, args.seed, args.branching)
-        for mode in modes:
+        results: dict = {}
+        for mode, dtype in [(m, d) for d in dtypes for m in modes]:
             a = copy.copy(args)
+            a.dtype = dtype
             if a.dtype is None and env.device.type == "cpu":
                 a.dtype = cls.cpu_dtype.get(mode)
-            run = Run(resolve_defaults(a, mode, env.device.type, env.world), env, config, lang)
+            run = Run(resolve_defaults(a, mode, env.device.type, env.world), env, config, lang,
+                      results)   # shared: correctness.json lists every dtype's run
             ok &= {"correctness": run_correctness, "learning": run_learning,
                    "benchmark": run_benchmark, "peak": run_peak, "plants": run_plants,
                    **cls.modes}[mode](run, cls)

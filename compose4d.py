@@ -142,18 +142,39 @@ def lr_at(step: int, args) -> float:
     return lo + (args.lr - lo) * 0.5 * (1 + math.cos(math.pi * t))
 
 
+def torch_schedule(optimizer, args):
+    """The same schedule from torch.optim.lr_scheduler, for the reference: an oracle that shares
+    no code with lr_at (a bug there, e.g. the schedule one step ahead, cannot hide by appearing on
+    both sides). Stepped once per optimizer step, after it, so step k runs at factor:
+        warm-up   LinearLR from 1/W to 1 over W - 1 steps: (k + 1) / W for k < W
+        cosine    CosineAnnealingLR from lr at step W to lr_min_ratio x lr at step --steps
+        constant  LinearLR stays at its end factor 1 (no scheduler at all without warm-up)
+    None when the learning rate is constant throughout."""
+    from torch.optim import lr_scheduler as S
+    W, phases = args.lr_warmup, []
+    if W > 0:
+        phases.append(S.LinearLR(optimizer, start_factor=1.0 / W, end_factor=1.0,
+                                 total_iters=max(1, W - 1)))
+    if args.lr_schedule == "cosine":
+        phases.append(S.CosineAnnealingLR(optimizer, T_max=max(1, args.steps - W),
+                                          eta_min=args.lr * args.lr_min_ratio))
+    if len(phases) == 2:
+        return S.SequentialLR(optimizer, phases, milestones=[W])
+    return phases[0] if phases else None
+
+
 class ScheduledReference(common.Reference):
-    """The single-device reference with the same learning-rate schedule."""
+    """The single-device reference, its learning rate scheduled by torch (torch_schedule)."""
 
     def __init__(self, ref_model, args, env):
         super().__init__(ref_model, args, env)
-        self.t = 0
+        self.scheduler = torch_schedule(self.optimizer, args)
 
     def step(self, batch):
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr_at(self.t, self.args)
-        self.t += 1
-        return super().step(batch)
+        loss = super().step(batch)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return loss
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,6 +237,33 @@ def compose_constraints(args, world, config) -> list[str]:
 class Compose4D(common.Strategy):
     name = "4d"
     reference = ScheduledReference
+    # Realistic one-line bugs, each beside the line it breaks (grep the name), and the
+    # configuration in which correctness mode must FAIL with it (tests/test_plants.py).
+    _TP = ("--tp", "2", "--sp", "--dtype", "float32", "--clip", "0.5",
+           "--lr-schedule", "cosine", "--lr-warmup", "2", "--steps", "4")
+    _CP = ("--cp", "2", "--dtype", "float32", "--clip", "0.5")
+    plants = {
+        "lr-one-step-ahead": common.Plant(
+            "the optimizer runs at the schedule's next step's learning rate", _TP),
+        "sp-partials-unreduced": common.Plant(
+            "the partial gradients of the norms under SP are not summed over tp", _TP),
+        "clip-norm-misses-tp": common.Plant(
+            "the global gradient norm summed over the ZeRO shards (dp x cp) only, not over tp "
+            "and pp: each tp rank clips by its own part", _TP),
+        "grad-sum-misses-cp": common.Plant(
+            "ZeRO reduces (and shards) over the dp group instead of dp x cp: the gradient "
+            "misses the other cp ranks' tokens", _CP),
+        "cp-local-positions": common.Plant(
+            "RoPE positions 0..S/C-1 of the local zig-zag chunks instead of their global "
+            "positions", _CP),
+        "local-token-mean": common.Plant(
+            "each rank divides its CE sum by its own token count instead of the global "
+            "batch's (a mean of per-rank means)", _CP),
+        "tied-sync-skipped": common.Plant(
+            "the first stage's embedding and the last stage's head copy of the tied weight "
+            "are not summed: each updates with half the gradient",
+            ("--pp", "2", "--model", "configs/tiny-tied.json")),
+    }
 
     @staticmethod
     def add_args(p):
@@ -287,13 +335,14 @@ class Compose4D(common.Strategy):
         V = args.virtual_stages if args.schedule == "interleaved" else 1
         self.pipe = pp.Pipeline(model, P, V, self.me["pp"], args.schedule, group=g["pp"],
                                 tie_group=g["tied"])
-        self.pipe.positions = self.pos
+        self.pipe.positions = None if args.plant_bug == "cp-local-positions" else self.pos
         self.pipe.seq_shards = T if args.sp else 1
         if self.tp is not None:
             self.pipe.loss_sum = self.tp.loss_sum
         self.first, self.last = 0 in self.pipe.mine, self.pipe.C - 1 in self.pipe.mine
         # ZeRO over dp x cp, on this stage's (TP-sharded) parameters; gradients summed.
-        self.zero = zero.Zero(model, group=g["dpcp"], stage=args.zero, average=False,
+        zgroup = g["dp"] if args.plant_bug == "grad-sum-misses-cp" else g["dpcp"]
+        self.zero = zero.Zero(model, group=zgroup, stage=args.zero, average=False,
                               units=self._units())
         self.optimizer = zero.ShardAdamW([u.shard for u in self.zero.units], args.lr,
                                          args.weight_decay)
@@ -369,6 +418,7 @@ class Compose4D(common.Strategy):
         a restored mid-step gradient (sum over the rows already done) to start from.
         Returns (global loss or None when cut, processed rows or None)."""
         z, g, D = self.zero, self.groups, self.grid.size["dp"]
+        plant = self.args.plant_bug
         z.zero_grad()
         if partial is not None:
             self._add_partial(partial)
@@ -382,15 +432,18 @@ class Compose4D(common.Strategy):
             mbs = [full.rows(i, min(i + mb, len(my_rows))) for i in range(0, len(my_rows), mb)]
             local, M = full, len(mbs)
         self.pipe.stop_check = stop
+        n_tokens = local.n_tokens if plant == "local-token-mean" else batch.n_tokens
         if M:
-            loss_sum = self.pipe.run(local, M, batch.n_tokens, mbs=mbs)
+            loss_sum = self.pipe.run(local, M, n_tokens, mbs=mbs)
         else:   # nothing left for this dp rank (a resumed step): reductions only
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         with phase("backward"):
             z.finish()                              # summed over dp x cp, sharded
             grads = [u.grad_shard for u in z.units]
-            self._reduce_slices(grads, self.partial_slices, g["tp"])      # SP / MQA partials
-            if g["tied"] is not None and (self.first or self.last):       # embedding + head copy
+            if plant != "sp-partials-unreduced":
+                self._reduce_slices(grads, self.partial_slices, g["tp"])  # SP / MQA partials
+            if g["tied"] is not None and (self.first or self.last) \
+                    and plant != "tied-sync-skipped":                     # embedding + head copy
                 dist.all_reduce(grads[0] if self.first else grads[-1], group=g["tied"])
         # every tp rank computed the same loss: count it once
         loss = common.global_loss(loss_sum if self.me["tp"] == 0 else loss_sum * 0, 1)
@@ -399,7 +452,8 @@ class Compose4D(common.Strategy):
             return None, (done, loss)
         with phase("optimizer"):
             self.grad_norm = self.last_norm = self.clip(grads, self.args.clip)
-            self.optimizer.lr = lr_at(self.t, self.args)
+            t = self.t + 1 if plant == "lr-one-step-ahead" else self.t
+            self.optimizer.lr = lr_at(t, self.args)
             self.optimizer.step(grads)
             z.all_gather_params()
         self.t += 1
@@ -449,7 +503,8 @@ class Compose4D(common.Strategy):
         for gr, sl in zip(grads, self.norm_slices):
             for a, b in sl:
                 sq += gr[a:b].double().pow(2).sum()
-        dist.all_reduce(sq)
+        over_shards_only = self.args.plant_bug == "clip-norm-misses-tp"
+        dist.all_reduce(sq, group=self.groups["dpcp"] if over_shards_only else None)
         norm = common.scalar(sq.sqrt())
         if max_norm > 0:
             coef = min(1.0, max_norm / (norm + 1e-6))
@@ -492,7 +547,7 @@ class Compose4D(common.Strategy):
                 "optimizer": self.optimizer.state_tensors()}
 
     def extra_checks(self):
-        rows = [("rank grid", True, f"{self.grid.size} order {self.grid.order} (innermost first)")]
+        rows = []
         if self.tp is not None:   # replicated parameters must stay identical across tp ranks
             rep = [p for n, p in self.model.named_parameters() if n not in self.tp.split_dim]
             spread = common.spread_across_ranks(rep, self.groups["tp"]) if rep else 0.0

@@ -202,17 +202,18 @@ def ddp_constraints(args, world, config) -> list[str]:
 class DDP(common.Strategy):
     name = "ddp"
     syncs_initial_params = True
+    # --plant-bug NAME: known bugs the correctness check must catch (tests/test_plants.py)
+    PLANT_CONFIG = ("--grad-accum", "2", "--dtype", "float32", "--clip", "0.5")
     plants = {
         "no-average": common.Plant("all_reduce sums the gradients instead of averaging them "
-                                   "(2x at W=2; clipping would hide it)",
-                                   ("--dtype", "float32", "--clip", "0.5")),
+                                   "(2x at W=2; clipping would hide it)", PLANT_CONFIG),
         "mean-of-means": common.Plant("each micro-batch's own mean loss, averaged, instead of "
-                                      "the global token mean", ("--grad-accum", "2")),
+                                      "the global token mean", PLANT_CONFIG),
         "sync-first-microbatch": common.Plant("gradient accumulation communicates after the "
                                               "first micro-batch instead of the last",
-                                              ("--grad-accum", "2")),
+                                              PLANT_CONFIG),
         "no-broadcast": common.Plant("no initial broadcast: replicas keep their own init",
-                                     ("--dtype", "float32")),
+                                     PLANT_CONFIG),
     }
 
     @staticmethod

@@ -63,8 +63,9 @@ class FullyShard(zero.Zero):
     optional resharding after the forward, and a root unit that stays gathered for the step."""
 
     def __init__(self, model, group=None, prefetch: int = 1, reshard_after_forward=True,
-                 average=True):
-        super().__init__(model, group, stage=3, average=average, units=fsdp_units(model))
+                 average=True, plant=None):
+        super().__init__(model, group, stage=3, average=average, units=fsdp_units(model),
+                         plant=plant)
         self.prefetch, self.reshard = prefetch, reshard_after_forward
         self.root, self.layers = self.units[0], self.units[1:]
         self.position = {u: i for i, u in enumerate(self.layers)}
@@ -86,6 +87,13 @@ class FullyShard(zero.Zero):
             u.free_params()
         self._hook_backward(u, out)
 
+    def _post_backward(self, u):
+        """After u's backward: free its parameters, the root's too (it is gathered again by the
+        next forward, after the optimizer has updated its shard)."""
+        if u is self.root and self.plant == "root-stays-gathered":
+            return   # the bug: the next step's forward runs on the root's pre-update values
+        u.free_params()
+
     def _pre_backward(self, u):
         u.wait()
         if u is self.root:  # the backward starts at the head, then the last layer
@@ -106,6 +114,18 @@ def fsdp_constraints(args, world, config) -> list[str]:
 
 class FSDP(zero.ZeRO):
     name = "fsdp"
+    # One configuration catches all three: float32 + --clip for the scale, --grad-accum 2 for
+    # the accumulation; the stale root shows from the second step on.
+    _ACCUM_CLIP = ("--grad-accum", "2", "--dtype", "float32", "--clip", "0.5")
+    plants = {
+        "no-average": common.Plant("the reduce-scatter sums the gradients instead of averaging "
+                                   "them (2x at W=2; clipping would hide it)", _ACCUM_CLIP),
+        "overwrite-accum": common.Plant("the reduced gradient shard is overwritten by each "
+                                        "micro-batch's instead of accumulated", _ACCUM_CLIP),
+        "root-stays-gathered": common.Plant("the root is not freed after the backward, so the "
+                                            "next forward skips its all-gather and uses stale "
+                                            "embeddings and head", _ACCUM_CLIP),
+    }
 
     @staticmethod
     def add_args(p):
@@ -122,7 +142,7 @@ class FSDP(zero.ZeRO):
         args.stage = 3  # zero.ZeRO's reporting: FSDP's model states are stage 3's
         self.zero = FullyShard(model, prefetch=args.prefetch,
                                reshard_after_forward=not args.no_reshard_after_forward,
-                               average=args.plant_bug != "no-average")
+                               average=args.plant_bug != "no-average", plant=args.plant_bug)
         self.optimizer = zero.ShardAdamW([u.shard for u in self.zero.units], args.lr,
                                          args.weight_decay)
 

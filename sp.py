@@ -68,13 +68,16 @@ class GatherFromSP(torch.autograd.Function):
     """enter: all-gather the sequence forward; reduce-scatter the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, plant=None):
+        ctx.group, ctx.plant = group, plant
         return _gather_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group), None
+        if ctx.plant == "enter-grad-unreduced":   # planted bug: own chunk, not summed over ranks
+            r, s = dist.get_rank(ctx.group), grad.shape[1] // dist.get_world_size(ctx.group)
+            return grad[:, r * s:(r + 1) * s], None, None
+        return _reduce_scatter_seq(grad, ctx.group), None, None
 
 
 class ReduceScatterToSP(torch.autograd.Function):
@@ -94,15 +97,18 @@ class SplitToSP(torch.autograd.Function):
     """Keep this rank's chunk of a full (replicated) sequence; backward all-gathers."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, plant=None):
         ctx.group = group
         W, r = dist.get_world_size(group), dist.get_rank(group)
         s = x.shape[1] // W
-        return x[:, r * s:(r + 1) * s].contiguous()
+        mine = x[:, r * s:(r + 1) * s]
+        if plant == "split-strided":   # planted bug: tokens r, r+W, ... but gathered as chunks
+            mine = x[:, r::W]
+        return mine.contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad.contiguous(), ctx.group), None
+        return _gather_seq(grad.contiguous(), ctx.group), None, None
 
 
 class _Regather:
@@ -131,12 +137,12 @@ class _Regather:
 
 
 class SPRegion(tp.TPRegion):
-    def __init__(self, group):
-        super().__init__(group)
+    def __init__(self, group, plant: str | None = None):
+        super().__init__(group, plant)
         self._contexts = []
 
     def enter(self, x):
-        full = GatherFromSP.apply(x, self.group)
+        full = GatherFromSP.apply(x, self.group, self.plant)
         if torch.is_grad_enabled():
             r = _Regather(full, x.detach(), self.group)
             ctx = torch.autograd.graph.saved_tensors_hooks(r.pack, _Regather.unpack)
@@ -152,15 +158,30 @@ class SPRegion(tp.TPRegion):
         return ReduceScatterToSP.apply(x, self.group)
 
 
+# Where each planted bug must FAIL: the tour's model, float32 with clipping (see tp.PLANT_ARGS).
+MEGATRON_ARGS = ("--variant", "megatron", *tp.PLANT_ARGS)
+ULYSSES_ARGS = ("--variant", "ulysses", *tp.PLANT_ARGS)
+
+
 class MegatronSP(tp.TP):
     name = "sp-megatron"
+    plants = {
+        "norm-grads-unreduced": common.Plant("the norms' gradients (each rank saw its own tokens "
+                                             "only) are not all-reduced", MEGATRON_ARGS),
+        "enter-grad-unreduced": common.Plant("the region entry's backward keeps its own chunk of "
+                                             "the gradient instead of reduce-scattering it",
+                                             MEGATRON_ARGS),
+        "split-strided": common.Plant("the first layer keeps tokens r, r+W, ... while the "
+                                      "all-gathers lay the shards out as contiguous chunks",
+                                      MEGATRON_ARGS),
+    }
 
     def __init__(self, model, args, env):
         super().__init__(model, args, env)
-        self.seq_partial = shard_residual_stream(model, None)
+        self.seq_partial = shard_residual_stream(model, None, args.plant_bug)
 
     def make_region(self):
-        return SPRegion(None)
+        return SPRegion(None, self.args.plant_bug)
 
     def step(self, batch):
         self.optimizer.zero_grad(set_to_none=True)
@@ -168,7 +189,10 @@ class MegatronSP(tp.TP):
             ce = self.tp.loss_sum(self.model(input_ids=batch.input_ids).logits, batch.labels)
         with phase("backward"):
             (ce / batch.n_tokens).backward()
-            self.tp.reduce_partial_grads(extra=self.seq_partial)
+            partial = self.seq_partial
+            if self.args.plant_bug == "norm-grads-unreduced":   # planted bug: treated as TP's
+                partial = []
+            self.tp.reduce_partial_grads(extra=partial)
         with phase("optimizer"):
             if self.args.clip:
                 self.grad_norm = self.tp.clip(self.args.clip)
@@ -201,35 +225,37 @@ class MegatronSP(tp.TP):
         return _per_layer_lines(self.model.config, self.args, self.env.world)
 
 
-def shard_residual_stream(model, group) -> list[nn.Parameter]:
+def shard_residual_stream(model, group, plant: str | None = None) -> list[nn.Parameter]:
     """Megatron SP on a model whose linear layers tensor_parallel already split with an
     SPRegion: the residual stream is sequence-sharded from the first layer's input on (call
     before a pipeline drops layers). Returns the parameters whose gradients are partial over the
     group (the norms and the row-parallel biases act on this rank's tokens only)."""
     model.model.layers[0].register_forward_pre_hook(
-        lambda mod, args, kwargs: _split_first(args, kwargs, group), with_kwargs=True)
+        lambda mod, args, kwargs: _split_first(args, kwargs, group, plant), with_kwargs=True)
     return [p for n, p in model.named_parameters()
             if "norm" in n or n.endswith(("o_proj.bias", "down_proj.bias"))]
 
 
-def _split_first(args, kwargs, group):
+def _split_first(args, kwargs, group, plant=None):
     if "hidden_states" in kwargs:
-        kwargs["hidden_states"] = SplitToSP.apply(kwargs["hidden_states"], group)
+        kwargs["hidden_states"] = SplitToSP.apply(kwargs["hidden_states"], group, plant)
     else:
-        args = (SplitToSP.apply(args[0], group),) + tuple(args[1:])
+        args = (SplitToSP.apply(args[0], group, plant),) + tuple(args[1:])
     return args, kwargs
 
 
 # ----------------------------------------------------------------------------------------------
 # Ulysses: all-to-all between sequence-sharded and head-sharded layouts
 # ----------------------------------------------------------------------------------------------
-def _seq_to_heads(x, group):
+def _seq_to_heads(x, group, plant=None):
     """(B, h, s, d) with local tokens -> (B, h/W, W*s, d) with local heads."""
     W = dist.get_world_size(group)
     B, h, s, d = x.shape
     send = x.reshape(B, W, h // W, s, d).transpose(0, 1).contiguous()   # (W, B, h/W, s, d)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)                     # dim 0: source rank
+    if plant == "a2a-permute":   # planted bug: (B, W, h/W, s, d) viewed as (B, h/W, W*s, d)
+        return recv.transpose(0, 1).reshape(B, h // W, W * s, d)
     return recv.permute(1, 2, 0, 3, 4).reshape(B, h // W, W * s, d)
 
 
@@ -245,13 +271,13 @@ def _heads_to_seq(x, group):
 
 class SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, plant=None):
         ctx.group = group
-        return _seq_to_heads(x, group)
+        return _seq_to_heads(x, group, plant)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad.contiguous(), ctx.group), None
+        return _heads_to_seq(grad.contiguous(), ctx.group), None, None
 
 
 class HeadsToSeq(torch.autograd.Function):
@@ -269,8 +295,8 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
                       **kwargs):
     """HF attention-interface function: q/k/v arrive as (B, heads, local tokens, d)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    group = module.sp_group
-    q, k, v = (SeqToHeads.apply(t, group) for t in (query, key, value))
+    group, plant = module.sp_group, getattr(module, "sp_plant", None)
+    q, k, v = (SeqToHeads.apply(t, group, plant) for t in (query, key, value))
     # All tokens of the sequence are here now: plain causal attention over them.
     out, _ = sdpa_attention_forward(module, q, k, v, None, scaling=scaling, dropout=dropout,
                                     is_causal=True)
@@ -280,6 +306,17 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
 
 class Ulysses(common.Strategy):
     name = "sp-ulysses"
+    plants = {
+        "no-average": common.Plant("the gradient all-reduce sums instead of averaging (W x; "
+                                   "clipping would hide it)", ULYSSES_ARGS),
+        "a2a-permute": common.Plant("the all-to-all's result is permuted as (rank, head) "
+                                    "instead of (head, rank): heads and sequence chunks mix",
+                                    ULYSSES_ARGS),
+        "strided-shard": common.Plant("rank r takes tokens r, r+W, ... (with their true "
+                                      "positions) while the all-to-all lays shards out as "
+                                      "contiguous chunks: causal attention sees them out of "
+                                      "order", ULYSSES_ARGS),
+    }
 
     def __init__(self, model, args, env):
         from transformers import AttentionInterface
@@ -287,13 +324,15 @@ class Ulysses(common.Strategy):
         AttentionInterface.register("ulysses", ulysses_attention)
         model.config._attn_implementation = "ulysses"
         for layer in model.model.layers:
-            layer.self_attn.sp_group = None
+            layer.self_attn.sp_group, layer.self_attn.sp_plant = None, args.plant_bug
         # Replicated weights, different tokens: DDP's bucketed gradient all-reduce.
         self.dp = ddp.DataParallel(model, broadcast=False,
                                    average=args.plant_bug != "no-average")
         self.optimizer = common.make_adamw(model.parameters(), args)
         s, r = args.length // env.world, env.rank   # this rank's contiguous tokens
         self.pos = torch.arange(r * s, (r + 1) * s, device=env.device)
+        if args.plant_bug == "strided-shard":   # planted bug: strided, but gathered as chunks
+            self.pos = torch.arange(r, args.length, env.world, device=env.device)
 
     def step(self, batch):
         return ddp.token_sharded_step(self, batch, self.pos)
@@ -349,6 +388,7 @@ class SP(common.Strategy):
     """Dispatches to the variant chosen by --variant (the harness builds one class)."""
     name = "sp"
     native = [tp.TP]   # --compare-native: tensor parallelism alone, for activation memory
+    plants = {**MegatronSP.plants, **Ulysses.plants}   # each names its --variant in its args
 
     @staticmethod
     def add_args(p):

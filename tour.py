@@ -2,6 +2,7 @@
 
     python tour.py              # every entry whose script exists
     python tour.py --only ddp   # entries whose label starts with "ddp"
+    python tour.py --plants     # every planted bug (--plant-bug NAME) must FAIL, clean runs PASS
 
 Each entry is one `torchrun --standalone --nproc_per_node=W script --mode correctness` run
 against the single-device reference; the table shows what each compared and its worst error.
@@ -74,10 +75,68 @@ def run_entry(script, nproc, extra, timeout=600):
     return p.returncode, results, last, secs, p
 
 
+STRATEGIES = {"ddp.py": "DDP", "zero.py": "ZeRO", "fsdp.py": "FSDP", "tp.py": "TP",
+              "sp.py": "SP", "pp.py": "PP", "cp_ring.py": "CP", "ep_moe.py": "ExpertParallel",
+              "compose4d.py": "Compose4D"}
+
+
+def plant_groups(only=None):
+    """(script, world, args, [plant names]): each strategy's planted bugs, grouped by the
+    configuration they declare (common.Plant.args)."""
+    import importlib
+    sys.path.insert(0, HERE)
+    out = {}
+    for script, cls_name in STRATEGIES.items():
+        if only and not script.startswith(only):
+            continue
+        cls = getattr(importlib.import_module(script[:-3]), cls_name)
+        for name, plant in cls.plants.items():
+            out.setdefault((script, plant.world, tuple(plant.args)), []).append(name)
+    return [(s, w, list(a), names) for (s, w, a), names in out.items()]
+
+
+def run_plants(only=None):
+    """Every planted bug must FAIL and each clean configuration PASS (`--mode plants`)."""
+    rows, failed = [], 0
+    groups = plant_groups(only)
+    for i, (script, nproc, extra, names) in enumerate(groups):
+        cmd = torchrun_cmd(nproc) + [os.path.join(HERE, script), "--mode", "plants",
+                                     "--plants", ",".join(names)] + extra
+        print(f"[{i + 1}/{len(groups)}] {' '.join(cmd[2:])}", flush=True)
+        with tempfile.TemporaryDirectory() as out:
+            p = subprocess.run(cmd + ["--out", out], capture_output=True, text=True,
+                               timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+            path = os.path.join(out, "plants.json")
+            res = json.load(open(path)) if os.path.exists(path) else []
+        verdicts = {r["plant"]: r["passed"] for r in res}
+        if p.returncode or verdicts.get("(none)") is not True:
+            failed += 1
+            print(p.stdout[-3000:] + p.stderr[-3000:])
+        for n in ["(none)"] + names:
+            v = verdicts.get(n)
+            expect = n == "(none)"
+            rows.append((script, nproc, " ".join(extra) or "-", n,
+                         "?" if v is None else ("PASS" if v else "FAIL"),
+                         "ok" if v is expect else "WRONG"))
+    hdr = ("script", "W", "configuration", "plant", "verdict", "")
+    widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)]
+    print()
+    for row in [hdr] + rows:
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
+    wrong = sum(1 for r in rows if r[-1] != "ok")
+    print(f"\n{sum(1 for r in rows if r[3] != '(none)' and r[-1] == 'ok')} planted bugs caught, "
+          f"{wrong} wrong verdicts")
+    sys.exit(1 if wrong or failed else 0)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default=None, help="run entries whose label starts with this")
+    ap.add_argument("--plants", action="store_true",
+                    help="instead: run every strategy's planted bugs (each must FAIL)")
     args = ap.parse_args()
+    if args.plants:
+        run_plants(args.only)
     entries = [e for e in TOUR if os.path.exists(os.path.join(HERE, e[1]))
                and (args.only is None or e[0].startswith(args.only))]
     rows, failed = [], 0

@@ -79,10 +79,12 @@ class TPRegion:
     """How activations enter and leave a parallel region: f/g for TP; sp.py swaps in the
     sequence all-gather / reduce-scatter pair."""
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, group, plant: str | None = None):
+        self.group, self.plant = group, plant
 
     def enter(self, x):
+        if self.plant == "no-f":   # planted bug: no f, so d(input) is this rank's branch only
+            return x
         return CopyToTP.apply(x, self.group)
 
     def exit(self, x):
@@ -133,9 +135,10 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Rows [lo, lo + V_pad/T) of the (padded) embedding table."""
 
-    def __init__(self, emb: nn.Embedding, lo: int, per_rank: int, region: TPRegion):
+    def __init__(self, emb: nn.Embedding, lo: int, per_rank: int, region: TPRegion,
+                 plant: str | None = None):
         super().__init__()
-        self.lo, self.per_rank, self.region = lo, per_rank, region
+        self.lo, self.per_rank, self.region, self.plant = lo, per_rank, region, plant
         w = torch.zeros(per_rank, emb.weight.shape[1], dtype=emb.weight.dtype,
                         device=emb.weight.device)
         rows = emb.weight.detach()[lo:lo + per_rank]
@@ -146,6 +149,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.lo) | (ids >= self.lo + self.per_rank)
         local = (ids - self.lo).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+        if self.plant == "embed-unmasked":   # planted bug: other ranks' ids add this row 0
+            out = F.embedding(local, self.weight)
         return self.region.embed_exit(out)
 
 
@@ -154,7 +159,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     the global max, the sum of exponentials, and the target logit (from its owner)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, lo, vocab, group):
+    def forward(ctx, logits, labels, lo, vocab, group, plant=None):
         dtype = logits.dtype
         x = logits.float() if dtype in (torch.bfloat16, torch.float16) else logits.clone()
         n_local = x.shape[-1]
@@ -167,6 +172,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = exp.sum(dim=-1)
         dist.all_reduce(sum_exp, group=group)
         ignore = labels == common.IGNORE_INDEX
+        if plant == "ce-counts-ignored":   # planted bug: ignored labels are not masked
+            ignore = torch.zeros_like(ignore)
         t = labels - lo
         mine = (t >= 0) & (t < n_local) & ~ignore
         target = torch.where(mine, x.gather(1, t.clamp(0, n_local - 1)[:, None])[:, 0],
@@ -186,7 +193,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         # FakeTensors in oom_search's simulation)
         grad.scatter_add_(1, t.clamp(0, grad.shape[1] - 1)[:, None], -mine.to(grad.dtype)[:, None])
         grad.mul_(grad_loss.masked_fill(ignore, 0.0)[:, None])
-        return grad.to(ctx.dtype), None, None, None, None
+        return grad.to(ctx.dtype), None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -201,8 +208,8 @@ class TensorParallel:
     versions; HF's own attention code then runs on the local heads unchanged, since it reshapes
     with view(..., -1, head_dim)."""
 
-    def __init__(self, model, group, region: TPRegion | None = None):
-        self.model, self.group = model, group
+    def __init__(self, model, group, region: TPRegion | None = None, plant: str | None = None):
+        self.model, self.group, self.plant = model, group, plant   # plant: --plant-bug NAME
         self.region = region or TPRegion(group)
         T, r = dist.get_world_size(group), dist.get_rank(group)
         cfg = model.config
@@ -257,7 +264,7 @@ class TensorParallel:
         self.vocab_lo = r * per
         tied = model.lm_head.weight is base.embed_tokens.weight
         base.embed_tokens = VocabParallelEmbedding(base.embed_tokens, self.vocab_lo, per,
-                                                   self.region)
+                                                   self.region, plant)
         head = nn.Linear(1, 1, bias=False)  # placeholder replaced by the vocab shard below
         if tied:
             head.weight = base.embed_tokens.weight
@@ -290,7 +297,7 @@ class TensorParallel:
     def loss_sum(self, logits, labels) -> torch.Tensor:
         return VocabParallelCrossEntropy.apply(
             logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), self.vocab_lo,
-            self.vocab, self.group).sum()
+            self.vocab, self.group, self.plant).sum()
 
     def reduce_partial_grads(self, extra=()):
         """All-reduce the gradients that each rank holds only a part of (one flat call)."""
@@ -333,6 +340,8 @@ class TensorParallel:
         for n, p in self.model.named_parameters():
             if p.grad is not None:
                 target = sharded if n in self.split_dim else replicated
+                if self.plant == "clip-norm-scale":   # planted bug: replicated ones counted T times
+                    target = sharded
                 target += p.grad.double().pow(2).sum()
         dist.all_reduce(sharded, group=self.group)
         norm = (sharded + replicated).sqrt().item()
@@ -364,8 +373,25 @@ def tp_constraints(args, world, config) -> list[str]:
     return []
 
 
+# Where each planted bug must FAIL: the tour's model, float32 with clipping (clipping hides a
+# gradient scale error unless gradients are compared before it; float32 is the harder case).
+PLANT_ARGS = ("--model", "configs/tiny-gqa8.json", "--dtype", "float32", "--clip", "0.5")
+
+
 class TP(common.Strategy):
     name = "tp"
+    plants = {
+        "no-f": common.Plant("a region's input enters without f: the backward misses the "
+                             "all-reduce of d(input) over the ranks' branches", PLANT_ARGS),
+        "embed-unmasked": common.Plant("the vocab-parallel embedding does not zero the ids "
+                                       "another rank owns: they add this shard's row 0",
+                                       PLANT_ARGS),
+        "ce-counts-ignored": common.Plant("the vocab-parallel loss does not mask ignored labels: "
+                                          "padding adds to the loss and the gradient",
+                                          PLANT_ARGS),
+        "clip-norm-scale": common.Plant("the clip norm sums the replicated gradients' squares "
+                                        "over the group too: counted T times", PLANT_ARGS),
+    }
 
     @staticmethod
     def add_args(p):
@@ -377,11 +403,12 @@ class TP(common.Strategy):
 
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
-        self.tp = TensorParallel(model, group=None, region=self.make_region())
+        self.tp = TensorParallel(model, group=None, region=self.make_region(),
+                                 plant=args.plant_bug)
         self.optimizer = common.make_adamw(model.parameters(), args)
 
     def make_region(self):
-        return TPRegion(None)
+        return TPRegion(None, self.args.plant_bug)
 
     def step(self, batch: common.Batch) -> float:
         self.optimizer.zero_grad(set_to_none=True)

@@ -66,7 +66,8 @@ def decoder_units(model) -> list[tuple[str, list[torch.nn.Module]]]:
 class FlatUnit:
     """One unit's parameters as views into a flat buffer padded to a multiple of W."""
 
-    def __init__(self, name, modules, group, names: dict, shard_params: bool, stage: int):
+    def __init__(self, name, modules, group, names: dict, shard_params: bool, stage: int,
+                 plant: str | None = None):
         self.name, self.modules, self.group = name, modules, group
         self.W, self.rank = dist.get_world_size(group), dist.get_rank(group)
         seen, self.params = set(), []
@@ -81,6 +82,8 @@ class FlatUnit:
         self.shard_numel = s = self.padded // self.W
         dtype, device = self.params[0].dtype, self.params[0].device
         lo = self.rank * s
+        if plant == "shard-offset":   # the bug: the unpadded size, off when W does not divide it
+            lo = self.rank * (self.numel // self.W)
         # Full parameter buffer; parameters become views into it.
         self.full = torch.zeros(self.padded, dtype=dtype, device=device)
         self.offsets, off = [], 0
@@ -187,12 +190,14 @@ class ShardAdamW:
         return (self.master if self.mixed else []) + self.exp_avg + self.exp_avg_sq
 
 
-def clip_shard_grads(grads: list[torch.Tensor], max_norm: float, group=None) -> float:
+def clip_shard_grads(grads: list[torch.Tensor], max_norm: float, group=None,
+                     plant: str | None = None) -> float:
     """Global-norm clipping from shard norms: one scalar all_reduce. Padding is zero."""
     sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device)
     for g in grads:
         sq += g.double().pow(2).sum()
-    dist.all_reduce(sq, group=group)
+    if plant != "clip-local-norm":   # the bug: each rank clips by its own shard's norm
+        dist.all_reduce(sq, group=group)
     norm = sq.sqrt().item()
     coef = min(1.0, max_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s formula
     if coef < 1.0:
@@ -208,11 +213,15 @@ class Zero:
     """Installs ZeRO's hooks into `model`. `units` defaults to decoder_units(model); the unit
     order is the forward order, and reductions launch in its reverse."""
 
-    def __init__(self, model, group=None, stage: int = 1, average: bool = True, units=None):
+    def __init__(self, model, group=None, stage: int = 1, average: bool = True, units=None,
+                 plant: str | None = None):
+        """plant: the name of a planted bug (ZeRO.plants), None for the correct engine."""
         self.model, self.group, self.stage, self.average = model, group, stage, average
+        self.plant = plant
         self.W = dist.get_world_size(group)
         names = {id(p): n for n, p in model.named_parameters()}
-        self.units = [FlatUnit(n, mods, group, names, shard_params=stage == 3, stage=stage)
+        self.units = [FlatUnit(n, mods, group, names, shard_params=stage == 3, stage=stage,
+                               plant=plant)
                       for n, mods in (units or decoder_units(model))]
         covered = sum(len(u.params) for u in self.units)
         assert covered == len(names), f"units cover {covered} of {len(names)} parameters"
@@ -269,7 +278,7 @@ class Zero:
         if u.ready < len(u.params):
             return
         if self.stage == 3:
-            u.free_params()  # this unit's backward is done with its parameters
+            self._post_backward(u)
         # Launch in the fixed order on every rank, whatever order autograd finished units in.
         while (self.next_launch < len(self.order)
                and self.order[self.next_launch].ready == len(self.order[self.next_launch].params)):
@@ -277,6 +286,9 @@ class Zero:
             self.next_launch += 1
         if self.next_launch == len(self.order):
             self.next_launch = 0  # this micro-batch's reductions are all launched
+
+    def _post_backward(self, u: FlatUnit):
+        u.free_params()  # this unit's backward is done with its parameters
 
     def _launch(self, u: FlatUnit):
         """Reduce-scatter u's full gradient (async). Earlier launches complete first, so at most
@@ -295,6 +307,9 @@ class Zero:
             handle.wait()
             if self.stage == 1:
                 u.grad_shard.copy_(out)
+            elif self.plant == "overwrite-accum":   # the bug: keeps only the last micro-batch
+                u.grad_shard.copy_(out)
+                u.free_grads()
             else:
                 u.grad_shard.add_(out)  # accumulates over micro-batches
                 u.free_grads()
@@ -315,6 +330,8 @@ class Zero:
 
     def all_gather_params(self):
         """After the update (stages 1, 2): every rank's full buffer gets every updated shard."""
+        if self.plant == "no-param-gather":   # the bug: other ranks' updates never arrive
+            return
         for u in self.units:
             dist.all_gather_into_tensor(u.full, u.shard.clone(), group=self.group)
 
@@ -359,6 +376,25 @@ def zero_constraints(args, world, config) -> list[str]:
 class ZeRO(common.Strategy):
     name = "zero"
     syncs_initial_params = False
+    # One configuration catches the first four (stage 2 has the accumulation path, --clip the
+    # norm's all_reduce, float32 + --clip the scale); the misaligned shard needs W=3 (at W=2
+    # every unit of the tiny model is even, so there is no padding to be off by).
+    _ACCUM_CLIP = ("--stage", "2", "--grad-accum", "2", "--dtype", "float32", "--clip", "0.5")
+    plants = {
+        "no-average": common.Plant("the reduce-scatter sums the gradients instead of averaging "
+                                   "them (2x at W=2; clipping would hide it)", _ACCUM_CLIP),
+        "overwrite-accum": common.Plant("stages 2/3 overwrite the reduced gradient shard with "
+                                        "each micro-batch's instead of accumulating it",
+                                        _ACCUM_CLIP),
+        "clip-local-norm": common.Plant("clipping by the rank's shard norm: the squared norms "
+                                        "are not all-reduced", _ACCUM_CLIP),
+        "no-param-gather": common.Plant("stages 1/2 skip the all-gather of the updated shards: "
+                                        "the next forward runs on stale parameters",
+                                        _ACCUM_CLIP),
+        "shard-offset": common.Plant("a rank's shard starts at rank * (numel // W), the "
+                                     "unpadded size: misaligned when W does not divide a unit",
+                                     ("--batch", "6"), world=3),
+    }
 
     @staticmethod
     def add_args(p):
@@ -370,7 +406,8 @@ class ZeRO(common.Strategy):
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
         self.name = f"zero{args.stage}"
-        self.zero = Zero(model, stage=args.stage, average=args.plant_bug != "no-average")
+        self.zero = Zero(model, stage=args.stage, average=args.plant_bug != "no-average",
+                         plant=args.plant_bug)
         self.optimizer = ShardAdamW([u.shard for u in self.zero.units], args.lr,
                                     args.weight_decay)
 
@@ -384,7 +421,8 @@ class ZeRO(common.Strategy):
         with phase("optimizer"):
             grads = [u.grad_shard for u in z.units]
             if self.args.clip:
-                self.grad_norm = clip_shard_grads(grads, self.args.clip)
+                self.grad_norm = clip_shard_grads(grads, self.args.clip,
+                                                  plant=self.args.plant_bug)
             self.optimizer.step(grads)
             if self.args.stage < 3:
                 z.all_gather_params()

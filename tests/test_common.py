@@ -60,17 +60,72 @@ def test_loss_is_a_token_mean_with_ignore_index():
     assert torch.allclose(total / keep.sum(), ref, rtol=1e-12)
 
 
-def test_comparison_catches_a_planted_error():
+def test_correctness_data_has_uneven_ignored_labels(lang):
+    b = common.make_batch(lang, step=1, batch=8, length=32, device="cpu", ignore=True)
+    plain = common.make_batch(lang, step=1, batch=8, length=32, device="cpu")
+    ignored = b.labels == common.IGNORE_INDEX
+    # only labels become ignored; the kept ones are the plain batch's
+    assert torch.equal(b.labels[~ignored], plain.labels[~ignored])
+    per_row = (~ignored).sum(1)
+    assert 0 < b.n_tokens < 8 * 32 and len(set(per_row.tolist())) > 2   # uneven per sample
+    assert (per_row >= 32 - 32 // 4 - 32 // 8 - 1).all()                # never empty
+    halves = [(~ignored[:, :16]).sum().item(), (~ignored[:, 16:]).sum().item()]
+    assert halves[0] != halves[1]                                         # uneven per chunk
+    # padded tails: inputs after the last real token are PAD_ID, their labels ignored
+    pad = b.input_ids != plain.input_ids
+    assert (b.input_ids[pad] == common.PAD_ID).all() and ignored[pad].all()
+    # a pure function of (seed, sample index), like the tokens
+    again = common.make_batch(lang, step=0, batch=16, length=32, device="cpu", ignore=True)
+    assert torch.equal(again.labels[8:], b.labels) and torch.equal(again.input_ids[8:],
+                                                                   b.input_ids)
+
+
+def test_verdict_is_error_against_noise():
+    policy = common.NoisePolicy("float32")
     ref = {"a": torch.randn(4, 4, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float64)}
-    c = common.Comparison(["a", "b"], {"a": (4, 4), "b": (3,)})
-    c.add("grad", {k: v.clone() for k, v in ref.items()}, ref)
-    assert c.max_err() == 0.0
+    noisy = {k: v * (1 + 1e-6) for k, v in ref.items()}                 # noise 1e-6
+    c = common.Comparison(["a", "b"], {"a": (4, 4), "b": (3,)}, policy)
+    c.add("grad", 0, {k: v.clone() for k, v in ref.items()}, ref, noisy)
+    assert c.max_err() == 0.0 and abs(c.max_noise() - 1e-6) < 1e-9
+    assert all(j.ok for _, j in c.all())
     bad = {k: v.clone() for k, v in ref.items()}
-    bad["b"][1] += 1e-6 * ref["b"].abs().max()
-    c.add("grad", bad, ref)
-    assert 0.9e-6 < c.rows["b"]["grad"][1] < 1.1e-6 and c.rows["a"]["grad"][1] == 0.0
-    c.add("param", {"a": ref["a"]}, ref)                          # a missing tensor is noticed
+    bad["b"][1] += 5e-6 * ref["b"].abs().max()                            # within 8 x noise
+    c.add("grad", 1, bad, ref, noisy)
+    assert c.rows["b"]["grad"].ok and c.rows["b"]["grad"].step == 1
+    bad["b"][1] += 5e-6 * ref["b"].abs().max()                            # 10 x noise: FAIL
+    c.add("grad", 2, bad, ref, noisy)
+    assert not c.rows["b"]["grad"].ok and c.rows["a"]["grad"].ok
+    assert c.worst()[0] == "grad:b"
+    c.add("param", 0, {"a": ref["a"]}, ref, noisy)                        # a missing tensor
     assert c.missing == {"param:b"}
+    # parameters get PARAM_K_FACTOR times the room; a zero noise still leaves the floor
+    assert policy.tol(1e-6, "param") == pytest.approx(32e-6 + 4 * 2 ** -23)
+    assert policy.tol(0.0) == 4 * 2 ** -23
+    # float64 runs: the float32 noise rescaled by eps64 / eps32
+    assert common.NoisePolicy("float64").scale == 2.0 ** -29
+    c64 = common.Comparison(["b"], {"b": (3,)}, common.NoisePolicy("float64"))
+    c64.add_scalar("loss", 0, 1.0 + 1e-12, 1.0, 1.0 + 1e-7)
+    assert not c64.scalars["loss"].ok          # 1e-12 > 8 x 1e-7 x 2^-29 + 4 ulp
+    c64.add_scalar("nan", 0, float("nan"), 1.0, 1.0)
+    assert not c64.scalars["nan"].ok and c64.worst()[0] == "nan"
+
+
+def test_gradients_are_compared_before_clipping():
+    class S:
+        name = "s"
+    g = {"w": torch.tensor([3.0, 4.0], dtype=torch.float64)}              # norm 5
+    s = S()
+    s.grad_norm = torch.tensor(5.0, dtype=torch.float64)
+    clipped = {"w": g["w"] * common.clip_coef(5.0, 0.5)}
+    assert torch.allclose(common.preclip_grads(s, clipped, 0.5)["w"], g["w"], rtol=1e-12)
+    # a 2x scale bug: norm 10, clipped to the same 0.5, but not once un-clipped
+    s.grad_norm = 10.0
+    clipped2 = {"w": 2 * g["w"] * common.clip_coef(10.0, 0.5)}
+    assert torch.allclose(clipped2["w"], clipped["w"], rtol=1e-6)
+    assert torch.allclose(common.preclip_grads(s, clipped2, 0.5)["w"], 2 * g["w"], rtol=1e-12)
+    assert common.preclip_grads(S(), g, 0.0) is g                         # no clipping
+    with pytest.raises(RuntimeError, match="grad_norm"):
+        common.preclip_grads(S(), g, 0.5)
 
 
 def test_rmsnorm_is_float64_in_float64_runs():

@@ -1,0 +1,49 @@
+"""Every check can fail: each strategy's planted bugs FAIL its correctness mode, in the
+configuration the strategy declares for them (`Plant.args`), and the same run without the plant
+PASSes. One torchrun per (script, configuration): `--mode plants` runs the clean correctness
+run and then each plant in one process group."""
+import importlib
+import json
+
+import pytest
+
+import common
+from tour import STRATEGIES, plant_groups   # script -> the Strategy class its __main__ runs
+
+
+def strategy(script):
+    return getattr(importlib.import_module(script[:-3]), STRATEGIES[script])
+
+
+def groups():
+    """One test per (script, configuration), its plants together."""
+    return [pytest.param(s, w, a, names, id=f"{s[:-3]}-W{w}-{'_'.join(a) or 'default'}")
+            for s, w, a, names in plant_groups()]
+
+
+def test_every_strategy_plants_at_least_two_bugs():
+    counts = {s: len(strategy(s).plants) for s in STRATEGIES}
+    assert all(n >= 2 for n in counts.values()), counts
+    for s in STRATEGIES:   # a plant says what it breaks, and its flags parse
+        for name, plant in strategy(s).plants.items():
+            assert plant.doc and plant.world >= 1 and name not in common.HARNESS_PLANTS, (s, name)
+
+
+def test_scale_bugs_are_checked_with_clipping_in_float32():
+    """Clipping rescales gradients: a scale bug must still FAIL in float32 with --clip."""
+    scale = [(s, n) for s in STRATEGIES for n, p in strategy(s).plants.items()
+             if n in ("no-average",) or "scale" in n]
+    assert scale
+    for s, n in scale:
+        args = strategy(s).plants[n].args
+        assert "--clip" in args and "float32" in args, (s, n, args)
+
+
+@pytest.mark.parametrize("script,world,args,names", groups())
+def test_planted_bugs_fail_and_the_clean_run_passes(run, script, world, args, names):
+    r = run(script, world, "--mode", "plants", "--plants", ",".join(names), *args, timeout=600)
+    rows = json.load(open(r.out / "plants.json"))
+    verdicts = {row["plant"]: row["passed"] for row in rows}
+    assert verdicts.pop("(none)") is True, r           # the clean run PASSes ...
+    assert verdicts == {n: False for n in names}, r    # ... and every plant FAILs
+    assert r.rc == 0 and r.last_line.startswith("PASS plants"), r
