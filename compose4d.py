@@ -16,6 +16,9 @@ Nothing here re-implements a parallelism; the blocks come from their own files:
     zero.Zero, ShardAdamW  ZeRO-1 (default) or ZeRO-2 over the dp x cp group
 What is here: the rank grid and its groups, the step that strings the blocks together, gradient
 clipping across all four dimensions, layout-independent checkpoints and the HF export.
+The correctness reference takes its learning-rate schedule from torch.optim.lr_scheduler
+(torch_schedule), not from our lr_at; the planted bugs (`--plant-bug NAME`, Compose4D.plants) show
+that the correctness mode catches what a one-line slip in this file would break.
 
 Rank grid (Fast-LLM's arithmetic)
     rank = tp + T * (cp + C * (dp + D * pp)): TP innermost (inside a node), then CP, then DP, PP
@@ -234,35 +237,41 @@ def compose_constraints(args, world, config) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 # The composed strategy
 # ----------------------------------------------------------------------------------------------
+TIED_MODEL = "configs/tiny-tied.json"     # the tiny preset with tied embeddings (planted bugs)
+
+
 class Compose4D(common.Strategy):
     name = "4d"
     reference = ScheduledReference
     # Realistic one-line bugs, each beside the line it breaks (grep the name), and the
-    # configuration in which correctness mode must FAIL with it (tests/test_plants.py).
-    _TP = ("--tp", "2", "--sp", "--dtype", "float32", "--clip", "0.5",
-           "--lr-schedule", "cosine", "--lr-warmup", "2", "--steps", "4")
-    _CP = ("--cp", "2", "--dtype", "float32", "--clip", "0.5")
+    # configuration in which correctness mode must FAIL with it (tests/test_plants.py). Scale
+    # and norm bugs are judged in float32 with clipping (clipping must not hide them); the cp
+    # configuration also runs a non-constant schedule (warm-up, then cosine), so the lr oracle
+    # has work to do; the tp and pp ones use tied embeddings (the pair synced across stages).
+    _CP = ("--cp", "2", "--dtype", "float32", "--clip", "0.5",
+           "--lr-schedule", "cosine", "--lr-warmup", "2", "--steps", "3")
+    _TP = ("--tp", "2", "--sp", "--model", TIED_MODEL)
+    _PP = ("--pp", "2", "--dtype", "float32", "--clip", "0.5", "--model", TIED_MODEL)
     plants = {
         "lr-one-step-ahead": common.Plant(
-            "the optimizer runs at the schedule's next step's learning rate", _TP),
-        "sp-partials-unreduced": common.Plant(
-            "the partial gradients of the norms under SP are not summed over tp", _TP),
-        "clip-norm-misses-tp": common.Plant(
-            "the global gradient norm summed over the ZeRO shards (dp x cp) only, not over tp "
-            "and pp: each tp rank clips by its own part", _TP),
+            "step k runs at the schedule's learning rate for step k + 1", _CP),
         "grad-sum-misses-cp": common.Plant(
             "ZeRO reduces (and shards) over the dp group instead of dp x cp: the gradient "
             "misses the other cp ranks' tokens", _CP),
         "cp-local-positions": common.Plant(
-            "RoPE positions 0..S/C-1 of the local zig-zag chunks instead of their global "
+            "RoPE positions 0..S/C-1 for the local zig-zag chunks instead of their global "
             "positions", _CP),
         "local-token-mean": common.Plant(
             "each rank divides its CE sum by its own token count instead of the global "
             "batch's (a mean of per-rank means)", _CP),
+        "sp-partials-unreduced": common.Plant(
+            "the partial gradients of the norms under SP are not summed over tp", _TP),
+        "clip-norm-misses-pp": common.Plant(
+            "the global gradient norm summed over the ZeRO shards (dp x cp) only, not over "
+            "the pp stages (and tp ranks): each stage clips by its own part", _PP),
         "tied-sync-skipped": common.Plant(
             "the first stage's embedding and the last stage's head copy of the tied weight "
-            "are not summed: each updates with half the gradient",
-            ("--pp", "2", "--model", "configs/tiny-tied.json")),
+            "are not summed: each updates with its own part of the gradient", _PP),
     }
 
     @staticmethod
@@ -503,7 +512,7 @@ class Compose4D(common.Strategy):
         for gr, sl in zip(grads, self.norm_slices):
             for a, b in sl:
                 sq += gr[a:b].double().pow(2).sum()
-        over_shards_only = self.args.plant_bug == "clip-norm-misses-tp"
+        over_shards_only = self.args.plant_bug == "clip-norm-misses-pp"
         dist.all_reduce(sq, group=self.groups["dpcp"] if over_shards_only else None)
         norm = common.scalar(sq.sqrt())
         if max_norm > 0:

@@ -6,11 +6,20 @@ The idea (Liu et al., "Ring Attention with Blockwise Transformers", 2023; Brando
     attention needs the other ranks' keys and values. Ring attention computes it in W steps:
     each rank attends its queries to the K/V block it holds, then passes the block to the next
     rank (send to r+1, receive from r-1), overlapping the transfer with the block's compute.
-    Blocks are combined exactly with their log-sum-exp:
-        out <- out - sigmoid(lse_b - lse) * (out - out_b)
-        lse <- lse - logsigmoid(lse - lse_b)
-    in fp32 (fp64 in float64 runs). The backward is a custom autograd Function: dQ accumulates
-    locally, while dK/dV travel around the ring with their K/V and arrive home after a last hop.
+    Blocks are combined with the online softmax (Milakov & Gimelshein 2018; FlashAttention-2):
+    every query row keeps its running score max m, the sum l = sum exp(s - m) and the
+    unnormalised output acc = sum exp(s - m) v; a new block rescales both to the larger max,
+        m' = max(m, m_b),   l' = l e^(m - m') + l_b e^(m_b - m'),
+        acc' = acc e^(m - m') + acc_b e^(m_b - m')
+    and at the end out = acc / l, lse = m + log l (what the backward needs), in fp32 (fp64 in
+    float64 runs). Each rescale factor is the exp of a difference of two scores (m is a score),
+    exact but for one rounding. Merging normalised block outputs by their log-sum-exps instead,
+    out <- out - sigmoid(lse_b - lse) (out - out_b), is the same algebra but weighs each block
+    by a difference of two lse's that carry eps * |lse| each: with large logits (|s| ~ 100)
+    out then disagrees with the backward's P = exp(s - lse) by ~100 eps, and dQ/dK came out up
+    to 6x less accurate than torch's SDPA (`python tests/cp_attention_check.py --kernel`).
+    The backward is a custom autograd Function: dQ accumulates locally, while dK/dV travel
+    around the ring with their K/V and arrive home after a last hop.
 
 Layouts (--variant)
     zigzag     the sequence is cut into 2W chunks; rank r holds chunks r and 2W-1-r, so every
@@ -35,6 +44,11 @@ Communication per layer (s = S/W local tokens, kv = H_kv * d, b bytes, batch B)
     allgather    forward: one all_gather of K and V (B*S*2kv*b); backward: one reduce_scatter
                  of dK and dV (same size).
 Block kernel: pure torch (returns lse); used for every dtype here (CPU, float64).
+
+Planted bugs (`--plant-bug NAME`, `CP.plants`; each must FAIL the correctness mode): the
+gradient sum not averaged, the diagonal block attending in full, the merge not rescaling the
+running output, dK/dV not brought home, tokens split contiguously under the zig-zag layout,
+and (allgather) dK/dV kept instead of reduce-scattered.
 """
 import time
 
@@ -76,11 +90,14 @@ def relation(q: tuple[int, int], k: tuple[int, int]) -> str:
 
 
 class CPContext:
-    """What the attention function needs: group, layout, and counters for the benchmark."""
+    """What the attention function needs: group, layout, and counters for the benchmark.
+    world/rank default to the group's (given, they let one process play every rank of the
+    block loop: tests/cp_attention_check.py --kernel). plant: a planted bug's name or None."""
 
-    def __init__(self, variant, group, seq):
-        self.variant, self.group = variant, group
-        self.W, self.rank = dist.get_world_size(group), dist.get_rank(group)
+    def __init__(self, variant, group, seq, world=None, rank=None, plant=None):
+        self.variant, self.group, self.plant = variant, group, plant
+        self.W = dist.get_world_size(group) if world is None else world
+        self.rank = dist.get_rank(group) if rank is None else rank
         self.chunks = layout(variant, self.W, seq)
         self.flops = 0          # attention forward FLOPs computed on this rank
         self.seconds = 0.0      # time computing attention blocks, forward + backward
@@ -117,23 +134,33 @@ def _scores(q, k, scale, rel, qr, kr):
     return s
 
 
+def _finite(m):
+    """The row max as a shift: 0 where the row has seen nothing yet (m = -inf), so that
+    exp(s - m) stays exp(-inf) = 0 there instead of NaN."""
+    return m.masked_fill(m == NEG_INF, 0.0)
+
+
 def block_forward(q, k, v, scale, rel, qr, kr):
-    """(out, lse) of q attending to one K/V block; a fully masked row gives out 0, lse -inf."""
+    """(acc, l, m) of q attending to one K/V block: the row max m of the scores, the row sum
+    l = sum exp(s - m) and the unnormalised output acc = exp(s - m) @ v. A fully masked row
+    gives acc 0, l 0, m -inf."""
     s = _scores(q, k, scale, rel, qr, kr)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)   # rows with lse = -inf: all zero
-    return p @ v, lse
+    m = s.amax(-1)
+    p = torch.exp(s - _finite(m)[..., None])
+    return p @ v, p.sum(-1), m
 
 
-def merge(out, lse, out_b, lse_b):
-    """Combine two partial softmax-attention results exactly (no NaN for masked blocks)."""
-    if out is None:
-        return out_b, lse_b
-    new_out = out - torch.sigmoid(lse_b - lse)[..., None] * (out - out_b)
-    new_lse = lse - F.logsigmoid(lse - lse_b)
-    seen = lse > NEG_INF  # rows that had nothing yet take the block as it is
-    return (torch.where(seen[..., None], new_out, out_b),
-            torch.where(seen, new_lse, lse_b))
+def merge(state, block, plant=None):
+    """Online softmax: add a block's (acc, l, m) to the running (acc, l, m), both rescaled to
+    the larger max (each factor exp(m - m') <= 1, the difference of two scores)."""
+    if state is None:
+        return block
+    (acc, l, m), (acc_b, l_b, m_b) = state, block
+    new_m = torch.maximum(m, m_b)
+    a, b = torch.exp(m - _finite(new_m)), torch.exp(m_b - _finite(new_m))
+    if plant == "merge-no-rescale":   # planted bug: the running output keeps its old max
+        return acc + acc_b * b[..., None], l * a + l_b * b, new_m
+    return acc * a[..., None] + acc_b * b[..., None], l * a + l_b * b, new_m
 
 
 def block_backward(q, k, v, do, lse, delta, scale, rel, qr, kr):
@@ -168,30 +195,33 @@ def _wait(reqs):
         r.wait()
 
 
+def _pairs(cp, src):
+    """(query chunk, key chunk, relation) for this rank's queries against rank src's K/V,
+    each chunk as (local start, local end, global range); pairs with no causal work left out."""
+    for qa, qb, qr in cp.offsets(cp.rank):
+        for ka, kb, kr in cp.offsets(src):
+            rel = relation(qr, kr)
+            if cp.plant == "unmasked-diagonal" and rel == "mask":
+                rel = "full"   # planted bug: the diagonal block attends to its future too
+            if rel != "skip":
+                yield (qa, qb, qr), (ka, kb, kr), rel
+
+
 def _attend(q, k, v, cp, src, scale, n_rep, acc):
-    """Accumulate q's attention to rank src's K/V block into acc[(q chunk)] = (out, lse)."""
-    for (qa, qb, qr), (ka, kb, kr) in ((x, y) for x in cp.offsets(cp.rank)
-                                       for y in cp.offsets(src)):
-        rel = relation(qr, kr)
-        if rel == "skip":
-            continue
+    """Accumulate q's attention to rank src's K/V block into acc[(q chunk)] = (acc, l, m)."""
+    for (qa, qb, qr), (ka, kb, kr), rel in _pairs(cp, src):
         t0 = time.perf_counter()
         qq = q[:, :, qa:qb].to(acc["dtype"])
         kk = _expand(k[:, :, ka:kb], n_rep).to(acc["dtype"])
         vv = _expand(v[:, :, ka:kb], n_rep).to(acc["dtype"])
-        out_b, lse_b = block_forward(qq, kk, vv, scale, rel, qr, kr)
-        acc[qa] = merge(*acc.get(qa, (None, None)), out_b, lse_b)
+        acc[qa] = merge(acc.get(qa), block_forward(qq, kk, vv, scale, rel, qr, kr), cp.plant)
         cp.flops += 4 * qq.shape[0] * qq.shape[1] * (qb - qa) * (kb - ka) * qq.shape[-1]
         cp.seconds += time.perf_counter() - t0
 
 
 def _grad(q, k, v, do, lse, delta, cp, src, scale, n_rep, dq, dkv):
     """Accumulate the block's contributions into dq (local) and dkv (src's block)."""
-    for (qa, qb, qr), (ka, kb, kr) in ((x, y) for x in cp.offsets(cp.rank)
-                                       for y in cp.offsets(src)):
-        rel = relation(qr, kr)
-        if rel == "skip":
-            continue
+    for (qa, qb, qr), (ka, kb, kr), rel in _pairs(cp, src):
         t0 = time.perf_counter()
         dt = dq.dtype
         kk = _expand(k[:, :, ka:kb], n_rep).to(dt)
@@ -206,9 +236,11 @@ def _grad(q, k, v, do, lse, delta, cp, src, scale, n_rep, dq, dkv):
 
 
 def _finish(acc):
+    """(out, lse) of the local queries: out = acc / l, lse = m + log l, chunks in local order.
+    A row that saw nothing (l = 0; never under a causal layout) gives out 0, lse -inf."""
     keys = sorted(k for k in acc if k != "dtype")
-    return (torch.cat([acc[k][0] for k in keys], dim=2),
-            torch.cat([acc[k][1] for k in keys], dim=2))
+    a, l, m = (torch.cat([acc[k][i] for k in keys], dim=2) for i in range(3))
+    return a / torch.where(l > 0, l, 1.0)[..., None], m + torch.log(l)
 
 
 def _backward_setup(ctx, dout):
@@ -255,6 +287,8 @@ class RingAttention(torch.autograd.Function):
                 break
             if step < cp.W - 1:                        # K/V and their dK/dV move on together
                 (kv, dkv), reqs = _hop([kv, dkv], cp)
+            elif cp.plant == "dkv-not-home":           # planted bug: no last hop, the
+                break                                  # neighbour's dK/dV are taken as ours
             else:                                      # the last hop brings our dK/dV home
                 (dkv,), reqs = _hop([dkv], cp)
             _wait(reqs)
@@ -295,8 +329,11 @@ class AllGatherAttention(torch.autograd.Function):
             _grad(q, full[src][:, 0], full[src][:, 1], do, lse, delta, cp, src, scale, n_rep,
                   dq, blk)
         mine = torch.empty(full.shape[1:], dtype=full.dtype, device=full.device)
-        dist.reduce_scatter_tensor(mine, dfull.to(full.dtype).view((-1,) + full.shape[2:]),
-                                   group=cp.group)
+        if cp.plant == "no-reduce-scatter":   # planted bug: only our own queries' dK/dV
+            mine = dfull[cp.rank].to(full.dtype)
+        else:
+            dist.reduce_scatter_tensor(mine, dfull.to(full.dtype).view((-1,) + full.shape[2:]),
+                                       group=cp.group)
         return dq.to(q.dtype), mine[:, 0], mine[:, 1], None, None
 
 
@@ -343,8 +380,30 @@ def cp_constraints(args, world, config) -> list[str]:
     return errs
 
 
+# Where each planted bug must FAIL: the tour's model, float32 with clipping (a scale bug must
+# show through the clip too).
+PLANT_ARGS = ("--dtype", "float32", "--clip", "0.5")
+
+
 class CP(common.Strategy):
     name = "cp"
+    plants = {
+        "no-average": common.Plant("the CP group's gradient all_reduce sums instead of "
+                                   "averaging (W x; clipping would hide it)", PLANT_ARGS),
+        "unmasked-diagonal": common.Plant("the diagonal block attends in full: each query "
+                                          "also sees the later keys of its own chunk",
+                                          PLANT_ARGS),
+        "merge-no-rescale": common.Plant("the online-softmax merge rescales l but not the "
+                                         "running output when the row max grows", PLANT_ARGS),
+        "dkv-not-home": common.Plant("the backward skips the last ring hop: each rank keeps "
+                                     "its neighbour's dK/dV as its own", PLANT_ARGS),
+        "contiguous-tokens": common.Plant("tokens split into contiguous chunks (with their "
+                                          "positions) while attention assumes the zig-zag "
+                                          "layout", PLANT_ARGS),
+        "no-reduce-scatter": common.Plant("allgather: dK/dV keep only this rank's queries' "
+                                          "share instead of the reduce-scatter's sum",
+                                          ("--variant", "allgather", *PLANT_ARGS)),
+    }
 
     @staticmethod
     def add_args(p):
@@ -355,9 +414,12 @@ class CP(common.Strategy):
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
         self.name = f"cp-{args.variant}"
-        self.cp = CPContext(args.variant, None, args.length)
+        self.cp = CPContext(args.variant, None, args.length, plant=args.plant_bug)
         install(model, self.cp)
-        self.pos = positions(self.cp.chunks[env.rank]).to(env.device)
+        mine = self.cp.chunks[env.rank]
+        if args.plant_bug == "contiguous-tokens":   # planted bug: the usual contiguous split
+            mine = layout("ring", env.world, args.length)[env.rank]
+        self.pos = positions(mine).to(env.device)
         # Same weights, different tokens: gradients are summed over the CP group.
         self.dp = ddp.DataParallel(model, broadcast=False, average=args.plant_bug != "no-average")
         self.optimizer = common.make_adamw(model.parameters(), args)
@@ -402,7 +464,8 @@ class CP(common.Strategy):
         return ["attention forward FLOPs per rank (all steps so far): "
                 + ", ".join(f"{f / 1e6:.1f}M" for f in fl)
                 + f"; balance max/min {max(fl) / max(min(fl), 1):.2f}",
-                "attention block compute time per rank (fwd+bwd, s): " + ", ".join(f"{t:.3f}" for t in sec)
+                "attention block compute time per rank (fwd+bwd, s): "
+                + ", ".join(f"{t:.3f}" for t in sec)
                 + f"; balance max/min {max(sec) / max(min(sec), 1e-12):.2f}"]
 
 

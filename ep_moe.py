@@ -49,9 +49,19 @@ Load balancing
         weights stay the unbiased probabilities); after each step b_e += rate * sign(mean load -
         load_e), from the global loads (the same all_reduce of counts).
 
-Numerics: HF's router casts the logits with .float(), which would round a float64 run to float32;
-route() promotes to at least float32 instead (identical in float32 and bfloat16). The reference
-is HF's model with the same router, HF's own expert module, and the same loss terms.
+Numerics: route() does HF MixtralTopKRouter's arithmetic, its float32 softmax (.float())
+included, in every dtype: the dropless reference *is* HF's block, and a float64 run compared with
+it must select and weight experts from the same float32 probabilities. The router losses use the
+probabilities in the model's dtype (at least float32), as HF's load_balancing_loss_func does.
+
+The reference (MoEReference): dropless and without a selection bias, HF's own model untouched
+(MixtralSparseMoeBlock.forward: HF's router, renormalisation and experts; none of this file's
+code) and the router losses from HF's recorded router logits; with capacity or the aux-free bias,
+which HF does not implement, HF's experts behind this file's route() and drops.
+
+Planted bugs (--plant-bug NAME, see ExpertParallel.plants): a router that skips the top-k
+renormalisation, a combine that returns rows to the wrong tokens, expert gradients divided by
+the data-parallel size, and a per-rank (instead of global-batch) auxiliary loss.
 """
 import math
 
@@ -90,16 +100,19 @@ class AllToAll(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 # Routing, capacity and the router losses (shared by the reference and the parallel block)
 # ----------------------------------------------------------------------------------------------
-def route(weight, x, top_k, bias=None):
-    """HF MixtralTopKRouter's math: (logits (N,E), probs (N,E), weights (N,k), experts (N,k)).
-    The bias, if any, only changes which experts are selected."""
+def route(weight, x, top_k, bias=None, renormalise=True):
+    """HF MixtralTopKRouter's math, its float32 softmax included: (logits (N,E), probs (N,E)
+    float32, weights (N,k), experts (N,k)). The bias, if any, only changes which experts are
+    selected. renormalise=False is a planted bug (the top-k weights no longer sum to 1)."""
     logits = F.linear(x, weight)
-    probs = F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    probs = F.softmax(logits.float(), dim=-1)
     if bias is None:
         top, idx = torch.topk(probs, top_k, dim=-1)
     else:
         idx = torch.topk(probs + bias, top_k, dim=-1).indices
         top = probs.gather(-1, idx)
+    if not renormalise:
+        return logits, probs, top, idx
     return logits, probs, top / top.sum(dim=-1, keepdim=True), idx
 
 
@@ -153,11 +166,11 @@ class MoEBlock(nn.Module):
     """Replaces a MixtralSparseMoeBlock, keeping its `gate` (router) so parameter names stay
     HF's. Subclasses implement dispatch_combine(x, weights, experts)."""
 
-    def __init__(self, hf_block, stats: list, opts):
+    def __init__(self, hf_block, stats: list, opts, plant: str | None = None):
         super().__init__()
         self.gate = hf_block.gate
         self.top_k, self.num_experts = hf_block.top_k, hf_block.gate.num_experts
-        self.stats, self.opts = stats, opts
+        self.stats, self.opts, self.plant = stats, opts, plant
         w = self.gate.weight
         self.register_buffer("bias", torch.zeros(self.num_experts, device=w.device,
                                                  dtype=torch.promote_types(w.dtype, torch.float32))
@@ -167,11 +180,15 @@ class MoEBlock(nn.Module):
     def forward(self, hidden):
         b, s, h = hidden.shape
         x = hidden.reshape(-1, h)
-        logits, probs, w, idx = route(self.gate.weight, x, self.top_k, self.bias)
+        logits, probs, w, idx = route(self.gate.weight, x, self.top_k, self.bias,
+                                      renormalise=self.plant != "router-no-renorm")
+        # the router losses in the model's precision (probs is float32, as HF routes)
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        p = probs if wide.dtype == probs.dtype else F.softmax(wide, dim=-1)
         rec = dict(counts=torch.bincount(idx.reshape(-1), minlength=self.num_experts),
-                   prob_sum=probs.sum(0), choices=idx.numel() * self.world)
+                   prob_sum=p.sum(0), choices=idx.numel() * self.world)
         if self.opts.z_coef:
-            rec["z_sum"] = torch.logsumexp(logits.to(probs.dtype), dim=-1).pow(2).sum()
+            rec["z_sum"] = torch.logsumexp(wide, dim=-1).pow(2).sum()
         self.stats.append(rec)
         keep = None
         if self.opts.capacity_factor:
@@ -179,7 +196,7 @@ class MoEBlock(nn.Module):
                                   self.top_k, self.num_experts)
             local = F.one_hot(idx, self.num_experts).sum(0)         # (k, E)
             keep, kept_all = capacity_keep(idx, self.gather_counts(local), self.rank, cap)
-            rec.update(kept_all=kept_all, kept=int(kept_all.sum()))
+            rec.update(kept_all=kept_all, kept=int(kept_all.sum()), capacity=cap)
         return self.dispatch_combine(x, w, idx, keep, rec).reshape(b, s, h)
 
     def gather_counts(self, local):
@@ -187,10 +204,12 @@ class MoEBlock(nn.Module):
 
 
 class ReferenceMoE(MoEBlock):
-    """Single device: the global batch's drops applied as zero weights, then HF's own experts."""
+    """Single device, where HF has no equivalent (capacity, aux-free bias): route() and the
+    global batch's drops applied as zero weights, then HF's own experts. A bug planted in
+    route() reaches it too, as a real one would."""
 
-    def __init__(self, hf_block, stats, opts):
-        super().__init__(hf_block, stats, opts)
+    def __init__(self, hf_block, stats, opts, plant: str | None = None):
+        super().__init__(hf_block, stats, opts, plant)
         self.experts = hf_block.experts
 
     def dispatch_combine(self, x, w, idx, keep, rec):
@@ -218,8 +237,8 @@ class LocalExperts(nn.Module):
 
 
 class ExpertParallelMoE(MoEBlock):
-    def __init__(self, hf_block, stats, opts, group):
-        super().__init__(hf_block, stats, opts)
+    def __init__(self, hf_block, stats, opts, group, plant: str | None = None):
+        super().__init__(hf_block, stats, opts, plant)
         self.group = group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.local = self.num_experts // self.world
@@ -260,6 +279,8 @@ class ExpertParallelMoE(MoEBlock):
         y = self.experts(xr[perm], recv.sum(0).tolist())
         inv = torch.empty_like(perm)
         inv[perm] = torch.arange(perm.numel(), device=x.device)
+        if self.plant == "combine-wrong-order":   # un-sorts with perm, not its inverse
+            inv = perm
         # 6. combine: back to the senders, weighted, summed per token
         yb = AllToAll.apply(y[inv], send_splits, recv_splits, self.group)
         rec.update(load=recv.sum(0), sent_off=sum(send_splits) - send_splits[self.rank],
@@ -281,20 +302,77 @@ def is_expert(name: str) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# The single-device reference: HF's model and experts, the same drops and loss terms
+# The single-device reference: HF's own MoE block where HF has one, else HF's experts + route()
 # ----------------------------------------------------------------------------------------------
+def hf_router_losses(router_logits: tuple, n_experts: int, top_k: int):
+    """(aux, z) from HF's recorded router logits (one (N, E) tensor per layer), in their dtype
+    (at least float32, as the strategy's).
+
+    aux: transformers' load_balancing_loss_func (Mixtral) formula, E * sum_e f_e P_e over all
+        L N rows (padding included: HF's model is called without an attention mask). HF's function
+        accumulates in float32, and its backward therefore rounds the aux gradient to float32,
+        which would cap a float64 target at float32 precision; so the same sums are taken here in
+        the logits' dtype and MoEReference checks them against HF's own value at every step.
+        The normalisation is the same as router_losses' (global counts and rows).
+        f counts the router's choices (top-k of HF's float32 probabilities; HF's function
+        re-selects from probabilities in the logits' dtype, different only at float32 ties).
+    z: transformers' ST-MoE router_z_loss_func (Switch Transformers; Mixtral has none): the mean
+        of logsumexp^2 over each layer's tokens, averaged over the layers (= over all L N rows)."""
+    from transformers.models.switch_transformers.modeling_switch_transformers import (
+        router_z_loss_func)
+    router_logits = [lg.to(torch.promote_types(lg.dtype, torch.float32)) for lg in router_logits]
+    rows = sum(lg.shape[0] for lg in router_logits)
+    counts = sum(torch.bincount(torch.topk(F.softmax(lg.float(), -1), top_k, -1).indices
+                                .reshape(-1), minlength=n_experts) for lg in router_logits)
+    prob_sum = sum(F.softmax(lg, dim=-1).sum(0) for lg in router_logits)
+    aux = n_experts * ((counts.to(prob_sum.dtype) / rows) * (prob_sum / rows)).sum()
+    z = sum(router_z_loss_func(lg[None]) for lg in router_logits) / len(router_logits)
+    return aux, z
+
+
 class MoEReference(common.Reference):
+    """The single-device reference; objective = mean CE + aux_coef aux + z_coef z.
+
+    Dropless and without a selection bias (the default), it shares no code with the strategy:
+    the model is HF's own, untouched (MixtralSparseMoeBlock.forward with HF's router, top-k
+    renormalisation and experts), and the router losses come from the router logits HF records
+    (output_router_logits=True) via hf_router_losses. A router bug in route() therefore FAILs.
+    HF has no capacity dropping and no auxiliary-loss-free bias: with --capacity-factor or
+    --aux-free-bias the layers are ReferenceMoE (this file's route() and drops, HF's experts) and
+    the losses this file's router_losses, so those runs check the dispatch, not the router
+    (router-no-renorm PASSes with --capacity-factor: the reason the dropless oracle is HF's)."""
+
     def __init__(self, ref_model, args, env):
         super().__init__(ref_model, args, env)
-        self.stats = []
-        self.blocks = install(ref_model, lambda b: ReferenceMoE(b, self.stats, args))
+        self.hf_block = not (args.capacity_factor or args.aux_free_bias)
+        self.stats, self.blocks = [], []
+        if not self.hf_block:
+            # route() is shared here: its planted bug (router-no-renorm) is shared too
+            self.blocks = install(ref_model, lambda b: ReferenceMoE(
+                b, self.stats, args, plant=args.plant_bug))
 
     def objective(self, batch):
-        self.stats.clear()
-        loss = super().objective(batch)
-        self.counts, aux, z = router_losses(self.stats, batch.input_ids.numel(),
-                                            self.blocks[0].num_experts)
-        return loss + self.args.aux_coef * aux + (self.args.z_coef * z if z is not None else 0)
+        if not self.hf_block:
+            self.stats.clear()
+            loss = super().objective(batch)
+            self.counts, aux, z = router_losses(self.stats, batch.input_ids.numel(),
+                                                self.blocks[0].num_experts)
+            return loss + self.args.aux_coef * aux + (self.args.z_coef * z if z is not None else 0)
+        cfg = self.model.config
+        out = self.model(input_ids=batch.input_ids, output_router_logits=True)
+        loss = common.lm_loss_sum(out.logits, batch.labels) / batch.n_tokens
+        aux, z = hf_router_losses(out.router_logits, cfg.num_local_experts,
+                                  cfg.num_experts_per_tok)
+        # out.aux_loss: HF's load_balancing_loss_func itself (float32 sums; bfloat16 softmax)
+        rtol = 3e-2 if out.router_logits[0].dtype == torch.bfloat16 else 1e-4
+        if abs(aux.item() - out.aux_loss.item()) > rtol * abs(out.aux_loss.item()):
+            raise RuntimeError(f"reference aux loss {aux.item()} disagrees with HF's "
+                               f"load_balancing_loss_func {out.aux_loss.item()}")
+        if self.args.aux_coef:
+            loss = loss + self.args.aux_coef * aux
+        if self.args.z_coef:
+            loss = loss + self.args.z_coef * z
+        return loss
 
     def after_step(self):
         if self.args.aux_free_bias:
@@ -333,6 +411,25 @@ class ExpertParallel(common.Strategy):
     # a few expert choices within tens of steps and the two loss curves drift apart by ~1%
     # (both still learn). Learning mode therefore compares in float64 on CPU by default.
     cpu_dtype = {"learning": "float64"}
+    # One configuration for all four (a single `--mode plants` run): float32 with clipping, where
+    # the scale bug must fail too; the dropless default, so the reference is HF's own block.
+    _plant_args = ("--dtype", "float32", "--clip", "0.5")
+    plants = {
+        "router-no-renorm": common.Plant(
+            "route() skips the top-k renormalisation: the weights of the k chosen experts no "
+            "longer sum to 1 (caught by HF's own router in the reference)", _plant_args),
+        "combine-wrong-order": common.Plant(
+            "the combine un-sorts the expert outputs with the sorting permutation instead of "
+            "its inverse: rows go back to the wrong tokens", _plant_args),
+        "expert-grad-scale": common.Plant(
+            "expert gradients divided by the data-parallel size, as if averaged like the "
+            "replicated ones (they are complete already: every token comes to its expert)",
+            _plant_args),
+        "aux-per-rank": common.Plant(
+            "the auxiliary loss from each rank's own counts and tokens, averaged over ranks "
+            "(HF's per-shard loss under data parallelism), instead of the global batch's",
+            _plant_args),
+    }
 
     @staticmethod
     def add_args(p):
@@ -359,7 +456,8 @@ class ExpertParallel(common.Strategy):
         self.group = common.name_group(dist.new_group(ranks), "ep")
         self.dp_group = common.name_group(dist.new_group(ranks), "dp")
         self.stats: list[dict] = []
-        self.blocks = install(model, lambda b: ExpertParallelMoE(b, self.stats, args, self.group))
+        self.blocks = install(model, lambda b: ExpertParallelMoE(b, self.stats, args, self.group,
+                                                                 plant=args.plant_bug))
         self.expert_params = [p for n, p in model.named_parameters() if is_expert(n)]
         dense = [p for n, p in model.named_parameters() if not is_expert(n)]
         # The loss on each rank is its share of the global objective, so replicated gradients
@@ -391,6 +489,9 @@ class ExpertParallel(common.Strategy):
             counts, aux, z = router_losses(self.stats, batch.input_ids.numel(),
                                            self.blocks[0].num_experts,
                                            self._reduce_counts if self.counts_reduced else None)
+            if self.args.plant_bug == "aux-per-rank":   # local f and P, averaged over ranks
+                aux = router_losses(self.stats, mb.input_ids.numel(),
+                                    self.blocks[0].num_experts)[1] / self.env.world
             if self.args.aux_coef:
                 obj = obj + self.args.aux_coef * aux
             if z is not None:
@@ -398,6 +499,9 @@ class ExpertParallel(common.Strategy):
         with phase("backward"):
             obj.backward()
             self.dp.finish()
+            if self.args.plant_bug == "expert-grad-scale":
+                for p in self.expert_params:
+                    p.grad.div_(self.env.world)
         with phase("optimizer"):
             if self.args.clip:
                 self.grad_norm = self.clip(self.args.clip)
@@ -425,7 +529,8 @@ class ExpertParallel(common.Strategy):
         rec = dict(load=torch.stack([r["load"] for r in s]).cpu(),     # (L, E/W) rows received
                    sent_off=sum(r["sent_off"] for r in s), recv_off=sum(r["recv_off"] for r in s),
                    choices=sum(r["choices"] for r in s),
-                   kept=sum(r.get("kept", r["choices"]) for r in s))
+                   kept=sum(r.get("kept", r["choices"]) for r in s),
+                   capacity=s[0].get("capacity"))
         self.history.append(rec)
         del self.history[:-50]
         if common.METER.active:               # the benchmark's metered window
@@ -522,7 +627,8 @@ class ExpertParallel(common.Strategy):
         T = self.args.batch * self.args.length // W
         H, k, L = cfg.hidden_size, cfg.num_experts_per_tok, cfg.num_hidden_layers
         b = self.model.model.embed_tokens.weight.element_size()
-        off = torch.tensor([float(sum(x["sent_off"] + x["recv_off"] for x in self.history[-last:]))])
+        off = torch.tensor([float(sum(x["sent_off"] + x["recv_off"] for x in self.history[-last:]))],
+                           device=self.env.device)
         with common.METER.paused():
             dist.all_reduce(off)
         measured = off.item() / (W * last * L) * H * b
@@ -533,19 +639,28 @@ class ExpertParallel(common.Strategy):
         return lines
 
     def extra_checks(self):
-        h = self.history
-        drop = 1 - sum(r["kept"] for r in h) / max(1, sum(r["choices"] for r in h))
         spread = common.spread_across_ranks([p for p in self.dp.bucket_of])
         exp = [n for n, _ in self.model.named_parameters() if is_expert(n)]
         in_dp = any(is_expert(n) for n, p in self.model.named_parameters()
                     if p in self.dp.bucket_of)
-        return [("replicated parameters identical across ranks", spread == 0.0,
-                 f"max spread {spread:.1e}"),
-                ("expert weights outside the gradient all-reduce", not in_dp and len(exp) > 0,
-                 f"{len(exp)} expert tensors, E/W = "
-                 f"{self.model.config.num_local_experts // self.env.world} experts each"),
-                ("capacity", True, f"dropped choices {100 * drop:.2f}% over {len(h)} steps "
-                 f"(factor {self.args.capacity_factor or 'none: dropless'})")]
+        checks = [("replicated parameters identical across ranks", spread == 0.0,
+                   f"max spread {spread:.1e}"),
+                  ("expert weights outside the gradient all-reduce", not in_dp and len(exp) > 0,
+                   f"{len(exp)} expert tensors, E/W = "
+                   f"{self.model.config.num_local_experts // self.env.world} experts each")]
+        if self.args.capacity_factor:
+            h = self.history
+            top = torch.tensor([float(max(int(r["load"].max()) for r in h))],
+                               device=self.env.device)
+            with common.METER.paused():
+                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
+            cap = h[-1]["capacity"]
+            drop = 1 - sum(r["kept"] for r in h) / max(1, sum(r["choices"] for r in h))
+            checks.append(("expert capacity respected", top.item() <= cap,
+                           f"max rows per expert per layer {top.item():.0f} <= C = {cap}; "
+                           f"dropped choices {100 * drop:.2f}% over {len(h)} steps "
+                           f"(factor {self.args.capacity_factor})"))
+        return checks
 
 
 if __name__ == "__main__":

@@ -18,7 +18,10 @@ The idea
 
 Schedules are pure functions (P, M, V, rank) -> ordered actions (kind, chunk, micro-batch), kind
 in F, B, I, W. A discrete-event simulation (simulate) checks every schedule's dependencies and
-measures its bubble with unit costs (F=1, B=2, I=W=1); one executor runs any of them.
+measures its bubble with unit costs (F=1, B=2, I=W=1); one executor runs any of them. The same
+actions are torch.distributed.pipelining's _Action(stage, F|B|I|W, micro-batch) one to one, so
+tests/test_pp.py also runs torch's own schedule validator and comms simulator on them (with the
+sends and receives placed as the executor places them) and compares them with torch's generators.
 
 Point-to-point
     Each send is posted with batch_isend_irecv as soon as its tensor exists and completes
@@ -216,6 +219,7 @@ class Pipeline:
         # micro-batches already started are drained (see run()).
         self.stop_check = None
         self.completed = 0       # micro-batches run to the end in the last run()
+        self.plant = None        # a planted bug's name (--plant-bug), set by the harness adapter
         base = model.model
         n_layer = [sum(p.numel() for p in layer.parameters()) for layer in base.layers]
         emb = sum(p.numel() for p in base.embed_tokens.parameters())
@@ -321,7 +325,11 @@ class Pipeline:
                     if c == self.C - 1:
                         ce = self.loss_sum(out, mbs[m].labels)
                         loss_sum += ce.detach().double()
-                        out = ce / n_tokens
+                        out = ce / n_tokens          # sum over micro-batches = global mean
+                        if self.plant == "microbatch-scale":   # planted: torch-style 1/M on top
+                            out = ce / n_tokens / M
+                        if self.plant == "mean-of-means":      # planted: each micro-batch's mean
+                            out = ce / mbs[m].n_tokens / M
                     else:
                         self._send(out.detach(), c + 1, c + 1, m, False)
                     inputs[(c, m)], outputs[(c, m)] = x, out
@@ -332,7 +340,10 @@ class Pipeline:
                             (B, S_act, H), dtype, c + 1, c, m, True)
                         grads[(c, m)] = g
                     start = time.perf_counter() - t0
-                    x, out, g = inputs[(c, m)], outputs[(c, m)], grads[(c, m)]
+                    x, out = inputs[(c, m)], outputs[(c, m)]
+                    if not (kind == "W" and self.plant == "w-stale-grad"):
+                        g = grads[(c, m)]   # (planted bug: W keeps the last I's g, a later
+                                            # micro-batch's once W is deferred)
                     if kind == "B":
                         torch.autograd.backward(out, g)
                     elif kind == "I" and c > 0:      # the input's gradient only
@@ -383,8 +394,32 @@ def pp_constraints(args, world, config) -> list[str]:
     return []
 
 
+TIED_PLANT_ARGS = ("--schedule", "zb", "--dtype", "float32", "--clip", "0.5",
+                   "--model", "configs/tiny-tied.json")
+
+
 class PP(common.Strategy):
     name = "pp"
+    # One configuration catches them all: ZB-H1 (the stale-gradient bug needs a deferred W on a
+    # middle stage, so 3 stages), tied embeddings (a first and a last stage copy), float32 with
+    # clipping (a scale bug must not hide behind clipping).
+    plants = {
+        "microbatch-scale": common.Plant(
+            "each micro-batch's loss divided by M on top of the global token count (gradients "
+            "1/M; clipping would hide it)", TIED_PLANT_ARGS, world=3),
+        "mean-of-means": common.Plant(
+            "each micro-batch's own mean loss, averaged over M, instead of its CE sum over the "
+            "global token count", TIED_PLANT_ARGS, world=3),
+        "no-tied-sync": common.Plant(
+            "the first stage's embedding and the last stage's tied head copy are not summed",
+            TIED_PLANT_ARGS, world=3),
+        "clip-tied-twice": common.Plant(
+            "the clip norm counts the tied head copy as a tensor of its own",
+            TIED_PLANT_ARGS, world=3),
+        "w-stale-grad": common.Plant(
+            "ZB-H1's deferred W backpropagates the output gradient of the last I (a later "
+            "micro-batch) instead of its own micro-batch's", TIED_PLANT_ARGS, world=3),
+    }
 
     @staticmethod
     def add_args(p):
@@ -404,13 +439,15 @@ class PP(common.Strategy):
         tie = (common.name_group(dist.new_group([0, env.world - 1]), "tied")
                if tied and env.world > 1 else None)
         self.pipe = Pipeline(model, env.world, V, env.rank, args.schedule, tie_group=tie)
+        self.pipe.plant = args.plant_bug
         self.optimizer = common.make_adamw([p for p in model.parameters()], args)
 
     def step(self, batch):
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = self.pipe.run(batch, self.args.microbatches)
         with phase("backward"):
-            self.pipe.sync_tied()
+            if self.args.plant_bug != "no-tied-sync":   # planted bug: the tie forgotten
+                self.pipe.sync_tied()
         with phase("optimizer"):
             if self.args.clip:
                 self.grad_norm = clip_across_stages(self.model, self.args.clip, self.pipe)
@@ -475,11 +512,13 @@ class PP(common.Strategy):
 
 def clip_across_stages(model, max_norm, pipe):
     """Global-norm clipping: every stage's squared norm summed; a tied head copy counts once."""
-    sq = torch.zeros(1, dtype=torch.float64)
+    # on the model's device: NCCL takes no CPU tensors (and no host copy per parameter)
+    sq = torch.zeros(1, dtype=torch.float64, device=next(model.parameters()).device)
+    skip_copy = pipe.tied and pipe.plant != "clip-tied-twice"   # planted: the copy counted too
     for n, p in model.named_parameters():
-        if p.grad is not None and not (pipe.tied and n == "lm_head.weight"):
-            sq += p.grad.double().pow(2).sum().cpu()
-    dist.all_reduce(sq)
+        if p.grad is not None and not (skip_copy and n == "lm_head.weight"):
+            sq += p.grad.double().pow(2).sum()
+    dist.all_reduce(sq, group=pipe.group)
     norm = sq.sqrt().item()
     coef = min(1.0, max_norm / (norm + 1e-6))
     if coef < 1.0:

@@ -101,7 +101,8 @@ def run_plants(only=None):
     groups = plant_groups(only)
     for i, (script, nproc, extra, names) in enumerate(groups):
         cmd = torchrun_cmd(nproc) + [os.path.join(HERE, script), "--mode", "plants",
-                                     "--plants", ",".join(names)] + extra
+                                     "--plants", ",".join(names)] + [
+            os.path.join(HERE, a) if a.startswith("configs/") else a for a in extra]
         print(f"[{i + 1}/{len(groups)}] {' '.join(cmd[2:])}", flush=True)
         with tempfile.TemporaryDirectory() as out:
             p = subprocess.run(cmd + ["--out", out], capture_output=True, text=True,

@@ -85,18 +85,18 @@ def test_verdict_is_error_against_noise():
     ref = {"a": torch.randn(4, 4, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float64)}
     noisy = {k: v * (1 + 1e-6) for k, v in ref.items()}                 # noise 1e-6
     c = common.Comparison(["a", "b"], {"a": (4, 4), "b": (3,)}, policy)
-    c.add("grad", 0, {k: v.clone() for k, v in ref.items()}, ref, noisy)
+    c.add("grad", 0, {k: v.clone() for k, v in ref.items()}, ref, [(noisy, 1.0)])
     assert c.max_err() == 0.0 and abs(c.max_noise() - 1e-6) < 1e-9
     assert all(j.ok for _, j in c.all())
     bad = {k: v.clone() for k, v in ref.items()}
     bad["b"][1] += 5e-6 * ref["b"].abs().max()                            # within 8 x noise
-    c.add("grad", 1, bad, ref, noisy)
+    c.add("grad", 1, bad, ref, [(noisy, 1.0)])
     assert c.rows["b"]["grad"].ok and c.rows["b"]["grad"].step == 1
     bad["b"][1] += 5e-6 * ref["b"].abs().max()                            # 10 x noise: FAIL
-    c.add("grad", 2, bad, ref, noisy)
+    c.add("grad", 2, bad, ref, [(noisy, 1.0)])
     assert not c.rows["b"]["grad"].ok and c.rows["a"]["grad"].ok
     assert c.worst()[0] == "grad:b"
-    c.add("param", 0, {"a": ref["a"]}, ref, noisy)                        # a missing tensor
+    c.add("param", 0, {"a": ref["a"]}, ref, [(noisy, 1.0)])              # a missing tensor
     assert c.missing == {"param:b"}
     # parameters get PARAM_K_FACTOR times the room; a zero noise still leaves the floor
     assert policy.tol(1e-6, "param") == pytest.approx(32e-6 + 4 * 2 ** -23)
@@ -104,9 +104,11 @@ def test_verdict_is_error_against_noise():
     # float64 runs: the float32 noise rescaled by eps64 / eps32
     assert common.NoisePolicy("float64").scale == 2.0 ** -29
     c64 = common.Comparison(["b"], {"b": (3,)}, common.NoisePolicy("float64"))
-    c64.add_scalar("loss", 0, 1.0 + 1e-12, 1.0, 1.0 + 1e-7)
+    c64.add_scalar("loss", 0, 1.0 + 1e-12, 1.0, [(1.0 + 1e-7, 2.0 ** -29), (1.0, 1.0)])
     assert not c64.scalars["loss"].ok          # 1e-12 > 8 x 1e-7 x 2^-29 + 4 ulp
-    c64.add_scalar("nan", 0, float("nan"), 1.0, 1.0)
+    c64.add_scalar("loss2", 0, 1.0 + 1e-12, 1.0, [(1.0 + 1e-7, 2.0 ** -29), (1.0 + 2e-13, 1.0)])
+    assert c64.scalars["loss2"].ok             # the largest of the noise sources counts
+    c64.add_scalar("nan", 0, float("nan"), 1.0, [(1.0, 1.0)])
     assert not c64.scalars["nan"].ok and c64.worst()[0] == "nan"
 
 
@@ -209,3 +211,31 @@ def test_presets_have_expected_sizes():
     assert 10e6 <= sizes["small"] <= 30e6
     assert 1.2e9 <= sizes["llama3.2-1b"] <= 1.3e9      # 1.24B with tied embeddings
     assert 7.9e9 <= sizes["llama3-8b"] <= 8.1e9        # 8.03B
+
+
+def test_noise_is_at_least_the_median_of_the_tensors_role():
+    """One tensor's noise sample can be unusually small; the same tensor in the other layers
+    has the same conditioning, so a tensor is judged against at least its role's median."""
+    assert common.role("model.layers.11.mlp.up_proj.weight") == "model.layers.*.mlp.up_proj.weight"
+    names = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(4)] + ["lm_head.weight"]
+    ref = {n: torch.ones(8, dtype=torch.float64) for n in names}
+    noisy = {n: ref[n] * (1 + e) for n, e in zip(names, (6e-7, 1e-7, 1.4e-6, 1e-8, 1e-8))}
+    got = {n: ref[n] * (1 + 1e-6) for n in names}                     # 1e-6 everywhere
+    c = common.Comparison(names, {n: (8,) for n in names}, common.NoisePolicy("float32"))
+    c.add("grad", 0, got, ref, [(noisy, 1.0)])
+    assert c.rows[names[3]]["grad"].ok          # own noise 1e-8, role median 3.5e-7
+    assert c.rows[names[3]]["grad"].noise == pytest.approx(3.5e-7)
+    assert not c.rows["lm_head.weight"]["grad"].ok     # a role of one: its own noise
+
+
+def test_plants_mode_picks_the_plants_declared_for_the_run():
+    import sp
+    p = common.base_parser("t", sp.SP.modes, sp.SP.plants)
+    sp.SP.add_args(p)
+    for argv, variant in ((["--variant", "ulysses"], "ulysses"), ([], "megatron")):
+        a = p.parse_args(argv + ["--model", "configs/tiny-gqa8.json", "--dtype", "float32",
+                                 "--clip", "0.5"])
+        picked = [n for n, pl in sp.SP.plants.items() if common._declared_for(pl, sp.SP, a)]
+        assert picked and all(sp.SP.plants[n].args[1] == variant for n in picked), picked
+    assert not any(common._declared_for(pl, sp.SP, p.parse_args([]))
+                   for pl in sp.SP.plants.values())       # float64 without --clip: none

@@ -40,6 +40,41 @@ def test_lr_schedule_warmup_then_cosine():
     assert lrs[14] == pytest.approx(0.1)
 
 
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_lr_schedule_matches_torch_schedulers(schedule):
+    """lr_at (what the strategy runs) against the reference's oracle, torch.optim.lr_scheduler
+    (LinearLR warm-up, then CosineAnnealingLR, through SequentialLR), stepped once per step."""
+    for warmup in range(4):
+        for steps in range(1, 8):
+            a = type("A", (), dict(lr=1e-3, lr_warmup=warmup, lr_schedule=schedule, steps=steps,
+                                   lr_min_ratio=0.1))
+            p = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+            opt = torch.optim.AdamW([p], lr=a.lr)
+            sched = compose4d.torch_schedule(opt, a)
+            got = []
+            for _ in range(steps):
+                got.append(opt.param_groups[0]["lr"])
+                opt.step()
+                if sched is not None:
+                    sched.step()
+            want = [compose4d.lr_at(k, a) for k in range(steps)]
+            assert got == pytest.approx(want, rel=1e-12, abs=0), (warmup, steps, got, want)
+
+
+def test_lr_plant_runs_where_the_schedule_moves():
+    """The configuration that must catch "lr-one-step-ahead" has a learning rate that changes
+    from step to step: under a constant one the plant would be invisible."""
+    import argparse
+    plant = compose4d.Compose4D.plants["lr-one-step-ahead"]
+    p = argparse.ArgumentParser()
+    compose4d.Compose4D.add_args(p)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3)
+    a, _ = p.parse_known_args(list(plant.args))
+    lrs = [compose4d.lr_at(k, a) for k in range(a.steps + 1)]
+    assert any(lrs[k] != lrs[k + 1] for k in range(a.steps)), (plant.args, lrs)
+
+
 def test_model_flops_formula():
     cfg = common.load_config("tiny")       # h 64, kv 32, I 128, L 4, V 256
     per_token = 6 * (4 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) + 256 * 64) + 12 * 4 * 64 * 64
@@ -47,11 +82,14 @@ def test_model_flops_formula():
 
 
 def assert_pass(r, world):
+    """PASS under the harness's noise policy: every tensor, the loss (and the pre-clip norm)
+    within tolerance of the float64 reference, the noise actually measured (not zero)."""
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     res = r.json("correctness.json")[0]
     assert res["world"] == world and res["tensors"] == N_TENSORS, res
     assert res["grads_compared"] == res["params_compared"] == N_TENSORS
-    assert res["max_rel_err"] < 1e-11 and res["loss_rel_err"] < 1e-12, res
+    assert res["ok"] and not res["problems"] and res["worst_ratio"] <= 1.0, res
+    assert res["max_grad_noise"] > 0 and res["max_param_noise"] > 0, res
     assert all(c["ok"] for c in res["checks"]), res
     return res
 

@@ -1,12 +1,23 @@
-"""cp_ring.py: the attention function alone, then the full model, under torchrun on CPU."""
+"""cp_ring.py: the attention kernel alone (one process, against SDPA), the attention function
+over a real group, then the full model, under torchrun on CPU (planted bugs: test_plants.py)."""
+import argparse
 import os
 import subprocess
 import sys
 
 import pytest
 
+import cp_attention_check
 import cp_ring
 from conftest import ROOT, assert_config_error
+
+
+def test_kernel_as_accurate_as_sdpa():
+    """The block loop and online-softmax merge, every rank played in one process, on large
+    logits and shifted keys (a trained model's): within 2x of torch SDPA's error against a
+    long-double reference, forward and backward, float32 (and float64 where long double is
+    wider). The sigmoid/lse merge this replaced was up to 5.8x SDPA's error here."""
+    assert cp_attention_check.kernel(argparse.Namespace(factor=2.0))
 
 
 def attention_check(world, seq, dtype, tol):
@@ -37,7 +48,7 @@ def test_correctness(run, variant, world):
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     res = r.json("correctness.json")[0]
     assert res["strategy"] == f"cp-{variant}" and res["tensors"] == res["grads_compared"] == 39
-    assert res["max_grad_err"] < 1e-12
+    assert res["ok"] and res["params_compared"] == 39 and res["worst_ratio"] <= 1
 
 
 def test_learning(run):

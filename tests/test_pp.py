@@ -1,11 +1,24 @@
 """pp.py: schedules without processes, then the pipeline under torchrun on CPU."""
+import copy
 import json
+import types
 
 import pytest
 
 import common
 import pp
 from conftest import assert_config_error
+
+try:   # torch's own pipeline-schedule IR, validator and comms simulator (private, torch >= 2.5)
+    from torch.distributed.pipelining import schedules as T
+    TORCH_ORACLE = all(hasattr(T, n) for n in (
+        "_Action", "_ComputationType", "_validate_schedule", "_add_send_recv",
+        "_simulate_comms_compute", "_format_pipeline_order"))
+except ImportError:
+    T, TORCH_ORACLE = None, False
+needs_torch_oracle = pytest.mark.skipif(
+    not TORCH_ORACLE, reason="this torch has no torch.distributed.pipelining.schedules."
+    "_validate_schedule / _add_send_recv / _simulate_comms_compute to check pp's schedules with")
 
 CASES = [(P, M, V) for P in (2, 3, 4) for M in (1, 2, 3, 4, 8) for V in (1, 2)]
 
@@ -48,6 +61,119 @@ def test_schedules(name):
         if M >= P:  # the bubble of the unit-cost simulation is the textbook formula
             assert bubble == pytest.approx(pp.bubble_formula(name, P, M, V), abs=1e-12)
         checked += 1
+    assert checked >= 4
+
+
+# ----------------------------------------------------------------------------------------------
+# The independent oracle: torch.distributed.pipelining's own schedule IR. pp's (kind, chunk,
+# micro-batch) actions are torch's _Action(stage, F/B/I/W, micro-batch) one to one (chunk c on
+# rank c % P is torch's looped stage-to-rank mapping), so every schedule of pp's is expressible.
+# ----------------------------------------------------------------------------------------------
+def torch_order(name, P, M, V):
+    """pp's compute schedule in torch's format: {rank: [_Action(stage, F|B|I|W, mb)]}."""
+    return {r: [T._Action(c, T._ComputationType(k), m) for k, c, m in pp.schedule(name, P, M, V, r)]
+            for r in range(P)}
+
+
+def with_executor_comms(order, C):
+    """The point-to-point as pp's executor issues it: a blocking receive right before the action
+    that consumes it, an asynchronous send right after the action that produced it (torch's
+    simulator models exactly that: a send is ready once its compute ran, a receive once the
+    peer's send was issued)."""
+    out = {}
+    for r, acts in order.items():
+        seq = []
+        for a in acts:
+            k, c, m = a.computation_type, a.stage_index, a.microbatch_index
+            fwd, back = k == T.F, k in (T.B, T.I)
+            if fwd and c > 0:
+                seq.append(T._Action(c, T.RECV_F, m))
+            if back and c < C - 1:
+                seq.append(T._Action(c, T.RECV_B, m))
+            seq.append(a)
+            if fwd and c < C - 1:
+                seq.append(T._Action(c, T.SEND_F, m))
+            if back and c > 0:
+                seq.append(T._Action(c, T.SEND_B, m))
+        out[r] = seq
+    return out
+
+
+@needs_torch_oracle
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb"])
+def test_schedules_pass_torch_validator_and_comms_simulation(name):
+    checked = 0
+    for P, M, V in CASES:
+        if not valid(name, P, M, V):
+            continue
+        C, stage_to_rank = P * V, (lambda s, P=P: s % P)
+        order = torch_order(name, P, M, V)
+        # every stage runs F, then B (or I then W), once per micro-batch, on one rank: c % P
+        assert T._validate_schedule(order, P, C, M) == {c: c % P for c in range(C)}
+        # torch's own lowering: sends and receives inserted by torch, then its dry run (raises
+        # "Schedule is not progressing" on a deadlock)
+        T._simulate_comms_compute(T._add_send_recv(copy.deepcopy(order), stage_to_rank, C),
+                                  stage_to_rank, C)
+        # the order in which pp's executor really posts them
+        sim = T._simulate_comms_compute(with_executor_comms(order, C), stage_to_rank, C)
+        assert all(sim[r] for r in range(P))
+        checked += 1
+    assert checked >= 4
+
+
+@needs_torch_oracle
+def test_torch_oracle_catches_a_deadlocking_schedule(capsys):
+    """The oracle can fail: stage 0 waits for B(0) before it sends F(1), stage 1 waits for F(1)
+    before it sends B(0)'s gradient."""
+    A, F_, B_ = T._Action, T.F, T.B
+    order = {0: [A(0, F_, 0), A(0, B_, 0), A(0, F_, 1), A(0, B_, 1)],
+             1: [A(1, F_, 0), A(1, F_, 1), A(1, B_, 0), A(1, B_, 1)]}
+    T._validate_schedule(order, 2, 2, 2)      # counts and per-stage order are fine ...
+    with pytest.raises(ValueError, match="not progressing"):   # ... the communication is not
+        T._simulate_comms_compute(with_executor_comms(order, 2), lambda s: s % 2, 2)
+    with pytest.raises(AssertionError, match="without first running Forward"):
+        T._validate_schedule({0: [A(0, B_, 0), A(0, F_, 0)]}, 1, 1, 1)
+
+
+def torch_generated(name, P, M, V):
+    """torch's own generator for the same schedule, compute actions only (its Nones are
+    timing slots). Its 1F1B IR (Schedule1F1B._get_pipeline_order) cannot serve: in torch 2.13 it
+    numbers the last rank's forwards from 1 and fails torch's own validator, so 1F1B is taken
+    from ZB1P with one stage per rank, whose I's are 1F1B's B's once the W's are dropped."""
+    if name == "gpipe":
+        o = T.ScheduleGPipe._get_pipeline_order(
+            types.SimpleNamespace(_num_stages=P, _n_microbatches=M))
+    else:
+        cls = T.ScheduleInterleaved1F1B if name == "interleaved" else \
+            T.ScheduleInterleavedZeroBubble
+        rounds = max(1, M // P)
+        ns = types.SimpleNamespace(n_local_stages=V, pp_group_size=P, _n_microbatches=M,
+                                   microbatches_per_round=M // rounds)
+        o = {r: cls._calculate_single_rank_operations(ns, r) for r in range(P)}
+    keep = (T.F, T.B, T.I, T.W)
+    o = {r: [a for a in acts if a is not None and a.computation_type in keep]
+         for r, acts in o.items()}
+    if name == "1f1b":
+        o = {r: [T._Action(a.stage_index, T.B if a.computation_type == T.I else T.F,
+                           a.microbatch_index) for a in acts if a.computation_type != T.W]
+             for r, acts in o.items()}
+    return o
+
+
+@needs_torch_oracle
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb"])
+def test_schedules_are_torchs_own(name):
+    """Same actions in the same order per rank as torch's ScheduleGPipe, ZB1P (V = 1) without
+    W, ScheduleInterleaved1F1B (Megatron's, M a multiple of P) and ScheduleInterleavedZeroBubble
+    (ZB1P; with V = 1 it is ZB-H1: W deferred by `rank` backwards)."""
+    if not all(hasattr(T, c) for c in ("ScheduleGPipe", "ScheduleInterleaved1F1B",
+                                       "ScheduleInterleavedZeroBubble")):
+        pytest.skip("this torch lacks one of torch's schedule classes")
+    checked = 0
+    for P, M, V in CASES:
+        if valid(name, P, M, V):
+            assert torch_generated(name, P, M, V) == torch_order(name, P, M, V), (P, M, V)
+            checked += 1
     assert checked >= 4
 
 

@@ -45,7 +45,10 @@ def test_correctness_gqa(run, cfg, script, variant, name, world):
     extra = ["--variant", variant] if variant else []
     r = run(script, world, "--model", cfg("gqa"), "--clip", "0.5", *extra)
     res = check(r, name, world, 39)
-    assert res["max_grad_err"] < 1e-12
+    # judged against measured noise (the harness's verdict), the pre-clip norm on its own row
+    assert res["worst_ratio"] <= 1.0 and res["max_grad_noise"] > 0, res["worst"]
+    norm = res["scalars"]["grad norm"]
+    assert norm["err"] <= norm["tol"], norm
     if script == "tp.py":  # norms (replicated) identical across ranks
         assert res["checks"][0]["ok"] and "replicated" in res["checks"][0]["name"]
 
@@ -128,6 +131,14 @@ def test_benchmark_ulysses_comm(run, cfg):
 def test_bad_config(run, cfg, script, world, args, msg):
     args = [cfg(a) if a in CONFIGS else a for a in args]
     assert_config_error(run(script, world, *args), msg)
+
+
+def test_sp_plants_name_their_variant():
+    """sp.py holds both variants' planted bugs: each must run under its own --variant."""
+    import sp
+    for name, plant in sp.SP.plants.items():
+        variant = "ulysses" if name in sp.Ulysses.plants else "megatron"
+        assert plant.args[:2] == ("--variant", variant), (name, plant.args)
 
 
 def test_vocab_parallel_cross_entropy_masks_padding(group):

@@ -25,10 +25,12 @@ def assert_pass(r, name, world):
     pytest.param(2, ["--dtype", "float32", "--grad-accum", "2"], marks=pytest.mark.slow),
 ])
 def test_correctness_with_clipping(run, stage, world, extra):
-    # --clip 0.5 is below the initial gradient norm (1.25), so clipping is active.
+    # --clip 0.5 is below the initial gradient norm, so clipping is active; the harness compares
+    # the gradients before clipping and the reported pre-clip norm on its own row.
     r = run("zero.py", world, "--stage", stage, "--clip", "0.5", *extra)
     res = assert_pass(r, f"zero{stage}", world)
-    assert res["max_grad_err"] <= (1e-12 if "float32" not in extra else 1e-5)
+    assert "grad norm" in res["scalars"] and res["worst_ratio"] <= 1, res
+    assert res["scalars"]["grad norm"]["value"] > 0.5     # clipping was active
 
 
 @pytest.mark.slow
@@ -38,11 +40,6 @@ def test_stage3_tied_embeddings(run, tmp_path):
     r = run("zero.py", 2, "--stage", "3", "--model", tmp_path / "tied.json")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     assert r.json("correctness.json")[0]["tensors"] == 38  # lm_head is the embedding
-
-
-def test_dropping_the_gradient_average_fails(run):
-    r = run("zero.py", 2, "--stage", "2", "--plant-bug", "no-average")
-    assert r.rc == 1 and r.last_line.startswith("FAIL"), r
 
 
 def test_learning(run):
@@ -134,6 +131,6 @@ def test_bf16_mixed_precision_memory_and_correctness(run, stage, psi_units):
     m = r.json("benchmark.json")["ours"]["memory"][0]
     assert m["model_states"] == psi_units * TINY_PARAMS, m
     assert m["optimizer"] == 12 * TINY_PARAMS // 2   # master + m + v, fp32, sharded
-    if stage == 2:  # and the errors stay within 4x the single-device bf16 error
+    if stage == 2:  # and the errors stay within the noise policy's multiple of single-device bf16
         c = run("zero.py", 2, "--stage", stage, "--dtype", "bfloat16")
         assert c.rc == 0 and c.last_line.startswith("PASS"), c
