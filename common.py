@@ -1001,6 +1001,17 @@ TOL_K = 8.0
 # can show (optimizer state, learning rate, the updated-parameter gather) are off by a fraction
 # of lr, orders of magnitude beyond either.
 PARAM_K_FACTOR = 4.0
+# And one entry whose gradient is within rounding of Adam's eps can take a visibly different
+# update on rounding alone: lr * g / (|g| + eps) moves by up to lr when g's rounding is
+# comparable to eps. A strategy's rounding lands on other entries than the single-device run's,
+# so per tensor the noise sample can miss it (measured: TP's vocab-parallel softmax on an untied
+# lm_head, float32, 0.01 lr on one entry vs 2e-4 lr of noise). Parameters therefore also get
+#     PARAM_LR_FLOOR * lr * steps * min(1, eps(dtype) / ADAM_EPS)      (absolute)
+# 5% of an lr step per step in float32 and bfloat16, and ~1e-9 lr in float64, where rounding is
+# far below Adam's eps. A learning-rate, optimizer-state or stale-parameter bug moves every entry
+# by a large fraction of lr; float64 runs still see a missing weight decay (1e-4 lr).
+PARAM_LR_FLOOR = 0.05
+ADAM_EPS = 1e-8   # make_adamw's eps
 TOL_FLOOR_ULPS = 4.0
 
 
@@ -1045,15 +1056,20 @@ class NoisePolicy:
     def factor(self, kind: str) -> float:
         return self.k * (PARAM_K_FACTOR if kind == "param" else 1.0)
 
-    def tol(self, noise: float, kind: str = "grad") -> float:
-        return self.factor(kind) * noise + self.floor
+    def tol(self, noise: float, kind: str = "grad", extra: float = 0.0) -> float:
+        return self.factor(kind) * noise + self.floor + extra
+
+    def update_floor(self, lr: float, steps: int) -> float:
+        """The absolute parameter floor after `steps` AdamW steps (see PARAM_LR_FLOOR)."""
+        return PARAM_LR_FLOOR * lr * steps * min(1.0, EPS[self.dtype] / ADAM_EPS)
 
     def describe(self) -> str:
         src = (f"single-device {self.noise_dtype} vs float64"
                + (f" x eps ratio {self.scale:.1e}, and float64 on reversed rows"
                   if self.scale != 1 else ""))
         return (f"err <= {self.k:g} x noise + {self.floor_ulps:g} ulp, params "
-                f"{self.factor('param'):g} x ({src})")
+                f"{self.factor('param'):g} x + {PARAM_LR_FLOOR * min(1, EPS[self.dtype] / ADAM_EPS):.0e}"
+                f" lr/step ({src})")
 
 
 @dataclass
@@ -1087,14 +1103,17 @@ class Comparison:
         self.missing: set[str] = set()
         self.extra: list[str] = []
 
-    def _judge(self, old: Judged, err: float, noise: float, step: int, kind: str) -> Judged:
-        new = Judged(err, noise, self.policy.tol(noise, kind), step)
+    def _judge(self, old: Judged, err: float, noise: float, step: int, kind: str,
+               extra: float = 0.0) -> Judged:
+        new = Judged(err, noise, self.policy.tol(noise, kind, extra), step)
         key = lambda j: math.inf if math.isnan(j.ratio) else j.ratio  # noqa: E731
         return new if old.step < 0 or key(new) > key(old) else old
 
-    def add(self, kind: str, step: int, got: dict, target: dict, noisy: list):
+    def add(self, kind: str, step: int, got: dict, target: dict, noisy: list,
+            floor_abs: float = 0.0):
         """noisy: [(tensors of a noise source, the scale of its error)]; the noise of a tensor
-        is the largest scaled error over the sources."""
+        is the largest scaled error over the sources. floor_abs: an absolute tolerance added
+        (parameters: policy.update_floor), relative to each tensor's max |target|."""
         noise = {n: max(rel_err(d[n], target[n]) * sc for d, sc in noisy) for n in self.names
                  if target.get(n) is not None and all(d.get(n) is not None for d, _ in noisy)}
         # One noise sample per tensor can be unusually small (a lucky rounding on a tensor whose
@@ -1109,8 +1128,10 @@ class Comparison:
                 self.missing.add(f"{kind}:{n}")
                 continue
             level = max(noise[n], float(np.median(by_role[role(n)])))
+            scale = target[n].detach().abs().max().item() if target[n].numel() else 0.0
+            extra = floor_abs / scale if scale > 0 else 0.0
             self.rows[n][kind] = self._judge(self.rows[n][kind], rel_err(got[n], target[n]),
-                                             level, step, kind)
+                                             level, step, kind, extra)
         self.extra = sorted(set(got) - set(self.names))
 
     def add_scalar(self, name: str, step: int, got: float, target: float, noisy: list):
@@ -1358,7 +1379,8 @@ def _correctness_one(run: Run, cls) -> bool:
                      for x in sources]
             cmp.add("grad", s, grads, t_grads, noisy)
             cmp.add("param", s, params, target.full_params(),
-                    [(x.ref.full_params(), x.scale) for x in sources])
+                    [(x.ref.full_params(), x.scale) for x in sources],
+                    policy.update_floor(args.lr, s + 1))
             cmp.add_scalar("loss", s, loss, t_loss, [(v, x.scale) for v, x in zip(n_loss, sources)])
             if args.clip:
                 norm = lambda x: float(full_tensor(x.grad_norm))  # noqa: E731
