@@ -38,6 +38,14 @@ The adapter contract (subclass `Strategy`)
                               the measured figures and fails when they differ.
     extra_checks() -> list[(name, ok, detail)]
                               strategy-specific correctness checks (collective; rank 0's verdict).
+                              Each must be able to fail: no rows that are true by construction.
+    grad_norm                 set by step() when --clip is on: the pre-clip global gradient norm
+                              (float or 0-d tensor). The harness divides the clipped gradients by
+                              torch's clip coefficient from it, so gradients are compared before
+                              clipping, and judges the norm on its own row.
+    plants                    {NAME: Plant(doc, args, world)}: known bugs the strategy can plant in
+                              itself (--plant-bug NAME, checked where the bug would be); args is the
+                              configuration in which correctness must FAIL (tests/test_plants.py).
     native                    optional Strategy subclass (or list of them) wrapping PyTorch's own
                               implementation, used by `--compare-native`; the first is the one
                               the step-time ratio is taken against.
@@ -58,9 +66,15 @@ time them and the memory tracker can tell activations from the rest.
 Modes (`--mode correctness|learning|benchmark|all`)
 ---------------------------------------------------
 correctness  rank 0 runs the reference (plain HF model + torch.optim.AdamW on the whole global
-             batch) while the strategy runs on every rank, same batches, >= 2 optimizer steps.
-             Compares the loss at every step, every gradient at every step and every parameter
-             after every step; prints a per-tensor table; the last line starts PASS or FAIL.
+             batch) while the strategy runs on every rank, same batches (with ignored labels,
+             uneven per rank and micro-batch), >= 2 optimizer steps. Compares the loss at every
+             step, every gradient (before clipping) at every step and every parameter after
+             every step against a float64 reference, each error judged against the measured
+             noise of a single-device run (NoisePolicy, "Verdicts" below); prints a per-tensor
+             table; the last line starts PASS or FAIL.
+plants       the clean correctness run, then each planted bug (--plants a,b; default: the plants
+             declared for this configuration) in one process group: PASS when the clean run
+             PASSes and every plant FAILs.
 learning     --steps steps on the synthetic language, reference and strategy side by side,
              against the language's exact entropy rate (the loss floor).
 benchmark    --warmup steps, then --bench-iters timed steps (a fixed count: adaptive counts
@@ -464,10 +478,6 @@ class Batch:
     @functools.cached_property
     def n_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
-
-    def flipped(self) -> "Batch":
-        """The same sequences in reverse row order (the same loss, other rounding)."""
-        return Batch(self.input_ids.flip(0), self.labels.flip(0), self.index)
 
     def rows(self, start: int, stop: int) -> "Batch":
         return Batch(self.input_ids[start:stop], self.labels[start:stop], self.index)
@@ -1065,8 +1075,7 @@ class NoisePolicy:
 
     def describe(self) -> str:
         src = (f"single-device {self.noise_dtype} vs float64"
-               + (f" x eps ratio {self.scale:.1e}, and float64 on reversed rows"
-                  if self.scale != 1 else ""))
+               + (f" x eps ratio {self.scale:.1e}" if self.scale != 1 else ""))
         return (f"err <= {self.k:g} x noise + {self.floor_ulps:g} ulp, params "
                 f"{self.factor('param'):g} x + {PARAM_LR_FLOOR * min(1, EPS[self.dtype] / ADAM_EPS):.0e}"
                 f" lr/step ({src})")
@@ -1330,23 +1339,18 @@ class NoiseSource:
     """A single-device reference whose distance from the float64 target is a noise sample."""
     ref: Strategy
     scale: float       # multiplies its error (eps64/eps32 for float32 noise in a float64 run)
-    flip: bool         # runs the batch with its rows in reverse order
-
-    def step(self, batch: Batch) -> float:
-        return self.ref.step(batch.flipped() if self.flip else batch)
 
 
 def noise_sources(run: Run, cls, ref, policy) -> tuple:
     """(target, [NoiseSource]) on rank 0. float32/bfloat16 runs: the reference in that dtype.
     float64 runs: the float32 reference, its error scaled by eps64/eps32 (rounding propagates
-    linearly in the unit roundoff: forward, backward, everything), and a second float64
-    reference fed the batch's rows in reverse order (every sum over tokens in another order).
-    The second catches what scaling cannot: a float32 parameter's error is floored by its own
-    rounding (an ulp of |p|), which hides the part of Adam's update error that float64 shows."""
+    linearly in the unit roundoff: forward, backward, everything). What scaling cannot carry,
+    Adam's update error on entries whose gradient is near its eps (a float32 parameter's error
+    is floored by its own rounding, an ulp of |p|), the parameter floor covers
+    (NoisePolicy.update_floor)."""
     if policy.dtype != "float64":
-        return _reference_in(run, cls, "float64"), [NoiseSource(ref, 1.0, False)]
-    return ref, [NoiseSource(_reference_in(run, cls, policy.noise_dtype), policy.scale, False),
-                 NoiseSource(_reference_in(run, cls, "float64"), 1.0, True)]
+        return _reference_in(run, cls, "float64"), [NoiseSource(ref, 1.0)]
+    return ref, [NoiseSource(_reference_in(run, cls, policy.noise_dtype), policy.scale)]
 
 
 def _correctness_one(run: Run, cls) -> bool:
@@ -1373,7 +1377,7 @@ def _correctness_one(run: Run, cls) -> bool:
             grads[k] = grads[k] * (1 + 1e-6) + 1e-6 * grads[k].abs().max()
         if env.is_main:
             t_loss = target.step(batch)
-            n_loss = [src.step(batch) for src in sources]
+            n_loss = [src.ref.step(batch) for src in sources]
             t_grads = preclip_grads(target, target.full_grads(), args.clip)
             noisy = [(preclip_grads(x.ref, x.ref.full_grads(), args.clip), x.scale)
                      for x in sources]

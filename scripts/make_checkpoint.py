@@ -1,7 +1,7 @@
 """make_checkpoint.py: write a small local HF checkpoint that behaves like a trained one.
 
     python scripts/make_checkpoint.py DIR            # Llama: 12 layers, 12 heads / 6 kv, tied
-    python scripts/make_checkpoint.py DIR --moe      # the same shape as a Mixtral (6 experts)
+    python scripts/make_checkpoint.py DIR --moe      # a 4-layer Mixtral twin (6 experts, top 2)
 
 Random-init models are kind to numerics: activations are O(1), attention is nearly uniform and
 no sum cancels much. Trained checkpoints are not, and a correctness verdict tuned on random
@@ -33,8 +33,10 @@ import common  # noqa: E402
 CONFIG = dict(vocab_size=250, hidden_size=96, intermediate_size=192, num_hidden_layers=12,
               num_attention_heads=12, num_key_value_heads=6, max_position_embeddings=4096,
               tie_word_embeddings=True, rms_norm_eps=1e-5)
+# the Mixtral twin: 4 layers (HF's eager expert loop runs every expert in Python: the 12-layer
+# twin took 100 s per correctness run on 2 cores)
 MOE = dict(num_local_experts=6, num_experts_per_tok=2, router_jitter_noise=0.0,
-           intermediate_size=96)
+           intermediate_size=96, num_hidden_layers=4)
 MASSIVE = (7, 61)       # residual channels given massive activations
 MASSIVE_SCALE = 30.0
 QK_SCALE = 3.0

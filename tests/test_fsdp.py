@@ -14,7 +14,7 @@ def padded(n, w):
     (2, []),
     (3, ["--batch", "6"]),                                                     # uneven shards
     pytest.param(2, ["--no-reshard-after-forward", "--prefetch", "2"], marks=pytest.mark.slow),
-    pytest.param(2, ["--dtype", "float32", "--grad-accum", "2"], marks=pytest.mark.slow),
+    # (float32 with accumulation and clipping: the clean run of test_plants.py's fsdp group)
 ])
 def test_correctness_with_clipping(run, world, extra):
     r = run("fsdp.py", world, "--clip", "0.5", *extra)

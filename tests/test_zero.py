@@ -22,9 +22,12 @@ def assert_pass(r, name, world):
 @pytest.mark.parametrize("world,extra", [
     (2, []),
     pytest.param(3, ["--batch", "6"], marks=pytest.mark.slow),                  # uneven shards
+    # (stage 2 in float32 with accumulation: the clean run of test_plants.py's zero group)
     pytest.param(2, ["--dtype", "float32", "--grad-accum", "2"], marks=pytest.mark.slow),
 ])
 def test_correctness_with_clipping(run, stage, world, extra):
+    if stage == 2 and "float32" in extra:
+        pytest.skip("the clean run of test_plants.py's zero group")
     # --clip 0.5 is below the initial gradient norm, so clipping is active; the harness compares
     # the gradients before clipping and the reported pre-clip norm on its own row.
     r = run("zero.py", world, "--stage", stage, "--clip", "0.5", *extra)
