@@ -57,6 +57,59 @@ def launch(script, nproc, *args, out=None, timeout=300, torchrun=True, as_rank0=
     return Result(proc, out)
 
 
+class RunResult(Result):
+    """One run of a `--runs` launch: its own stdout segment, its --out, its verdict."""
+    def __init__(self, whole: Result, out_dir, stdout: str):
+        self.proc, self.out, self.stdout, self.stderr = whole.proc, out_dir, stdout, whole.stderr
+        status = os.path.join(out_dir, "status.json")
+        ok = os.path.exists(status) and json.load(open(status))["ok"]
+        self.rc = 0 if ok else (whole.rc or 1)
+
+
+def launch_runs(script, nproc, runs: dict, base, timeout=900) -> dict:
+    """One torchrun launch of `script` for several argument lists (`--runs`): the ~10 s of
+    imports and start-up per process are paid once. runs: {key: [args...]}; each run gets its
+    own --out under `base`. Returns {key: RunResult}; a crash fails every run not yet done."""
+    import common
+    os.makedirs(base, exist_ok=True)
+    keys = list(runs)
+    outs = {k: os.path.join(str(base), f"run{i}") for i, k in enumerate(keys)}
+    argvs = [[str(x(base) if callable(x) else x) for x in runs[k]]
+             + ["--timeout", "60", "--out", outs[k]] for k in keys]
+    spec = os.path.join(str(base), "runs.json")
+    with open(spec, "w") as f:
+        json.dump(argvs, f)
+    whole = launch(script, nproc, "--runs", spec, timeout=timeout)
+    parts, cur = {}, None
+    for line in whole.stdout.splitlines(keepends=True):
+        if line.startswith(common.RUN_MARK):
+            cur = line[len(common.RUN_MARK):].split(" ", 1)[1].strip()
+            parts[cur] = ""
+        elif cur is not None:
+            parts[cur] += line
+    return {k: RunResult(whole, outs[k], parts.get(outs[k], whole.stdout)) for k in keys}
+
+
+class Runs:
+    """Runs declared up front (`{key: args}`) and launched together, in one torchrun launch, the
+    first time a test asks the `runs` fixture for one of them."""
+    def __init__(self, script, nproc, runs: dict):
+        self.script, self.nproc, self.runs = script, nproc, runs
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """runs(BATCH, key) -> that run's RunResult; BATCH is launched once per session."""
+    done = {}
+
+    def get(batch: Runs, key):
+        if id(batch) not in done:
+            base = tmp_path_factory.mktemp(os.path.splitext(batch.script)[0])
+            done[id(batch)] = launch_runs(batch.script, batch.nproc, batch.runs, base)
+        return done[id(batch)][key]
+    return get
+
+
 @pytest.fixture
 def group():
     """A gloo process group of one, in this process (for unit tests of collective code)."""

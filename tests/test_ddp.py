@@ -1,4 +1,5 @@
 """ddp.py against the single-device reference, under torchrun with gloo on CPU."""
+import os
 import re
 
 import pytest
@@ -6,7 +7,21 @@ import torch
 
 import common
 import ddp
-from conftest import assert_config_error
+from conftest import Runs, assert_config_error
+
+BENCH = ["--mode", "benchmark", "--bucket-mb", "0.25", "--warmup", "1", "--bench-iters", "3"]
+W2 = Runs("ddp.py", 2, {  # one launch: the start-up (~10 s a process) paid once
+    "correctness": ["--dtype", "float64"],
+    "plant-grad": ["--plant-bug", "grad"],
+    "learning": ["--mode", "learning", "--steps", "40"],
+    "bench-accum1": BENCH + ["--grad-accum", "1"],
+    "bench-accum2": BENCH + ["--grad-accum", "2"],
+})
+SLOW_W2 = Runs("ddp.py", 2, {"native": ["--compare-native", "--grad-accum", "2"]})
+SLOW_W3 = Runs("ddp.py", 3, {
+    "float64": ["--dtype", "float64", "--batch", "6", "--grad-accum", "2"],
+    "float32": ["--dtype", "float32", "--batch", "6"],
+})
 
 
 def assert_pass(r, world, dtype, n_tensors=39):
@@ -19,15 +34,14 @@ def assert_pass(r, world, dtype, n_tensors=39):
     return res
 
 
-@pytest.mark.parametrize("world,dtype,extra", [
-    (2, "float64", []),
+@pytest.mark.parametrize("batch,key,world,dtype", [
+    (W2, "correctness", 2, "float64"),
     # (W=2 float32 with accumulation and clipping: the clean run of test_plants.py's ddp group)
-    pytest.param(3, "float64", ["--batch", "6", "--grad-accum", "2"], marks=pytest.mark.slow),
-    pytest.param(3, "float32", ["--batch", "6"], marks=pytest.mark.slow),
+    pytest.param(SLOW_W3, "float64", 3, "float64", marks=pytest.mark.slow),   # uneven, accum
+    pytest.param(SLOW_W3, "float32", 3, "float32", marks=pytest.mark.slow),
 ])
-def test_correctness(run, world, dtype, extra):
-    r = run("ddp.py", world, "--mode", "correctness", "--dtype", dtype, *extra)
-    res = assert_pass(r, world, dtype)
+def test_correctness(runs, batch, key, world, dtype):
+    res = assert_pass(runs(batch, key), world, dtype)
     # judged against measured noise: the single-device error, rescaled for float64 runs
     assert 0 < res["max_grad_noise"] and res["worst_ratio"] <= 1.0
     assert res["noise_dtype"] == "float32" and res["tol_k"] == common.TOL_K
@@ -41,24 +55,24 @@ def test_correctness_small_buckets_and_world_size_one(run):
     assert res["max_rel_err"] == 0.0  # same arithmetic as the reference: bit-identical
 
 
-def test_planted_gradient_error_fails(run):
-    r = run("ddp.py", 2, "--plant-bug", "grad")
+def test_planted_gradient_error_fails(runs):
+    r = runs(W2, "plant-grad")
     assert r.rc == 1 and r.last_line.startswith("FAIL"), r
     assert "1 tensors over tolerance" in r.last_line
 
 
 @pytest.mark.slow
-def test_compare_native_correctness(run):
-    r = run("ddp.py", 2, "--compare-native", "--grad-accum", "2")
+def test_compare_native_correctness(runs):
+    r = runs(SLOW_W2, "native")
     assert r.rc == 0, r
     res = r.json("correctness.json")
     assert [x["strategy"] for x in res] == ["ddp", "torch-ddp"] and all(x["ok"] for x in res)
 
 
-def test_learning(run):
-    r = run("ddp.py", 2, "--mode", "learning", "--steps", "40")
+def test_learning(runs):
+    r = runs(W2, "learning")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
-    rows = open(r.out / "learning.csv").read().splitlines()
+    rows = open(os.path.join(r.out, "learning.csv")).read().splitlines()
     assert len(rows) == 41 and rows[0].startswith("step,reference,ddp")
     first, last = float(rows[1].split(",")[2]), float(rows[-1].split(",")[2])
     floor = float(rows[1].split(",")[3])
@@ -77,9 +91,8 @@ def expected_buckets(model, cap_bytes):
 
 
 @pytest.mark.parametrize("accum", [1, 2])
-def test_benchmark_comm_and_memory(run, accum):
-    r = run("ddp.py", 2, "--mode", "benchmark", "--bucket-mb", "0.25", "--grad-accum", accum,
-            "--warmup", "1", "--bench-iters", "3")
+def test_benchmark_comm_and_memory(runs, accum):
+    r = runs(W2, f"bench-accum{accum}")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     b = r.json("benchmark.json")
     cfg = common.load_config("tiny")

@@ -1,13 +1,44 @@
 """zero.py (ZeRO-1/2/3) against the single-device reference, under torchrun on CPU."""
 import json
+import os
 
 import pytest
 import torch
 
 import common
 import zero
+from conftest import Runs
 
 TINY_PARAMS = 180_800
+CLIP = ["--clip", "0.5"]  # below the initial gradient norm, so clipping is active
+BENCH = ["--mode", "benchmark", "--warmup", "1"]
+
+
+def tied_config(base):
+    path = os.path.join(base, "tied.json")
+    with open(path, "w") as f:
+        json.dump(dict(common.PRESETS["tiny"], tie_word_embeddings=True), f)
+    return path
+
+
+W2 = Runs("zero.py", 2, {  # one launch per batch: the start-up (~10 s a process) paid once
+    **{f"clip{s}": ["--stage", s, *CLIP] for s in (1, 2, 3)},
+    "learning": ["--stage", "3", "--mode", "learning", "--steps", "40"],
+})
+W3 = Runs("zero.py", 3, {  # 3 does not divide the units' sizes, so the buffers are padded
+    f"bench{s}": [*BENCH, "--stage", s, "--clip", "1.0", "--batch", "6", "--bench-iters", "2"]
+    for s in (1, 2, 3)})
+SLOW_W2 = Runs("zero.py", 2, {
+    "tied": ["--stage", "3", "--model", tied_config],
+    **{f"bf16-bench{s}": [*BENCH, "--stage", s, "--dtype", "bfloat16", "--bench-iters", "1"]
+       for s in (1, 2, 3)},
+    "bf16-stage2": ["--stage", "2", "--dtype", "bfloat16"],
+    # (stage 2 in float32 with accumulation: the clean run of test_plants.py's zero group)
+    **{f"f32-accum{s}": ["--stage", s, *CLIP, "--dtype", "float32", "--grad-accum", "2"]
+       for s in (1, 3)},
+})
+SLOW_W3 = Runs("zero.py", 3, {f"clip{s}": ["--stage", s, *CLIP, "--batch", "6"]
+                              for s in (1, 2, 3)})   # uneven shards
 
 
 def assert_pass(r, name, world):
@@ -18,43 +49,34 @@ def assert_pass(r, name, world):
     return res
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("world,extra", [
-    (2, []),
-    pytest.param(3, ["--batch", "6"], marks=pytest.mark.slow),                  # uneven shards
-    # (stage 2 in float32 with accumulation: the clean run of test_plants.py's zero group)
-    pytest.param(2, ["--dtype", "float32", "--grad-accum", "2"], marks=pytest.mark.slow),
-])
-def test_correctness_with_clipping(run, stage, world, extra):
-    if stage == 2 and "float32" in extra:
-        pytest.skip("the clean run of test_plants.py's zero group")
-    # --clip 0.5 is below the initial gradient norm, so clipping is active; the harness compares
-    # the gradients before clipping and the reported pre-clip norm on its own row.
-    r = run("zero.py", world, "--stage", stage, "--clip", "0.5", *extra)
-    res = assert_pass(r, f"zero{stage}", world)
+@pytest.mark.parametrize("batch,key,world", [
+    *[(W2, f"clip{s}", 2) for s in (1, 2, 3)],
+    *[pytest.param(SLOW_W3, f"clip{s}", 3, marks=pytest.mark.slow) for s in (1, 2, 3)],
+    *[pytest.param(SLOW_W2, f"f32-accum{s}", 2, marks=pytest.mark.slow) for s in (1, 3)]])
+def test_correctness_with_clipping(runs, batch, key, world):
+    # the harness compares the gradients before clipping, and the reported pre-clip norm on its
+    # own row
+    res = assert_pass(runs(batch, key), f"zero{key[-1]}", world)
     assert "grad norm" in res["scalars"] and res["worst_ratio"] <= 1, res
     assert res["scalars"]["grad norm"]["value"] > 0.5     # clipping was active
 
 
 @pytest.mark.slow
-def test_stage3_tied_embeddings(run, tmp_path):
-    cfg = dict(common.PRESETS["tiny"], tie_word_embeddings=True)
-    (tmp_path / "tied.json").write_text(json.dumps(cfg))
-    r = run("zero.py", 2, "--stage", "3", "--model", tmp_path / "tied.json")
+def test_stage3_tied_embeddings(runs):
+    r = runs(SLOW_W2, "tied")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     assert r.json("correctness.json")[0]["tensors"] == 38  # lm_head is the embedding
 
 
-def test_learning(run):
-    r = run("zero.py", 2, "--stage", "3", "--mode", "learning", "--steps", "40")
+def test_learning(runs):
+    r = runs(W2, "learning")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_benchmark_comm_and_memory(run, stage):
-    W = 3  # 3 does not divide the units' sizes, so the buffers are padded
-    r = run("zero.py", W, "--mode", "benchmark", "--stage", stage, "--clip", "1.0",
-            "--batch", "6", "--warmup", "1", "--bench-iters", "2")
+def test_benchmark_comm_and_memory(runs, stage):
+    W = 3
+    r = runs(W3, f"bench{stage}")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     b = r.json("benchmark.json")
     # Independent padded size: each unit padded up to a multiple of W.
@@ -126,14 +148,13 @@ def test_units_cover_every_parameter_once():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,psi_units", [(1, 10), (2, 9), (3, 8)])
-def test_bf16_mixed_precision_memory_and_correctness(run, stage, psi_units):
+def test_bf16_mixed_precision_memory_and_correctness(runs, stage, psi_units):
     # 2Psi + 2Psi + 12Psi/N, 2Psi + 14Psi/N, 16Psi/N at N=2: fp32 masters and Adam in the shards
-    r = run("zero.py", 2, "--mode", "benchmark", "--stage", stage, "--dtype", "bfloat16",
-            "--warmup", "1", "--bench-iters", "1")
+    r = runs(SLOW_W2, f"bf16-bench{stage}")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     m = r.json("benchmark.json")["ours"]["memory"][0]
     assert m["model_states"] == psi_units * TINY_PARAMS, m
     assert m["optimizer"] == 12 * TINY_PARAMS // 2   # master + m + v, fp32, sharded
     if stage == 2:  # and the errors stay within the noise policy's multiple of single-device bf16
-        c = run("zero.py", 2, "--stage", stage, "--dtype", "bfloat16")
+        c = runs(SLOW_W2, "bf16-stage2")
         assert c.rc == 0 and c.last_line.startswith("PASS"), c
