@@ -395,7 +395,7 @@ class TP(common.Strategy):
 
     @staticmethod
     def add_args(p):
-        p.add_argument("--dtensor", action="store_true",
+        p.add_argument("--dtensor", dest="compare_native", action="store_true",
                        help="same as --compare-native: also run PyTorch DTensor's "
                             "parallelize_module with the same plan")
 
@@ -482,7 +482,4 @@ class DTensorTP(common.DTensorBaseline, common.Reference):
 TP.native = DTensorTP
 
 if __name__ == "__main__":
-    import sys
-    if "--dtensor" in sys.argv:  # the spelling of --compare-native for this script
-        sys.argv[sys.argv.index("--dtensor")] = "--compare-native"
     common.main(TP)

@@ -1,12 +1,13 @@
 """tp.py and sp.py (Megatron SP, Ulysses) against the single-device reference on CPU."""
 import json
+import os
 
 import pytest
 import torch
 
 import common
 import tp
-from conftest import assert_config_error
+from conftest import Runs, assert_config_error
 
 BASE = common.PRESETS["tiny"]
 CONFIGS = {  # GQA that 4 divides; vocab 250 is padded to 252 at T=4 (and 250 at T=2)
@@ -20,13 +21,46 @@ CONFIGS = {  # GQA that 4 divides; vocab 250 is padded to 252 at T=4 (and 250 at
 N_TENSORS = {"gqa": 39, "bias": 67, "tied": 38, "mqa": 39}
 
 
+def cfg_file(name):
+    """An argument that writes config `name` into the batch's directory and names it."""
+    def write(base):
+        path = os.path.join(base, f"{name}.json")
+        with open(path, "w") as f:
+            json.dump(CONFIGS[name], f)
+        return path
+    return write
+
+
 @pytest.fixture
 def cfg(tmp_path):
-    def _cfg(name):
-        path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps(CONFIGS[name]))
-        return path
-    return _cfg
+    return lambda name: cfg_file(name)(tmp_path)
+
+
+VARIANTS = [("tp.py", None, "tp"), ("sp.py", "megatron", "sp-megatron"),
+            ("sp.py", "ulysses", "sp-ulysses")]
+GQA = ["--model", cfg_file("gqa")]
+BENCH = [*GQA, "--mode", "benchmark", "--warmup", "1", "--bench-iters", "2"]
+LEARN = [*GQA, "--mode", "learning", "--steps", "40"]
+CORRECT = [*GQA, "--clip", "0.5"]
+MEGATRON, ULYSSES = ["--variant", "megatron"], ["--variant", "ulysses"]
+# One launch per (script, world, speed): the start-up (~10 s a process) paid once.
+TP2 = Runs("tp.py", 2, {"correct": CORRECT, "learning": LEARN, "bench": BENCH})
+SP2 = Runs("sp.py", 2, {"correct-megatron": CORRECT + MEGATRON, "learning-megatron": LEARN + MEGATRON,
+                        "correct-ulysses": CORRECT + ULYSSES,
+                        "bench-megatron": BENCH + MEGATRON + ["--compare-native"],
+                        "bench-ulysses": BENCH + ULYSSES})
+TP4 = Runs("tp.py", 4, {"correct": CORRECT})
+SP4 = Runs("sp.py", 4, {"correct-megatron": CORRECT + MEGATRON, "correct-ulysses": CORRECT + ULYSSES})
+SLOW_TP2 = Runs("tp.py", 2, {**{c: ["--model", cfg_file(c)] for c in ("bias", "tied", "mqa")},
+                             "dtensor": [*GQA, "--dtensor"]})
+SLOW_SP2 = Runs("sp.py", 2, {f"{c}-{v}": ["--model", cfg_file(c), "--variant", v]
+                             for c in ("bias", "tied", "mqa") for v in ("megatron", "ulysses")
+                             if not (c == "mqa" and v == "ulysses")})  # see test_bad_config
+BATCHES = {("tp.py", 2): TP2, ("sp.py", 2): SP2, ("tp.py", 4): TP4, ("sp.py", 4): SP4}
+
+
+def key(kind, variant):
+    return f"{kind}-{variant}" if variant else kind
 
 
 def check(r, name, world, n_tensors):
@@ -41,10 +75,8 @@ def check(r, name, world, n_tensors):
 @pytest.mark.parametrize("script,variant,name", [
     ("tp.py", None, "tp"), ("sp.py", "megatron", "sp-megatron"),
     ("sp.py", "ulysses", "sp-ulysses")])
-def test_correctness_gqa(run, cfg, script, variant, name, world):
-    extra = ["--variant", variant] if variant else []
-    r = run(script, world, "--model", cfg("gqa"), "--clip", "0.5", *extra)
-    res = check(r, name, world, 39)
+def test_correctness_gqa(runs, script, variant, name, world):
+    res = check(runs(BATCHES[script, world], key("correct", variant)), name, world, 39)
     # judged against measured noise (the harness's verdict), the pre-clip norm on its own row
     assert res["worst_ratio"] <= 1.0 and res["max_grad_noise"] > 0, res["worst"]
     norm = res["scalars"]["grad norm"]
@@ -53,36 +85,30 @@ def test_correctness_gqa(run, cfg, script, variant, name, world):
         assert res["checks"][0]["ok"] and "replicated" in res["checks"][0]["name"]
 
 
-VARIANTS = [("tp.py", None, "tp"), ("sp.py", "megatron", "sp-megatron"),
-            ("sp.py", "ulysses", "sp-ulysses")]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("config,script,variant,name", [
     (c, *v) for c in ("bias", "tied", "mqa") for v in VARIANTS
     if not (c == "mqa" and v[1] == "ulysses")])  # ulysses rejects MQA: see test_bad_config
-def test_correctness_biases_tied_mqa(run, cfg, config, script, variant, name):
-    extra = ["--variant", variant] if variant else []
-    check(run(script, 2, "--model", cfg(config), *extra), name, 2, N_TENSORS[config])
+def test_correctness_biases_tied_mqa(runs, config, script, variant, name):
+    batch = SLOW_TP2 if script == "tp.py" else SLOW_SP2
+    check(runs(batch, key(config, variant)), name, 2, N_TENSORS[config])
 
 
 @pytest.mark.slow
-def test_dtensor_baseline_matches(run, cfg):
-    r = run("tp.py", 2, "--model", cfg("gqa"), "--dtensor")
+def test_dtensor_baseline_matches(runs):
+    r = runs(SLOW_TP2, "dtensor")
     assert r.rc == 0, r
     assert [x["strategy"] for x in r.json("correctness.json")] == ["tp", "dtensor-tp"]
 
 
 @pytest.mark.parametrize("script,variant", [("tp.py", None), ("sp.py", "megatron")])
-def test_learning(run, cfg, script, variant):
-    extra = ["--variant", variant] if variant else []
-    r = run(script, 2, "--model", cfg("gqa"), "--mode", "learning", "--steps", "40", *extra)
+def test_learning(runs, script, variant):
+    r = runs(BATCHES[script, 2], key("learning", variant))
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
 
 
-def bench(run, cfg, script, *extra):
-    r = run(script, 2, "--model", cfg("gqa"), "--mode", "benchmark", "--warmup", "1",
-            "--bench-iters", "2", *extra)
+def bench(runs, batch, name):
+    r = runs(batch, name)
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     return r.json("benchmark.json")
 
@@ -91,15 +117,15 @@ B, S, H, L, KV = 8, 64, 64, 4, 32   # defaults and the gqa config (head_dim 8, 4
 N, E = B * S, 4                     # tokens, float32 bytes
 
 
-def test_benchmark_tp_comm(run, cfg):
-    b = bench(run, cfg, "tp.py")
+def test_benchmark_tp_comm(runs):
+    b = bench(runs, TP2, "bench")
     # 2 all-reduces per layer forward, 2 backward, embedding, LM-head f, 3 loss statistics
     assert b["ours"]["comm"] == {"all_reduce|world": {
         "calls": 4 * L + 2 + 3, "bytes": (4 * L + 2) * N * H * E + 3 * N * E}}
 
 
-def test_benchmark_sp_comm_and_memory(run, cfg):
-    b = bench(run, cfg, "sp.py", "--variant", "megatron", "--compare-native")
+def test_benchmark_sp_comm_and_memory(runs):
+    b = bench(runs, SP2, "bench-megatron")
     c = b["ours"]["comm"]
     norms = (2 * L + 1) * H
     assert c["all_gather_into_tensor|world"] == {"calls": 6 * L + 3, "bytes": (6 * L + 3) * N * H * E}
@@ -111,8 +137,8 @@ def test_benchmark_sp_comm_and_memory(run, cfg):
     assert sp_act < 0.9 * tp_act, (sp_act, tp_act)
 
 
-def test_benchmark_ulysses_comm(run, cfg):
-    b = bench(run, cfg, "sp.py", "--variant", "ulysses")
+def test_benchmark_ulysses_comm(runs):
+    b = bench(runs, SP2, "bench-ulysses")
     c = b["ours"]["comm"]
     per_layer = 2 * (2 * H + 2 * KV) * N // 2 * E   # q, k, v in and out back, fwd and bwd
     assert c["all_to_all_single|world"] == {"calls": 8 * L, "bytes": L * per_layer}
