@@ -9,7 +9,7 @@ import pytest
 
 import cp_attention_check
 import cp_ring
-from conftest import ROOT, assert_config_error
+from conftest import ROOT, Runs, assert_config_error
 
 
 def test_kernel_as_accurate_as_sdpa():
@@ -41,26 +41,35 @@ def test_attention_float32():
     attention_check(4, 24, "float32", 1e-5)
 
 
-@pytest.mark.parametrize("variant", ["zigzag", "ring", "allgather"])
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_correctness(run, variant, world):
-    r = run("cp_ring.py", world, "--variant", variant, "--clip", "0.5")
+VARIANTS = ["zigzag", "ring", "allgather"]
+W2 = Runs("cp_ring.py", 2, {  # one launch per batch: the start-up (~10 s a process) paid once
+    **{v: ["--variant", v, "--clip", "0.5"] for v in VARIANTS},
+    "learning": ["--mode", "learning", "--steps", "40"],
+    **{f"bench-{v}": ["--variant", v, "--mode", "benchmark", "--warmup", "1", "--bench-iters", "2"]
+       for v in VARIANTS},
+})
+SLOW_W4 = Runs("cp_ring.py", 4, {v: ["--variant", v, "--clip", "0.5"] for v in VARIANTS})
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("batch", [W2, pytest.param(SLOW_W4, marks=pytest.mark.slow)])
+def test_correctness(runs, variant, batch):
+    r = runs(batch, variant)
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     res = r.json("correctness.json")[0]
     assert res["strategy"] == f"cp-{variant}" and res["tensors"] == res["grads_compared"] == 39
     assert res["ok"] and res["params_compared"] == 39 and res["worst_ratio"] <= 1
 
 
-def test_learning(run):
-    r = run("cp_ring.py", 2, "--mode", "learning", "--steps", "40")
+def test_learning(runs):
+    r = runs(W2, "learning")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
 
 
-@pytest.mark.parametrize("variant", ["zigzag", "ring", "allgather"])
-def test_benchmark_comm_and_balance(run, variant):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_benchmark_comm_and_balance(runs, variant):
     W, B, S, L, KV = 2, 8, 64, 4, 32
-    r = run("cp_ring.py", W, "--variant", variant, "--mode", "benchmark", "--warmup", "1",
-            "--bench-iters", "2")
+    r = runs(W2, f"bench-{variant}")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     b = r.json("benchmark.json")
     blk = B * (S // W) * 2 * KV * 4          # one rank's K and V, float32

@@ -1,6 +1,8 @@
 """fsdp.py against the single-device reference and PyTorch's FSDP2, under torchrun on CPU."""
 import pytest
 
+from conftest import Runs
+
 L, H, I, V, KV = 4, 64, 128, 256, 32
 LAYER = 2 * H * H + 2 * H * KV + 3 * H * I + 2 * H
 ROOT = 2 * V * H + H
@@ -10,38 +12,46 @@ def padded(n, w):
     return -(-n // w) * w
 
 
-@pytest.mark.parametrize("world,extra", [
-    (2, []),
-    (3, ["--batch", "6"]),                                                     # uneven shards
-    pytest.param(2, ["--no-reshard-after-forward", "--prefetch", "2"], marks=pytest.mark.slow),
-    # (float32 with accumulation and clipping: the clean run of test_plants.py's fsdp group)
-])
-def test_correctness_with_clipping(run, world, extra):
-    r = run("fsdp.py", world, "--clip", "0.5", *extra)
+BENCH = ["--mode", "benchmark", "--batch", "6", "--warmup", "1", "--bench-iters", "2"]
+# one launch per batch: the start-up (~10 s a process) paid once
+W2 = Runs("fsdp.py", 2, {"clip": ["--clip", "0.5"],
+                         "learning": ["--mode", "learning", "--steps", "40"]})
+W3 = Runs("fsdp.py", 3, {"clip": ["--clip", "0.5", "--batch", "6"],   # uneven shards
+                         "bench-reshard": BENCH,
+                         "bench-keep": BENCH + ["--no-reshard-after-forward"]})
+SLOW_W2 = Runs("fsdp.py", 2, {
+    "keep-prefetch2": ["--clip", "0.5", "--no-reshard-after-forward", "--prefetch", "2"],
+    "native": ["--compare-native", "--clip", "0.5"]})
+
+
+# (float32 with accumulation and clipping: the clean run of test_plants.py's fsdp group)
+@pytest.mark.parametrize("batch,key", [
+    (W2, "clip"), (W3, "clip"), pytest.param(SLOW_W2, "keep-prefetch2", marks=pytest.mark.slow)])
+def test_correctness_with_clipping(runs, batch, key):
+    r = runs(batch, key)
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     res = r.json("correctness.json")[0]
     assert res["strategy"] == "fsdp" and res["tensors"] == res["grads_compared"] == 39
 
 
 @pytest.mark.slow
-def test_matches_fsdp2_and_ddp(run):
-    r = run("fsdp.py", 2, "--compare-native", "--clip", "0.5")
+def test_matches_fsdp2_and_ddp(runs):
+    r = runs(SLOW_W2, "native")
     assert r.rc == 0, r
     res = r.json("correctness.json")
     assert [x["strategy"] for x in res] == ["fsdp", "torch-fsdp2", "ddp"]
     assert all(x["ok"] and x["worst_ratio"] <= 1 for x in res), res
 
 
-def test_learning(run):
-    r = run("fsdp.py", 2, "--mode", "learning", "--steps", "40")
+def test_learning(runs):
+    r = runs(W2, "learning")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
 
 
 @pytest.mark.parametrize("reshard", [True, False])
-def test_benchmark_comm_and_memory(run, reshard):
+def test_benchmark_comm_and_memory(runs, reshard):
     W = 3
-    r = run("fsdp.py", W, "--mode", "benchmark", "--batch", "6", "--warmup", "1",
-            "--bench-iters", "2", *([] if reshard else ["--no-reshard-after-forward"]))
+    r = runs(W3, "bench-reshard" if reshard else "bench-keep")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     b = r.json("benchmark.json")
     e = 4

@@ -7,7 +7,7 @@ import pytest
 
 import common
 import pp
-from conftest import assert_config_error
+from conftest import Runs, assert_config_error, config_file
 
 try:   # torch's own pipeline-schedule IR, validator and comms simulator (private, torch >= 2.5)
     from torch.distributed.pipelining import schedules as T
@@ -189,44 +189,47 @@ def test_split_balances_with_embeddings_and_head():
     assert pp.split_layers([1.0] * 4, 0.0, 0.0, 4) == [range(i, i + 1) for i in range(4)]
 
 
-@pytest.fixture
-def cfg(tmp_path):
-    def _cfg(**kw):
-        path = tmp_path / "cfg.json"
-        path.write_text(json.dumps(dict(common.PRESETS["tiny"], **kw)))
-        return path
-    return _cfg
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb"]
+CORRECT = ["--microbatches", "4", "--clip", "0.5"]
+W2 = Runs("pp.py", 2, {  # one launch per batch: the start-up (~10 s a process) paid once
+    **{s: ["--schedule", s, *CORRECT] for s in SCHEDULES},
+    "learning": ["--mode", "learning", "--steps", "40"],
+    "bench": ["--mode", "benchmark", "--schedule", "1f1b", "--microbatches", "4",
+              "--warmup", "1", "--bench-iters", "2"],
+})
+SLOW_W4 = Runs("pp.py", 4, {
+    **{s: ["--schedule", s, *CORRECT] for s in SCHEDULES if s != "interleaved"},
+    "interleaved": ["--schedule", "interleaved", *CORRECT,
+                    "--model", config_file("layers8", num_hidden_layers=8)],
+    "tied-m2": ["--schedule", "1f1b", "--microbatches", "2",
+                "--model", config_file("tied", tie_word_embeddings=True)],
+})
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb"])
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_correctness(run, cfg, schedule, world):
-    extra = ["--model", cfg(num_hidden_layers=8)] if (schedule == "interleaved"
-                                                       and world == 4) else []
-    r = run("pp.py", world, "--schedule", schedule, "--microbatches", "4", "--clip", "0.5",
-            *extra)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("batch", [W2, pytest.param(SLOW_W4, marks=pytest.mark.slow)])
+def test_correctness(runs, schedule, batch):
+    r = runs(batch, schedule)
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     res = r.json("correctness.json")[0]
     assert res["strategy"] == f"pp-{schedule}" and res["tensors"] == res["grads_compared"]
 
 
 @pytest.mark.slow
-def test_tied_embeddings_and_fewer_microbatches_than_stages(run, cfg):
-    r = run("pp.py", 4, "--schedule", "1f1b", "--microbatches", "2",
-            "--model", cfg(tie_word_embeddings=True))
+def test_tied_embeddings_and_fewer_microbatches_than_stages(runs):
+    r = runs(SLOW_W4, "tied-m2")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     assert r.json("correctness.json")[0]["tensors"] == 38
 
 
-def test_learning(run):
-    r = run("pp.py", 2, "--mode", "learning", "--steps", "40")
+def test_learning(runs):
+    r = runs(W2, "learning")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
 
 
-def test_benchmark_comm_bubble_timeline(run):
+def test_benchmark_comm_bubble_timeline(runs):
     M, B, S, H = 4, 8, 64, 64
-    r = run("pp.py", 2, "--mode", "benchmark", "--schedule", "1f1b", "--microbatches", M,
-            "--warmup", "1", "--bench-iters", "2")
+    r = runs(W2, "bench")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     act = B // M * S * H * 4
     c = r.json("benchmark.json")["ours"]["comm"]
@@ -239,7 +242,7 @@ def test_benchmark_comm_bubble_timeline(run):
     (["--schedule", "interleaved", "--microbatches", "3", "--batch", "6"], 2,
      "interleaved 1F1B needs --microbatches (3) to be a multiple of the pipeline size 2"),
 ])
-def test_bad_config(run, cfg, args, world, msg):
+def test_bad_config(run, tmp_path, args, world, msg):
     if args == ["--layers2"]:
-        args = ["--model", cfg(num_hidden_layers=2)]
+        args = ["--model", config_file("layers2", num_hidden_layers=2)(tmp_path)]
     assert_config_error(run("pp.py", world, *args), msg)

@@ -7,7 +7,7 @@ import torch
 
 import common
 import tp
-from conftest import Runs, assert_config_error
+from conftest import Runs, assert_config_error, config_file
 
 BASE = common.PRESETS["tiny"]
 CONFIGS = {  # GQA that 4 divides; vocab 250 is padded to 252 at T=4 (and 250 at T=2)
@@ -22,13 +22,7 @@ N_TENSORS = {"gqa": 39, "bias": 67, "tied": 38, "mqa": 39}
 
 
 def cfg_file(name):
-    """An argument that writes config `name` into the batch's directory and names it."""
-    def write(base):
-        path = os.path.join(base, f"{name}.json")
-        with open(path, "w") as f:
-            json.dump(CONFIGS[name], f)
-        return path
-    return write
+    return config_file(name, **{k: v for k, v in CONFIGS[name].items() if BASE.get(k) != v})
 
 
 @pytest.fixture
