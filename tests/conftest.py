@@ -90,13 +90,13 @@ def launch_runs(script, nproc, runs: dict, base, timeout=900) -> dict:
     return {k: RunResult(whole, outs[k], parts.get(outs[k], whole.stdout)) for k in keys}
 
 
-def config_file(name, **overrides):
-    """A `Runs` argument: writes the tiny preset with `overrides` to BASE/name.json, names it."""
+def config_file(name, preset="tiny", **overrides):
+    """A `Runs` argument: writes `preset` with `overrides` to BASE/name.json, and names it."""
     def write(base):
         import common
         path = os.path.join(str(base), f"{name}.json")
         with open(path, "w") as f:
-            json.dump(dict(common.PRESETS["tiny"], **overrides), f)
+            json.dump(dict(common.PRESETS[preset], **overrides), f)
         return path
     return write
 

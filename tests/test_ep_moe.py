@@ -11,9 +11,23 @@ import torch.nn.functional as F
 
 import common
 import ep_moe
-from conftest import ROOT, assert_config_error
+from conftest import ROOT, Runs, assert_config_error, config_file
 
 N_TENSORS = 21  # tiny-moe: embed, head, final norm + 2 layers x (4 attn, 2 norms, gate, 2 experts)
+DROPLESS = ["--aux-coef", "0.01", "--z-coef", "0.001"]
+W2 = Runs("ep_moe.py", 2, {  # one launch per batch: the start-up (~10 s a process) paid once
+    "dropless": DROPLESS,
+    "capacity": ["--capacity-factor", "1.0"],
+    "learning": ["--mode", "learning", "--steps", "40", "--lr", "1e-2", "--log-every", "20"],
+    "bench": ["--mode", "benchmark", "--bench-iters", "3", "--warmup", "1"],
+})
+SLOW_W4 = Runs("ep_moe.py", 4, {
+    "dropless": DROPLESS,
+    "capacity": ["--capacity-factor", "0.8", "--z-coef", "0.001", "--clip", "0.5"]})
+# 6 experts over 3 ranks (a world size that is no power of two), bias-based balancing
+SLOW_W3 = Runs("ep_moe.py", 3, {"aux-free": [
+    "--model", config_file("moe6", "tiny-moe", num_local_experts=6), "--batch", "6",
+    "--aux-free-bias", "--aux-coef", "0", "--steps", "3"]})
 
 
 def tiny_moe(dtype=torch.float32):
@@ -145,46 +159,33 @@ def capacity_detail(res) -> str:
     return next(c["detail"] for c in res["checks"] if c["name"] == "expert capacity respected")
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_correctness_dropless_with_aux_and_z_loss(run, world):
+@pytest.mark.parametrize("batch,world", [(W2, 2), pytest.param(SLOW_W4, 4, marks=pytest.mark.slow)])
+def test_correctness_dropless_with_aux_and_z_loss(runs, batch, world):
     # the reference is HF's own block; aux and z from HF's recorded router logits
-    r = run("ep_moe.py", world, "--aux-coef", "0.01", "--z-coef", "0.001")
-    res = assert_pass(r, world)
+    res = assert_pass(runs(batch, "dropless"), world)
     assert all(c["name"] != "expert capacity respected" for c in res["checks"]), res
 
 
-@pytest.mark.parametrize("world,extra", [
-    (2, ["--capacity-factor", "1.0"]),
-    pytest.param(4, ["--capacity-factor", "0.8", "--z-coef", "0.001", "--clip", "0.5"],
-                 marks=pytest.mark.slow),
-])
-def test_correctness_capacity_drops_like_the_reference(run, world, extra):
-    r = run("ep_moe.py", world, *extra)
-    res = assert_pass(r, world)
+@pytest.mark.parametrize("batch,world", [(W2, 2), pytest.param(SLOW_W4, 4, marks=pytest.mark.slow)])
+def test_correctness_capacity_drops_like_the_reference(runs, batch, world):
+    res = assert_pass(runs(batch, "capacity"), world)
     drop = float(capacity_detail(res).split("dropped choices ")[1].split("%")[0])
     assert drop > 1.0, res   # tokens really were dropped, identically on both sides
 
 
 @pytest.mark.slow
-def test_correctness_aux_free_bias_and_uneven_expert_count(run, tmp_path):
-    # 6 experts over 3 ranks (a world size that is no power of two), bias-based balancing
-    cfg = dict(common.PRESETS["tiny-moe"], num_local_experts=6)
-    path = tmp_path / "moe6.json"
-    path.write_text(__import__("json").dumps(cfg))
-    r = run("ep_moe.py", 3, "--model", str(path), "--batch", "6", "--aux-free-bias",
-            "--aux-coef", "0", "--steps", "3")
-    assert_pass(r, 3)
+def test_correctness_aux_free_bias_and_uneven_expert_count(runs):
+    assert_pass(runs(SLOW_W3, "aux-free"), 3)
 
 
-def test_learning(run):
-    r = run("ep_moe.py", 2, "--mode", "learning", "--steps", "40", "--lr", "1e-2",
-            "--log-every", "20")
+def test_learning(runs):
+    r = runs(W2, "learning")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     assert "imbalance max/mean per layer" in r.stdout
 
 
-def test_benchmark_comm_matches_formulas(run):
-    r = run("ep_moe.py", 2, "--mode", "benchmark", "--bench-iters", "3", "--warmup", "1")
+def test_benchmark_comm_matches_formulas(runs):
+    r = runs(W2, "bench")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     b = r.json("benchmark.json")
     assert b["comm_ok"]

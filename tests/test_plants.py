@@ -4,10 +4,12 @@ PASSes. One torchrun per (script, configuration): `--mode plants` runs the clean
 run and then each plant in one process group."""
 import importlib
 import json
+import os
 
 import pytest
 
 import common
+from conftest import launch_runs
 from tour import STRATEGIES, plant_groups   # script -> the Strategy class its __main__ runs
 
 
@@ -19,6 +21,21 @@ def groups():
     """One test per (script, configuration), its plants together."""
     return [pytest.param(s, w, a, names, id=f"{s[:-3]}-W{w}-{'_'.join(a) or 'default'}")
             for s, w, a, names in plant_groups()]
+
+
+@pytest.fixture(scope="session")
+def launched(tmp_path_factory):
+    """One launch per (script, world): its configurations share the start-up (`--runs`)."""
+    done = {}
+
+    def get(script, world, args, names):
+        if (script, world) not in done:
+            runs = {tuple(a): ["--mode", "plants", "--plants", ",".join(n), *a]
+                    for s, w, a, n in plant_groups() if (s, w) == (script, world)}
+            base = tmp_path_factory.mktemp(f"plants-{script[:-3]}-W{world}")
+            done[script, world] = launch_runs(script, world, runs, base, timeout=1200)
+        return done[script, world][tuple(args)]
+    return get
 
 
 def test_every_strategy_plants_at_least_two_bugs():
@@ -40,9 +57,9 @@ def test_scale_bugs_are_checked_with_clipping_in_float32():
 
 
 @pytest.mark.parametrize("script,world,args,names", groups())
-def test_planted_bugs_fail_and_the_clean_run_passes(run, script, world, args, names):
-    r = run(script, world, "--mode", "plants", "--plants", ",".join(names), *args, timeout=600)
-    rows = json.load(open(r.out / "plants.json"))
+def test_planted_bugs_fail_and_the_clean_run_passes(launched, script, world, args, names):
+    r = launched(script, world, args, names)
+    rows = json.load(open(os.path.join(r.out, "plants.json")))
     verdicts = {row["plant"]: row["passed"] for row in rows}
     assert verdicts.pop("(none)") is True, r           # the clean run PASSes ...
     assert verdicts == {n: False for n in names}, r    # ... and every plant FAILs

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, launch_runs
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import realistic  # noqa: E402  (the runs, shared with the README's table)
@@ -35,13 +35,30 @@ def test_checkpoint_is_realistic(checkpoints):
     assert "loss" in open(os.path.join(checkpoints["llama"], "TRAINING.txt")).read()
 
 
+@pytest.fixture(scope="session")
+def launched(checkpoints, tmp_path_factory):
+    """One launch per (script, world): the labels that share a script share its start-up, and
+    each run has both dtypes in one process group."""
+    done = {}
+
+    def get(label, world):
+        script = realistic.RUNS[label][0]
+        if (script, world) not in done:
+            runs = {}
+            for lab in (l for l, (s, _) in realistic.RUNS.items() if s == script):
+                cmd = realistic.command(lab, world, checkpoints["moe" if lab == "ep-moe" else "llama"])
+                runs[lab] = cmd[1:]
+            base = tmp_path_factory.mktemp(f"{script[:-3]}-W{world}")
+            done[script, world] = launch_runs(script, world, runs, base, timeout=900)
+        return done[script, world][label]
+    return get
+
+
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=[pytest.mark.slow, pytest.mark.heavy])])
 @pytest.mark.parametrize("label", list(realistic.RUNS))
-def test_passes_on_a_realistic_checkpoint(run, checkpoints, label, world):
+def test_passes_on_a_realistic_checkpoint(launched, checkpoints, label, world):
     model = checkpoints["moe" if label == "ep-moe" else "llama"]
-    # both dtypes in one process group (one start-up)
-    cmd = realistic.command(label, world, model)
-    r = run(os.path.relpath(cmd[0], ROOT), world, *cmd[1:], timeout=600)
+    r = launched(label, world)
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     results = r.json("correctness.json")
     assert [x["dtype"] for x in results] == ["float64", "float32"], results
