@@ -2,13 +2,14 @@
 reference (2x2x2 and every pair of dimensions), learning, benchmark communication, resume across
 layouts (exact in float64), the HF export round trip, and bad layouts."""
 import json
+import os
 
 import pytest
 import torch
 
 import common
 import compose4d
-from conftest import assert_config_error
+from conftest import Runs, assert_config_error, config_file
 
 N_TENSORS = 2 + 4 * 9 + 1      # tiny: embed + head + 4 layers x 9 + final norm
 
@@ -101,45 +102,77 @@ def test_correctness_2x2x2_eight_processes(run):
     assert "'tp': 2, 'cp': 2, 'dp': 1, 'pp': 2" in r.stdout
 
 
-@pytest.mark.parametrize("extra", [
-    ["--dp", "2", "--tp", "2", "--sp", "--zero", "2"],                         # dp x tp (+SP)
-    pytest.param(["--dp", "2", "--pp", "2", "--schedule", "interleaved", "--grad-accum", "2"],
-                 marks=pytest.mark.slow),                                       # dp x pp
-    pytest.param(["--dp", "2", "--cp", "2", "--zero", "2", "--grad-accum", "2"],
-                 marks=pytest.mark.slow),                                       # dp x cp
-    pytest.param(["--tp", "2", "--pp", "2", "--pipeline-first", "--lr-schedule", "cosine",
-                  "--lr-warmup", "1", "--steps", "3"], marks=pytest.mark.slow),  # tp x pp
-    pytest.param(["--tp", "2", "--cp", "2", "--sp"], marks=pytest.mark.slow),  # tp x cp
-    pytest.param(["--pp", "2", "--cp", "2", "--clip", "0.3"], marks=pytest.mark.slow),  # pp x cp
-])
-def test_correctness_each_pair_at_four(run, extra):
-    assert_pass(run("compose4d.py", 4, *extra), 4)
+PAIRS = {
+    "dp-tp": ["--dp", "2", "--tp", "2", "--sp", "--zero", "2"],                       # (+SP)
+    "dp-pp": ["--dp", "2", "--pp", "2", "--schedule", "interleaved", "--grad-accum", "2"],
+    "dp-cp": ["--dp", "2", "--cp", "2", "--zero", "2", "--grad-accum", "2"],
+    "tp-pp": ["--tp", "2", "--pp", "2", "--pipeline-first", "--lr-schedule", "cosine",
+              "--lr-warmup", "1", "--steps", "3"],
+    "tp-cp": ["--tp", "2", "--cp", "2", "--sp"],
+    "pp-cp": ["--pp", "2", "--cp", "2", "--clip", "0.3"],
+}
+TRAIN = ["--mode", "train", "--dtype", "float64", "--steps", "6", "--lr-schedule", "cosine",
+         "--lr-warmup", "2", "--log-every", "1"]
+
+
+def ck(base):
+    return os.path.join(base, "ck")
+
+
+def hf(base):
+    return os.path.join(base, "hf")
+
+
+# One launch per batch: the start-up (~10 s a process) paid once. Runs go in order, so a
+# resumed run follows the run that saved its checkpoint.
+W2 = Runs("compose4d.py", 2, {
+    "learning": ["--pp", "2", "--mode", "learning", "--steps", "40", "--lr", "1e-2",
+                 "--log-every", "20", "--grad-accum", "2"],
+    "saved": [*TRAIN, "--pp", "2", "--stop-at", "2", "--save", ck],
+})
+W4 = Runs("compose4d.py", 4, {
+    "dp-tp": PAIRS["dp-tp"],
+    "bench-tp-pp": ["--tp", "2", "--pp", "2", "--grad-accum", "2", "--mode", "benchmark",
+                    "--bench-iters", "2", "--warmup", "1"],
+    "bench-sp-cp": ["--tp", "2", "--cp", "2", "--sp", "--grad-accum", "2", "--mode",
+                    "benchmark", "--bench-iters", "1", "--warmup", "1"],
+})
+SLOW_W4 = Runs("compose4d.py", 4, {
+    **{k: v for k, v in PAIRS.items() if k != "dp-tp"},
+    # T = 4 does not divide the vocabulary (250): padded rows, exactly zero gradient
+    "tp4-padded": ["--tp", "4", "--sp", "--model", "configs/tiny-gqa8.json"],
+    # resume across layouts: uninterrupted, stopped at 3 on tp x pp, resumed on dp x cp
+    "full": [*TRAIN, "--tp", "2", "--pp", "2"],
+    "first": [*TRAIN, "--tp", "2", "--pp", "2", "--stop-at", "3", "--save", ck],
+    "second": [*TRAIN, "--dp", "2", "--cp", "2", "--resume", ck, "--save", ck, "--export-hf", hf],
+})
+# 5 layers over 3 stages, tied embeddings (a copy on the last stage), vocabulary 250
+SLOW_W3 = Runs("compose4d.py", 3, {"uneven-tied": [
+    "--pp", "3", "--grad-accum", "3", "--batch", "6", "--model",
+    config_file("tied5", vocab_size=250, num_hidden_layers=5, tie_word_embeddings=True)]})
+
+
+@pytest.mark.parametrize("batch,pair", [(W4, "dp-tp"), *[
+    pytest.param(SLOW_W4, p, marks=pytest.mark.slow) for p in PAIRS if p != "dp-tp"]])
+def test_correctness_each_pair_at_four(runs, batch, pair):
+    assert_pass(runs(batch, pair), 4)
 
 
 @pytest.mark.slow
-def test_correctness_uneven_tied_and_padded(run, tmp_path):
-    # 5 layers over 3 stages, tied embeddings (a copy on the last stage), vocabulary 250
-    cfg = dict(common.PRESETS["tiny"], vocab_size=250, num_hidden_layers=5,
-               tie_word_embeddings=True)
-    path = tmp_path / "tied.json"
-    path.write_text(json.dumps(cfg))
-    r = run("compose4d.py", 3, "--pp", "3", "--model", str(path), "--grad-accum", "3",
-            "--batch", "6")
+def test_correctness_uneven_tied_and_padded(runs):
+    r = runs(SLOW_W3, "uneven-tied")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
-    # T = 4 does not divide the vocabulary (250): padded rows, exactly zero gradient
-    r = run("compose4d.py", 4, "--tp", "4", "--sp", "--model", "configs/tiny-gqa8.json")
+    r = runs(SLOW_W4, "tp4-padded")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
 
 
-def test_learning(run):
-    r = run("compose4d.py", 2, "--pp", "2", "--mode", "learning", "--steps", "40",
-            "--lr", "1e-2", "--log-every", "20", "--grad-accum", "2", timeout=600)
+def test_learning(runs):
+    r = runs(W2, "learning")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
 
 
-def test_benchmark_comm_per_group(run):
-    r = run("compose4d.py", 4, "--tp", "2", "--pp", "2", "--grad-accum", "2", "--mode",
-            "benchmark", "--bench-iters", "2", "--warmup", "1", timeout=600)
+def test_benchmark_comm_per_group(runs):
+    r = runs(W4, "bench-tp-pp")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     b = r.json("benchmark.json")
     assert b["comm_ok"]
@@ -154,9 +187,8 @@ def test_benchmark_comm_per_group(run):
     assert comm["reduce_scatter_tensor|dpcp"]["calls"] == 3     # embed + 2 layers
 
 
-def test_benchmark_sp_with_cp_comm(run):
-    r = run("compose4d.py", 4, "--tp", "2", "--cp", "2", "--sp", "--grad-accum", "2", "--mode",
-            "benchmark", "--bench-iters", "1", "--warmup", "1", timeout=600)
+def test_benchmark_sp_with_cp_comm(runs):
+    r = runs(W4, "bench-sp-cp")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     comm = r.json("benchmark.json")["ours"]["comm"]
     # SP on one stage holding all 4 layers and the head: M (6L + 2 + 1) all-gathers
@@ -164,31 +196,27 @@ def test_benchmark_sp_with_cp_comm(run):
     assert comm["isend|cp"]["calls"] == 2 * 4 * (3 * 1 + 1)      # M L (3(C-1) + 1)
 
 
-def _train(run, nproc, *extra):
-    r = run("compose4d.py", nproc, "--mode", "train", "--dtype", "float64", "--steps", "6",
-            "--lr-schedule", "cosine", "--lr-warmup", "2", "--log-every", "1", *extra,
-            timeout=600)
+def _train(runs, batch, key):
+    r = runs(batch, key)
     assert r.rc == 0, r
     return dict((s, l) for s, l in r.json("train.json")["losses"]), r
 
 
 @pytest.mark.slow
-def test_resume_across_layouts_is_exact_and_export_round_trips(run, tmp_path):
-    ck, hf = tmp_path / "ck", tmp_path / "hf"
-    full, _ = _train(run, 4, "--tp", "2", "--pp", "2")                   # uninterrupted
-    first, r1 = _train(run, 4, "--tp", "2", "--pp", "2", "--stop-at", "3", "--save", str(ck))
+def test_resume_across_layouts_is_exact_and_export_round_trips(runs):
+    full, _ = _train(runs, SLOW_W4, "full")                   # uninterrupted
+    first, r1 = _train(runs, SLOW_W4, "first")
     assert sorted(first) == [0, 1, 2] and "saved" in r1.stdout
-    assert (ck / "latest").read_text() == "step-3"
-    second, r2 = _train(run, 4, "--dp", "2", "--cp", "2", "--resume", str(ck), "--save", str(ck),
-                        "--export-hf", str(hf))
-    assert "resumed from" in r2.stdout and sorted(second) == [3, 4, 5]
+    second, r2 = _train(runs, SLOW_W4, "second")
+    base = os.path.dirname(r1.out)
+    assert "at step 3" in r2.stdout  # from the checkpoint the stopped run saved (latest: step-3) and sorted(second) == [3, 4, 5]
     for s in range(6):
         got = first.get(s, second.get(s))
         assert abs(got - full[s]) <= 1e-9 * full[s], (s, got, full[s])
     # the export loads with transformers and gives the checkpoint's logits
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float64)
-    meta, tensors = compose4d.load_checkpoint(str(ck))
+    model = AutoModelForCausalLM.from_pretrained(hf(base), dtype=torch.float64)
+    meta, tensors = compose4d.load_checkpoint(ck(base))
     assert meta["step"] == 6 and meta["layout"]["cp"] == 2
     ref = AutoModelForCausalLM.from_config(common.load_config("tiny")).double()
     ref.load_state_dict(tensors["param"])
@@ -196,14 +224,15 @@ def test_resume_across_layouts_is_exact_and_export_round_trips(run, tmp_path):
     assert torch.equal(model(x).logits, ref(x).logits)
 
 
-def test_checkpoint_is_atomic(run, tmp_path):
+def test_checkpoint_is_atomic(runs):
     """A save interrupted before its rename leaves only .tmp-step-N: `latest` still names the
     last complete step, and loading it works."""
-    ck = tmp_path / "ck"
-    _train(run, 2, "--pp", "2", "--stop-at", "2", "--save", str(ck))
-    (ck / ".tmp-step-4").mkdir()
-    (ck / ".tmp-step-4" / "pp0-tp0.pt").write_bytes(b"half a file")
-    meta, tensors = compose4d.load_checkpoint(str(ck))
+    _, r = _train(runs, W2, "saved")
+    path = ck(os.path.dirname(r.out))
+    os.makedirs(os.path.join(path, ".tmp-step-4"))
+    with open(os.path.join(path, ".tmp-step-4", "pp0-tp0.pt"), "wb") as f:
+        f.write(b"half a file")
+    meta, tensors = compose4d.load_checkpoint(path)
     assert meta["step"] == 2 and len(tensors["param"]) == N_TENSORS
     assert set(tensors) == {"param", "exp_avg", "exp_avg_sq"}
 
