@@ -39,8 +39,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-import common
-from common import Expect, phase
+from harness import (Batch, Expect, Plant, Strategy, global_loss, lm_loss_sum, main, make_adamw,
+                     phase, spread_across_ranks)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,7 +135,7 @@ class DataParallel:
             b.buffer.zero_()
 
 
-def forward_backward(model, batch: common.Batch, rank: int, world: int, accum: int,
+def forward_backward(model, batch: Batch, rank: int, world: int, accum: int,
                      set_sync=lambda sync: None, plant: str | None = None) -> torch.Tensor:
     """The data-parallel micro-step loop: this rank's 1/W of the batch in `accum` micro-batches,
     each backpropagating W * CE_sum / N (see "Loss scaling" above). set_sync(k == accum-1) tells
@@ -144,7 +144,7 @@ def forward_backward(model, batch: common.Batch, rank: int, world: int, accum: i
     for k, mb in enumerate(batch.shard(rank, world).split(accum)):
         set_sync(k == (0 if plant == "sync-first-microbatch" else accum - 1))
         with phase("forward"):
-            ce = common.lm_loss_sum(model(input_ids=mb.input_ids).logits, mb.labels)
+            ce = lm_loss_sum(model(input_ids=mb.input_ids).logits, mb.labels)
         with phase("backward"):
             if plant == "mean-of-means":   # each micro-batch's own mean, averaged
                 (ce / mb.n_tokens / accum).backward()
@@ -154,7 +154,7 @@ def forward_backward(model, batch: common.Batch, rank: int, world: int, accum: i
     return local_sum
 
 
-def token_sharded_step(strat, batch: common.Batch, pos: torch.Tensor) -> float:
+def token_sharded_step(strat, batch: Batch, pos: torch.Tensor) -> float:
     """One step when ranks hold the same weights but different tokens of every sequence
     (Ulysses, context parallelism): forward this rank's positions `pos` with their global
     position ids, backpropagate W * CE_sum / N, average the gradients (strat.dp, DataParallel),
@@ -164,7 +164,7 @@ def token_sharded_step(strat, batch: common.Batch, pos: torch.Tensor) -> float:
     with phase("forward"):
         logits = strat.model(input_ids=batch.input_ids[:, pos],
                              position_ids=pos[None].expand(B, -1)).logits
-        ce = common.lm_loss_sum(logits, batch.labels[:, pos])
+        ce = lm_loss_sum(logits, batch.labels[:, pos])
     with phase("backward"):
         (ce * W / batch.n_tokens).backward()
         strat.dp.finish()
@@ -173,7 +173,7 @@ def token_sharded_step(strat, batch: common.Batch, pos: torch.Tensor) -> float:
             strat.grad_norm = torch.nn.utils.clip_grad_norm_(strat.model.parameters(),
                                                              strat.args.clip)
         strat.optimizer.step()
-    return common.global_loss(ce.detach(), batch.n_tokens)
+    return global_loss(ce.detach(), batch.n_tokens)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,20 +199,20 @@ def ddp_constraints(args, world, config) -> list[str]:
     return []
 
 
-class DDP(common.Strategy):
+class DDP(Strategy):
     name = "ddp"
     syncs_initial_params = True
     # --plant-bug NAME: known bugs the correctness check must catch (tests/test_plants.py)
     PLANT_CONFIG = ("--grad-accum", "2", "--dtype", "float32", "--clip", "0.5")
     plants = {
-        "no-average": common.Plant("all_reduce sums the gradients instead of averaging them "
+        "no-average": Plant("all_reduce sums the gradients instead of averaging them "
                                    "(2x at W=2; clipping would hide it)", PLANT_CONFIG),
-        "mean-of-means": common.Plant("each micro-batch's own mean loss, averaged, instead of "
+        "mean-of-means": Plant("each micro-batch's own mean loss, averaged, instead of "
                                       "the global token mean", PLANT_CONFIG),
-        "sync-first-microbatch": common.Plant("gradient accumulation communicates after the "
+        "sync-first-microbatch": Plant("gradient accumulation communicates after the "
                                               "first micro-batch instead of the last",
                                               PLANT_CONFIG),
-        "no-broadcast": common.Plant("no initial broadcast: replicas keep their own init",
+        "no-broadcast": Plant("no initial broadcast: replicas keep their own init",
                                      PLANT_CONFIG),
     }
 
@@ -234,9 +234,9 @@ class DDP(common.Strategy):
                                broadcast=not (getattr(args, "no_broadcast", False)
                                               or args.plant_bug == "no-broadcast"),
                                average=args.plant_bug != "no-average")
-        self.optimizer = common.make_adamw(model.parameters(), args)
+        self.optimizer = make_adamw(model.parameters(), args)
 
-    def step(self, batch: common.Batch) -> float:
+    def step(self, batch: Batch) -> float:
         self.dp.zero_grad()
         local_sum = forward_backward(self.model, batch, self.env.rank, self.env.world,
                                      self.args.grad_accum, self.dp.set_sync, self.args.plant_bug)
@@ -247,7 +247,7 @@ class DDP(common.Strategy):
                 self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                                 self.args.clip)
             self.optimizer.step()
-        return common.global_loss(local_sum, batch.n_tokens)
+        return global_loss(local_sum, batch.n_tokens)
 
     def expected_comm(self):
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -257,12 +257,12 @@ class DDP(common.Strategy):
         return rows
 
     def extra_checks(self):
-        spread = common.spread_across_ranks(self.model.parameters())
+        spread = spread_across_ranks(self.model.parameters())
         return [("replicas identical across ranks", spread == 0.0,
                  f"max spread of per-tensor sums {spread:.1e}")]
 
 
-class TorchDDP(common.Strategy):
+class TorchDDP(Strategy):
     """Baseline: torch.nn.parallel.DistributedDataParallel on the same data and loss scaling."""
     name = "torch-ddp"
     syncs_initial_params = True
@@ -277,7 +277,7 @@ class TorchDDP(common.Strategy):
             self.ddp = DistributedDataParallel(
                 model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                 bucket_cap_mb=getattr(args, "bucket_mb", 25.0), broadcast_buffers=False)
-        self.optimizer = common.make_adamw(model.parameters(), args)
+        self.optimizer = make_adamw(model.parameters(), args)
 
     def step(self, batch):
         self.optimizer.zero_grad(set_to_none=True)
@@ -290,10 +290,10 @@ class TorchDDP(common.Strategy):
                 self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                                 self.args.clip)
             self.optimizer.step()
-        return common.global_loss(local_sum, batch.n_tokens)
+        return global_loss(local_sum, batch.n_tokens)
 
 
 DDP.native = TorchDDP
 
 if __name__ == "__main__":
-    common.main(DDP)
+    main(DDP)

@@ -139,6 +139,37 @@ def format_table(target: int, rows: list[Plan]) -> list[str]:
     return lines
 
 
+# ----------------------------------------------------------------------------------------------
+# Re-planning a run (compose4d.py --mode train --elastic): before the process group exists
+# ----------------------------------------------------------------------------------------------
+def target_batch(args) -> int:
+    """The global batch to keep: the checkpoint's, or --batch for a fresh run."""
+    import json
+    import os
+    from checkpoint import latest_dir
+    d = latest_dir(args.resume)
+    if d is None:
+        return args.batch
+    with open(os.path.join(d, "meta.json")) as f:
+        return json.load(f).get("global_batch", args.batch)
+
+
+def replan(world: int, config, args) -> Plan:
+    """plan_world for this world size: TP, PP, CP as given, DP absorbs the change. Runs in
+    compose4d's constraints, before the process group exists, so an infeasible world ends at
+    once. (torch and transformers are imported here: the planner's CLI does not need them.)"""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from harness import param_count
+    with torch.device("meta"):
+        params = param_count(AutoModelForCausalLM.from_config(config))
+    return plan_world(
+        world, target_batch(args), params=params, hidden=config.hidden_size,
+        layers=config.num_hidden_layers, seq=args.length, mem_bytes=args.mem_gib * 2**30,
+        tolerance=args.batch_tolerance, max_micro_batch=args.max_micro_batch,
+        min_zero=args.zero, max_zero=2, tp=args.tp, pp=args.pp, cp=args.cp)
+
+
 def plan_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="compose4d.py plan", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)

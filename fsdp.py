@@ -45,10 +45,10 @@ import warnings
 
 import torch
 
-import common
+from harness import (DTensorBaseline, Expect, Plant, full_tensor, global_loss, main, make_adamw,
+                     phase)
 import ddp
 import zero
-from common import Expect, phase
 
 
 def fsdp_units(model) -> list[tuple[str, list[torch.nn.Module]]]:
@@ -118,11 +118,11 @@ class FSDP(zero.ZeRO):
     # the accumulation; the stale root shows from the second step on.
     _ACCUM_CLIP = ("--grad-accum", "2", "--dtype", "float32", "--clip", "0.5")
     plants = {
-        "no-average": common.Plant("the reduce-scatter sums the gradients instead of averaging "
+        "no-average": Plant("the reduce-scatter sums the gradients instead of averaging "
                                    "them (2x at W=2; clipping would hide it)", _ACCUM_CLIP),
-        "overwrite-accum": common.Plant("the reduced gradient shard is overwritten by each "
+        "overwrite-accum": Plant("the reduced gradient shard is overwritten by each "
                                         "micro-batch's instead of accumulated", _ACCUM_CLIP),
-        "root-stays-gathered": common.Plant("the root is not freed after the backward, so the "
+        "root-stays-gathered": Plant("the root is not freed after the backward, so the "
                                             "next forward skips its all-gather and uses stale "
                                             "embeddings and head", _ACCUM_CLIP),
     }
@@ -165,7 +165,7 @@ class FSDP(zero.ZeRO):
         return rows
 
 
-class TorchFSDP2(common.DTensorBaseline):
+class TorchFSDP2(DTensorBaseline):
     """Baseline: PyTorch's FSDP2 (fully_shard) on each decoder layer and the root."""
     name = "torch-fsdp2"
     constraints = staticmethod(fsdp_constraints)
@@ -179,7 +179,7 @@ class TorchFSDP2(common.DTensorBaseline):
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-        self.optimizer = common.make_adamw(model.parameters(), args)
+        self.optimizer = make_adamw(model.parameters(), args)
 
     def step(self, batch):
         self.optimizer.zero_grad(set_to_none=True)
@@ -190,14 +190,14 @@ class TorchFSDP2(common.DTensorBaseline):
                                          self.args.grad_accum, set_sync)
         with phase("optimizer"):
             if self.args.clip:
-                self.grad_norm = common.full_tensor(torch.nn.utils.clip_grad_norm_(
+                self.grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(
                     self.model.parameters(), self.args.clip))
             self.optimizer.step()
-        return common.global_loss(local_sum, batch.n_tokens)
+        return global_loss(local_sum, batch.n_tokens)
 
 
 FSDP.native = [TorchFSDP2, ddp.DDP]
 
 if __name__ == "__main__":
     warnings.filterwarnings("ignore", message=".*FSDP.*")
-    common.main(FSDP)
+    main(FSDP)

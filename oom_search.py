@@ -12,7 +12,7 @@ Trials
     python for N=1) with a timeout: full training steps (forward, backward, AdamW) at length L and
     --batch sequences per model replica (the global batch is --batch x the data-parallel degree: W
     for ddp/zero/fsdp, 1 for tp/sp/ulysses/cp; pp runs W micro-batches of --batch). The peak is
-    the steady state's: two steps are tracked (`common.steady_peak`), because AdamW's states only
+    the steady state's: two steps are tracked (`steady_peak`), because AdamW's states only
     exist from the first optimizer phase on, and from the second step on they are live through
     the forward and backward too. Outcomes: OK (with the peak bytes per rank), OOM, crash,
     timeout, invalid (a configuration error, exit 2). On CUDA an OOM is the allocator's
@@ -63,7 +63,7 @@ Simulation (--simulate)
     side by side). Ranks: rank 0 has the largest share for every strategy here except PP, where
     the first stage, the last (the logits) and the stage the formula ranks largest (middle stages
     hold more layers when the embeddings are heavy) are simulated.
-    Values are fake, so the logged loss is NaN (`common.scalar`), and a strategy that branches on
+    Values are fake, so the logged loss is NaN (`scalar`), and a strategy that branches on
     a tensor's value (tp's --clip) cannot run (reported as "simulation unsupported").
 """
 from __future__ import annotations
@@ -79,7 +79,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# name -> (script, its common.Strategy class, extra args)
+# name -> (script, its Strategy class, extra args)
 STRATEGIES = {
     "ddp": ("ddp.py", "DDP", []),
     "zero1": ("zero.py", "ZeRO", ["--stage", "1"]),
@@ -256,7 +256,7 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
     tokens = b * L_seq
     # --- activations per token per layer
     inside = ((h + 2 * kv) + (h + kv) + 2 * h + 4 * I + (2 * a * L_seq if eager else 0)) * elem
-    # two norms' inputs and outputs; in half precision common.promote_norms computes RMSNorm in
+    # two norms' inputs and outputs; in half precision promote_norms computes RMSNorm in
     # fp32, which keeps an fp32 copy of the input and of the normalised product (12h bytes)
     outside = 4 * h * elem + (12 * h if elem < 4 else 0)
     if strategy == "tp":
@@ -266,7 +266,7 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
     else:
         act_tok = inside + outside
     # logits, the loss's fp32 log-softmax, the logits' grad; half-precision logits are upcast
-    # to an fp32 copy first (common.lm_loss_sum, tp's vocab-parallel CE)
+    # to an fp32 copy first (lm_loss_sum, tp's vocab-parallel CE)
     logits_tok = V * (2 * elem + 4 + (4 if elem < 4 else 0))
     if strategy == "pp":
         # pp.split_layers' balanced split; 1F1B with M = W micro-batches of b: stage r holds
@@ -325,35 +325,37 @@ def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
     """Peak bytes of rank 0 of a world of W for one full step, without allocating: the model is
     built on the meta device and materialised as FakeTensors, the process group is torch's fake
     backend (collectives return at once), and the harness's live-tensor tracker counts the fake
-    storages exactly as it counts real ones. The logged loss is NaN (`common.scalar`)."""
+    storages exactly as it counts real ones. The logged loss is NaN (`scalar`)."""
     import importlib
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers import AutoModelForCausalLM
-    import common
+    from harness import (DTYPES, ConfigError, Env, MarkovLanguage, Run, base_parser,
+                         common_constraints, load_config, make_batch, model_kwargs,
+                         promote_norms, resolve_defaults, steady_peak)
     script, cls_name, _ = STRATEGIES[strategy]
     strat_cls = getattr(importlib.import_module(script[:-3]), cls_name)
-    parser = common.base_parser(script)
+    parser = base_parser(script)
     strat_cls.add_args(parser)
     argv = trial_args(strategy, W, length, batch)[1:] + ["--mode", "peak", "--model", model,
                                                          "--dtype", dtype, "--device", "cpu",
                                                          "--attn", attn]
-    args = common.resolve_defaults(parser.parse_args(argv), "peak", "cpu", W)
-    config = common.load_config(model)
-    errs = common.common_constraints(args, W, config) + strat_cls.constraints(args, W, config)
+    args = resolve_defaults(parser.parse_args(argv), "peak", "cpu", W)
+    config = load_config(model)
+    errs = common_constraints(args, W, config) + strat_cls.constraints(args, W, config)
     if errs:
-        raise common.ConfigError(errs[0])
-    lang = common.MarkovLanguage(config.vocab_size, 0, args.branching)
-    batch_ = common.make_batch(lang, 0, args.batch, args.length, "cpu")
+        raise ConfigError(errs[0])
+    lang = MarkovLanguage(config.vocab_size, 0, args.branching)
+    batch_ = make_batch(lang, 0, args.batch, args.length, "cpu")
     batch_.n_tokens  # computed on real tensors, before fake mode
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=W)
-    saved = common.Run.batch
-    common.Run.batch = lambda self, step: batch_
+    saved = Run.batch
+    Run.batch = lambda self, step: batch_
     try:
         with torch.device("meta"):
-            net = AutoModelForCausalLM.from_config(config, **common.model_kwargs(config, attn))
+            net = AutoModelForCausalLM.from_config(config, **model_kwargs(config, attn))
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
             made = {}   # id(meta parameter) -> fake one, so tied weights stay one tensor
@@ -362,18 +364,18 @@ def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
                     if p is not None:
                         if id(p) not in made:
                             made[id(p)] = torch.nn.Parameter(
-                                torch.empty(p.shape, dtype=common.DTYPES[dtype]))
+                                torch.empty(p.shape, dtype=DTYPES[dtype]))
                         m._parameters[k] = made[id(p)]
                 for k, b in list(m._buffers.items()):
                     if b is not None:
                         m._buffers[k] = torch.empty(b.shape, dtype=b.dtype)
-            common.promote_norms(net).train()
-            env = common.Env(rank, W, rank, torch.device("cpu"), "fake")
+            promote_norms(net).train()
+            env = Env(rank, W, rank, torch.device("cpu"), "fake")
             strat = strat_cls(net, args, env)
-            run = common.Run(args, env, config, lang)
-            mem = common.steady_peak(run, strat)
+            run = Run(args, env, config, lang)
+            mem = steady_peak(run, strat)
     finally:
-        common.Run.batch = saved
+        Run.batch = saved
         dist.destroy_process_group()
     return mem
 
@@ -385,9 +387,9 @@ def simulated_trial(strategy, W, length, batch, args, budget) -> Outcome:
     t0 = time.time()
     ranks = [0]
     if strategy == "pp" and W > 1:   # first, last, and the stage the formula ranks largest
-        import common
-        big = predict_peak("pp", W, length, batch, common.load_config(args.model),
-                           common.DTYPES[args.dtype or "float32"].itemsize,
+        from harness import DTYPES, load_config
+        big = predict_peak("pp", W, length, batch, load_config(args.model),
+                           DTYPES[args.dtype or "float32"].itemsize,
                            args.attn == "eager")["stage"]
         ranks = sorted({0, W - 1, big})
     try:
@@ -491,10 +493,10 @@ def compare(args, cfg, elem, log) -> int:
 def main(argv=None):
     args = parse(argv)
     sys.path.insert(0, HERE)
-    import common
-    cfg = common.load_config(args.model)
+    from harness import DTYPES, load_config
+    cfg = load_config(args.model)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    elem = common.DTYPES[dtype].itemsize
+    elem = DTYPES[dtype].itemsize
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else \
         (lambda m: print(m, flush=True))
     if args.compare:

@@ -36,10 +36,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import common
+from harness import Expect, Plant, Strategy, DTYPES, main, make_adamw, phase, scalar
 import ddp
 import tp
-from common import Expect, phase
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,12 +165,12 @@ ULYSSES_ARGS = ("--variant", "ulysses", *tp.PLANT_ARGS)
 class MegatronSP(tp.TP):
     name = "sp-megatron"
     plants = {
-        "norm-grads-unreduced": common.Plant("the norms' gradients (each rank saw its own tokens "
+        "norm-grads-unreduced": Plant("the norms' gradients (each rank saw its own tokens "
                                              "only) are not all-reduced", MEGATRON_ARGS),
-        "enter-grad-unreduced": common.Plant("the region entry's backward keeps its own chunk of "
+        "enter-grad-unreduced": Plant("the region entry's backward keeps its own chunk of "
                                              "the gradient instead of reduce-scattering it",
                                              MEGATRON_ARGS),
-        "split-strided": common.Plant("the first layer keeps tokens r, r+W, ... while the "
+        "split-strided": Plant("the first layer keeps tokens r, r+W, ... while the "
                                       "all-gathers lay the shards out as contiguous chunks",
                                       MEGATRON_ARGS),
     }
@@ -197,12 +196,12 @@ class MegatronSP(tp.TP):
             if self.args.clip:
                 self.grad_norm = self.tp.clip(self.args.clip)
             self.optimizer.step()
-        return common.scalar(ce) / batch.n_tokens
+        return scalar(ce) / batch.n_tokens
 
     def expected_comm(self):
         cfg, a = self.model.config, self.args
         N, H, L = a.batch * a.length, cfg.hidden_size, cfg.num_hidden_layers
-        b = common.DTYPES[a.dtype].itemsize
+        b = DTYPES[a.dtype].itemsize
         b_ce = 4 if a.dtype == "bfloat16" else b
         nhb = N * H * b
         partial = self.seq_partial + self.tp.partial_grads
@@ -304,15 +303,15 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.transpose(1, 2).contiguous(), None
 
 
-class Ulysses(common.Strategy):
+class Ulysses(Strategy):
     name = "sp-ulysses"
     plants = {
-        "no-average": common.Plant("the gradient all-reduce sums instead of averaging (W x; "
+        "no-average": Plant("the gradient all-reduce sums instead of averaging (W x; "
                                    "clipping would hide it)", ULYSSES_ARGS),
-        "a2a-permute": common.Plant("the all-to-all's result is permuted as (rank, head) "
+        "a2a-permute": Plant("the all-to-all's result is permuted as (rank, head) "
                                     "instead of (head, rank): heads and sequence chunks mix",
                                     ULYSSES_ARGS),
-        "strided-shard": common.Plant("rank r takes tokens r, r+W, ... (with their true "
+        "strided-shard": Plant("rank r takes tokens r, r+W, ... (with their true "
                                       "positions) while the all-to-all lays shards out as "
                                       "contiguous chunks: causal attention sees them out of "
                                       "order", ULYSSES_ARGS),
@@ -328,7 +327,7 @@ class Ulysses(common.Strategy):
         # Replicated weights, different tokens: DDP's bucketed gradient all-reduce.
         self.dp = ddp.DataParallel(model, broadcast=False,
                                    average=args.plant_bug != "no-average")
-        self.optimizer = common.make_adamw(model.parameters(), args)
+        self.optimizer = make_adamw(model.parameters(), args)
         s, r = args.length // env.world, env.rank   # this rank's contiguous tokens
         self.pos = torch.arange(r * s, (r + 1) * s, device=env.device)
         if args.plant_bug == "strided-shard":   # planted bug: strided, but gathered as chunks
@@ -342,7 +341,7 @@ class Ulysses(common.Strategy):
         N, H, L = a.batch * a.length, cfg.hidden_size, cfg.num_hidden_layers
         hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
         kv = cfg.num_key_value_heads * hd
-        b = common.DTYPES[a.dtype].itemsize
+        b = DTYPES[a.dtype].itemsize
         per_layer = 2 * (2 * H + 2 * kv) * N // W * b
         grads = sum(p.numel() for p in self.model.parameters()) * b
         return [Expect("all_to_all_single", "world", 8 * L, L * per_layer,
@@ -359,7 +358,7 @@ def _per_layer_lines(cfg, a, W):
     N, H = a.batch * a.length, cfg.hidden_size
     hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
     kv = cfg.num_key_value_heads * hd
-    b = common.DTYPES[a.dtype].itemsize
+    b = DTYPES[a.dtype].itemsize
     tp_wire = 4 * N * H * b * 2 * (W - 1) / W           # 4 all-reduces of N*H*b
     sp_wire = 4 * N * H * b * (W - 1) / W * 2           # 4 all-gathers + 4 reduce-scatters
     uly_wire = 2 * (2 * H + 2 * kv) * N / W * b * (W - 1) / W
@@ -384,7 +383,7 @@ def sp_constraints(args, world, config) -> list[str]:
     return []
 
 
-class SP(common.Strategy):
+class SP(Strategy):
     """Dispatches to the variant chosen by --variant (the harness builds one class)."""
     name = "sp"
     native = [tp.TP]   # --compare-native: tensor parallelism alone, for activation memory
@@ -401,4 +400,4 @@ class SP(common.Strategy):
 
 
 if __name__ == "__main__":
-    common.main(SP)
+    main(SP)

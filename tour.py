@@ -82,7 +82,7 @@ STRATEGIES = {"ddp.py": "DDP", "zero.py": "ZeRO", "fsdp.py": "FSDP", "tp.py": "T
 
 def plant_groups(only=None):
     """(script, world, args, [plant names]): each strategy's planted bugs, grouped by the
-    configuration they declare (common.Plant.args)."""
+    configuration they declare (harness.Plant.args)."""
     import importlib
     sys.path.insert(0, HERE)
     out = {}

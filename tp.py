@@ -38,8 +38,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import common
-from common import Expect, phase
+from harness import (Batch, DTensorBaseline, Expect, Plant, Reference, Strategy, all_reduce_flat,
+                     DTYPES, IGNORE_INDEX, main, make_adamw, phase, scalar, spread_across_ranks)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         exp = x.exp()
         sum_exp = exp.sum(dim=-1)
         dist.all_reduce(sum_exp, group=group)
-        ignore = labels == common.IGNORE_INDEX
+        ignore = labels == IGNORE_INDEX
         if plant == "ce-counts-ignored":   # planted bug: ignored labels are not masked
             ignore = torch.zeros_like(ignore)
         t = labels - lo
@@ -301,7 +301,7 @@ class TensorParallel:
 
     def reduce_partial_grads(self, extra=()):
         """All-reduce the gradients that each rank holds only a part of (one flat call)."""
-        common.all_reduce_flat([p.grad for p in (*self.partial_grads, *extra)
+        all_reduce_flat([p.grad for p in (*self.partial_grads, *extra)
                                 if p.grad is not None], self.group)
 
     def full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -378,18 +378,18 @@ def tp_constraints(args, world, config) -> list[str]:
 PLANT_ARGS = ("--model", "configs/tiny-gqa8.json", "--dtype", "float32", "--clip", "0.5")
 
 
-class TP(common.Strategy):
+class TP(Strategy):
     name = "tp"
     plants = {
-        "no-f": common.Plant("a region's input enters without f: the backward misses the "
+        "no-f": Plant("a region's input enters without f: the backward misses the "
                              "all-reduce of d(input) over the ranks' branches", PLANT_ARGS),
-        "embed-unmasked": common.Plant("the vocab-parallel embedding does not zero the ids "
+        "embed-unmasked": Plant("the vocab-parallel embedding does not zero the ids "
                                        "another rank owns: they add this shard's row 0",
                                        PLANT_ARGS),
-        "ce-counts-ignored": common.Plant("the vocab-parallel loss does not mask ignored labels: "
+        "ce-counts-ignored": Plant("the vocab-parallel loss does not mask ignored labels: "
                                           "padding adds to the loss and the gradient",
                                           PLANT_ARGS),
-        "clip-norm-scale": common.Plant("the clip norm sums the replicated gradients' squares "
+        "clip-norm-scale": Plant("the clip norm sums the replicated gradients' squares "
                                         "over the group too: counted T times", PLANT_ARGS),
     }
 
@@ -405,12 +405,12 @@ class TP(common.Strategy):
         self.args, self.env, self.model = args, env, model
         self.tp = TensorParallel(model, group=None, region=self.make_region(),
                                  plant=args.plant_bug)
-        self.optimizer = common.make_adamw(model.parameters(), args)
+        self.optimizer = make_adamw(model.parameters(), args)
 
     def make_region(self):
         return TPRegion(None, self.args.plant_bug)
 
-    def step(self, batch: common.Batch) -> float:
+    def step(self, batch: Batch) -> float:
         self.optimizer.zero_grad(set_to_none=True)
         with phase("forward"):
             ce = self.tp.loss_sum(self.model(input_ids=batch.input_ids).logits, batch.labels)
@@ -421,7 +421,7 @@ class TP(common.Strategy):
             if self.args.clip:
                 self.grad_norm = self.tp.clip(self.args.clip)
             self.optimizer.step()
-        return common.scalar(ce) / batch.n_tokens  # every rank computed the full loss
+        return scalar(ce) / batch.n_tokens  # every rank computed the full loss
 
     def full_grads(self):
         return self.tp.full({n: p.grad for n, p in self.model.named_parameters()})
@@ -432,14 +432,14 @@ class TP(common.Strategy):
     def extra_checks(self):
         # Replicated parameters (norms, replicated kv) must stay identical across TP ranks.
         rep = [p for n, p in self.model.named_parameters() if n not in self.tp.split_dim]
-        spread = common.spread_across_ranks(rep)
+        spread = spread_across_ranks(rep)
         return [(f"{len(rep)} replicated tensors identical across ranks", spread == 0.0,
                  f"max spread of per-tensor sums {spread:.1e}")]
 
     def expected_comm(self):
         cfg, a = self.model.config, self.args
         N, H, L = a.batch * a.length, cfg.hidden_size, cfg.num_hidden_layers
-        b = common.DTYPES[a.dtype].itemsize
+        b = DTYPES[a.dtype].itemsize
         b_ce = 4 if a.dtype == "bfloat16" else b
         calls = 4 * L + 2 + 3 + (1 if self.tp.partial_grads else 0)
         nbytes = (4 * L + 2) * N * H * b + 3 * N * b_ce
@@ -454,7 +454,7 @@ class TP(common.Strategy):
                        + (" + clip" if a.clip else ""))]
 
 
-class DTensorTP(common.DTensorBaseline, common.Reference):
+class DTensorTP(DTensorBaseline, Reference):
     """Baseline: PyTorch DTensor's parallelize_module with the same Megatron plan (colwise
     q/k/v/gate/up, rowwise o/down, vocab-sharded embedding) and a full-vocabulary LM head.
     The step is the reference's: DTensor makes the plain training code parallel."""
@@ -482,4 +482,4 @@ class DTensorTP(common.DTensorBaseline, common.Reference):
 TP.native = DTensorTP
 
 if __name__ == "__main__":
-    common.main(TP)
+    main(TP)

@@ -40,10 +40,10 @@ Communication per optimizer step (bytes = full buffers, b = bytes per element, P
 """
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
 
-import common
+from harness import Batch, Expect, Plant, Strategy, global_loss, main, phase
 import ddp
-from common import Expect, phase
 
 
 def pad_to(n: int, w: int) -> int:
@@ -253,7 +253,7 @@ class Zero:
     def _hook_backward(self, u: FlatUnit, out):
         """Call _pre_backward(u) when the backward reaches u's output."""
         if torch.is_grad_enabled():
-            t = next(t for t in common.tree_flatten(out)[0]
+            t = next(t for t in tree_flatten(out)[0]
                      if isinstance(t, torch.Tensor) and t.requires_grad)
             t.register_hook(lambda grad, u=u: self._pre_backward(u))
 
@@ -373,7 +373,7 @@ def zero_constraints(args, world, config) -> list[str]:
     return errs
 
 
-class ZeRO(common.Strategy):
+class ZeRO(Strategy):
     name = "zero"
     syncs_initial_params = False
     # One configuration catches the first four (stage 2 has the accumulation path, --clip the
@@ -381,17 +381,17 @@ class ZeRO(common.Strategy):
     # every unit of the tiny model is even, so there is no padding to be off by).
     _ACCUM_CLIP = ("--stage", "2", "--grad-accum", "2", "--dtype", "float32", "--clip", "0.5")
     plants = {
-        "no-average": common.Plant("the reduce-scatter sums the gradients instead of averaging "
+        "no-average": Plant("the reduce-scatter sums the gradients instead of averaging "
                                    "them (2x at W=2; clipping would hide it)", _ACCUM_CLIP),
-        "overwrite-accum": common.Plant("stages 2/3 overwrite the reduced gradient shard with "
+        "overwrite-accum": Plant("stages 2/3 overwrite the reduced gradient shard with "
                                         "each micro-batch's instead of accumulating it",
                                         _ACCUM_CLIP),
-        "clip-local-norm": common.Plant("clipping by the rank's shard norm: the squared norms "
+        "clip-local-norm": Plant("clipping by the rank's shard norm: the squared norms "
                                         "are not all-reduced", _ACCUM_CLIP),
-        "no-param-gather": common.Plant("stages 1/2 skip the all-gather of the updated shards: "
+        "no-param-gather": Plant("stages 1/2 skip the all-gather of the updated shards: "
                                         "the next forward runs on stale parameters",
                                         _ACCUM_CLIP),
-        "shard-offset": common.Plant("a rank's shard starts at rank * (numel // W), the "
+        "shard-offset": Plant("a rank's shard starts at rank * (numel // W), the "
                                      "unpadded size: misaligned when W does not divide a unit",
                                      ("--batch", "6"), world=3),
     }
@@ -411,7 +411,7 @@ class ZeRO(common.Strategy):
         self.optimizer = ShardAdamW([u.shard for u in self.zero.units], args.lr,
                                     args.weight_decay)
 
-    def step(self, batch: common.Batch) -> float:
+    def step(self, batch: Batch) -> float:
         z = self.zero
         z.zero_grad()
         local_sum = ddp.forward_backward(self.model, batch, self.env.rank, self.env.world,
@@ -426,7 +426,7 @@ class ZeRO(common.Strategy):
             self.optimizer.step(grads)
             if self.args.stage < 3:
                 z.all_gather_params()
-        return common.global_loss(local_sum, batch.n_tokens)
+        return global_loss(local_sum, batch.n_tokens)
 
     def full_grads(self):
         return self.zero.full_tensors("grad")
@@ -489,4 +489,4 @@ class ZeRO(common.Strategy):
 
 
 if __name__ == "__main__":
-    common.main(ZeRO)
+    main(ZeRO)

@@ -28,7 +28,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import common  # noqa: E402
+import harness  # noqa: E402
 
 CONFIG = dict(vocab_size=250, hidden_size=96, intermediate_size=192, num_hidden_layers=12,
               num_attention_heads=12, num_key_value_heads=6, max_position_embeddings=4096,
@@ -48,7 +48,7 @@ def build(path: str, moe: bool = False, steps: int = 40, seed: int = 0) -> str:
     kw = dict(CONFIG, **(MOE if moe else {}))
     config = CONFIG_MAPPING["mixtral" if moe else "llama"](**kw)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, **common.model_kwargs(config, "sdpa"))
+    model = AutoModelForCausalLM.from_config(config, **harness.model_kwargs(config, "sdpa"))
     model = model.float().train()
     with torch.no_grad():
         emb = model.get_input_embeddings().weight
@@ -61,12 +61,12 @@ def build(path: str, moe: bool = False, steps: int = 40, seed: int = 0) -> str:
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight *= QK_SCALE
             layer.self_attn.k_proj.weight *= QK_SCALE
-    lang = common.MarkovLanguage(config.vocab_size, seed)
+    lang = harness.MarkovLanguage(config.vocab_size, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     first = last = None
     for s in range(steps):
-        b = common.make_batch(lang, 10_000 + s, 8, 64, "cpu")
-        loss = common.lm_loss_sum(model(input_ids=b.input_ids).logits, b.labels) / b.n_tokens
+        b = harness.make_batch(lang, 10_000 + s, 8, 64, "cpu")
+        loss = harness.lm_loss_sum(model(input_ids=b.input_ids).logits, b.labels) / b.n_tokens
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

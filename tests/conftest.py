@@ -70,7 +70,7 @@ def launch_runs(script, nproc, runs: dict, base, timeout=900) -> dict:
     """One torchrun launch of `script` for several argument lists (`--runs`): the ~10 s of
     imports and start-up per process are paid once. runs: {key: [args...]}; each run gets its
     own --out under `base`. Returns {key: RunResult}; a crash fails every run not yet done."""
-    import common
+    import harness
     os.makedirs(base, exist_ok=True)
     keys = list(runs)
     outs = {k: os.path.join(str(base), f"run{i}") for i, k in enumerate(keys)}
@@ -82,8 +82,8 @@ def launch_runs(script, nproc, runs: dict, base, timeout=900) -> dict:
     whole = launch(script, nproc, "--runs", spec, timeout=timeout)
     parts, cur = {}, None
     for line in whole.stdout.splitlines(keepends=True):
-        if line.startswith(common.RUN_MARK):
-            cur = line[len(common.RUN_MARK):].split(" ", 1)[1].strip()
+        if line.startswith(harness.RUN_MARK):
+            cur = line[len(harness.RUN_MARK):].split(" ", 1)[1].strip()
             parts[cur] = ""
         elif cur is not None:
             parts[cur] += line
@@ -93,30 +93,46 @@ def launch_runs(script, nproc, runs: dict, base, timeout=900) -> dict:
 def config_file(name, preset="tiny", **overrides):
     """A `Runs` argument: writes `preset` with `overrides` to BASE/name.json, and names it."""
     def write(base):
-        import common
+        import harness
         path = os.path.join(str(base), f"{name}.json")
         with open(path, "w") as f:
-            json.dump(dict(common.PRESETS[preset], **overrides), f)
+            json.dump(dict(harness.PRESETS[preset], **overrides), f)
         return path
     return write
 
 
 class Runs:
-    """Runs declared up front (`{key: args}`) and launched together, in one torchrun launch, the
-    first time a test asks the `runs` fixture for one of them."""
-    def __init__(self, script, nproc, runs: dict):
-        self.script, self.nproc, self.runs = script, nproc, runs
+    """Runs declared up front (`{key: args}`), at import time, and launched the first time a test
+    asks the `runs` fixture for one of them: together with every other declared batch of the
+    same script, world size and tier (in any test module: the realistic-checkpoint and plants
+    runs share ddp.py's launch with test_ddp.py's), in one torchrun launch. A tier ("quick",
+    "slow", "heavy": the tests' markers) keeps `make quick` from paying for the slow runs."""
+    ALL: list = []
+
+    def __init__(self, script, nproc, runs: dict, tier: str = "quick"):
+        self.script, self.nproc, self.runs, self.tier = script, nproc, runs, tier
+        Runs.ALL.append(self)
+
+    @property
+    def pool(self):
+        return (self.script, self.nproc, self.tier)
 
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory):
-    """runs(BATCH, key) -> that run's RunResult; BATCH is launched once per session."""
+    """runs(BATCH, key) -> that run's RunResult; BATCH is launched once per session, with the
+    other batches of its pool."""
     done = {}
 
     def get(batch: Runs, key):
         if id(batch) not in done:
-            base = tmp_path_factory.mktemp(os.path.splitext(batch.script)[0])
-            done[id(batch)] = launch_runs(batch.script, batch.nproc, batch.runs, base)
+            pool = [b for b in Runs.ALL if b.pool == batch.pool and id(b) not in done]
+            merged = {(i, k): args for i, b in enumerate(pool) for k, args in b.runs.items()}
+            base = tmp_path_factory.mktemp(f"{os.path.splitext(batch.script)[0]}-W{batch.nproc}")
+            res = launch_runs(batch.script, batch.nproc, merged, base,
+                              timeout=300 + 120 * len(merged))
+            for i, b in enumerate(pool):
+                done[id(b)] = {k: res[i, k] for k in b.runs}
         return done[id(batch)][key]
     return get
 
@@ -125,8 +141,8 @@ def runs(tmp_path_factory):
 def group():
     """A gloo process group of one, in this process (for unit tests of collective code)."""
     import torch.distributed as dist
-    import common
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common._free_port()))
+    import harness
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(harness.launch._free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
     dist.destroy_process_group()

@@ -7,8 +7,10 @@ import os
 import pytest
 import torch
 
-import common
+import checkpoint
 import compose4d
+import harness
+import harness.flops
 from conftest import Runs, assert_config_error, config_file
 
 N_TENSORS = 2 + 4 * 9 + 1      # tiny: embed + head + 4 layers x 9 + final norm
@@ -77,9 +79,9 @@ def test_lr_plant_runs_where_the_schedule_moves():
 
 
 def test_model_flops_formula():
-    cfg = common.load_config("tiny")       # h 64, kv 32, I 128, L 4, V 256
+    cfg = harness.load_config("tiny")       # h 64, kv 32, I 128, L 4, V 256
     per_token = 6 * (4 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) + 256 * 64) + 12 * 4 * 64 * 64
-    assert compose4d.model_flops(cfg, 512, 64) == 512 * per_token == 603_979_776
+    assert harness.flops.model_flops(cfg, 512, 64) == 512 * per_token == 603_979_776
 
 
 def assert_pass(r, world):
@@ -137,7 +139,7 @@ W4 = Runs("compose4d.py", 4, {
     "bench-sp-cp": ["--tp", "2", "--cp", "2", "--sp", "--grad-accum", "2", "--mode",
                     "benchmark", "--bench-iters", "1", "--warmup", "1"],
 })
-SLOW_W4 = Runs("compose4d.py", 4, {
+SLOW_W4 = Runs("compose4d.py", 4, tier="slow", runs={
     **{k: v for k, v in PAIRS.items() if k != "dp-tp"},
     # T = 4 does not divide the vocabulary (250): padded rows, exactly zero gradient
     "tp4-padded": ["--tp", "4", "--sp", "--model", "configs/tiny-gqa8.json"],
@@ -147,7 +149,7 @@ SLOW_W4 = Runs("compose4d.py", 4, {
     "second": [*TRAIN, "--dp", "2", "--cp", "2", "--resume", ck, "--save", ck, "--export-hf", hf],
 })
 # 5 layers over 3 stages, tied embeddings (a copy on the last stage), vocabulary 250
-SLOW_W3 = Runs("compose4d.py", 3, {"uneven-tied": [
+SLOW_W3 = Runs("compose4d.py", 3, tier="slow", runs={"uneven-tied": [
     "--pp", "3", "--grad-accum", "3", "--batch", "6", "--model",
     config_file("tied5", vocab_size=250, num_hidden_layers=5, tie_word_embeddings=True)]})
 
@@ -209,16 +211,17 @@ def test_resume_across_layouts_is_exact_and_export_round_trips(runs):
     assert sorted(first) == [0, 1, 2] and "saved" in r1.stdout
     second, r2 = _train(runs, SLOW_W4, "second")
     base = os.path.dirname(r1.out)
-    assert "at step 3" in r2.stdout  # from the checkpoint the stopped run saved (latest: step-3) and sorted(second) == [3, 4, 5]
+    # resumed from the checkpoint the stopped run saved (latest named step-3 then)
+    assert "at step 3" in r2.stdout and sorted(second) == [3, 4, 5]
     for s in range(6):
         got = first.get(s, second.get(s))
         assert abs(got - full[s]) <= 1e-9 * full[s], (s, got, full[s])
     # the export loads with transformers and gives the checkpoint's logits
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(hf(base), dtype=torch.float64)
-    meta, tensors = compose4d.load_checkpoint(ck(base))
+    meta, tensors = checkpoint.load_checkpoint(ck(base))
     assert meta["step"] == 6 and meta["layout"]["cp"] == 2
-    ref = AutoModelForCausalLM.from_config(common.load_config("tiny")).double()
+    ref = AutoModelForCausalLM.from_config(harness.load_config("tiny")).double()
     ref.load_state_dict(tensors["param"])
     x = torch.randint(0, 256, (2, 32))
     assert torch.equal(model(x).logits, ref(x).logits)
@@ -232,7 +235,7 @@ def test_checkpoint_is_atomic(runs):
     os.makedirs(os.path.join(path, ".tmp-step-4"))
     with open(os.path.join(path, ".tmp-step-4", "pp0-tp0.pt"), "wb") as f:
         f.write(b"half a file")
-    meta, tensors = compose4d.load_checkpoint(path)
+    meta, tensors = checkpoint.load_checkpoint(path)
     assert meta["step"] == 2 and len(tensors["param"]) == N_TENSORS
     assert set(tensors) == {"param", "exp_avg", "exp_avg_sq"}
 
@@ -253,7 +256,7 @@ def test_bad_layouts(tmp_path, nproc, args, msg):
     """Checked before any process group: one process that believes it is rank 0 of nproc."""
     from conftest import launch
     path = tmp_path / "two.json"
-    path.write_text(json.dumps(dict(common.PRESETS["tiny"], num_hidden_layers=2)))
+    path.write_text(json.dumps(dict(harness.PRESETS["tiny"], num_hidden_layers=2)))
     args = [str(path) if a == "TWO_LAYERS" else a for a in args]
     assert_config_error(launch("compose4d.py", nproc, *args, as_rank0=True), msg,
                         torchrun=False)

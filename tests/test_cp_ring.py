@@ -48,7 +48,8 @@ W2 = Runs("cp_ring.py", 2, {  # one launch per batch: the start-up (~10 s a proc
     **{f"bench-{v}": ["--variant", v, "--mode", "benchmark", "--warmup", "1", "--bench-iters", "2"]
        for v in VARIANTS},
 })
-SLOW_W4 = Runs("cp_ring.py", 4, {v: ["--variant", v, "--clip", "0.5"] for v in VARIANTS})
+SLOW_W4 = Runs("cp_ring.py", 4, tier="slow",
+               runs={v: ["--variant", v, "--clip", "0.5"] for v in VARIANTS})
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

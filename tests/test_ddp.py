@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-import common
+import harness
 import ddp
 from conftest import Runs, assert_config_error
 
@@ -17,8 +17,9 @@ W2 = Runs("ddp.py", 2, {  # one launch: the start-up (~10 s a process) paid once
     "bench-accum1": BENCH + ["--grad-accum", "1"],
     "bench-accum2": BENCH + ["--grad-accum", "2"],
 })
-SLOW_W2 = Runs("ddp.py", 2, {"native": ["--compare-native", "--grad-accum", "2"]})
-SLOW_W3 = Runs("ddp.py", 3, {
+SLOW_W2 = Runs("ddp.py", 2, tier="slow",
+               runs={"native": ["--compare-native", "--grad-accum", "2"]})
+SLOW_W3 = Runs("ddp.py", 3, tier="slow", runs={
     "float64": ["--dtype", "float64", "--batch", "6", "--grad-accum", "2"],
     "float32": ["--dtype", "float32", "--batch", "6"],
 })
@@ -44,7 +45,7 @@ def test_correctness(runs, batch, key, world, dtype):
     res = assert_pass(runs(batch, key), world, dtype)
     # judged against measured noise: the single-device error, rescaled for float64 runs
     assert 0 < res["max_grad_noise"] and res["worst_ratio"] <= 1.0
-    assert res["noise_dtype"] == "float32" and res["tol_k"] == common.TOL_K
+    assert res["noise_dtype"] == "float32" and res["tol_k"] == harness.TOL_K
     assert res["checks"][0]["ok"]  # replicas identical across ranks
 
 
@@ -95,15 +96,15 @@ def test_benchmark_comm_and_memory(runs, accum):
     r = runs(W2, f"bench-accum{accum}")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     b = r.json("benchmark.json")
-    cfg = common.load_config("tiny")
+    cfg = harness.load_config("tiny")
     n_params = b["params"]
     assert n_params == 180800
     grad_bytes = 4 * n_params  # float32
     # Comm: all_reduce bytes per optimizer step == gradient bytes exactly, whatever K.
     ar = b["ours"]["comm"]["all_reduce|world"]
     assert ar["bytes"] == grad_bytes
-    ref = common.build_model(common.resolve_defaults(
-        common.base_parser("t").parse_args([]), "benchmark", "cpu"), cfg, "cpu")
+    ref = harness.build_model(harness.resolve_defaults(
+        harness.base_parser("t").parse_args([]), "benchmark", "cpu"), cfg, "cpu")
     assert ar["calls"] == expected_buckets(ref, int(0.25 * 2**20)) > 1
     assert set(b["ours"]["comm"]) == {"all_reduce|world"}
     # One-time broadcast of every parameter from rank 0.
@@ -124,7 +125,7 @@ def test_bad_config_torchrun(run):
                            "3 x 1 = 3")
     # rank 0 exited with code 2 and is torchrun's root cause; nothing of ours raised
     assert re.search(r"Root Cause.*\n(.*\n){0,4}\s*exitcode\s*:\s*2", r.stderr), r
-    assert "common.py" not in r.stderr and "ddp.py\", line" not in r.stderr
+    assert "harness/" not in r.stderr and "ddp.py\", line" not in r.stderr
 
 
 @pytest.mark.parametrize("args,msg", [

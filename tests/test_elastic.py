@@ -150,8 +150,8 @@ def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path):
     assert r.rc != 0                                  # died inside the step-4 save
     assert (ck / ".tmp-step-4").is_dir() and not (ck / "step-4").exists()
     assert (ck / "latest").read_text() == "step-2"
-    import compose4d
-    meta, tensors = compose4d.load_checkpoint(str(ck))
+    import checkpoint
+    meta, tensors = checkpoint.load_checkpoint(str(ck))
     assert meta["step"] == 2 and len(tensors["param"]) == 39
     # and a restart resumes from it
     r = launch("compose4d.py", 2, *base, "--resume", str(ck), out=tmp_path / "c")

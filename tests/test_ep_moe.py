@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import common
+import harness
 import ep_moe
 from conftest import ROOT, Runs, assert_config_error, config_file
 
@@ -21,17 +21,17 @@ W2 = Runs("ep_moe.py", 2, {  # one launch per batch: the start-up (~10 s a proce
     "learning": ["--mode", "learning", "--steps", "40", "--lr", "1e-2", "--log-every", "20"],
     "bench": ["--mode", "benchmark", "--bench-iters", "3", "--warmup", "1"],
 })
-SLOW_W4 = Runs("ep_moe.py", 4, {
+SLOW_W4 = Runs("ep_moe.py", 4, tier="slow", runs={
     "dropless": DROPLESS,
     "capacity": ["--capacity-factor", "0.8", "--z-coef", "0.001", "--clip", "0.5"]})
 # 6 experts over 3 ranks (a world size that is no power of two), bias-based balancing
-SLOW_W3 = Runs("ep_moe.py", 3, {"aux-free": [
+SLOW_W3 = Runs("ep_moe.py", 3, tier="slow", runs={"aux-free": [
     "--model", config_file("moe6", "tiny-moe", num_local_experts=6), "--batch", "6",
     "--aux-free-bias", "--aux-coef", "0", "--steps", "3"]})
 
 
 def tiny_moe(dtype=torch.float32):
-    config = common.load_config("tiny-moe")
+    config = harness.load_config("tiny-moe")
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_config(config, experts_implementation="eager").to(dtype)
@@ -159,14 +159,16 @@ def capacity_detail(res) -> str:
     return next(c["detail"] for c in res["checks"] if c["name"] == "expert capacity respected")
 
 
-@pytest.mark.parametrize("batch,world", [(W2, 2), pytest.param(SLOW_W4, 4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("batch,world", [
+    (W2, 2), pytest.param(SLOW_W4, 4, marks=pytest.mark.slow)])
 def test_correctness_dropless_with_aux_and_z_loss(runs, batch, world):
     # the reference is HF's own block; aux and z from HF's recorded router logits
     res = assert_pass(runs(batch, "dropless"), world)
     assert all(c["name"] != "expert capacity respected" for c in res["checks"]), res
 
 
-@pytest.mark.parametrize("batch,world", [(W2, 2), pytest.param(SLOW_W4, 4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("batch,world", [
+    (W2, 2), pytest.param(SLOW_W4, 4, marks=pytest.mark.slow)])
 def test_correctness_capacity_drops_like_the_reference(runs, batch, world):
     res = assert_pass(runs(batch, "capacity"), world)
     drop = float(capacity_detail(res).split("dropped choices ")[1].split("%")[0])
@@ -189,14 +191,14 @@ def test_benchmark_comm_matches_formulas(runs):
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     b = r.json("benchmark.json")
     assert b["comm_ok"]
-    cfg = common.load_config("tiny-moe")
+    cfg = harness.load_config("tiny-moe")
     L, E, H, k = 2, 8, 64, 2
     model = tiny_moe()
     dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
     comm = b["ours"]["comm"]
     # replicated gradients and the router counts only: no expert weight is all-reduced
     assert comm["all_reduce|dp"]["bytes"] == dense * 4 + L * E * 8
-    assert dense < common.param_count(model) / 2
+    assert dense < harness.param_count(model) / 2
     # summed over ranks: 4 token all-to-alls of k tokens x H per layer, plus the counts
     n = 8 * 64
     assert b["ours"]["comm_sum"]["all_to_all_single|ep"]["bytes"] == \

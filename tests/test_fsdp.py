@@ -19,7 +19,7 @@ W2 = Runs("fsdp.py", 2, {"clip": ["--clip", "0.5"],
 W3 = Runs("fsdp.py", 3, {"clip": ["--clip", "0.5", "--batch", "6"],   # uneven shards
                          "bench-reshard": BENCH,
                          "bench-keep": BENCH + ["--no-reshard-after-forward"]})
-SLOW_W2 = Runs("fsdp.py", 2, {
+SLOW_W2 = Runs("fsdp.py", 2, tier="slow", runs={
     "keep-prefetch2": ["--clip", "0.5", "--no-reshard-after-forward", "--prefetch", "2"],
     "native": ["--compare-native", "--clip", "0.5"]})
 

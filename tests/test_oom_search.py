@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-import common
+import harness
 import oom_search as oom
 from conftest import launch
 
@@ -74,7 +74,7 @@ def test_cli_rejects_bad_input():
 
 def test_real_cpu_search_two_strategies(tmp_path):
     # ~20 MiB of live tensors per rank: tiny fits somewhere between 256 and 1280 tokens
-    r = launch("oom_search.py", 1, "--strategy", "ddp,sp", "--nproc", "1,2", "--lo", "256",
+    r = launch("oom_search.py", 1, "--strategy", "ddp,sp", "--nproc", "2", "--lo", "256",
                "--hi", "1280", "--step", "256", "--mem-budget-gb", "0.02", "--predict",
                "--json", torchrun=False, timeout=600)
     assert r.rc == 0, r
@@ -90,7 +90,7 @@ def test_real_cpu_search_two_strategies(tmp_path):
         assert x["peak_at_max"] <= 0.02 * 2**30
         assert abs(x["predicted_max"] - x["max"]) <= 256, x        # within one grid step
     # sequence parallelism splits every activation: it fits longer sequences than DDP
-    assert res[("sp", 2)]["max"] > res[("ddp", 2)]["max"] == res[("ddp", 1)]["max"]
+    assert res[("sp", 2)]["max"] > res[("ddp", 2)]["max"]
     assert "simulated" in r.stderr and "peak" in r.stderr          # progress on stderr
 
 
@@ -111,7 +111,7 @@ def measured_peak(strategy, W=2, L=1024):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(oom.STRATEGIES))
 def test_prediction_within_tolerance_of_measured_peak(strategy):
-    cfg = common.load_config("tiny")
+    cfg = harness.load_config("tiny")
     peak = measured_peak(strategy)
     pred = oom.predict_peak(strategy, 2, 1024, 1, cfg)["peak"]
     assert abs(pred / peak - 1) <= 0.15, (strategy, pred, peak)

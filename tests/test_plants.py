@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-import common
-from conftest import launch_runs
+import harness
+from conftest import Runs
 from tour import STRATEGIES, plant_groups   # script -> the Strategy class its __main__ runs
 
 
@@ -23,19 +23,12 @@ def groups():
             for s, w, a, names in plant_groups()]
 
 
-@pytest.fixture(scope="session")
-def launched(tmp_path_factory):
-    """One launch per (script, world): its configurations share the start-up (`--runs`)."""
-    done = {}
-
-    def get(script, world, args, names):
-        if (script, world) not in done:
-            runs = {tuple(a): ["--mode", "plants", "--plants", ",".join(n), *a]
-                    for s, w, a, n in plant_groups() if (s, w) == (script, world)}
-            base = tmp_path_factory.mktemp(f"plants-{script[:-3]}-W{world}")
-            done[script, world] = launch_runs(script, world, runs, base, timeout=1200)
-        return done[script, world][tuple(args)]
-    return get
+# One `--mode plants` run per (script, configuration); each joins the launch of its script's
+# other runs at that world size (conftest.Runs).
+BATCHES = {}
+for _s, _w, _a, _names in plant_groups():
+    BATCHES.setdefault((_s, _w), Runs(_s, _w, {})).runs[" ".join(_a)] = [
+        "--mode", "plants", "--plants", ",".join(_names), *_a]
 
 
 def test_every_strategy_plants_at_least_two_bugs():
@@ -43,7 +36,7 @@ def test_every_strategy_plants_at_least_two_bugs():
     assert all(n >= 2 for n in counts.values()), counts
     for s in STRATEGIES:   # a plant says what it breaks, and its flags parse
         for name, plant in strategy(s).plants.items():
-            assert plant.doc and plant.world >= 1 and name not in common.HARNESS_PLANTS, (s, name)
+            assert plant.doc and plant.world >= 1 and name not in harness.HARNESS_PLANTS, (s, name)
 
 
 def test_scale_bugs_are_checked_with_clipping_in_float32():
@@ -57,8 +50,8 @@ def test_scale_bugs_are_checked_with_clipping_in_float32():
 
 
 @pytest.mark.parametrize("script,world,args,names", groups())
-def test_planted_bugs_fail_and_the_clean_run_passes(launched, script, world, args, names):
-    r = launched(script, world, args, names)
+def test_planted_bugs_fail_and_the_clean_run_passes(runs, script, world, args, names):
+    r = runs(BATCHES[script, world], " ".join(args))
     rows = json.load(open(os.path.join(r.out, "plants.json")))
     verdicts = {row["plant"]: row["passed"] for row in rows}
     assert verdicts.pop("(none)") is True, r           # the clean run PASSes ...

@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-import common
+import harness
 import pp
 from conftest import Runs, assert_config_error, config_file
 
@@ -197,7 +197,7 @@ W2 = Runs("pp.py", 2, {  # one launch per batch: the start-up (~10 s a process) 
     "bench": ["--mode", "benchmark", "--schedule", "1f1b", "--microbatches", "4",
               "--warmup", "1", "--bench-iters", "2"],
 })
-SLOW_W4 = Runs("pp.py", 4, {
+SLOW_W4 = Runs("pp.py", 4, tier="slow", runs={
     **{s: ["--schedule", s, *CORRECT] for s in SCHEDULES if s != "interleaved"},
     "interleaved": ["--schedule", "interleaved", *CORRECT,
                     "--model", config_file("layers8", num_hidden_layers=8)],

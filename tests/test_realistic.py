@@ -8,15 +8,31 @@ import sys
 
 import pytest
 
-from conftest import ROOT, launch_runs
+from conftest import ROOT, Runs
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import realistic  # noqa: E402  (the runs, shared with the README's table)
 
 
+def checkpoint_dir(kind):
+    """A `Runs` argument: the checkpoint `kind`, built once per session beside the batches."""
+    return lambda base: realistic.checkpoints(os.path.join(os.path.dirname(base), "ckpt"))[kind]
+
+
+# One run per label and world size, both dtypes in one process group; each joins the launch of
+# its script's other runs at that world size (conftest.Runs).
+BATCHES = {}
+for _w, _tier in ((2, "quick"), (3, "heavy")):
+    for _label, (_script, _) in realistic.RUNS.items():
+        _kind = "moe" if _label == "ep-moe" else "llama"
+        _cmd = realistic.command(_label, _w, "MODEL")
+        _args = [checkpoint_dir(_kind) if a == "MODEL" else a for a in _cmd[1:]]
+        BATCHES.setdefault((_script, _w), Runs(_script, _w, {}, tier=_tier)).runs[_label] = _args
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    return realistic.checkpoints(str(tmp_path_factory.mktemp("checkpoints")))
+    return realistic.checkpoints(os.path.join(str(tmp_path_factory.getbasetemp()), "ckpt"))
 
 
 def test_checkpoint_is_realistic(checkpoints):
@@ -35,30 +51,11 @@ def test_checkpoint_is_realistic(checkpoints):
     assert "loss" in open(os.path.join(checkpoints["llama"], "TRAINING.txt")).read()
 
 
-@pytest.fixture(scope="session")
-def launched(checkpoints, tmp_path_factory):
-    """One launch per (script, world): the labels that share a script share its start-up, and
-    each run has both dtypes in one process group."""
-    done = {}
-
-    def get(label, world):
-        script = realistic.RUNS[label][0]
-        if (script, world) not in done:
-            runs = {}
-            for lab in (l for l, (s, _) in realistic.RUNS.items() if s == script):
-                cmd = realistic.command(lab, world, checkpoints["moe" if lab == "ep-moe" else "llama"])
-                runs[lab] = cmd[1:]
-            base = tmp_path_factory.mktemp(f"{script[:-3]}-W{world}")
-            done[script, world] = launch_runs(script, world, runs, base, timeout=900)
-        return done[script, world][label]
-    return get
-
-
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=[pytest.mark.slow, pytest.mark.heavy])])
 @pytest.mark.parametrize("label", list(realistic.RUNS))
-def test_passes_on_a_realistic_checkpoint(launched, checkpoints, label, world):
+def test_passes_on_a_realistic_checkpoint(runs, checkpoints, label, world):
     model = checkpoints["moe" if label == "ep-moe" else "llama"]
-    r = launched(label, world)
+    r = runs(BATCHES[realistic.RUNS[label][0], world], label)
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     results = r.json("correctness.json")
     assert [x["dtype"] for x in results] == ["float64", "float32"], results

@@ -5,11 +5,11 @@ import os
 import pytest
 import torch
 
-import common
+import harness
 import tp
 from conftest import Runs, assert_config_error, config_file
 
-BASE = common.PRESETS["tiny"]
+BASE = harness.PRESETS["tiny"]
 CONFIGS = {  # GQA that 4 divides; vocab 250 is padded to 252 at T=4 (and 250 at T=2)
     "gqa": dict(BASE, num_attention_heads=8, num_key_value_heads=4, vocab_size=250),
     "bias": dict(BASE, num_attention_heads=8, num_key_value_heads=4, attention_bias=True,
@@ -39,17 +39,21 @@ CORRECT = [*GQA, "--clip", "0.5"]
 MEGATRON, ULYSSES = ["--variant", "megatron"], ["--variant", "ulysses"]
 # One launch per (script, world, speed): the start-up (~10 s a process) paid once.
 TP2 = Runs("tp.py", 2, {"correct": CORRECT, "learning": LEARN, "bench": BENCH})
-SP2 = Runs("sp.py", 2, {"correct-megatron": CORRECT + MEGATRON, "learning-megatron": LEARN + MEGATRON,
+SP2 = Runs("sp.py", 2, {"correct-megatron": CORRECT + MEGATRON,
+                        "learning-megatron": LEARN + MEGATRON,
                         "correct-ulysses": CORRECT + ULYSSES,
                         "bench-megatron": BENCH + MEGATRON + ["--compare-native"],
                         "bench-ulysses": BENCH + ULYSSES})
 TP4 = Runs("tp.py", 4, {"correct": CORRECT})
-SP4 = Runs("sp.py", 4, {"correct-megatron": CORRECT + MEGATRON, "correct-ulysses": CORRECT + ULYSSES})
-SLOW_TP2 = Runs("tp.py", 2, {**{c: ["--model", cfg_file(c)] for c in ("bias", "tied", "mqa")},
-                             "dtensor": [*GQA, "--dtensor"]})
-SLOW_SP2 = Runs("sp.py", 2, {f"{c}-{v}": ["--model", cfg_file(c), "--variant", v]
-                             for c in ("bias", "tied", "mqa") for v in ("megatron", "ulysses")
-                             if not (c == "mqa" and v == "ulysses")})  # see test_bad_config
+SP4 = Runs("sp.py", 4, {"correct-megatron": CORRECT + MEGATRON,
+                        "correct-ulysses": CORRECT + ULYSSES})
+SLOW_TP2 = Runs("tp.py", 2, tier="slow", runs={
+    **{c: ["--model", cfg_file(c)] for c in ("bias", "tied", "mqa")},
+    "dtensor": [*GQA, "--dtensor"]})
+SLOW_SP2 = Runs("sp.py", 2, tier="slow", runs={
+    f"{c}-{v}": ["--model", cfg_file(c), "--variant", v]
+    for c in ("bias", "tied", "mqa") for v in ("megatron", "ulysses")
+    if not (c == "mqa" and v == "ulysses")})  # see test_bad_config
 BATCHES = {("tp.py", 2): TP2, ("sp.py", 2): SP2, ("tp.py", 4): TP4, ("sp.py", 4): SP4}
 
 
@@ -164,11 +168,11 @@ def test_sp_plants_name_their_variant():
 def test_vocab_parallel_cross_entropy_masks_padding(group):
     torch.manual_seed(0)
     logits = torch.randn(6, 10, dtype=torch.float64, requires_grad=True)
-    labels = torch.tensor([0, 3, 7, common.IGNORE_INDEX, 2, 6])
+    labels = torch.tensor([0, 3, 7, harness.IGNORE_INDEX, 2, 6])
     # columns 8, 9 are vocabulary padding: they must not count
     ours = tp.VocabParallelCrossEntropy.apply(logits, labels, 0, 8, None)
     ref = torch.nn.functional.cross_entropy(logits[:, :8], labels, reduction="none",
-                                            ignore_index=common.IGNORE_INDEX)
+                                            ignore_index=harness.IGNORE_INDEX)
     assert torch.allclose(ours, ref, rtol=0, atol=1e-14)
     g_ours, = torch.autograd.grad(ours.sum(), logits)
     g_ref, = torch.autograd.grad(ref.sum(), logits)

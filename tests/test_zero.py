@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-import common
+import harness
 import zero
 from conftest import Runs
 
@@ -17,7 +17,7 @@ BENCH = ["--mode", "benchmark", "--warmup", "1"]
 def tied_config(base):
     path = os.path.join(base, "tied.json")
     with open(path, "w") as f:
-        json.dump(dict(common.PRESETS["tiny"], tie_word_embeddings=True), f)
+        json.dump(dict(harness.PRESETS["tiny"], tie_word_embeddings=True), f)
     return path
 
 
@@ -28,7 +28,7 @@ W2 = Runs("zero.py", 2, {  # one launch per batch: the start-up (~10 s a process
 W3 = Runs("zero.py", 3, {  # 3 does not divide the units' sizes, so the buffers are padded
     f"bench{s}": [*BENCH, "--stage", s, "--clip", "1.0", "--batch", "6", "--bench-iters", "2"]
     for s in (1, 2, 3)})
-SLOW_W2 = Runs("zero.py", 2, {
+SLOW_W2 = Runs("zero.py", 2, tier="slow", runs={
     "tied": ["--stage", "3", "--model", tied_config],
     **{f"bf16-bench{s}": [*BENCH, "--stage", s, "--dtype", "bfloat16", "--bench-iters", "1"]
        for s in (1, 2, 3)},
@@ -37,7 +37,7 @@ SLOW_W2 = Runs("zero.py", 2, {
     **{f"f32-accum{s}": ["--stage", s, *CLIP, "--dtype", "float32", "--grad-accum", "2"]
        for s in (1, 3)},
 })
-SLOW_W3 = Runs("zero.py", 3, {f"clip{s}": ["--stage", s, *CLIP, "--batch", "6"]
+SLOW_W3 = Runs("zero.py", 3, tier="slow", runs={f"clip{s}": ["--stage", s, *CLIP, "--batch", "6"]
                               for s in (1, 2, 3)})   # uneven shards
 
 
@@ -135,11 +135,11 @@ def test_shard_adamw_matches_torch():
 
 
 def test_units_cover_every_parameter_once():
-    args = common.resolve_defaults(common.base_parser("t").parse_args([]), "correctness", "cpu")
+    args = harness.resolve_defaults(harness.base_parser("t").parse_args([]), "correctness", "cpu")
     for tied in (False, True):
-        cfg = common.load_config("tiny")
+        cfg = harness.load_config("tiny")
         cfg.tie_word_embeddings = tied
-        m = common.build_model(args, cfg, "cpu")
+        m = harness.build_model(args, cfg, "cpu")
         units = zero.decoder_units(m)
         ids = [id(p) for _, mods in units for mod in mods for p in mod.parameters()]
         assert len(set(ids)) == len(list(m.parameters()))

@@ -6,24 +6,24 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import common
+import harness
 
 
 @pytest.fixture(scope="module")
 def lang():
-    return common.MarkovLanguage(vocab=64, seed=3, branching=4)
+    return harness.MarkovLanguage(vocab=64, seed=3, branching=4)
 
 
 def test_sample_is_a_pure_function_of_seed_and_index(lang):
     a = lang.sample(0, 12, 32)
     assert np.array_equal(a[5], lang.sample(5, 1, 32)[0])         # independent of batching
     assert np.array_equal(a[7:10], lang.sample(7, 3, 32))
-    assert np.array_equal(a, common.MarkovLanguage(64, 3, 4).sample(0, 12, 32))  # rebuilt
-    assert not np.array_equal(a, common.MarkovLanguage(64, 4, 4).sample(0, 12, 32))
+    assert np.array_equal(a, harness.MarkovLanguage(64, 3, 4).sample(0, 12, 32))  # rebuilt
+    assert not np.array_equal(a, harness.MarkovLanguage(64, 4, 4).sample(0, 12, 32))
 
 
 def test_batches_are_world_size_invariant(lang):
-    b = common.make_batch(lang, step=2, batch=6, length=16, device="cpu")
+    b = harness.make_batch(lang, step=2, batch=6, length=16, device="cpu")
     assert torch.equal(b.input_ids[:, 1:], b.labels[:, :-1])      # labels are shifted inputs
     assert torch.equal(b.input_ids, torch.from_numpy(lang.sample(12, 6, 16)[:, :-1]))
     for world in (1, 2, 3, 6):
@@ -53,17 +53,17 @@ def test_language_follows_its_chain_and_entropy_rate(lang):
 def test_loss_is_a_token_mean_with_ignore_index():
     logits = torch.randn(2, 5, 7, dtype=torch.float64)
     labels = torch.randint(0, 7, (2, 5))
-    labels[0, 1] = common.IGNORE_INDEX
-    total = common.lm_loss_sum(logits, labels)
-    keep = labels != common.IGNORE_INDEX
+    labels[0, 1] = harness.IGNORE_INDEX
+    total = harness.lm_loss_sum(logits, labels)
+    keep = labels != harness.IGNORE_INDEX
     ref = torch.nn.functional.cross_entropy(logits[keep], labels[keep], reduction="mean")
     assert torch.allclose(total / keep.sum(), ref, rtol=1e-12)
 
 
 def test_correctness_data_has_uneven_ignored_labels(lang):
-    b = common.make_batch(lang, step=1, batch=8, length=32, device="cpu", ignore=True)
-    plain = common.make_batch(lang, step=1, batch=8, length=32, device="cpu")
-    ignored = b.labels == common.IGNORE_INDEX
+    b = harness.make_batch(lang, step=1, batch=8, length=32, device="cpu", ignore=True)
+    plain = harness.make_batch(lang, step=1, batch=8, length=32, device="cpu")
+    ignored = b.labels == harness.IGNORE_INDEX
     # only labels become ignored; the kept ones are the plain batch's
     assert torch.equal(b.labels[~ignored], plain.labels[~ignored])
     per_row = (~ignored).sum(1)
@@ -73,18 +73,18 @@ def test_correctness_data_has_uneven_ignored_labels(lang):
     assert halves[0] != halves[1]                                         # uneven per chunk
     # padded tails: inputs after the last real token are PAD_ID, their labels ignored
     pad = b.input_ids != plain.input_ids
-    assert (b.input_ids[pad] == common.PAD_ID).all() and ignored[pad].all()
+    assert (b.input_ids[pad] == harness.PAD_ID).all() and ignored[pad].all()
     # a pure function of (seed, sample index), like the tokens
-    again = common.make_batch(lang, step=0, batch=16, length=32, device="cpu", ignore=True)
+    again = harness.make_batch(lang, step=0, batch=16, length=32, device="cpu", ignore=True)
     assert torch.equal(again.labels[8:], b.labels) and torch.equal(again.input_ids[8:],
                                                                    b.input_ids)
 
 
 def test_verdict_is_error_against_noise():
-    policy = common.NoisePolicy("float32")
+    policy = harness.NoisePolicy("float32")
     ref = {"a": torch.randn(4, 4, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float64)}
     noisy = {k: v * (1 + 1e-6) for k, v in ref.items()}                 # noise 1e-6
-    c = common.Comparison(["a", "b"], {"a": (4, 4), "b": (3,)}, policy)
+    c = harness.Comparison(["a", "b"], {"a": (4, 4), "b": (3,)}, policy)
     c.add("grad", 0, {k: v.clone() for k, v in ref.items()}, ref, [(noisy, 1.0)])
     assert c.max_err() == 0.0 and abs(c.max_noise() - 1e-6) < 1e-9
     assert all(j.ok for _, j in c.all())
@@ -102,8 +102,8 @@ def test_verdict_is_error_against_noise():
     assert policy.tol(1e-6, "param") == pytest.approx(32e-6 + 4 * 2 ** -23)
     assert policy.tol(0.0) == 4 * 2 ** -23
     # float64 runs: the float32 noise rescaled by eps64 / eps32
-    assert common.NoisePolicy("float64").scale == 2.0 ** -29
-    c64 = common.Comparison(["b"], {"b": (3,)}, common.NoisePolicy("float64"))
+    assert harness.NoisePolicy("float64").scale == 2.0 ** -29
+    c64 = harness.Comparison(["b"], {"b": (3,)}, harness.NoisePolicy("float64"))
     c64.add_scalar("loss", 0, 1.0 + 1e-12, 1.0, [(1.0 + 1e-7, 2.0 ** -29), (1.0, 1.0)])
     assert not c64.scalars["loss"].ok          # 1e-12 > 8 x 1e-7 x 2^-29 + 4 ulp
     c64.add_scalar("loss2", 0, 1.0 + 1e-12, 1.0, [(1.0 + 1e-7, 2.0 ** -29), (1.0 + 2e-13, 1.0)])
@@ -118,21 +118,21 @@ def test_gradients_are_compared_before_clipping():
     g = {"w": torch.tensor([3.0, 4.0], dtype=torch.float64)}              # norm 5
     s = S()
     s.grad_norm = torch.tensor(5.0, dtype=torch.float64)
-    clipped = {"w": g["w"] * common.clip_coef(5.0, 0.5)}
-    assert torch.allclose(common.preclip_grads(s, clipped, 0.5)["w"], g["w"], rtol=1e-12)
+    clipped = {"w": g["w"] * harness.clip_coef(5.0, 0.5)}
+    assert torch.allclose(harness.preclip_grads(s, clipped, 0.5)["w"], g["w"], rtol=1e-12)
     # a 2x scale bug: norm 10, clipped to the same 0.5, but not once un-clipped
     s.grad_norm = 10.0
-    clipped2 = {"w": 2 * g["w"] * common.clip_coef(10.0, 0.5)}
+    clipped2 = {"w": 2 * g["w"] * harness.clip_coef(10.0, 0.5)}
     assert torch.allclose(clipped2["w"], clipped["w"], rtol=1e-6)
-    assert torch.allclose(common.preclip_grads(s, clipped2, 0.5)["w"], 2 * g["w"], rtol=1e-12)
-    assert common.preclip_grads(S(), g, 0.0) is g                         # no clipping
+    assert torch.allclose(harness.preclip_grads(s, clipped2, 0.5)["w"], 2 * g["w"], rtol=1e-12)
+    assert harness.preclip_grads(S(), g, 0.0) is g                         # no clipping
     with pytest.raises(RuntimeError, match="grad_norm"):
-        common.preclip_grads(S(), g, 0.5)
+        harness.preclip_grads(S(), g, 0.5)
 
 
 def test_rmsnorm_is_float64_in_float64_runs():
-    args = common.resolve_defaults(common.base_parser("t").parse_args([]), "correctness", "cpu")
-    m = common.build_model(args, common.load_config("tiny"), "cpu")
+    args = harness.resolve_defaults(harness.base_parser("t").parse_args([]), "correctness", "cpu")
+    m = harness.build_model(args, harness.load_config("tiny"), "cpu")
     norm = m.model.norm
     x = torch.randn(3, 64, dtype=torch.float64)
     exact = norm.weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
@@ -141,7 +141,7 @@ def test_rmsnorm_is_float64_in_float64_runs():
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_comm_meter_counts_calls_and_bytes(group):
-    meter = common.CommMeter()
+    meter = harness.CommMeter()
     original = dist.all_reduce
     t = torch.zeros(10, dtype=torch.float32)
     with meter.measuring():
@@ -162,9 +162,9 @@ def test_comm_meter_counts_calls_and_bytes(group):
 
 def test_memory_tracker_sees_allocations_and_frees():
     keep = torch.zeros(1000)
-    tr = common.MemoryTracker([keep])
+    tr = harness.MemoryTracker([keep])
     with tr:
-        with common.phase("forward"):
+        with harness.phase("forward"):
             a = torch.ones(2000)          # 8000 B, an activation
         b = torch.ones(500) * 2           # 2000 B (ones + the product) outside forward
         del a
@@ -176,25 +176,25 @@ def test_memory_tracker_sees_allocations_and_frees():
 
 
 def test_load_config_and_checkpoint_dir(tmp_path):
-    assert common.load_config("tiny").num_key_value_heads < common.load_config("tiny").num_attention_heads
-    with pytest.raises(common.ConfigError, match="not a preset"):
-        common.load_config(str(tmp_path / "missing"))
-    with pytest.raises(common.ConfigError, match="no config.json"):
-        common.load_config(str(tmp_path))
-    args = common.resolve_defaults(common.base_parser("t").parse_args([]), "correctness", "cpu")
-    cfg = common.load_config("tiny")
-    model = common.build_model(args, cfg, "cpu").float()
+    assert harness.load_config("tiny").num_key_value_heads < harness.load_config("tiny").num_attention_heads
+    with pytest.raises(harness.ConfigError, match="not a preset"):
+        harness.load_config(str(tmp_path / "missing"))
+    with pytest.raises(harness.ConfigError, match="no config.json"):
+        harness.load_config(str(tmp_path))
+    args = harness.resolve_defaults(harness.base_parser("t").parse_args([]), "correctness", "cpu")
+    cfg = harness.load_config("tiny")
+    model = harness.build_model(args, cfg, "cpu").float()
     with torch.no_grad():
         model.lm_head.weight.mul_(3.0)     # weights a seeded init would not give
     model.save_pretrained(tmp_path / "ckpt")
     # a config.json alone: same architecture, seeded init
     args.model = str(tmp_path / "ckpt" / "config.json")
-    seeded = common.build_model(args, common.load_config(args.model), "cpu")
-    assert seeded.config.hidden_size == 64 and not common.has_weights(args.model)
+    seeded = harness.build_model(args, harness.load_config(args.model), "cpu")
+    assert seeded.config.hidden_size == 64 and not harness.has_weights(args.model)
     # the directory with weights: the real weights load
     args.model = str(tmp_path / "ckpt")
-    assert common.has_weights(args.model)
-    loaded = common.build_model(args, common.load_config(args.model), "cpu")
+    assert harness.has_weights(args.model)
+    loaded = harness.build_model(args, harness.load_config(args.model), "cpu")
     for (n, p), q in zip(loaded.named_parameters(), model.parameters()):
         assert torch.equal(p.float(), q), n
     assert loaded.dtype == torch.float64
@@ -205,8 +205,8 @@ def test_presets_have_expected_sizes():
     sizes = {}
     for name in ("tiny", "small", "llama3.2-1b", "llama3-8b"):
         with torch.device("meta"):
-            m = AutoModelForCausalLM.from_config(common.load_config(name))
-        sizes[name] = common.param_count(m)
+            m = AutoModelForCausalLM.from_config(harness.load_config(name))
+        sizes[name] = harness.param_count(m)
     assert sizes["tiny"] == 180_800
     assert 10e6 <= sizes["small"] <= 30e6
     assert 1.2e9 <= sizes["llama3.2-1b"] <= 1.3e9      # 1.24B with tied embeddings
@@ -216,12 +216,12 @@ def test_presets_have_expected_sizes():
 def test_noise_is_at_least_the_median_of_the_tensors_role():
     """One tensor's noise sample can be unusually small; the same tensor in the other layers
     has the same conditioning, so a tensor is judged against at least its role's median."""
-    assert common.role("model.layers.11.mlp.up_proj.weight") == "model.layers.*.mlp.up_proj.weight"
+    assert harness.role("model.layers.11.mlp.up_proj.weight") == "model.layers.*.mlp.up_proj.weight"
     names = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(4)] + ["lm_head.weight"]
     ref = {n: torch.ones(8, dtype=torch.float64) for n in names}
     noisy = {n: ref[n] * (1 + e) for n, e in zip(names, (6e-7, 1e-7, 1.4e-6, 1e-8, 1e-8))}
     got = {n: ref[n] * (1 + 1e-6) for n in names}                     # 1e-6 everywhere
-    c = common.Comparison(names, {n: (8,) for n in names}, common.NoisePolicy("float32"))
+    c = harness.Comparison(names, {n: (8,) for n in names}, harness.NoisePolicy("float32"))
     c.add("grad", 0, got, ref, [(noisy, 1.0)])
     assert c.rows[names[3]]["grad"].ok          # own noise 1e-8, role median 3.5e-7
     assert c.rows[names[3]]["grad"].noise == pytest.approx(3.5e-7)
@@ -230,12 +230,12 @@ def test_noise_is_at_least_the_median_of_the_tensors_role():
 
 def test_plants_mode_picks_the_plants_declared_for_the_run():
     import sp
-    p = common.base_parser("t", sp.SP.modes, sp.SP.plants)
+    p = harness.base_parser("t", sp.SP.modes, sp.SP.plants)
     sp.SP.add_args(p)
     for argv, variant in ((["--variant", "ulysses"], "ulysses"), ([], "megatron")):
         a = p.parse_args(argv + ["--model", "configs/tiny-gqa8.json", "--dtype", "float32",
                                  "--clip", "0.5"])
-        picked = [n for n, pl in sp.SP.plants.items() if common._declared_for(pl, sp.SP, a)]
+        picked = [n for n, pl in sp.SP.plants.items() if harness.correctness._declared_for(pl, sp.SP, a)]
         assert picked and all(sp.SP.plants[n].args[1] == variant for n in picked), picked
-    assert not any(common._declared_for(pl, sp.SP, p.parse_args([]))
+    assert not any(harness.correctness._declared_for(pl, sp.SP, p.parse_args([]))
                    for pl in sp.SP.plants.values())       # float64 without --clip: none

@@ -1,0 +1,163 @@
+"""checkpoint.py: compose4d's checkpoints, layout-independent and atomic, and the HF export.
+
+Layout-independent: the ranks with dp x cp rank 0 each write their (pp, tp) slice as
+per-parameter TP-local tensors (parameters, or fp32 masters under mixed precision, and AdamW's
+two moments) with the split dimension of each; a run at any other (dp, tp, pp, cp) reads all
+slices, rebuilds full tensors, and slices them its own way. The data position is the step index
+(the synthetic data is a function of it).
+Atomic: everything is written into DIR/.tmp-step-N, renamed to DIR/step-N, and only then does
+DIR/latest (replaced with os.replace) name it, so a crash never leaves a half-written "latest".
+`export_hf` writes the full model with save_pretrained; AutoModelForCausalLM.from_pretrained
+loads it and gives the same logits.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from harness import DTYPES, METER
+
+if TYPE_CHECKING:
+    from compose4d import Compose4D
+
+
+def _tp_split(strat, name):
+    return None if strat.tp is None else strat.tp.split_dim.get(name)
+
+
+def _write_synced(path: str, text: str):
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(strat: Compose4D, root: str, step: int, extra: dict | None = None,
+                    grads: bool = False) -> str:
+    """Collective. Returns the step directory. `extra` goes into meta.json (data position,
+    restarts, a cut step's position); `grads`: also the reduced gradients of a cut step."""
+    env, z, opt = strat.env, strat.zero, strat.optimizer
+    t0 = time.time()
+    params = opt.master if opt.mixed else [u.shard for u in z.units]
+    kinds = {"param": params, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq}
+    if grads:
+        kinds["grad"] = [u.grad_shard for u in z.units]
+    with METER.paused():
+        local = {k: z.gather_flat(v) for k, v in kinds.items()}    # this stage, TP-local
+    tmp, final = os.path.join(root, f".tmp-step-{step}"), os.path.join(root, f"step-{step}")
+    if env.is_main:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    with METER.paused():
+        dist.barrier()
+    if dist.get_rank(strat.groups["dpcp"]) == 0:
+        drop = "lm_head.weight" if strat.tied else None     # the tied copy: saved once, as embed
+        rec = {"tp_rank": strat.me["tp"], "tp": strat.args.tp,
+               "split": {n: _tp_split(strat, n) for n in local["param"] if n != drop},
+               "tensors": {k: {n: t.detach().cpu().clone() for n, t in v.items() if n != drop}
+                           for k, v in local.items()}}
+        path = os.path.join(tmp, f"pp{strat.me['pp']}-tp{strat.me['tp']}.pt")
+        torch.save(rec, path)
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    if strat.args.test_crash_in_save:      # test hook: die mid-save, before anything is renamed
+        os._exit(1)
+    with METER.paused():
+        dist.barrier()
+    if env.is_main:
+        meta = dict(step=step, adam_t=opt.t, layout=strat.grid.size, model=strat.args.model,
+                    dtype=strat.args.dtype, vocab=strat.model.config.vocab_size,
+                    seconds=time.time() - t0, **(extra or {}))
+        _write_synced(os.path.join(tmp, "meta.json"), json.dumps(meta))
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)                               # the step is complete ...
+        _write_synced(os.path.join(root, "latest.tmp"), os.path.basename(final))
+        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))  # ... named
+    with METER.paused():
+        dist.barrier()
+    return final
+
+
+def latest_dir(root: str | None) -> str | None:
+    """The step directory DIR/latest names, or None when there is no checkpoint yet."""
+    if not root or not os.path.isfile(os.path.join(root, "latest")):
+        return None
+    with open(os.path.join(root, "latest")) as f:
+        return os.path.join(root, f.read().strip())
+
+
+def load_checkpoint(root: str) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """(meta, {kind: {name: full tensor}}) from DIR/latest, whatever layout wrote it."""
+    d = latest_dir(root)
+    with open(os.path.join(d, "meta.json")) as f:
+        meta = json.load(f)
+    by_stage: dict[str, list] = {}
+    for fn in sorted(os.listdir(d)):
+        if fn.endswith(".pt"):
+            rec = torch.load(os.path.join(d, fn), weights_only=True)
+            by_stage.setdefault(fn.split("-")[0], []).append(rec)
+    full: dict[str, dict] = {}
+    for recs in by_stage.values():
+        recs.sort(key=lambda r: r["tp_rank"])
+        for kind in recs[0]["tensors"]:
+            for n, dim in recs[0]["split"].items():
+                parts = [r["tensors"][kind][n] for r in recs]
+                t = parts[0] if dim is None else torch.cat(parts, dim=dim)
+                if n in ("model.embed_tokens.weight", "lm_head.weight"):
+                    t = t[:meta["vocab"]]             # drop the TP vocabulary padding
+                full.setdefault(kind, {})[n] = t
+    return meta, full
+
+
+def restore(strat: Compose4D, meta: dict, full: dict):
+    """Parameters, AdamW moments and step counters from full tensors, sliced for this layout."""
+    z, opt = strat.zero, strat.optimizer
+
+    def local(kind):
+        out = {}
+        for u in z.units:
+            for n in u.names:
+                src = "model.embed_tokens.weight" if (strat.tied and n == "lm_head.weight") else n
+                t = full[kind][src].to(u.full.device)
+                out[n] = strat.tp.local(n, t) if strat.tp is not None else t
+        return out
+    with torch.no_grad():
+        for shard, new in zip([u.shard for u in z.units], z.flat_shards(local("param"))):
+            shard.copy_(new)
+        if opt.mixed:
+            for m, s in zip(opt.master, [u.shard for u in z.units]):
+                m.copy_(s.float())
+        for kind, dst in (("exp_avg", opt.exp_avg), ("exp_avg_sq", opt.exp_avg_sq)):
+            for d, new in zip(dst, z.flat_shards(local(kind))):
+                d.copy_(new.to(d.dtype))
+    with METER.paused():
+        z.all_gather_params()
+    opt.t, strat.t = meta["adam_t"], meta["step"]
+
+
+def export_hf(strat: Compose4D, out: str):
+    """Collective: the full trained model as an HF model directory (rank 0 writes)."""
+    from transformers import AutoModelForCausalLM
+    full = strat.full_params()
+    if strat.env.is_main:
+        cfg = strat.model.config
+        model = AutoModelForCausalLM.from_config(
+            type(cfg).from_dict({**cfg.to_dict(), "_attn_implementation": "sdpa"}))
+        model.to(DTYPES[strat.args.dtype])            # saved in the run's dtype
+        missing, unexpected = model.load_state_dict({n: t.cpu() for n, t in full.items()},
+                                                    strict=False)
+        assert not unexpected and all(m == "lm_head.weight" for m in missing), (missing, unexpected)
+        tmp = out.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.rename(tmp, out)
+    with METER.paused():
+        dist.barrier()

@@ -1,0 +1,49 @@
+"""harness: everything that is not a parallelism.
+
+A strategy file (ddp.py, zero.py, ...) holds the algorithm and a small adapter class
+(`Strategy`, whose contract is written at the top of strategy.py); `main(StrategyClass)` does the
+rest: launches the process group, builds the single-device reference, generates the data, and
+runs the modes against the reference. Nothing here knows how any strategy splits the work.
+
+The package, one concern per module (a strategy imports its names from here, the package):
+
+    strategy.py     the adapter contract (`Strategy`), the single-device `Reference`, `Plant`,
+                    and the helpers strategies share (make_adamw, all_reduce_flat, ...)
+    models.py       presets, HF configs and checkpoint directories, the reference model
+    data.py         the synthetic Markov language (exact loss floor), `Batch`, ignored labels
+    loss.py         the loss normalisation: CE sum over a rank's tokens / global token count
+    meter.py        `phase("forward")` marks; the communication meter (`METER`, `Expect`,
+                    `name_group`) that counts every torch.distributed call by op and group
+    memory.py       the live-storage tracker (CPU and CUDA), steady-state peak, simulated OOM
+    timing.py       timed steps, ranks aligned, max over ranks
+    compare.py      the verdicts: each error judged against measured single-device noise
+    run.py          one run of one mode: arguments, group, config, language; the reference /
+                    strategy pair from one set of weights
+    correctness.py  modes `correctness` and `plants`
+    learning.py     mode `learning`
+    benchmark.py    modes `benchmark` and `peak`
+    report.py       --out files and plots
+    launch.py       command line, per-mode defaults, process group, one-line config errors
+    cli.py          `main`: validate, launch once, run each (dtype, mode) of each run
+
+Modes (`--mode correctness|learning|benchmark|all|plants|peak`): see correctness.py,
+learning.py and benchmark.py. `--out DIR` writes correctness.json, learning.csv (+ .png with
+matplotlib), benchmark.json.
+"""
+from .benchmark import run_benchmark, run_peak, bench_strategy  # noqa: F401
+from .cli import RUN_MARK, main  # noqa: F401
+from .compare import (TOL_K, Comparison, NoisePolicy, clip_coef, preclip_grads,  # noqa: F401
+                      role)
+from .correctness import run_correctness, run_plants  # noqa: F401
+from .data import PAD_ID, Batch, MarkovLanguage, ignore_spans, make_batch  # noqa: F401
+from .launch import (Env, base_parser, fail_config, launch,  # noqa: F401
+                     resolve_defaults, teardown)
+from .learning import run_learning  # noqa: F401
+from .loss import IGNORE_INDEX, global_loss, lm_loss_sum, scalar  # noqa: F401
+from .memory import OOM_EXIT, MemoryTracker, SimulatedOOM, steady_peak  # noqa: F401
+from .meter import METER, CommMeter, Expect, group_name, name_group, phase  # noqa: F401
+from .models import (DTYPES, PRESETS, ConfigError, build_model, common_constraints,  # noqa: F401
+                     has_weights, load_config, model_kwargs, param_count, promote_norms)
+from .run import Run  # noqa: F401
+from .strategy import (HARNESS_PLANTS, DTensorBaseline, Plant, Reference,  # noqa: F401
+                       Strategy, all_reduce_flat, full_tensor, make_adamw, spread_across_ranks)

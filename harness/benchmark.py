@@ -1,0 +1,194 @@
+"""benchmark.py: Modes `benchmark` and `peak`.
+
+benchmark  --warmup steps, then --bench-iters timed steps (a fixed count: adaptive counts deadlock
+           because ranks decide differently). Step and forward time, tokens/s, memory per rank,
+           communication per step by op and group beside the strategy's formulas
+           (`expected_comm`), the single-device reference, and with --compare-native PyTorch's
+           implementation.
+peak       (oom_search.py's trials) two full steps under the memory tracker, the steady-state
+           peak: `TRIAL OK {json}`, or `TRIAL OOM ...` and exit code 3 when --mem-budget-gb (CPU,
+           simulated) or the CUDA allocator runs out.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from .memory import OOM_EXIT, SimulatedOOM, measure_memory, steady_peak
+from .meter import METER, RING_FACTOR
+from .models import DTYPES, build_model
+from .report import jsonable, fmt_bytes, write_json
+from .run import Run, gather_objects, max_over_ranks, broadcast_verdict, make_pair
+from .strategy import natives, reference_class
+from .timing import timed_steps
+
+
+def bench_strategy(run: Run, strat) -> dict:
+    """Timed steps (comm metered, ranks aligned by a barrier), then one tracked step for
+    memory. Collective: times are the max over ranks."""
+    args = run.args
+
+    def barrier():  # align the ranks' starts (not counted)
+        with METER.paused():
+            dist.barrier()
+    METER.reset()
+    step_t, fwd_t = timed_steps(run, strat, METER.measuring, barrier)
+    comm = METER.snapshot(per=args.bench_iters)
+    raw_counts = {k: tuple(v) for k, v in METER.counts.items()}
+    METER.reset()
+    mem = measure_memory(run, strat)
+    step_t, fwd_t = max_over_ranks(step_t), max_over_ranks(fwd_t)
+    comm_sum = {}
+    for c in gather_objects(comm):
+        for k, (calls, nbytes) in c.items():
+            a = comm_sum.setdefault(k, [0.0, 0.0])
+            a[0] += calls
+            a[1] += nbytes
+    return dict(step_s=step_t, forward_s=fwd_t, tokens_per_s=args.batch * args.length / step_t,
+                comm=comm, comm_sum={k: tuple(v) for k, v in comm_sum.items()},
+                # a key whose totals are not a multiple of the step count varied between steps
+                comm_varied=[k for k, (c, b) in raw_counts.items()
+                             if c % args.bench_iters or b % args.bench_iters],
+                memory=gather_objects(mem))
+
+
+def run_benchmark(run: Run, cls) -> bool:
+    args, env = run.args, run.env
+    _, strat, setup = make_pair(run, cls, perturb=False, with_ref=False)
+    name = strat.name
+    run.print(f"benchmark: {name} W={env.world} {args.dtype} device={env.device.type} "
+              f"model={args.model} batch={args.batch} length={args.length} "
+              f"warmup={args.warmup} iters={args.bench_iters}")
+    n_params = sum(p.numel() for p in strat.full_params().values())
+    ours = bench_strategy(run, strat)
+    strat.bench = ours   # the timings, for report lines that need them (compose4d's MFU)
+    expected, formula, lines = strat.expected_comm(), strat.memory_formula(), strat.report_lines()
+    del strat
+    native = []
+    for ncls in (natives(cls) if args.compare_native else []):
+        _, nat, _ = make_pair(run, ncls, perturb=False, with_ref=False)
+        native.append((nat.name, bench_strategy(run, nat)))
+        del nat
+    # The single-device reference, alone on rank 0 with one rank's share of the machine.
+    ref = None
+    if env.is_main:
+        model = build_model(args, run.config, env.device)
+        ref = _bench_single(run, reference_class(cls)(model, args, env))
+        del model
+    with METER.paused():
+        dist.barrier()
+    ok = True
+    if env.is_main:
+        ok = _report_benchmark(run, name, cls, n_params, ours, native, ref, expected, setup,
+                               formula, lines)
+    return broadcast_verdict(ok)
+
+
+def _bench_single(run: Run, strat) -> dict:
+    """bench_strategy for one process, without collectives."""
+    step_t, fwd_t = timed_steps(run, strat)
+    return dict(step_s=step_t, forward_s=fwd_t,
+                tokens_per_s=run.args.batch * run.args.length / step_t,
+                memory=[measure_memory(run, strat)])
+
+
+def _report_benchmark(run, name, cls, n_params, ours, native, ref, expected, setup, formula,
+                      lines) -> bool:
+    args, env = run.args, run.env
+    elem = torch.tensor([], dtype=DTYPES[args.dtype]).element_size()
+    run.print(f"parameters: {n_params:,} ({fmt_bytes(n_params * elem)} in {args.dtype}); "
+              f"times are medians over {args.bench_iters} steps, max over ranks")
+    hdr = (f"{'':<22}{'step ms':>10}{'fwd ms':>10}{'tokens/s':>12}{'peak/rank':>12}"
+           f"{'step vs ref':>13}")
+    run.print(hdr)
+    rows = [("single device (ref)", ref), (f"{name} (ours)", ours)]
+    rows += [(f"{n} (baseline)", r) for n, r in native]
+    for label, r in rows:
+        peak = max(m["peak"] for m in r["memory"])
+        run.print(f"{label:<22}{r['step_s'] * 1e3:>10.1f}{r['forward_s'] * 1e3:>10.1f}"
+                  f"{r['tokens_per_s']:>12.0f}{fmt_bytes(peak):>12}"
+                  f"{r['step_s'] / ref['step_s']:>12.2f}x")
+    if native:
+        run.print(f"step time ours / {native[0][0]}: {ours['step_s'] / native[0][1]['step_s']:.3f}")
+    run.print(f"memory per rank ({ours['memory'][0]['peak_source']}):")
+    run.print(f"  {'rank':<14}{'params':>12}{'grads':>12}{'optimizer':>12}{'states':>12}"
+              f"{'activations':>13}{'peak':>12}")
+    for label, r in rows:
+        for i, m in enumerate(r["memory"]):
+            run.print(f"  {label.split()[0] + ':' + str(i):<14}{fmt_bytes(m['params']):>12}"
+                      f"{fmt_bytes(m['grads']):>12}{fmt_bytes(m['optimizer']):>12}"
+                      f"{fmt_bytes(m['model_states']):>12}{fmt_bytes(m['activations']):>13}"
+                      f"{fmt_bytes(m['peak']):>12}")
+    if formula:
+        run.print(f"  {'formula':<14}" + "".join(
+            f"{fmt_bytes(formula[k]):>12}" for k in ("params", "grads", "optimizer",
+                                                     "model_states")))
+    for line in lines:
+        run.print(line)
+    # Communication: measured per step vs formula
+    W = env.world
+    run.print("communication per optimizer step (rank 0 unless marked; bytes = logical buffer, "
+              "wire = per-rank ring traffic):")
+    run.print(f"  {'op':<24}{'group':<8}{'calls':>7}{'bytes':>14}{'wire/rank':>14}"
+              f"{'expected':>22}  formula")
+    exp = {(e.op, e.group): e for e in expected}
+    measured = ours["comm"]
+    comm_ok = True
+    for key in sorted(set(measured) | set(exp)):
+        e = exp.get(key)
+        summed = e is not None and e.ranks == "sum"
+        calls, nbytes = (ours["comm_sum"] if summed else measured).get(key, (0, 0))
+        wire = nbytes * RING_FACTOR.get(key[0], lambda w: 1.0)(W) / (W if summed else 1)
+        # per-rank rows must also be the same every step; summed ones are data-dependent per rank
+        match = (e is not None and math.isclose(e.calls, calls) and math.isclose(e.bytes, nbytes)
+                 and (summed or list(key) not in map(list, ours["comm_varied"])))
+        comm_ok &= match
+        etxt = f"{e.calls:g} / {e.bytes:,.0f}" if e else "(none expected)"
+        run.print(f"  {key[0]:<24}{key[1]:<8}{calls:>7g}{nbytes:>14,.0f}{wire:>14,.0f}"
+                  f"{etxt:>22}  {'ok' if match else 'MISMATCH'} "
+                  f"{'[sum over ranks] ' if summed else ''}{e.formula if e else ''}")
+    if setup:
+        run.print("  one-time set-up: " + ", ".join(
+            f"{op}[{g}] {c:g} calls {b:,.0f} B" for (op, g), (c, b) in setup.items()))
+    run.results["benchmark"] = dict(
+        strategy=name, world=W, dtype=args.dtype, device=env.device.type,
+        model=args.model, batch=args.batch, length=args.length, params=n_params,
+        ours=jsonable(ours), native={n: jsonable(r) for n, r in native},
+        reference=jsonable(ref),
+        expected=[e.__dict__ for e in expected], setup=jsonable({"comm": setup})["comm"],
+        memory_formula=formula, comm_ok=comm_ok)
+    write_json(run, "benchmark.json", run.results["benchmark"])
+    run.print(("PASS " if comm_ok else "FAIL ") + f"{name} W={W} benchmark: "
+              f"{ours['tokens_per_s']:.0f} tokens/s, communication "
+              f"{'matches' if comm_ok else 'DIFFERS FROM'} the formulas")
+    return comm_ok
+
+
+def run_peak(run: Run, cls) -> bool:
+    """Build the strategy, run two full steps (forward, backward, optimizer) under the memory
+    tracker (`steady_peak`), and print one machine-readable line from rank 0:
+        TRIAL OK {"peak": max over ranks, "ranks": [per-rank memory dicts], ...}
+    An out-of-memory (CUDA's, or the CPU tracker going over --mem-budget-gb) prints
+        TRIAL OOM rank r: ...
+    and exits with code 3 at once: the peers are stopped by torchrun, not left in a collective."""
+    args, env = run.args, run.env
+    limit = int(args.mem_budget_gb * 2**30) if args.mem_budget_gb else None
+    if env.device.type == "cuda" and args.mem_fraction:
+        torch.cuda.set_per_process_memory_fraction(args.mem_fraction, env.device)
+    try:
+        _, strat, _ = make_pair(run, cls, perturb=False, with_ref=False)
+        mem = steady_peak(run, strat, limit if env.device.type == "cpu" else None)
+    except (SimulatedOOM, torch.OutOfMemoryError) as e:
+        kind = "simulated (CPU live-tensor tracker)" if isinstance(e, SimulatedOOM) else "CUDA"
+        print(f"TRIAL OOM rank {env.rank} {kind}: {str(e).splitlines()[0][:200]}", flush=True)
+        os._exit(OOM_EXIT)
+    mems = gather_objects(mem)
+    run.print("TRIAL OK " + json.dumps(dict(
+        strategy=strat.name, world=env.world, length=args.length, batch=args.batch,
+        dtype=args.dtype, device=env.device.type, peak=max(m["peak"] for m in mems),
+        source=mem["peak_source"], ranks=mems)))
+    return True

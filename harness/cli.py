@@ -1,0 +1,122 @@
+"""cli.py: The entry point every strategy file calls: `main(StrategyClass)`. Validates every run's
+arguments before the process group exists, launches once, and runs each (dtype, mode) of each
+run (`--runs FILE`: several argument lists in one process group).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+
+import torch
+
+from .benchmark import run_benchmark, run_peak
+from .correctness import run_correctness, run_plants
+from .data import MarkovLanguage
+from .launch import Env, base_parser, env_from_os, fail_config, launch, resolve_defaults, teardown
+from .learning import run_learning
+from .models import ConfigError, common_constraints, load_config
+from .run import Run
+from .strategy import HARNESS_PLANTS
+
+
+RUN_MARK = "=== run "   # --runs: rank 0 prints this, the run's index and its --out, before each
+
+
+def _validate(cls, args, world: int, rank: int):
+    """(config, dtypes) for one run's arguments, or the first violated constraint (exit 2)."""
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail_config("--device cuda: CUDA is not available", rank)
+    try:
+        config = load_config(args.model)
+    except ConfigError as e:
+        fail_config(str(e), rank)
+    dtypes = args.dtype.split(",") if args.dtype else [None]
+    errs = []
+    for d in dtypes:
+        a = copy.copy(args)
+        a.dtype = d
+        errs += common_constraints(a, world, config) + cls.constraints(a, world, config)
+    known = {**HARNESS_PLANTS, **cls.plants}
+    errs += [f"--plants: {n!r} is not a plant of {cls.name} ({', '.join(known)})"
+             for n in (args.plants or "").split(",") if n and n not in known]
+    if getattr(args, "runs_nested", False):
+        errs.append("--runs: a run in the list cannot name another --runs file")
+    if errs:
+        fail_config(errs[0], rank)
+    return config, dtypes
+
+
+def _execute(cls, args, env: Env, config, dtypes) -> bool:
+    """Every (dtype, mode) of one run's arguments, in the process group that exists."""
+    modes = ["correctness", "learning", "benchmark"] if args.mode == "all" else [args.mode]
+    lang = MarkovLanguage(config.vocab_size, args.seed, args.branching)
+    results: dict = {}
+    ok = True
+    for mode, dtype in [(m, d) for d in dtypes for m in modes]:
+        a = copy.copy(args)
+        a.dtype = dtype
+        if a.dtype is None and env.device.type == "cpu":
+            a.dtype = cls.cpu_dtype.get(mode)
+        run = Run(resolve_defaults(a, mode, env.device.type, env.world), env, config, lang,
+                  results)   # shared: correctness.json lists every dtype's run
+        ok &= {"correctness": run_correctness, "learning": run_learning,
+               "benchmark": run_benchmark, "peak": run_peak, "plants": run_plants,
+               **cls.modes}[mode](run, cls)
+    return ok
+
+
+def _run_list(parser, args) -> list[argparse.Namespace]:
+    """--runs FILE: a JSON list of argument lists, each parsed like a command line of its own.
+    Each needs its own --out: its verdict goes to OUT/status.json ({"ok": ...})."""
+    try:
+        with open(args.runs) as f:
+            argvs = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--runs {args.runs}: {e}")
+    if not isinstance(argvs, list) or not argvs or not all(isinstance(a, list) for a in argvs):
+        raise ConfigError(f"--runs {args.runs}: not a non-empty JSON list of argument lists")
+    runs = []
+    for argv in argvs:
+        a = parser.parse_args([str(x) for x in argv])
+        if not a.out:
+            raise ConfigError(f"--runs: each run needs its own --out ({' '.join(argv)})")
+        a.runs_nested, a.runs = bool(a.runs), None
+        runs.append(a)
+    return runs
+
+
+def main(cls, argv=None):
+    parser = base_parser(os.path.basename(sys.argv[0]), cls.modes, cls.plants)
+    cls.add_args(parser)
+    args = parser.parse_args(argv)
+    rank, world, _ = env_from_os()
+    # Validation happens before the process group exists: no collective can hang on bad input.
+    try:
+        runs = _run_list(parser, args) if args.runs else [args]
+    except ConfigError as e:
+        fail_config(str(e), rank)
+    checked = [(a, *_validate(cls, a, world, rank)) for a in runs]
+    env = launch(runs[0])
+    ok, clean = True, False
+    try:
+        for i, (a, config, dtypes) in enumerate(checked):
+            if args.runs:
+                if env.is_main:
+                    print(f"{RUN_MARK}{i} {a.out}", flush=True)
+                run_ok = _execute(cls, a, env, config, dtypes)
+                if env.is_main:
+                    os.makedirs(a.out, exist_ok=True)
+                    with open(os.path.join(a.out, "status.json"), "w") as f:
+                        json.dump({"ok": run_ok}, f)
+                ok &= run_ok
+            else:
+                ok = _execute(cls, a, env, config, dtypes)
+        clean = True
+    finally:
+        teardown(clean)
+    sys.exit(0 if ok else 1)

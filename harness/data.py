@@ -1,0 +1,118 @@
+"""data.py: a sparse random Markov chain over the vocabulary, with an exactly known loss floor.
+Sequences start from the stationary distribution pi, so every position's next-token entropy is
+the chain's entropy rate
+    H = sum_i pi_i * H(P_i)     (nats),
+the floor that a perfect model's cross-entropy reaches. Sample i is a pure function of (seed, i):
+the same whatever the world size, rank or layout. Correctness runs also ignore a padded tail and
+a masked span per sample (`ignore_spans`), so token counts differ per rank, micro-batch and chunk.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .loss import IGNORE_INDEX
+
+
+class MarkovLanguage:
+    def __init__(self, vocab: int, seed: int, branching: int = 4):
+        rng = np.random.default_rng([seed, 0x5EED])
+        self.vocab, self.seed = vocab, seed
+        self.succ = np.stack([rng.choice(vocab, branching, replace=False) for _ in range(vocab)])
+        self.prob = rng.dirichlet(np.ones(branching), size=vocab)            # (V, k)
+        self.cum = np.cumsum(self.prob, axis=1)
+        self.cum[:, -1] = 1.0
+        self.pi = self._stationary()
+        row_entropy = -(self.prob * np.log(self.prob)).sum(axis=1)
+        self.entropy_rate = float((self.pi * row_entropy).sum())
+
+    def _stationary(self, iters: int = 10000, tol: float = 1e-13) -> np.ndarray:
+        pi = np.full(self.vocab, 1.0 / self.vocab)
+        for _ in range(iters):  # lazy chain (I+P)/2: same pi, and no oscillation if periodic
+            nxt = np.zeros_like(pi)
+            np.add.at(nxt, self.succ, pi[:, None] * self.prob)
+            nxt = 0.5 * (pi + nxt)
+            if np.abs(nxt - pi).sum() < tol:
+                return nxt / nxt.sum()
+            pi = nxt
+        return pi / pi.sum()
+
+    def sample(self, start: int, count: int, length: int) -> np.ndarray:
+        """Samples start..start+count-1, each length+1 tokens, as an int64 array."""
+        u = np.stack([np.random.default_rng([self.seed, i]).random(length + 1)
+                      for i in range(start, start + count)])
+        x = np.empty((count, length + 1), dtype=np.int64)
+        x[:, 0] = np.searchsorted(np.cumsum(self.pi), u[:, 0]).clip(max=self.vocab - 1)
+        for t in range(1, length + 1):
+            cur = x[:, t - 1]
+            j = (u[:, t, None] > self.cum[cur]).sum(axis=1)
+            x[:, t] = self.succ[cur, j]
+        return x
+
+
+@dataclass
+class Batch:
+    """A global batch. labels are already shifted (labels[:, t] is the token after
+    input_ids[:, t]), so every position has a target and a sequence split loses no token."""
+    input_ids: torch.Tensor   # (B, S)
+    labels: torch.Tensor      # (B, S), IGNORE_INDEX where there is no target
+    index: int                # step index s: samples [s*B, (s+1)*B)
+
+    @functools.cached_property
+    def n_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def rows(self, start: int, stop: int) -> "Batch":
+        return Batch(self.input_ids[start:stop], self.labels[start:stop], self.index)
+
+    def shard(self, rank: int, world: int) -> "Batch":
+        """This rank's contiguous share of the sequences (world must divide the batch)."""
+        n = self.input_ids.shape[0] // world
+        return self.rows(rank * n, (rank + 1) * n)
+
+    def split(self, k: int) -> list["Batch"]:
+        n = self.input_ids.shape[0] // k
+        return [self.rows(i * n, (i + 1) * n) for i in range(k)]
+
+
+PAD_ID = 0   # the input token at padded positions (their labels are IGNORE_INDEX)
+
+
+def ignore_spans(seed: int, start: int, count: int, length: int) -> np.ndarray:
+    """(count, length) bool: which targets of samples start..start+count-1 are ignored, a pure
+    function of (seed, sample index) like the tokens. Each sample gets a padded tail of 0..L/4
+    positions (inputs PAD_ID, labels ignored) and an ignored span of 0..L/8 labels somewhere
+    before it (a masked prompt), so token counts differ per sample, per rank, per micro-batch
+    and per sequence chunk, and a "mean of per-shard means" cannot agree with the global mean."""
+    out = np.zeros((count, length), dtype=bool)
+    for r, i in enumerate(range(start, start + count)):
+        rng = np.random.default_rng([seed, i, 0x1D])
+        tail = int(rng.integers(0, length // 4 + 1))
+        span = int(rng.integers(0, length // 8 + 1))
+        a = int(rng.integers(0, max(1, length - tail - span)))
+        out[r, a:a + span] = True
+        if tail:
+            out[r, length - tail - 1:] = True     # the last real token predicts padding too
+    return out
+
+
+def make_batch(lang: MarkovLanguage, step: int, batch: int, length: int, device,
+               offset: int | None = None, ignore: bool = False) -> Batch:
+    """Samples [step*batch, (step+1)*batch), or [offset, offset+batch) when the global batch
+    has not been the same every step (compose4d's elastic restarts). ignore=True (correctness
+    mode) pads and masks targets as `ignore_spans` says."""
+    start = step * batch if offset is None else offset
+    x = torch.from_numpy(lang.sample(start, batch, length))
+    inputs, labels = x[:, :-1].clone(), x[:, 1:].clone()
+    if ignore:
+        m = torch.from_numpy(ignore_spans(lang.seed, start, batch, length))
+        labels[m] = IGNORE_INDEX
+        # padded tail: the inputs after the last real token are PAD_ID too
+        pad = torch.zeros_like(m)
+        pad[:, 1:] = m[:, :-1] & m[:, -1:]
+        pad &= torch.flip(torch.cummin(torch.flip(m.int(), [1]), 1).values.bool(), [1])
+        inputs[pad] = PAD_ID
+    return Batch(inputs.to(device).contiguous(), labels.to(device).contiguous(), step)

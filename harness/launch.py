@@ -1,0 +1,186 @@
+"""launch.py: Command line and process group: the harness's flags, the per-mode defaults,
+torchrun's environment, gloo on CPU and NCCL on CUDA with a timeout, clean teardown, and the
+one-line exit (code 2) for a violated constraint, before any collective."""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .compare import TOL_K
+from .meter import METER
+from .models import DTYPES, PRESETS
+from .strategy import HARNESS_PLANTS
+
+
+MODE_DEFAULTS = {  # (steps, dtype on cpu) per mode; see the numerics policy in the README
+    "correctness": (2, "float64"),
+    "plants": (2, "float64"),    # correctness runs: the clean one, then each planted bug
+    "learning": (200, "float32"),
+    "benchmark": (None, "float32"),
+    "peak": (1, "float32"),
+    "train": (100, "float32"),   # a strategy's own mode (compose4d's training run)
+}
+
+
+def _dtype_list(text: str) -> str:
+    bad = [d for d in text.split(",") if d not in DTYPES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r} is not one of {', '.join(DTYPES)}")
+    return text
+
+
+def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--mode", default="correctness",
+                   choices=["correctness", "learning", "benchmark", "all", "peak", "plants",
+                            *modes])
+    p.add_argument("--model", default="tiny",
+                   help="preset (%s), a local HF model directory, or a config.json path"
+                   % ", ".join(PRESETS))
+    p.add_argument("--dtype", default=None, type=_dtype_list,
+                   help="%s; comma-separated: each in turn in one process group "
+                        "(e.g. float64,float32). Default: float64 for correctness, float32 "
+                        "otherwise on CPU; bfloat16 for learning/benchmark on CUDA"
+                        % "|".join(DTYPES))
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="default: cuda when available")
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"],
+                   help="HF attention implementation of the reference model")
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    p.add_argument("--length", type=int, default=64, help="sequence length")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps (default 2 for correctness, 200 for learning)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="AdamW learning rate (default 1e-3 correctness, 3e-3 learning)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0, help="model init, language and sample seed")
+    p.add_argument("--branching", type=int, default=4,
+                   help="successors per token in the synthetic Markov language")
+    p.add_argument("--tol-k", type=float, default=None,
+                   help="correctness: a strategy passes when err(strategy vs float64 reference) "
+                        "<= K x the single-device noise + a floor (default %g; see the README's "
+                        "numerics policy)" % 8.0)
+    p.add_argument("--warmup", type=int, default=2, help="benchmark warm-up steps")
+    p.add_argument("--bench-iters", type=int, default=5, help="benchmark timed steps")
+    p.add_argument("--log-every", type=int, default=10, help="learning-mode print interval")
+    p.add_argument("--compare-native", action="store_true",
+                   help="also run PyTorch's own implementation, where the strategy has one")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="process-group timeout in seconds: a dead peer fails instead of hanging")
+    p.add_argument("--out", default=None, help="directory for json/csv/png results")
+    p.add_argument("--clip", type=float, default=0.0,
+                   help="clip gradients to this global L2 norm (0: off)")
+    p.add_argument("--mem-budget-gb", type=float, default=None,
+                   help="peak mode: a simulated OOM as soon as a rank's live tensor bytes "
+                        "exceed this (CPU tracker); on CUDA the real allocator decides")
+    p.add_argument("--mem-fraction", type=float, default=None,
+                   help="peak mode on CUDA: torch.cuda.set_per_process_memory_fraction, to "
+                        "emulate a smaller GPU")
+    plants = {**HARNESS_PLANTS, **(plants or {})}
+    p.add_argument("--plant-bug", default=None, choices=list(plants), metavar="NAME",
+                   help="plant a known bug; correctness mode must FAIL. " + "; ".join(
+                       f"{k}: {v.doc}" for k, v in plants.items()))
+    p.add_argument("--runs", default=None, metavar="FILE",
+                   help="a JSON list of argument lists, run one after another in this one "
+                        "process group (start-up paid once); each needs its own --out, where "
+                        "its verdict goes to status.json")
+    p.add_argument("--plants", default=None,
+                   help="--mode plants: comma-separated plants to run after the clean run "
+                        "(default: all of this strategy's own)")
+    return p
+
+
+def resolve_defaults(args, mode: str, device: str, world: int = 1) -> argparse.Namespace:
+    """A copy of args with the mode-dependent defaults filled in."""
+    a = copy.copy(args)
+    a.mode = mode
+    steps, cpu_dtype = MODE_DEFAULTS[mode]
+    if a.steps is None:
+        a.steps = steps
+    if a.dtype is None:
+        a.dtype = cpu_dtype if (device == "cpu" or mode == "correctness") else "bfloat16"
+    if a.lr is None:
+        a.lr = 1e-3 if mode == "correctness" else 3e-3
+    if a.tol_k is None:
+        a.tol_k = TOL_K
+    return a
+
+
+@dataclass
+class Env:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_from_os() -> tuple[int, int, int]:
+    """(rank, world, local_rank) from torchrun's variables; a plain `python x.py` is world 1."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args) -> Env:
+    rank, world, local_rank = env_from_os()
+    if "RANK" not in os.environ:  # plain python: a group of one, so strategy code is unchanged
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        # torchrun gives each worker one thread; a plain run may use the whole machine.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    kw = dict(backend=backend, timeout=datetime.timedelta(seconds=args.timeout))
+    if backend == "nccl":
+        kw["device_id"] = device
+    dist.init_process_group(**kw)
+    return Env(rank, world, local_rank, device, backend)
+
+
+def teardown(clean: bool = True):
+    """Destroy the groups; after a barrier when every rank got here normally, so no rank tears
+    down gloo while a peer is still inside a collective. Then collect the cyclic garbage (a
+    strategy's hooks refer to it, and it to its subgroups) so that every ProcessGroupGloo is
+    destructed, and its worker threads joined, now and not during interpreter shutdown, where
+    that can abort the process ("terminate called without an active exception")."""
+    if dist.is_initialized():
+        if clean:
+            with METER.paused():
+                dist.barrier()
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def fail_config(msg: str, rank: int):
+    """One line from rank 0, exit code 2. Under torchrun the other ranks wait (up to 30 s) so
+    the launcher, which SIGTERMs every worker once one has exited, cannot kill rank 0 before it
+    has printed: rank 0's exit code 2 is then torchrun's "root cause"."""
+    if rank == 0:
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(30)
+    sys.exit(2)

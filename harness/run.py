@@ -1,0 +1,92 @@
+"""run.py: One run of one mode: its arguments, the process group, the model config and the
+language; the reference/strategy pair built from one set of weights; small collective helpers."""
+from __future__ import annotations
+
+import argparse
+import copy
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from .data import Batch, MarkovLanguage, make_batch
+from .meter import METER
+from .models import build_model
+from .strategy import reference_class
+
+if TYPE_CHECKING:
+    from .launch import Env
+
+
+@dataclass
+class Run:
+    args: argparse.Namespace
+    env: Env
+    config: object
+    lang: MarkovLanguage
+    results: dict = field(default_factory=dict)
+
+    def batch(self, step: int) -> Batch:
+        return make_batch(self.lang, step, self.args.batch, self.args.length, self.env.device,
+                          ignore=self.args.mode in ("correctness", "plants"))
+
+    def print(self, *a, **k):
+        if self.env.is_main:
+            print(*a, **k, flush=True)
+
+
+def perturbed(model, seed: int) -> torch.nn.Module:
+    """A copy with every weight nudged: what a rank would hold had it initialised on its own."""
+    m = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g, dtype=torch.float64)
+                   .to(p.device, p.dtype))
+    return m
+
+
+def make_pair(run: Run, cls, perturb: bool, with_ref: bool):
+    """(reference on rank 0 or None, strategy) from one reference build."""
+    ref_model = build_model(run.args, run.config, run.env.device)
+    local = ref_model
+    if perturb and cls.syncs_initial_params and run.env.rank != 0:
+        local = perturbed(ref_model, 1000 + run.env.rank)
+    else:
+        local = copy.deepcopy(ref_model)
+    ref = (reference_class(cls)(ref_model, run.args, run.env)
+           if (with_ref and run.env.is_main) else None)
+    if not ref:
+        del ref_model
+    with METER.measuring():  # count the one-time set-up traffic (e.g. the initial broadcast)
+        METER.reset()
+        strat = cls(local, run.args, run.env)
+        setup = METER.snapshot()
+    METER.reset()
+    return ref, strat, setup
+
+
+def broadcast_verdict(ok: bool) -> bool:
+    t = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    with METER.paused():
+        dist.broadcast(t, 0)
+    return bool(t.item())
+
+
+def max_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    with METER.paused():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def gather_objects(obj):
+    out = [None] * dist.get_world_size()
+    with METER.paused():
+        dist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,235 @@
+"""strategy.py: the strategy contract, the single-device reference, and helpers strategies share.
+
+The adapter contract (subclass `Strategy`)
+------------------------------------------
+    name                      short name used in reports ("ddp")
+    syncs_initial_params      True if the strategy claims to make replicas identical itself
+                              (e.g. DDP broadcasts from rank 0). Correctness mode then hands
+                              ranks != 0 a *perturbed* copy of the weights, so a missing sync fails.
+    add_args(parser)          staticmethod: the strategy's own flags
+    constraints(args, world, config) -> list[str]
+                              staticmethod: each string names one violated constraint. Checked on
+                              every rank before the process group exists; rank 0 prints the first
+                              one as a single line and every rank exits with code 2.
+    __init__(ref_model, args, env)
+                              build the local (sharded) model and optimizer *from the full
+                              reference weights* (never from a fresh random init), so both start
+                              bit-identical. `ref_model` is this rank's private copy: slice it,
+                              wrap it, or keep it.
+    step(batch) -> float      forward, backward and optimizer step on this rank's share of the
+                              global batch (`Batch`, the same object on every rank). Returns the
+                              global loss with the reference's normalisation: the mean over all
+                              target tokens of the global batch (`batch.n_tokens`), whatever the
+                              split. Use `lm_loss_sum` and `global_loss`. Gradients of the last step
+                              must stay readable until the next step (zero them at the start).
+    full_grads(), full_params() -> dict[str, Tensor]
+                              full tensors keyed by the reference's parameter names. Collective:
+                              every rank calls; rank 0's result is compared.
+    model_states() -> dict[str, list[Tensor]]
+                              the tensors this rank keeps resident between steps, by category
+                              ("params", "grads", "optimizer"); the default reads self.model and
+                              self.optimizer. Bytes are counted over unique storages.
+    expected_comm() -> list[Expect]
+                              the textbook per-step communication: benchmark mode prints it beside
+                              the measured figures and fails when they differ.
+    extra_checks() -> list[(name, ok, detail)]
+                              strategy-specific correctness checks (collective; rank 0's verdict).
+                              Each must be able to fail: no rows that are true by construction.
+    grad_norm                 set by step() when --clip is on: the pre-clip global gradient norm
+                              (float or 0-d tensor). The harness divides the clipped gradients by
+                              torch's clip coefficient from it, so gradients are compared before
+                              clipping, and judges the norm on its own row.
+    plants                    {NAME: Plant(doc, args, world)}: known bugs the strategy can plant in
+                              itself (--plant-bug NAME, checked where the bug would be); args is the
+                              configuration in which correctness must FAIL (tests/test_plants.py).
+    native                    optional Strategy subclass (or list of them) wrapping PyTorch's own
+                              implementation, used by `--compare-native`; the first is the one
+                              the step-time ratio is taken against.
+    reference                 the single-device reference class (default `Reference`: plain HF
+                              model + AdamW). A strategy whose objective adds terms to the LM
+                              loss (ep_moe's router losses) supplies a subclass computing them.
+    learning_lines()          extra lines printed after a learning run (collective).
+    report_lines()            extra benchmark lines; `self.bench` (the timings: step_s, forward_s,
+                              tokens_per_s, ...) is set before it is called.
+    cpu_dtype                 {mode: dtype}: a strategy's own CPU default where MODE_DEFAULTS'
+                              does not suit it (ep_moe learns in float64: see its docstring).
+    modes                     {name: function(run, cls) -> bool}: extra --mode values (compose4d's
+                              "train", from train.py: a logged run with checkpoints, outside the
+                              comparisons).
+
+Strategy code marks its forward and backward with `with phase("forward"):` so the benchmark can
+time them and the memory tracker can tell activations from the rest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .data import Batch
+from .loss import lm_loss_sum
+from .meter import Expect, METER, phase
+
+
+@dataclass(frozen=True)
+class Plant:
+    """A known bug a strategy can plant in itself (`--plant-bug NAME`): proof that its
+    correctness check can fail. `args` is the configuration in which the check must catch it
+    (the tests and `tour.py --plants` run exactly that, at `world` ranks)."""
+    doc: str
+    args: tuple = ()
+    world: int = 2
+
+
+HARNESS_PLANTS = {"grad": Plant("the harness perturbs one reported gradient by 1e-6 of its "
+                                "scale (float64 only: below float32 noise)")}
+
+
+class Strategy:
+    name = "strategy"
+    syncs_initial_params = False
+    native = None
+    reference = None  # None: Reference (set after its definition)
+    cpu_dtype: dict = {}  # mode -> default dtype on CPU where the strategy needs another one
+    modes: dict = {}      # extra --mode name -> function(run, cls) -> bool (compose4d's "train")
+    plants: dict = {}     # --plant-bug NAME -> what the planted bug does (correctness must FAIL)
+
+    @staticmethod
+    def add_args(parser):
+        pass
+
+    @staticmethod
+    def constraints(args, world, config) -> list[str]:
+        return []
+
+    def __init__(self, ref_model, args, env):
+        raise NotImplementedError
+
+    def step(self, batch: Batch) -> float:
+        raise NotImplementedError
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        return {n: p.grad for n, p in self.model.named_parameters()}
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def model_states(self) -> dict[str, list[torch.Tensor]]:
+        opt = getattr(self, "optimizer", None)
+        states = [v for s in (opt.state.values() if opt else []) for v in s.values()
+                  if isinstance(v, torch.Tensor)]
+        return {"params": list(self.model.parameters()),
+                "grads": [p.grad for p in self.model.parameters()],
+                "optimizer": states}
+
+    def expected_comm(self) -> list[Expect]:
+        return []
+
+    def extra_checks(self) -> list[tuple[str, bool, str]]:
+        return []
+
+    def memory_formula(self) -> dict[str, float] | None:
+        """Textbook resident bytes per rank by model_states() category (benchmark report)."""
+        return None
+
+    def report_lines(self) -> list[str]:
+        """Extra benchmark lines (e.g. padding)."""
+        return []
+
+    def learning_lines(self) -> list[str]:
+        """Extra lines after a learning run (collective: every rank calls)."""
+        return []
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], group=None):
+    """Sum `tensors` over the group in place with one all_reduce of their concatenation
+    (many small gradients: one call instead of one each)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    off = 0
+    for t in tensors:
+        t.copy_(flat[off:off + t.numel()].view_as(t))
+        off += t.numel()
+
+
+def spread_across_ranks(tensors, group=None) -> float:
+    """Max over tensors of (max - min across ranks) of each tensor's sum: 0.0 when every rank
+    holds identical replicas (a checksum, for extra_checks; not metered)."""
+    sums = torch.stack([t.detach().double().sum() for t in tensors])
+    lo, hi = sums.clone(), sums.clone()
+    with METER.paused():
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    return (hi - lo).abs().max().item()
+
+
+def full_tensor(t):
+    """A DTensor's full value (a collective); a plain tensor as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class DTensorBaseline(Strategy):
+    """Reassembly for PyTorch's DTensor-based baselines (FSDP2, DTensor TP): full tensors via
+    full_tensor(), resident bytes from the local shards."""
+
+    def full_grads(self):
+        return {n: full_tensor(p.grad) for n, p in self.model.named_parameters()}
+
+    def full_params(self):
+        return {n: full_tensor(p.detach()) for n, p in self.model.named_parameters()}
+
+    def model_states(self):
+        local = lambda ts: [t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+                            for t in ts if t is not None]
+        opt = [v for s in self.optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return {"params": local(self.model.parameters()),
+                "grads": local(p.grad for p in self.model.parameters()), "optimizer": local(opt)}
+
+
+def make_adamw(params, args) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay,
+                             betas=(0.9, 0.95), eps=1e-8)
+
+
+class Reference(Strategy):
+    """The plain HF model and torch.optim.AdamW on the whole global batch, on one device."""
+    name = "reference"
+
+    def __init__(self, ref_model, args, env):
+        self.model, self.args = ref_model, args
+        self.optimizer = make_adamw(self.model.parameters(), args)
+
+    def objective(self, batch: Batch) -> torch.Tensor:
+        """The loss to minimise: mean token cross-entropy (subclasses add terms)."""
+        return lm_loss_sum(self.model(input_ids=batch.input_ids).logits,
+                           batch.labels) / batch.n_tokens
+
+    def after_step(self):
+        """Non-gradient state updates after the optimizer step (none here)."""
+
+    def step(self, batch: Batch) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        with phase("forward"):
+            loss = self.objective(batch)
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer"):
+            if self.args.clip:
+                self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                                self.args.clip)
+            self.optimizer.step()
+        self.after_step()
+        return loss.item()
+
+
+def reference_class(cls):
+    return getattr(cls, "reference", None) or Reference
+
+
+def natives(cls) -> list:
+    n = cls.native
+    return list(n) if isinstance(n, (list, tuple)) else ([n] if n else [])

@@ -1,0 +1,220 @@
+"""train.py: compose4d's train mode (`compose4d.py --mode train`): a logged run with checkpoints,
+preemption and elastic restarts, outside the comparisons (no reference).
+
+    torchrun --nproc_per_node=4 compose4d.py --tp 2 --pp 2 --mode train --steps 200 \\
+        --lr-schedule cosine --lr-warmup 20 --save ckpt --export-hf hf_out
+    torchrun --nproc_per_node=2 compose4d.py --pp 2 --mode train --steps 300 --resume ckpt
+
+Preemption: SIGTERM sets a flag; the ranks agree on it with one MAX all-reduce (`Preemption`)
+between steps, and with P = 1 also before each micro-batch's forward (pp.Pipeline's stop_check).
+A step cut mid-way keeps its reduced gradients: the checkpoint records which rows are done
+(`cut`), and the resumed run finishes that step from the saved gradient sum (`step_rows`), on
+whatever layout it restarts with, so the result equals the uninterrupted run.
+Elastic (--elastic): each (re)start re-plans micro-batch, grad-accum and ZeRO stage for the world
+size it finds (elastic.plan_world), keeping the checkpoint's global batch within a tolerance.
+Checkpoints: checkpoint.py (layout-independent, atomic).
+"""
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+import elastic
+from checkpoint import export_hf, latest_dir, load_checkpoint, restore, save_checkpoint
+from compose4d import Compose4D, lr_at
+from harness import METER, Batch, Run, build_model, make_batch
+
+
+class Preemption:
+    """SIGTERM (from the batch system, or torchrun passing it on) sets a flag; the ranks agree on
+    it with one MAX all-reduce at micro-batch (P = 1) and step boundaries, so all of them stop
+    after the same micro-batch."""
+
+    def __init__(self):
+        self.flag, self.at = False, None
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        self.flag, self.at = True, self.at or time.time()
+
+    def agreed(self, device) -> bool:
+        t = torch.tensor([int(self.flag)], dtype=torch.int32, device=device)
+        with METER.paused():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+
+def step_rows(strat: Compose4D, batch: Batch, rows=None, mb=None, stop=None, partial=None):
+    """Compose4D.step, resumable and cuttable. Over the global batch's rows `rows` (default: all
+    of them, split into contiguous dp shares of --grad-accum micro-batches; else each dp rank
+    takes its contiguous share of `rows` in micro-batches of at most `mb`). `stop(m) -> bool`,
+    asked on every rank before forward m (pp.Pipeline.stop_check), may end the step once
+    micro-batches 0..m-1 are drained: the gradients are then reduced and kept, nothing is
+    updated, and the processed rows are returned, for a mid-step checkpoint. `partial`: a
+    restored mid-step gradient (sum over the rows already done) to start from.
+    Returns (global loss or None when cut, (processed rows, loss sum) or None)."""
+    D, dp = strat.grid.size["dp"], strat.me["dp"]
+    strat.zero.zero_grad()
+    if partial is not None:
+        add_partial(strat, partial)
+    if rows is None:
+        local, mbs, M = strat.local_batch(batch), None, strat.args.grad_accum
+    else:
+        my_rows = [list(r) for r in split_even(rows, D)][dp]
+        local = strat._cp_tokens(Batch(batch.input_ids[my_rows], batch.labels[my_rows],
+                                       batch.index))
+        mbs = [local.rows(i, min(i + mb, len(my_rows))) for i in range(0, len(my_rows), mb)]
+        M = len(mbs)
+    strat.pipe.stop_check = stop
+    try:
+        if M:
+            loss_sum = strat.pipe.run(local, M, batch.n_tokens, mbs=mbs)
+        else:   # nothing left for this dp rank (a resumed step): reductions only
+            loss_sum = torch.zeros((), dtype=torch.float64, device=strat.env.device)
+    finally:
+        strat.pipe.stop_check = None
+    grads = strat.reduce_grads()
+    loss = strat.loss_once(loss_sum)
+    if stop is not None and strat.pipe.completed < M:      # cut: keep the gradients
+        return None, (processed(strat, batch, strat.pipe.completed), loss)
+    strat.update(grads)
+    return loss / batch.n_tokens, None
+
+
+def processed(strat: Compose4D, batch: Batch, k: int) -> list[int]:
+    """Global rows done when every dp rank has run its first k micro-batches (fresh step)."""
+    D, M = strat.grid.size["dp"], strat.args.grad_accum
+    n = batch.input_ids.shape[0] // D
+    mb = n // M
+    return [d * n + i for d in range(D) for i in range(k * mb)]
+
+
+def add_partial(strat: Compose4D, full: dict[str, torch.Tensor]):
+    """Put a restored partial gradient where this layout's reductions count it exactly once:
+    on dp x cp rank 0 (ZeRO-1's full buffers; ZeRO-2: each rank's own shard of it); for
+    tp-partial (SP norm) gradients on tp rank 0 only; for the tied head copy on the first
+    stage only."""
+    z = strat.zero
+    if strat.args.zero == 1 and dist.get_rank(strat.groups["dpcp"]) != 0:
+        return            # ZeRO-1 sums full buffers over dp x cp: add it on one rank
+    partial = {id(p) for p in strat.partial}
+    for u in z.units:
+        flat = torch.zeros(u.padded, dtype=u.full.dtype, device=u.full.device)
+        for n, p, off in zip(u.names, u.params, u.offsets):
+            if (id(p) in partial and strat.me["tp"] != 0) or \
+                    (strat.tied and n == "lm_head.weight"):
+                continue
+            t = full[n].to(flat.device, flat.dtype)
+            if strat.tp is not None:
+                t = strat.tp.local(n, t)
+            flat[off:off + p.numel()] = t.reshape(-1)
+        if strat.args.zero == 1:
+            u.grad_full.add_(flat)      # reduce-scattered (summed) with this step's own
+        else:
+            u.grad_shard.add_(flat[u.rank * u.shard_numel:(u.rank + 1) * u.shard_numel])
+
+
+def split_even(rows, parts):
+    """Contiguous shares of `rows`, as even as possible (the first ones one larger)."""
+    q, r = divmod(len(rows), parts)
+    out, i = [], 0
+    for p in range(parts):
+        n = q + (1 if p < r else 0)
+        out.append(rows[i:i + n])
+        i += n
+    return out
+
+
+
+def run_train(run: Run, cls) -> bool:
+    """A logged training run with checkpoints; SIGTERM saves (mid-step when P = 1) and exits 0;
+    with --elastic the batch is re-planned for the world size the run (re)starts on."""
+    args, env = run.args, run.env
+    model = build_model(args, run.config, env.device)
+    meta, full = load_checkpoint(args.resume) if latest_dir(args.resume) else (None, None)
+    target = meta.get("global_batch", args.batch) if meta else args.batch
+    if args.elastic:     # feasible: checked in compose_constraints
+        plan = elastic.replan(env.world, run.config, args)
+        args.batch, args.grad_accum, args.zero = plan.global_batch, plan.grad_accum, plan.zero
+    strat = cls(model, args, env)
+    start, offset, restarts, cut = 0, 0, 0, None
+    if meta:
+        restore(strat, meta, full)
+        start, offset = meta["step"], meta.get("samples", meta["step"] * args.batch)
+        restarts, cut = meta.get("restarts", 0) + 1, meta.get("cut")
+        run.print(f"resumed from {args.resume} at step {start}"
+                  + (f", micro-batch position: {len(cut['rows_done'])} of {cut['global_batch']} "
+                     f"sequences done" if cut else "")
+                  + f" (saved by layout {meta['layout']}, restart {restarts})")
+    D = strat.grid.size["dp"]
+    mb = args.batch // (D * args.grad_accum)
+    run.print(f"train: {strat.name} W={env.world} {args.dtype} model={args.model} "
+              f"global batch={args.batch} (target {target}) micro-batch={mb} "
+              f"grad-accum={args.grad_accum} length={args.length} steps {start}..{args.steps} "
+              f"lr={args.lr} ({args.lr_schedule}, warm-up {args.lr_warmup})")
+    pre = Preemption()
+    extra = lambda off, **kw: dict(samples=off, global_batch=target, restarts=restarts, **kw)  # noqa
+    t0, tok = time.time(), 0
+    end = min(args.steps, args.stop_at or args.steps)
+    s = start
+    while s < end:
+        G = cut["global_batch"] if cut else args.batch
+        batch = make_batch(run.lang, s, G, args.length, env.device, offset=offset)
+        rows = partial = None
+        if cut:      # finish the step a SIGTERM cut: the rows not done yet, from its gradients
+            rows = [r for r in range(G) if r not in set(cut["rows_done"])]
+            partial = full["grad"]
+        def stop(m, s=s):      # before forward m: micro-batch m - 1 is the last to finish
+            if args.test_sigterm_at == f"{s}:{m - 1}" and env.is_main:
+                # under torchrun the launcher passes it on to every rank; alone, to ourselves
+                os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(),
+                        signal.SIGTERM)
+                pre.flag = True
+            return pre.agreed(env.device)
+        mid_step = rows is None and args.save and args.schedule == "1f1b"   # (V = 1)
+        loss, stopped = step_rows(strat, batch, rows, mb, stop if mid_step else None, partial)
+        if stopped:                                  # SIGTERM inside the step: save mid-step
+            done, loss_sum = stopped
+            t1 = time.time()
+            d = save_checkpoint(strat, args.save, s, extra(offset, cut=dict(
+                rows_done=done, loss_sum=loss_sum, global_batch=G)), grads=True)
+            run.print(f"SIGTERM: saved {d} after {len(done)} of {G} sequences of step {s} in "
+                      f"{time.time() - t1:.2f} s (grace {args.grace_s:g} s)")
+            break
+        if cut:
+            loss += cut["loss_sum"] / batch.n_tokens
+            cut, full = None, None
+        offset += G
+        tok += G * args.length
+        if s % args.log_every == 0 or s == end - 1:
+            dt = time.time() - t0
+            run.print(f"step {s:>5}  loss {loss:.6f}  grad norm {strat.last_norm:.4f}  "
+                      f"lr {lr_at(s, args):.2e}  {tok / max(dt, 1e-9):,.0f} tok/s  "
+                      f"world {env.world} global batch {G} micro {mb} accum {args.grad_accum} "
+                      f"restarts {restarts}  [{s + 1}/{args.steps}, {dt:.0f}s]")
+        run.results.setdefault("all_losses", []).append((s, loss))
+        s += 1
+        if args.save and pre.agreed(env.device):     # SIGTERM between steps (or P > 1)
+            t1 = time.time()
+            d = save_checkpoint(strat, args.save, s, extra(offset))
+            run.print(f"SIGTERM: saved {d} at the step boundary in {time.time() - t1:.2f} s "
+                      f"(grace {args.grace_s:g} s)")
+            break
+        if args.save and args.save_every and s % args.save_every == 0 and s < end:
+            save_checkpoint(strat, args.save, s, extra(offset))
+    else:
+        if args.save and end > start:
+            t1 = time.time()
+            d = save_checkpoint(strat, args.save, end, extra(offset))
+            run.print(f"saved {d} in {time.time() - t1:.2f} s")
+        if args.export_hf:
+            export_hf(strat, args.export_hf)
+            run.print(f"exported an HF model to {args.export_hf}")
+    if args.out and env.is_main:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "train.json"), "w") as f:
+            json.dump(dict(strategy=strat.name, losses=run.results.get("all_losses", [])), f)
+    return True
