@@ -42,14 +42,13 @@ Communication per step (mb = B/M sequences, S length, H hidden, b bytes): every 
 (P*V - 1 of them) carries M activations forward and M gradients back, each mb*S*H*b, plus one
 all_reduce of the tied embedding gradient when tied.
 """
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import common
-from common import Expect, phase
+from harness import (Batch, Expect, Plant, Strategy, DTYPES, global_loss, lm_loss_sum, main,
+                     make_adamw, METER, name_group, phase)
+from harness.timing import ActionTimeline
 
 COST = {"F": 1, "B": 2, "I": 1, "W": 1}
 
@@ -207,16 +206,18 @@ class Pipeline:
     and last stage when the embeddings are tied (created by the caller, on every rank, in the
     same order). A composition (compose4d.py) may set `positions` (the global position ids of
     this rank's tokens, for context parallelism), `seq_shards` (the residual stream is split
-    that many ways along the sequence, for Megatron SP) and `loss_sum` (the vocab-parallel loss)."""
+    that many ways along the sequence, for Megatron SP) and `loss_sum` (the vocab-parallel loss).
+    `forward` and `backward` do an action's compute and nothing else (run() receives and sends
+    around them), so a caller may wrap them: the benchmark times them that way (PP below)."""
 
     def __init__(self, model, P: int, V: int, rank: int, schedule_name: str, group=None,
                  tie_group=None):
         self.model, self.P, self.V, self.rank, self.group = model, P, V, rank, group
         self.schedule_name, self.C = schedule_name, P * V
-        self.positions, self.seq_shards, self.loss_sum = None, 1, common.lm_loss_sum
+        self.positions, self.seq_shards, self.loss_sum = None, 1, lm_loss_sum
         # A preemption point: stop_check(m) is called by every stage before its forward of
         # micro-batch m >= 1 (V = 1 schedules); True on all ranks ends the step once the
-        # micro-batches already started are drained (see run()).
+        # micro-batches already started are drained (see _stop_before()).
         self.stop_check = None
         self.completed = 0       # micro-batches run to the end in the last run()
         self.plant = None        # a planted bug's name (--plant-bug), set by the harness adapter
@@ -241,7 +242,6 @@ class Pipeline:
         if not last:
             base.norm, model.lm_head = None, None
         self.tie_group = tie_group if self.tied and P > 1 else None
-        self.timeline, self.history = [], []
 
     # -- the model, cut into chunks --
     def run_chunk(self, c, x, S):
@@ -283,84 +283,99 @@ class Pipeline:
             w.wait()
         return buf
 
+    # -- each action's work: compute only (run() receives before and sends after) --
+    def forward(self, c, m, x, mbs, n_tokens):
+        """F: chunk c on micro-batch m's input x (token ids on chunk 0, else the received
+        activations). The last chunk returns the loss the micro-batch backpropagates, its CE
+        sum / n_tokens (so the sum over micro-batches is the global mean), and the CE sum to
+        report; the other chunks return their output activations and None."""
+        out = self.run_chunk(c, x, mbs[m].input_ids.shape[1])
+        if c < self.C - 1:
+            return out, None
+        ce = self.loss_sum(out, mbs[m].labels)
+        loss = ce / n_tokens
+        if self.plant == "microbatch-scale":   # planted: torch-style 1/M on top
+            loss = ce / n_tokens / len(mbs)
+        if self.plant == "mean-of-means":      # planted: each micro-batch's mean
+            loss = ce / mbs[m].n_tokens / len(mbs)
+        return loss, ce.detach().double()
+
+    def backward(self, kind, c, m, x, out, g):
+        """B, I or W of chunk c for micro-batch m, from its stashed input x and output out and
+        the output's gradient g (None on the last chunk, where out is the loss). B: the whole
+        backward; I: the input's gradient only, keeping the graph for W; W: the weights'
+        gradients, from that retained graph. Returns the input's gradient, for chunk c - 1
+        (B and I, c > 0), else None."""
+        if kind == "B":
+            torch.autograd.backward(out, g)
+        elif kind == "I" and c > 0:
+            (dx,) = torch.autograd.grad(out, x, g, retain_graph=True)
+            x.grad = dx
+        elif kind == "W":
+            torch.autograd.backward(out, g, inputs=self.params_of(c))
+        return x.grad if kind in ("B", "I") and c > 0 else None
+
+    def _stop_before(self, m) -> bool:
+        """The preemption point (compose4d's elastic cut): True when `stop_check(m)` ends the
+        step before micro-batch m. Every stage asks before its own F(m), so an agreement inside
+        stop_check (a collective) hears from all stages, and it cannot deadlock: nothing a
+        stage runs before F(m) waits for stage 0's F(m). run() then drains micro-batches < m.
+        Never before micro-batch 0, so a step always makes progress; only with V = 1, where a
+        stage runs one forward per micro-batch and so asks exactly once per micro-batch."""
+        return m > 0 and self.stop_check is not None and self.V == 1 and self.stop_check(m)
+
     # -- one optimizer step's worth of micro-batches --
-    def run(self, batch: common.Batch, M: int, n_tokens: int | None = None,
+    def run(self, batch: Batch, M: int, n_tokens: int | None = None,
             mbs: list | None = None) -> torch.Tensor:
         """This rank's part of one optimizer step over `batch` in M micro-batches (or the given
         list `mbs`, whose sizes may differ when P = 1); each micro-batch backpropagates its CE
         sum / n_tokens (default: the batch's own count). Returns the CE sum of the micro-batches
-        this rank computed the loss of (float64)."""
+        this rank computed the loss of (float64). The schedule loop: for each action, receive
+        its input, compute, send its output."""
         n_tokens = n_tokens or batch.n_tokens
         mbs = mbs or batch.split(M)
         M = len(mbs)
-        stop_at = None
         B, S = mbs[0].input_ids.shape
-        S_act = S // self.seq_shards
-        H = self.model.config.hidden_size
+        shape = (B, S // self.seq_shards, self.model.config.hidden_size)  # what crosses a boundary
         dtype = next(self.model.parameters()).dtype
         self.device = batch.input_ids.device
-        self.sends, self.timeline = [], []
-        inputs, outputs, grads = {}, {}, {}
+        self.sends = []
+        inputs, outputs, grads = {}, {}, {}   # per (chunk, micro-batch), until its B or W
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        t0 = time.perf_counter()
+        stop_at = None
         for kind, c, m in schedule(self.schedule_name, self.P, M, self.V, self.rank):
+            if stop_at is None and kind == "F" and self._stop_before(m):
+                stop_at = m
             if stop_at is not None and m >= stop_at:
                 continue     # never started anywhere: dropping a micro-batch's every action
                              # from every stage keeps the schedule deadlock-free
-            if (kind == "F" and m > 0 and stop_at is None and self.stop_check is not None
-                    and self.V == 1 and self.stop_check(m)):
-                # every stage calls stop_check(m) before its F(m) and nothing that precedes it
-                # waits for stage 0's F(m), so the agreement cannot deadlock; the micro-batches
-                # < m are then drained
-                stop_at = m
-                continue
             if kind == "F":
                 with phase("forward"):
-                    if c == 0:
-                        x = mbs[m].input_ids
-                    else:
-                        x = self._recv((B, S_act, H), dtype, c - 1, c, m, False).requires_grad_()
-                    start = time.perf_counter() - t0   # waiting for data is bubble, not work
-                    out = self.run_chunk(c, x, S)
-                    if c == self.C - 1:
-                        ce = self.loss_sum(out, mbs[m].labels)
-                        loss_sum += ce.detach().double()
-                        out = ce / n_tokens          # sum over micro-batches = global mean
-                        if self.plant == "microbatch-scale":   # planted: torch-style 1/M on top
-                            out = ce / n_tokens / M
-                        if self.plant == "mean-of-means":      # planted: each micro-batch's mean
-                            out = ce / mbs[m].n_tokens / M
-                    else:
+                    x = (mbs[m].input_ids if c == 0 else
+                         self._recv(shape, dtype, c - 1, c, m, False).requires_grad_())
+                    out, ce = self.forward(c, m, x, mbs, n_tokens)
+                    if c < self.C - 1:
                         self._send(out.detach(), c + 1, c + 1, m, False)
+                    else:
+                        loss_sum += ce
                     inputs[(c, m)], outputs[(c, m)] = x, out
             else:
                 with phase("backward"):
                     if kind in ("B", "I"):
-                        g = None if c == self.C - 1 else self._recv(
-                            (B, S_act, H), dtype, c + 1, c, m, True)
+                        g = (None if c == self.C - 1 else
+                             self._recv(shape, dtype, c + 1, c, m, True))
                         grads[(c, m)] = g
-                    start = time.perf_counter() - t0
-                    x, out = inputs[(c, m)], outputs[(c, m)]
-                    if not (kind == "W" and self.plant == "w-stale-grad"):
-                        g = grads[(c, m)]   # (planted bug: W keeps the last I's g, a later
-                                            # micro-batch's once W is deferred)
-                    if kind == "B":
-                        torch.autograd.backward(out, g)
-                    elif kind == "I" and c > 0:      # the input's gradient only
-                        (dx,) = torch.autograd.grad(out, x, g, retain_graph=True)
-                        x.grad = dx
-                    elif kind == "W":                # the weights', from the retained graph
-                        torch.autograd.backward(out, g, inputs=self.params_of(c))
-                    if kind in ("B", "I") and c > 0:
-                        self._send(x.grad, c - 1, c - 1, m, True)
+                    elif self.plant != "w-stale-grad":   # (planted bug: W keeps the last I's g,
+                        g = grads[(c, m)]                # a later micro-batch's once deferred)
+                    dx = self.backward(kind, c, m, inputs[(c, m)], outputs[(c, m)], g)
+                    if dx is not None:
+                        self._send(dx, c - 1, c - 1, m, True)
                     if kind in ("B", "W"):
                         del inputs[(c, m)], outputs[(c, m)], grads[(c, m)]
-            self.timeline.append((kind, c, m, start, time.perf_counter() - t0))
         for works, _ in self.sends:
             for w in works:
                 w.wait()
         self.completed = M if stop_at is None else stop_at
-        self.history = (self.history + [self.timeline])[-2:]
         return loss_sum
 
     def sync_tied(self):
@@ -398,25 +413,25 @@ TIED_PLANT_ARGS = ("--schedule", "zb", "--dtype", "float32", "--clip", "0.5",
                    "--model", "configs/tiny-tied.json")
 
 
-class PP(common.Strategy):
+class PP(Strategy):
     name = "pp"
     # One configuration catches them all: ZB-H1 (the stale-gradient bug needs a deferred W on a
     # middle stage, so 3 stages), tied embeddings (a first and a last stage copy), float32 with
     # clipping (a scale bug must not hide behind clipping).
     plants = {
-        "microbatch-scale": common.Plant(
+        "microbatch-scale": Plant(
             "each micro-batch's loss divided by M on top of the global token count (gradients "
             "1/M; clipping would hide it)", TIED_PLANT_ARGS, world=3),
-        "mean-of-means": common.Plant(
+        "mean-of-means": Plant(
             "each micro-batch's own mean loss, averaged over M, instead of its CE sum over the "
             "global token count", TIED_PLANT_ARGS, world=3),
-        "no-tied-sync": common.Plant(
+        "no-tied-sync": Plant(
             "the first stage's embedding and the last stage's tied head copy are not summed",
             TIED_PLANT_ARGS, world=3),
-        "clip-tied-twice": common.Plant(
+        "clip-tied-twice": Plant(
             "the clip norm counts the tied head copy as a tensor of its own",
             TIED_PLANT_ARGS, world=3),
-        "w-stale-grad": common.Plant(
+        "w-stale-grad": Plant(
             "ZB-H1's deferred W backpropagates the output gradient of the last I (a later "
             "micro-batch) instead of its own micro-batch's", TIED_PLANT_ARGS, world=3),
     }
@@ -436,15 +451,23 @@ class PP(common.Strategy):
         V = args.virtual_stages if args.schedule == "interleaved" else 1
         self.model = model
         tied = model.lm_head.weight is model.model.embed_tokens.weight
-        tie = (common.name_group(dist.new_group([0, env.world - 1]), "tied")
+        tie = (name_group(dist.new_group([0, env.world - 1]), "tied")
                if tied and env.world > 1 else None)
         self.pipe = Pipeline(model, env.world, V, env.rank, args.schedule, tie_group=tie)
         self.pipe.plant = args.plant_bug
-        self.optimizer = common.make_adamw([p for p in model.parameters()], args)
+        self.optimizer = make_adamw([p for p in model.parameters()], args)
+        # The benchmark's timeline: each action's compute span, the receives and sends left out
+        # (waiting for a peer is bubble, not work); two steps kept, for report_lines.
+        self.timeline = ActionTimeline(keep=2)
+        self.pipe.forward = self.timeline.timed(self.pipe.forward,
+                                                key=lambda c, m, *_: ("F", c, m))
+        self.pipe.backward = self.timeline.timed(self.pipe.backward,
+                                                 key=lambda kind, c, m, *_: (kind, c, m))
 
     def step(self, batch):
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = self.pipe.run(batch, self.args.microbatches)
+        with self.timeline.step():
+            loss_sum = self.pipe.run(batch, self.args.microbatches)
         with phase("backward"):
             if self.args.plant_bug != "no-tied-sync":   # planted bug: the tie forgotten
                 self.pipe.sync_tied()
@@ -452,11 +475,11 @@ class PP(common.Strategy):
             if self.args.clip:
                 self.grad_norm = clip_across_stages(self.model, self.args.clip, self.pipe)
             self.optimizer.step()
-        return common.global_loss(loss_sum, batch.n_tokens)
+        return global_loss(loss_sum, batch.n_tokens)
 
     def _gather(self, tensors: dict) -> dict:
         parts = [None] * self.env.world
-        with common.METER.paused():
+        with METER.paused():
             dist.all_gather_object(parts, {n: t.detach().cpu() for n, t in tensors.items()
                                            if t is not None})
         out = {}
@@ -475,7 +498,7 @@ class PP(common.Strategy):
     def expected_comm(self):
         a, cfg = self.args, self.model.config
         M, C = a.microbatches, self.pipe.C
-        act = (a.batch // M) * a.length * cfg.hidden_size * common.DTYPES[a.dtype].itemsize
+        act = (a.batch // M) * a.length * cfg.hidden_size * DTYPES[a.dtype].itemsize
         mine = self.pipe.mine
         sends = sum(1 for c in mine if c < C - 1) * M + sum(1 for c in mine if c > 0) * M
         recvs = sends
@@ -484,7 +507,7 @@ class PP(common.Strategy):
                        f"{act:,} B each"),
                 Expect("irecv", "world", recvs, recvs * act, "the mirror of the sends")]
         if self.pipe.tie_group is not None and (0 in mine or C - 1 in mine):
-            n = self.model.config.vocab_size * cfg.hidden_size * common.DTYPES[a.dtype].itemsize
+            n = self.model.config.vocab_size * cfg.hidden_size * DTYPES[a.dtype].itemsize
             rows.append(Expect("all_reduce", "tied", 1, n, "tied embedding gradient"))
         if a.clip:
             rows.append(Expect("all_reduce", "world", 1, 8, "clip: squared-norm sum (fp64)"))
@@ -492,8 +515,8 @@ class PP(common.Strategy):
 
     def report_lines(self):
         tl = [None] * self.env.world
-        with common.METER.paused():  # the last timed step (the very last one was memory-tracked)
-            dist.all_gather_object(tl, self.pipe.history[0])
+        with METER.paused():  # the last timed step (the very last one was memory-tracked)
+            dist.all_gather_object(tl, self.timeline.steps[0])
         a = self.args
         V = a.virtual_stages if a.schedule == "interleaved" else 1
         end = max(e for t in tl for *_, e in t)
@@ -568,4 +591,4 @@ def plot_timeline(timelines, end, path, title):
 
 
 if __name__ == "__main__":
-    common.main(PP)
+    main(PP)

@@ -1,0 +1,198 @@
+"""meter.py: phases and the communication meter.
+
+Strategy code marks its forward and backward with `with phase("forward"):` so the benchmark
+can time them and the memory tracker can tell activations from the rest.
+
+Communication is counted by wrapping the `torch.distributed` functions while a step runs, so
+strategy code calls plain `dist.all_reduce(...)`. Bytes are the logical buffer per call: the
+tensor for all_reduce/broadcast/send/recv, the *full* (gathered) tensor for all_gather and
+reduce_scatter, the send buffer for all_to_all. Per-rank wire traffic for a ring algorithm is
+derived from that: all_reduce 2(W-1)/W, all_gather and reduce_scatter (W-1)/W, all_to_all (W-1)/W.
+Loss logging (one scalar all_reduce) runs under `meter.paused()` and is not counted.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+# torch 2.13 renames all_gather_into_tensor/reduce_scatter_tensor to *_single; 2.11 lacks the new
+# names, so strategies keep the old ones (both are metered) and the warning is noise.
+warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated")
+
+
+
+class Phases:
+    def __init__(self):
+        self.stack: list[str] = []
+        self.elapsed: dict[str, float] = {}
+        self.sync = None  # torch.cuda.synchronize on CUDA so times are real
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if self.sync:
+            self.sync()
+        t0 = time.perf_counter()
+        self.stack.append(name)
+        try:
+            yield
+        finally:
+            self.stack.pop()
+            if self.sync:
+                self.sync()
+            self.elapsed[name] = self.elapsed.get(name, 0.0) + time.perf_counter() - t0
+
+    @property
+    def current(self) -> str | None:
+        return self.stack[-1] if self.stack else None
+
+    def reset(self):
+        self.elapsed = {}
+
+
+phase = Phases()
+
+
+# Communication meter: wraps torch.distributed functions while active. Strategies name their
+# groups with `name_group(group, "dp")` so reports say which group carried the bytes.
+_GROUP_NAMES = weakref.WeakKeyDictionary()   # a name must not keep a destroyed group alive
+
+
+def name_group(group, name: str):
+    if isinstance(group, dist.ProcessGroup):   # not None / NON_GROUP_MEMBER (not a member)
+        _GROUP_NAMES[group] = name
+    return group
+
+
+def group_name(group) -> str:
+    if group is None or group is dist.group.WORLD:
+        return "world"
+    return _GROUP_NAMES.get(group, f"group{id(group) % 10000}")
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return t.numel() * t.element_size()
+
+
+# op -> the argument whose size is "the bytes" (names as in torch.distributed's signatures)
+_METERED = {
+    "all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor",
+    "all_gather_into_tensor": "output_tensor",   # the full (gathered) tensor
+    "all_gather_single": "output_tensor",        # torch >= 2.13 name of the same
+    "reduce_scatter_tensor": "input",            # the full (unreduced) tensor
+    "reduce_scatter_single": "input",
+    "all_gather": "tensor_list", "reduce_scatter": "input_list",
+    "all_to_all_single": "input",                # the send buffer
+    "send": "tensor", "recv": "tensor", "isend": "tensor", "irecv": "tensor",
+    "batch_isend_irecv": "p2p_op_list",
+}
+
+
+RING_FACTOR = {  # per-rank wire bytes / logical bytes, for ring algorithms on W ranks
+    "all_reduce": lambda w: 2 * (w - 1) / w, "all_gather_into_tensor": lambda w: (w - 1) / w,
+    "reduce_scatter_tensor": lambda w: (w - 1) / w, "all_gather": lambda w: (w - 1) / w,
+    "all_gather_single": lambda w: (w - 1) / w, "reduce_scatter_single": lambda w: (w - 1) / w,
+    "reduce_scatter": lambda w: (w - 1) / w, "all_to_all_single": lambda w: (w - 1) / w,
+    "broadcast": lambda w: (w - 1) / w, "reduce": lambda w: (w - 1) / w,
+}
+
+
+class CommMeter:
+    def __init__(self):
+        self.counts: dict[tuple[str, str], list[int]] = {}
+        self._depth = 0       # only the outermost call counts (batch_isend_irecv -> isend)
+        self._paused = 0
+        self._saved: dict = {}
+
+    def _wrap(self, name, fn):
+        sig = inspect.signature(fn)
+
+        def wrapper(*args, **kwargs):
+            if self._depth == 0 and not self._paused:
+                bound = sig.bind(*args, **kwargs).arguments
+                if name == "batch_isend_irecv":
+                    for op in bound["p2p_op_list"]:
+                        opn = getattr(op.op, "__name__", "p2p").lstrip("_")
+                        self._add(opn, group_name(op.group), _nbytes(op.tensor))
+                else:
+                    self._add(name, group_name(bound.get("group")), _nbytes(bound[_METERED[name]]))
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+        wrapper.__name__ = name
+        wrapper.__wrapped__ = fn
+        return wrapper
+
+    def _add(self, op, group, nbytes):
+        c = self.counts.setdefault((op, group), [0, 0])
+        c[0] += 1
+        c[1] += nbytes
+
+    @contextlib.contextmanager
+    def measuring(self):
+        """Count every metered call in the block (cumulative until reset()). The wrappers go
+        into torch.distributed and into distributed_c10d's globals, where P2POp checks that its
+        op is isend/irecv and where one collective calls another (the depth guard then keeps
+        the inner call from being counted twice)."""
+        assert not self._saved, "meter already active"
+        c10d = dist.distributed_c10d
+        for name in _METERED:
+            fn = getattr(dist, name, None)
+            if fn is None:  # e.g. all_gather_single before torch 2.13
+                continue
+            wrapped = self._wrap(name, fn)
+            for mod in (dist, c10d):
+                if getattr(mod, name, None) is fn:
+                    self._saved[(mod, name)] = fn
+                    setattr(mod, name, wrapped)
+        try:
+            yield self
+        finally:
+            for (mod, name), fn in self._saved.items():
+                setattr(mod, name, fn)
+            self._saved = {}
+
+    @contextlib.contextmanager
+    def paused(self):
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def reset(self):
+        self.counts = {}
+
+    @property
+    def active(self) -> bool:
+        """True while measuring() and not paused (strategies may track data-dependent
+        expectations over exactly the metered steps)."""
+        return bool(self._saved) and not self._paused
+
+    def snapshot(self, per: int = 1) -> dict[tuple[str, str], tuple[float, float]]:
+        return {k: (c / per, b / per) for k, (c, b) in sorted(self.counts.items())}
+
+
+METER = CommMeter()
+
+
+@dataclass
+class Expect:
+    """One row of the textbook communication per optimizer step. ranks="rank 0" compares with
+    rank 0's measured traffic; ranks="sum" with the sum over all ranks (for data-dependent
+    traffic such as MoE all-to-all, whose per-rank share depends on the routing)."""
+    op: str
+    group: str
+    calls: float
+    bytes: float
+    formula: str
+    ranks: str = "rank 0"
