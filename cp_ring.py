@@ -56,9 +56,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import common
+from harness import Expect, Plant, Strategy, DTYPES, main, make_adamw, METER, phase
 import ddp
-from common import Expect, phase
 
 NEG_INF = float("-inf")
 
@@ -385,22 +384,22 @@ def cp_constraints(args, world, config) -> list[str]:
 PLANT_ARGS = ("--dtype", "float32", "--clip", "0.5")
 
 
-class CP(common.Strategy):
+class CP(Strategy):
     name = "cp"
     plants = {
-        "no-average": common.Plant("the CP group's gradient all_reduce sums instead of "
+        "no-average": Plant("the CP group's gradient all_reduce sums instead of "
                                    "averaging (W x; clipping would hide it)", PLANT_ARGS),
-        "unmasked-diagonal": common.Plant("the diagonal block attends in full: each query "
+        "unmasked-diagonal": Plant("the diagonal block attends in full: each query "
                                           "also sees the later keys of its own chunk",
                                           PLANT_ARGS),
-        "merge-no-rescale": common.Plant("the online-softmax merge rescales l but not the "
+        "merge-no-rescale": Plant("the online-softmax merge rescales l but not the "
                                          "running output when the row max grows", PLANT_ARGS),
-        "dkv-not-home": common.Plant("the backward skips the last ring hop: each rank keeps "
+        "dkv-not-home": Plant("the backward skips the last ring hop: each rank keeps "
                                      "its neighbour's dK/dV as its own", PLANT_ARGS),
-        "contiguous-tokens": common.Plant("tokens split into contiguous chunks (with their "
+        "contiguous-tokens": Plant("tokens split into contiguous chunks (with their "
                                           "positions) while attention assumes the zig-zag "
                                           "layout", PLANT_ARGS),
-        "no-reduce-scatter": common.Plant("allgather: dK/dV keep only this rank's queries' "
+        "no-reduce-scatter": Plant("allgather: dK/dV keep only this rank's queries' "
                                           "share instead of the reduce-scatter's sum",
                                           ("--variant", "allgather", *PLANT_ARGS)),
     }
@@ -422,7 +421,7 @@ class CP(common.Strategy):
         self.pos = positions(mine).to(env.device)
         # Same weights, different tokens: gradients are summed over the CP group.
         self.dp = ddp.DataParallel(model, broadcast=False, average=args.plant_bug != "no-average")
-        self.optimizer = common.make_adamw(model.parameters(), args)
+        self.optimizer = make_adamw(model.parameters(), args)
 
     def step(self, batch):
         return ddp.token_sharded_step(self, batch, self.pos)
@@ -432,7 +431,7 @@ class CP(common.Strategy):
         L, B = cfg.num_hidden_layers, a.batch
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv = cfg.num_key_value_heads * hd
-        b = common.DTYPES[a.dtype].itemsize
+        b = DTYPES[a.dtype].itemsize
         s = a.length // W
         blk = B * s * 2 * kv * b                       # one rank's K and V
         grads = sum(p.numel() for p in self.model.parameters()) * b
@@ -456,7 +455,7 @@ class CP(common.Strategy):
     def report_lines(self):
         # per-rank attention work: balance of ring vs zigzag (a collective)
         stats = [None] * self.env.world
-        with common.METER.paused():
+        with METER.paused():
             dist.all_gather_object(stats, (self.cp.flops, self.cp.seconds))
         fl = [f for f, _ in stats]
         sec = [t for _, t in stats]
@@ -470,4 +469,4 @@ class CP(common.Strategy):
 
 
 if __name__ == "__main__":
-    common.main(CP)
+    main(CP)

@@ -70,8 +70,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import common
-from common import Expect, phase
+from harness import (Batch, Expect, Plant, Reference, Strategy, global_loss, lm_loss_sum, main,
+                     make_adamw, METER, name_group, phase, spread_across_ranks)
 from ddp import DataParallel
 
 
@@ -330,7 +330,7 @@ def hf_router_losses(router_logits: tuple, n_experts: int, top_k: int):
     return aux, z
 
 
-class MoEReference(common.Reference):
+class MoEReference(Reference):
     """The single-device reference; objective = mean CE + aux_coef aux + z_coef z.
 
     Dropless and without a selection bias (the default), it shares no code with the strategy:
@@ -360,7 +360,7 @@ class MoEReference(common.Reference):
             return loss + self.args.aux_coef * aux + (self.args.z_coef * z if z is not None else 0)
         cfg = self.model.config
         out = self.model(input_ids=batch.input_ids, output_router_logits=True)
-        loss = common.lm_loss_sum(out.logits, batch.labels) / batch.n_tokens
+        loss = lm_loss_sum(out.logits, batch.labels) / batch.n_tokens
         aux, z = hf_router_losses(out.router_logits, cfg.num_local_experts,
                                   cfg.num_experts_per_tok)
         # out.aux_loss: HF's load_balancing_loss_func itself (float32 sums; bfloat16 softmax)
@@ -404,7 +404,7 @@ def ep_constraints(args, world, config) -> list[str]:
     return errs
 
 
-class ExpertParallel(common.Strategy):
+class ExpertParallel(Strategy):
     name = "ep"
     reference = MoEReference
     # Top-k routing is discontinuous: in float32, rounding differences between the layouts flip
@@ -415,17 +415,17 @@ class ExpertParallel(common.Strategy):
     # the scale bug must fail too; the dropless default, so the reference is HF's own block.
     _plant_args = ("--dtype", "float32", "--clip", "0.5")
     plants = {
-        "router-no-renorm": common.Plant(
+        "router-no-renorm": Plant(
             "route() skips the top-k renormalisation: the weights of the k chosen experts no "
             "longer sum to 1 (caught by HF's own router in the reference)", _plant_args),
-        "combine-wrong-order": common.Plant(
+        "combine-wrong-order": Plant(
             "the combine un-sorts the expert outputs with the sorting permutation instead of "
             "its inverse: rows go back to the wrong tokens", _plant_args),
-        "expert-grad-scale": common.Plant(
+        "expert-grad-scale": Plant(
             "expert gradients divided by the data-parallel size, as if averaged like the "
             "replicated ones (they are complete already: every token comes to its expert)",
             _plant_args),
-        "aux-per-rank": common.Plant(
+        "aux-per-rank": Plant(
             "the auxiliary loss from each rank's own counts and tokens, averaged over ranks "
             "(HF's per-shard loss under data parallelism), instead of the global batch's",
             _plant_args),
@@ -453,8 +453,8 @@ class ExpertParallel(common.Strategy):
         ranks = list(range(env.world))
         # all-to-all over "ep"; replicated gradients and router counts over "dp" (the same ranks
         # here; compose4d would pass its data x context group for both)
-        self.group = common.name_group(dist.new_group(ranks), "ep")
-        self.dp_group = common.name_group(dist.new_group(ranks), "dp")
+        self.group = name_group(dist.new_group(ranks), "ep")
+        self.dp_group = name_group(dist.new_group(ranks), "dp")
         self.stats: list[dict] = []
         self.blocks = install(model, lambda b: ExpertParallelMoE(b, self.stats, args, self.group,
                                                                  plant=args.plant_bug))
@@ -464,7 +464,7 @@ class ExpertParallel(common.Strategy):
         # are summed, not averaged; every rank built the same weights, so no broadcast.
         self.dp = DataParallel(model, self.dp_group, bucket_mb=args.bucket_mb, broadcast=False,
                                average=False, params=dense)
-        self.optimizer = common.make_adamw(model.parameters(), args)
+        self.optimizer = make_adamw(model.parameters(), args)
         self.history: list[dict] = []     # per step: loads, drops, off-rank rows
         self.metered = dict(steps=0, kept=0)
 
@@ -477,14 +477,14 @@ class ExpertParallel(common.Strategy):
         dist.all_reduce(counts, group=self.dp_group)
         return counts
 
-    def step(self, batch: common.Batch) -> float:
+    def step(self, batch: Batch) -> float:
         self.dp.zero_grad()
         for p in self.expert_params:
             p.grad = None
         self.stats.clear()
         mb = batch.shard(self.env.rank, self.env.world)
         with phase("forward"):
-            ce = common.lm_loss_sum(self.model(input_ids=mb.input_ids).logits, mb.labels)
+            ce = lm_loss_sum(self.model(input_ids=mb.input_ids).logits, mb.labels)
             obj = ce / batch.n_tokens
             counts, aux, z = router_losses(self.stats, batch.input_ids.numel(),
                                            self.blocks[0].num_experts,
@@ -509,7 +509,7 @@ class ExpertParallel(common.Strategy):
         if self.args.aux_free_bias:
             update_bias(self.blocks, counts, self.args.bias_rate)
         self._record()
-        return common.global_loss(obj.detach() * batch.n_tokens, batch.n_tokens)
+        return global_loss(obj.detach() * batch.n_tokens, batch.n_tokens)
 
     def clip(self, max_norm: float):
         """Global norm: replicated gradients are identical on every rank (count them once),
@@ -533,7 +533,7 @@ class ExpertParallel(common.Strategy):
                    capacity=s[0].get("capacity"))
         self.history.append(rec)
         del self.history[:-50]
-        if common.METER.active:               # the benchmark's metered window
+        if METER.active:               # the benchmark's metered window
             self.metered["steps"] += 1
             self.metered["kept"] += rec["kept"]
 
@@ -590,7 +590,7 @@ class ExpertParallel(common.Strategy):
     def _loads(self, last: int):
         """Global rows per expert (L, E) summed over the last `last` steps (collective)."""
         local = torch.stack([h["load"] for h in self.history[-last:]]).sum(0)
-        with common.METER.paused():
+        with METER.paused():
             parts = [None] * self.env.world
             dist.all_gather_object(parts, local)
         return torch.cat(parts, dim=1).double(), len(self.history[-last:])
@@ -629,7 +629,7 @@ class ExpertParallel(common.Strategy):
         b = self.model.model.embed_tokens.weight.element_size()
         off = torch.tensor([float(sum(x["sent_off"] + x["recv_off"] for x in self.history[-last:]))],
                            device=self.env.device)
-        with common.METER.paused():
+        with METER.paused():
             dist.all_reduce(off)
         measured = off.item() / (W * last * L) * H * b
         formula = 2 * k * T * H * b * (W - 1) / W
@@ -639,7 +639,7 @@ class ExpertParallel(common.Strategy):
         return lines
 
     def extra_checks(self):
-        spread = common.spread_across_ranks([p for p in self.dp.bucket_of])
+        spread = spread_across_ranks([p for p in self.dp.bucket_of])
         exp = [n for n, _ in self.model.named_parameters() if is_expert(n)]
         in_dp = any(is_expert(n) for n, p in self.model.named_parameters()
                     if p in self.dp.bucket_of)
@@ -652,7 +652,7 @@ class ExpertParallel(common.Strategy):
             h = self.history
             top = torch.tensor([float(max(int(r["load"].max()) for r in h))],
                                device=self.env.device)
-            with common.METER.paused():
+            with METER.paused():
                 dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
             cap = h[-1]["capacity"]
             drop = 1 - sum(r["kept"] for r in h) / max(1, sum(r["choices"] for r in h))
@@ -664,4 +664,4 @@ class ExpertParallel(common.Strategy):
 
 
 if __name__ == "__main__":
-    common.main(ExpertParallel)
+    main(ExpertParallel)
