@@ -142,7 +142,8 @@ def group():
     """A gloo process group of one, in this process (for unit tests of collective code)."""
     import torch.distributed as dist
     import harness
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(harness.launch._free_port()))
+    from harness.launch import _free_port
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
