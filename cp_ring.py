@@ -43,20 +43,23 @@ Communication per layer (s = S/W local tokens, kv = H_kv * d, b bytes, batch B)
                  = 2 (W-1)/W * S * kv * b * B, the textbook figure.
     allgather    forward: one all_gather of K and V (B*S*2kv*b); backward: one reduce_scatter
                  of dK and dV (same size).
-Block kernel: pure torch (returns lse); used for every dtype here (CPU, float64).
+Block kernel (--attn-kernel, `pick_kernel`): one contract, the block's (out, lse) for the merge
+    and its (dq, dk, dv) from the final (out, lse). auto takes PyTorch's fused kernels that
+    return the log-sum-exp on CUDA (FlashAttention-2 for bf16, memory-efficient for fp32),
+    after a self-test against the pure kernel, and the pure torch kernel on CPU (and in
+    float64); `--attn-kernel sdpa` runs the CPU flash kernel through the same code path.
 
 Planted bugs (`--plant-bug NAME`, `CP.plants`; each must FAIL the correctness mode): the
 gradient sum not averaged, the diagonal block attending in full, the merge not rescaling the
 running output, dK/dV not brought home, tokens split contiguously under the zig-zag layout,
 and (allgather) dK/dV kept instead of reduce-scattered.
 """
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import Expect, Plant, Strategy, DTYPES, main, make_adamw, METER, phase
+from harness.timing import CallTimer
 import ddp
 
 NEG_INF = float("-inf")
@@ -89,17 +92,16 @@ def relation(q: tuple[int, int], k: tuple[int, int]) -> str:
 
 
 class CPContext:
-    """What the attention function needs: group, layout, and counters for the benchmark.
+    """What the attention function needs: group, layout and block kernel.
     world/rank default to the group's (given, they let one process play every rank of the
     block loop: tests/cp_attention_check.py --kernel). plant: a planted bug's name or None."""
 
-    def __init__(self, variant, group, seq, world=None, rank=None, plant=None):
+    def __init__(self, variant, group, seq, world=None, rank=None, plant=None, kernel=None):
         self.variant, self.group, self.plant = variant, group, plant
         self.W = dist.get_world_size(group) if world is None else world
         self.rank = dist.get_rank(group) if rank is None else rank
         self.chunks = layout(variant, self.W, seq)
-        self.flops = 0          # attention forward FLOPs computed on this rank
-        self.seconds = 0.0      # time computing attention blocks, forward + backward
+        self.kernel = kernel or TorchKernel()   # the block kernel (pick_kernel)
 
     def offsets(self, rank):
         """(start, end) of each chunk inside rank's local tensor, with its global range."""
@@ -171,6 +173,137 @@ def block_backward(q, k, v, do, lse, delta, scale, rel, qr, kr):
     return (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, dv
 
 
+class TorchKernel:
+    """The block kernel in plain torch, on any device and dtype (the float64 proofs): scores of
+    the block materialised in the accumulation dtype (fp32 for bf16 inputs), any causal
+    relation. The contract every kernel keeps:
+
+        forward(q, k, v, scale, rel, qr, kr, acc_dtype) -> (acc, l, m)  the block's state for
+            `merge`: out = acc / l, lse = m + log l (a fused kernel gives (out, 1, lse))
+        backward(q, k, v, do, out, lse, delta, scale, rel, qr, kr) -> (dq, dk, dv) of the
+            block, from the final out, lse and delta = rowsum(dO * out) of the whole row
+
+    q is (B, H, n, d), k and v (B, H, m, d) with the kv heads already repeated."""
+    name = "torch"
+
+    def forward(self, q, k, v, scale, rel, qr, kr, acc_dtype):
+        return block_forward(q.to(acc_dtype), k.to(acc_dtype), v.to(acc_dtype), scale, rel,
+                             qr, kr)
+
+    def backward(self, q, k, v, do, out, lse, delta, scale, rel, qr, kr):
+        dt = do.dtype
+        return block_backward(q.to(dt), k.to(dt), v.to(dt), do, lse, delta, scale, rel, qr, kr)
+
+
+class SDPAKernel(TorchKernel):
+    """PyTorch's fused attention kernels that return the log-sum-exp (the ATen ops behind
+    F.scaled_dot_product_attention): FlashAttention-2 for bf16/fp16 on CUDA, the
+    memory-efficient kernel for fp32 on CUDA, the CPU flash kernel on CPU. Inputs stay in their
+    dtype (no fp32 (B, H, n, m) scores); the block's out and lse enter the fp32 merge. A block
+    the fused kernels cannot express (a diagonal whose query and key ranges differ) takes the
+    pure kernel."""
+
+    def __init__(self, device_type: str, dtype):
+        self.device_type = device_type
+        if device_type == "cpu":
+            self.op, self.name = "cpu", "sdpa-cpu-flash"
+        elif dtype in (torch.bfloat16, torch.float16):
+            self.op, self.name = "flash", "sdpa-flash"
+        else:
+            self.op, self.name = "efficient", "sdpa-efficient"
+        self._aux = {}   # the forward's non-varlen placeholders (cu_seqlens, rng state) by op
+
+    @staticmethod
+    def fused(rel, qr, kr):
+        return rel == "full" or (rel == "mask" and qr == kr)
+
+    def _fwd(self, q, k, v, scale, causal):
+        A = torch.ops.aten
+        if self.op == "cpu":
+            return A._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                 scale=scale)
+        if self.op == "flash":
+            out, lse, cq, ck, _, _, seed, off, _ = A._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, causal, False, scale=scale)
+            self._aux["flash"] = (cq, ck, seed, off)
+            return out, lse
+        out, lse, seed, off = A._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale)
+        self._aux["efficient"] = (seed, off)
+        return out, lse[..., :q.shape[2]]            # lse comes padded to a multiple of 32
+
+    def _bwd(self, do, q, k, v, out, lse, scale, causal):
+        A = torch.ops.aten
+        if self.op == "cpu":
+            return A._scaled_dot_product_flash_attention_for_cpu_backward(
+                do, q, k, v, out, lse, 0.0, causal, scale=scale)
+        if self.op == "flash":
+            cq, ck, seed, off = self._aux["flash"]
+            return A._scaled_dot_product_flash_attention_backward(
+                do, q, k, v, out, lse, cq, ck, q.shape[2], k.shape[2], 0.0, causal, seed, off,
+                scale=scale)
+        seed, off = self._aux["efficient"]
+        pad = -q.shape[2] % 32
+        lse = F.pad(lse, (0, pad)) if pad else lse
+        return A._scaled_dot_product_efficient_attention_backward(
+            do, q, k, v, None, out, lse, seed, off, 0.0, [True, True, True, False], causal,
+            scale=scale)[:3]
+
+    def forward(self, q, k, v, scale, rel, qr, kr, acc_dtype):
+        if not self.fused(rel, qr, kr):
+            return super().forward(q, k, v, scale, rel, qr, kr, acc_dtype)
+        out, lse = self._fwd(q.contiguous(), k.contiguous(), v.contiguous(), scale,
+                             rel == "mask")
+        lse = lse.to(acc_dtype)
+        return out.to(acc_dtype), torch.ones_like(lse), lse
+
+    def backward(self, q, k, v, do, out, lse, delta, scale, rel, qr, kr):
+        if not self.fused(rel, qr, kr):
+            return super().backward(q, k, v, do, out, lse, delta, scale, rel, qr, kr)
+        dt = q.dtype
+        g = self._bwd(do.to(dt).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+                      out.to(dt).contiguous(), lse.to(_acc_dtype(q)).contiguous(), scale,
+                      rel == "mask")
+        return tuple(x.to(do.dtype) for x in g)
+
+
+def self_test(kernel, device, dtype) -> str | None:
+    """A fused kernel's forward and backward on one small causal block against the pure one
+    (errors within 8x bf16/fp32 rounding): None when it agrees, else why not."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 2, 64, 64, generator=g).to(device, dtype) for _ in range(4))
+    acc = _acc_dtype(q)
+    try:
+        res = []
+        for kern in (kernel, TorchKernel()):
+            a, l, m = kern.forward(q, k, v, 0.125, "mask", (0, 64), (0, 64), acc)
+            out, lse = a / l[..., None], m + torch.log(l)
+            delta = (do.to(acc) * out).sum(-1)
+            res.append((out, *kern.backward(q, k, v, do.to(acc), out, lse, delta, 0.125,
+                                            "mask", (0, 64), (0, 64))))
+        tol = 8 * torch.finfo(dtype).eps * 64
+        err = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(*res))
+        return None if err <= tol else f"max rel err {err:.1e} > {tol:.1e}"
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
+def pick_kernel(choice: str, device: torch.device, dtype) -> tuple[TorchKernel, str]:
+    """The block kernel for --attn-kernel auto|sdpa|torch, and a line saying which and why.
+    auto: the fused SDPA kernels on CUDA (after their self-test), pure torch on CPU (the exact
+    float64 proofs). flash-attn's own package is not used: its block API differs between
+    releases, and PyTorch's built-in flash kernel is the same algorithm."""
+    if choice == "torch" or (choice == "auto" and device.type != "cuda") \
+            or dtype == torch.float64:
+        why = "float64" if dtype == torch.float64 and choice != "torch" else choice
+        return TorchKernel(), f"attention block kernel: torch (pure; {why})"
+    kern = SDPAKernel(device.type, dtype)
+    bad = self_test(kern, device, dtype)
+    if bad:
+        return TorchKernel(), f"attention block kernel: torch ({kern.name} failed its self-test: {bad})"
+    return kern, f"attention block kernel: {kern.name} (fused, log-sum-exp; self-test passed)"
+
+
 # ----------------------------------------------------------------------------------------------
 # Attention over the sharded sequence: the ring and the all-gather drivers
 # ----------------------------------------------------------------------------------------------
@@ -209,29 +342,22 @@ def _pairs(cp, src):
 def _attend(q, k, v, cp, src, scale, n_rep, acc):
     """Accumulate q's attention to rank src's K/V block into acc[(q chunk)] = (acc, l, m)."""
     for (qa, qb, qr), (ka, kb, kr), rel in _pairs(cp, src):
-        t0 = time.perf_counter()
-        qq = q[:, :, qa:qb].to(acc["dtype"])
-        kk = _expand(k[:, :, ka:kb], n_rep).to(acc["dtype"])
-        vv = _expand(v[:, :, ka:kb], n_rep).to(acc["dtype"])
-        acc[qa] = merge(acc.get(qa), block_forward(qq, kk, vv, scale, rel, qr, kr), cp.plant)
-        cp.flops += 4 * qq.shape[0] * qq.shape[1] * (qb - qa) * (kb - ka) * qq.shape[-1]
-        cp.seconds += time.perf_counter() - t0
+        block = cp.kernel.forward(q[:, :, qa:qb], _expand(k[:, :, ka:kb], n_rep),
+                                  _expand(v[:, :, ka:kb], n_rep), scale, rel, qr, kr,
+                                  acc["dtype"])
+        acc[qa] = merge(acc.get(qa), block, cp.plant)
 
 
-def _grad(q, k, v, do, lse, delta, cp, src, scale, n_rep, dq, dkv):
+def _grad(q, k, v, do, out, lse, delta, cp, src, scale, n_rep, dq, dkv):
     """Accumulate the block's contributions into dq (local) and dkv (src's block)."""
     for (qa, qb, qr), (ka, kb, kr), rel in _pairs(cp, src):
-        t0 = time.perf_counter()
-        dt = dq.dtype
-        kk = _expand(k[:, :, ka:kb], n_rep).to(dt)
-        vv = _expand(v[:, :, ka:kb], n_rep).to(dt)
-        dq_b, dk_b, dv_b = block_backward(q[:, :, qa:qb].to(dt), kk, vv, do[:, :, qa:qb],
-                                          lse[:, :, qa:qb], delta[:, :, qa:qb], scale, rel,
-                                          qr, kr)
+        dq_b, dk_b, dv_b = cp.kernel.backward(
+            q[:, :, qa:qb], _expand(k[:, :, ka:kb], n_rep), _expand(v[:, :, ka:kb], n_rep),
+            do[:, :, qa:qb], out[:, :, qa:qb], lse[:, :, qa:qb], delta[:, :, qa:qb], scale,
+            rel, qr, kr)
         dq[:, :, qa:qb] += dq_b
         dkv[0][:, :, ka:kb] += _reduce_rep(dk_b, n_rep)
         dkv[1][:, :, ka:kb] += _reduce_rep(dv_b, n_rep)
-        cp.seconds += time.perf_counter() - t0
 
 
 def _finish(acc):
@@ -247,8 +373,8 @@ def _backward_setup(ctx, dout):
     delta = rowsum(dO * O) of the softmax backward, and a zero dQ."""
     q, k, v, out, lse = ctx.saved_tensors
     do = dout.to(out.dtype)
-    return (q, k, v, lse, ctx.cp, ctx.scale, q.shape[1] // k.shape[1], do, (do * out).sum(-1),
-            torch.zeros_like(q, dtype=out.dtype))
+    return (q, k, v, out, lse, ctx.cp, ctx.scale, q.shape[1] // k.shape[1], do,
+            (do * out).sum(-1), torch.zeros_like(q, dtype=out.dtype))
 
 
 class RingAttention(torch.autograd.Function):
@@ -275,13 +401,13 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, lse, cp, scale, n_rep, do, delta, dq = _backward_setup(ctx, dout)
+        q, k, v, out, lse, cp, scale, n_rep, do, delta, dq = _backward_setup(ctx, dout)
         dt = dq.dtype
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros_like(kv, dtype=dt)           # travels with kv, home after W hops
         for step in range(cp.W):
             src = (cp.rank - step) % cp.W
-            _grad(q, kv[0], kv[1], do, lse, delta, cp, src, scale, n_rep, dq, dkv)
+            _grad(q, kv[0], kv[1], do, out, lse, delta, cp, src, scale, n_rep, dq, dkv)
             if cp.W == 1:
                 break
             if step < cp.W - 1:                        # K/V and their dK/dV move on together
@@ -319,14 +445,14 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, lse, cp, scale, n_rep, do, delta, dq = _backward_setup(ctx, dout)
+        q, k, v, out, lse, cp, scale, n_rep, do, delta, dq = _backward_setup(ctx, dout)
         dt = dq.dtype
         full = _gather_kv(k, v, cp)                      # K/V were not kept: gather again
         dfull = torch.zeros(full.shape, dtype=dt, device=q.device)
         for src in range(cp.W):
             blk = [dfull[src][:, 0], dfull[src][:, 1]]
-            _grad(q, full[src][:, 0], full[src][:, 1], do, lse, delta, cp, src, scale, n_rep,
-                  dq, blk)
+            _grad(q, full[src][:, 0], full[src][:, 1], do, out, lse, delta, cp, src, scale,
+                  n_rep, dq, blk)
         mine = torch.empty(full.shape[1:], dtype=full.dtype, device=full.device)
         if cp.plant == "no-reduce-scatter":   # planted bug: only our own queries' dK/dV
             mine = dfull[cp.rank].to(full.dtype)
@@ -369,6 +495,17 @@ def reference_attention(q, k, v, scale):
 # ----------------------------------------------------------------------------------------------
 # Harness adapter
 # ----------------------------------------------------------------------------------------------
+def add_kernel_arg(p):
+    p.add_argument("--attn-kernel", default="auto", choices=["auto", "sdpa", "torch"],
+                   help="attention block kernel: auto = fused SDPA on CUDA, pure torch on CPU")
+
+
+def _block_flops(q, k, *_):
+    """Forward FLOPs of one block as the kernel sees it: 2 matmuls of 2 B H n m d."""
+    B, H, n, d = q.shape
+    return 4 * B * H * n * k.shape[2] * d
+
+
 def cp_constraints(args, world, config) -> list[str]:
     errs = []
     parts = world if args.variant == "ring" else 2 * world
@@ -407,13 +544,22 @@ class CP(Strategy):
     @staticmethod
     def add_args(p):
         p.add_argument("--variant", default="zigzag", choices=["zigzag", "ring", "allgather"])
+        add_kernel_arg(p)
 
     constraints = staticmethod(cp_constraints)
 
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
         self.name = f"cp-{args.variant}"
-        self.cp = CPContext(args.variant, None, args.length, plant=args.plant_bug)
+        kernel, self.kernel_line = pick_kernel(args.attn_kernel, env.device, DTYPES[args.dtype])
+        if env.is_main:
+            print(self.kernel_line, flush=True)
+        # Instrumentation from outside the algorithm: time inside the block kernel, and its
+        # forward FLOPs, per rank (the benchmark's balance lines).
+        self.kernel_time = CallTimer(env.device.type == "cuda")
+        kernel.forward = self.kernel_time.wrap(kernel.forward, work=_block_flops)
+        kernel.backward = self.kernel_time.wrap(kernel.backward)
+        self.cp = CPContext(args.variant, None, args.length, plant=args.plant_bug, kernel=kernel)
         install(model, self.cp)
         mine = self.cp.chunks[env.rank]
         if args.plant_bug == "contiguous-tokens":   # planted bug: the usual contiguous split
@@ -446,21 +592,25 @@ class CP(Strategy):
                        f"dK,dV per layer: {full:,} B")]
         if W == 1:
             return rows
-        per_layer = (W - 1) * blk + (W - 1) * 2 * blk + blk
+        # dK/dV accumulate over the hops in fp32 (fp64 in float64 runs), and travel so
+        dblk = blk * max(b, 4) // b
+        per_layer = (W - 1) * blk + (W - 1) * (blk + dblk) + dblk
         return rows + [Expect(op, "world", L * (3 * (W - 1) + 1), L * per_layer,
                               f"per layer: fwd (W-1) hops of K,V ({blk:,} B) = "
-                              f"2(W-1)/W*S*kv*b*B; bwd (W-1) hops of K,V + dK,dV, then dK,dV home")
+                              f"2(W-1)/W*S*kv*b*B; bwd (W-1) hops of K,V + dK,dV (in fp32: "
+                              f"{dblk:,} B), then dK,dV home")
                        for op in ("isend", "irecv")]
 
     def report_lines(self):
         # per-rank attention work: balance of ring vs zigzag (a collective)
         stats = [None] * self.env.world
         with METER.paused():
-            dist.all_gather_object(stats, (self.cp.flops, self.cp.seconds))
-        fl = [f for f, _ in stats]
-        sec = [t for _, t in stats]
-        self.cp.flops, self.cp.seconds = 0, 0.0
-        return ["attention forward FLOPs per rank (all steps so far): "
+            dist.all_gather_object(stats, self.kernel_time.total())
+        sec = [t for t, _ in stats]
+        fl = [f for _, f in stats]
+        self.kernel_time.reset()
+        return [self.kernel_line,
+                "attention forward FLOPs per rank (all steps so far): "
                 + ", ".join(f"{f / 1e6:.1f}M" for f in fl)
                 + f"; balance max/min {max(fl) / max(min(fl), 1):.2f}",
                 "attention block compute time per rank (fwd+bwd, s): "

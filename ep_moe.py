@@ -73,6 +73,7 @@ import torch.nn.functional as F
 from harness import (Batch, Expect, Plant, Reference, Strategy, global_loss, lm_loss_sum, main,
                      make_adamw, METER, name_group, phase, spread_across_ranks)
 from ddp import DataParallel
+from ep_stats import RoutingStats
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,7 +272,7 @@ class ExpertParallelMoE(MoEBlock):
         send_splits = send.view(W, El).sum(1).tolist()
         recv_splits = recv.sum(1).tolist()
         # 4. dispatch
-        xr = AllToAll.apply(x[t_s], recv_splits, send_splits, self.group)
+        xr = self.exchange(x[t_s], recv_splits, send_splits)
         # 5. local experts on expert-major rows (arrivals are source-major)
         expert_of_row = torch.arange(El, device=x.device).repeat(W).repeat_interleave(
             recv.reshape(-1))
@@ -282,10 +283,13 @@ class ExpertParallelMoE(MoEBlock):
         if self.plant == "combine-wrong-order":   # un-sorts with perm, not its inverse
             inv = perm
         # 6. combine: back to the senders, weighted, summed per token
-        yb = AllToAll.apply(y[inv], send_splits, recv_splits, self.group)
-        rec.update(load=recv.sum(0), sent_off=sum(send_splits) - send_splits[self.rank],
-                   recv_off=sum(recv_splits) - recv_splits[self.rank], sent=sum(send_splits))
+        yb = self.exchange(y[inv], send_splits, recv_splits)
         return torch.zeros_like(x).index_add(0, t_s, (yb * w_s[:, None]).to(x.dtype))
+
+    def exchange(self, rows, out_splits: list[int], in_splits: list[int]):
+        """The all-to-all of rows: in_splits[r] of `rows` go to rank r, out_splits[r] come
+        from rank r (differentiable: the backward is the reverse exchange)."""
+        return AllToAll.apply(rows, out_splits, in_splits, self.group)
 
 
 def install(model, make_block) -> list[MoEBlock]:
@@ -465,8 +469,8 @@ class ExpertParallel(Strategy):
         self.dp = DataParallel(model, self.dp_group, bucket_mb=args.bucket_mb, broadcast=False,
                                average=False, params=dense)
         self.optimizer = make_adamw(model.parameters(), args)
-        self.history: list[dict] = []     # per step: loads, drops, off-rank rows
-        self.metered = dict(steps=0, kept=0)
+        # Routing statistics (loads, drops, off-rank rows), observed from outside the algorithm
+        self.routing = RoutingStats(self.blocks, env, args)
 
     @property
     def counts_reduced(self) -> bool:
@@ -482,6 +486,7 @@ class ExpertParallel(Strategy):
         for p in self.expert_params:
             p.grad = None
         self.stats.clear()
+        self.routing.start_step()
         mb = batch.shard(self.env.rank, self.env.world)
         with phase("forward"):
             ce = lm_loss_sum(self.model(input_ids=mb.input_ids).logits, mb.labels)
@@ -508,7 +513,7 @@ class ExpertParallel(Strategy):
             self.optimizer.step()
         if self.args.aux_free_bias:
             update_bias(self.blocks, counts, self.args.bias_rate)
-        self._record()
+        self.routing.record(self.stats)
         return global_loss(obj.detach() * batch.n_tokens, batch.n_tokens)
 
     def clip(self, max_norm: float):
@@ -523,19 +528,6 @@ class ExpertParallel(Strategy):
         for g in dense + [p.grad for p in self.expert_params]:
             g.mul_(coef.to(g.dtype))
         return norm
-
-    def _record(self):
-        s = self.stats
-        rec = dict(load=torch.stack([r["load"] for r in s]).cpu(),     # (L, E/W) rows received
-                   sent_off=sum(r["sent_off"] for r in s), recv_off=sum(r["recv_off"] for r in s),
-                   choices=sum(r["choices"] for r in s),
-                   kept=sum(r.get("kept", r["choices"]) for r in s),
-                   capacity=s[0].get("capacity"))
-        self.history.append(rec)
-        del self.history[:-50]
-        if METER.active:               # the benchmark's metered window
-            self.metered["steps"] += 1
-            self.metered["kept"] += rec["kept"]
 
     # ---- reassembly ------------------------------------------------------------------------
     def _gather_experts(self, tensors: dict) -> dict:
@@ -564,7 +556,7 @@ class ExpertParallel(Strategy):
         dense_bytes = sum(p.numel() * p.element_size() for p in self.dp.bucket_of)
         rows = []
         if self.args.capacity_factor:
-            kept = self.metered["kept"] / max(1, self.metered["steps"])
+            kept = self.routing.metered["kept"] / max(1, self.routing.metered["steps"])
             rows.append(Expect("all_to_all_single", "ep", 4 * L * W, 4 * kept * H * b,
                                f"4 x kept rows x H b = 4 x {kept:,.0f} x {H} x {b} (kept over "
                                f"{L} layers; {k * n_global * L:,} choices)", ranks="sum"))
@@ -587,56 +579,12 @@ class ExpertParallel(Strategy):
             rows.append(Expect("all_reduce", "ep", 1, 8, "expert grad-norm^2 (float64)"))
         return rows
 
-    def _loads(self, last: int):
-        """Global rows per expert (L, E) summed over the last `last` steps (collective)."""
-        local = torch.stack([h["load"] for h in self.history[-last:]]).sum(0)
-        with METER.paused():
-            parts = [None] * self.env.world
-            dist.all_gather_object(parts, local)
-        return torch.cat(parts, dim=1).double(), len(self.history[-last:])
-
-    def _balance_lines(self, last: int) -> list[str]:
-        loads, n = self._loads(last)
-        imb = loads.max(1).values / loads.mean(1)
-        h = self.history[-last:]
-        drop = 1 - sum(r["kept"] for r in h) / sum(r["choices"] for r in h)
-        lines = [f"expert load (rows received) over the last {n} steps: imbalance max/mean per layer "
-                 + ", ".join(f"{x:.2f}" for x in imb.tolist())
-                 + f" (mean {imb.mean():.2f}); dropped choices {100 * drop:.2f}%"]
-        if self.args.aux_free_bias:
-            b = torch.stack([blk.bias for blk in self.blocks])
-            lines.append(f"aux-free bias range [{b.min():.4f}, {b.max():.4f}]")
-        return lines
-
     def learning_lines(self):
-        return self._balance_lines(10)
+        return self.routing.balance_lines(10)
 
     def report_lines(self):
-        cfg = self.model.config
-        W, El = self.env.world, cfg.num_local_experts // self.env.world
-        last = min(len(self.history), self.args.bench_iters)
-        loads, n = self._loads(last)
-        per_step = loads.sum(0) / n                                  # (E,) rows per step
-        lines = ["tokens per expert per step (summed over layers), by rank:"]
-        for r in range(W):
-            lines.append(f"  rank {r}: " + "  ".join(
-                f"e{r * El + e}={per_step[r * El + e]:.0f}" for e in range(El))
-                + f"   rank total {per_step[r * El:(r + 1) * El].sum():.0f}")
-        lines += self._balance_lines(last)
-        # wire bytes: rows that leave their rank, forward dispatch + combine, per layer
-        T = self.args.batch * self.args.length // W
-        H, k, L = cfg.hidden_size, cfg.num_experts_per_tok, cfg.num_hidden_layers
-        b = self.model.model.embed_tokens.weight.element_size()
-        off = torch.tensor([float(sum(x["sent_off"] + x["recv_off"] for x in self.history[-last:]))],
-                           device=self.env.device)
-        with METER.paused():
-            dist.all_reduce(off)
-        measured = off.item() / (W * last * L) * H * b
-        formula = 2 * k * T * H * b * (W - 1) / W
-        lines.append(f"dispatch + combine wire bytes per layer per rank (forward, rank mean): "
-                     f"{measured:,.0f} vs 2 k T H b (W-1)/W = {formula:,.0f} "
-                     f"(uniform routing; ratio {measured / formula if formula else 0:.3f})")
-        return lines
+        return self.routing.report_lines(self.model.config,
+                                         self.model.model.embed_tokens.weight.element_size())
 
     def extra_checks(self):
         spread = spread_across_ranks([p for p in self.dp.bucket_of])
@@ -649,7 +597,7 @@ class ExpertParallel(Strategy):
                    f"{len(exp)} expert tensors, E/W = "
                    f"{self.model.config.num_local_experts // self.env.world} experts each")]
         if self.args.capacity_factor:
-            h = self.history
+            h = self.routing.history
             top = torch.tensor([float(max(int(r["load"].max()) for r in h))],
                                device=self.env.device)
             with METER.paused():

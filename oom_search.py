@@ -26,7 +26,8 @@ Search
     ends that search: it is reported with the largest confirmed OK, never counted as an OOM.
 
 Prediction (--predict; bytes per rank, e = bytes per element of the run's dtype)
-    model states   params e + grads e + AdamW 2e per parameter (16 Psi in fp32), divided as the
+    model states   params e + grads e + AdamW 2e per parameter (16 Psi in fp32; in bf16 the
+                   optimizer holds an fp32 master and fp32 m, v: 2 + 2 + 12 = 16 Psi too), divided as the
                    strategy divides them (ZeRO-1: optimizer / W; ZeRO-2: + grads; ZeRO-3 and FSDP:
                    everything, plus one gathered unit; TP/SP: the layers / T; PP: the stage's
                    share under pp.split_layers' balanced split).
@@ -254,6 +255,9 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
     psi = Ly * layer_params + embed + head
     T = W if strategy in ("tp", "sp") else 1
     tokens = b * L_seq
+    # optimizer bytes per parameter: m and v in the run's dtype, or, in half precision, the
+    # fp32 master and fp32 m and v (harness.precision, zero.ShardAdamW)
+    opt_e = 12 if elem < 4 else 2 * elem
     # --- activations per token per layer
     inside = ((h + 2 * kv) + (h + kv) + 2 * h + 4 * I + (2 * a * L_seq if eager else 0)) * elem
     # two norms' inputs and outputs; in half precision promote_norms computes RMSNorm in
@@ -278,13 +282,13 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
         for r, rng in enumerate(bounds):
             n = len(rng) * layer_params + (embed if r == 0 else 0) + (last if r == W - 1 else 0)
             stages.append(dict(
-                stage=r, states=4 * n * elem, activations=act_tok * tokens * len(rng) *
+                stage=r, states=n * (2 * elem + opt_e), activations=act_tok * tokens * len(rng) *
                 (W - r), attention_blocks=0, logits=tokens * logits_tok if r == W - 1 else 0))
         for d in stages:
             d["peak"] = d["states"] + d["activations"] + d["logits"]
         return max(stages, key=lambda d: d["peak"])
-    # --- model states: params e, grads e, AdamW m and v 2e
-    p_b, g_b, o_b = psi * elem, psi * elem, 2 * psi * elem
+    # --- model states: params e, grads e, AdamW m and v 2e (opt_e)
+    p_b, g_b, o_b = psi * elem, psi * elem, psi * opt_e
     extra = 0
     if strategy == "zero1":
         o_b /= W
@@ -295,7 +299,7 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
         extra = 2 * max(layer_params, embed) * elem   # one gathered unit and its full gradient
     elif strategy in ("tp", "sp"):
         shard = Ly * (layer_params - 2 * h) / T + Ly * 2 * h + (embed + head - h) / T + h
-        p_b, g_b, o_b = shard * elem, shard * elem, 2 * shard * elem
+        p_b, g_b, o_b = shard * elem, shard * elem, shard * opt_e
     states = p_b + g_b + o_b + extra
     acts = act_tok * tokens * Ly
     blocks = 0

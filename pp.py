@@ -458,7 +458,7 @@ class PP(Strategy):
         self.optimizer = make_adamw([p for p in model.parameters()], args)
         # The benchmark's timeline: each action's compute span, the receives and sends left out
         # (waiting for a peer is bubble, not work); two steps kept, for report_lines.
-        self.timeline = ActionTimeline(keep=2)
+        self.timeline = ActionTimeline(keep=2, cuda=env.device.type == "cuda")
         self.pipe.forward = self.timeline.timed(self.pipe.forward,
                                                 key=lambda c, m, *_: ("F", c, m))
         self.pipe.backward = self.timeline.timed(self.pipe.backward,

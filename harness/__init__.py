@@ -12,10 +12,11 @@ The package, one concern per module (a strategy imports its names from here, the
     models.py       presets, HF configs and checkpoint directories, the reference model
     data.py         the synthetic Markov language (exact loss floor), `Batch`, ignored labels
     loss.py         the loss normalisation: CE sum over a rank's tokens / global token count
+    precision.py    the mixed-precision policy: fp32 master weights (`make_adamw`)
     meter.py        `phase("forward")` marks; the communication meter (`METER`, `Expect`,
                     `name_group`) that counts every torch.distributed call by op and group
     memory.py       the live-storage tracker (CPU and CUDA), steady-state peak, simulated OOM
-    timing.py       timed steps, ranks aligned, max over ranks
+    timing.py       timed steps (CUDA events on GPU), ranks aligned, max over ranks; ActionTimeline
     compare.py      the verdicts: each error judged against measured single-device noise
     run.py          one run of one mode: arguments, group, config, language; the reference /
                     strategy pair from one set of weights
@@ -44,6 +45,7 @@ from .memory import OOM_EXIT, MemoryTracker, SimulatedOOM, steady_peak  # noqa: 
 from .meter import METER, CommMeter, Expect, group_name, name_group, phase  # noqa: F401
 from .models import (DTYPES, PRESETS, ConfigError, build_model, common_constraints,  # noqa: F401
                      has_weights, load_config, model_kwargs, param_count, promote_norms)
+from .precision import MasterAdamW  # noqa: F401
 from .run import Run  # noqa: F401
 from .strategy import (HARNESS_PLANTS, DTensorBaseline, Plant, Reference,  # noqa: F401
                        Strategy, all_reduce_flat, full_tensor, make_adamw, spread_across_ranks)

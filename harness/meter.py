@@ -28,24 +28,46 @@ warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_sca
 
 
 class Phases:
+    """Named spans of a step (`with phase("forward"):`), summed per name into `elapsed` seconds.
+
+    On CPU a span is wall-clock time. On CUDA (`use_events(True)`, set by the benchmark) a span
+    is a pair of CUDA events recorded on the current stream: no host synchronisation inside the
+    step, so what is measured is not distorted by measuring it. `collect()`, called after the
+    step's one synchronisation, turns the recorded pairs into seconds."""
+
     def __init__(self):
         self.stack: list[str] = []
         self.elapsed: dict[str, float] = {}
-        self.sync = None  # torch.cuda.synchronize on CUDA so times are real
+        self._events = None  # list of (name, start, end) CUDA events while use_events(True)
+
+    def use_events(self, on: bool):
+        self._events = [] if on else None
 
     @contextlib.contextmanager
     def __call__(self, name: str):
-        if self.sync:
-            self.sync()
+        if self._events is not None:
+            import torch
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
         t0 = time.perf_counter()
         self.stack.append(name)
         try:
             yield
         finally:
             self.stack.pop()
-            if self.sync:
-                self.sync()
-            self.elapsed[name] = self.elapsed.get(name, 0.0) + time.perf_counter() - t0
+            if self._events is not None:
+                end.record()
+                self._events.append((name, start, end))
+            else:
+                self.elapsed[name] = self.elapsed.get(name, 0.0) + time.perf_counter() - t0
+
+    def collect(self) -> dict[str, float]:
+        """The recorded CUDA spans into `elapsed` (call after the device is synchronised)."""
+        for name, start, end in self._events or []:
+            self.elapsed[name] = self.elapsed.get(name, 0.0) + start.elapsed_time(end) / 1e3
+        if self._events is not None:
+            self._events = []
+        return self.elapsed
 
     @property
     def current(self) -> str | None:
@@ -53,6 +75,8 @@ class Phases:
 
     def reset(self):
         self.elapsed = {}
+        if self._events is not None:
+            self._events = []
 
 
 phase = Phases()

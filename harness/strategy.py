@@ -70,6 +70,7 @@ import torch.distributed as dist
 from .data import Batch
 from .loss import lm_loss_sum
 from .meter import Expect, METER, phase
+from .precision import make_adamw  # noqa: F401  (strategies import it from here)
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ class Strategy:
         opt = getattr(self, "optimizer", None)
         states = [v for s in (opt.state.values() if opt else []) for v in s.values()
                   if isinstance(v, torch.Tensor)]
+        states += getattr(opt, "master_tensors", list)()   # fp32 masters of bf16 parameters
         return {"params": list(self.model.parameters()),
                 "grads": [p.grad for p in self.model.parameters()],
                 "optimizer": states}
@@ -188,11 +190,6 @@ class DTensorBaseline(Strategy):
                if isinstance(v, torch.Tensor) and v.dim() > 0]
         return {"params": local(self.model.parameters()),
                 "grads": local(p.grad for p in self.model.parameters()), "optimizer": local(opt)}
-
-
-def make_adamw(params, args) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay,
-                             betas=(0.9, 0.95), eps=1e-8)
 
 
 class Reference(Strategy):

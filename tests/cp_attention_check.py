@@ -59,14 +59,15 @@ def distributed(args):
 # ----------------------------------------------------------------------------------------------
 # --kernel: the block loop and merge alone, in one process
 # ----------------------------------------------------------------------------------------------
-def ring_local(q, k, v, do, scale, variant, W):
+def ring_local(q, k, v, do, scale, variant, W, kernel=None):
     """(out, dq, dk, dv) from cp_ring's block loop (_attend, _finish, _grad), every rank
     played in turn with every K/V block at hand: the arithmetic of the ring without its
-    transport."""
+    transport. kernel: a cp_ring block kernel (default the pure one)."""
     n_rep = q.shape[1] // k.shape[1]
     out, dq = torch.empty_like(q), torch.empty_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    cps = [cp_ring.CPContext(variant, None, q.shape[2], world=W, rank=r) for r in range(W)]
+    cps = [cp_ring.CPContext(variant, None, q.shape[2], world=W, rank=r, kernel=kernel)
+           for r in range(W)]
     pos = [cp_ring.positions(cp.chunks[cp.rank]) for cp in cps]
     for r, cp in enumerate(cps):
         acc = {"dtype": cp_ring._acc_dtype(q)}
@@ -79,9 +80,9 @@ def ring_local(q, k, v, do, scale, variant, W):
         delta = (do_r * o).sum(-1)
         dq_r = torch.zeros_like(o)
         for src in range(W):
-            dkv = torch.zeros((2,) + k[:, :, pos[src]].shape, dtype=o.dtype)
-            cp_ring._grad(q[:, :, pos[r]], k[:, :, pos[src]], v[:, :, pos[src]], do_r, lse,
-                          delta, cp, src, scale, n_rep, dq_r, dkv)
+            dkv = torch.zeros((2,) + k[:, :, pos[src]].shape, dtype=o.dtype, device=o.device)
+            cp_ring._grad(q[:, :, pos[r]], k[:, :, pos[src]], v[:, :, pos[src]], do_r, o,
+                          lse, delta, cp, src, scale, n_rep, dq_r, dkv)
             dk[:, :, pos[src]] += dkv[0].to(k.dtype)
             dv[:, :, pos[src]] += dkv[1].to(v.dtype)
         dq[:, :, pos[r]] = dq_r.to(q.dtype)
@@ -128,7 +129,7 @@ def kernel(args):
     layouts = [("zigzag", 2), ("zigzag", 3), ("ring", 3)]
     worst, ok = {}, True
     print(f"max rel err over (out, dq, dk, dv) vs long double; B={B} H={H} Hkv={HKV} S={S} "
-          f"D={D}; ring/sdpa in brackets")
+          f"D={D}; block kernel {args.attn_kernel}; ring/sdpa in brackets")
     for mag in (1, 10, 30):
         for shift in (0.0, 3.0):
             g = torch.Generator().manual_seed(mag)
@@ -144,7 +145,8 @@ def kernel(args):
                 line = f"|logit| <= {logit:5.0f} key shift {shift:3.1f} {str(dt)[6:]:7s} " \
                        f"sdpa {base:.1e}"
                 for variant, W in layouts:
-                    e = max(rel_errs(ring_local(*x, scale, variant, W), ref))
+                    kern = cp_ring.SDPAKernel("cpu", dt) if args.attn_kernel == "sdpa" else None
+                    e = max(rel_errs(ring_local(*x, scale, variant, W, kern), ref))
                     r = e / base
                     worst[str(dt)[6:]] = max(worst.get(str(dt)[6:], 0.0), r)
                     ok &= r <= args.factor
@@ -159,6 +161,8 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--kernel", action="store_true", help="one process: the block loop vs SDPA")
     p.add_argument("--factor", type=float, default=2.0, help="--kernel: allowed error / SDPA's")
+    p.add_argument("--attn-kernel", default="torch", choices=["torch", "sdpa"],
+                   help="--kernel: cp_ring's block kernel (sdpa: the CPU flash kernel)")
     p.add_argument("--seq", type=int)
     p.add_argument("--dtype", default="float64")
     p.add_argument("--tol", type=float)

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+import torch
+
 import cp_attention_check
 import cp_ring
 from conftest import ROOT, Runs, assert_config_error
@@ -17,7 +19,43 @@ def test_kernel_as_accurate_as_sdpa():
     logits and shifted keys (a trained model's): within 2x of torch SDPA's error against a
     long-double reference, forward and backward, float32 (and float64 where long double is
     wider). The sigmoid/lse merge this replaced was up to 5.8x SDPA's error here."""
-    assert cp_attention_check.kernel(argparse.Namespace(factor=2.0))
+    assert cp_attention_check.kernel(argparse.Namespace(factor=2.0, attn_kernel="torch"))
+
+
+def test_fused_kernel_path_as_accurate_as_sdpa():
+    """The same check through the fused-kernel code path (SDPAKernel: the block's (out, lse)
+    from the fused op, its backward from the final out and lse), on CPU's flash kernel: the
+    path the CUDA flash and memory-efficient kernels take."""
+    assert cp_attention_check.kernel(argparse.Namespace(factor=2.0, attn_kernel="sdpa"))
+
+
+def test_kernel_dispatch_and_fallback(monkeypatch):
+    """auto is the pure kernel on CPU; float64 always is; sdpa on CPU takes the CPU flash
+    kernel after its self-test; on CUDA bf16 maps to flash and fp32 to memory-efficient; a
+    fused kernel that raises, or that computes a wrong answer, fails its self-test and the pure
+    kernel is used, with the reason in the printed line."""
+    cpu = torch.device("cpu")
+    k, line = cp_ring.pick_kernel("auto", cpu, torch.float32)
+    assert type(k) is cp_ring.TorchKernel and line.endswith("torch (pure; auto)")
+    k, line = cp_ring.pick_kernel("sdpa", cpu, torch.float64)
+    assert type(k) is cp_ring.TorchKernel and "float64" in line
+    k, line = cp_ring.pick_kernel("sdpa", cpu, torch.float32)
+    assert isinstance(k, cp_ring.SDPAKernel) and k.name == "sdpa-cpu-flash"
+    assert "self-test passed" in line
+    assert cp_ring.SDPAKernel("cuda", torch.bfloat16).op == "flash"
+    assert cp_ring.SDPAKernel("cuda", torch.float32).op == "efficient"
+
+    def boom(*a, **kw):
+        raise RuntimeError("no kernel image is available")
+    monkeypatch.setattr(cp_ring.SDPAKernel, "_fwd", boom)
+    k, line = cp_ring.pick_kernel("sdpa", cpu, torch.float32)
+    assert type(k) is cp_ring.TorchKernel and "failed its self-test: RuntimeError" in line
+    monkeypatch.undo()
+    real = cp_ring.SDPAKernel._fwd
+    monkeypatch.setattr(cp_ring.SDPAKernel, "_fwd",   # an lse off by 1e-3: a wrong merge
+                        lambda self, *a: (lambda o, l: (o, l + 1e-3))(*real(self, *a)))
+    k, line = cp_ring.pick_kernel("sdpa", cpu, torch.float32)
+    assert type(k) is cp_ring.TorchKernel and "max rel err" in line
 
 
 def attention_check(world, seq, dtype, tol):
@@ -47,6 +85,9 @@ W2 = Runs("cp_ring.py", 2, {  # one launch per batch: the start-up (~10 s a proc
     "learning": ["--mode", "learning", "--steps", "40"],
     **{f"bench-{v}": ["--variant", v, "--mode", "benchmark", "--warmup", "1", "--bench-iters", "2"]
        for v in VARIANTS},
+    "bench-bf16": ["--mode", "benchmark", "--dtype", "bfloat16", "--warmup", "1",
+                   "--bench-iters", "2"],
+    "sdpa-kernel": ["--attn-kernel", "sdpa", "--dtype", "float32", "--clip", "0.5"],
 })
 SLOW_W4 = Runs("cp_ring.py", 4, tier="slow",
                runs={v: ["--variant", v, "--clip", "0.5"] for v in VARIANTS})
@@ -89,6 +130,28 @@ def test_benchmark_comm_and_balance(runs, variant):
     # computed FLOPs (a diagonal block is computed whole, then masked): ring at W=2 gives rank 0
     # its own block and rank 1 two blocks; zig-zag gives each rank 5 chunk pairs of 8
     assert ratio == (2.0 if variant == "ring" else 1.0)
+
+
+def test_benchmark_bf16_charges_fp32_dkv(runs):
+    """In bf16, K/V hop in bf16 and dK/dV (accumulated over the hops) in fp32: the formula
+    charges exactly that, so the comm check passes (it used to charge bf16 for both)."""
+    W, B, S, L, KV = 2, 8, 64, 4, 32
+    r = runs(W2, "bench-bf16")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    kv, dkv = B * (S // W) * 2 * KV * 2, B * (S // W) * 2 * KV * 4    # bf16 K,V; fp32 dK,dV
+    per_layer = (W - 1) * kv + (W - 1) * (kv + dkv) + dkv
+    c = r.json("benchmark.json")["ours"]["comm"]
+    for op in ("isend", "irecv"):
+        assert c[f"{op}|world"] == {"calls": L * (3 * (W - 1) + 1), "bytes": L * per_layer}
+
+
+def test_fused_kernel_model_correctness(runs):
+    """The whole model at W=2 through the fused-kernel path (CPU flash kernel), float32,
+    clipped: PASS against the reference, and the choice printed."""
+    r = runs(W2, "sdpa-kernel")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    assert "attention block kernel: sdpa-cpu-flash (fused, log-sum-exp; self-test passed)" \
+        in r.stdout
 
 
 def test_layouts():

@@ -239,3 +239,82 @@ def test_plants_mode_picks_the_plants_declared_for_the_run():
         assert picked and all(sp.SP.plants[n].args[1] == variant for n in picked), picked
     assert not any(harness.correctness._declared_for(pl, sp.SP, p.parse_args([]))
                    for pl in sp.SP.plants.values())       # float64 without --clip: none
+
+
+def _adamw_args(lr):
+    import types
+    return types.SimpleNamespace(lr=lr, weight_decay=0.0)
+
+
+def test_bf16_parameters_get_fp32_masters():
+    """An update below half a bf16 ulp is lost by AdamW on bf16 parameters and kept by the fp32
+    master: after 100 steps of lr 1e-4 on weights of 1.0 (half a bf16 ulp there: 2^-9 above,
+    2^-10 below), plain AdamW has not moved them at all, MasterAdamW has moved them by about
+    100 x 1e-4 (to bf16 rounding), and its masters follow fp32 AdamW on the same (bf16-rounded)
+    gradients exactly."""
+    torch.manual_seed(0)
+    w0 = torch.ones(64)
+    grads = [torch.rand(64) + 0.1 for _ in range(100)]   # one sign: the updates add up
+    runs = {}
+    for kind in ("plain-bf16", "master", "fp32"):
+        p = torch.nn.Parameter(w0.clone().to(torch.float32 if kind == "fp32" else torch.bfloat16))
+        opt = (torch.optim.AdamW([p], lr=1e-4, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8)
+               if kind == "plain-bf16" else harness.make_adamw([p], _adamw_args(1e-4)))
+        assert isinstance(opt, harness.MasterAdamW) == (kind == "master")
+        for g in grads:
+            p.grad = g.to(p.dtype)
+            opt.step()
+            opt.zero_grad()
+        runs[kind] = (p.detach().float(), opt)
+    assert torch.equal(runs["plain-bf16"][0], w0)                      # every update lost
+    moved = (runs["master"][0] - w0).abs()
+    assert moved.min() > 0.005 and torch.allclose(runs["master"][0], runs["fp32"][0],
+                                                  atol=2**-8)
+    # the masters are exactly fp32 AdamW on the bf16-rounded gradients (the same here:
+    # torch.randn values rounded to bf16 only in the plain run's and master's .grad)
+    ref = torch.nn.Parameter(w0.clone())
+    ref_opt = torch.optim.AdamW([ref], lr=1e-4, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8)
+    for g in grads:
+        ref.grad = g.to(torch.bfloat16).float()
+        ref_opt.step()
+    master = runs["master"][1]
+    assert torch.equal(master.master_tensors()[0], ref.detach())
+    assert master.model_params[0].grad is None                          # zero_grad cleared it
+
+
+def test_master_adamw_is_a_torch_optimizer_and_counted_in_states():
+    """Schedulers and state_dict work on it; the harness counts the masters as optimizer
+    memory (4 bytes per bf16 parameter, beside Adam's 8)."""
+    lin = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    opt = harness.make_adamw(lin.parameters(), _adamw_args(1e-3))
+    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=2)
+    lin(torch.ones(2, 4, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.75e-3)
+    sd = opt.state_dict()
+    assert len(sd["state"]) == 2 and sd["state"][0]["exp_avg"].dtype == torch.float32
+
+    class S(harness.Strategy):
+        def __init__(self):
+            self.model, self.optimizer = lin, opt
+    states = S().model_states()["optimizer"]
+    n = sum(p.numel() for p in lin.parameters())
+    assert sum(t.numel() * t.element_size() for t in states if t.dim() > 0) == 12 * n
+    # float32 parameters are their own masters: a plain torch AdamW
+    assert type(harness.make_adamw(torch.nn.Linear(2, 2).parameters(), _adamw_args(1e-3))) \
+        is torch.optim.AdamW
+
+
+def test_call_timer_counts_time_and_work_from_outside():
+    """harness.timing.CallTimer (cp_ring's block-kernel time and FLOPs): the wrapped function
+    returns what it returned, each call adds its work, and time is spent inside it."""
+    import time as _time
+    from harness.timing import CallTimer
+    t = CallTimer(cuda=False)
+    f = t.wrap(lambda x: (_time.sleep(0.01), x * 2)[1], work=lambda x: x)
+    assert f(3) == 6 and f(4) == 8
+    sec, work = t.total()
+    assert work == 7 and sec >= 0.02
+    t.reset()
+    assert t.total() == (0.0, 0)

@@ -1,0 +1,65 @@
+"""precision.py: the mixed-precision policy's optimizer side: fp32 master weights.
+
+With `--dtype bfloat16` every strategy computes in bf16 (parameters, activations, gradients as
+autograd makes them), and the optimizer keeps an fp32 master copy of each bf16 parameter with
+fp32 Adam states, as Megatron and DeepSpeed do (Micikevicius et al. 2018):
+
+    step:   master.grad = param.grad (to fp32);  AdamW on the masters;  param = master (to bf16)
+
+Without masters an update smaller than half a bf16 ulp of its weight (2^-9 relative) is lost,
+so a long bf16 run drifts away from the same run in fp32. ZeRO's `ShardAdamW` applies the same
+policy to its flat shards. float32 and float64 parameters are their own masters: `make_adamw`
+then returns a plain `torch.optim.AdamW`.
+"""
+from __future__ import annotations
+
+import torch
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class MasterAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW over fp32 master copies of low-precision parameters.
+
+    It is a torch optimizer (schedulers, `param_groups`, `state_dict` work); its parameters are
+    the masters, `model_params` the module's own. Build it once the module's weights are final
+    (after any broadcast or checkpoint load): the masters are copied from them here."""
+
+    def __init__(self, params, **kw):
+        self.model_params = [p for p in params]
+        self.masters = [p.detach().float().clone() if p.dtype in LOW_PRECISION else p
+                        for p in self.model_params]
+        super().__init__(self.masters, **kw)
+
+    def zero_grad(self, set_to_none: bool = True):
+        super().zero_grad(set_to_none)
+        for p in self.model_params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p, m in zip(self.model_params, self.masters):
+            if m is not p:
+                m.grad = None if p.grad is None else p.grad.float()
+        loss = super().step(closure)
+        for p, m in zip(self.model_params, self.masters):
+            if m is not p:
+                p.copy_(m)
+                m.grad = None
+        return loss
+
+    def master_tensors(self) -> list[torch.Tensor]:
+        """The fp32 copies (optimizer-side memory: 4 bytes per low-precision parameter)."""
+        return [m for m, p in zip(self.masters, self.model_params) if m is not p]
+
+
+def make_adamw(params, args) -> torch.optim.AdamW:
+    """The AdamW every strategy and the reference use: fp32 masters for bf16 parameters."""
+    params = list(params)
+    kw = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95), eps=1e-8)
+    if any(p.dtype in LOW_PRECISION for p in params):
+        return MasterAdamW(params, **kw)
+    return torch.optim.AdamW(params, **kw)
