@@ -204,14 +204,13 @@ class SDPAKernel(TorchKernel):
     pure kernel."""
 
     def __init__(self, device_type: str, dtype):
-        self.device_type = device_type
         if device_type == "cpu":
             self.op, self.name = "cpu", "sdpa-cpu-flash"
         elif dtype in (torch.bfloat16, torch.float16):
             self.op, self.name = "flash", "sdpa-flash"
         else:
             self.op, self.name = "efficient", "sdpa-efficient"
-        self._aux = {}   # the forward's non-varlen placeholders (cu_seqlens, rng state) by op
+        self._aux = None   # the last forward's non-varlen placeholders (cu_seqlens, rng state)
 
     @staticmethod
     def fused(rel, qr, kr):
@@ -225,11 +224,11 @@ class SDPAKernel(TorchKernel):
         if self.op == "flash":
             out, lse, cq, ck, _, _, seed, off, _ = A._scaled_dot_product_flash_attention(
                 q, k, v, 0.0, causal, False, scale=scale)
-            self._aux["flash"] = (cq, ck, seed, off)
+            self._aux = (cq, ck, seed, off)
             return out, lse
         out, lse, seed, off = A._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale)
-        self._aux["efficient"] = (seed, off)
+        self._aux = (seed, off)
         return out, lse[..., :q.shape[2]]            # lse comes padded to a multiple of 32
 
     def _bwd(self, do, q, k, v, out, lse, scale, causal):
@@ -238,11 +237,11 @@ class SDPAKernel(TorchKernel):
             return A._scaled_dot_product_flash_attention_for_cpu_backward(
                 do, q, k, v, out, lse, 0.0, causal, scale=scale)
         if self.op == "flash":
-            cq, ck, seed, off = self._aux["flash"]
+            cq, ck, seed, off = self._aux
             return A._scaled_dot_product_flash_attention_backward(
                 do, q, k, v, out, lse, cq, ck, q.shape[2], k.shape[2], 0.0, causal, seed, off,
                 scale=scale)
-        seed, off = self._aux["efficient"]
+        seed, off = self._aux
         pad = -q.shape[2] % 32
         lse = F.pad(lse, (0, pad)) if pad else lse
         return A._scaled_dot_product_efficient_attention_backward(

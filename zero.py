@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from harness import Batch, Expect, Plant, Strategy, global_loss, main, phase
+from harness.precision import LOW_PRECISION
 import ddp
 
 
@@ -164,7 +165,7 @@ class ShardAdamW:
 
     def __init__(self, shards: list[torch.Tensor], lr, weight_decay, betas=(0.9, 0.95), eps=1e-8):
         self.shards = shards
-        self.mixed = shards[0].dtype in (torch.bfloat16, torch.float16)
+        self.mixed = shards[0].dtype in LOW_PRECISION
         self.master = [s.detach().float().clone() for s in shards] if self.mixed else shards
         self.exp_avg = [torch.zeros_like(m) for m in self.master]
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]

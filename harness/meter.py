@@ -19,12 +19,28 @@ import warnings
 import weakref
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 # torch 2.13 renames all_gather_into_tensor/reduce_scatter_tensor to *_single; 2.11 lacks the new
 # names, so strategies keep the old ones (both are metered) and the warning is noise.
 warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated")
 
+
+
+def mark(cuda: bool):
+    """A timestamp: a CUDA event recorded on the current stream (no host synchronisation), or
+    the clock. Two marks of one kind give seconds through `seconds_between`."""
+    if cuda:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
+
+
+def seconds_between(a, b) -> float:
+    """Seconds from mark a to mark b (CUDA marks: once the device has passed b)."""
+    return a.elapsed_time(b) / 1e3 if isinstance(a, torch.cuda.Event) else b - a
 
 
 class Phases:
@@ -45,26 +61,23 @@ class Phases:
 
     @contextlib.contextmanager
     def __call__(self, name: str):
-        if self._events is not None:
-            import torch
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-        t0 = time.perf_counter()
+        cuda = self._events is not None
+        start = mark(cuda)
         self.stack.append(name)
         try:
             yield
         finally:
             self.stack.pop()
-            if self._events is not None:
-                end.record()
-                self._events.append((name, start, end))
+            if cuda:
+                self._events.append((name, start, mark(True)))
             else:
-                self.elapsed[name] = self.elapsed.get(name, 0.0) + time.perf_counter() - t0
+                self.elapsed[name] = self.elapsed.get(name, 0.0) + seconds_between(
+                    start, mark(False))
 
     def collect(self) -> dict[str, float]:
         """The recorded CUDA spans into `elapsed` (call after the device is synchronised)."""
         for name, start, end in self._events or []:
-            self.elapsed[name] = self.elapsed.get(name, 0.0) + start.elapsed_time(end) / 1e3
+            self.elapsed[name] = self.elapsed.get(name, 0.0) + seconds_between(start, end)
         if self._events is not None:
             self._events = []
         return self.elapsed

@@ -1,14 +1,15 @@
 """timing.py: Timing: timed steps with ranks aligned, forward and step times (max over ranks);
-per-action timelines inside a step (`ActionTimeline`)."""
+spans recorded from outside an algorithm: per-action timelines inside a step (`ActionTimeline`)
+and the time inside a wrapped function (`CallTimer`). Every timestamp is a `meter.mark`: a CUDA
+event on GPU (read after the step's one synchronisation), the clock on CPU."""
 from __future__ import annotations
 
 import contextlib
 import functools
-import time
 
 import torch
 
-from .meter import phase
+from .meter import mark, phase, seconds_between
 from .run import Run
 
 
@@ -35,16 +36,11 @@ def timed_steps(run: Run, strat, timed=contextlib.nullcontext,
                 before_each()
                 sync(env)
                 phase.reset()
-                if cuda:
-                    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                    start.record()
-                t0 = time.perf_counter()
+                start = mark(cuda)
                 strat.step(batch)
-                if cuda:
-                    end.record()
+                end = mark(cuda)
                 sync(env)
-                times.append(start.elapsed_time(end) / 1e3 if cuda
-                             else time.perf_counter() - t0)
+                times.append(seconds_between(start, end))
                 fwd.append(phase.collect().get("forward", float("nan")))
     finally:
         phase.use_events(False)
@@ -52,7 +48,7 @@ def timed_steps(run: Run, strat, timed=contextlib.nullcontext,
 
 
 class ActionTimeline:
-    """Wall-clock spans of the actions inside a step, recorded from outside the algorithm.
+    """Spans of the actions inside a step, recorded from outside the algorithm.
 
     Wrap the functions that do an action's work with `timed(fn, key)` and run each step inside
     `with timeline.step():`. Every call of a wrapped function inside the step appends
@@ -63,19 +59,11 @@ class ActionTimeline:
 
     def __init__(self, keep: int = 2, cuda: bool = False):
         self.keep, self.cuda, self._steps = keep, cuda, []
-        self._t0, self._current = self._now(), []
-
-    def _now(self):
-        """A timestamp: a recorded CUDA event (no synchronisation), or the clock."""
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
+        self._t0, self._current = mark(cuda), []
 
     @contextlib.contextmanager
     def step(self):
-        self._t0, self._current = self._now(), []
+        self._t0, self._current = mark(self.cuda), []
         yield
         self._steps = (self._steps + [(self._t0, self._current)])[-self.keep:]
 
@@ -83,9 +71,9 @@ class ActionTimeline:
         """fn, recording each call's span under key(*args, **kwargs) (a tuple)."""
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            start = self._now()
+            start = mark(self.cuda)
             out = fn(*args, **kwargs)
-            self._current.append((*key(*args, **kwargs), start, self._now()))
+            self._current.append((*key(*args, **kwargs), start, mark(self.cuda)))
             return out
         return wrapper
 
@@ -94,47 +82,38 @@ class ActionTimeline:
         """The kept steps' actions as (*key, start, end) in seconds since their step began."""
         if self.cuda:
             torch.cuda.synchronize()
-            since = lambda t0, ev: t0.elapsed_time(ev) / 1e3  # noqa: E731
-        else:
-            since = lambda t0, t: t - t0  # noqa: E731
-        return [[(*a[:-2], since(t0, a[-2]), since(t0, a[-1])) for a in actions]
-                for t0, actions in self._steps]
+        return [[(*a[:-2], seconds_between(t0, a[-2]), seconds_between(t0, a[-1]))
+                 for a in actions] for t0, actions in self._steps]
 
 
 class CallTimer:
     """Time spent inside the calls of wrapped functions, and a work count (e.g. FLOPs) per call,
-    recorded from outside the algorithm (cp_ring's block kernel). On CUDA each call records a
-    pair of CUDA events, read when `total()` is called (after the step), so nothing inside the
-    step waits for the device; on CPU the clock."""
+    recorded from outside the algorithm (cp_ring's block kernel). Each call keeps a pair of
+    marks (CUDA events on GPU), read when `total()` is called after the step, so nothing inside
+    the step waits for the device."""
 
     def __init__(self, cuda: bool):
-        self.cuda, self.seconds, self.work, self._events = cuda, 0.0, 0, []
+        self.cuda, self.seconds, self.work, self._spans = cuda, 0.0, 0, []
 
     def wrap(self, fn, work=None):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             if work is not None:
                 self.work += work(*args, **kwargs)
-            if self.cuda:
-                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                start.record()
-                out = fn(*args, **kwargs)
-                end.record()
-                self._events.append((start, end))
-                return out
-            t0 = time.perf_counter()
+            start = mark(self.cuda)
             out = fn(*args, **kwargs)
-            self.seconds += time.perf_counter() - t0
+            self._spans.append((start, mark(self.cuda)))
             return out
         return wrapper
 
     def total(self) -> tuple[float, float]:
         """(seconds, work) since the last reset."""
-        if self._events:
-            torch.cuda.synchronize()
-            self.seconds += sum(s.elapsed_time(e) for s, e in self._events) / 1e3
-            self._events = []
+        if self._spans:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.seconds += sum(seconds_between(s, e) for s, e in self._spans)
+            self._spans = []
         return self.seconds, self.work
 
     def reset(self):
-        self.seconds, self.work, self._events = 0.0, 0, []
+        self.seconds, self.work, self._spans = 0.0, 0, []
