@@ -69,6 +69,7 @@ class FullyShard(zero.Zero):
         self.prefetch, self.reshard = prefetch, reshard_after_forward
         self.root, self.layers = self.units[0], self.units[1:]
         self.position = {u: i for i, u in enumerate(self.layers)}
+        self.in_forward = False
 
     def _prefetch(self, order: list):
         for u in order[:self.prefetch]:
@@ -78,12 +79,19 @@ class FullyShard(zero.Zero):
     def _pre_forward(self, u):
         u.wait()
         if u is self.root:
-            self._prefetch(self.layers)
+            # The root's hooks run at the embeddings, the final norm and the head: only the
+            # first, at the start of the forward, prefetches layer 0 (at the norm it would
+            # gather layer 0 again, to sit unused until the backward).
+            if not self.in_forward:
+                self._prefetch(self.layers)
+            self.in_forward = True
         elif u in self.position:
             self._prefetch(self.layers[self.position[u] + 1:])
 
     def _post_forward(self, u, out):
-        if u is not self.root and self.reshard:
+        if u is self.root:
+            self.in_forward = False   # the head (the root's last module) ends the forward
+        elif self.reshard:
             u.free_params()
         self._hook_backward(u, out)
 

@@ -23,12 +23,17 @@ actions are torch.distributed.pipelining's _Action(stage, F|B|I|W, micro-batch) 
 tests/test_pp.py also runs torch's own schedule validator and comms simulator on them (with the
 sends and receives placed as the executor places them) and compares them with torch's generators.
 
-Point-to-point
-    Each send is posted with batch_isend_irecv as soon as its tensor exists and completes
-    asynchronously (its handle is waited at the end of the step), so no stage blocks on a send.
-    A receive is posted right before its data is needed. Shapes are known up front (micro-batch,
-    sequence, hidden). Tags carry (chunk, micro-batch, direction), so messages between the same
-    two ranks cannot be confused when interleaving reorders them; gloo matches by tag.
+Point-to-point (NCCL's rules: harness/nccl.py, checked by --nccl-semantics)
+    NCCL ignores tags and runs a communicator's operations in issue order, each send waiting
+    for its receive. Posting each send and receive alone, where it is needed, deadlocks 1F1B:
+    stage 0's second warm-up send waits for stage 1's receive, queued behind stage 1's gradient
+    send, which waits for stage 0's receive behind that first send. So every schedule runs on a
+    lockstep grid (Grid, as torch.distributed.pipelining's PipelineScheduleMulti): at most one
+    action per rank per step, and after each step one batch_isend_irecv with the step's send and
+    the receives of what the neighbours send in the same step. Batches pair up step by step on
+    every schedule; receives are posted early and waited just before their tensor is used. Tags
+    (chunk, micro-batch, direction) remain for gloo; the checker verifies NCCL's FIFO pairing
+    agrees with them. Shapes are known up front (micro-batch, sequence, hidden).
 
 Stage split: the decoder layers go to P*V chunks, contiguous, minimising the largest chunk's
 parameter count, with the embeddings counted on the first chunk and the final norm and head on
@@ -120,10 +125,11 @@ def _zb_h1(P, M, rank):
     return acts
 
 
-def simulate(name, P, M, V=1):
-    """Run every rank's actions with unit costs, honouring dependencies. Returns
-    (per-rank action lists with (start, end), makespan, bubble fraction, peak in-flight)."""
-    C = P * V
+def simulate(name, P, M, V=1, cost=None):
+    """Run every rank's actions with unit costs (`cost`, default COST), honouring dependencies.
+    Returns (per-rank action lists with (start, end), makespan, bubble fraction, peak
+    in-flight)."""
+    C, cost = P * V, cost or COST
     acts = [schedule(name, P, M, V, r) for r in range(P)]
     done, t_rank, pos = {}, [0.0] * P, [0] * P
     timeline = [[] for _ in range(P)]
@@ -146,7 +152,7 @@ def simulate(name, P, M, V=1):
                 if any(d not in done for d in deps):
                     break
                 start = max([t_rank[r]] + [done[d] for d in deps])
-                end = start + COST[kind]
+                end = start + cost[kind]
                 done[(kind, c, m)] = end
                 t_rank[r] = end
                 timeline[r].append((kind, c, m, start, end))
@@ -167,6 +173,49 @@ def bubble_formula(name, P, M, V=1) -> float:
     if name == "zb":
         return (P - 1) / (3 * M + P - 1)
     return (P - 1) / ((V if name == "interleaved" else 1) * M + P - 1)
+
+
+def messages(kind: str, c: int, m: int, C: int):
+    """(what action (kind, c, m) receives before it runs, what it sends after), each a message
+    key (source chunk, destination chunk, micro-batch, backward) or None."""
+    if kind == "F":
+        return ((c - 1, c, m, False) if c > 0 else None,
+                (c, c + 1, m, False) if c < C - 1 else None)
+    if kind in ("B", "I"):
+        return ((c + 1, c, m, True) if c < C - 1 else None,
+                (c, c - 1, m, True) if c > 0 else None)
+    return None, None
+
+
+class Grid:
+    """Every rank's actions on one lockstep grid of time steps, the point-to-point plan that
+    NCCL can run (the scheme of torch.distributed.pipelining's PipelineScheduleMulti).
+
+    The steps come from simulate() with every action costing 1: each rank runs at most one
+    action per step. After step t's action a rank posts one batch_isend_irecv: that action's
+    send and the receives of every message its neighbours send at step t. A message is thus
+    sent and received in the same step's batches on both ranks, so batches pair up step by step:
+    no send waits on a receive that is queued behind another blocked operation, under any
+    schedule (NCCL ignores tags and runs a communicator's operations in issue order; see
+    harness/nccl.py). Receives are posted early and waited just before the action that uses
+    them. `steps[r][t]` = (action or None, send keys, receive keys); `first_forward[m]`: the
+    step of micro-batch m's first forward (chunk 0), the grid's consistent cut for m."""
+
+    def __init__(self, name: str, P: int, M: int, V: int = 1):
+        C = P * V
+        timeline, T, _, _ = simulate(name, P, M, V, cost=dict.fromkeys(COST, 1))
+        T = int(T)
+        self.steps = [[(None, [], []) for _ in range(T)] for _ in range(P)]
+        self.first_forward = {}
+        for r in range(P):
+            for kind, c, m, start, _ in timeline[r]:
+                _, send = messages(kind, c, m, C)
+                t = int(start)
+                self.steps[r][t] = ((kind, c, m), [send] if send else [], self.steps[r][t][2])
+                if kind == "F" and c == 0:
+                    self.first_forward[m] = t
+                if send:
+                    self.steps[send[1] % P][t][2].append(send)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,12 +264,13 @@ class Pipeline:
         self.model, self.P, self.V, self.rank, self.group = model, P, V, rank, group
         self.schedule_name, self.C = schedule_name, P * V
         self.positions, self.seq_shards, self.loss_sum = None, 1, lm_loss_sum
-        # A preemption point: stop_check(m) is called by every stage before its forward of
-        # micro-batch m >= 1 (V = 1 schedules); True on all ranks ends the step once the
+        # A preemption point: stop_check(m) is called by every rank once per micro-batch m >= 1,
+        # at the grid step where m starts; True on all ranks ends the step once the
         # micro-batches already started are drained (see _stop_before()).
         self.stop_check = None
         self.completed = 0       # micro-batches run to the end in the last run()
         self.plant = None        # a planted bug's name (--plant-bug), set by the harness adapter
+        self._grids = {}         # (M, schedule) -> Grid
         base = model.model
         n_layer = [sum(p.numel() for p in layer.parameters()) for layer in base.layers]
         emb = sum(p.numel() for p in base.embed_tokens.parameters())
@@ -267,20 +317,39 @@ class Pipeline:
         return [p for m in mods for p in m.parameters()]
 
     # -- point-to-point --
-    def _tag(self, c, m, backward):
-        return (m * self.C + c) * 2 + int(backward)
+    def _post(self, sends: dict, keys_out: list, keys_in: list, shape, dtype, received: dict):
+        """One step's batch: the sends `keys_out` (tensors from `sends`) and the receives
+        `keys_in`, in one batch_isend_irecv. Tags name (destination chunk, micro-batch,
+        direction) for gloo; NCCL ignores them, and the grid does not need them."""
+        ops, bufs = [], []
+        for src, dst, m, bwd in keys_out:
+            ops.append(dist.P2POp(dist.isend, sends.pop((src, dst, m, bwd)), group=self.group,
+                                  group_peer=dst % self.P, tag=(m * self.C + dst) * 2 + bwd))
+        for src, dst, m, bwd in keys_in:
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=src % self.P,
+                                  tag=(m * self.C + dst) * 2 + bwd))
+            bufs.append(((src, dst, m, bwd), buf))
+        if not ops:
+            return
+        if self.plant == "split-batches":   # planted: each op alone, sends first (gloo runs it)
+            works = [w for op in ops for w in dist.batch_isend_irecv([op])]
+        else:
+            works = list(dist.batch_isend_irecv(ops))
+        self.batches.append((works, ops))      # the sent tensors stay alive until waited
+        for key, buf in bufs:
+            received[key] = (buf, works)
 
-    def _send(self, t, dst_chunk, c, m, backward):
-        op = dist.P2POp(dist.isend, t.contiguous(), group=self.group, group_peer=dst_chunk % self.P,
-                        tag=self._tag(c, m, backward))
-        self.sends.append((dist.batch_isend_irecv([op]), op.tensor))  # keep t alive till done
+    @staticmethod
+    def _wait(works: list):
+        """Wait a batch once (a gloo receive waited twice waits for another message)."""
+        while works:
+            works.pop().wait()
 
-    def _recv(self, shape, dtype, src_chunk, c, m, backward):
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        op = dist.P2POp(dist.irecv, buf, group=self.group, group_peer=src_chunk % self.P,
-                        tag=self._tag(c, m, backward))
-        for w in dist.batch_isend_irecv([op]):
-            w.wait()
+    def _take(self, received: dict, key) -> torch.Tensor:
+        """A received tensor, once its batch is done (waited just before it is used)."""
+        buf, works = received.pop(key)
+        self._wait(works)
         return buf
 
     # -- each action's work: compute only (run() receives before and sends after) --
@@ -317,12 +386,13 @@ class Pipeline:
 
     def _stop_before(self, m) -> bool:
         """The preemption point (compose4d's elastic cut): True when `stop_check(m)` ends the
-        step before micro-batch m. Every stage asks before its own F(m), so an agreement inside
-        stop_check (a collective) hears from all stages, and it cannot deadlock: nothing a
-        stage runs before F(m) waits for stage 0's F(m). run() then drains micro-batches < m.
-        Never before micro-batch 0, so a step always makes progress; only with V = 1, where a
-        stage runs one forward per micro-batch and so asks exactly once per micro-batch."""
-        return m > 0 and self.stop_check is not None and self.V == 1 and self.stop_check(m)
+        step before micro-batch m. Every rank asks at the grid step where micro-batch m's first
+        forward runs (Grid.first_forward), before that step's action and batch. That step is a
+        consistent cut: every message of an earlier step is posted on both of its ranks and
+        nothing of micro-batches >= m is, so an agreement inside stop_check (a collective) hears
+        from every rank and cannot deadlock under NCCL's rules. run() then drains the
+        micro-batches < m. Never before micro-batch 0, so a step always makes progress."""
+        return m > 0 and self.stop_check is not None and self.stop_check(m)
 
     # -- one optimizer step's worth of micro-batches --
     def run(self, batch: Batch, M: int, n_tokens: int | None = None,
@@ -330,8 +400,9 @@ class Pipeline:
         """This rank's part of one optimizer step over `batch` in M micro-batches (or the given
         list `mbs`, whose sizes may differ when P = 1); each micro-batch backpropagates its CE
         sum / n_tokens (default: the batch's own count). Returns the CE sum of the micro-batches
-        this rank computed the loss of (float64). The schedule loop: for each action, receive
-        its input, compute, send its output."""
+        this rank computed the loss of (float64). The schedule loop walks the grid (Grid): at
+        each step, the preemption point when a micro-batch starts there, the step's action
+        (its input taken from a posted receive), then the step's batch of sends and receives."""
         n_tokens = n_tokens or batch.n_tokens
         mbs = mbs or batch.split(M)
         M = len(mbs)
@@ -339,42 +410,49 @@ class Pipeline:
         shape = (B, S // self.seq_shards, self.model.config.hidden_size)  # what crosses a boundary
         dtype = next(self.model.parameters()).dtype
         self.device = batch.input_ids.device
-        self.sends = []
-        inputs, outputs, grads = {}, {}, {}   # per (chunk, micro-batch), until its B or W
+        if (M, self.schedule_name) not in self._grids:
+            self._grids[(M, self.schedule_name)] = Grid(self.schedule_name, self.P, M, self.V)
+        grid = self._grids[(M, self.schedule_name)]
+        starts = {t: m for m, t in grid.first_forward.items()}
+        self.batches = []
+        received, sends = {}, {}               # message key -> tensor
+        inputs, outputs, grads = {}, {}, {}    # per (chunk, micro-batch), until its B or W
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         stop_at = None
-        for kind, c, m in schedule(self.schedule_name, self.P, M, self.V, self.rank):
-            if stop_at is None and kind == "F" and self._stop_before(m):
-                stop_at = m
-            if stop_at is not None and m >= stop_at:
-                continue     # never started anywhere: dropping a micro-batch's every action
-                             # from every stage keeps the schedule deadlock-free
-            if kind == "F":
-                with phase("forward"):
-                    x = (mbs[m].input_ids if c == 0 else
-                         self._recv(shape, dtype, c - 1, c, m, False).requires_grad_())
-                    out, ce = self.forward(c, m, x, mbs, n_tokens)
-                    if c < self.C - 1:
-                        self._send(out.detach(), c + 1, c + 1, m, False)
-                    else:
-                        loss_sum += ce
-                    inputs[(c, m)], outputs[(c, m)] = x, out
-            else:
-                with phase("backward"):
-                    if kind in ("B", "I"):
-                        g = (None if c == self.C - 1 else
-                             self._recv(shape, dtype, c + 1, c, m, True))
-                        grads[(c, m)] = g
-                    elif self.plant != "w-stale-grad":   # (planted bug: W keeps the last I's g,
-                        g = grads[(c, m)]                # a later micro-batch's once deferred)
-                    dx = self.backward(kind, c, m, inputs[(c, m)], outputs[(c, m)], g)
-                    if dx is not None:
-                        self._send(dx, c - 1, c - 1, m, True)
-                    if kind in ("B", "W"):
-                        del inputs[(c, m)], outputs[(c, m)], grads[(c, m)]
-        for works, _ in self.sends:
-            for w in works:
-                w.wait()
+        for t, (action, keys_out, keys_in) in enumerate(grid.steps[self.rank]):
+            if stop_at is None and t in starts and self._stop_before(starts[t]):
+                stop_at = starts[t]   # at the cut: nothing of micro-batches >= stop_at posted
+            if action is not None and (stop_at is None or action[2] < stop_at):
+                kind, c, m = action
+                recv_key, send_key = messages(kind, c, m, self.C)
+                if kind == "F":
+                    with phase("forward"):
+                        x = (mbs[m].input_ids if recv_key is None else
+                             self._take(received, recv_key).requires_grad_())
+                        out, ce = self.forward(c, m, x, mbs, n_tokens)
+                        if send_key:
+                            sends[send_key] = out.detach().contiguous()
+                        else:
+                            loss_sum += ce
+                        inputs[(c, m)], outputs[(c, m)] = x, out
+                else:
+                    with phase("backward"):
+                        if kind in ("B", "I"):
+                            g = None if recv_key is None else self._take(received, recv_key)
+                            grads[(c, m)] = g
+                        elif self.plant != "w-stale-grad":   # (planted bug: W keeps the last
+                            g = grads[(c, m)]                # I's g, a later micro-batch's)
+                        dx = self.backward(kind, c, m, inputs[(c, m)], outputs[(c, m)], g)
+                        if send_key:
+                            sends[send_key] = dx.contiguous()
+                        if kind in ("B", "W"):
+                            del inputs[(c, m)], outputs[(c, m)], grads[(c, m)]
+            keep = (lambda k: k[2] < stop_at) if stop_at is not None else (lambda k: True)
+            self._post(sends, [k for k in keys_out if keep(k)], [k for k in keys_in if keep(k)],
+                       shape, dtype, received)
+        for works, _ in self.batches:
+            self._wait(works)
+        self.batches = []
         self.completed = M if stop_at is None else stop_at
         return loss_sum
 
@@ -431,6 +509,10 @@ class PP(Strategy):
         "clip-tied-twice": Plant(
             "the clip norm counts the tied head copy as a tensor of its own",
             TIED_PLANT_ARGS, world=3),
+        "split-batches": Plant(
+            "each step's sends and receives posted one per batch_isend_irecv, sends first: "
+            "gloo runs it, NCCL deadlocks (two stages that send to each other in one step)",
+            ("--nccl-semantics", "--schedule", "1f1b", "--microbatches", "4")),
         "w-stale-grad": Plant(
             "ZB-H1's deferred W backpropagates the output gradient of the last I (a later "
             "micro-batch) instead of its own micro-batch's", TIED_PLANT_ARGS, world=3),

@@ -18,6 +18,7 @@ from .data import MarkovLanguage
 from .launch import Env, base_parser, env_from_os, fail_config, launch, resolve_defaults, teardown
 from .learning import run_learning
 from .models import ConfigError, common_constraints, load_config
+from .nccl import nccl_checked
 from .run import Run
 from .strategy import HARNESS_PLANTS
 
@@ -64,9 +65,12 @@ def _execute(cls, args, env: Env, config, dtypes) -> bool:
             a.dtype = cls.cpu_dtype.get(mode)
         run = Run(resolve_defaults(a, mode, env.device.type, env.world), env, config, lang,
                   results)   # shared: correctness.json lists every dtype's run
-        ok &= {"correctness": run_correctness, "learning": run_learning,
-               "benchmark": run_benchmark, "peak": run_peak, "plants": run_plants,
-               **cls.modes}[mode](run, cls)
+        fn = {"correctness": run_correctness, "learning": run_learning,
+              "benchmark": run_benchmark, "peak": run_peak, "plants": run_plants,
+              **cls.modes}[mode]
+        # --nccl-semantics: each run's record checked after it (plants: each planted run's)
+        ok &= (nccl_checked(fn, run, cls) if a.nccl_semantics and mode != "plants"
+               else fn(run, cls))
     return ok
 
 

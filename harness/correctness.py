@@ -17,6 +17,7 @@ import os
 from .compare import Comparison, Judged, NoisePolicy, noise_sources, preclip_grads
 from .launch import base_parser
 from .models import param_count
+from .nccl import nccl_checked
 from .report import write_json
 from .run import Run, broadcast_verdict, make_pair
 from .strategy import HARNESS_PLANTS, Plant, full_tensor, natives
@@ -60,7 +61,8 @@ def run_plants(run: Run, cls) -> bool:
         args.mode, args.plant_bug = "correctness", name
         sub = Run(args, run.env, run.config, run.lang, run.results)
         run.print(f"\n=== plant: {name or '(none: the clean run must PASS)'}")
-        passed = _correctness_one(sub, cls)
+        passed = (nccl_checked(_correctness_one, sub, cls) if args.nccl_semantics
+                  else _correctness_one(sub, cls))
         rows.append((name or "(none)", passed, passed == (name is None)))
     run.print(f"\nplants: {cls.name} W={run.env.world} {run.args.dtype}"
               f"{' clip=%g' % run.args.clip if run.args.clip else ''}")

@@ -78,6 +78,10 @@ def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120.0,
                    help="process-group timeout in seconds: a dead peer fails instead of hanging")
     p.add_argument("--out", default=None, help="directory for json/csv/png results")
+    p.add_argument("--nccl-semantics", action="store_true",
+                   help="record every p2p batch and collective and check them under NCCL's "
+                        "rules (tags ignored, FIFO per pair, batches progress together, sends "
+                        "wait for receives, one collective order); the last line is the verdict")
     p.add_argument("--clip", type=float, default=0.0,
                    help="clip gradients to this global L2 norm (0: off)")
     p.add_argument("--mem-budget-gb", type=float, default=None,
@@ -158,6 +162,7 @@ def launch(args) -> Env:
     if backend == "nccl":
         kw["device_id"] = device
     dist.init_process_group(**kw)
+    METER.device = device
     return Env(rank, world, local_rank, device, backend)
 
 

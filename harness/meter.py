@@ -147,11 +147,14 @@ class CommMeter:
         self._depth = 0       # only the outermost call counts (batch_isend_irecv -> isend)
         self._paused = 0
         self._saved: dict = {}
+        self.device = None    # the run's device (set by launch): collectives' tensors live there
 
     def _wrap(self, name, fn):
         sig = inspect.signature(fn)
 
         def wrapper(*args, **kwargs):
+            if self._depth == 0:
+                self.check_device(name, sig.bind(*args, **kwargs).arguments)
             if self._depth == 0 and not self._paused:
                 bound = sig.bind(*args, **kwargs).arguments
                 if name == "batch_isend_irecv":
@@ -168,6 +171,23 @@ class CommMeter:
         wrapper.__name__ = name
         wrapper.__wrapped__ = fn
         return wrapper
+
+    def check_device(self, name, bound):
+        """NCCL takes tensors on the run's device only: a CPU tensor handed to a collective in a
+        CUDA run fails here, on CPU too when `device` says so (tests), with the call's site."""
+        if self.device is None:
+            return
+        arg = bound[_METERED[name]]
+        tensors = ([op.tensor for op in arg] if name == "batch_isend_irecv" else
+                   arg if isinstance(arg, (list, tuple)) else [arg])
+        bad = next((t for t in tensors if t.device.type != self.device.type), None)
+        if bad is not None:
+            import traceback
+            site = next((f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}"
+                         for f in reversed(traceback.extract_stack()[:-2])
+                         if "torch" not in f.filename and "meter.py" not in f.filename), "?")
+            raise RuntimeError(f"{name} at {site} got a tensor on {bad.device} in a run on "
+                               f"{self.device}: NCCL takes tensors on the run's device only")
 
     def _add(self, op, group, nbytes):
         c = self.counts.setdefault((op, group), [0, 0])

@@ -174,8 +174,10 @@ def test_sigterm_inside_a_pipeline_step_drains_and_resumes_exactly(tmp_path, uni
     ck = tmp_path / "ck"
     train = _trainer(tmp_path, ck, ["--pp", "2"])
     full = uninterrupted
-    r1, l1 = train(4, "a", "--test-sigterm-at", "2:0")
+    r1, l1 = train(4, "a", "--test-sigterm-at", "2:0", "--nccl-semantics")
     assert "after 2 of 8 sequences of step 2" in r1.stdout, r1
+    # the drain's agreement at the grid's cut: no cycle of waits under NCCL's rules
+    assert r1.last_line.startswith("NCCL semantics: PASS ("), r1
     r2, l2 = train(2, "b", "--resume", str(ck))
     assert "accum 8 restarts 1" in r2.stdout and "at step 2" in r2.stdout, r2
     got = {**l1, **l2}

@@ -72,3 +72,30 @@ def test_benchmark_comm_and_memory(runs, reshard):
 def test_bad_config(run):
     r = run("fsdp.py", 1, "--prefetch", "-1", torchrun=False)
     assert r.rc == 2 and r.stderr.strip() == "error: --prefetch must be >= 0 (got -1)", r
+
+
+def test_root_prefetches_layer_zero_once_per_forward(group):
+    """The root unit's pre-forward hook runs at the embeddings, the final norm and the head;
+    only the first prefetches layer 0. Otherwise layer 0 is gathered a second time at the
+    norm and sits gathered through the backward (the gather count alone cannot see it)."""
+    import torch
+    import torch.distributed as dist
+    import fsdp
+    import harness
+    args = harness.resolve_defaults(harness.base_parser("t").parse_args([]), "correctness", "cpu")
+    model = harness.build_model(args, harness.load_config("tiny"), "cpu")
+    fs = fsdp.FullyShard(model)
+    gathers, real = [], dist.all_gather_into_tensor
+
+    def counting(out, inp, *a, **k):
+        gathers.append(next(u.name for u in fs.units if u.full is out))
+        return real(out, inp, *a, **k)
+    dist.all_gather_into_tensor = counting
+    try:
+        loss = model(torch.randint(0, 256, (2, 16))).logits.sum()
+        assert gathers == ["root"] + [f"layers.{i}" for i in range(L)], gathers
+        assert not fs.layers[0].gathered           # resharded after its forward, not re-fetched
+        loss.backward()
+    finally:
+        dist.all_gather_into_tensor = real
+    assert gathers.count("layers.0") == 2           # forward, then backward

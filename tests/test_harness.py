@@ -318,3 +318,19 @@ def test_call_timer_counts_time_and_work_from_outside():
     assert work == 7 and sec >= 0.02
     t.reset()
     assert t.total() == (0.0, 0)
+
+
+def test_meter_rejects_a_tensor_off_the_runs_device(group):
+    """NCCL takes device tensors only: with the run's device set to CUDA (as launch() does on a
+    GPU), a CPU tensor handed to a collective fails at the call, naming it; on the right device
+    the call goes through."""
+    meter = harness.CommMeter()
+    meter.device = torch.device("cuda")           # what launch() sets on a GPU run
+    with meter.measuring():
+        with pytest.raises(RuntimeError, match=r"all_reduce at test_harness.py:\d+ got a tensor "
+                                               r"on cpu in a run on cuda"):
+            dist.all_reduce(torch.zeros(2))
+    meter.device = torch.device("cpu")
+    with meter.measuring():
+        dist.all_reduce(torch.zeros(2))
+    assert meter.snapshot() == {("all_reduce", "world"): (1, 8)}
