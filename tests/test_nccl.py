@@ -213,3 +213,36 @@ def test_real_runs_pass_nccl_rules(runs, batch, key):
     n_p2p = int(lines[-1].split("(")[1].split()[0])
     ring = batch.startswith("pp") or key in ("zigzag", "ring")   # allgather CP: collectives
     assert (n_p2p > 0) == ring, lines[-1]
+
+
+# ----------------------------------------------------------------------------------------------
+# bf16 mixed precision on CPU: every strategy at W=2 against the float64 reference, judged by
+# its error against the single-device bf16 reference's (error-vs-error)
+# ----------------------------------------------------------------------------------------------
+BF16 = ["--dtype", "bfloat16"]
+BF16_RUNS = {
+    "ddp": Runs("ddp.py", 2, {"bf16": BF16, "bf16-no-average": [*BF16, "--plant-bug",
+                                                                "no-average"]}),
+    "zero": Runs("zero.py", 2, {f"bf16-zero{s}": [*BF16, "--stage", s] for s in "123"}),
+    "fsdp": Runs("fsdp.py", 2, {"bf16": BF16}),
+    "tp": Runs("tp.py", 2, {"bf16": BF16}),
+    "sp": Runs("sp.py", 2, {f"bf16-{v}": [*BF16, "--variant", v]
+                            for v in ("megatron", "ulysses")}),
+    "pp": Runs("pp.py", 2, {f"bf16-{s}": [*BF16, "--schedule", s] for s in ("1f1b", "zb")}),
+    "cp": Runs("cp_ring.py", 2, {"bf16": BF16}),
+    "ep": Runs("ep_moe.py", 2, {"bf16": BF16}),
+    "compose4d": Runs("compose4d.py", 2, {"bf16-tp": [*BF16, "--tp", "2"],
+                                          "bf16-pp": [*BF16, "--pp", "2"]}),
+}
+
+
+@pytest.mark.parametrize("batch,key", [(b, k) for b, r in BF16_RUNS.items() for k in r.runs])
+def test_bf16_correctness_on_cpu(runs, batch, key):
+    r = runs(BF16_RUNS[batch], key)
+    verdict = next(l for l in r.stdout.splitlines() if l.startswith(("PASS ", "FAIL ")))
+    assert " W=2 bfloat16: 2 steps" in verdict, verdict
+    if "no-average" in key:   # the check can fail in bf16: a 2x gradient is far above its noise
+        assert r.rc != 0 and verdict.startswith("FAIL "), r
+    else:
+        assert r.rc == 0 and verdict.startswith("PASS "), r
+        assert "(single-device bfloat16 vs float64)" in verdict, verdict
