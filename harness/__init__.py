@@ -26,6 +26,8 @@ The package, one concern per module (a strategy imports its names from here, the
     report.py       --out files and plots
     launch.py       command line, per-mode defaults, process group, one-line config errors
     cli.py          `main`: validate, launch once, run each (dtype, mode) of each run
+    nccl.py         `--nccl-semantics`: every p2p batch and collective recorded with its waits
+                    and checked under NCCL's rules (harness/nccl.py's docstring)
 
 Modes (`--mode correctness|learning|benchmark|all|plants|peak`): see correctness.py,
 learning.py and benchmark.py. `--out DIR` writes correctness.json, learning.csv (+ .png with
