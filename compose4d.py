@@ -60,6 +60,7 @@ import torch.distributed as dist
 from harness import (DTYPES, METER, Batch, Expect, Plant, Reference, Strategy, all_reduce_flat,
                      global_loss, main, name_group, phase, scalar, spread_across_ranks)
 from harness.flops import mfu_line
+from harness.precision import grad_reduce_dtype
 import cp_ring
 import elastic
 import pp
@@ -341,7 +342,8 @@ class Compose4D(Strategy):
         # ZeRO over dp x cp, on this stage's (TP-sharded) parameters; gradients summed.
         zgroup = g["dp"] if args.plant_bug == "grad-sum-misses-cp" else g["dpcp"]
         self.zero = zero.Zero(model, group=zgroup, stage=args.zero, average=False,
-                              units=self._units())
+                              units=self._units(),
+                              reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
         self.optimizer = zero.ShardAdamW([u.shard for u in self.zero.units], args.lr,
                                          args.weight_decay)
         self._plan_shard_slices()
@@ -499,6 +501,8 @@ class Compose4D(Strategy):
         z = self.zero
         grads = ([u.grad_full for u in z.units] if self.args.zero == 1
                  else [u.grad_shard for u in z.units])
+        if self.args.zero == 1 and z.units[0].grad_shard.dtype != z.units[0].grad_full.dtype:
+            grads += [u.grad_shard for u in z.units]   # the fp32 reduced shards
         return {"params": [u.full for u in z.units], "grads": grads,
                 "optimizer": self.optimizer.state_tensors()}
 
@@ -524,8 +528,9 @@ class Compose4D(Strategy):
         padded = sum(u.padded for u in z.units)
         rows = []
         rs = M if a.zero == 2 else 1   # (over a group of one as well: zero.py does not skip)
-        rows += [Expect("reduce_scatter_tensor", "dpcp", len(z.units) * rs, padded * b * rs,
-                        f"ZeRO-{a.zero}: Psi_r*b = {padded * b:,} B, one per unit"
+        rb = z.units[0].grad_shard.element_size()   # the reduce dtype's (fp32 for bf16)
+        rows += [Expect("reduce_scatter_tensor", "dpcp", len(z.units) * rs, padded * rb * rs,
+                        f"ZeRO-{a.zero}: Psi_r*b_reduce = {padded * rb:,} B, one per unit"
                         + (f", x{M} micro-batches" if rs > 1 else "")),
                  Expect("all_gather_into_tensor", "dpcp", len(z.units), padded * b,
                         "updated parameters, one per unit")]
@@ -539,7 +544,7 @@ class Compose4D(Strategy):
                      Expect("irecv", "pp", n, n * act, "the mirror of the sends")]
             if self.groups["tied"] is not None and (self.first or self.last):
                 rows.append(Expect("all_reduce", "tied", 1, z.units[0 if self.first else -1]
-                                   .shard_numel * b, "tied embedding gradient shard"))
+                                   .shard_numel * rb, "tied embedding gradient shard"))
         if C > 1:
             hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
             blk = (a.batch // D // M) * (a.length // C) * 2 * (cfg.num_key_value_heads // T) * hd * b
@@ -574,8 +579,9 @@ class Compose4D(Strategy):
             calls += M * (4 * L_st + int(self.last))
             nbytes += M * (4 * L_st + int(self.last)) * nhb_mb
         psl = sum(b_ - a_ for sl in self.partial_slices for a_, b_ in sl)
-        if psl:
-            calls, nbytes = calls + 1, nbytes + psl * b
+        if psl:   # slices of the gradient shards: the reduce dtype's bytes
+            rb = self.zero.units[0].grad_shard.element_size()
+            calls, nbytes = calls + 1, nbytes + psl * rb
         return [Expect("all_reduce", "tp", calls, nbytes,
                        "TP: embedding + loss (3 x N b) per micro-batch"
                        + ("" if a.sp else " + 2 f and 2 g per layer (+ the head's f)")

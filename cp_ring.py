@@ -60,6 +60,7 @@ import torch.nn.functional as F
 
 from harness import Expect, Plant, Strategy, DTYPES, main, make_adamw, METER, phase
 from harness.timing import CallTimer
+from harness.precision import grad_reduce_dtype
 import ddp
 
 NEG_INF = float("-inf")
@@ -565,7 +566,8 @@ class CP(Strategy):
             mine = layout("ring", env.world, args.length)[env.rank]
         self.pos = positions(mine).to(env.device)
         # Same weights, different tokens: gradients are summed over the CP group.
-        self.dp = ddp.DataParallel(model, broadcast=False, average=args.plant_bug != "no-average")
+        self.dp = ddp.DataParallel(model, broadcast=False, average=args.plant_bug != "no-average",
+                                   reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
         self.optimizer = make_adamw(model.parameters(), args)
 
     def step(self, batch):
@@ -579,9 +581,9 @@ class CP(Strategy):
         b = DTYPES[a.dtype].itemsize
         s = a.length // W
         blk = B * s * 2 * kv * b                       # one rank's K and V
-        grads = sum(p.numel() for p in self.model.parameters()) * b
+        grads = sum(p.numel() for p in self.model.parameters()) * self.dp.reduce_itemsize
         rows = [Expect("all_reduce", "world", len(self.dp.buckets), grads,
-                       f"weight gradients summed over CP: Psi*b = {grads:,} B")]
+                       f"weight gradients summed over CP: Psi*b = {grads:,} B (reduce dtype)")]
         if self.args.variant == "allgather":
             full = W * blk
             return rows + [

@@ -28,7 +28,8 @@ Loss scaling
     so the result is exactly d(CE_sum(global) / N), even when ranks hold unequal token counts.
 
 Communication per optimizer step (Psi = parameter count, b = bytes per element)
-    all_reduce bytes  = Psi * b                    exactly, whatever K
+    all_reduce bytes  = Psi * b                    exactly, whatever K (b: the reduce dtype's
+                                                   bytes, fp32 for bf16 gradients by default)
     all_reduce calls  = number of buckets
     ring traffic/rank = 2 (W-1)/W * Psi * b       (reduce-scatter + all-gather phases)
 Memory per rank: the full model states (params + grads + AdamW's 2 moments = 4 Psi b) plus the
@@ -41,6 +42,7 @@ import torch.distributed as dist
 
 from harness import (Batch, Expect, Plant, Strategy, global_loss, lm_loss_sum, main, make_adamw,
                      phase, spread_across_ranks)
+from harness.precision import grad_reduce_dtype
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,16 +76,21 @@ class Bucket:
             offset += p.numel()
         self.ready = 0
         self.handle = None
+        self.wire = None   # what the all_reduce sums: the buffer, or its fp32 copy
 
 
 class DataParallel:
     """Wraps a model: broadcast at construction, bucketed overlapped all_reduce in backward."""
 
     def __init__(self, model: torch.nn.Module, group=None, bucket_mb: float = 25.0,
-                 broadcast: bool = True, average: bool = True, params=None):
+                 broadcast: bool = True, average: bool = True, params=None,
+                 reduce_dtype: torch.dtype | None = None):
         """params: the replicated parameters to synchronise (default: all of the model's;
-        expert parallelism passes the non-expert ones)."""
+        expert parallelism passes the non-expert ones). reduce_dtype: the dtype the
+        all-reduce sums in (harness.precision.grad_reduce_dtype; default the gradients'): a
+        bf16 bucket is copied to fp32, reduced, and rounded back to bf16 once."""
         self.model, self.group, self.average = model, group, average
+        self.reduce_dtype = reduce_dtype
         self.world = dist.get_world_size(group)
         params = [p for p in (model.parameters() if params is None else params)
                   if p.requires_grad]
@@ -101,6 +108,9 @@ class DataParallel:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.sync = True      # False during the first K-1 micro-steps of accumulation
         self.next_launch = 0  # buckets launch in index order on every rank
+        # probe=True: each step also sums an fp64 copy of the local gradients (unmetered) and
+        # keeps the reduction's error against it in `reduce_error` (the benchmark's report)
+        self.probe, self.reduce_error, self._exact = False, None, []
 
     def set_sync(self, sync: bool):
         self.sync = sync
@@ -114,11 +124,21 @@ class DataParallel:
                and self.buckets[self.next_launch].ready == len(self.buckets[self.next_launch].params)):
             self._launch(self.buckets[self.next_launch])
 
+    @property
+    def reduce_itemsize(self) -> int:
+        """Bytes per gradient element on the wire."""
+        b = self.buckets[0].buffer
+        return (self.reduce_dtype or b.dtype).itemsize if self.buckets else 0
+
     def _launch(self, b: Bucket):
+        if self.probe:
+            self._exact.append(b.buffer.double())
+        b.wire = (b.buffer if self.reduce_dtype in (None, b.buffer.dtype)
+                  else b.buffer.to(self.reduce_dtype))
         # Pre-divide by W (as torch DDP does) so the sum is the average and stays in range.
         if self.average:
-            b.buffer.div_(self.world)
-        b.handle = dist.all_reduce(b.buffer, group=self.group, async_op=True)
+            b.wire.div_(self.world)
+        b.handle = dist.all_reduce(b.wire, group=self.group, async_op=True)
         self.next_launch += 1
 
     def finish(self):
@@ -127,12 +147,45 @@ class DataParallel:
             self._launch(self.buckets[self.next_launch])
         for b in self.buckets:
             b.handle.wait()
-            b.handle, b.ready = None, 0
+            if b.wire is not b.buffer:
+                b.buffer.copy_(b.wire)   # the fp32 sum, rounded once
+            b.handle, b.ready, b.wire = None, 0, None
         self.next_launch = 0
+        if self.probe:
+            self._measure()
+
+    def _measure(self):
+        """The reduction's error: the reduced buckets against an fp64 sum of the same local
+        gradients (max |got - exact| / max |exact|, over the buckets)."""
+        from harness import METER
+        exact = torch.cat(self._exact)
+        with METER.paused():
+            dist.all_reduce(exact, group=self.group)
+        if self.average:
+            exact /= self.world
+        got = torch.cat([b.buffer.double() for b in self.buckets])
+        stored = exact.to(self.buckets[0].buffer.dtype).double()   # the storage's own rounding
+        scale = exact.abs().max()
+        self.reduce_error = (((got - exact).abs().max() / scale).item(),
+                             ((got - stored).abs().max() / scale).item(),
+                             (got != stored).double().mean().item())
+        self._exact = []
 
     def zero_grad(self):
         for b in self.buckets:  # zero in place: .grad must stay a view of the bucket
             b.buffer.zero_()
+
+
+def reduce_error_lines(dp, args) -> list[str]:
+    """The benchmark's line on the gradient reduction's own error (bf16/fp16 runs, probed)."""
+    if dp.reduce_error is None:
+        return []
+    dt = dp.reduce_dtype or dp.buckets[0].buffer.dtype
+    err, beyond, frac = dp.reduce_error
+    return [f"gradient all-reduce in {str(dt).replace('torch.', '')} (--reduce-dtype "
+            f"{args.reduce_dtype}), last step, against an fp64 sum of the same local gradients: "
+            f"error {err:.1e}; beyond the storage's own rounding of that sum {beyond:.1e} "
+            f"({frac:.1%} of the entries differ from it)"]
 
 
 def forward_backward(model, batch: Batch, rank: int, world: int, accum: int,
@@ -233,8 +286,12 @@ class DDP(Strategy):
         self.dp = DataParallel(model, bucket_mb=getattr(args, "bucket_mb", 25.0),
                                broadcast=not (getattr(args, "no_broadcast", False)
                                               or args.plant_bug == "no-broadcast"),
-                               average=args.plant_bug != "no-average")
+                               average=args.plant_bug != "no-average",
+                               reduce_dtype=grad_reduce_dtype(next(model.parameters()).dtype,
+                                                              args))
         self.optimizer = make_adamw(model.parameters(), args)
+        self.dp.probe = args.mode == "benchmark" and self.dp.buckets[0].buffer.dtype in (
+            torch.bfloat16, torch.float16)
 
     def step(self, batch: Batch) -> float:
         self.dp.zero_grad()
@@ -250,11 +307,15 @@ class DDP(Strategy):
         return global_loss(local_sum, batch.n_tokens)
 
     def expected_comm(self):
-        grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        grad_bytes = sum(p.numel() for p in self.model.parameters()) * self.dp.reduce_itemsize
         rows = [Expect("all_reduce", "world", len(self.dp.buckets), grad_bytes,
-                       f"Psi*b = {grad_bytes:,} B in {len(self.dp.buckets)} buckets "
+                       f"Psi*b = {grad_bytes:,} B (b: the reduce dtype) in "
+                       f"{len(self.dp.buckets)} buckets "
                        f"of <= {getattr(self.args, 'bucket_mb', 25.0):g} MiB, whatever K")]
         return rows
+
+    def report_lines(self):
+        return reduce_error_lines(self.dp, self.args)
 
     def extra_checks(self):
         spread = spread_across_ranks(self.model.parameters())

@@ -72,6 +72,7 @@ import torch.nn.functional as F
 
 from harness import (Batch, Expect, Plant, Reference, Strategy, global_loss, lm_loss_sum, main,
                      make_adamw, METER, name_group, phase, spread_across_ranks)
+from harness.precision import grad_reduce_dtype
 from ddp import DataParallel
 from ep_stats import RoutingStats
 
@@ -467,7 +468,8 @@ class ExpertParallel(Strategy):
         # The loss on each rank is its share of the global objective, so replicated gradients
         # are summed, not averaged; every rank built the same weights, so no broadcast.
         self.dp = DataParallel(model, self.dp_group, bucket_mb=args.bucket_mb, broadcast=False,
-                               average=False, params=dense)
+                               average=False, params=dense,
+                               reduce_dtype=grad_reduce_dtype(dense[0].dtype, args))
         self.optimizer = make_adamw(model.parameters(), args)
         # Routing statistics (loads, drops, off-rank rows), observed from outside the algorithm
         self.routing = RoutingStats(self.blocks, env, args)
@@ -553,7 +555,7 @@ class ExpertParallel(Strategy):
                          cfg.num_experts_per_tok, self.env.world)
         b = self.model.model.embed_tokens.weight.element_size()
         n_global = self.args.batch * self.args.length
-        dense_bytes = sum(p.numel() * p.element_size() for p in self.dp.bucket_of)
+        dense_bytes = sum(p.numel() for p in self.dp.bucket_of) * self.dp.reduce_itemsize
         rows = []
         if self.args.capacity_factor:
             kept = self.routing.metered["kept"] / max(1, self.routing.metered["steps"])

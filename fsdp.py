@@ -47,6 +47,7 @@ import torch
 
 from harness import (DTensorBaseline, Expect, Plant, full_tensor, global_loss, main, make_adamw,
                      phase)
+from harness.precision import grad_reduce_dtype
 import ddp
 import zero
 
@@ -63,9 +64,9 @@ class FullyShard(zero.Zero):
     optional resharding after the forward, and a root unit that stays gathered for the step."""
 
     def __init__(self, model, group=None, prefetch: int = 1, reshard_after_forward=True,
-                 average=True, plant=None):
+                 average=True, plant=None, reduce_dtype=None):
         super().__init__(model, group, stage=3, average=average, units=fsdp_units(model),
-                         plant=plant)
+                         plant=plant, reduce_dtype=reduce_dtype)
         self.prefetch, self.reshard = prefetch, reshard_after_forward
         self.root, self.layers = self.units[0], self.units[1:]
         self.position = {u: i for i, u in enumerate(self.layers)}
@@ -150,13 +151,16 @@ class FSDP(zero.ZeRO):
         args.stage = 3  # zero.ZeRO's reporting: FSDP's model states are stage 3's
         self.zero = FullyShard(model, prefetch=args.prefetch,
                                reshard_after_forward=not args.no_reshard_after_forward,
-                               average=args.plant_bug != "no-average", plant=args.plant_bug)
+                               average=args.plant_bug != "no-average", plant=args.plant_bug,
+                               reduce_dtype=grad_reduce_dtype(next(model.parameters()).dtype,
+                                                              args))
         self.optimizer = zero.ShardAdamW([u.shard for u in self.zero.units], args.lr,
                                          args.weight_decay)
 
     def expected_comm(self):
         z, K = self.zero, self.args.grad_accum
         b = z.root.full.element_size()
+        rb = z.root.grad_shard.element_size()   # the reduce dtype's
         root, layers = z.root.padded * b, sum(u.padded for u in z.layers) * b
         n, L = len(z.units), len(z.layers)
         regather = L if z.reshard else 0
@@ -165,8 +169,8 @@ class FSDP(zero.ZeRO):
                        "forward: every unit; backward: " + ("each layer again"
                                                             if z.reshard else "none")
                        + (f"; x{K} micro-batches" if K > 1 else "")),
-                Expect("reduce_scatter_tensor", "world", n * K, (root + layers) * K,
-                       f"Psi*b = {root + layers:,} B, one per unit"
+                Expect("reduce_scatter_tensor", "world", n * K, (root + layers) * K * rb // b,
+                       f"Psi*b_reduce = {(root + layers) * rb // b:,} B, one per unit"
                        + (f"; x{K} micro-batches" if K > 1 else ""))]
         if self.args.clip:
             rows.append(Expect("all_reduce", "world", 1, 8, "clip: squared-norm sum (fp64)"))

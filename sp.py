@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from harness import Expect, Plant, Strategy, DTYPES, main, make_adamw, phase, scalar
+from harness.precision import grad_reduce_dtype
 import ddp
 import tp
 
@@ -326,7 +327,8 @@ class Ulysses(Strategy):
             layer.self_attn.sp_group, layer.self_attn.sp_plant = None, args.plant_bug
         # Replicated weights, different tokens: DDP's bucketed gradient all-reduce.
         self.dp = ddp.DataParallel(model, broadcast=False,
-                                   average=args.plant_bug != "no-average")
+                                   average=args.plant_bug != "no-average",
+                                   reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
         self.optimizer = make_adamw(model.parameters(), args)
         s, r = args.length // env.world, env.rank   # this rank's contiguous tokens
         self.pos = torch.arange(r * s, (r + 1) * s, device=env.device)
@@ -343,7 +345,7 @@ class Ulysses(Strategy):
         kv = cfg.num_key_value_heads * hd
         b = DTYPES[a.dtype].itemsize
         per_layer = 2 * (2 * H + 2 * kv) * N // W * b
-        grads = sum(p.numel() for p in self.model.parameters()) * b
+        grads = sum(p.numel() for p in self.model.parameters()) * self.dp.reduce_itemsize
         return [Expect("all_to_all_single", "world", 8 * L, L * per_layer,
                        f"per layer 8 calls, 2 x (2H + 2H_kv) x N/W x b = {per_layer:,} B"),
                 Expect("all_reduce", "world", len(self.dp.buckets), grads,

@@ -24,15 +24,19 @@ Optimizer
     AdamW on the flat shards, written here (ShardAdamW): decoupled weight decay and bias
     correction exactly as torch.optim.AdamW. Gradient clipping by global norm (--clip) sums the
     squared shard norms with one all_reduce. Mixed precision (--dtype bfloat16, GPU): bf16
-    parameters and gradients for compute, fp32 master parameters and Adam states in the shards.
+    parameters and gradients for compute, fp32 master parameters and Adam states in the shards;
+    the reduce-scatter sums an fp32 copy of the bf16 gradients into fp32 gradient shards, which
+    accumulate the micro-batches (--reduce-dtype param: bf16 throughout, the paper's setting).
 
 Model-state bytes per rank (Psi = parameters, N = W; the paper's K=12 for mixed precision)
                   params      grads        optimizer
-    mixed bf16    stage 1: 2Psi + 2Psi + 12Psi/N     stage 2: 2Psi + 14Psi/N   stage 3: 16Psi/N
+    mixed bf16    stage 1: 2Psi + 2Psi + 16Psi/N     stage 2: 2Psi + 16Psi/N   stage 3: 18Psi/N
+     (bf16 reduce stage 1: 2Psi + 2Psi + 12Psi/N     stage 2: 2Psi + 14Psi/N   stage 3: 16Psi/N)
     fp32          stage 1: 4Psi + 4Psi +  8Psi/N     stage 2: 4Psi + 12Psi/N   stage 3: 16Psi/N
     (fp64 doubles the fp32 row). The benchmark prints these beside the measured resident bytes.
 
-Communication per optimizer step (bytes = full buffers, b = bytes per element, Psi padded)
+Communication per optimizer step (bytes = full buffers, b = bytes per element, Psi padded;
+the reduce-scatter's b is the reduce dtype's: 4 for bf16 gradients by default)
     stage 1, 2   reduce_scatter Psi*b + all_gather Psi*b                     = 2 Psi b
     stage 3      all_gather Psi*b (forward) + Psi*b (backward) + reduce_scatter Psi*b = 3 Psi b
     one call per unit each; --clip adds one 8-byte all_reduce. With --grad-accum K, stages 2 and
@@ -43,7 +47,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from harness import Batch, Expect, Plant, Strategy, global_loss, main, phase
-from harness.precision import LOW_PRECISION
+from harness.precision import LOW_PRECISION, grad_reduce_dtype
 import ddp
 
 
@@ -68,7 +72,7 @@ class FlatUnit:
     """One unit's parameters as views into a flat buffer padded to a multiple of W."""
 
     def __init__(self, name, modules, group, names: dict, shard_params: bool, stage: int,
-                 plant: str | None = None):
+                 plant: str | None = None, reduce_dtype: torch.dtype | None = None):
         self.name, self.modules, self.group = name, modules, group
         self.W, self.rank = dist.get_world_size(group), dist.get_rank(group)
         seen, self.params = set(), []
@@ -103,10 +107,12 @@ class FlatUnit:
         self.grad_full = torch.zeros(self.padded, dtype=dtype, device=device)
         self.grads_alive = True
         self._bind_grads()
-        # The reduced gradient shard: inside the full buffer for stage 1 (it is resident anyway),
-        # its own tensor for stages 2 and 3.
-        self.grad_shard = (self.grad_full[lo:lo + s] if stage == 1
-                           else torch.zeros(s, dtype=dtype, device=device))
+        # The reduced gradient shard, in the reduce dtype (fp32 for bf16 gradients by default:
+        # it accumulates the micro-batches and feeds the fp32 master update): inside the full
+        # buffer for stage 1 when the dtypes agree (it is resident anyway), else its own tensor.
+        rdt = reduce_dtype or dtype
+        self.grad_shard = (self.grad_full[lo:lo + s] if stage == 1 and rdt == dtype
+                           else torch.zeros(s, dtype=rdt, device=device))
         self.gathered = True
         self.handle = None   # an in-flight (prefetched) all-gather
         self.ready = 0
@@ -215,14 +221,16 @@ class Zero:
     order is the forward order, and reductions launch in its reverse."""
 
     def __init__(self, model, group=None, stage: int = 1, average: bool = True, units=None,
-                 plant: str | None = None):
-        """plant: the name of a planted bug (ZeRO.plants), None for the correct engine."""
+                 plant: str | None = None, reduce_dtype: torch.dtype | None = None):
+        """plant: the name of a planted bug (ZeRO.plants), None for the correct engine.
+        reduce_dtype: the dtype of the reduce-scatter and of the gradient shards
+        (harness.precision.grad_reduce_dtype; default the gradients' own)."""
         self.model, self.group, self.stage, self.average = model, group, stage, average
         self.plant = plant
         self.W = dist.get_world_size(group)
         names = {id(p): n for n, p in model.named_parameters()}
         self.units = [FlatUnit(n, mods, group, names, shard_params=stage == 3, stage=stage,
-                               plant=plant)
+                               plant=plant, reduce_dtype=reduce_dtype)
                       for n, mods in (units or decoder_units(model))]
         covered = sum(len(u.params) for u in self.units)
         assert covered == len(names), f"units cover {covered} of {len(names)} parameters"
@@ -295,10 +303,12 @@ class Zero:
         """Reduce-scatter u's full gradient (async). Earlier launches complete first, so at most
         the in-flight unit and the one being computed hold full gradients."""
         self._complete()
+        src = (u.grad_full if u.grad_full.dtype == u.grad_shard.dtype
+               else u.grad_full.to(u.grad_shard.dtype))   # bf16 gradients summed in fp32
         if self.average:  # pre-divide: the sum over ranks is then the average
-            u.grad_full.div_(self.W)
+            src.div_(self.W)
         out = torch.empty_like(u.grad_shard)
-        handle = dist.reduce_scatter_tensor(out, u.grad_full, group=self.group, async_op=True)
+        handle = dist.reduce_scatter_tensor(out, src, group=self.group, async_op=True)
         self.pending.append((u, out, handle))
         u.ready = 0
 
@@ -408,7 +418,8 @@ class ZeRO(Strategy):
         self.args, self.env, self.model = args, env, model
         self.name = f"zero{args.stage}"
         self.zero = Zero(model, stage=args.stage, average=args.plant_bug != "no-average",
-                         plant=args.plant_bug)
+                         plant=args.plant_bug,
+                         reduce_dtype=grad_reduce_dtype(next(model.parameters()).dtype, args))
         self.optimizer = ShardAdamW([u.shard for u in self.zero.units], args.lr,
                                     args.weight_decay)
 
@@ -443,6 +454,8 @@ class ZeRO(Strategy):
             params = [u.full for u in z.units]
         grads = [u.grad_full for u in z.units] if self.args.stage == 1 else \
             [u.grad_shard for u in z.units]
+        if self.args.stage == 1 and z.units[0].grad_shard.dtype != z.units[0].grad_full.dtype:
+            grads += [u.grad_shard for u in z.units]   # the fp32 reduced shards
         return {"params": params, "grads": grads, "optimizer": self.optimizer.state_tensors()}
 
     def report_lines(self):
@@ -459,11 +472,12 @@ class ZeRO(Strategy):
         z, K = self.zero, self.args.grad_accum
         _, padded = self.psi()
         b = z.units[0].full.element_size()
+        rb = z.units[0].grad_shard.element_size()   # the reduce dtype's
         n = len(z.units)
         full = padded * b
         rs_times = K if self.args.stage >= 2 else 1
-        rows = [Expect("reduce_scatter_tensor", "world", n * rs_times, full * rs_times,
-                       f"Psi*b = {full:,} B per reduction, one per unit ({n})"
+        rows = [Expect("reduce_scatter_tensor", "world", n * rs_times, padded * rb * rs_times,
+                       f"Psi*b_reduce = {padded * rb:,} B per reduction, one per unit ({n})"
                        + (f", x{K} micro-batches" if rs_times > 1 else ""))]
         if self.args.stage < 3:
             rows.append(Expect("all_gather_into_tensor", "world", n, full,
@@ -480,11 +494,13 @@ class ZeRO(Strategy):
         """ZeRO's resident model-state bytes per rank for this stage and precision."""
         _, padded = self.psi()
         b = self.zero.units[0].full.element_size()
+        rb = self.zero.units[0].grad_shard.element_size()   # the reduce dtype's
         mixed = self.optimizer.mixed
         opt = (12 if mixed else 2 * b) * padded / self.env.world  # master + m + v, or m + v
         shard = padded / self.env.world
         params = padded * b if self.args.stage < 3 else shard * b
-        grads = padded * b if self.args.stage == 1 else shard * b
+        grads = (padded * b + (shard * rb if rb != b else 0) if self.args.stage == 1
+                 else shard * rb)
         return {"params": params, "grads": grads, "optimizer": opt,
                 "model_states": params + grads + opt}
 

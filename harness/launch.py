@@ -78,6 +78,10 @@ def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120.0,
                    help="process-group timeout in seconds: a dead peer fails instead of hanging")
     p.add_argument("--out", default=None, help="directory for json/csv/png results")
+    p.add_argument("--reduce-dtype", default="float32", choices=["float32", "param"],
+                   help="bf16/fp16 runs: the dtype of data-parallel gradient reductions (and "
+                        "of ZeRO/FSDP's gradient shards): float32, or param (the gradients' "
+                        "own dtype: half the bytes, more rounding)")
     p.add_argument("--nccl-semantics", action="store_true",
                    help="record every p2p batch and collective and check them under NCCL's "
                         "rules (tags ignored, FIFO per pair, batches progress together, sends "

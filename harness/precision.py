@@ -9,7 +9,8 @@ fp32 Adam states, as Megatron and DeepSpeed do (Micikevicius et al. 2018):
 Without masters an update smaller than half a bf16 ulp of its weight (2^-9 relative) is lost,
 so a long bf16 run drifts away from the same run in fp32. ZeRO's `ShardAdamW` applies the same
 policy to its flat shards. float32 and float64 parameters are their own masters: `make_adamw`
-then returns a plain `torch.optim.AdamW`.
+then returns a plain `torch.optim.AdamW`. Gradients are summed across data-parallel ranks in
+fp32 by default (`grad_reduce_dtype`).
 """
 from __future__ import annotations
 
@@ -54,6 +55,18 @@ class MasterAdamW(torch.optim.AdamW):
     def master_tensors(self) -> list[torch.Tensor]:
         """The fp32 copies (optimizer-side memory: 4 bytes per low-precision parameter)."""
         return [m for m, p in zip(self.masters, self.model_params) if m is not p]
+
+
+def grad_reduce_dtype(dtype: torch.dtype, args) -> torch.dtype:
+    """The dtype of the data-parallel gradient reductions (DDP's bucket all-reduce, ZeRO's and
+    FSDP's reduce-scatter) and of ZeRO/FSDP's gradient shards, which accumulate the
+    micro-batches: fp32 for bf16/fp16 gradients (--reduce-dtype float32, the default, as
+    FSDP2's reduce_dtype and Megatron's fp32 grad buffers), the gradients' own dtype with
+    --reduce-dtype param (half the bytes, one rounding per term of the sum); fp32 and fp64
+    gradients reduce in their own dtype."""
+    if dtype in LOW_PRECISION and getattr(args, "reduce_dtype", "float32") == "float32":
+        return torch.float32
+    return dtype
 
 
 def make_adamw(params, args) -> torch.optim.AdamW:

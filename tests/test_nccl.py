@@ -246,3 +246,37 @@ def test_bf16_correctness_on_cpu(runs, batch, key):
     else:
         assert r.rc == 0 and verdict.startswith("PASS "), r
         assert "(single-device bfloat16 vs float64)" in verdict, verdict
+
+
+# Gradient reductions of bf16 runs sum in fp32 by default (--reduce-dtype float32): the result
+# is the exact sum rounded once to bf16 (0.5% of entries off by a double rounding at W=3); in
+# bf16 (--reduce-dtype param) every step of the sum rounds (37% of entries off at W=3). The
+# benchmark's formulas follow the reduce dtype's bytes (4 vs 2 per element).
+BENCH_BF16 = [*BF16, "--mode", "benchmark", "--warmup", "1", "--bench-iters", "1"]
+REDUCE = {
+    "ddp": Runs("ddp.py", 3, tier="slow", runs={
+        rd: [*BENCH_BF16, "--reduce-dtype", rd, "--batch", "6"] for rd in ("float32", "param")}),
+    "zero": Runs("zero.py", 2, {f"bench-bf16-{s}-{rd}": [*BENCH_BF16, "--stage", s,
+                                                         "--reduce-dtype", rd]
+                                for s in "123" for rd in ("float32", "param")}),
+    "fsdp": Runs("fsdp.py", 2, {"bench-bf16": BENCH_BF16}),
+}
+
+
+@pytest.mark.parametrize("rd", ["float32", "param"])
+@pytest.mark.slow
+def test_ddp_reduction_error_shown_in_bf16(runs, rd):
+    r = runs(REDUCE["ddp"], rd)
+    assert r.rc == 0 and "communication matches the formulas" in r.stdout, r
+    line = next(l for l in r.stdout.splitlines() if l.startswith("gradient all-reduce in"))
+    differ = float(line.split("(")[-1].split("%")[0]) / 100
+    if rd == "float32":      # the fp32 sum rounded once: the rounded exact sum, but for ties
+        assert line.startswith("gradient all-reduce in float32") and differ < 0.02, line
+    else:                    # 3 bf16 terms (and bf16 pre-division by 3): rounding in the sum
+        assert line.startswith("gradient all-reduce in bfloat16") and differ > 0.10, line
+
+
+@pytest.mark.parametrize("key", [k for r in (REDUCE["zero"], REDUCE["fsdp"]) for k in r.runs])
+def test_zero_fsdp_bf16_benchmark_follows_the_reduce_dtype(runs, key):
+    r = runs(REDUCE["fsdp" if key == "bench-bf16" else "zero"], key)
+    assert r.rc == 0 and "communication matches the formulas" in r.stdout, r
