@@ -108,8 +108,9 @@ class DataParallel:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.sync = True      # False during the first K-1 micro-steps of accumulation
         self.next_launch = 0  # buckets launch in index order on every rank
-        # probe=True: each step also sums an fp64 copy of the local gradients (unmetered) and
+        # probe=True: the next step also sums an fp64 copy of the local gradients (unmetered),
         # keeps the reduction's error against it in `reduce_error` (the benchmark's report)
+        # and turns the probe off: one step, the benchmark's first warm-up step
         self.probe, self.reduce_error, self._exact = False, None, []
 
     def set_sync(self, sync: bool):
@@ -127,8 +128,9 @@ class DataParallel:
     @property
     def reduce_itemsize(self) -> int:
         """Bytes per gradient element on the wire."""
-        b = self.buckets[0].buffer
-        return (self.reduce_dtype or b.dtype).itemsize if self.buckets else 0
+        if not self.buckets:
+            return 0
+        return (self.reduce_dtype or self.buckets[0].buffer.dtype).itemsize
 
     def _launch(self, b: Bucket):
         if self.probe:
@@ -165,7 +167,8 @@ class DataParallel:
             exact /= self.world
         got = torch.cat([b.buffer.double() for b in self.buckets])
         stored = exact.to(self.buckets[0].buffer.dtype).double()   # the storage's own rounding
-        scale = exact.abs().max()
+        scale = exact.abs().max().clamp_min(torch.finfo(torch.float64).tiny)
+        self.probe = False
         self.reduce_error = (((got - exact).abs().max() / scale).item(),
                              ((got - stored).abs().max() / scale).item(),
                              (got != stored).double().mean().item())
@@ -183,7 +186,7 @@ def reduce_error_lines(dp, args) -> list[str]:
     dt = dp.reduce_dtype or dp.buckets[0].buffer.dtype
     err, beyond, frac = dp.reduce_error
     return [f"gradient all-reduce in {str(dt).replace('torch.', '')} (--reduce-dtype "
-            f"{args.reduce_dtype}), last step, against an fp64 sum of the same local gradients: "
+            f"{args.reduce_dtype}), first step, against an fp64 sum of the same local gradients: "
             f"error {err:.1e}; beyond the storage's own rounding of that sum {beyond:.1e} "
             f"({frac:.1%} of the entries differ from it)"]
 
@@ -290,8 +293,8 @@ class DDP(Strategy):
                                reduce_dtype=grad_reduce_dtype(next(model.parameters()).dtype,
                                                               args))
         self.optimizer = make_adamw(model.parameters(), args)
-        self.dp.probe = args.mode == "benchmark" and self.dp.buckets[0].buffer.dtype in (
-            torch.bfloat16, torch.float16)
+        self.dp.probe = args.mode == "benchmark" and bool(self.dp.buckets) and \
+            self.dp.buckets[0].buffer.dtype in (torch.bfloat16, torch.float16)
 
     def step(self, batch: Batch) -> float:
         self.dp.zero_grad()

@@ -336,7 +336,10 @@ class Pipeline:
             works = [w for op in ops for w in dist.batch_isend_irecv([op])]
         else:
             works = list(dist.batch_isend_irecv(ops))
-        self.batches.append((works, ops))      # the sent tensors stay alive until waited
+        self.batches = [b for b in self.batches if b[0]]   # drop the batches already waited
+        # the sent tensors stay alive until their batch is waited (receive buffers live in
+        # `received` until used, then with the stashed inputs until their backward)
+        self.batches.append((works, [op.tensor for op in ops[:len(keys_out)]]))
         for key, buf in bufs:
             received[key] = (buf, works)
 

@@ -102,7 +102,9 @@ def add_partial(strat: Compose4D, full: dict[str, torch.Tensor]):
         return            # ZeRO-1 sums full buffers over dp x cp: add it on one rank
     partial = {id(p) for p in strat.partial}
     for u in z.units:
-        flat = torch.zeros(u.padded, dtype=u.full.dtype, device=u.full.device)
+        # in the dtype it is added to: bf16 full gradients (ZeRO-1), fp32 shards (ZeRO-2, bf16)
+        flat = torch.zeros(u.padded, device=u.full.device,
+                           dtype=u.full.dtype if strat.args.zero == 1 else u.grad_shard.dtype)
         for n, p, off in zip(u.names, u.params, u.offsets):
             if (id(p) in partial and strat.me["tp"] != 0) or \
                     (strat.tied and n == "lm_head.weight"):

@@ -270,7 +270,8 @@ class PermutedReference:
 
     RULES = [  # parameter-name suffix -> the permutation of each dim (None: kept)
         ("embed_tokens.weight", (None, "h")), ("lm_head.weight", (None, "h")),
-        ("norm.weight", ("h",)), ("layernorm.weight", ("h",)),
+        ("model.norm.weight", ("h",)), (".input_layernorm.weight", ("h",)),
+        (".post_attention_layernorm.weight", ("h",)),
         ("q_proj.weight", ("q", "h")), ("q_proj.bias", ("q",)),
         ("k_proj.weight", ("kv", "h")), ("k_proj.bias", ("kv",)),
         ("v_proj.weight", ("kv", "h")), ("v_proj.bias", ("kv",)),
@@ -290,16 +291,18 @@ class PermutedReference:
         cfg = run.config
         if type(ref).objective is not Reference.objective:
             return None   # an objective beyond the LM loss (MoE): its terms are not mapped
-        plan = {}
-        for n, p in ref.model.named_parameters():
-            rule = next((dims for suffix, dims in cls.RULES if n.endswith(suffix)), None)
-            if rule is None or len(rule) != p.dim():
-                return None
-            plan[n] = rule
-        g = torch.Generator().manual_seed(12345)
         H, I = cfg.hidden_size, cfg.intermediate_size
         nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
         d = getattr(cfg, "head_dim", None) or H // nh
+        size = {"h": H, "i": I, "q": nh * d, "kv": nkv * d}
+        plan = {}
+        for n, p in ref.model.named_parameters():   # any other parameter (q_norm, experts, a
+            rule = next((dims for suffix, dims in cls.RULES if n.endswith(suffix)), None)
+            if rule is None or len(rule) != p.dim() or any(   # size that does not fit): none
+                    k is not None and p.shape[i] != size[k] for i, k in enumerate(rule)):
+                return None
+            plan[n] = rule
+        g = torch.Generator().manual_seed(12345)
         groups = torch.randperm(nkv, generator=g)     # kv heads, each with its q heads
         per = nh // nkv
         q_heads = torch.cat([grp * per + torch.randperm(per, generator=g) for grp in groups])

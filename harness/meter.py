@@ -177,10 +177,16 @@ class CommMeter:
         CUDA run fails here, on CPU too when `device` says so (tests), with the call's site."""
         if self.device is None:
             return
-        arg = bound[_METERED[name]]
-        tensors = ([op.tensor for op in arg] if name == "batch_isend_irecv" else
-                   arg if isinstance(arg, (list, tuple)) else [arg])
-        bad = next((t for t in tensors if t.device.type != self.device.type), None)
+        tensors = []
+        for v in bound.values():   # every tensor argument (input and output buffers)
+            for x in (v if isinstance(v, (list, tuple)) else [v]):
+                x = getattr(x, "tensor", x)   # a P2POp
+                if isinstance(x, torch.Tensor):
+                    tensors.append(x)
+        want = self.device if self.device.type == "cuda" and self.device.index is not None \
+            else None
+        bad = next((t for t in tensors if t.device.type != self.device.type
+                    or (want is not None and t.device != want)), None)
         if bad is not None:
             import traceback
             site = next((f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}"

@@ -19,8 +19,14 @@ The progress model is NCCL's as torch drives it. Each rank issues its operations
 order. Each communicator (process group) runs them as a FIFO queue: an operation starts once all
 earlier ones of its communicator on that rank are done. The host does not block on NCCL, but a
 `wait()` on an operation's work (a synchronous call waits at once) makes everything issued
-after it depend on its completion. A communicator's queue on one rank is one stream. Waits that
-form a cycle are a deadlock, reported with the ranks, operations and source lines that form it.
+after it depend on its completion. A communicator's queue on one rank is one stream, and a
+batch progresses only when every partner's batch is posted with it. A lone send or receive runs
+on a two-rank communicator of its own, as in ProcessGroupNCCL. Waits that form a cycle are a
+deadlock, reported with the ranks, operations and source lines that form it. Left out: the
+order of operations across communicators (NCCL asks for one, for async collectives; this model
+lets different communicators proceed independently), the root and reduce op of a collective,
+and what does not go through torch.distributed's Python functions (DTensor's functional
+collectives, torch DDP's C++ reducer: the --compare-native baselines).
 
 Usage: `nccl_checked(fn, run, ...)` runs fn with the recorder on and prints the verdict (the
 harness does this for every mode with --nccl-semantics, and for each run of --mode plants).
@@ -118,8 +124,8 @@ class NcclRecorder:
         if e[3] is None:
             e[3] = len(self.trace)
 
-    def _entry(self, kind, group, body, sync) -> int:
-        comm = _comm(group)
+    def _entry(self, kind, group, body, sync, comm=None) -> int:
+        comm = comm or _comm(group)
         self.names.setdefault(comm, group_name(group))
         i = len(self.trace)
         self.trace.append([kind, comm, _where(), i + 1 if sync else None, body])
@@ -141,11 +147,18 @@ class NcclRecorder:
             gpeer = bound.get("group_dst" if is_send else "group_src")
             if peer is None and gpeer is not None:
                 peer = dist.get_global_rank(group, gpeer) if group is not None else gpeer
+            # NCCL runs a lone send/recv on a two-rank communicator of its own (batched p2p
+            # uses the group's): a lone send never meets a batched receive
+            me, pair = dist.get_rank(), tuple(sorted((dist.get_rank(), peer)))
+            comm = (f"{_comm(group)[0]}:p2p{pair}", pair) if peer != me else None
             return self._entry("p2p", group, [self._p2p(is_send, bound["tensor"], peer,
                                                         bound.get("tag", 0))],
-                               sync=name in ("send", "recv"))
-        if name == "new_group":   # a collective over the world: members created in one order
-            return self._entry("new_group", None, str(tuple(bound.get("ranks") or ())), True)
+                               sync=name in ("send", "recv"), comm=comm)
+        if name == "new_group":   # every rank creates groups in one order; through the store,
+            # not a queue of NCCL work: its own pseudo-communicator
+            world = tuple(range(dist.get_world_size()))
+            return self._entry("new_group", None, str(tuple(bound.get("ranks") or ())), True,
+                               comm=("new_group", world))
         arg = COLLECTIVES[name]
         key = f"{_size(bound[arg])} B {_dtype(bound[arg])}" if arg else ""
         return self._entry(name, bound.get("group"), key, not bound.get("async_op", False))
@@ -224,7 +237,7 @@ def nccl_checked(fn, run, *args) -> bool:
 # The checker: pure, on the gathered traces
 # ----------------------------------------------------------------------------------------------
 def _gname(comm, names) -> str:
-    return f"group {names.get(comm, '?')} {list(comm[1])}"
+    return f"group {names.get(comm, '?')} ({comm[0]}) {list(comm[1])}"
 
 
 def describe(r, i, e, names=None) -> str:
@@ -379,16 +392,14 @@ class _Progress:
 
     def _try(self, r, i) -> bool:
         e = self.t[r][i]
-        if e[0] == "p2p":
-            for k in range(len(e[4])):
-                if (r, i, k) not in self.p2p_done:
-                    q, j, kk = self.partner[(r, i, k)]
-                    if self._posted(q, j):   # both batches posted: the pair progresses
-                        self.p2p_done |= {(r, i, k), (q, j, kk)}
-            if all((r, i, k) in self.p2p_done for k in range(len(e[4]))):
-                self._complete(r, i)
-                return True
-            return False
+        if e[0] == "p2p":   # a batch progresses once every partner's batch is posted with it
+            pending = [k for k in range(len(e[4])) if (r, i, k) not in self.p2p_done]
+            if not all(self._posted(*self.partner[(r, i, k)][:2]) for k in pending):
+                return False
+            for k in pending:
+                self.p2p_done |= {(r, i, k), self.partner[(r, i, k)]}
+            self._complete(r, i)
+            return True
         comm, n = self.ordinal[(r, i)]
         members = [(m, next(j for j in self.queue[m][comm][self.pos[m][comm]:]
                             if self.ordinal[(m, j)] == (comm, n)) if self._posted_coll(m, comm, n)

@@ -334,3 +334,32 @@ def test_meter_rejects_a_tensor_off_the_runs_device(group):
     with meter.measuring():
         dist.all_reduce(torch.zeros(2))
     assert meter.snapshot() == {("all_reduce", "world"): (1, 8)}
+
+
+def test_permuted_reference_is_the_same_function_in_another_order():
+    """float64's measured noise (harness.compare.PermutedReference): the permuted model
+    (hidden units, MLP units, kv-head groups with their q heads, batch rows) computes the same
+    loss and, mapped back, the same gradients and updated parameters as the reference, to
+    float64 rounding; a parameter it cannot permute (a per-head q_norm) makes it decline."""
+    from types import SimpleNamespace
+    from harness.compare import PermutedReference, reference_in
+    import ddp
+    args = harness.resolve_defaults(harness.base_parser("t").parse_args(["--batch", "4"]),
+                                    "correctness", "cpu")
+    cfg = harness.load_config("tiny")
+    cfg.num_key_value_heads = 2   # GQA: q heads move with their kv group
+    run = SimpleNamespace(args=args, config=cfg, env=SimpleNamespace(device=torch.device("cpu")))
+    ref, perm = reference_in(run, ddp.DDP, "float64"), PermutedReference.build(run, ddp.DDP)
+    assert perm is not None
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (4, 32), generator=g)
+    batch = harness.Batch(ids, torch.roll(ids, -1, 1), 0)
+    assert abs(ref.step(batch) - perm.step(batch)) < 1e-14
+    for got, want in ((perm.full_grads(), ref.full_grads()), (perm.full_params(),
+                                                              ref.full_params())):
+        for n, t in want.items():
+            assert (got[n] - t).abs().max() <= 1e-12 * t.abs().max(), n
+    assert any((perm.full_grads()[n] != t).any() for n, t in ref.full_grads().items())
+    match = lambda n: next((d for s, d in PermutedReference.RULES if n.endswith(s)), None)  # noqa
+    assert match("model.layers.0.self_attn.q_norm.weight") is None
+    assert match("model.layers.0.input_layernorm.weight") == ("h",)
