@@ -499,11 +499,7 @@ class Compose4D(Strategy):
 
     def model_states(self):
         z = self.zero
-        grads = ([u.grad_full for u in z.units] if self.args.zero == 1
-                 else [u.grad_shard for u in z.units])
-        if self.args.zero == 1 and z.units[0].grad_shard.dtype != z.units[0].grad_full.dtype:
-            grads += [u.grad_shard for u in z.units]   # the fp32 reduced shards
-        return {"params": [u.full for u in z.units], "grads": grads,
+        return {"params": [u.full for u in z.units], "grads": z.grad_tensors(),
                 "optimizer": self.optimizer.state_tensors()}
 
     def extra_checks(self):

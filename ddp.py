@@ -40,9 +40,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from harness import (Batch, Expect, Plant, Strategy, global_loss, lm_loss_sum, main, make_adamw,
-                     phase, spread_across_ranks)
-from harness.precision import grad_reduce_dtype
+from harness import (METER, Batch, Expect, Plant, Strategy, global_loss, lm_loss_sum, main,
+                     make_adamw, phase, spread_across_ranks)
+from harness.precision import LOW_PRECISION, grad_reduce_dtype
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,7 +159,6 @@ class DataParallel:
     def _measure(self):
         """The reduction's error: the reduced buckets against an fp64 sum of the same local
         gradients (max |got - exact| / max |exact|, over the buckets)."""
-        from harness import METER
         exact = torch.cat(self._exact)
         with METER.paused():
             dist.all_reduce(exact, group=self.group)
@@ -294,7 +293,7 @@ class DDP(Strategy):
                                                               args))
         self.optimizer = make_adamw(model.parameters(), args)
         self.dp.probe = args.mode == "benchmark" and bool(self.dp.buckets) and \
-            self.dp.buckets[0].buffer.dtype in (torch.bfloat16, torch.float16)
+            self.dp.buckets[0].buffer.dtype in LOW_PRECISION
 
     def step(self, batch: Batch) -> float:
         self.dp.zero_grad()

@@ -346,6 +346,14 @@ class Zero:
         for u in self.units:
             dist.all_gather_into_tensor(u.full, u.shard.clone(), group=self.group)
 
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The resident gradient storage: stage 1's full buffers (and its reduced shards when
+        they are a separate fp32 tensor), stages 2 and 3's shards."""
+        full = [u.grad_full for u in self.units] if self.stage == 1 else []
+        shards = [u.grad_shard for u in self.units
+                  if self.stage > 1 or u.grad_shard.dtype != u.grad_full.dtype]
+        return full + shards
+
     # -- reassembly for the harness (collectives) --
     def full_tensors(self, kind: str) -> dict[str, torch.Tensor]:
         return self.gather_flat([u.grad_shard if kind == "grad" else u.shard
@@ -452,11 +460,8 @@ class ZeRO(Strategy):
             params = [u.shard for u in z.units]
         else:
             params = [u.full for u in z.units]
-        grads = [u.grad_full for u in z.units] if self.args.stage == 1 else \
-            [u.grad_shard for u in z.units]
-        if self.args.stage == 1 and z.units[0].grad_shard.dtype != z.units[0].grad_full.dtype:
-            grads += [u.grad_shard for u in z.units]   # the fp32 reduced shards
-        return {"params": params, "grads": grads, "optimizer": self.optimizer.state_tensors()}
+        return {"params": params, "grads": z.grad_tensors(),
+                "optimizer": self.optimizer.state_tensors()}
 
     def report_lines(self):
         numel, padded = self.psi()

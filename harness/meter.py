@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
+import sys
 import time
 import warnings
 import weakref
@@ -141,6 +143,42 @@ RING_FACTOR = {  # per-rank wire bytes / logical bytes, for ring algorithms on W
 }
 
 
+_HARNESS = (os.path.abspath(__file__),
+            os.path.join(os.path.dirname(os.path.abspath(__file__)), "nccl.py"))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def call_site() -> str:
+    """file:line of the first caller outside torch and the harness's wrappers (meter, nccl)."""
+    f = sys._getframe(1)
+    while f is not None and (f.f_code.co_filename.startswith(_TORCH)
+                             or os.path.abspath(f.f_code.co_filename) in _HARNESS):
+        f = f.f_back
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}" if f else "?"
+
+
+def patch_dist(names, wrap) -> dict:
+    """Replace each torch.distributed function in `names` by wrap(name, fn), in torch.distributed
+    and in distributed_c10d's globals (where P2POp checks that its op is isend/irecv and where
+    one collective calls another). Returns what restore_dist() puts back."""
+    c10d, saved = dist.distributed_c10d, {}
+    for name in names:
+        fn = getattr(dist, name, None)
+        if fn is None:  # e.g. all_gather_single before torch 2.13
+            continue
+        wrapped = wrap(name, fn)
+        for mod in (dist, c10d):
+            if getattr(mod, name, None) is fn:
+                saved[(mod, name)] = fn
+                setattr(mod, name, wrapped)
+    return saved
+
+
+def restore_dist(saved: dict):
+    for (mod, name), fn in saved.items():
+        setattr(mod, name, fn)
+
+
 class CommMeter:
     def __init__(self):
         self.counts: dict[tuple[str, str], list[int]] = {}
@@ -153,10 +191,10 @@ class CommMeter:
         sig = inspect.signature(fn)
 
         def wrapper(*args, **kwargs):
-            if self._depth == 0:
-                self.check_device(name, sig.bind(*args, **kwargs).arguments)
-            if self._depth == 0 and not self._paused:
-                bound = sig.bind(*args, **kwargs).arguments
+            bound = sig.bind(*args, **kwargs).arguments if self._depth == 0 else None
+            if bound is not None:
+                self.check_device(name, bound)
+            if bound is not None and not self._paused:
                 if name == "batch_isend_irecv":
                     for op in bound["p2p_op_list"]:
                         opn = getattr(op.op, "__name__", "p2p").lstrip("_")
@@ -188,11 +226,7 @@ class CommMeter:
         bad = next((t for t in tensors if t.device.type != self.device.type
                     or (want is not None and t.device != want)), None)
         if bad is not None:
-            import traceback
-            site = next((f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}"
-                         for f in reversed(traceback.extract_stack()[:-2])
-                         if "torch" not in f.filename and "meter.py" not in f.filename), "?")
-            raise RuntimeError(f"{name} at {site} got a tensor on {bad.device} in a run on "
+            raise RuntimeError(f"{name} at {call_site()} got a tensor on {bad.device} in a run on "
                                f"{self.device}: NCCL takes tensors on the run's device only")
 
     def _add(self, op, group, nbytes):
@@ -207,21 +241,11 @@ class CommMeter:
         op is isend/irecv and where one collective calls another (the depth guard then keeps
         the inner call from being counted twice)."""
         assert not self._saved, "meter already active"
-        c10d = dist.distributed_c10d
-        for name in _METERED:
-            fn = getattr(dist, name, None)
-            if fn is None:  # e.g. all_gather_single before torch 2.13
-                continue
-            wrapped = self._wrap(name, fn)
-            for mod in (dist, c10d):
-                if getattr(mod, name, None) is fn:
-                    self._saved[(mod, name)] = fn
-                    setattr(mod, name, wrapped)
+        self._saved = patch_dist(_METERED, self._wrap)
         try:
             yield self
         finally:
-            for (mod, name), fn in self._saved.items():
-                setattr(mod, name, fn)
+            restore_dist(self._saved)
             self._saved = {}
 
     @contextlib.contextmanager

@@ -37,14 +37,12 @@ checker, used directly by tests.
 from __future__ import annotations
 
 import inspect
-import os
-import sys
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
-from .meter import _METERED, METER, group_name
+from .meter import _METERED, METER, call_site, group_name, patch_dist, restore_dist
 
 P2P_FNS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 # collective -> the argument that must agree in size on every rank (None: only the op name)
@@ -58,20 +56,6 @@ COLLECTIVES = {
     "broadcast_object_list": None, "gather_object": None, "scatter_object_list": None,
     "new_group": None,   # every rank of the parent group creates groups in the same order
 }
-_HERE = (os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                 "meter.py"))
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
-
-
-def _where() -> str:
-    """file:line of the first caller outside torch and the harness's wrappers."""
-    f = sys._getframe(2)
-    while f is not None and (f.f_code.co_filename.startswith(_TORCH)
-                             or os.path.abspath(f.f_code.co_filename) in _HERE):
-        f = f.f_back
-    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}" if f else "?"
-
-
 def _size(t) -> int:
     if isinstance(t, (list, tuple)):
         return sum(_size(x) for x in t)
@@ -128,7 +112,7 @@ class NcclRecorder:
         comm = comm or _comm(group)
         self.names.setdefault(comm, group_name(group))
         i = len(self.trace)
-        self.trace.append([kind, comm, _where(), i + 1 if sync else None, body])
+        self.trace.append([kind, comm, call_site(), i + 1 if sync else None, body])
         return i
 
     def _p2p(self, op_is_send, tensor, peer, tag) -> tuple:
@@ -186,23 +170,12 @@ class NcclRecorder:
         return wrapper
 
     def start(self):
-        """Wrap the functions in torch.distributed and in distributed_c10d's globals (where
-        P2POp checks its op and where one collective calls another)."""
-        c10d = dist.distributed_c10d
-        for name in (*P2P_FNS, *COLLECTIVES):
-            fn = getattr(dist, name, None)
-            if fn is None:
-                continue
-            wrapped = self._wrap(name, fn)
-            for mod in (dist, c10d):
-                if getattr(mod, name, None) is fn:
-                    self._saved[(mod, name)] = fn
-                    setattr(mod, name, wrapped)
+        """Wrap every p2p function and collective (meter.patch_dist)."""
+        self._saved = patch_dist((*P2P_FNS, *COLLECTIVES), self._wrap)
         return self
 
     def stop(self):
-        for (mod, name), fn in self._saved.items():
-            setattr(mod, name, fn)
+        restore_dist(self._saved)
         self._saved = {}
 
     def finish(self) -> tuple[bool, str]:
