@@ -566,7 +566,8 @@ class CP(Strategy):
             mine = layout("ring", env.world, args.length)[env.rank]
         self.pos = positions(mine).to(env.device)
         # Same weights, different tokens: gradients are summed over the CP group.
-        self.dp = ddp.DataParallel(model, broadcast=False, average=args.plant_bug != "no-average",
+        self.dp = ddp.DataParallel(model, broadcast=False, broadcast_buffers=False,
+                                   average=args.plant_bug != "no-average",
                                    reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
         self.optimizer = make_adamw(model.parameters(), args)
 

@@ -35,6 +35,7 @@ Communication per optimizer step (Psi = parameter count, b = bytes per element)
 Memory per rank: the full model states (params + grads + AdamW's 2 moments = 4 Psi b) plus the
 activations of B/(W K) sequences.
 """
+import contextlib
 import warnings
 
 import torch
@@ -70,55 +71,148 @@ class Bucket:
         p0 = params[0]
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=p0.dtype,
                                   device=p0.device)
-        offset = 0
+        self.slots, offset = [], 0
         for p in params:  # .grad becomes a view: autograd accumulates straight into the buffer
-            p.grad = self.buffer[offset:offset + p.numel()].view_as(p)
+            self.slots.append(self.buffer[offset:offset + p.numel()].view_as(p))
+            if p.grad is not None:
+                self.slots[-1].copy_(p.grad)
+            p.grad = self.slots[-1]
             offset += p.numel()
         self.ready = 0
         self.handle = None
         self.wire = None   # what the all_reduce sums: the buffer, or its fp32 copy
 
 
-class DataParallel:
-    """Wraps a model: broadcast at construction, bucketed overlapped all_reduce in backward."""
+def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group=None,
+                        cap_bytes: int = 25 * 2**20):
+    """Broadcast `tensors` from global rank `src`, packed into flat buffers of at most
+    cap_bytes per dtype (one call per buffer, not one per tensor), and unpacked in place."""
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for ts in by_dtype.values():
+            for idx in reversed(plan_buckets(ts, cap_bytes)):   # forward order
+                chunk = [ts[i] for i in reversed(idx)]
+                flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+                dist.broadcast(flat, src=src, group=group)
+                for t, part in zip(chunk, flat.split([t.numel() for t in chunk])):
+                    t.copy_(part.view_as(t))
 
-    def __init__(self, model: torch.nn.Module, group=None, bucket_mb: float = 25.0,
-                 broadcast: bool = True, average: bool = True, params=None,
+
+def check_devices(tensors, group, what: str) -> torch.device | None:
+    """The one device every tensor lives on, and one a collective of `group` can use
+    (ValueError naming the first tensor that is not)."""
+    device = None
+    for name, t in tensors:
+        if t.device.type == "meta":
+            raise ValueError(f"{what}: {name} is on the meta device; materialise the module "
+                             f"(to_empty() and load its weights) before wrapping it")
+        device = device or t.device
+        if t.device != device:
+            raise ValueError(f"{what}: {name} is on {t.device}, other tensors on {device}; "
+                             f"move the whole module to one device first")
+    if device is not None:
+        backend = dist.get_backend(group)
+        if backend == "nccl" and device.type != "cuda":
+            raise ValueError(f"{what}: the module is on {device} but the process group uses "
+                             f"nccl, which needs CUDA tensors; call module.to('cuda') first")
+    return device
+
+
+class DataParallel(torch.nn.Module):
+    """A drop-in for torch.nn.parallel.DistributedDataParallel, built from broadcast and
+    all_reduce. In a standard loop
+
+        model = DataParallel(module)          # rank 0's parameters and buffers win
+        loss_fn(model(x), y).backward()        # gradients are averaged by the end of backward
+        optimizer.step(); optimizer.zero_grad()            # set_to_none either way
+
+    and `with model.no_sync(): ...backward()` accumulates locally with no communication."""
+
+    def __init__(self, module: torch.nn.Module, group=None, bucket_mb: float = 25.0,
+                 broadcast: bool = True, broadcast_buffers: bool = True,
+                 find_unused_parameters: bool = False, average: bool = True, params=None,
                  reduce_dtype: torch.dtype | None = None):
-        """params: the replicated parameters to synchronise (default: all of the model's;
-        expert parallelism passes the non-expert ones). reduce_dtype: the dtype the
-        all-reduce sums in (harness.precision.grad_reduce_dtype; default the gradients'): a
-        bf16 bucket is copied to fp32, reduced, and rounded back to bf16 once."""
-        self.model, self.group, self.average = model, group, average
+        """broadcast: send rank 0's parameters (trainable and frozen) and buffers to every
+        rank now. broadcast_buffers: and the buffers again before every forward, as torch DDP
+        does (a BatchNorm's running statistics then follow rank 0). find_unused_parameters:
+        one extra all_reduce of a used-parameter map per step, so that a parameter no rank
+        used keeps .grad None (the optimizer skips it, as under torch DDP); without it such a
+        parameter gets a zero gradient. Either way an unused parameter never hangs a step.
+        average: divide the sum by W (False: the loss on each rank is already its share of a
+        global objective). params: the replicated parameters to synchronise (default all of
+        the module's; expert parallelism passes the non-expert ones). reduce_dtype: the dtype
+        the all-reduce sums in (harness.precision.grad_reduce_dtype; default the gradients'):
+        a bf16 bucket is copied to fp32, reduced, and rounded back to bf16 once."""
+        super().__init__()
+        self.module, self.group, self.average = module, group, average
         self.reduce_dtype = reduce_dtype
         self.world = dist.get_world_size(group)
-        params = [p for p in (model.parameters() if params is None else params)
-                  if p.requires_grad]
+        names = {id(p): n for n, p in module.named_parameters()}
+        replicated = list(module.parameters()) if params is None else list(params)
+        self.device = check_devices(
+            [(names.get(id(p), "a parameter"), p) for p in replicated]
+            + list(module.named_buffers()), group, "DataParallel")
+        self.src = dist.get_global_rank(group, 0) if group is not None else 0
+        cap = int(bucket_mb * 2**20)
         if broadcast:  # replicas must start identical: rank 0's weights win
-            src = dist.get_global_rank(group, 0) if group is not None else 0
-            with torch.no_grad():
-                for p in params:
-                    dist.broadcast(p.data, src=src, group=group)
-        self.buckets = [Bucket([params[i] for i in idx])
-                        for idx in plan_buckets(params, int(bucket_mb * 2**20))]
-        self.bucket_of = {}
+            broadcast_coalesced(replicated + list(module.buffers()), self.src, group, cap)
+        self.broadcast_buffers = broadcast_buffers and any(True for _ in module.buffers())
+        self.forward_sync = True
+        params = [p for p in replicated if p.requires_grad]
+        self.buckets = [Bucket([params[i] for i in idx]) for idx in plan_buckets(params, cap)]
+        self.params = [p for b in self.buckets for p in b.params]
+        self.bucket_of, self.slot_of = {}, {}
         for b in self.buckets:
-            for p in b.params:
-                self.bucket_of[p] = b
+            for p, slot in zip(b.params, b.slots):
+                self.bucket_of[p], self.slot_of[p] = b, slot
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self.sync = True      # False during the first K-1 micro-steps of accumulation
+        self.find_unused = find_unused_parameters
+        self.sync = True      # False inside no_sync() (the first K-1 micro-steps)
         self.next_launch = 0  # buckets launch in index order on every rank
+        self.used: set = set()      # parameters that got a gradient since the last reduction
+        self.callback_queued = False
         # probe=True: the next step also sums an fp64 copy of the local gradients (unmetered),
         # keeps the reduction's error against it in `reduce_error` (the benchmark's report)
         # and turns the probe off: one step, the benchmark's first warm-up step
         self.probe, self.reduce_error, self._exact = False, None, []
 
+    def forward(self, *args, **kwargs):
+        # As torch DDP: buffers follow rank 0 before a forward whose previous forward was a
+        # synchronising one (not inside no_sync, not under no_grad).
+        if self.broadcast_buffers and self.forward_sync:
+            broadcast_coalesced(list(self.module.buffers()), self.src, self.group)
+        self.forward_sync = self.sync and torch.is_grad_enabled()
+        return self.module(*args, **kwargs)
+
     def set_sync(self, sync: bool):
+        """sync=False: the following backwards only accumulate (torch DDP's
+        require_backward_grad_sync); no_sync() is the context-manager form."""
         self.sync = sync
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        before = self.sync
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = before
+
     def _on_grad_ready(self, p):
+        slot = self.slot_of[p]
+        if p.grad.data_ptr() != slot.data_ptr():
+            # .grad was set to None (zero_grad's default) or replaced: autograd made a fresh
+            # tensor; its values are the whole accumulated gradient, so they become the slot's
+            slot.copy_(p.grad)
+            p.grad = slot
+        self.used.add(p)
         if not self.sync:
             return
+        if not self.callback_queued:   # finish() runs when this backward's graph is done
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self.callback_queued = True
         b = self.bucket_of[p]
         b.ready += 1
         while (self.next_launch < len(self.buckets)
@@ -133,6 +227,9 @@ class DataParallel:
         return (self.reduce_dtype or self.buckets[0].buffer.dtype).itemsize
 
     def _launch(self, b: Bucket):
+        for p, slot in zip(b.params, b.slots):
+            if p not in self.used and (p.grad is None or p.grad.data_ptr() != slot.data_ptr()):
+                slot.zero_()   # no gradient since .grad was set to None: the slot is stale
         if self.probe:
             self._exact.append(b.buffer.double())
         b.wire = (b.buffer if self.reduce_dtype in (None, b.buffer.dtype)
@@ -144,15 +241,29 @@ class DataParallel:
         self.next_launch += 1
 
     def finish(self):
-        """Launch what the hooks did not (unused parameters), then wait for every bucket."""
+        """End of a synchronising backward (queued by the first gradient hook, so it runs
+        without being called): launch the buckets whose parameters got no gradient, wait for
+        every bucket, and bind each .grad to its averaged slot. Idempotent."""
+        if not self.callback_queued:
+            return
+        self.callback_queued = False
         while self.next_launch < len(self.buckets):
             self._launch(self.buckets[self.next_launch])
+        unused = None
+        if self.find_unused:   # which parameters did no rank use?
+            used = torch.tensor([p in self.used for p in self.params], dtype=torch.int32,
+                                device=self.device)
+            dist.all_reduce(used, group=self.group)
+            unused = {p for p, n in zip(self.params, used.tolist()) if n == 0}
         for b in self.buckets:
             b.handle.wait()
             if b.wire is not b.buffer:
                 b.buffer.copy_(b.wire)   # the fp32 sum, rounded once
             b.handle, b.ready, b.wire = None, 0, None
+            for p, slot in zip(b.params, b.slots):
+                p.grad = None if unused is not None and p in unused else slot
         self.next_launch = 0
+        self.used = set()
         if self.probe:
             self._measure()
 
@@ -172,10 +283,6 @@ class DataParallel:
                              ((got - stored).abs().max() / scale).item(),
                              (got != stored).double().mean().item())
         self._exact = []
-
-    def zero_grad(self):
-        for b in self.buckets:  # zero in place: .grad must stay a view of the bucket
-            b.buffer.zero_()
 
 
 def reduce_error_lines(dp, args) -> list[str]:
@@ -215,14 +322,13 @@ def token_sharded_step(strat, batch: Batch, pos: torch.Tensor) -> float:
     position ids, backpropagate W * CE_sum / N, average the gradients (strat.dp, DataParallel),
     clip, step. Returns the global loss."""
     W, B = strat.env.world, batch.input_ids.shape[0]
-    strat.dp.zero_grad()
+    strat.optimizer.zero_grad(set_to_none=False)   # in place: .grad stays a view of its bucket
     with phase("forward"):
-        logits = strat.model(input_ids=batch.input_ids[:, pos],
+        logits = strat.dp(input_ids=batch.input_ids[:, pos],
                              position_ids=pos[None].expand(B, -1)).logits
         ce = lm_loss_sum(logits, batch.labels[:, pos])
     with phase("backward"):
-        (ce * W / batch.n_tokens).backward()
-        strat.dp.finish()
+        (ce * W / batch.n_tokens).backward()   # averaged by the end of the backward
     with phase("optimizer"):
         if strat.args.clip:
             strat.grad_norm = torch.nn.utils.clip_grad_norm_(strat.model.parameters(),
@@ -289,6 +395,7 @@ class DDP(Strategy):
                                broadcast=not (getattr(args, "no_broadcast", False)
                                               or args.plant_bug == "no-broadcast"),
                                average=args.plant_bug != "no-average",
+                               broadcast_buffers=False,   # HF's buffers are constants
                                reduce_dtype=grad_reduce_dtype(next(model.parameters()).dtype,
                                                               args))
         self.optimizer = make_adamw(model.parameters(), args)
@@ -296,11 +403,9 @@ class DDP(Strategy):
             self.dp.buckets[0].buffer.dtype in LOW_PRECISION
 
     def step(self, batch: Batch) -> float:
-        self.dp.zero_grad()
-        local_sum = forward_backward(self.model, batch, self.env.rank, self.env.world,
+        self.optimizer.zero_grad(set_to_none=False)
+        local_sum = forward_backward(self.dp, batch, self.env.rank, self.env.world,
                                      self.args.grad_accum, self.dp.set_sync, self.args.plant_bug)
-        with phase("backward"):
-            self.dp.finish()
         with phase("optimizer"):
             if self.args.clip:
                 self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),

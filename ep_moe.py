@@ -468,7 +468,7 @@ class ExpertParallel(Strategy):
         # The loss on each rank is its share of the global objective, so replicated gradients
         # are summed, not averaged; every rank built the same weights, so no broadcast.
         self.dp = DataParallel(model, self.dp_group, bucket_mb=args.bucket_mb, broadcast=False,
-                               average=False, params=dense,
+                               broadcast_buffers=False, average=False, params=dense,
                                reduce_dtype=grad_reduce_dtype(dense[0].dtype, args))
         self.optimizer = make_adamw(model.parameters(), args)
         # Routing statistics (loads, drops, off-rank rows), observed from outside the algorithm
@@ -484,9 +484,7 @@ class ExpertParallel(Strategy):
         return counts
 
     def step(self, batch: Batch) -> float:
-        self.dp.zero_grad()
-        for p in self.expert_params:
-            p.grad = None
+        self.optimizer.zero_grad(set_to_none=False)
         self.stats.clear()
         self.routing.start_step()
         mb = batch.shard(self.env.rank, self.env.world)
@@ -504,8 +502,7 @@ class ExpertParallel(Strategy):
             if z is not None:
                 obj = obj + self.args.z_coef * z
         with phase("backward"):
-            obj.backward()
-            self.dp.finish()
+            obj.backward()   # replicated gradients summed by the end of the backward
             if self.args.plant_bug == "expert-grad-scale":
                 for p in self.expert_params:
                     p.grad.div_(self.env.world)

@@ -15,9 +15,11 @@ VLDB 2023)
       step       AdamW on the local shards only (zero.ShardAdamW).
 
 Units
-    Each decoder layer is one unit. The root unit holds the embeddings, the final norm and the
-    LM head. Its parameters are used at both ends of the forward and first in the backward, so
-    the root is gathered once per step and freed after the backward, as FSDP2 does for the root.
+    The user names the submodules that become units (`fully_shard(module, units=[...])`; by
+    default an HF model's decoder layers). Every parameter outside them forms the root unit
+    (for an LLM: embeddings, final norm, LM head). The root's parameters are used at both ends
+    of the forward and first in the backward, so it is gathered once at the start of the
+    forward and freed after the backward, as FSDP2 does for the root.
 
 Sharding: flat buffers (FSDP1 style), not per-parameter dim-0 shards (FSDP2 style)
     A unit's parameters are views into one flat buffer padded to a multiple of W (zero.FlatUnit),
@@ -28,7 +30,13 @@ Sharding: flat buffers (FSDP1 style), not per-parameter dim-0 shards (FSDP2 styl
     is a well-formed piece of one parameter: per-parameter optimizers, frozen parameters and
     sharded state dicts are then straightforward. This reference suite uses plain AdamW and
     reassembles full tensors for checkpoints, so the flat layout's simplicity wins here.
-    `--compare-native` runs FSDP2's `fully_shard` with the same units and data.
+    `--compare-native` runs FSDP2's `fully_shard` with the same units and data, and
+    tests/library_oracles.py compares `fully_shard` with FSDP2 on a plain module.
+
+Public API
+    fs = fully_shard(module, units=[...], group=None, prefetch=1, reshard_after_forward=True)
+    opt = zero.ZeroOptimizer(module.parameters(), torch.optim.AdamW, engine=fs, lr=...)
+    a standard loop: loss.backward(); opt.step(); opt.zero_grad(); opt.clip_grad_norm_(c)
 
 Communication per step (b = bytes per element, Psi padded, Psi_root the root unit's share)
     all_gather     forward: every unit once (Psi*b); backward: every layer again, not the root,
@@ -44,33 +52,61 @@ plus the gathered working set: the root and at most 1 + prefetch layers.
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from harness import (DTensorBaseline, Expect, Plant, full_tensor, global_loss, main, make_adamw,
                      phase)
-from harness.precision import grad_reduce_dtype
+from harness.precision import LOW_PRECISION, grad_reduce_dtype
 import ddp
 import zero
 
 
-def fsdp_units(model) -> list[tuple[str, list[torch.nn.Module]]]:
-    """Forward order: the root (embeddings, final norm, LM head), then each decoder layer."""
-    base = model.model
-    root = ("root", [base.embed_tokens, base.norm, model.lm_head])
-    return [root] + [(f"layers.{i}", [layer]) for i, layer in enumerate(base.layers)]
+def resolve_units(module: torch.nn.Module, units) -> list[torch.nn.Module]:
+    """The submodules that become units, in forward order: modules, or their names in
+    module.named_modules(). Default: an HF causal LM's decoder layers."""
+    if units is None:
+        layers = getattr(getattr(module, "model", None), "layers", None)
+        if layers is None:
+            raise ValueError("fully_shard: name the submodules that become units (units=[...] "
+                             "modules or names, in forward order); only an HF causal LM's "
+                             "decoder layers are found without help")
+        return list(layers)
+    named = dict(module.named_modules())
+    out = []
+    for u in units:
+        if isinstance(u, str):
+            if u not in named:
+                raise ValueError(f"fully_shard: no submodule named {u!r}")
+            u = named[u]
+        if u is module or not any(u is m for m in named.values()):
+            raise ValueError(f"fully_shard: units must be proper submodules of the module "
+                             f"(got {type(u).__name__})")
+        out.append(u)
+    return out
 
 
 class FullyShard(zero.Zero):
     """ZeRO-3's engine (zero.Zero, stage 3) with FSDP's schedule: prefetch in both directions,
-    optional resharding after the forward, and a root unit that stays gathered for the step."""
+    optional resharding after the forward, and a root unit (every parameter outside the named
+    units, e.g. embeddings, final norm and head) gathered at the start of the forward and kept
+    until the end of the backward. Build it with fully_shard()."""
 
-    def __init__(self, model, group=None, prefetch: int = 1, reshard_after_forward=True,
-                 average=True, plant=None, reduce_dtype=None):
-        super().__init__(model, group, stage=3, average=average, units=fsdp_units(model),
-                         plant=plant, reduce_dtype=reduce_dtype)
+    def __init__(self, model, units: list[torch.nn.Module], group=None, prefetch: int = 1,
+                 reshard_after_forward=True, average=True, plant=None, reduce_dtype=None):
+        names = {id(p): n for n, p in model.named_parameters()}
+        inside = {id(p) for u in units for p in u.parameters()}
+        root = [p for p in model.parameters() if id(p) not in inside]
+        by_name = {id(m): n for n, m in model.named_modules()}
+        spec = [("root", root, [model])] + [(by_name[id(u)], list(u.parameters()), [u])
+                                            for u in units]
+        if not root:
+            raise ValueError("fully_shard: every parameter is inside a unit; leave the "
+                             "module's own (or one top-level) parameters to the root unit")
+        super().__init__(model, group, stage=3, average=average, units=spec, plant=plant,
+                         reduce_dtype=reduce_dtype, names=names)
         self.prefetch, self.reshard = prefetch, reshard_after_forward
         self.root, self.layers = self.units[0], self.units[1:]
         self.position = {u: i for i, u in enumerate(self.layers)}
-        self.in_forward = False
 
     def _prefetch(self, order: list):
         for u in order[:self.prefetch]:
@@ -79,20 +115,13 @@ class FullyShard(zero.Zero):
 
     def _pre_forward(self, u):
         u.wait()
-        if u is self.root:
-            # The root's hooks run at the embeddings, the final norm and the head: only the
-            # first, at the start of the forward, prefetches layer 0 (at the norm it would
-            # gather layer 0 again, to sit unused until the backward).
-            if not self.in_forward:
-                self._prefetch(self.layers)
-            self.in_forward = True
-        elif u in self.position:
+        if u is self.root:   # the start of the forward
+            self._prefetch(self.layers)
+        else:
             self._prefetch(self.layers[self.position[u] + 1:])
 
     def _post_forward(self, u, out):
-        if u is self.root:
-            self.in_forward = False   # the head (the root's last module) ends the forward
-        elif self.reshard:
+        if u is not self.root and self.reshard:
             u.free_params()
         self._hook_backward(u, out)
 
@@ -105,10 +134,37 @@ class FullyShard(zero.Zero):
 
     def _pre_backward(self, u):
         u.wait()
-        if u is self.root:  # the backward starts at the head, then the last layer
+        if u is self.root:  # the backward starts at the root's output, then the last unit
             self._prefetch(self.layers[::-1])
         else:
             self._prefetch(self.layers[:self.position[u]][::-1])
+
+
+def fully_shard(module: torch.nn.Module, units=None, group=None, prefetch: int = 1,
+                reshard_after_forward: bool = True, reduce_dtype="auto",
+                average: bool = True, plant: str | None = None) -> FullyShard:
+    """Shard `module` in place over the ranks of `group`; returns the engine, which
+    zero.ZeroOptimizer steps:
+
+        fs = fully_shard(model, units=[model.block1, model.block2])
+        opt = zero.ZeroOptimizer(model.parameters(), torch.optim.AdamW, engine=fs, lr=1e-3)
+        loss.backward(); opt.step(); opt.zero_grad()
+
+    units: the submodules (or their names) that become units, in forward order (default: an
+    HF causal LM's decoder layers); everything else is the root unit. The module's parameters
+    stay ordinary tensors (views into the gathered flat buffers), so the module's own forward
+    runs unchanged. Ranks start from rank 0's parameters and buffers. reduce_dtype: the
+    reduce-scatter's and the gradient shards' dtype, "auto" = fp32 for bf16/fp16 gradients."""
+    ddp.check_devices(list(module.named_parameters()) + list(module.named_buffers()), group,
+                      "fully_shard")
+    units = resolve_units(module, units)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    ddp.broadcast_coalesced(list(module.parameters()) + list(module.buffers()), src, group)
+    if reduce_dtype == "auto":
+        dtype = next(module.parameters()).dtype
+        reduce_dtype = torch.float32 if dtype in LOW_PRECISION else None
+    return FullyShard(module, units, group, prefetch, reshard_after_forward, average, plant,
+                      reduce_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,6 +179,7 @@ def fsdp_constraints(args, world, config) -> list[str]:
 
 class FSDP(zero.ZeRO):
     name = "fsdp"
+    syncs_initial_params = True   # fully_shard broadcasts rank 0's parameters and buffers
     # One configuration catches all three: float32 + --clip for the scale, --grad-accum 2 for
     # the accumulation; the stale root shows from the second step on.
     _ACCUM_CLIP = ("--grad-accum", "2", "--dtype", "float32", "--clip", "0.5")
@@ -149,13 +206,12 @@ class FSDP(zero.ZeRO):
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
         args.stage = 3  # zero.ZeRO's reporting: FSDP's model states are stage 3's
-        self.zero = FullyShard(model, prefetch=args.prefetch,
-                               reshard_after_forward=not args.no_reshard_after_forward,
-                               average=args.plant_bug != "no-average", plant=args.plant_bug,
-                               reduce_dtype=grad_reduce_dtype(next(model.parameters()).dtype,
-                                                              args))
-        self.optimizer = zero.ShardAdamW([u.shard for u in self.zero.units], args.lr,
-                                         args.weight_decay)
+        self.zero = fully_shard(model, prefetch=args.prefetch,
+                                reshard_after_forward=not args.no_reshard_after_forward,
+                                average=args.plant_bug != "no-average", plant=args.plant_bug,
+                                reduce_dtype=grad_reduce_dtype(next(model.parameters()).dtype,
+                                                               args))
+        self.optimizer = zero.adamw_on_shards(model, self.zero, args)
 
     def expected_comm(self):
         z, K = self.zero, self.args.grad_accum

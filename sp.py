@@ -326,7 +326,7 @@ class Ulysses(Strategy):
         for layer in model.model.layers:
             layer.self_attn.sp_group, layer.self_attn.sp_plant = None, args.plant_bug
         # Replicated weights, different tokens: DDP's bucketed gradient all-reduce.
-        self.dp = ddp.DataParallel(model, broadcast=False,
+        self.dp = ddp.DataParallel(model, broadcast=False, broadcast_buffers=False,
                                    average=args.plant_bug != "no-average",
                                    reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
         self.optimizer = make_adamw(model.parameters(), args)

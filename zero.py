@@ -71,17 +71,17 @@ def decoder_units(model) -> list[tuple[str, list[torch.nn.Module]]]:
 class FlatUnit:
     """One unit's parameters as views into a flat buffer padded to a multiple of W."""
 
-    def __init__(self, name, modules, group, names: dict, shard_params: bool, stage: int,
-                 plant: str | None = None, reduce_dtype: torch.dtype | None = None):
-        self.name, self.modules, self.group = name, modules, group
+    def __init__(self, name, params, group, names: dict, shard_params: bool, stage: int,
+                 plant: str | None = None, reduce_dtype: torch.dtype | None = None,
+                 modules=()):
+        """params: the unit's parameters, in layout order; modules: those whose hooks gather
+        and free them (stage 3)."""
+        self.name, self.modules, self.group = name, list(modules), group
         self.W, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        seen, self.params = set(), []
-        for m in modules:
-            for p in m.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    self.params.append(p)
+        self.params = list(params)
         self.names = [names[id(p)] for p in self.params]
+        self.index = {p: i for i, p in enumerate(self.params)}
+        self.n_grads = sum(p.requires_grad for p in self.params)   # gradients per backward
         self.numel = sum(p.numel() for p in self.params)
         self.padded = pad_to(self.numel, self.W)
         self.shard_numel = s = self.padded // self.W
@@ -89,6 +89,7 @@ class FlatUnit:
         lo = self.rank * s
         if plant == "shard-offset":   # the bug: the unpadded size, off when W does not divide it
             lo = self.rank * (self.numel // self.W)
+        self.lo = lo
         # Full parameter buffer; parameters become views into it.
         self.full = torch.zeros(self.padded, dtype=dtype, device=device)
         self.offsets, off = [], 0
@@ -115,11 +116,43 @@ class FlatUnit:
                            else torch.zeros(s, dtype=rdt, device=device))
         self.gathered = True
         self.handle = None   # an in-flight (prefetched) all-gather
-        self.ready = 0
+        self.ready: set = set()   # parameters whose gradient for this micro-batch is complete
+        self.used: set = set()    # parameters that got a gradient since the last reduction
+
+    def slot(self, i: int) -> torch.Tensor:
+        """Parameter i's view of the full gradient buffer."""
+        off, p = self.offsets[i], self.params[i]
+        return self.grad_full[off:off + p.numel()].view_as(p)
 
     def _bind_grads(self):
-        for p, off in zip(self.params, self.offsets):
-            p.grad = self.grad_full[off:off + p.numel()].view_as(p)
+        for i, p in enumerate(self.params):
+            if p.requires_grad:   # a frozen parameter keeps .grad None (its slot stays zero)
+                p.grad = self.slot(i)
+
+    def take_grad(self, p):
+        """p's gradient arrived: make sure it lives in the full gradient buffer. After a
+        set-to-None (zero_grad's default, or stage 2/3's own free) autograd handed a fresh
+        tensor; its values are p's whole accumulated gradient."""
+        if not self.grads_alive:
+            self.alloc_grads(first=p)
+        else:
+            slot = self.slot(self.index[p])
+            if p.grad.data_ptr() != slot.data_ptr():
+                slot.copy_(p.grad)
+                p.grad = slot
+        self.used.add(p)
+
+    def clear_stale(self):
+        """Before a reduction: zero the slots of parameters that got no gradient since their
+        .grad was set to None (their slots hold an old step's values)."""
+        if not self.grads_alive:
+            self.alloc_grads(first=None)
+        for i, p in enumerate(self.params):
+            slot = self.slot(i)
+            if p.requires_grad and p not in self.used and (p.grad is None or p.grad.data_ptr() != slot.data_ptr()):
+                slot.zero_()
+                p.grad = slot
+        self.used = set()
 
     # -- parameter storage --
     def free_params(self):
@@ -145,14 +178,16 @@ class FlatUnit:
             self.handle = None
 
     # -- gradient storage (stages 2, 3) --
-    def alloc_grads(self, first: torch.nn.Parameter):
+    def alloc_grads(self, first: torch.nn.Parameter | None):
         """Called when `first` got the unit's first gradient (a fresh tensor from autograd):
-        re-allocate the flat buffer, bind every .grad to it, keep first's values."""
-        fresh = first.grad
+        re-allocate the flat buffer, bind every .grad to it, keep first's values (None: a
+        reduction of a unit none of whose parameters got a gradient)."""
+        fresh = None if first is None else first.grad
         self.grad_full.untyped_storage().resize_(self.padded * self.grad_full.element_size())
         self.grad_full.zero_()
         self._bind_grads()
-        first.grad.copy_(fresh)
+        if first is not None:
+            first.grad.copy_(fresh)
         self.grads_alive = True
 
     def free_grads(self):
@@ -221,22 +256,44 @@ class Zero:
     order is the forward order, and reductions launch in its reverse."""
 
     def __init__(self, model, group=None, stage: int = 1, average: bool = True, units=None,
-                 plant: str | None = None, reduce_dtype: torch.dtype | None = None):
-        """plant: the name of a planted bug (ZeRO.plants), None for the correct engine.
-        reduce_dtype: the dtype of the reduce-scatter and of the gradient shards
-        (harness.precision.grad_reduce_dtype; default the gradients' own)."""
+                 plant: str | None = None, reduce_dtype: torch.dtype | None = None,
+                 names: dict | None = None):
+        """units: [(name, modules)] (default decoder_units(model)), [(name, parameters,
+        hook modules)], or [(name, parameters)] for stages 1 and 2 with model=None (the optimizer wrapper's buckets; `names` then maps
+        id(parameter) to a name). plant: the name of a planted bug (ZeRO.plants), None for the
+        correct engine. reduce_dtype: the dtype of the reduce-scatter and of the gradient
+        shards (harness.precision.grad_reduce_dtype; default the gradients' own)."""
         self.model, self.group, self.stage, self.average = model, group, stage, average
         self.plant = plant
         self.W = dist.get_world_size(group)
-        names = {id(p): n for n, p in model.named_parameters()}
-        self.units = [FlatUnit(n, mods, group, names, shard_params=stage == 3, stage=stage,
-                               plant=plant, reduce_dtype=reduce_dtype)
-                      for n, mods in (units or decoder_units(model))]
-        covered = sum(len(u.params) for u in self.units)
-        assert covered == len(names), f"units cover {covered} of {len(names)} parameters"
+        if model is not None:
+            names = {id(p): n for n, p in model.named_parameters()}
+        self.units = []
+        claimed: set = set()
+        for entry in (units or decoder_units(model)):
+            n, items = entry[0], list(entry[1])
+            if len(entry) == 3:      # (name, parameters, the modules whose hooks gather them)
+                params, modules = items, list(entry[2])
+            elif all(isinstance(x, torch.Tensor) for x in items):
+                assert stage < 3, "stage 3 gathers on module hooks: give units as modules"
+                params, modules = items, []
+            else:
+                params, modules = [], items
+                for m in modules:
+                    for p in m.parameters():
+                        if id(p) not in claimed and all(p is not q for q in params):
+                            params.append(p)
+            claimed.update(id(p) for p in params)
+            self.units.append(FlatUnit(n, params, group, names, shard_params=stage == 3,
+                                       stage=stage, plant=plant, reduce_dtype=reduce_dtype,
+                                       modules=modules))
+        if model is not None:
+            covered = sum(len(u.params) for u in self.units)
+            assert covered == len(names), f"units cover {covered} of {len(names)} parameters"
         self.unit_of = {p: u for u in self.units for p in u.params}
         for p in self.unit_of:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
         if stage == 3:
             for u in self.units:
                 for m in u.modules:
@@ -279,22 +336,27 @@ class Zero:
 
     def _on_grad_ready(self, p):
         u = self.unit_of[p]
+        u.take_grad(p)
         if self.stage == 1:
             return  # stage 1 keeps full gradients and reduce-scatters once, in finish()
-        if not u.grads_alive:
-            u.alloc_grads(first=p)
-        u.ready += 1
-        if u.ready < len(u.params):
+        u.ready.add(p)
+        if len(u.ready) < u.n_grads:
             return
         if self.stage == 3:
             self._post_backward(u)
-        # Launch in the fixed order on every rank, whatever order autograd finished units in.
-        while (self.next_launch < len(self.order)
-               and self.order[self.next_launch].ready == len(self.order[self.next_launch].params)):
-            self._launch(self.order[self.next_launch])
+        self._launch_ready()
+
+    def _launch_ready(self, everything: bool = False):
+        """Launch reductions in the fixed order on every rank, whatever order autograd finished
+        units in; everything=True (the end of the step) also launches units that are still
+        missing gradients (parameters that got none: their slots are zero)."""
+        while self.next_launch < len(self.order):
+            u = self.order[self.next_launch]
+            if not everything and len(u.ready) < u.n_grads:
+                return
+            self._launch(u)
             self.next_launch += 1
-        if self.next_launch == len(self.order):
-            self.next_launch = 0  # this micro-batch's reductions are all launched
+        self.next_launch = 0  # this micro-batch's reductions are all launched
 
     def _post_backward(self, u: FlatUnit):
         u.free_params()  # this unit's backward is done with its parameters
@@ -303,6 +365,7 @@ class Zero:
         """Reduce-scatter u's full gradient (async). Earlier launches complete first, so at most
         the in-flight unit and the one being computed hold full gradients."""
         self._complete()
+        u.clear_stale()
         src = (u.grad_full if u.grad_full.dtype == u.grad_shard.dtype
                else u.grad_full.to(u.grad_shard.dtype))   # bf16 gradients summed in fp32
         if self.average:  # pre-divide: the sum over ranks is then the average
@@ -310,7 +373,7 @@ class Zero:
         out = torch.empty_like(u.grad_shard)
         handle = dist.reduce_scatter_tensor(out, src, group=self.group, async_op=True)
         self.pending.append((u, out, handle))
-        u.ready = 0
+        u.ready = set()
 
     def _complete(self):
         while self.pending:
@@ -333,10 +396,8 @@ class Zero:
 
     def finish(self):
         """After the last micro-batch's backward: every shard holds its reduced gradient."""
-        if self.stage == 1:
-            for u in self.order:
-                self._launch(u)
-        assert self.next_launch == 0, "a unit's gradients never arrived"
+        if self.stage == 1 or self.next_launch or any(u.ready for u in self.units):
+            self._launch_ready(everything=True)   # stage 1; units with unused parameters
         self._complete()
 
     def all_gather_params(self):
@@ -383,8 +444,266 @@ class Zero:
 
 
 # ----------------------------------------------------------------------------------------------
+# The optimizer wrapper: any elementwise torch optimizer on this rank's shards
+# ----------------------------------------------------------------------------------------------
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
+               torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad)
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Shards a standard torch optimizer's state over the ranks of `group` (ZeRO stages 1, 2),
+    or steps the shards of a module sharded by a stage-3 engine. In a standard loop
+
+        opt = ZeroOptimizer(param_groups, torch.optim.AdamW, stage=2, lr=1e-3)
+        loss.backward(); opt.step(); opt.zero_grad()
+
+    `step()` finishes the gradient reduce-scatter (the gradients of the W ranks are averaged),
+    runs `optimizer_class` on this rank's 1/W of every parameter group, and all-gathers the
+    updated parameters (stages 1, 2). The inner optimizer sees flat slices of parameters, so its
+    update must be elementwise: SGD (momentum), Adam, AdamW, Adamax, NAdam, RAdam, RMSprop and
+    Adagrad are; Adafactor, LBFGS, Shampoo or Muon are not and are refused. `clip_grad_norm_`
+    clips by the global norm of the averaged gradients; `state_dict()` (a collective) returns
+    the unsharded optimizer's state dict, which `load_state_dict` (and the plain torch
+    optimizer) accept. A parameter that got no gradient in a step is stepped with a zero one
+    (its momentum and weight decay still apply), not skipped as torch's optimizers skip a None.
+
+    params: tensors or parameter groups, as for any torch optimizer. engine: a Zero(model,
+    stage=3) or fsdp.fully_shard(...) that already shards these parameters (stage 3); without
+    one, stage 1 or 2 over `params` packed in buckets of bucket_mb per group. broadcast: rank
+    0's parameters first (the replicas must start equal). reduce_dtype: the reduce-scatter's
+    and the gradient shards' dtype, "auto" = fp32 for bf16/fp16 gradients."""
+
+    def __init__(self, params, optimizer_class=torch.optim.AdamW, *, group=None, stage: int = 1,
+                 engine: "Zero | None" = None, bucket_mb: float = 25.0, reduce_dtype="auto",
+                 broadcast: bool = True, average: bool = True, plant: str | None = None,
+                 **defaults):
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, ELEMENTWISE)):
+            raise ValueError(
+                f"ZeroOptimizer: {getattr(optimizer_class, '__name__', optimizer_class)} is not "
+                f"known to update elementwise (its state would not shard along flat slices); "
+                f"use one of {', '.join(c.__name__ for c in ELEMENTWISE)}")
+        super().__init__(params, defaults)
+        everything = [p for g in self.param_groups for p in g["params"]]
+        if engine is None:
+            if stage not in (1, 2):
+                raise ValueError(f"ZeroOptimizer: stage {stage} over plain parameters; stage 3 "
+                                 f"shards the module: build zero.Zero(model, stage=3) or "
+                                 f"fsdp.fully_shard(model) and pass it as engine=")
+            ddp.check_devices([(f"parameter {i}", p) for i, p in enumerate(everything)],
+                              group, "ZeroOptimizer")
+            if broadcast:
+                src = dist.get_global_rank(group, 0) if group is not None else 0
+                ddp.broadcast_coalesced(everything, src, group, int(bucket_mb * 2**20))
+            if reduce_dtype == "auto":
+                reduce_dtype = (torch.float32 if everything and everything[0].dtype
+                                in LOW_PRECISION else None)
+            units = []
+            for gi, g in enumerate(self.param_groups):   # buckets in reverse, as DDP's
+                trainable = [p for p in g["params"] if p.requires_grad]
+                for idx in reversed(ddp.plan_buckets(trainable, int(bucket_mb * 2**20))):
+                    units.append((f"group{gi}.bucket{len(units)}",
+                                  [trainable[i] for i in sorted(idx)]))
+            names = {id(p): f"param{i}" for i, p in enumerate(everything)}
+            engine = Zero(None, group, stage=stage, average=average, units=units, plant=plant,
+                          reduce_dtype=reduce_dtype, names=names)
+        self.engine, self.group = engine, engine.group
+        group_of = {p: gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        for u in engine.units:
+            for p, n in zip(u.params, u.names):
+                if p.requires_grad and p not in group_of:
+                    raise ValueError(f"ZeroOptimizer: the engine's parameter {n} is in no "
+                                     f"parameter group")
+        self.index = {p: i for i, p in enumerate(everything)}   # torch's state-dict numbering
+        # This rank's shard of each unit, cut into runs of one parameter group's trainable
+        # parameters: the inner optimizer's parameters (views of the shard, or of its fp32
+        # master copy for bf16/fp16 shards). Frozen parameters are in no run; the padding is
+        # in its unit's last run (zero parameters with zero gradients stay zero elementwise).
+        self.mixed = engine.units[0].shard.dtype in LOW_PRECISION
+        self.masters = [u.shard.detach().float().clone() if self.mixed else u.shard
+                        for u in engine.units]
+        runs = []   # [unit index, start in the shard, length, group]
+        for ui, u in enumerate(engine.units):
+            for i, (p, off) in enumerate(zip(u.params, u.offsets)):
+                end = u.padded if i == len(u.params) - 1 else off + p.numel()  # + the padding:
+                a, b = max(off, u.lo), min(end, u.lo + u.shard_numel)   # zeros stay zero
+                if a >= b or not p.requires_grad:
+                    continue
+                g = group_of[p]
+                last = runs[-1] if runs else None
+                if last and last[0] == ui and last[3] == g and last[1] + last[2] == a - u.lo:
+                    last[2] += b - a
+                else:
+                    runs.append([ui, a - u.lo, b - a, g])
+        self.runs = [tuple(r) for g in range(len(self.param_groups)) for r in runs if r[3] == g]
+        self.views = [self.masters[ui][a:a + n] for ui, a, n, _ in self.runs]
+        inner_groups = [dict({k: v for k, v in g.items() if k != "params"},
+                             params=[v for v, r in zip(self.views, self.runs) if r[3] == gi])
+                        for gi, g in enumerate(self.param_groups)]
+        if not self.views:   # a rank whose shards hold no trainable element
+            inner_groups[0]["params"] = [self.masters[0][:0]]
+        self.inner = optimizer_class(inner_groups)
+        for g, ig in zip(self.param_groups, self.inner.param_groups):   # complete defaults
+            for k, v in ig.items():
+                if k != "params":
+                    g.setdefault(k, v)
+        self.reduced = False
+
+    # -- the loop --
+    def zero_grad(self, set_to_none: bool = True):
+        self.engine.zero_grad()   # the reduced shards (they accumulate micro-batches)
+        if self.engine.stage == 1 and set_to_none:
+            for u in self.engine.units:
+                for p in u.params:
+                    p.grad = None   # the hooks move the next gradient back into the buffer
+        self.reduced = False
+
+    def reduce_gradients(self):
+        """Finish the reduce-scatter (idempotent within a step): each shard then holds the
+        average of the W ranks' gradients."""
+        if not self.reduced:
+            self.engine.finish()
+            self.reduced = True
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [u.grad_shard for u in self.engine.units]
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the averaged gradients by their global norm (one scalar all_reduce); returns
+        the norm before clipping, like torch.nn.utils.clip_grad_norm_."""
+        self.reduce_gradients()
+        return clip_shard_grads(self.grad_shards(), max_norm, self.group,
+                                plant=self.engine.plant)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.reduce_gradients()
+        for g, ig in zip(self.param_groups, self.inner.param_groups):   # e.g. an lr schedule
+            ig.update({k: v for k, v in g.items() if k != "params"})
+        shards = self.grad_shards()
+        for v, (ui, a, n, _) in zip(self.views, self.runs):
+            v.grad = shards[ui][a:a + n].to(v.dtype)
+        self.inner.step()
+        for v in self.views:
+            v.grad = None
+        for u, m in zip(self.engine.units, self.masters):
+            if m is not u.shard:
+                u.shard.copy_(m)
+        if self.engine.stage < 3:
+            self.engine.all_gather_params()
+        self.reduced = False
+        return loss
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The resident optimizer-state tensors (fp32 masters, the inner optimizer's states)."""
+        states = [t for st in self.inner.state.values() for t in st.values()
+                  if torch.is_tensor(t) and t.dim() > 0]
+        return (self.masters if self.mixed else []) + states
+
+    # -- unsharded state dicts --
+    def _layout(self):
+        """{unit: {key: dtype}} of the elementwise states and {group: {key: value}} of the
+        scalar ones, as every rank needs them for the gathers (one object all-gather)."""
+        elem, scalar = {}, {}
+        for v, (ui, a, n, gi) in zip(self.views, self.runs):
+            for k, x in self.inner.state.get(v, {}).items():
+                if torch.is_tensor(x) and x.dim() == 1:
+                    elem.setdefault(ui, {})[k] = x.dtype
+                else:
+                    scalar.setdefault(gi, {})[k] = x
+        every = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, (elem, scalar), group=self.group)
+        elem, scalar = {}, {}
+        for e, s in every:
+            for ui, keys in e.items():
+                elem.setdefault(ui, {}).update(keys)
+            for gi, vals in s.items():
+                scalar.setdefault(gi, {}).update(vals)
+        return elem, scalar
+
+    def state_dict(self) -> dict:
+        """The unsharded optimizer's state dict (collective: every rank gets it): per parameter
+        (torch's numbering over the groups) its elementwise states at full shape and the
+        group's scalar ones (e.g. step)."""
+        elem, scalar = self._layout()
+        state: dict = {}
+        for ui, u in enumerate(self.engine.units):
+            for key in sorted(elem.get(ui, {})):
+                local = torch.zeros(u.shard_numel, dtype=elem[ui][key], device=u.shard.device)
+                for v, (vi, a, n, _) in zip(self.views, self.runs):
+                    if vi == ui and key in self.inner.state.get(v, {}):
+                        local[a:a + n] = self.inner.state[v][key]
+                full = torch.empty(u.padded, dtype=local.dtype, device=local.device)
+                dist.all_gather_into_tensor(full, local, group=self.group)
+                for p, off in zip(u.params, u.offsets):
+                    if p.requires_grad:
+                        state.setdefault(self.index[p], {})[key] = \
+                            full[off:off + p.numel()].view(p.shape).clone()
+        group_of = {self.index[p]: gi for gi, g in enumerate(self.param_groups)
+                    for p in g["params"]}
+        for i in state:
+            for k, x in scalar.get(group_of[i], {}).items():
+                state[i][k] = x.clone() if torch.is_tensor(x) else x
+        groups = [dict({k: v for k, v in g.items() if k != "params"},
+                       params=[self.index[p] for p in g["params"]]) for g in self.param_groups]
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict):
+        """Load an unsharded state dict (this optimizer's, or a plain torch optimizer's over the
+        same parameter groups): every rank keeps its slices."""
+        groups, state = state_dict["param_groups"], state_dict["state"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("ZeroOptimizer.load_state_dict: the parameter groups' sizes "
+                             f"{[len(g['params']) for g in groups]} differ from this "
+                             f"optimizer's {[len(g['params']) for g in self.param_groups]}")
+        ids = [i for g in groups for i in g["params"]]
+        by_param = {p: state.get(ids[self.index[p]]) for p in self.index}
+        for p, st in by_param.items():
+            for k, x in (st or {}).items():
+                if torch.is_tensor(x) and x.dim() > 0 and x.shape != p.shape:
+                    raise ValueError(f"ZeroOptimizer.load_state_dict: state {k!r} of parameter "
+                                     f"{self.index[p]} has shape {tuple(x.shape)}, the "
+                                     f"parameter {tuple(p.shape)}")
+        inner_state = {}
+        for j, (v, (ui, a, n, gi)) in enumerate(zip(self.views, self.runs)):
+            u, entry = self.engine.units[ui], {}
+            lo, hi = u.lo + a, u.lo + a + n
+            for p, off in zip(u.params, u.offsets):
+                st = by_param.get(p)
+                x0, x1 = max(off, lo), min(off + p.numel(), hi)
+                if not st or x0 >= x1:
+                    continue
+                for k, x in st.items():
+                    if torch.is_tensor(x) and x.dim() > 0:
+                        if k not in entry:
+                            entry[k] = torch.zeros(n, dtype=x.dtype, device=v.device)
+                        entry[k][x0 - lo:x1 - lo] = x.reshape(-1)[x0 - off:x1 - off]
+                    elif k not in entry:
+                        entry[k] = x.clone() if torch.is_tensor(x) else x
+            if entry:
+                inner_state[j] = entry
+        for g, sg in zip(self.param_groups, groups):
+            g.update({k: v for k, v in sg.items() if k != "params"})
+        inner_groups, j = [], 0
+        for g, ig in zip(self.param_groups, self.inner.param_groups):
+            inner_groups.append(dict({k: v for k, v in g.items() if k != "params"},
+                                     params=list(range(j, j + len(ig["params"])))))
+            j += len(ig["params"])
+        self.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+
+
+# ----------------------------------------------------------------------------------------------
 # Harness adapter
 # ----------------------------------------------------------------------------------------------
+def adamw_on_shards(model, engine: Zero, args) -> ZeroOptimizer:
+    """The harness's AdamW (the reference's hyperparameters) on an engine's shards."""
+    return ZeroOptimizer(model.parameters(), torch.optim.AdamW, engine=engine, lr=args.lr,
+                         weight_decay=args.weight_decay, betas=(0.9, 0.95), eps=1e-8)
+
+
 def zero_constraints(args, world, config) -> list[str]:
     errs = ddp.batch_constraints(args, world)
     if args.stage not in (1, 2, 3):
@@ -428,24 +747,19 @@ class ZeRO(Strategy):
         self.zero = Zero(model, stage=args.stage, average=args.plant_bug != "no-average",
                          plant=args.plant_bug,
                          reduce_dtype=grad_reduce_dtype(next(model.parameters()).dtype, args))
-        self.optimizer = ShardAdamW([u.shard for u in self.zero.units], args.lr,
-                                    args.weight_decay)
+        self.optimizer = adamw_on_shards(model, self.zero, args)
 
     def step(self, batch: Batch) -> float:
-        z = self.zero
-        z.zero_grad()
+        opt = self.optimizer
+        opt.zero_grad(set_to_none=False)
         local_sum = ddp.forward_backward(self.model, batch, self.env.rank, self.env.world,
-                                         self.args.grad_accum, z.start_microbatch)
+                                         self.args.grad_accum, self.zero.start_microbatch)
         with phase("backward"):
-            z.finish()
+            opt.reduce_gradients()
         with phase("optimizer"):
-            grads = [u.grad_shard for u in z.units]
             if self.args.clip:
-                self.grad_norm = clip_shard_grads(grads, self.args.clip,
-                                                  plant=self.args.plant_bug)
-            self.optimizer.step(grads)
-            if self.args.stage < 3:
-                z.all_gather_params()
+                self.grad_norm = opt.clip_grad_norm_(self.args.clip)
+            opt.step()
         return global_loss(local_sum, batch.n_tokens)
 
     def full_grads(self):

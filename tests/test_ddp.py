@@ -107,8 +107,18 @@ def test_benchmark_comm_and_memory(runs, accum):
         harness.base_parser("t").parse_args([]), "benchmark", "cpu"), cfg, "cpu")
     assert ar["calls"] == expected_buckets(ref, int(0.25 * 2**20)) > 1
     assert set(b["ours"]["comm"]) == {"all_reduce|world"}
-    # One-time broadcast of every parameter from rank 0.
-    assert b["setup"]["broadcast|world"] == {"calls": 39, "bytes": grad_bytes}
+    # One-time broadcast of every parameter and buffer (the rotary frequencies) from rank 0,
+    # packed into flat buffers of at most --bucket-mb
+    tensors = list(ref.parameters()) + list(ref.buffers())
+    n, cur, cap = 0, 0, int(0.25 * 2**20)
+    for t in reversed(tensors):
+        if cur and cur + t.numel() * t.element_size() > cap:
+            n, cur = n + 1, 0
+        cur += t.numel() * t.element_size()
+    buffer_bytes = sum(t.numel() * t.element_size() for t in ref.buffers())
+    assert buffer_bytes > 0
+    assert b["setup"]["broadcast|world"] == {"calls": n + 1, "bytes": grad_bytes + buffer_bytes}
+    assert n + 1 < 39    # one call per packed buffer, not per tensor
     # Memory per rank: full model states on each rank, activations of half the batch.
     for m in b["ours"]["memory"]:
         assert m["params"] == m["grads"] == grad_bytes

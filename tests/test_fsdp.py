@@ -84,7 +84,7 @@ def test_root_prefetches_layer_zero_once_per_forward(group):
     import harness
     args = harness.resolve_defaults(harness.base_parser("t").parse_args([]), "correctness", "cpu")
     model = harness.build_model(args, harness.load_config("tiny"), "cpu")
-    fs = fsdp.FullyShard(model)
+    fs = fsdp.fully_shard(model)
     gathers, real = [], dist.all_gather_into_tensor
 
     def counting(out, inp, *a, **k):
@@ -93,9 +93,9 @@ def test_root_prefetches_layer_zero_once_per_forward(group):
     dist.all_gather_into_tensor = counting
     try:
         loss = model(torch.randint(0, 256, (2, 16))).logits.sum()
-        assert gathers == ["root"] + [f"layers.{i}" for i in range(L)], gathers
+        assert gathers == ["root"] + [f"model.layers.{i}" for i in range(L)], gathers
         assert not fs.layers[0].gathered           # resharded after its forward, not re-fetched
         loss.backward()
     finally:
         dist.all_gather_into_tensor = real
-    assert gathers.count("layers.0") == 2           # forward, then backward
+    assert gathers.count("model.layers.0") == 2           # forward, then backward

@@ -1,0 +1,322 @@
+"""The strategies as a user meets them, in a plain training loop, against PyTorch's own
+implementation or the unsharded torch optimizer as the oracle. Run under torchrun (gloo, CPU,
+float64); every case prints one `PASS name: ...` or `FAIL name: ...` line on rank 0, and the
+negative controls (a planted difference the comparison must see) print `PASS control ...` when
+the comparison did see it. Exit code 1 when any line is a FAIL.
+
+    torchrun --nproc_per_node=2 tests/library_oracles.py [--only ddp,zero,fsdp]
+"""
+import argparse
+import contextlib
+import copy
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
+import ddp  # noqa: E402
+import fsdp  # noqa: E402
+import zero  # noqa: E402
+
+V, H, B, S, STEPS = 16, 8, 4, 5, 5
+TOL = 1e-12          # float64; the oracles run the same arithmetic, so errors are ~1e-16
+CONTROL = 1e-6       # a planted difference must be at least this large
+results: list[tuple[bool, str]] = []
+
+
+class Net(nn.Module):
+    """Tied embedding/head, a frozen layer, a BatchNorm (buffers that change every forward),
+    and optionally a layer the forward never uses."""
+
+    def __init__(self, unused: bool = True):
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.fc1 = nn.Linear(H, H, bias=False)   # a bias before BatchNorm has no gradient
+        self.norm = nn.BatchNorm1d(H)
+        self.frozen = nn.Linear(H, H)
+        self.frozen.requires_grad_(False)
+        self.fc2 = nn.Linear(H, H)
+        if unused:
+            self.unused = nn.Linear(H, H)
+        self.head = nn.Linear(H, V, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, H))
+
+    def forward(self, x):
+        h = self.emb(x) * self.scale
+        h = torch.tanh(self.norm(self.fc1(h).reshape(-1, H))).reshape(*x.shape, H)
+        return self.head(self.fc2(self.frozen(h)))
+
+
+def build(seed, unused=True):
+    torch.manual_seed(seed)
+    return Net(unused).double()
+
+
+def tokens(rank, step, k=0):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + k)
+    return torch.randint(0, V, (B, S), generator=g)
+
+
+def loss_fn(model, x):
+    logits = model(x[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, V), x[:, 1:].reshape(-1))
+
+
+def groups(model, **decay):
+    """AdamW-style groups: no weight decay on biases and norms."""
+    plain = [p for n, p in model.named_parameters() if p.dim() < 2]
+    other = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    return [dict(params=other, **decay), dict(params=plain, weight_decay=0.0)]
+
+
+def state(model, buffers=True) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in list(model.parameters())
+            + (list(model.buffers()) if buffers else [])]
+
+
+def rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        if x.is_floating_point():
+            worst = max(worst, ((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item())
+        elif not torch.equal(x, y):
+            return float("inf")
+    return worst
+
+
+def report(name: str, err: float, control: bool = False):
+    """One verdict on the worst difference over all ranks."""
+    worst = torch.tensor([err], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    err = worst.item()
+    ok = err >= CONTROL if control else err <= TOL
+    what = "control " if control else ""
+    verdict = "PASS" if ok else "FAIL"
+    bound = f">= {CONTROL:g}" if control else f"<= {TOL:g}"
+    results.append((ok, f"{verdict} {what}{name}: max relative difference {err:.1e} ({bound})"))
+
+
+def train(model, opt, rank, accum=1, set_to_none=True, no_sync=None, clip=None, steps=STEPS,
+          start=0, buffers=True, snap=None):
+    """The user's loop; returns the parameters (and buffers) after every step (snap(): how to
+    read them, for sharded modules)."""
+    snaps = []
+    for step in range(start, start + steps):
+        for k in range(accum):
+            ctx = no_sync() if no_sync is not None and k < accum - 1 else contextlib.nullcontext()
+            with ctx:
+                (loss_fn(model, tokens(rank, step, k)) / accum).backward()
+        if clip is not None:
+            clip()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        snaps.append(snap() if snap is not None else
+                     state(model.module if hasattr(model, "module") else model, buffers))
+    return snaps
+
+
+# ------------------------------------------------------------------------------------------
+# ddp.DataParallel vs torch.nn.parallel.DistributedDataParallel
+# ------------------------------------------------------------------------------------------
+def check_ddp(rank):
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+    cases = [  # name, optimizer, accumulation, set_to_none, find_unused
+        ("adamw, set_to_none, no_sync x2, find_unused", "adamw", 2, True, True),
+        ("sgd momentum, zero in place, unused param", "sgd", 1, False, False),
+    ]
+    for name, kind, accum, to_none, find_unused in cases:
+        def make_opt(m):
+            if kind == "adamw":
+                return torch.optim.AdamW(groups(m, weight_decay=0.1), lr=1e-2)
+            return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        base = build(seed=100 + rank)            # every rank starts from its own weights
+        theirs = TorchDDP(copy.deepcopy(base), find_unused_parameters=True)
+        ours = ddp.DataParallel(copy.deepcopy(base), bucket_mb=0.0005,
+                                find_unused_parameters=find_unused)
+        assert len(ours.buckets) > 2, len(ours.buckets)
+        want = train(theirs, make_opt(theirs.module), rank, accum, to_none, theirs.no_sync)
+        got = train(ours, make_opt(ours.module), rank, accum, to_none, ours.no_sync)
+        report(f"ddp {name}: DataParallel vs torch DDP, {STEPS} steps",
+               max(rel_diff(g, w) for g, w in zip(got, want)))
+        if kind == "adamw":   # the comparison sees a missing broadcast and a missing sync
+            bad = ddp.DataParallel(copy.deepcopy(base), broadcast=False)
+            got = train(bad, make_opt(bad.module), rank, accum, to_none, bad.no_sync)
+            report("ddp without the initial broadcast",
+                   max(rel_diff(g, w) for g, w in zip(got, want)), control=True)
+            local = copy.deepcopy(base)   # rank 0's weights, gradients never synchronised
+            ddp.broadcast_coalesced(list(local.parameters()) + list(local.buffers()), 0)
+            got = train(local, make_opt(local), rank, accum, to_none)
+            report("ddp without the gradient all-reduce",
+                   max(rel_diff(g, w) for g, w in zip(got, want)), control=True)
+
+
+# ------------------------------------------------------------------------------------------
+# zero.ZeroOptimizer vs the unsharded torch optimizer on the global batch
+# ------------------------------------------------------------------------------------------
+def reference_run(W, kind, accum, clip, steps=STEPS):
+    """One process, the whole global batch: the mean over ranks of each rank's mean loss."""
+    model = build(seed=7, unused=False)
+    opt = make(kind, model)
+    snaps = []
+    for step in range(steps):
+        for k in range(accum):
+            loss = sum(loss_fn(model, tokens(r, step, k)) for r in range(W)) / (W * accum)
+            loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        snaps.append(state(model, buffers=False))   # buffers: each rank's own statistics
+    return model, opt, snaps
+
+
+def make(kind, model, **wrap):
+    cls, kw = {"adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95))),
+               "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+               "adam": (torch.optim.Adam, dict(lr=1e-2))}[kind]
+    params = groups(model, weight_decay=0.1) if kind == "adamw" else model.parameters()
+    if wrap:
+        return zero.ZeroOptimizer(params, cls, **wrap, **kw)
+    return cls(params, **kw)
+
+
+def check_zero(rank, W):
+    cases = [  # stage, optimizer, accumulation, clip
+        (1, "adamw", 1, None), (2, "adamw", 2, 0.05), (2, "sgd", 2, None), (1, "adam", 1, None)]
+    for stage, kind, accum, clip in cases:
+        ref_model, ref_opt, want = reference_run(W, kind, accum, clip)
+        model = build(seed=7 if rank == 0 else 8 + rank, unused=False)   # broadcast fixes it
+        opt = make(kind, model, stage=stage, bucket_mb=0.0005)
+        got = train(model, opt, rank, accum, clip=(lambda: opt.clip_grad_norm_(clip))
+                    if clip else None, buffers=False)
+        name = f"zero stage {stage} {kind}" + (f", accum {accum}" if accum > 1 else "") + \
+            (f", clip {clip}" if clip else "")
+        report(f"{name}: ZeroOptimizer vs torch.optim on the global batch, {STEPS} steps",
+               max(rel_diff(g, w) for g, w in zip(got, want)))
+        sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+        err = 0.0 if sd["state"].keys() == ref_sd["state"].keys() else float("inf")
+        for i in ref_sd["state"]:
+            for k, x in ref_sd["state"][i].items():
+                if torch.is_tensor(x):
+                    err = max(err, rel_diff([sd["state"][i][k]], [x]))
+        same_groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+        ref_groups = [{k: v for k, v in g.items() if k != "params"}
+                      for g in ref_sd["param_groups"]]
+        report(f"{name}: state_dict() vs the torch optimizer's",
+               err if same_groups == ref_groups else float("inf"))
+        # resume: a fresh model and ZeroOptimizer load the torch optimizer's state and go on
+        fresh = copy.deepcopy(ref_model)
+        opt2 = make(kind, fresh, stage=stage, bucket_mb=0.0005)
+        opt2.load_state_dict(ref_sd)
+        got = train(fresh, opt2, rank, accum, steps=2, start=STEPS, buffers=False,
+                    clip=(lambda: opt2.clip_grad_norm_(clip)) if clip else None)
+        ref_more = train_reference_more(ref_model, ref_opt, W, accum, clip, start=STEPS)
+        report(f"{name}: load_state_dict(torch's) then 2 more steps",
+               max(rel_diff(g, w) for g, w in zip(got, ref_more)))
+    # the comparison sees unaveraged gradients
+    ref_model, ref_opt, want = reference_run(W, "sgd", 1, None)
+    model = build(seed=7, unused=False)
+    opt = make("sgd", model, stage=2, average=False)
+    got = train(model, opt, rank, buffers=False)
+    report("zero stage 2 summing instead of averaging",
+           max(rel_diff(g, w) for g, w in zip(got, want)), control=True)
+
+
+def train_reference_more(model, opt, W, accum, clip, start, steps=2):
+    snaps = []
+    for step in range(start, start + steps):
+        for k in range(accum):
+            (sum(loss_fn(model, tokens(r, step, k)) for r in range(W)) / (W * accum)).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        snaps.append(state(model, buffers=False))
+    return snaps
+
+
+# ------------------------------------------------------------------------------------------
+# fsdp.fully_shard + zero.ZeroOptimizer vs FSDP2's fully_shard + torch.optim.AdamW
+# ------------------------------------------------------------------------------------------
+def check_fsdp(rank, W):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    mesh = init_device_mesh("cpu", (W,))
+    for reshard, accum, clip in ((True, 2, 0.05), (False, 1, None)):
+        theirs = build(seed=7, unused=False)       # FSDP2 needs equal weights on every rank
+        for unit in (theirs.fc1, theirs.fc2):
+            torch_fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+        torch_fully_shard(theirs, mesh=mesh, reshard_after_forward=reshard)
+        t_opt = torch.optim.AdamW(groups(theirs, weight_decay=0.1), lr=1e-2)
+        ours = build(seed=7 if rank == 0 else 9 + rank, unused=False)  # fully_shard broadcasts
+        fs = fsdp.fully_shard(ours, units=["fc1", "fc2"], reshard_after_forward=reshard)
+        o_opt = zero.ZeroOptimizer(groups(ours, weight_decay=0.1), torch.optim.AdamW, engine=fs,
+                                   lr=1e-2)
+        names = [n for n, _ in ours.named_parameters()]
+
+        def t_clip():
+            torch.nn.utils.clip_grad_norm_(theirs.parameters(), clip)
+        want = train(theirs, t_opt, rank, accum, clip=t_clip if clip else None,
+                     snap=lambda: [p.full_tensor().detach().clone() for p in theirs.parameters()]
+                     + [b.clone() for b in theirs.buffers()])
+        got = train(ours, o_opt, rank, accum, clip=(lambda: o_opt.clip_grad_norm_(clip))
+                    if clip else None,
+                    snap=lambda: [t.clone() for t in map(fs.full_tensors("param").get, names)]
+                    + [b.clone() for b in ours.buffers()])
+        report(f"fsdp reshard={reshard}" + (f", accum {accum}, clip {clip}" if clip else "")
+               + f": fully_shard vs FSDP2, {STEPS} steps",
+               max(rel_diff(g, w) for g, w in zip(got, want)))
+    bad = build(seed=7, unused=False)   # the comparison sees a planted bug: sums, no average
+    fs = fsdp.fully_shard(bad, units=["fc1", "fc2"], average=False)
+    opt = zero.ZeroOptimizer(groups(bad, weight_decay=0.1), torch.optim.AdamW, engine=fs, lr=1e-2)
+    got = train(bad, opt, rank, 2, snap=lambda: [fs.full_tensors("param")[n] for n in names])
+    report("fsdp summing instead of averaging",
+           max(rel_diff(g, w[:len(g)]) for g, w in zip(got, want)), control=True)
+
+
+def check_errors():
+    """Bad input: one clear line, before any collective."""
+    model = build(seed=0, unused=False)
+    for cls in (torch.optim.LBFGS, getattr(torch.optim, "Adafactor", torch.optim.LBFGS)):
+        try:
+            zero.ZeroOptimizer(model.parameters(), cls, lr=0.1)
+            results.append((False, f"FAIL error: ZeroOptimizer accepted {cls.__name__}"))
+        except ValueError as e:
+            results.append(("not known to update elementwise" in str(e),
+                            f"PASS error: ZeroOptimizer({cls.__name__}): {e}"))
+    with torch.device("meta"):
+        meta = Net()
+    try:
+        ddp.DataParallel(meta)
+        results.append((False, "FAIL error: DataParallel accepted a module on the meta device"))
+    except ValueError as e:
+        results.append(("meta device" in str(e), f"PASS error: DataParallel(meta module): {e}"))
+
+
+CHECKS = {"ddp": check_ddp, "zero": check_zero, "fsdp": check_fsdp, "errors": check_errors}
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", default=",".join(CHECKS))
+    p.add_argument("--timeout", default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_default_dtype(torch.float64)
+    dist.init_process_group("gloo")
+    rank, W = dist.get_rank(), dist.get_world_size()
+    for name in args.only.split(","):
+        fn = CHECKS[name]
+        fn(*[rank, W][:fn.__code__.co_argcount])
+    for ok, line in results:
+        line = line if ok or line.startswith("FAIL") else "FAIL" + line[4:]
+        if rank == 0 or not ok:
+            print(line if rank == 0 else f"rank {rank}: {line}", flush=True)
+    failed = any(not ok for ok, _ in results)
+    dist.destroy_process_group()
+    sys.exit(1 if failed else 0)

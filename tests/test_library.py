@@ -1,0 +1,62 @@
+"""The public API in a user's own loop (tests/library_oracles.py): ddp.DataParallel against
+torch DDP, zero.ZeroOptimizer against the unsharded torch optimizer, fsdp.fully_shard against
+FSDP2, each with a negative control the comparison must see, and bad input."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+# the verdict lines library_oracles.py prints, by check
+EXPECTED = {
+    "ddp": ["ddp adamw, set_to_none, no_sync x2, find_unused: DataParallel vs torch DDP",
+            "control ddp without the initial broadcast",
+            "control ddp without the gradient all-reduce",
+            "ddp sgd momentum, zero in place, unused param: DataParallel vs torch DDP"],
+    "zero": [f"zero stage {s} {k}{extra}: {what}"
+             for s, k, extra in ((1, "adamw", ""), (2, "adamw", ", accum 2, clip 0.05"),
+                                 (2, "sgd", ", accum 2"), (1, "adam", ""))
+             for what in ("ZeroOptimizer vs torch.optim on the global batch",
+                          "state_dict() vs the torch optimizer's",
+                          "load_state_dict(torch's) then 2 more steps")]
+    + ["control zero stage 2 summing instead of averaging"],
+    "fsdp": ["fsdp reshard=True, accum 2, clip 0.05: fully_shard vs FSDP2",
+             "fsdp reshard=False: fully_shard vs FSDP2",
+             "control fsdp summing instead of averaging"],
+    "errors": ["error: ZeroOptimizer(LBFGS): ZeroOptimizer: LBFGS is not known to update "
+               "elementwise", "error: ZeroOptimizer(Adafactor)",
+               "error: DataParallel(meta module): DataParallel: emb.weight is on the meta device"],
+}
+
+
+def oracles(world, only):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={world}", os.path.join(ROOT, "tests", "library_oracles.py"),
+           "--only", ",".join(only)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    lines = [l for l in p.stdout.splitlines() if l.startswith(("PASS", "FAIL"))]
+    return p, lines
+
+
+def check(p, lines, only):
+    want = [w for k in only for w in EXPECTED[k]]
+    assert p.returncode == 0 and not any(l.startswith("FAIL") for l in lines), \
+        p.stdout + p.stderr[-3000:]
+    assert len(lines) == len(want), lines
+    for line, w in zip(lines, want):
+        assert line.startswith("PASS " + w), (line, w)
+
+
+def test_library_against_torch_w2():
+    only = ["ddp", "zero", "fsdp", "errors"]
+    check(*oracles(2, only), only)
+
+
+@pytest.mark.slow
+def test_library_against_torch_w3():
+    # uneven: 3 ranks, flat buffers padded (the shards' last run carries the padding)
+    only = ["ddp", "zero", "fsdp"]
+    check(*oracles(3, only), only)
