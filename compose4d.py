@@ -194,6 +194,10 @@ def compose_constraints(args, world, config) -> list[str]:
     if getattr(config, "num_local_experts", None):
         return ["compose4d composes dense Llama models; MoE (--ep) is not implemented"]
     errs = tp.tp_constraints(args, T, config) if T > 1 else []
+    kv = config.num_key_value_heads
+    if T > 1 and not errs and kv % T and kv != 1:
+        errs = [f"compose4d: tensor parallel size {T} replicates kv heads "
+                f"(num_key_value_heads {kv}); compose4d replicates only a single kv head"]
     if errs:
         return errs
     V = args.virtual_stages if args.schedule == "interleaved" else 1

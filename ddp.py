@@ -202,7 +202,7 @@ class DataParallel(torch.nn.Module):
 
     def _on_grad_ready(self, p):
         slot = self.slot_of[p]
-        if p.grad.data_ptr() != slot.data_ptr():
+        if p.grad is not slot:   # (torch keeps one Python object per tensor)
             # .grad was set to None (zero_grad's default) or replaced: autograd made a fresh
             # tensor; its values are the whole accumulated gradient, so they become the slot's
             slot.copy_(p.grad)
@@ -228,7 +228,7 @@ class DataParallel(torch.nn.Module):
 
     def _launch(self, b: Bucket):
         for p, slot in zip(b.params, b.slots):
-            if p not in self.used and (p.grad is None or p.grad.data_ptr() != slot.data_ptr()):
+            if p not in self.used and p.grad is not slot:
                 slot.zero_()   # no gradient since .grad was set to None: the slot is stale
         if self.probe:
             self._exact.append(b.buffer.double())

@@ -205,9 +205,9 @@ class MegatronSP(tp.TP):
         b = DTYPES[a.dtype].itemsize
         b_ce = 4 if a.dtype == "bfloat16" else b
         nhb = N * H * b
-        partial = self.seq_partial + self.tp.partial_grads
+        partial = sum(p.numel() for p in self.seq_partial) + self.tp.partial_numel()
         ar_calls = 1 + 3 + 1 + (1 if a.clip else 0)
-        ar_bytes = nhb + 3 * N * b_ce + sum(p.numel() for p in partial) * b + (8 if a.clip else 0)
+        ar_bytes = nhb + 3 * N * b_ce + partial * b + (8 if a.clip else 0)
         return [
             Expect("all_gather_into_tensor", "world", 6 * L + 3, (6 * L + 3) * nhb,
                    "(6L+3) x N*H*b: 2 region entries per layer + LM head (fwd); the same "

@@ -22,14 +22,17 @@ Vocabulary
 Replicated parameters
     The norms are replicated, with identical inputs and gradients on every rank (the grad of a
     region's input is already all-reduced by f), so they need no communication; correctness
-    checks that they stay identical. With a single kv head (MQA) the kv projections are
-    replicated instead of split: each rank's gradient of them covers its own q heads only, so
-    those gradients are all-reduced.
+    checks that they stay identical. With more ranks than kv heads (T = m x n_kv, e.g. MQA's
+    single head, or 2 kv heads on 4 ranks) each kv head is replicated on the m ranks whose q
+    heads attend to it, as in Megatron: a copy's gradient covers its own q heads only, so the
+    m copies' gradients are summed (one all-reduce over the group of a zero buffer holding
+    every kv head, n_kv x a head's bytes, each rank adding its own head's).
 
 Communication per step (N = B*S tokens, H hidden, L layers, b bytes; all over the tp group)
     forward   all_reduce  embedding 1 + 2 per layer, each N*H*b; loss 3 of N*b
     backward  all_reduce  2 per layer (the f of attention and MLP) + 1 (the f of the LM head)
-    total     (4L + 2) all-reduces of N*H*b, plus 3 of N*b  (+1 for replicated kv grads)
+    total     (4L + 2) all-reduces of N*H*b, plus 3 of N*b  (+1 for replicated kv grads:
+              n_kv x the local k and v projections' elements per layer)
 Memory: weights and optimizer states / T (norms replicated); activations inside attention and
 MLP / T, the residual stream and norms full (sp.py shards those too).
 """
@@ -216,10 +219,16 @@ class TensorParallel:
         self.T, self.rank, self.vocab = T, r, cfg.vocab_size
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         hq, hkv = cfg.num_attention_heads // T, cfg.num_key_value_heads
-        self.replicate_kv = hkv % T != 0          # only allowed for a single kv head
-        hkv_local = hkv if self.replicate_kv else hkv // T
+        # More ranks than kv heads (T = m * hkv): each kv head is replicated on m consecutive
+        # ranks, the ones whose q heads attend to it (Megatron's GQA with tp > kv heads).
+        self.kv_copies = 1 if hkv % T == 0 else T // hkv
+        self.replicate_kv = self.kv_copies > 1
+        self.n_kv, self.kv_head = hkv, r // self.kv_copies
+        hkv_local = 1 if self.replicate_kv else hkv // T
         # sharded: name -> dim along which the full tensor is split (vocab ones are padded)
         self.split_dim: dict[str, int] = {}
+        # replicated kv projections: name -> copies (m); rank r holds kv head r // m
+        self.kv_split: dict[str, int] = {}
         self.partial_grads: list[nn.Parameter] = []  # replicated params with per-rank grads
 
         def rows(n_per_rank):
@@ -228,7 +237,8 @@ class TensorParallel:
         for i, layer in enumerate(base.layers):
             a, m, p = layer.self_attn, layer.mlp, f"model.layers.{i}."
             a.q_proj = ColumnParallelLinear(a.q_proj, rows(hq * head_dim))
-            kv_rows = None if self.replicate_kv else rows(hkv_local * head_dim)
+            kv_rows = (slice(self.kv_head * head_dim, (self.kv_head + 1) * head_dim)
+                       if self.replicate_kv else rows(hkv_local * head_dim))
             a.k_proj = ColumnParallelLinear(a.k_proj, kv_rows)
             a.v_proj = ColumnParallelLinear(a.v_proj, kv_rows)
             a.o_proj = RowParallelLinear(a.o_proj, rows(hq * head_dim), self.region)
@@ -249,7 +259,12 @@ class TensorParallel:
                 self.split_dim[p + "mlp.gate_proj.bias"] = 0
                 self.split_dim[p + "mlp.up_proj.bias"] = 0
             if self.replicate_kv:
+                # each copy's gradient covers its own q heads only: summed over the m copies
                 self.partial_grads += [q for q in (*a.k_proj.parameters(), *a.v_proj.parameters())]
+                for n in ("k_proj", "v_proj"):
+                    for kind in ("weight", "bias"):
+                        if getattr(getattr(a, n), kind, None) is not None:
+                            self.kv_split[p + f"self_attn.{n}.{kind}"] = self.kv_copies
             else:
                 for n in ("k_proj", "v_proj"):
                     self.split_dim[p + f"self_attn.{n}.weight"] = 0
@@ -300,9 +315,26 @@ class TensorParallel:
             self.vocab, self.group, self.plant).sum()
 
     def reduce_partial_grads(self, extra=()):
-        """All-reduce the gradients that each rank holds only a part of (one flat call)."""
-        all_reduce_flat([p.grad for p in (*self.partial_grads, *extra)
-                                if p.grad is not None], self.group)
+        """All-reduce the gradients that each rank holds only a part of (one flat call). A
+        replicated kv head's gradient is summed over its m copies only: each rank places it at
+        its head's position in a zero buffer of all n_kv heads, so one all-reduce over the
+        group serves every head (n_kv x the head's bytes; no per-head process groups)."""
+        if self.plant == "kv-copies-summed-across-heads":   # the bug: every kv head's copies
+            extra = (*self.partial_grads, *extra)          # summed with every other head's
+        flat, back = [], []
+        for p in self.partial_grads:
+            if p.grad is not None and self.plant != "kv-copies-summed-across-heads":
+                buf = p.grad.new_zeros(self.n_kv, *p.grad.shape)
+                buf[self.kv_head] = p.grad
+                flat.append(buf)
+                back.append((p, buf))
+        all_reduce_flat(flat + [p.grad for p in extra if p.grad is not None], self.group)
+        for p, buf in back:
+            p.grad.copy_(buf[self.kv_head])
+
+    def partial_numel(self) -> int:
+        """Elements of the partial gradients' all-reduce (the kv heads' buffers)."""
+        return sum(p.numel() * self.n_kv for p in self.partial_grads)
 
     def full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full tensors from this rank's shards (collective): gather along the split dim and
@@ -310,11 +342,15 @@ class TensorParallel:
         out = {}
         for name, t in tensors.items():
             d = self.split_dim.get(name)
-            if d is None:
+            m = self.kv_split.get(name)
+            if d is None and m is None:
                 out[name] = t
                 continue
             parts = [torch.empty_like(t) for _ in range(self.T)]
             dist.all_gather(parts, t.contiguous(), group=self.group)
+            if m is not None:      # one copy of each kv head
+                out[name] = torch.cat(parts[::m], dim=0)
+                continue
             full = torch.cat(parts, dim=d)
             if name in ("model.embed_tokens.weight", "lm_head.weight"):
                 full = full[:self.vocab]
@@ -325,6 +361,8 @@ class TensorParallel:
         """This rank's shard of a full tensor (the inverse of full(): vocabulary rows padded
         with zeros, then the rank's chunk along the split dim)."""
         d = self.split_dim.get(name)
+        if name in self.kv_split:
+            return full.chunk(self.n_kv, dim=0)[self.kv_head].clone()
         if d is None:
             return full
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -342,7 +380,10 @@ class TensorParallel:
                 target = sharded if n in self.split_dim else replicated
                 if self.plant == "clip-norm-scale":   # planted bug: replicated ones counted T times
                     target = sharded
-                target += p.grad.double().pow(2).sum()
+                sq = p.grad.double().pow(2).sum()
+                if n in self.kv_split:   # a kv head's m copies count once
+                    target, sq = sharded, sq / self.kv_split[n]
+                target += sq
         dist.all_reduce(sharded, group=self.group)
         norm = (sharded + replicated).sqrt().item()
         coef = min(1.0, max_norm / (norm + 1e-6))
@@ -364,9 +405,9 @@ def tp_constraints(args, world, config) -> list[str]:
     h, kv = config.num_attention_heads, config.num_key_value_heads
     if h % T:
         return [f"tensor parallel size {T} does not divide num_attention_heads {h}"]
-    if kv % T and kv != 1:
-        return [f"tensor parallel size {T} does not divide num_key_value_heads {kv} "
-                f"(only a single kv head may be replicated)"]
+    if kv % T and T % kv:
+        return [f"tensor parallel size {T} and num_key_value_heads {kv}: one must divide the "
+                f"other (kv heads split over the ranks, or each replicated on T/kv ranks)"]
     if config.intermediate_size % T:
         return [f"tensor parallel size {T} does not divide intermediate_size "
                 f"{config.intermediate_size}"]
@@ -391,6 +432,10 @@ class TP(Strategy):
                                           PLANT_ARGS),
         "clip-norm-scale": Plant("the clip norm sums the replicated gradients' squares "
                                         "over the group too: counted T times", PLANT_ARGS),
+        "kv-copies-summed-across-heads": Plant(
+            "with more ranks than kv heads, a replicated kv head's gradient is all-reduced "
+            "over the whole group: summed with the other heads' copies, not its own only",
+            ("--dtype", "float32", "--clip", "0.5"), world=4),
     }
 
     @staticmethod
@@ -431,7 +476,8 @@ class TP(Strategy):
 
     def extra_checks(self):
         # Replicated parameters (norms, replicated kv) must stay identical across TP ranks.
-        rep = [p for n, p in self.model.named_parameters() if n not in self.tp.split_dim]
+        rep = [p for n, p in self.model.named_parameters() if n not in self.tp.split_dim
+               and self.tp.kv_split.get(n, self.tp.T) == self.tp.T]
         spread = spread_across_ranks(rep)
         return [(f"{len(rep)} replicated tensors identical across ranks", spread == 0.0,
                  f"max spread of per-tensor sums {spread:.1e}")]
@@ -444,7 +490,7 @@ class TP(Strategy):
         calls = 4 * L + 2 + 3 + (1 if self.tp.partial_grads else 0)
         nbytes = (4 * L + 2) * N * H * b + 3 * N * b_ce
         if self.tp.partial_grads:
-            nbytes += sum(p.numel() for p in self.tp.partial_grads) * b
+            nbytes += self.tp.partial_numel() * b
         if a.clip:
             calls, nbytes = calls + 1, nbytes + 8
         return [Expect("all_reduce", "world", calls, nbytes,

@@ -120,9 +120,12 @@ class FlatUnit:
         self.used: set = set()    # parameters that got a gradient since the last reduction
 
     def slot(self, i: int) -> torch.Tensor:
-        """Parameter i's view of the full gradient buffer."""
-        off, p = self.offsets[i], self.params[i]
-        return self.grad_full[off:off + p.numel()].view_as(p)
+        """Parameter i's view of the full gradient buffer (made once: .grad is bound to this
+        very tensor, so `p.grad is slot` tells whether autograd replaced it)."""
+        if not hasattr(self, "slots"):
+            self.slots = [self.grad_full[off:off + p.numel()].view_as(p)
+                          for p, off in zip(self.params, self.offsets)]
+        return self.slots[i]
 
     def _bind_grads(self):
         for i, p in enumerate(self.params):
@@ -137,7 +140,7 @@ class FlatUnit:
             self.alloc_grads(first=p)
         else:
             slot = self.slot(self.index[p])
-            if p.grad.data_ptr() != slot.data_ptr():
+            if p.grad is not slot:
                 slot.copy_(p.grad)
                 p.grad = slot
         self.used.add(p)
@@ -149,7 +152,7 @@ class FlatUnit:
             self.alloc_grads(first=None)
         for i, p in enumerate(self.params):
             slot = self.slot(i)
-            if p.requires_grad and p not in self.used and (p.grad is None or p.grad.data_ptr() != slot.data_ptr()):
+            if p.requires_grad and p not in self.used and p.grad is not slot:
                 slot.zero_()
                 p.grad = slot
         self.used = set()

@@ -251,6 +251,8 @@ def test_bad_layout_under_torchrun(run):
 
 @pytest.mark.parametrize("nproc,args,msg", [
     (3, ["--tp", "3"], "tensor parallel size 3 does not divide num_attention_heads 4"),
+    (4, ["--tp", "4"], "compose4d: tensor parallel size 4 replicates kv heads "
+                       "(num_key_value_heads 2); compose4d replicates only a single kv head"),
     (2, ["--pp", "2", "--tp", "2"], "world size 2 is not divisible by tp x pp x cp"),
     (2, ["--cp", "2", "--length", "66"], "sequence length 66 is not divisible by 2 x cp = 4"),
     (3, ["--pp", "3", "--batch", "6", "--model", "TWO_LAYERS"],

@@ -1,6 +1,4 @@
 """tp.py and sp.py (Megatron SP, Ulysses) against the single-device reference on CPU."""
-import json
-import os
 
 import pytest
 import torch
@@ -47,6 +45,12 @@ SP2 = Runs("sp.py", 2, {"correct-megatron": CORRECT + MEGATRON,
 TP4 = Runs("tp.py", 4, {"correct": CORRECT})
 SP4 = Runs("sp.py", 4, {"correct-megatron": CORRECT + MEGATRON,
                         "correct-ulysses": CORRECT + ULYSSES})
+# tiny: 2 kv heads on 4 ranks, each replicated on 2 (Megatron's GQA with T > kv heads)
+KVREP4 = Runs("tp.py", 4, tier="slow", runs={
+    "kv-replicated": ["--clip", "0.5"],
+    "bench-kv-replicated": ["--mode", "benchmark", "--warmup", "1", "--bench-iters", "2"]})
+SP_KVREP4 = Runs("sp.py", 4, tier="slow",
+                 runs={"kv-replicated-megatron": ["--clip", "0.5", *MEGATRON]})
 SLOW_TP2 = Runs("tp.py", 2, tier="slow", runs={
     **{c: ["--model", cfg_file(c)] for c in ("bias", "tied", "mqa")},
     "dtensor": [*GQA, "--dtensor"]})
@@ -90,6 +94,26 @@ def test_correctness_gqa(runs, script, variant, name, world):
 def test_correctness_biases_tied_mqa(runs, config, script, variant, name):
     batch = SLOW_TP2 if script == "tp.py" else SLOW_SP2
     check(runs(batch, key(config, variant)), name, 2, N_TENSORS[config])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch,key,name", [(KVREP4, "kv-replicated", "tp"),
+                                            (SP_KVREP4, "kv-replicated-megatron", "sp-megatron")])
+def test_correctness_kv_heads_replicated(runs, batch, key, name):
+    """T=4 ranks, 2 kv heads: each head on 2 ranks, its gradient summed over its copies."""
+    res = check(runs(batch, key), name, 4, 39)
+    assert res["worst_ratio"] <= 1.0, res["worst"]
+
+
+@pytest.mark.slow
+def test_benchmark_kv_replicated_comm(runs):
+    b = bench(runs, KVREP4, "bench-kv-replicated")
+    hd, n_kv = H // 4, 2                  # tiny: 4 heads of 16, 2 kv heads
+    kv_local = L * 2 * hd * H             # per rank: one kv head's k and v rows, every layer
+    # the partial-gradient all-reduce carries every kv head's slot: n_kv x the local rows
+    assert b["ours"]["comm"] == {"all_reduce|world": {
+        "calls": 4 * L + 2 + 3 + 1,
+        "bytes": (4 * L + 2) * N * H * E + 3 * N * E + n_kv * kv_local * E}}
 
 
 @pytest.mark.slow

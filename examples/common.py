@@ -1,0 +1,61 @@
+"""What the three examples share: a small model, a toy task, and the process group. A user's
+own code has its own versions of these; the parallel part is in each example's loop."""
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, SEQ = 32, 16
+
+
+class TinyLM(nn.Module):
+    """Embedding, a few residual MLP blocks, a tied LM head."""
+
+    def __init__(self, width=64, depth=4):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width),
+                                                  nn.GELU(), nn.Linear(4 * width, width))
+                                    for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(self.norm(h))
+
+
+def batch(rank: int, step: int, size: int = 8):
+    """A learnable toy task: predict the next token of an arithmetic sequence (x, x+d, ...);
+    every rank draws its own samples."""
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    start = torch.randint(0, VOCAB, (size, 1), generator=g)
+    stride = torch.randint(1, 4, (size, 1), generator=g)
+    return (start + stride * torch.arange(SEQ + 1)) % VOCAB
+
+
+def loss_fn(model, seq):
+    logits = model(seq[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), seq[:, 1:].reshape(-1))
+
+
+def init():
+    """torchrun's environment: gloo on CPU, NCCL with one GPU per process."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    torch.manual_seed(dist.get_rank())      # different on every rank: the wrappers broadcast
+    return torch.device("cuda" if cuda else "cpu"), dist.get_rank()
+
+
+def no_decay_groups(model, weight_decay):
+    """The usual AdamW groups: no weight decay on biases and norm weights."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]

@@ -1,0 +1,29 @@
+"""Data parallelism on your own model: torchrun --nproc_per_node=2 examples/ddp_train.py
+
+ddp.DataParallel is used exactly like torch's DistributedDataParallel."""
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, __file__.rsplit("/examples/", 1)[0])
+import ddp  # noqa: E402
+from common import TinyLM, batch, init, loss_fn  # noqa: E402
+
+device, rank = init()
+model = ddp.DataParallel(TinyLM().to(device))          # rank 0's weights win
+opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+accum = 2
+for step in range(60):
+    for k in range(accum):                              # gradient accumulation: no
+        ctx = model.no_sync() if k < accum - 1 else torch.enable_grad()  # communication
+        with ctx:                                       # until the last micro-batch
+            loss = loss_fn(model, batch(rank * accum + k, step).to(device)) / accum
+            loss.backward()                             # averaged over ranks by the end
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()                                     # set_to_none, torch's default
+    if step % 20 == 0 or step == 59:
+        if rank == 0:
+            print(f"step {step:3d}  loss {loss.item() * accum:.3f}", flush=True)
+dist.destroy_process_group()
