@@ -323,17 +323,12 @@ class Compose4D(Strategy):
         # Tensor (and sequence) parallelism: split the linear layers, the vocabulary, the loss.
         self.tp, self.partial = None, []
         if T > 1:
-            region = sp.SPRegion(g["tp"]) if args.sp else tp.TPRegion(g["tp"])
-            self.tp = tp.TensorParallel(model, g["tp"], region)
-            self.partial = list(self.tp.partial_grads)
-            if args.sp:
-                self.partial += sp.shard_residual_stream(model, g["tp"])
+            self.tp = (sp.parallelize if args.sp else tp.parallelize)(model, g["tp"])
+            self.partial = list(self.tp.partial_grads) + list(self.tp.extra_partial)
         # Context parallelism: ring attention over the cp group, this rank's zig-zag tokens.
         self.pos = None
         if C > 1:
-            cp = cp_ring.CPContext("zigzag", g["cp"], args.length)
-            cp_ring.install(model, cp)
-            self.pos = cp_ring.positions(cp.chunks[self.me["cp"]]).to(env.device)
+            self.pos = cp_ring.parallelize(model, g["cp"], args.length).positions.to(env.device)
         # Pipeline: this rank's stage (drops the other layers), over the pp group.
         V = args.virtual_stages if args.schedule == "interleaved" else 1
         self.pipe = pp.Pipeline(model, P, V, self.me["pp"], args.schedule, group=g["pp"],

@@ -53,6 +53,11 @@ Planted bugs (`--plant-bug NAME`, `CP.plants`; each must FAIL the correctness mo
 gradient sum not averaged, the diagonal block attending in full, the merge not rescaling the
 running output, dK/dV not brought home, tokens split contiguously under the zig-zag layout,
 and (allgather) dK/dV kept instead of reduce-scattered.
+
+Public API
+    cp = parallelize(model, group, seq_len, variant="zigzag")   ring attention installed in place;
+        cp.positions are this rank's tokens; the weights' gradients summed with
+        ddp.DataParallel(model, group, average=False)
 """
 import torch
 import torch.distributed as dist
@@ -485,6 +490,24 @@ def install(model, cp: CPContext):
         layer.self_attn.cp = cp
 
 
+def parallelize(model, group, seq_len: int, variant: str = "zigzag", kernel=None,
+                plant: str | None = None) -> CPContext:
+    """Context parallelism for an HF Llama-family model over the ranks of `group`, in place
+    (the entry the harness, compose4d and users call). Returns the context, whose `positions`
+    are this rank's global token positions. In a loop:
+
+        cp = cp_ring.parallelize(model, group, seq_len)
+        dp = ddp.DataParallel(model, group, average=False)   # same weights, other tokens
+        pos = cp.positions.to(device)
+        logits = model(input_ids=ids[:, pos], position_ids=pos[None].expand(B, -1)).logits
+        (loss_sum(logits, labels[:, pos]) / n_tokens_global).backward()   # grads summed
+    """
+    cp = CPContext(variant, group, seq_len, plant=plant, kernel=kernel)
+    install(model, cp)
+    cp.positions = positions(cp.chunks[cp.rank])
+    return cp
+
+
 def reference_attention(q, k, v, scale):
     """Full causal attention on one device (for the standalone check)."""
     n_rep = q.shape[1] // k.shape[1]
@@ -559,12 +582,10 @@ class CP(Strategy):
         self.kernel_time = CallTimer(env.device.type == "cuda")
         kernel.forward = self.kernel_time.wrap(kernel.forward, work=_block_flops)
         kernel.backward = self.kernel_time.wrap(kernel.backward)
-        self.cp = CPContext(args.variant, None, args.length, plant=args.plant_bug, kernel=kernel)
-        install(model, self.cp)
-        mine = self.cp.chunks[env.rank]
+        self.cp = parallelize(model, None, args.length, args.variant, kernel, args.plant_bug)
+        self.pos = self.cp.positions.to(env.device)
         if args.plant_bug == "contiguous-tokens":   # planted bug: the usual contiguous split
-            mine = layout("ring", env.world, args.length)[env.rank]
-        self.pos = positions(mine).to(env.device)
+            self.pos = positions(layout("ring", env.world, args.length)[env.rank]).to(env.device)
         # Same weights, different tokens: gradients are summed over the CP group.
         self.dp = ddp.DataParallel(model, broadcast=False, broadcast_buffers=False,
                                    average=args.plant_bug != "no-average",

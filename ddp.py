@@ -34,6 +34,11 @@ Communication per optimizer step (Psi = parameter count, b = bytes per element)
     ring traffic/rank = 2 (W-1)/W * Psi * b       (reduce-scatter + all-gather phases)
 Memory per rank: the full model states (params + grads + AdamW's 2 moments = 4 Psi b) plus the
 activations of B/(W K) sequences.
+
+Public API
+    model = DataParallel(module, group=None, bucket_mb=25)   a drop-in for torch DDP: rank 0's
+        parameters and buffers broadcast, gradients averaged by the end of backward (set_to_none
+        either way), no_sync(), find_unused_parameters=; examples/ddp_train.py
 """
 import contextlib
 import warnings

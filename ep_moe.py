@@ -62,8 +62,13 @@ which HF does not implement, HF's experts behind this file's route() and drops.
 Planted bugs (--plant-bug NAME, see ExpertParallel.plants): a router that skips the top-k
 renormalisation, a combine that returns rows to the wrong tokens, expert gradients divided by
 the data-parallel size, and a per-rank (instead of global-batch) auxiliary loss.
+
+Public API
+    blocks = parallelize(model, group, capacity_factor=None)   E/W experts per rank in every
+        MoE block of an HF Mixtral-family model; the rest replicated under ddp.DataParallel
 """
 import math
+import types
 
 import torch
 import torch.distributed as dist
@@ -302,6 +307,21 @@ def install(model, make_block) -> list[MoEBlock]:
     return blocks
 
 
+def parallelize(model, group, capacity_factor: float | None = None, aux_free_bias=False,
+                z_coef: float = 0.0, stats: list | None = None, plant: str | None = None):
+    """Expert parallelism for an HF Mixtral-family model over the ranks of `group`, in place
+    (the entry the harness and users call): each rank keeps E/W experts, every MoE block
+    dispatches its rows to the experts' ranks and combines them back (all_to_all_single).
+    Returns the blocks; `stats` collects each block's routing counts per forward (the router
+    losses: router_losses(stats, ...)). Everything else stays replicated: wrap the model in
+    ddp.DataParallel(model, dp_group, params=[non-expert parameters], average=False) with
+    each rank's loss its share of the global objective (see ExpertParallel.step)."""
+    opts = types.SimpleNamespace(capacity_factor=capacity_factor, aux_free_bias=aux_free_bias,
+                                 z_coef=z_coef)
+    stats = [] if stats is None else stats
+    return install(model, lambda b: ExpertParallelMoE(b, stats, opts, group, plant=plant))
+
+
 def is_expert(name: str) -> bool:
     return ".experts." in name
 
@@ -461,8 +481,8 @@ class ExpertParallel(Strategy):
         self.group = name_group(dist.new_group(ranks), "ep")
         self.dp_group = name_group(dist.new_group(ranks), "dp")
         self.stats: list[dict] = []
-        self.blocks = install(model, lambda b: ExpertParallelMoE(b, self.stats, args, self.group,
-                                                                 plant=args.plant_bug))
+        self.blocks = parallelize(model, self.group, args.capacity_factor, args.aux_free_bias,
+                                  args.z_coef, self.stats, args.plant_bug)
         self.expert_params = [p for n, p in model.named_parameters() if is_expert(n)]
         dense = [p for n, p in model.named_parameters() if not is_expert(n)]
         # The loss on each rank is its share of the global objective, so replicated gradients

@@ -46,6 +46,11 @@ gradients (correct; its extra compute is the price of not rewriting every layer'
 Communication per step (mb = B/M sequences, S length, H hidden, b bytes): every chunk boundary
 (P*V - 1 of them) carries M activations forward and M gradients back, each mb*S*H*b, plus one
 all_reduce of the tied embedding gradient when tied.
+
+Public API
+    pipe = Pipeline(model, P, V, rank, schedule, group=None, tie_group=None)   this rank's
+        stage(s) of an HF Llama-family model (the other layers dropped) and the executor:
+        pipe.run(batch, M, n_tokens) runs one step's forwards and backwards
 """
 import torch
 import torch.distributed as dist

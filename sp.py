@@ -31,6 +31,12 @@ Communication per step (N = B*S tokens, H hidden, L layers, b bytes, W = T ranks
     ulysses   all_to_all per layer: q, k, v in and the output back, forward and backward:
               2 x (2H + 2 H_kv) x N/W * b per layer, which is about 1/W of TP's 4 N*H*b, plus the
               data-parallel all_reduce of the gradients (Psi*b).
+
+Public API
+    tpm = parallelize(model, group)   Megatron SP: tp.parallelize with sequence-sharded regions
+        (the loop is tp.py's; the norms' gradients join tpm.reduce_partial_grads())
+    Ulysses: ulysses_attention through HF's attention registry (Ulysses.__init__ shows it), the
+        weights replicated under ddp.DataParallel, each rank feeding its own tokens
 """
 import torch
 import torch.distributed as dist
@@ -177,11 +183,10 @@ class MegatronSP(tp.TP):
     }
 
     def __init__(self, model, args, env):
-        super().__init__(model, args, env)
-        self.seq_partial = shard_residual_stream(model, None, args.plant_bug)
-
-    def make_region(self):
-        return SPRegion(None, self.args.plant_bug)
+        self.args, self.env, self.model = args, env, model
+        self.tp = parallelize(model, None, args.plant_bug)
+        self.seq_partial = self.tp.extra_partial
+        self.optimizer = make_adamw(model.parameters(), args)
 
     def step(self, batch):
         self.optimizer.zero_grad(set_to_none=True)
@@ -189,10 +194,9 @@ class MegatronSP(tp.TP):
             ce = self.tp.loss_sum(self.model(input_ids=batch.input_ids).logits, batch.labels)
         with phase("backward"):
             (ce / batch.n_tokens).backward()
-            partial = self.seq_partial
             if self.args.plant_bug == "norm-grads-unreduced":   # planted bug: treated as TP's
-                partial = []
-            self.tp.reduce_partial_grads(extra=partial)
+                self.tp.extra_partial = []
+            self.tp.reduce_partial_grads()
         with phase("optimizer"):
             if self.args.clip:
                 self.grad_norm = self.tp.clip(self.args.clip)
@@ -223,6 +227,15 @@ class MegatronSP(tp.TP):
 
     def report_lines(self):
         return _per_layer_lines(self.model.config, self.args, self.env.world)
+
+
+def parallelize(model, group=None, plant: str | None = None) -> tp.TensorParallel:
+    """Megatron sequence parallelism: tp.parallelize with all-gather / reduce-scatter regions,
+    and the residual stream sequence-sharded between them. The loop is tp's (the norms'
+    gradients join tpm.reduce_partial_grads()); each rank still feeds the whole sequence."""
+    tpm = tp.parallelize(model, group, region=SPRegion(group, plant), plant=plant)
+    tpm.extra_partial = shard_residual_stream(model, group, plant)
+    return tpm
 
 
 def shard_residual_stream(model, group, plant: str | None = None) -> list[nn.Parameter]:

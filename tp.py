@@ -35,6 +35,13 @@ Communication per step (N = B*S tokens, H hidden, L layers, b bytes; all over th
               n_kv x the local k and v projections' elements per layer)
 Memory: weights and optimizer states / T (norms replicated); activations inside attention and
 MLP / T, the residual stream and norms full (sp.py shards those too).
+
+Public API
+    tpm = parallelize(model, group)   an HF Llama-family model, split in place
+    tpm.loss_sum(logits, labels)      the vocab-parallel cross-entropy (sum over tokens)
+    tpm.reduce_partial_grads()        after the step's last backward (replicated kv heads)
+    tpm.clip(max_norm)                global-norm clipping over the shards
+    examples/tp_train.py is a complete loop.
 """
 import torch
 import torch.distributed as dist
@@ -295,6 +302,7 @@ class TensorParallel:
         self.split_dim["model.embed_tokens.weight"] = 0
         if not tied:
             self.split_dim["lm_head.weight"] = 0
+        self.extra_partial: list[nn.Parameter] = []   # more partial gradients (sp.py's norms)
 
     def _enter_kwargs(self, module, args, kwargs):
         if "hidden_states" in kwargs:
@@ -328,6 +336,7 @@ class TensorParallel:
                 buf[self.kv_head] = p.grad
                 flat.append(buf)
                 back.append((p, buf))
+        extra = (*self.extra_partial, *extra)
         all_reduce_flat(flat + [p.grad for p in extra if p.grad is not None], self.group)
         for p, buf in back:
             p.grad.copy_(buf[self.kv_head])
@@ -397,6 +406,22 @@ class TensorParallel:
         return next(self.model.parameters()).device
 
 
+def parallelize(model, group=None, region: TPRegion | None = None,
+                plant: str | None = None) -> TensorParallel:
+    """Split an HF Llama-family model's layers, vocabulary and loss over the ranks of `group`,
+    in place (the one entry the harness, sp.py, compose4d and users call). In a loop:
+
+        tpm = tp.parallelize(model, group)              # every rank built the same weights
+        logits = model(input_ids=ids).logits             # this rank's vocabulary shard
+        loss = tpm.loss_sum(logits, labels) / n_tokens   # vocab-parallel cross-entropy
+        loss.backward()
+        tpm.reduce_partial_grads()                       # once per step: replicated kv heads
+        tpm.clip(max_norm); optimizer.step()             # the norm over all shards
+
+    `tpm.full(...)` / `tpm.local(...)` convert between full tensors and this rank's shards."""
+    return TensorParallel(model, group, region, plant)
+
+
 # ----------------------------------------------------------------------------------------------
 # Harness adapter
 # ----------------------------------------------------------------------------------------------
@@ -448,8 +473,8 @@ class TP(Strategy):
 
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
-        self.tp = TensorParallel(model, group=None, region=self.make_region(),
-                                 plant=args.plant_bug)
+        self.tp = parallelize(model, group=None, region=self.make_region(),
+                              plant=args.plant_bug)
         self.optimizer = make_adamw(model.parameters(), args)
 
     def make_region(self):

@@ -21,8 +21,10 @@ Layout
     so the Parameter objects, and the tensors autograd saved from them, stay valid (FSDP2's trick).
 
 Optimizer
-    AdamW on the flat shards, written here (ShardAdamW): decoupled weight decay and bias
-    correction exactly as torch.optim.AdamW. Gradient clipping by global norm (--clip) sums the
+    ZeroOptimizer runs a standard torch optimizer (any elementwise one) on this rank's flat
+    shards, cut into one run per parameter group; the harness's ZeRO and FSDP use it with
+    torch.optim.AdamW. ShardAdamW, AdamW written out on the flat shards (decoupled weight decay
+    and bias correction exactly as torch.optim.AdamW), serves compose4d and its checkpoints. Gradient clipping by global norm (--clip) sums the
     squared shard norms with one all_reduce. Mixed precision (--dtype bfloat16, GPU): bf16
     parameters and gradients for compute, fp32 master parameters and Adam states in the shards;
     the reduce-scatter sums an fp32 copy of the bf16 gradients into fp32 gradient shards, which
@@ -41,6 +43,12 @@ the reduce-scatter's b is the reduce dtype's: 4 for bf16 gradients by default)
     stage 3      all_gather Psi*b (forward) + Psi*b (backward) + reduce_scatter Psi*b = 3 Psi b
     one call per unit each; --clip adds one 8-byte all_reduce. With --grad-accum K, stages 2 and
     3 reduce-scatter (and stage 3 gathers) on every micro-batch; stage 1 only on the last.
+
+Public API
+    opt = ZeroOptimizer(params_or_groups, torch.optim.AdamW, stage=1|2, lr=...)   any elementwise
+        torch optimizer, its state sharded; clip_grad_norm_, state_dict() / load_state_dict()
+        in torch's unsharded format; stage 3: ZeroOptimizer(..., engine=Zero(model, stage=3))
+        or engine=fsdp.fully_shard(model); examples/zero_train.py
 """
 import torch
 import torch.distributed as dist
