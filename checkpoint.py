@@ -44,8 +44,7 @@ def save_checkpoint(strat: Compose4D, root: str, step: int, extra: dict | None =
     restarts, a cut step's position); `grads`: also the reduced gradients of a cut step."""
     env, z, opt = strat.env, strat.zero, strat.optimizer
     t0 = time.time()
-    params = opt.master if opt.mixed else [u.shard for u in z.units]
-    kinds = {"param": params, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq}
+    kinds = {k: opt.shard_state(k) for k in ("param", "exp_avg", "exp_avg_sq")}
     if grads:
         kinds["grad"] = [u.grad_shard for u in z.units]
     with METER.paused():
@@ -72,7 +71,7 @@ def save_checkpoint(strat: Compose4D, root: str, step: int, extra: dict | None =
     with METER.paused():
         dist.barrier()
     if env.is_main:
-        meta = dict(step=step, adam_t=opt.t, layout=strat.grid.size, model=strat.args.model,
+        meta = dict(step=step, adam_t=opt.steps_taken, layout=strat.grid.size, model=strat.args.model,
                     dtype=strat.args.dtype, vocab=strat.model.config.vocab_size,
                     seconds=time.time() - t0, **(extra or {}))
         _write_synced(os.path.join(tmp, "meta.json"), json.dumps(meta))
@@ -132,14 +131,13 @@ def restore(strat: Compose4D, meta: dict, full: dict):
         for shard, new in zip([u.shard for u in z.units], z.flat_shards(local("param"))):
             shard.copy_(new)
         if opt.mixed:
-            for m, s in zip(opt.master, [u.shard for u in z.units]):
+            for m, s in zip(opt.masters, [u.shard for u in z.units]):
                 m.copy_(s.float())
-        for kind, dst in (("exp_avg", opt.exp_avg), ("exp_avg_sq", opt.exp_avg_sq)):
-            for d, new in zip(dst, z.flat_shards(local(kind))):
-                d.copy_(new.to(d.dtype))
+        for kind in ("exp_avg", "exp_avg_sq"):
+            opt.load_shard_state(kind, z.flat_shards(local(kind)))
     with METER.paused():
         z.all_gather_params()
-    opt.t, strat.t = meta["adam_t"], meta["step"]
+    opt.steps_taken, strat.t = meta["adam_t"], meta["step"]
 
 
 def export_hf(strat: Compose4D, out: str):

@@ -13,7 +13,7 @@ Nothing here re-implements a parallelism; the blocks come from their own files:
     cp_ring.CPContext      zig-zag ring attention over the cp group, through HF's attention registry
     pp.Pipeline            the stage split and the 1F1B / interleaved executor, over the pp group;
                            with P = 1 it is plain gradient accumulation over the micro-batches
-    zero.Zero, ShardAdamW  ZeRO-1 (default) or ZeRO-2 over the dp x cp group
+    zero.Zero, ZeroOptimizer  ZeRO-1 (default) or ZeRO-2 over the dp x cp group
 What is here: the rank grid and its groups, the step that strings the blocks together, and
 gradient clipping across all four dimensions.
 The correctness reference takes its learning-rate schedule from torch.optim.lr_scheduler
@@ -343,8 +343,7 @@ class Compose4D(Strategy):
         self.zero = zero.Zero(model, group=zgroup, stage=args.zero, average=False,
                               units=self._units(),
                               reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
-        self.optimizer = zero.ShardAdamW([u.shard for u in self.zero.units], args.lr,
-                                         args.weight_decay)
+        self.optimizer = zero.adamw_on_shards(model, self.zero, args)
         self._plan_shard_slices()
         self.t = 0              # optimizer steps taken (the schedule's position)
         self.last_norm = float("nan")
@@ -407,7 +406,7 @@ class Compose4D(Strategy):
         """One optimizer step: this rank's dp share of the sequences and cp share of their
         tokens through its pipeline stage in --grad-accum micro-batches, each backpropagating
         CE_sum / N_global; then the gradient sums, clipping and AdamW on the ZeRO shards."""
-        self.zero.zero_grad()
+        self.optimizer.zero_grad(set_to_none=False)
         local = self.local_batch(batch)
         n_tokens = (local.n_tokens if self.args.plant_bug == "local-token-mean"
                     else batch.n_tokens)
@@ -421,10 +420,10 @@ class Compose4D(Strategy):
         """The gradient sums after the micro-batches: over dp x cp (ZeRO's reduce-scatter, which
         also shards them), over tp for the partial gradients (norms under SP, replicated kv
         heads), over the tied pair (first stage's embedding, last stage's head copy)."""
-        z, g, plant = self.zero, self.groups, self.args.plant_bug
+        g, plant = self.groups, self.args.plant_bug
         with phase("backward"):
-            z.finish()
-            grads = [u.grad_shard for u in z.units]
+            self.optimizer.reduce_gradients()
+            grads = self.optimizer.grad_shards()
             if plant != "sp-partials-unreduced":
                 self._reduce_slices(grads, self.partial_slices, g["tp"])
             if g["tied"] is not None and (self.first or self.last) \
@@ -442,9 +441,8 @@ class Compose4D(Strategy):
         with phase("optimizer"):
             self.grad_norm = self.last_norm = self.clip(grads, self.args.clip)
             t = self.t + 1 if self.args.plant_bug == "lr-one-step-ahead" else self.t
-            self.optimizer.lr = lr_at(t, self.args)
-            self.optimizer.step(grads)
-            self.zero.all_gather_params()
+            self.optimizer.param_groups[0]["lr"] = lr_at(t, self.args)
+            self.optimizer.step()     # AdamW on the edited shards, then the all-gather
         self.t += 1
 
     @staticmethod

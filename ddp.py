@@ -233,7 +233,9 @@ class DataParallel(torch.nn.Module):
 
     def _launch(self, b: Bucket):
         for p, slot in zip(b.params, b.slots):
-            if p not in self.used and p.grad is not slot:
+            if p.grad is not None and p.grad is not slot:
+                slot.copy_(p.grad)   # set outside autograd's hooks (p.grad = ...)
+            elif p not in self.used and p.grad is not slot:
                 slot.zero_()   # no gradient since .grad was set to None: the slot is stale
         if self.probe:
             self._exact.append(b.buffer.double())

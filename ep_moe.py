@@ -307,6 +307,12 @@ def install(model, make_block) -> list[MoEBlock]:
     return blocks
 
 
+class _NoStats(list):
+    """Routing statistics nobody reads: not kept (a plain list would grow every forward)."""
+    def append(self, rec):
+        pass
+
+
 def parallelize(model, group, capacity_factor: float | None = None, aux_free_bias=False,
                 z_coef: float = 0.0, stats: list | None = None, plant: str | None = None):
     """Expert parallelism for an HF Mixtral-family model over the ranks of `group`, in place
@@ -318,7 +324,7 @@ def parallelize(model, group, capacity_factor: float | None = None, aux_free_bia
     each rank's loss its share of the global objective (see ExpertParallel.step)."""
     opts = types.SimpleNamespace(capacity_factor=capacity_factor, aux_free_bias=aux_free_bias,
                                  z_coef=z_coef)
-    stats = [] if stats is None else stats
+    stats = _NoStats() if stats is None else stats
     return install(model, lambda b: ExpertParallelMoE(b, stats, opts, group, plant=plant))
 
 

@@ -12,7 +12,7 @@ VLDB 2023)
       backward   pre-backward hook (on the unit's output): all-gather again, prefetching the
                  units the backward reaches next; after the unit's backward: reduce-scatter its
                  gradients into the shard (async), free the full gradients and parameters;
-      step       AdamW on the local shards only (zero.ShardAdamW).
+      step       AdamW on the local shards only (zero.ZeroOptimizer).
 
 Units
     The user names the submodules that become units (`fully_shard(module, units=[...])`; by

@@ -256,7 +256,7 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
     T = W if strategy in ("tp", "sp") else 1
     tokens = b * L_seq
     # optimizer bytes per parameter: m and v in the run's dtype, or, in half precision, the
-    # fp32 master and fp32 m and v (harness.precision, zero.ShardAdamW)
+    # fp32 master and fp32 m and v (harness.precision, zero.ZeroOptimizer)
     opt_e = 12 if elem < 4 else 2 * elem
     # --- activations per token per layer
     inside = ((h + 2 * kv) + (h + kv) + 2 * h + 4 * I + (2 * a * L_seq if eager else 0)) * elem

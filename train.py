@@ -57,7 +57,7 @@ def step_rows(strat: Compose4D, batch: Batch, rows=None, mb=None, stop=None, par
     restored mid-step gradient (sum over the rows already done) to start from.
     Returns (global loss or None when cut, (processed rows, loss sum) or None)."""
     D, dp = strat.grid.size["dp"], strat.me["dp"]
-    strat.zero.zero_grad()
+    strat.optimizer.zero_grad(set_to_none=False)
     if partial is not None:
         add_partial(strat, partial)
     if rows is None:

@@ -22,9 +22,8 @@ Layout
 
 Optimizer
     ZeroOptimizer runs a standard torch optimizer (any elementwise one) on this rank's flat
-    shards, cut into one run per parameter group; the harness's ZeRO and FSDP use it with
-    torch.optim.AdamW. ShardAdamW, AdamW written out on the flat shards (decoupled weight decay
-    and bias correction exactly as torch.optim.AdamW), serves compose4d and its checkpoints. Gradient clipping by global norm (--clip) sums the
+    shards, cut into one run per parameter group; the harness's ZeRO and FSDP and compose4d
+    use it with torch.optim.AdamW. Gradient clipping by global norm (--clip) sums the
     squared shard norms with one all_reduce. Mixed precision (--dtype bfloat16, GPU): bf16
     parameters and gradients for compute, fp32 master parameters and Adam states in the shards;
     the reduce-scatter sums an fp32 copy of the bf16 gradients into fp32 gradient shards, which
@@ -154,15 +153,21 @@ class FlatUnit:
         self.used.add(p)
 
     def clear_stale(self):
-        """Before a reduction: zero the slots of parameters that got no gradient since their
-        .grad was set to None (their slots hold an old step's values)."""
+        """Before a reduction: a gradient set outside autograd's hooks (p.grad = ...) moves into
+        the buffer; the slot of a parameter that got none since its .grad was set to None holds
+        an old step's values and is zeroed."""
+        manual = {p: p.grad for p in self.params if p.grad is not None}
         if not self.grads_alive:
             self.alloc_grads(first=None)
         for i, p in enumerate(self.params):
             slot = self.slot(i)
-            if p.requires_grad and p not in self.used and p.grad is not slot:
+            if not p.requires_grad:
+                continue
+            if p in manual and manual[p] is not slot:
+                slot.copy_(manual[p])
+            elif p not in self.used and p.grad is not slot:
                 slot.zero_()
-                p.grad = slot
+            p.grad = slot
         self.used = set()
 
     # -- parameter storage --
@@ -209,40 +214,8 @@ class FlatUnit:
 
 
 # ----------------------------------------------------------------------------------------------
-# AdamW on flat shards
+# Clipping on flat shards
 # ----------------------------------------------------------------------------------------------
-class ShardAdamW:
-    """torch.optim.AdamW's update on flat shards, with fp32 master copies when the shards are
-    half precision. Weight decay applies to every parameter, as in the reference."""
-
-    def __init__(self, shards: list[torch.Tensor], lr, weight_decay, betas=(0.9, 0.95), eps=1e-8):
-        self.shards = shards
-        self.mixed = shards[0].dtype in LOW_PRECISION
-        self.master = [s.detach().float().clone() for s in shards] if self.mixed else shards
-        self.exp_avg = [torch.zeros_like(m) for m in self.master]
-        self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
-        self.lr, self.wd, self.betas, self.eps = lr, weight_decay, betas, eps
-        self.t = 0
-
-    @torch.no_grad()
-    def step(self, grads: list[torch.Tensor]):
-        self.t += 1
-        b1, b2 = self.betas
-        bc1, bc2 = 1 - b1 ** self.t, 1 - b2 ** self.t
-        for p, g, m, v, s in zip(self.master, grads, self.exp_avg, self.exp_avg_sq, self.shards):
-            g = g.to(p.dtype)
-            p.mul_(1 - self.lr * self.wd)
-            m.lerp_(g, 1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (v.sqrt() / bc2 ** 0.5).add_(self.eps)
-            p.addcdiv_(m, denom, value=-self.lr / bc1)
-            if self.mixed:
-                s.copy_(p)
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        return (self.master if self.mixed else []) + self.exp_avg + self.exp_avg_sq
-
-
 def clip_shard_grads(grads: list[torch.Tensor], max_norm: float, group=None,
                      plant: str | None = None) -> float:
     """Global-norm clipping from shard norms: one scalar all_reduce. Padding is zero."""
@@ -607,6 +580,34 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.engine.all_gather_params()
         self.reduced = False
         return loss
+
+    # -- this rank's shards of one state, per unit (layout-free checkpoints: compose4d) --
+    def shard_state(self, key: str) -> list[torch.Tensor]:
+        """This rank's flat shard of an elementwise state per unit ("param": the parameter
+        shard, or its fp32 master), zeros where the state does not exist (yet)."""
+        if key == "param":
+            return list(self.masters)
+        out = [torch.zeros_like(m) for m in self.masters]
+        for v, (ui, a, n, _) in zip(self.views, self.runs):
+            if key in self.inner.state.get(v, {}):
+                out[ui][a:a + n] = self.inner.state[v][key]
+        return out
+
+    def load_shard_state(self, key: str, shards: list[torch.Tensor]):
+        """The inverse of shard_state for an elementwise state of the inner optimizer."""
+        for v, (ui, a, n, _) in zip(self.views, self.runs):
+            self.inner.state[v][key] = shards[ui][a:a + n].to(v.dtype).clone()
+
+    @property
+    def steps_taken(self) -> int:
+        """The inner optimizer's step count (Adam's bias correction)."""
+        st = self.inner.state.get(self.views[0], {}) if self.views else {}
+        return int(st["step"]) if "step" in st else 0
+
+    @steps_taken.setter
+    def steps_taken(self, t: int):
+        for v in self.views:
+            self.inner.state[v]["step"] = torch.tensor(float(t), dtype=torch.float32)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The resident optimizer-state tensors (fp32 masters, the inner optimizer's states)."""

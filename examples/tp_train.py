@@ -1,8 +1,10 @@
-"""Tensor parallelism on an HF Llama: torchrun --nproc_per_node=2 examples/tp_train.py
+"""Tensor parallelism on an HF Llama: torchrun --nproc_per_node=2 examples/tp_train.py [--sp]
 
 tp.parallelize splits every attention and MLP block, the embedding and the LM head over the
 ranks, in place; HF's own forward then runs on each rank's shards. All ranks of a tensor-
-parallel group see the same tokens."""
+parallel group see the same tokens. --sp: Megatron sequence parallelism (sp.parallelize), the
+same loop, with the residual stream between the blocks split along the sequence too."""
+import argparse
 import sys
 
 import torch
@@ -10,22 +12,26 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, __file__.rsplit("/examples/", 1)[0])
+import sp  # noqa: E402
 import tp  # noqa: E402
 from common import SEQ, VOCAB, batch, init  # noqa: E402
 
+p = argparse.ArgumentParser()
+p.add_argument("--sp", action="store_true")
+args = p.parse_args()
 device, rank = init()
 torch.manual_seed(0)                                   # the same full weights on every rank
 cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
 model = LlamaForCausalLM(cfg).to(device)
-tpm = tp.parallelize(model, group=None)                # now each rank holds 1/T of the layers
+tpm = (sp.parallelize if args.sp else tp.parallelize)(model, None)   # 1/T of the layers each
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 for step in range(60):
     seq = batch(0, step).to(device)                    # one batch for the whole TP group
     logits = model(input_ids=seq[:, :-1]).logits       # this rank's slice of the vocabulary
     loss = tpm.loss_sum(logits, seq[:, 1:]) / seq[:, 1:].numel()
     loss.backward()
-    tpm.reduce_partial_grads()                         # replicated kv heads (T > kv heads)
+    tpm.reduce_partial_grads()                         # replicated kv heads, SP's norms
     tpm.clip(1.0)                                      # the global norm over every shard
     opt.step()
     opt.zero_grad()

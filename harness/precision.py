@@ -7,7 +7,7 @@ fp32 Adam states, as Megatron and DeepSpeed do (Micikevicius et al. 2018):
     step:   master.grad = param.grad (to fp32);  AdamW on the masters;  param = master (to bf16)
 
 Without masters an update smaller than half a bf16 ulp of its weight (2^-9 relative) is lost,
-so a long bf16 run drifts away from the same run in fp32. ZeRO's `ShardAdamW` applies the same
+so a long bf16 run drifts away from the same run in fp32. ZeRO's `ZeroOptimizer` applies the same
 policy to its flat shards. float32 and float64 parameters are their own masters: `make_adamw`
 then returns a plain `torch.optim.AdamW`. Gradients are summed across data-parallel ranks in
 fp32 by default (`grad_reduce_dtype`).

@@ -21,6 +21,10 @@ def run_example(name, nproc, *args):
     ("zero_train.py", 2, ["--stage", "2"], "saved the optimizer state of"),
     ("fsdp_train.py", 2, [], "gathered"),
     ("tp_train.py", 2, [], "gathered"),
+    ("tp_train.py", 2, ["--sp"], "gathered"),
+    ("pp_train.py", 2, [], None),
+    ("cp_train.py", 2, [], None),
+    ("ep_train.py", 2, [], None),
     pytest.param("tp_train.py", 4, [], "gathered", marks=pytest.mark.slow),  # kv heads replicated
     pytest.param("zero_train.py", 3, ["--stage", "1"], "saved", marks=pytest.mark.slow),
 ])

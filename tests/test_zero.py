@@ -112,26 +112,33 @@ def test_bad_config(run):
     assert r.rc == 2 and r.stderr.strip() == "error: --stage must be 1, 2 or 3 (got 4)", r
 
 
-def test_shard_adamw_matches_torch():
+def test_zero_optimizer_bf16_masters(group):
+    """ZeroOptimizer over bf16 parameters keeps fp32 masters: they follow torch.optim.AdamW
+    on fp32 copies (float32 arithmetic, 1e-6), and the parameters are their rounding; the
+    reduce-scatter sums in fp32 ("auto")."""
     torch.manual_seed(0)
-    ref = [torch.randn(7, 3, dtype=torch.float64, requires_grad=True) for _ in range(2)]
-    flat = [p.detach().clone().reshape(-1) for p in ref]
-    opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
-    ours = zero.ShardAdamW(flat, lr=1e-2, weight_decay=0.1)
+    ref = [torch.nn.Parameter(torch.randn(7, 3)) for _ in range(2)]   # 21: odd, padded
+    half = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in ref]
+    ref = [torch.nn.Parameter(p.detach().float()) for p in half]       # the same start
+    opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
+    ours = zero.ZeroOptimizer(half, torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                              betas=(0.9, 0.95))
+    assert ours.mixed and ours.masters[0].dtype == torch.float32
+    assert ours.engine.units[0].grad_shard.dtype == torch.float32
     for _ in range(3):
-        grads = [torch.randn(7, 3, dtype=torch.float64) for _ in ref]
-        for p, g in zip(ref, grads):
-            p.grad = g.clone()
+        grads = [torch.randn(7, 3).to(torch.bfloat16) for _ in ref]
+        for p, q, g in zip(ref, half, grads):
+            p.grad, q.grad = g.float(), g.clone()
         opt.step()
-        ours.step([g.reshape(-1) for g in grads])
-    for p, q in zip(ref, flat):
-        assert torch.allclose(p.detach().reshape(-1), q, rtol=0, atol=1e-14)
-    # bf16 shards keep fp32 masters: the master tracks fp32 AdamW, the shard is its rounding
-    half = [p.detach().reshape(-1).to(torch.bfloat16) for p in ref]
-    mixed = zero.ShardAdamW(half, lr=1e-2, weight_decay=0.1)
-    assert mixed.mixed and mixed.master[0].dtype == torch.float32
-    mixed.step([torch.ones(21, dtype=torch.bfloat16)] * 2)
-    assert torch.equal(half[0], mixed.master[0].to(torch.bfloat16))
+        ours.step()
+        ours.zero_grad()
+    masters = ours.state_dict()   # the unsharded states; the masters through shard_state
+    flat = torch.cat([m for m in ours.shard_state("param")])
+    want = torch.cat([p.detach().reshape(-1) for p in ref])
+    assert torch.allclose(flat[:want.numel()], want, rtol=0, atol=1e-6)
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in half]),
+                       flat[:want.numel()].to(torch.bfloat16))
+    assert sorted(masters["state"][0]) == ["exp_avg", "exp_avg_sq", "step"]
 
 
 def test_units_cover_every_parameter_once():
