@@ -45,6 +45,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from harness import (METER, Batch, Expect, Plant, Strategy, global_loss, lm_loss_sum, main,
                      make_adamw, phase, spread_across_ranks)
@@ -125,6 +126,23 @@ def check_devices(tensors, group, what: str) -> torch.device | None:
     return device
 
 
+class _SyncAtEnd(torch.autograd.Function):
+    """Identity on a forward's outputs. Its backward runs first, on the outermost backward's
+    graph task, and queues DataParallel.finish for the end of that task: under reentrant
+    activation checkpointing the recomputed blocks run backwards of their own, and a callback
+    queued from inside one of them would finish in the middle of the outer backward."""
+
+    @staticmethod
+    def forward(ctx, dp, *tensors):
+        ctx.dp = dp
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.dp.queue_finish()
+        return (None, *grads)
+
+
 class DataParallel(torch.nn.Module):
     """A drop-in for torch.nn.parallel.DistributedDataParallel, built from broadcast and
     all_reduce. In a standard loop
@@ -166,7 +184,10 @@ class DataParallel(torch.nn.Module):
         self.broadcast_buffers = broadcast_buffers and any(True for _ in module.buffers())
         self.forward_sync = True
         params = [p for p in replicated if p.requires_grad]
-        self.buckets = [Bucket([params[i] for i in idx]) for idx in plan_buckets(params, cap)]
+        self.buckets = []
+        for dtype in dict.fromkeys(p.dtype for p in params):   # one dtype per bucket
+            same = [p for p in params if p.dtype == dtype]
+            self.buckets += [Bucket([same[i] for i in idx]) for idx in plan_buckets(same, cap)]
         self.params = [p for b in self.buckets for p in b.params]
         self.bucket_of, self.slot_of = {}, {}
         for b in self.buckets:
@@ -184,12 +205,35 @@ class DataParallel(torch.nn.Module):
         self.probe, self.reduce_error, self._exact = False, None, []
 
     def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() and (self.callback_queued or self.next_launch):
+            self._reset()   # a backward that raised left a step half-reduced
         # As torch DDP: buffers follow rank 0 before a forward whose previous forward was a
         # synchronising one (not inside no_sync, not under no_grad).
         if self.broadcast_buffers and self.forward_sync:
             broadcast_coalesced(list(self.module.buffers()), self.src, self.group)
         self.forward_sync = self.sync and torch.is_grad_enabled()
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if not (self.sync and torch.is_grad_enabled()):
+            return out
+        leaves, spec = tree_flatten(out)
+        at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if at:
+            for i, t in zip(at, _SyncAtEnd.apply(self, *[leaves[i] for i in at])):
+                leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def _reset(self):
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
+            b.handle, b.ready, b.wire = None, 0, None
+        self.next_launch, self.callback_queued, self.used = 0, False, set()
+
+    def queue_finish(self):
+        """Have finish() run when the current backward's graph task ends (once)."""
+        if self.sync and not self.callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self.callback_queued = True
 
     def set_sync(self, sync: bool):
         """sync=False: the following backwards only accumulate (torch DDP's
@@ -215,9 +259,7 @@ class DataParallel(torch.nn.Module):
         self.used.add(p)
         if not self.sync:
             return
-        if not self.callback_queued:   # finish() runs when this backward's graph is done
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-            self.callback_queued = True
+        self.queue_finish()   # (called through forward(), _SyncAtEnd has queued it already)
         b = self.bucket_of[p]
         b.ready += 1
         while (self.next_launch < len(self.buckets)

@@ -35,8 +35,8 @@ Communication per step (N = B*S tokens, H hidden, L layers, b bytes, W = T ranks
 Public API
     tpm = parallelize(model, group)   Megatron SP: tp.parallelize with sequence-sharded regions
         (the loop is tp.py's; the norms' gradients join tpm.reduce_partial_grads())
-    Ulysses: ulysses_attention through HF's attention registry (Ulysses.__init__ shows it), the
-        weights replicated under ddp.DataParallel, each rank feeding its own tokens
+    dp = parallelize_ulysses(model, group)   Ulysses: the all-to-all attention installed, the
+        model returned under ddp.DataParallel; each rank feeds its 1/W of every sequence
 """
 import torch
 import torch.distributed as dist
@@ -317,6 +317,20 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.transpose(1, 2).contiguous(), None
 
 
+def parallelize_ulysses(model, group=None, plant: str | None = None, **dp_kwargs):
+    """DeepSpeed-Ulysses for an HF Llama-family model over the ranks of `group`, in place:
+    attention runs through HF's attention registry with an all-to-all from sequence shards to
+    head shards and back. Returns the model wrapped in ddp.DataParallel over the same group
+    (the weights are replicated; `dp_kwargs` go to it). Each rank feeds its contiguous 1/W of
+    every sequence with its global position ids (ddp.token_sharded_step shows the loop)."""
+    from transformers import AttentionInterface
+    AttentionInterface.register("ulysses", ulysses_attention)
+    model.config._attn_implementation = "ulysses"
+    for layer in model.model.layers:
+        layer.self_attn.sp_group, layer.self_attn.sp_plant = group, plant
+    return ddp.DataParallel(model, group, **dp_kwargs)
+
+
 class Ulysses(Strategy):
     name = "sp-ulysses"
     plants = {
@@ -332,16 +346,12 @@ class Ulysses(Strategy):
     }
 
     def __init__(self, model, args, env):
-        from transformers import AttentionInterface
         self.args, self.env, self.model = args, env, model
-        AttentionInterface.register("ulysses", ulysses_attention)
-        model.config._attn_implementation = "ulysses"
-        for layer in model.model.layers:
-            layer.self_attn.sp_group, layer.self_attn.sp_plant = None, args.plant_bug
         # Replicated weights, different tokens: DDP's bucketed gradient all-reduce.
-        self.dp = ddp.DataParallel(model, broadcast=False, broadcast_buffers=False,
-                                   average=args.plant_bug != "no-average",
-                                   reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
+        self.dp = parallelize_ulysses(model, None, args.plant_bug, broadcast=False,
+                                      broadcast_buffers=False,
+                                      average=args.plant_bug != "no-average",
+                                      reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
         self.optimizer = make_adamw(model.parameters(), args)
         s, r = args.length // env.world, env.rank   # this rank's contiguous tokens
         self.pos = torch.arange(r * s, (r + 1) * s, device=env.device)

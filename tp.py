@@ -419,6 +419,9 @@ def parallelize(model, group=None, region: TPRegion | None = None,
         tpm.clip(max_norm); optimizer.step()             # the norm over all shards
 
     `tpm.full(...)` / `tpm.local(...)` convert between full tensors and this rank's shards."""
+    errs = tp_constraints(None, dist.get_world_size(group), model.config)
+    if errs:
+        raise ValueError(f"tp.parallelize: {errs[0]}")
     return TensorParallel(model, group, region, plant)
 
 

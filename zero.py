@@ -87,6 +87,11 @@ class FlatUnit:
         self.W, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.params = list(params)
         self.names = [names[id(p)] for p in self.params]
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(f"ZeRO unit {name!r} mixes parameter dtypes "
+                             f"{sorted(str(d) for d in dtypes)}: one flat buffer holds one "
+                             f"dtype; cast the module to one dtype or split the unit")
         self.index = {p: i for i, p in enumerate(self.params)}
         self.n_grads = sum(p.requires_grad for p in self.params)   # gradients per backward
         self.numel = sum(p.numel() for p in self.params)
@@ -278,6 +283,8 @@ class Zero:
         for p in self.unit_of:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                if stage > 1:
+                    p.register_hook(lambda grad, u=self.unit_of[p]: self._before_grad(u))
         if stage == 3:
             for u in self.units:
                 for m in u.modules:
@@ -290,6 +297,7 @@ class Zero:
                 u.free_grads()
         # Reduce-scatters launch in reverse unit order (the backward's order) on every rank.
         self.order = list(reversed(self.units))
+        self.consumed = False   # an optimizer step used the shards (ZeroOptimizer.step)
         self.next_launch, self.pending = 0, []
 
     # -- stage 3: gather before use, free after --
@@ -312,6 +320,7 @@ class Zero:
 
     # -- gradients --
     def zero_grad(self):
+        self.consumed = False
         for u in self.units:
             if self.stage == 1:
                 u.grad_full.zero_()
@@ -320,6 +329,8 @@ class Zero:
 
     def _on_grad_ready(self, p):
         u = self.unit_of[p]
+        if self.consumed and self.stage > 1:   # the first gradient after an optimizer step:
+            self.zero_grad()                    # the reduced shards start again from zero
         u.take_grad(p)
         if self.stage == 1:
             return  # stage 1 keeps full gradients and reduce-scatters once, in finish()
@@ -329,6 +340,14 @@ class Zero:
         if self.stage == 3:
             self._post_backward(u)
         self._launch_ready()
+
+    def _before_grad(self, u: FlatUnit):
+        """A gradient of u is about to be accumulated (a tensor hook runs before autograd adds
+        it to .grad): if u's previous reduction (the last micro-batch's) is still in flight,
+        it reads the buffer this gradient would be added to, and frees it when done. Finish it
+        first; the gradient then starts a fresh buffer."""
+        if any(q is u for q, _, _ in self.pending):
+            self._complete()
 
     def _launch_ready(self, everything: bool = False):
         """Launch reductions in the fixed order on every rank, whatever order autograd finished
@@ -379,10 +398,25 @@ class Zero:
         self._complete()
 
     def finish(self):
-        """After the last micro-batch's backward: every shard holds its reduced gradient."""
+        """After the last micro-batch's backward: every shard holds its reduced gradient.
+        Stage 1 reduces everything here. Stages 2 and 3 reduce here what the hooks could not:
+        from a unit that is missing a gradient (a parameter no backward reached: its slot is
+        zero) to the end of the order, then, from the start, every unit that has gradients
+        again (a later micro-batch's, blocked behind the incomplete unit). The same order on
+        every rank whose backwards reached the same parameters."""
         if self.stage == 1 or self.next_launch or any(u.ready for u in self.units):
             self._launch_ready(everything=True)   # stage 1; units with unused parameters
+            for u in self.order:
+                if u.ready:
+                    self._launch(u)
         self._complete()
+        if self.stage == 3:   # a unit whose gradients never completed is still gathered
+            for u in self.units:
+                if u.handle is not None:
+                    u.handle.wait()
+                    u.handle = None
+                if u.gathered:
+                    self._post_backward(u)
 
     def all_gather_params(self):
         """After the update (stages 1, 2): every rank's full buffer gets every updated shard."""
@@ -502,9 +536,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # parameters: the inner optimizer's parameters (views of the shard, or of its fp32
         # master copy for bf16/fp16 shards). Frozen parameters are in no run; the padding is
         # in its unit's last run (zero parameters with zero gradients stay zero elementwise).
-        self.mixed = engine.units[0].shard.dtype in LOW_PRECISION
-        self.masters = [u.shard.detach().float().clone() if self.mixed else u.shard
-                        for u in engine.units]
+        self.masters = [u.shard.detach().float().clone() if u.shard.dtype in LOW_PRECISION
+                        else u.shard for u in engine.units]
+        self.mixed = any(m is not u.shard for m, u in zip(self.masters, engine.units))
         runs = []   # [unit index, start in the shard, length, group]
         for ui, u in enumerate(engine.units):
             for i, (p, off) in enumerate(zip(u.params, u.offsets)):
@@ -578,6 +612,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 u.shard.copy_(m)
         if self.engine.stage < 3:
             self.engine.all_gather_params()
+        # The step consumed the reduced shards: the next backward starts them from zero even
+        # without opt.zero_grad() (model.zero_grad() cannot reach them: at stages 2 and 3
+        # .grad is None after a reduction). They stay readable until then.
+        self.engine.consumed = True
         self.reduced = False
         return loss
 
@@ -613,7 +651,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The resident optimizer-state tensors (fp32 masters, the inner optimizer's states)."""
         states = [t for st in self.inner.state.values() for t in st.values()
                   if torch.is_tensor(t) and t.dim() > 0]
-        return (self.masters if self.mixed else []) + states
+        return [m for m, u in zip(self.masters, self.engine.units) if m is not u.shard] + states
 
     # -- unsharded state dicts --
     def _layout(self):

@@ -32,8 +32,9 @@ class Net(nn.Module):
     """Tied embedding/head, a frozen layer, a BatchNorm (buffers that change every forward),
     and optionally a layer the forward never uses."""
 
-    def __init__(self, unused: bool = True):
+    def __init__(self, unused: bool = True, checkpoint: bool = False):
         super().__init__()
+        self.checkpoint = checkpoint   # reentrant activation checkpointing of fc2
         self.emb = nn.Embedding(V, H)
         self.fc1 = nn.Linear(H, H, bias=False)   # a bias before BatchNorm has no gradient
         self.norm = nn.BatchNorm1d(H)
@@ -49,7 +50,13 @@ class Net(nn.Module):
     def forward(self, x):
         h = self.emb(x) * self.scale
         h = torch.tanh(self.norm(self.fc1(h).reshape(-1, H))).reshape(*x.shape, H)
-        return self.head(self.fc2(self.frozen(h)))
+        h = self.frozen(h)
+        if self.checkpoint:
+            from torch.utils.checkpoint import checkpoint
+            h = checkpoint(self.fc2, h, use_reentrant=True)
+        else:
+            h = self.fc2(h)
+        return self.head(h)
 
 
 def build(seed, unused=True):
@@ -102,7 +109,7 @@ def report(name: str, err: float, control: bool = False):
 
 
 def train(model, opt, rank, accum=1, set_to_none=True, no_sync=None, clip=None, steps=STEPS,
-          start=0, buffers=True, snap=None):
+          start=0, buffers=True, snap=None, zero=None):
     """The user's loop; returns the parameters (and buffers) after every step (snap(): how to
     read them, for sharded modules)."""
     snaps = []
@@ -114,7 +121,7 @@ def train(model, opt, rank, accum=1, set_to_none=True, no_sync=None, clip=None, 
         if clip is not None:
             clip()
         opt.step()
-        opt.zero_grad(set_to_none=set_to_none)
+        (zero or opt.zero_grad)(set_to_none=set_to_none)
         snaps.append(snap() if snap is not None else
                      state(model.module if hasattr(model, "module") else model, buffers))
     return snaps
@@ -143,6 +150,16 @@ def check_ddp(rank):
         got = train(ours, make_opt(ours.module), rank, accum, to_none, ours.no_sync)
         report(f"ddp {name}: DataParallel vs torch DDP, {STEPS} steps",
                max(rel_diff(g, w) for g, w in zip(got, want)))
+        if kind == "sgd":   # reentrant checkpointing: the inner backward must not finish it
+            # (summing, as CP and EP use it: a second reduction would double the sum)
+            runs = []
+            for ckpt in (False, True):
+                m = ddp.DataParallel(copy.deepcopy(base), bucket_mb=0.0005, average=False)
+                m.module.checkpoint = ckpt
+                runs.append(train(m, make_opt(m.module), rank, accum, to_none, m.no_sync))
+            report("ddp with reentrant activation checkpointing, summing: DataParallel vs "
+                   f"itself without, {STEPS} steps",
+                   max(rel_diff(g, w) for g, w in zip(runs[1], runs[0])))
         if kind == "adamw":   # the comparison sees a missing broadcast and a missing sync
             bad = ddp.DataParallel(copy.deepcopy(base), broadcast=False)
             got = train(bad, make_opt(bad.module), rank, accum, to_none, bad.no_sync)
@@ -188,6 +205,16 @@ def make(kind, model, **wrap):
 def check_zero(rank, W):
     cases = [  # stage, optimizer, accumulation, clip
         (1, "adamw", 1, None), (2, "adamw", 2, 0.05), (2, "sgd", 2, None), (1, "adam", 1, None)]
+    # one bucket at the default size: the last reduction of a micro-batch is still in flight
+    # when the next backward reaches the same unit; and the loop zeroes through the model
+    for stage in (2, 1):
+        ref_model, ref_opt, want = reference_run(W, "sgd", 2, None)
+        model = build(seed=7, unused=False)
+        opt = make("sgd", model, stage=stage)
+        got = train(model, opt, rank, 2, buffers=False, zero=model.zero_grad)
+        report(f"zero stage {stage} sgd, accum 2, one bucket, model.zero_grad(): "
+               f"ZeroOptimizer vs torch.optim, {STEPS} steps",
+               max(rel_diff(g, w) for g, w in zip(got, want)))
     for stage, kind, accum, clip in cases:
         ref_model, ref_opt, want = reference_run(W, kind, accum, clip)
         model = build(seed=7 if rank == 0 else 8 + rank, unused=False)   # broadcast fixes it
@@ -247,36 +274,46 @@ def check_fsdp(rank, W):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     mesh = init_device_mesh("cpu", (W,))
-    for reshard, accum, clip in ((True, 2, 0.05), (False, 1, None)):
-        theirs = build(seed=7, unused=False)       # FSDP2 needs equal weights on every rank
+
+    def pair(reshard, accum, clip, unused, kind="adamw", average=True):
+        """FSDP2 and ours from the same weights, the same loop; their snapshots."""
+        theirs = build(seed=7, unused=unused)      # FSDP2 needs equal weights on every rank
         for unit in (theirs.fc1, theirs.fc2):
             torch_fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
         torch_fully_shard(theirs, mesh=mesh, reshard_after_forward=reshard)
-        t_opt = torch.optim.AdamW(groups(theirs, weight_decay=0.1), lr=1e-2)
-        ours = build(seed=7 if rank == 0 else 9 + rank, unused=False)  # fully_shard broadcasts
-        fs = fsdp.fully_shard(ours, units=["fc1", "fc2"], reshard_after_forward=reshard)
-        o_opt = zero.ZeroOptimizer(groups(ours, weight_decay=0.1), torch.optim.AdamW, engine=fs,
-                                   lr=1e-2)
+        ours = build(seed=7 if rank == 0 else 9 + rank, unused=unused)  # fully_shard broadcasts
+        fs = fsdp.fully_shard(ours, units=["fc1", "fc2"], reshard_after_forward=reshard,
+                              average=average)
+        # weight decay 0 with an unused layer: it gets no gradient, which torch's AdamW skips
+        # and ours steps with zeros (a no-op for Adam without decay)
+        wd = 0.0 if unused else 0.1
+        if kind == "adamw":
+            t_opt = torch.optim.AdamW(groups(theirs, weight_decay=wd), lr=1e-2)
+            o_opt = zero.ZeroOptimizer(groups(ours, weight_decay=wd), torch.optim.AdamW,
+                                       engine=fs, lr=1e-2)
+        else:
+            t_opt = torch.optim.SGD(theirs.parameters(), lr=0.1)
+            o_opt = zero.ZeroOptimizer(ours.parameters(), torch.optim.SGD, engine=fs, lr=0.1)
         names = [n for n, _ in ours.named_parameters()]
-
-        def t_clip():
-            torch.nn.utils.clip_grad_norm_(theirs.parameters(), clip)
-        want = train(theirs, t_opt, rank, accum, clip=t_clip if clip else None,
+        want = train(theirs, t_opt, rank, accum,
+                     clip=(lambda: torch.nn.utils.clip_grad_norm_(theirs.parameters(), clip))
+                     if clip else None,
                      snap=lambda: [p.full_tensor().detach().clone() for p in theirs.parameters()]
                      + [b.clone() for b in theirs.buffers()])
         got = train(ours, o_opt, rank, accum, clip=(lambda: o_opt.clip_grad_norm_(clip))
                     if clip else None,
                     snap=lambda: [t.clone() for t in map(fs.full_tensors("param").get, names)]
                     + [b.clone() for b in ours.buffers()])
+        return max(rel_diff(g, w) for g, w in zip(got, want))
+
+    for reshard, accum, clip, unused in ((True, 2, 0.05, False), (False, 1, None, False),
+                                         (True, 2, None, True)):
         report(f"fsdp reshard={reshard}" + (f", accum {accum}, clip {clip}" if clip else "")
-               + f": fully_shard vs FSDP2, {STEPS} steps",
-               max(rel_diff(g, w) for g, w in zip(got, want)))
-    bad = build(seed=7, unused=False)   # the comparison sees a planted bug: sums, no average
-    fs = fsdp.fully_shard(bad, units=["fc1", "fc2"], average=False)
-    opt = zero.ZeroOptimizer(groups(bad, weight_decay=0.1), torch.optim.AdamW, engine=fs, lr=1e-2)
-    got = train(bad, opt, rank, 2, snap=lambda: [fs.full_tensors("param")[n] for n in names])
+               + (f", accum {accum}, an unused layer" if unused else "")
+               + f": fully_shard vs FSDP2, {STEPS} steps", pair(reshard, accum, clip, unused))
+    # the comparison sees a planted bug, with SGD (Adam and clipping would hide a scale error)
     report("fsdp summing instead of averaging",
-           max(rel_diff(g, w[:len(g)]) for g, w in zip(got, want)), control=True)
+           pair(True, 2, None, False, kind="sgd", average=False), control=True)
 
 
 def check_errors():

@@ -14,8 +14,12 @@ EXPECTED = {
     "ddp": ["ddp adamw, set_to_none, no_sync x2, find_unused: DataParallel vs torch DDP",
             "control ddp without the initial broadcast",
             "control ddp without the gradient all-reduce",
-            "ddp sgd momentum, zero in place, unused param: DataParallel vs torch DDP"],
-    "zero": [f"zero stage {s} {k}{extra}: {what}"
+            "ddp sgd momentum, zero in place, unused param: DataParallel vs torch DDP",
+            "ddp with reentrant activation checkpointing, summing: DataParallel vs itself "
+            "without"],
+    "zero": [f"zero stage {s} sgd, accum 2, one bucket, model.zero_grad(): ZeroOptimizer vs "
+             f"torch.optim" for s in (2, 1)]
+    + [f"zero stage {s} {k}{extra}: {what}"
              for s, k, extra in ((1, "adamw", ""), (2, "adamw", ", accum 2, clip 0.05"),
                                  (2, "sgd", ", accum 2"), (1, "adam", ""))
              for what in ("ZeroOptimizer vs torch.optim on the global batch",
@@ -24,6 +28,7 @@ EXPECTED = {
     + ["control zero stage 2 summing instead of averaging"],
     "fsdp": ["fsdp reshard=True, accum 2, clip 0.05: fully_shard vs FSDP2",
              "fsdp reshard=False: fully_shard vs FSDP2",
+             "fsdp reshard=True, accum 2, an unused layer: fully_shard vs FSDP2",
              "control fsdp summing instead of averaging"],
     "errors": ["error: ZeroOptimizer(LBFGS): ZeroOptimizer: LBFGS is not known to update "
                "elementwise", "error: ZeroOptimizer(Adafactor)",
