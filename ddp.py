@@ -89,10 +89,35 @@ class Bucket:
         self.wire = None   # what the all_reduce sums: the buffer, or its fp32 copy
 
 
-def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group=None,
-                        cap_bytes: int = 25 * 2**20):
-    """Broadcast `tensors` from global rank `src`, packed into flat buffers of at most
+def take_fresh_grad(p: torch.nn.Parameter, slot: torch.Tensor):
+    """p's gradient arrived (a post-accumulate-grad hook): make it live in `slot`, p's view of
+    a flat gradient buffer. After a set-to-None (zero_grad's default, or ZeRO's own free)
+    autograd hands a fresh tensor, whose values are p's whole accumulated gradient; later
+    backwards then accumulate into the slot in place. (torch keeps one Python object per
+    tensor, so `is` tells the slot from a fresh tensor.)"""
+    if p.grad is not slot:
+        slot.copy_(p.grad)
+        p.grad = slot
+
+
+def settle_slots(params, slots):
+    """Before a flat gradient buffer is reduced: a gradient set outside autograd's hooks
+    (p.grad = ...) moves into its slot, and the slot of a parameter whose .grad is None (set to
+    None, and no gradient since) holds an old step's values and is zeroed. Afterwards every
+    trainable parameter's .grad is its slot."""
+    for p, slot in zip(params, slots):
+        if p.requires_grad and p.grad is not slot:
+            if p.grad is None:
+                slot.zero_()
+            else:
+                slot.copy_(p.grad)
+            p.grad = slot
+
+
+def broadcast_coalesced(tensors: list[torch.Tensor], group=None, cap_bytes: int = 25 * 2**20):
+    """Broadcast `tensors` from the group's rank 0, packed into flat buffers of at most
     cap_bytes per dtype (one call per buffer, not one per tensor), and unpacked in place."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
     by_dtype: dict = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -177,10 +202,9 @@ class DataParallel(torch.nn.Module):
         self.device = check_devices(
             [(names.get(id(p), "a parameter"), p) for p in replicated]
             + list(module.named_buffers()), group, "DataParallel")
-        self.src = dist.get_global_rank(group, 0) if group is not None else 0
         cap = int(bucket_mb * 2**20)
         if broadcast:  # replicas must start identical: rank 0's weights win
-            broadcast_coalesced(replicated + list(module.buffers()), self.src, group, cap)
+            broadcast_coalesced(replicated + list(module.buffers()), group, cap)
         self.broadcast_buffers = broadcast_buffers and any(True for _ in module.buffers())
         self.forward_sync = True
         params = [p for p in replicated if p.requires_grad]
@@ -197,7 +221,8 @@ class DataParallel(torch.nn.Module):
         self.find_unused = find_unused_parameters
         self.sync = True      # False inside no_sync() (the first K-1 micro-steps)
         self.next_launch = 0  # buckets launch in index order on every rank
-        self.used: set = set()      # parameters that got a gradient since the last reduction
+        self.used: set = set()   # parameters with a gradient since the last reduction (the
+                                 # find_unused_parameters map)
         self.callback_queued = False
         # probe=True: the next step also sums an fp64 copy of the local gradients (unmetered),
         # keeps the reduction's error against it in `reduce_error` (the benchmark's report)
@@ -210,7 +235,7 @@ class DataParallel(torch.nn.Module):
         # As torch DDP: buffers follow rank 0 before a forward whose previous forward was a
         # synchronising one (not inside no_sync, not under no_grad).
         if self.broadcast_buffers and self.forward_sync:
-            broadcast_coalesced(list(self.module.buffers()), self.src, self.group)
+            broadcast_coalesced(list(self.module.buffers()), self.group)
         self.forward_sync = self.sync and torch.is_grad_enabled()
         out = self.module(*args, **kwargs)
         if not (self.sync and torch.is_grad_enabled()):
@@ -250,12 +275,7 @@ class DataParallel(torch.nn.Module):
             self.sync = before
 
     def _on_grad_ready(self, p):
-        slot = self.slot_of[p]
-        if p.grad is not slot:   # (torch keeps one Python object per tensor)
-            # .grad was set to None (zero_grad's default) or replaced: autograd made a fresh
-            # tensor; its values are the whole accumulated gradient, so they become the slot's
-            slot.copy_(p.grad)
-            p.grad = slot
+        take_fresh_grad(p, self.slot_of[p])
         self.used.add(p)
         if not self.sync:
             return
@@ -274,11 +294,7 @@ class DataParallel(torch.nn.Module):
         return (self.reduce_dtype or self.buckets[0].buffer.dtype).itemsize
 
     def _launch(self, b: Bucket):
-        for p, slot in zip(b.params, b.slots):
-            if p.grad is not None and p.grad is not slot:
-                slot.copy_(p.grad)   # set outside autograd's hooks (p.grad = ...)
-            elif p not in self.used and p.grad is not slot:
-                slot.zero_()   # no gradient since .grad was set to None: the slot is stale
+        settle_slots(b.params, b.slots)
         if self.probe:
             self._exact.append(b.buffer.double())
         b.wire = (b.buffer if self.reduce_dtype in (None, b.buffer.dtype)

@@ -52,11 +52,10 @@ plus the gathered working set: the root and at most 1 + prefetch layers.
 import warnings
 
 import torch
-import torch.distributed as dist
 
 from harness import (DTensorBaseline, Expect, Plant, full_tensor, global_loss, main, make_adamw,
                      phase)
-from harness.precision import LOW_PRECISION, grad_reduce_dtype
+from harness.precision import grad_reduce_dtype
 import ddp
 import zero
 
@@ -158,11 +157,9 @@ def fully_shard(module: torch.nn.Module, units=None, group=None, prefetch: int =
     ddp.check_devices(list(module.named_parameters()) + list(module.named_buffers()), group,
                       "fully_shard")
     units = resolve_units(module, units)
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    ddp.broadcast_coalesced(list(module.parameters()) + list(module.buffers()), src, group)
+    ddp.broadcast_coalesced(list(module.parameters()) + list(module.buffers()), group)
     if reduce_dtype == "auto":
-        dtype = next(module.parameters()).dtype
-        reduce_dtype = torch.float32 if dtype in LOW_PRECISION else None
+        reduce_dtype = grad_reduce_dtype(next(module.parameters()).dtype)
     return FullyShard(module, units, group, prefetch, reshard_after_forward, average, plant,
                       reduce_dtype)
 

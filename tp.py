@@ -234,8 +234,8 @@ class TensorParallel:
         hkv_local = 1 if self.replicate_kv else hkv // T
         # sharded: name -> dim along which the full tensor is split (vocab ones are padded)
         self.split_dim: dict[str, int] = {}
-        # replicated kv projections: name -> copies (m); rank r holds kv head r // m
-        self.kv_split: dict[str, int] = {}
+        # the replicated kv projections (kv_copies of each; rank r holds kv head r // m)
+        self.kv_split: set[str] = set()
         self.partial_grads: list[nn.Parameter] = []  # replicated params with per-rank grads
 
         def rows(n_per_rank):
@@ -271,7 +271,7 @@ class TensorParallel:
                 for n in ("k_proj", "v_proj"):
                     for kind in ("weight", "bias"):
                         if getattr(getattr(a, n), kind, None) is not None:
-                            self.kv_split[p + f"self_attn.{n}.{kind}"] = self.kv_copies
+                            self.kv_split.add(p + f"self_attn.{n}.{kind}")
             else:
                 for n in ("k_proj", "v_proj"):
                     self.split_dim[p + f"self_attn.{n}.weight"] = 0
@@ -322,22 +322,23 @@ class TensorParallel:
             logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), self.vocab_lo,
             self.vocab, self.group, self.plant).sum()
 
-    def reduce_partial_grads(self, extra=()):
+    def reduce_partial_grads(self):
         """All-reduce the gradients that each rank holds only a part of (one flat call). A
         replicated kv head's gradient is summed over its m copies only: each rank places it at
         its head's position in a zero buffer of all n_kv heads, so one all-reduce over the
-        group serves every head (n_kv x the head's bytes; no per-head process groups)."""
+        group serves every head (n_kv x the head's bytes; no per-head process groups).
+        extra_partial's (sp.py's norms) are summed as they are."""
+        kv, plain = self.partial_grads, self.extra_partial
         if self.plant == "kv-copies-summed-across-heads":   # the bug: every kv head's copies
-            extra = (*self.partial_grads, *extra)          # summed with every other head's
-        flat, back = [], []
-        for p in self.partial_grads:
-            if p.grad is not None and self.plant != "kv-copies-summed-across-heads":
+            kv, plain = [], [*kv, *plain]                  # summed with every other head's
+        back = []
+        for p in kv:
+            if p.grad is not None:
                 buf = p.grad.new_zeros(self.n_kv, *p.grad.shape)
                 buf[self.kv_head] = p.grad
-                flat.append(buf)
                 back.append((p, buf))
-        extra = (*self.extra_partial, *extra)
-        all_reduce_flat(flat + [p.grad for p in extra if p.grad is not None], self.group)
+        all_reduce_flat([buf for _, buf in back] + [p.grad for p in plain if p.grad is not None],
+                        self.group)
         for p, buf in back:
             p.grad.copy_(buf[self.kv_head])
 
@@ -351,14 +352,13 @@ class TensorParallel:
         out = {}
         for name, t in tensors.items():
             d = self.split_dim.get(name)
-            m = self.kv_split.get(name)
-            if d is None and m is None:
+            if d is None and name not in self.kv_split:
                 out[name] = t
                 continue
             parts = [torch.empty_like(t) for _ in range(self.T)]
             dist.all_gather(parts, t.contiguous(), group=self.group)
-            if m is not None:      # one copy of each kv head
-                out[name] = torch.cat(parts[::m], dim=0)
+            if name in self.kv_split:      # one copy of each kv head
+                out[name] = torch.cat(parts[::self.kv_copies], dim=0)
                 continue
             full = torch.cat(parts, dim=d)
             if name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -391,7 +391,7 @@ class TensorParallel:
                     target = sharded
                 sq = p.grad.double().pow(2).sum()
                 if n in self.kv_split:   # a kv head's m copies count once
-                    target, sq = sharded, sq / self.kv_split[n]
+                    target, sq = sharded, sq / self.kv_copies
                 target += sq
         dist.all_reduce(sharded, group=self.group)
         norm = (sharded + replicated).sqrt().item()
@@ -505,7 +505,7 @@ class TP(Strategy):
     def extra_checks(self):
         # Replicated parameters (norms, replicated kv) must stay identical across TP ranks.
         rep = [p for n, p in self.model.named_parameters() if n not in self.tp.split_dim
-               and self.tp.kv_split.get(n, self.tp.T) == self.tp.T]
+               and (n not in self.tp.kv_split or self.tp.kv_copies == self.tp.T)]
         spread = spread_across_ranks(rep)
         return [(f"{len(rep)} replicated tensors identical across ranks", spread == 0.0,
                  f"max spread of per-tensor sums {spread:.1e}")]

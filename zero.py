@@ -119,7 +119,13 @@ class FlatUnit:
         # reduce-scattered, so only the units inside the backward's window hold full gradients.
         self.grad_full = torch.zeros(self.padded, dtype=dtype, device=device)
         self.grads_alive = True
-        self._bind_grads()
+        # each parameter's view of it, made once: .grad is bound to this very tensor, so
+        # `p.grad is slot` tells whether autograd replaced it (ddp.take_fresh_grad)
+        self.slots = [self.grad_full[off:off + p.numel()].view_as(p)
+                      for p, off in zip(self.params, self.offsets)]
+        for p, slot in zip(self.params, self.slots):
+            if p.requires_grad:   # a frozen parameter keeps .grad None (its slot stays zero)
+                p.grad = slot
         # The reduced gradient shard, in the reduce dtype (fp32 for bf16 gradients by default:
         # it accumulates the micro-batches and feeds the fp32 master update): inside the full
         # buffer for stage 1 when the dtypes agree (it is resident anyway), else its own tensor.
@@ -129,51 +135,20 @@ class FlatUnit:
         self.gathered = True
         self.handle = None   # an in-flight (prefetched) all-gather
         self.ready: set = set()   # parameters whose gradient for this micro-batch is complete
-        self.used: set = set()    # parameters that got a gradient since the last reduction
-
-    def slot(self, i: int) -> torch.Tensor:
-        """Parameter i's view of the full gradient buffer (made once: .grad is bound to this
-        very tensor, so `p.grad is slot` tells whether autograd replaced it)."""
-        if not hasattr(self, "slots"):
-            self.slots = [self.grad_full[off:off + p.numel()].view_as(p)
-                          for p, off in zip(self.params, self.offsets)]
-        return self.slots[i]
-
-    def _bind_grads(self):
-        for i, p in enumerate(self.params):
-            if p.requires_grad:   # a frozen parameter keeps .grad None (its slot stays zero)
-                p.grad = self.slot(i)
 
     def take_grad(self, p):
-        """p's gradient arrived: make sure it lives in the full gradient buffer. After a
-        set-to-None (zero_grad's default, or stage 2/3's own free) autograd handed a fresh
-        tensor; its values are p's whole accumulated gradient."""
+        """p's gradient arrived: make sure it lives in the full gradient buffer (re-allocated
+        when stage 2/3 freed it)."""
         if not self.grads_alive:
-            self.alloc_grads(first=p)
-        else:
-            slot = self.slot(self.index[p])
-            if p.grad is not slot:
-                slot.copy_(p.grad)
-                p.grad = slot
-        self.used.add(p)
+            self.alloc_grads()
+        ddp.take_fresh_grad(p, self.slots[self.index[p]])
 
     def clear_stale(self):
-        """Before a reduction: a gradient set outside autograd's hooks (p.grad = ...) moves into
-        the buffer; the slot of a parameter that got none since its .grad was set to None holds
-        an old step's values and is zeroed."""
-        manual = {p: p.grad for p in self.params if p.grad is not None}
+        """Before a reduction: every trainable .grad is its slot, stale slots zeroed
+        (ddp.settle_slots)."""
         if not self.grads_alive:
-            self.alloc_grads(first=None)
-        for i, p in enumerate(self.params):
-            slot = self.slot(i)
-            if not p.requires_grad:
-                continue
-            if p in manual and manual[p] is not slot:
-                slot.copy_(manual[p])
-            elif p not in self.used and p.grad is not slot:
-                slot.zero_()
-            p.grad = slot
-        self.used = set()
+            self.alloc_grads()
+        ddp.settle_slots(self.params, self.slots)
 
     # -- parameter storage --
     def free_params(self):
@@ -199,16 +174,15 @@ class FlatUnit:
             self.handle = None
 
     # -- gradient storage (stages 2, 3) --
-    def alloc_grads(self, first: torch.nn.Parameter | None):
-        """Called when `first` got the unit's first gradient (a fresh tensor from autograd):
-        re-allocate the flat buffer, bind every .grad to it, keep first's values (None: a
-        reduction of a unit none of whose parameters got a gradient)."""
-        fresh = None if first is None else first.grad
+    def alloc_grads(self):
+        """Re-allocate the flat gradient buffer, zeroed, and bind to it every trainable .grad
+        that is None (a parameter whose fresh gradient just arrived keeps it: take_grad moves
+        it in)."""
         self.grad_full.untyped_storage().resize_(self.padded * self.grad_full.element_size())
         self.grad_full.zero_()
-        self._bind_grads()
-        if first is not None:
-            first.grad.copy_(fresh)
+        for p, slot in zip(self.params, self.slots):
+            if p.requires_grad and p.grad is None:
+                p.grad = slot
         self.grads_alive = True
 
     def free_grads(self):
@@ -248,10 +222,11 @@ class Zero:
                  plant: str | None = None, reduce_dtype: torch.dtype | None = None,
                  names: dict | None = None):
         """units: [(name, modules)] (default decoder_units(model)), [(name, parameters,
-        hook modules)], or [(name, parameters)] for stages 1 and 2 with model=None (the optimizer wrapper's buckets; `names` then maps
-        id(parameter) to a name). plant: the name of a planted bug (ZeRO.plants), None for the
-        correct engine. reduce_dtype: the dtype of the reduce-scatter and of the gradient
-        shards (harness.precision.grad_reduce_dtype; default the gradients' own)."""
+        hook modules)], or [(name, parameters)] for stages 1 and 2 with model=None (the
+        optimizer wrapper's buckets; `names` then maps id(parameter) to a name). plant: the
+        name of a planted bug (ZeRO.plants), None for the correct engine. reduce_dtype: the
+        dtype of the reduce-scatter and of the gradient shards
+        (harness.precision.grad_reduce_dtype; default the gradients' own)."""
         self.model, self.group, self.stage, self.average = model, group, stage, average
         self.plant = plant
         self.W = dist.get_world_size(group)
@@ -266,12 +241,12 @@ class Zero:
             elif all(isinstance(x, torch.Tensor) for x in items):
                 assert stage < 3, "stage 3 gathers on module hooks: give units as modules"
                 params, modules = items, []
-            else:
+            else:   # the modules' parameters not claimed by an earlier unit (tied ones)
                 params, modules = [], items
-                for m in modules:
-                    for p in m.parameters():
-                        if id(p) not in claimed and all(p is not q for q in params):
-                            params.append(p)
+                for p in (p for m in modules for p in m.parameters()):
+                    if id(p) not in claimed:
+                        claimed.add(id(p))
+                        params.append(p)
             claimed.update(id(p) for p in params)
             self.units.append(FlatUnit(n, params, group, names, shard_params=stage == 3,
                                        stage=stage, plant=plant, reduce_dtype=reduce_dtype,
@@ -391,12 +366,6 @@ class Zero:
                 u.grad_shard.add_(out)  # accumulates over micro-batches
                 u.free_grads()
 
-    def start_microbatch(self, sync: bool = True):
-        """Before each micro-batch: the previous one's last reductions still read their full
-        gradient buffers, which this backward would accumulate into (FSDP's root unit is both
-        first and last in the backward), so they complete now."""
-        self._complete()
-
     def finish(self):
         """After the last micro-batch's backward: every shard holds its reduced gradient.
         Stage 1 reduces everything here. Stages 2 and 3 reduce here what the hooks could not:
@@ -510,11 +479,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ddp.check_devices([(f"parameter {i}", p) for i, p in enumerate(everything)],
                               group, "ZeroOptimizer")
             if broadcast:
-                src = dist.get_global_rank(group, 0) if group is not None else 0
-                ddp.broadcast_coalesced(everything, src, group, int(bucket_mb * 2**20))
-            if reduce_dtype == "auto":
-                reduce_dtype = (torch.float32 if everything and everything[0].dtype
-                                in LOW_PRECISION else None)
+                ddp.broadcast_coalesced(everything, group, int(bucket_mb * 2**20))
+            if reduce_dtype == "auto" and everything:
+                reduce_dtype = grad_reduce_dtype(everything[0].dtype)
             units = []
             for gi, g in enumerate(self.param_groups):   # buckets in reverse, as DDP's
                 trainable = [p for p in g["params"] if p.requires_grad]
@@ -803,7 +770,7 @@ class ZeRO(Strategy):
         opt = self.optimizer
         opt.zero_grad(set_to_none=False)
         local_sum = ddp.forward_backward(self.model, batch, self.env.rank, self.env.world,
-                                         self.args.grad_accum, self.zero.start_microbatch)
+                                         self.args.grad_accum)
         with phase("backward"):
             opt.reduce_gradients()
         with phase("optimizer"):

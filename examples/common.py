@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 VOCAB, SEQ = 32, 16
+STEPS = 60
 
 
 class TinyLM(nn.Module):
@@ -59,3 +60,15 @@ def no_decay_groups(model, weight_decay):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def log(step, loss, *, summed=False, printer=0, extra=""):
+    """Every 20 steps and the last, rank `printer` prints the loss. summed: each rank holds its
+    share of the global mean, all-reduced first (a collective: call it on every rank)."""
+    if step % 20 and step != STEPS - 1:
+        return
+    if summed:
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+    if dist.get_rank() == printer:
+        print(f"step {step:3d}  loss {float(loss):.3f}{extra}", flush=True)

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, __file__.rsplit("/examples/", 1)[0])
 import cp_ring  # noqa: E402
 import ddp  # noqa: E402
-from common import SEQ, VOCAB, batch, init  # noqa: E402
+from common import SEQ, STEPS, VOCAB, batch, init, log  # noqa: E402
 
 device, rank = init()
 torch.manual_seed(0)
@@ -25,7 +25,7 @@ cp = cp_ring.parallelize(model, None, SEQ)             # SEQ tokens per sequence
 model = ddp.DataParallel(model, average=False)         # same weights, other tokens: sum
 pos = cp.positions.to(device)                          # this rank's global positions
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-for step in range(60):
+for step in range(STEPS):
     seq = batch(0, step).to(device)                    # every rank: the same sequences
     ids, labels = seq[:, :-1], seq[:, 1:]
     logits = model(input_ids=ids[:, pos], position_ids=pos[None].expand(len(ids), -1)).logits
@@ -34,9 +34,5 @@ for step in range(60):
     loss.backward()
     opt.step()
     opt.zero_grad()
-    if step % 20 == 0 or step == 59:
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        if rank == 0:
-            print(f"step {step:3d}  loss {total.item():.3f}", flush=True)
+    log(step, loss, summed=True)           # each rank: its share of the mean
 dist.destroy_process_group()

@@ -8,13 +8,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/examples/", 1)[0])
 import ddp  # noqa: E402
-from common import TinyLM, batch, init, loss_fn  # noqa: E402
+from common import STEPS, TinyLM, batch, init, log, loss_fn  # noqa: E402
 
 device, rank = init()
 model = ddp.DataParallel(TinyLM().to(device))          # rank 0's weights win
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 accum = 2
-for step in range(60):
+for step in range(STEPS):
     for k in range(accum):                              # gradient accumulation: no
         ctx = model.no_sync() if k < accum - 1 else torch.enable_grad()  # communication
         with ctx:                                       # until the last micro-batch
@@ -23,7 +23,5 @@ for step in range(60):
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad()                                     # set_to_none, torch's default
-    if step % 20 == 0 or step == 59:
-        if rank == 0:
-            print(f"step {step:3d}  loss {loss.item() * accum:.3f}", flush=True)
+    log(step, loss * accum)
 dist.destroy_process_group()

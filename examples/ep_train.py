@@ -13,7 +13,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 sys.path.insert(0, __file__.rsplit("/examples/", 1)[0])
 import ddp  # noqa: E402
 import ep_moe  # noqa: E402
-from common import SEQ, VOCAB, batch, init  # noqa: E402
+from common import SEQ, STEPS, VOCAB, batch, init, log  # noqa: E402
 
 device, rank = init()
 W = dist.get_world_size()
@@ -26,7 +26,7 @@ ep_moe.parallelize(model, None)                        # E/W experts per rank
 dense = [q for n, q in model.named_parameters() if not ep_moe.is_expert(n)]
 model = ddp.DataParallel(model, params=dense, average=False)   # the replicated rest: summed
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-for step in range(60):
+for step in range(STEPS):
     seq = batch(rank, step).to(device)                 # every rank: its own sequences
     logits = model(input_ids=seq[:, :-1]).logits
     loss = F.cross_entropy(logits.reshape(-1, VOCAB), seq[:, 1:].reshape(-1),
@@ -34,9 +34,5 @@ for step in range(60):
     loss.backward()                                    # experts: the all-to-all's backward
     opt.step()
     opt.zero_grad()
-    if step % 20 == 0 or step == 59:
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        if rank == 0:
-            print(f"step {step:3d}  loss {total.item():.3f}", flush=True)
+    log(step, loss, summed=True)           # each rank: its share of the mean
 dist.destroy_process_group()

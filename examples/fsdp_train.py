@@ -11,22 +11,20 @@ import torch.distributed as dist
 sys.path.insert(0, __file__.rsplit("/examples/", 1)[0])
 import fsdp  # noqa: E402
 import zero  # noqa: E402
-from common import TinyLM, batch, init, loss_fn, no_decay_groups  # noqa: E402
+from common import STEPS, TinyLM, batch, init, log, loss_fn, no_decay_groups  # noqa: E402
 
 device, rank = init()
 model = TinyLM().to(device)
 fs = fsdp.fully_shard(model, units=list(model.blocks))    # the rest (embedding, norm, head):
 opt = zero.ZeroOptimizer(no_decay_groups(model, 0.1),     # the root unit
                          torch.optim.AdamW, engine=fs, lr=3e-3)
-for step in range(60):
+for step in range(STEPS):
     loss = loss_fn(model, batch(rank, step).to(device))
     loss.backward()                                       # gathers, reduce-scatters, frees
     opt.clip_grad_norm_(1.0)
     opt.step()
     opt.zero_grad()
-    if step % 20 == 0 or step == 59:
-        if rank == 0:
-            print(f"step {step:3d}  loss {loss.item():.3f}", flush=True)
+    log(step, loss)
 full = fs.full_tensors("param")                           # collective: full weights
 if rank == 0:
     print(f"gathered {len(full)} full parameters", flush=True)

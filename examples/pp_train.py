@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, __file__.rsplit("/examples/", 1)[0])
 import pp  # noqa: E402
-from common import SEQ, VOCAB, batch, init  # noqa: E402
+from common import SEQ, STEPS, VOCAB, batch, init, log  # noqa: E402
 from harness.data import Batch  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -26,12 +26,11 @@ cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_h
 model = LlamaForCausalLM(cfg).to(device)
 pipe = pp.Pipeline(model, P, 1, rank, args.schedule)   # now this rank holds one stage
 opt = torch.optim.AdamW([q for q in model.parameters()], lr=3e-3)
-for step in range(60):
+for step in range(STEPS):
     seq = batch(0, step, size=16).to(device)           # the global batch, on every stage
     b = Batch(seq[:, :-1], seq[:, 1:], step)           # inputs and their shifted labels
     loss_sum = pipe.run(b, 4)                          # 4 micro-batches; forward and backward
     opt.step()
     opt.zero_grad()
-    if (step % 20 == 0 or step == 59) and rank == P - 1:   # the last stage has the loss
-        print(f"step {step:3d}  loss {loss_sum.item() / b.n_tokens:.3f}", flush=True)
+    log(step, loss_sum / b.n_tokens, printer=P - 1)   # the last stage has the loss
 dist.destroy_process_group()

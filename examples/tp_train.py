@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, __file__.rsplit("/examples/", 1)[0])
 import sp  # noqa: E402
 import tp  # noqa: E402
-from common import SEQ, VOCAB, batch, init  # noqa: E402
+from common import SEQ, STEPS, VOCAB, batch, init, log  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--sp", action="store_true")
@@ -26,7 +26,7 @@ cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_h
 model = LlamaForCausalLM(cfg).to(device)
 tpm = (sp.parallelize if args.sp else tp.parallelize)(model, None)   # 1/T of the layers each
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-for step in range(60):
+for step in range(STEPS):
     seq = batch(0, step).to(device)                    # one batch for the whole TP group
     logits = model(input_ids=seq[:, :-1]).logits       # this rank's slice of the vocabulary
     loss = tpm.loss_sum(logits, seq[:, 1:]) / seq[:, 1:].numel()
@@ -35,9 +35,7 @@ for step in range(60):
     tpm.clip(1.0)                                      # the global norm over every shard
     opt.step()
     opt.zero_grad()
-    if step % 20 == 0 or step == 59:
-        if rank == 0:
-            print(f"step {step:3d}  loss {loss.item():.3f}", flush=True)
+    log(step, loss)
 full = tpm.full({n: p.detach() for n, p in model.named_parameters()})   # collective
 if rank == 0:
     print(f"gathered {len(full)} full parameters", flush=True)

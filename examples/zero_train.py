@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/examples/", 1)[0])
 import zero  # noqa: E402
-from common import TinyLM, batch, init, loss_fn, no_decay_groups  # noqa: E402
+from common import STEPS, TinyLM, batch, init, log, loss_fn, no_decay_groups  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--stage", type=int, default=2)
@@ -20,16 +20,14 @@ model = TinyLM().to(device)
 opt = zero.ZeroOptimizer(no_decay_groups(model, 0.1), torch.optim.AdamW, stage=args.stage,
                          lr=3e-3)                       # broadcasts rank 0's weights
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
-for step in range(60):
+for step in range(STEPS):
     loss = loss_fn(model, batch(rank, step).to(device))
     loss.backward()                                     # stage 2: reduce-scattered here
     norm = opt.clip_grad_norm_(1.0)                     # the global norm of the average
     opt.step()                                          # 1/W of AdamW, then all-gather
     opt.zero_grad()
     sched.step()
-    if step % 20 == 0 or step == 59:
-        if rank == 0:
-            print(f"step {step:3d}  loss {loss.item():.3f}  grad norm {norm:.3f}", flush=True)
+    log(step, loss, extra=f"  grad norm {norm:.3f}")
 state = opt.state_dict()                                # collective: the unsharded state
 if rank == 0:
     torch.save(state, "/tmp/zero_example_optimizer.pt")  # loadable by torch.optim.AdamW too

@@ -57,13 +57,14 @@ class MasterAdamW(torch.optim.AdamW):
         return [m for m, p in zip(self.masters, self.model_params) if m is not p]
 
 
-def grad_reduce_dtype(dtype: torch.dtype, args) -> torch.dtype:
+def grad_reduce_dtype(dtype: torch.dtype, args=None) -> torch.dtype:
     """The dtype of the data-parallel gradient reductions (DDP's bucket all-reduce, ZeRO's and
     FSDP's reduce-scatter) and of ZeRO/FSDP's gradient shards, which accumulate the
     micro-batches: fp32 for bf16/fp16 gradients (--reduce-dtype float32, the default, as
     FSDP2's reduce_dtype and Megatron's fp32 grad buffers), the gradients' own dtype with
     --reduce-dtype param (half the bytes, one rounding per term of the sum); fp32 and fp64
-    gradients reduce in their own dtype."""
+    gradients reduce in their own dtype. Without args (the library API's reduce_dtype="auto"):
+    the default, fp32 for bf16/fp16."""
     if dtype in LOW_PRECISION and getattr(args, "reduce_dtype", "float32") == "float32":
         return torch.float32
     return dtype

@@ -166,7 +166,7 @@ def check_ddp(rank):
             report("ddp without the initial broadcast",
                    max(rel_diff(g, w) for g, w in zip(got, want)), control=True)
             local = copy.deepcopy(base)   # rank 0's weights, gradients never synchronised
-            ddp.broadcast_coalesced(list(local.parameters()) + list(local.buffers()), 0)
+            ddp.broadcast_coalesced(list(local.parameters()) + list(local.buffers()))
             got = train(local, make_opt(local), rank, accum, to_none)
             report("ddp without the gradient all-reduce",
                    max(rel_diff(g, w) for g, w in zip(got, want)), control=True)
@@ -179,17 +179,7 @@ def reference_run(W, kind, accum, clip, steps=STEPS):
     """One process, the whole global batch: the mean over ranks of each rank's mean loss."""
     model = build(seed=7, unused=False)
     opt = make(kind, model)
-    snaps = []
-    for step in range(steps):
-        for k in range(accum):
-            loss = sum(loss_fn(model, tokens(r, step, k)) for r in range(W)) / (W * accum)
-            loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        snaps.append(state(model, buffers=False))   # buffers: each rank's own statistics
-    return model, opt, snaps
+    return model, opt, reference_steps(model, opt, W, accum, clip, start=0, steps=steps)
 
 
 def make(kind, model, **wrap):
@@ -242,7 +232,7 @@ def check_zero(rank, W):
         opt2.load_state_dict(ref_sd)
         got = train(fresh, opt2, rank, accum, steps=2, start=STEPS, buffers=False,
                     clip=(lambda: opt2.clip_grad_norm_(clip)) if clip else None)
-        ref_more = train_reference_more(ref_model, ref_opt, W, accum, clip, start=STEPS)
+        ref_more = reference_steps(ref_model, ref_opt, W, accum, clip, start=STEPS)
         report(f"{name}: load_state_dict(torch's) then 2 more steps",
                max(rel_diff(g, w) for g, w in zip(got, ref_more)))
     # the comparison sees unaveraged gradients
@@ -254,7 +244,9 @@ def check_zero(rank, W):
            max(rel_diff(g, w) for g, w in zip(got, want)), control=True)
 
 
-def train_reference_more(model, opt, W, accum, clip, start, steps=2):
+def reference_steps(model, opt, W, accum, clip, start, steps=2):
+    """The reference loop from step `start`: every rank's batch in one process; the parameters
+    after each step (the buffers are each rank's own statistics)."""
     snaps = []
     for step in range(start, start + steps):
         for k in range(accum):
