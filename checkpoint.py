@@ -3,8 +3,9 @@
 Layout-independent: the ranks with dp x cp rank 0 each write their (pp, tp) slice as
 per-parameter TP-local tensors (parameters, or fp32 masters under mixed precision, and AdamW's
 two moments) with the split dimension of each; a run at any other (dp, tp, pp, cp) reads all
-slices, rebuilds full tensors, and slices them its own way. The data position is the step index
-(the synthetic data is a function of it).
+slices, rebuilds full tensors, and slices them its own way. The data position is the number of
+samples consumed (`samples`; sample i is a pure function of the seed and i), recorded with the
+data's fingerprint and the sequence length.
 Atomic: everything is written into DIR/.tmp-step-N, renamed to DIR/step-N, and only then does
 DIR/latest (replaced with os.replace) name it, so a crash never leaves a half-written "latest".
 `export_hf` writes the full model with save_pretrained; AutoModelForCausalLM.from_pretrained
@@ -140,21 +141,32 @@ def restore(strat: Compose4D, meta: dict, full: dict):
     opt.steps_taken, strat.t = meta["adam_t"], meta["step"]
 
 
-def export_hf(strat: Compose4D, out: str):
-    """Collective: the full trained model as an HF model directory (rank 0 writes)."""
+def hf_model(strat: Compose4D, full: dict[str, torch.Tensor]):
+    """A plain HF model (CPU, the run's dtype, HF's own modules) holding the full tensors."""
     from transformers import AutoModelForCausalLM
-    full = strat.full_params()
+    cfg = strat.model.config
+    model = AutoModelForCausalLM.from_config(
+        type(cfg).from_dict({**cfg.to_dict(), "_attn_implementation": "sdpa"}))
+    model.to(DTYPES[strat.args.dtype])            # saved in the run's dtype
+    missing, unexpected = model.load_state_dict({n: t.cpu() for n, t in full.items()},
+                                                strict=False)
+    assert not unexpected and all(m == "lm_head.weight" for m in missing), (missing, unexpected)
+    return model.eval()
+
+
+def export_hf(strat: Compose4D, out: str, tokenizer: str | None = None,
+              full: dict[str, torch.Tensor] | None = None):
+    """Collective (unless `full`, the gathered tensors, is given): the full trained model as an
+    HF model directory, with the tokenizer's files when there is one (rank 0 writes)."""
+    full = strat.full_params() if full is None else full
     if strat.env.is_main:
-        cfg = strat.model.config
-        model = AutoModelForCausalLM.from_config(
-            type(cfg).from_dict({**cfg.to_dict(), "_attn_implementation": "sdpa"}))
-        model.to(DTYPES[strat.args.dtype])            # saved in the run's dtype
-        missing, unexpected = model.load_state_dict({n: t.cpu() for n, t in full.items()},
-                                                    strict=False)
-        assert not unexpected and all(m == "lm_head.weight" for m in missing), (missing, unexpected)
+        model = hf_model(strat, full)
         tmp = out.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
+        if tokenizer:
+            from transformers import AutoTokenizer
+            AutoTokenizer.from_pretrained(tokenizer).save_pretrained(tmp)
         shutil.rmtree(out, ignore_errors=True)
         os.rename(tmp, out)
     with METER.paused():

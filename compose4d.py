@@ -61,6 +61,7 @@ from harness import (DTYPES, METER, Batch, Expect, Plant, Reference, Strategy, a
                      global_loss, main, name_group, phase, scalar, spread_across_ranks)
 from harness.flops import mfu_line
 from harness.precision import grad_reduce_dtype
+from harness import loading, train_data
 import cp_ring
 import elastic
 import pp
@@ -225,7 +226,7 @@ def compose_constraints(args, world, config) -> list[str]:
     if args.resume and not os.path.isdir(args.resume) and args.resume != args.save:
         # (--save D --resume D is the restart idiom: the first launch finds no D yet)
         return [f"--resume {args.resume}: no such directory"]
-    return []
+    return train_data.constraints(args, config)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,6 +309,30 @@ class Compose4D(Strategy):
                             "that micro-batch")
         p.add_argument("--test-crash-in-save", action="store_true",
                        help="test hook: exit hard in the middle of a save")
+        p.add_argument("--load", default="shards", choices=["shards", "full"],
+                       help="train mode, --model a checkpoint directory: each rank reads only "
+                            "its shard onto a meta-device model (safetensors), or builds the "
+                            "whole model and slices it (the way every other mode does)")
+        # train mode on real text (harness/corpus.py, harness/train_data.py)
+        p.add_argument("--data", default=None, metavar="PATH",
+                       help="train mode: a text file, a .jsonl, a directory of them, or "
+                            "pre-tokenized .bin/.npy tokens (default: the synthetic language)")
+        p.add_argument("--tokenizer", default=None, metavar="DIR",
+                       help="tokenizer directory (default: --model's, when it has one)")
+        p.add_argument("--data-dtype", default=None, choices=["uint16", "uint32"],
+                       help=".bin token width (default uint16, as nanoGPT writes it)")
+        p.add_argument("--data-cache", default=None, metavar="DIR",
+                       help="where tokenized text is cached (default: beside --data)")
+        p.add_argument("--val-fraction", type=float, default=0.0,
+                       help="share of whole documents held out for evaluation")
+        p.add_argument("--eval-every", type=int, default=0,
+                       help="steps between held-out evaluations (0: none; also at the end)")
+        p.add_argument("--eval-batches", type=int, default=2,
+                       help="global batches of held-out sequences per evaluation")
+        p.add_argument("--prompt", default=None,
+                       help="train mode: print a greedy continuation of this text at the end")
+        p.add_argument("--gen-tokens", type=int, default=24,
+                       help="tokens generated for --prompt")
 
     constraints = staticmethod(compose_constraints)
 
@@ -338,6 +363,11 @@ class Compose4D(Strategy):
         if self.tp is not None:
             self.pipe.loss_sum = self.tp.loss_sum
         self.first, self.last = 0 in self.pipe.mine, self.pipe.C - 1 in self.pipe.mine
+        # A model built on the meta device (train mode, --model a checkpoint directory) gets
+        # its storage now that it is cut: each rank reads only the ranges it holds.
+        self.load_report = None
+        if any(p.is_meta for p in model.parameters()):
+            self.load_report = self._load_shards()
         # ZeRO over dp x cp, on this stage's (TP-sharded) parameters; gradients summed.
         zgroup = g["dp"] if args.plant_bug == "grad-sum-misses-cp" else g["dpcp"]
         self.zero = zero.Zero(model, group=zgroup, stage=args.zero, average=False,
@@ -355,6 +385,15 @@ class Compose4D(Strategy):
             for r, c in enumerate(coords):
                 print(f"  rank {r}: " + " ".join(f"{d}={c[d]}" for d in self.grid.order),
                       flush=True)
+
+    def _load_shards(self) -> dict:
+        """This rank's shard of --model's safetensors (harness/loading.py)."""
+        ranges = self.tp.local_range if self.tp is not None else (lambda name, shape: None)
+        before = loading.rss_now()
+        rep = loading.load_shards(self.model, self.args.model, self.env.device, ranges)
+        peak = loading.rss_peak()     # (VmHWM: the caller resets it before the build)
+        rep["grow"] = None if before is None or peak is None else peak - before
+        return rep
 
     def _units(self):
         """ZeRO units of this stage in forward order; the tied head copy is a unit of its own, so
@@ -430,6 +469,11 @@ class Compose4D(Strategy):
                     and plant != "tied-sync-skipped":
                 dist.all_reduce(grads[0] if self.first else grads[-1], group=g["tied"])
         return grads
+
+    def eval_sum(self, batch: Batch) -> float:
+        """The global CE sum of a held-out batch: forwards only, through the same split."""
+        ce = self.pipe.evaluate(self.local_batch(batch), self.args.grad_accum)
+        return self.loss_once(ce)
 
     def loss_once(self, loss_sum: torch.Tensor) -> float:
         """The global CE sum (logging): every tp rank computed the same one, so count it once."""

@@ -50,7 +50,8 @@ all_reduce of the tied embedding gradient when tied.
 Public API
     pipe = Pipeline(model, P, V, rank, schedule, group=None, tie_group=None)   this rank's
         stage(s) of an HF Llama-family model (the other layers dropped) and the executor:
-        pipe.run(batch, M, n_tokens) runs one step's forwards and backwards
+        pipe.run(batch, M, n_tokens) runs one step's forwards and backwards;
+        pipe.evaluate(batch, M) the forwards only (a held-out loss)
 """
 import torch
 import torch.distributed as dist
@@ -462,6 +463,39 @@ class Pipeline:
             self._wait(works)
         self.batches = []
         self.completed = M if stop_at is None else stop_at
+        return loss_sum
+
+    @torch.no_grad()
+    def evaluate(self, batch: Batch, M: int) -> torch.Tensor:
+        """Forward only (held-out loss): this rank's chunks on each of M micro-batches, no graph
+        kept. Returns the CE sum of the micro-batches whose loss this rank computed (float64).
+        Every rank walks micro-batch m's chunks 0..C-1 in order, taking chunk c's input from
+        chunk c-1's rank and handing its output to chunk c+1's: a chain, so each pair of ranks
+        posts its sends and receives in the same order and nothing waits in a cycle (NCCL
+        matches them in issue order; no tags are needed)."""
+        mbs = batch.split(M)
+        B, S = mbs[0].input_ids.shape
+        shape = (B, S // self.seq_shards, self.model.config.hidden_size)
+        dtype = next(self.model.parameters()).dtype
+        device = batch.input_ids.device
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for mb in mbs:
+            for c in self.mine:
+                if c == 0:
+                    x = mb.input_ids
+                else:
+                    x = torch.empty(shape, dtype=dtype, device=device)
+                    for w in dist.batch_isend_irecv([dist.P2POp(
+                            dist.irecv, x, group=self.group, group_peer=(c - 1) % self.P)]):
+                        w.wait()
+                out = self.run_chunk(c, x, S)
+                if c < self.C - 1:
+                    for w in dist.batch_isend_irecv([dist.P2POp(
+                            dist.isend, out.contiguous(), group=self.group,
+                            group_peer=(c + 1) % self.P)]):
+                        w.wait()
+                else:
+                    loss_sum += self.loss_sum(out, mb.labels).double()
         return loss_sum
 
     def sync_tied(self):

@@ -213,6 +213,15 @@ def pad_vocab(vocab: int, t: int) -> int:
     return -(-vocab // t) * t
 
 
+def pad_to(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """t extended with zeros along `dim` to length n (the vocabulary padding), as a new tensor."""
+    if t.shape[dim] == n:
+        return t.clone()
+    shape = list(t.shape)
+    shape[dim] = n - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
 class TensorParallel:
     """Replaces the Linear/Embedding modules of an HF Llama (in place) with their T-way sharded
     versions; HF's own attention code then runs on the local heads unchanged, since it reshapes
@@ -366,18 +375,30 @@ class TensorParallel:
             out[name] = full
         return out
 
+    def local_range(self, name: str, full_shape) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of the full tensor `name` that this rank holds, or None when it
+        holds the whole tensor. For the vocabulary-split embedding and head, stop may pass the
+        true vocabulary: those rows are zero padding. A checkpoint loader reads just this range
+        (harness/loading.py); local() cuts it from a full tensor."""
+        if name in self.kv_split:           # a replicated kv projection: one head's rows
+            n = full_shape[0] // self.n_kv
+            return 0, self.kv_head * n, (self.kv_head + 1) * n
+        d = self.split_dim.get(name)
+        if d is None:
+            return None
+        size = (self.vocab_padded if name in ("model.embed_tokens.weight", "lm_head.weight")
+                else full_shape[d])
+        n = size // self.T
+        return d, self.rank * n, (self.rank + 1) * n
+
     def local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a full tensor (the inverse of full(): vocabulary rows padded
-        with zeros, then the rank's chunk along the split dim)."""
-        d = self.split_dim.get(name)
-        if name in self.kv_split:
-            return full.chunk(self.n_kv, dim=0)[self.kv_head].clone()
-        if d is None:
+        with zeros, then the rank's range along the split dim)."""
+        r = self.local_range(name, full.shape)
+        if r is None:
             return full
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            pad = self.vocab_padded - full.shape[0]
-            full = torch.cat([full, full.new_zeros(pad, *full.shape[1:])]) if pad else full
-        return full.chunk(self.T, dim=d)[self.rank].clone()
+        d, a, b = r
+        return pad_to(full.narrow(d, a, max(0, min(b, full.shape[d]) - a)), d, b - a)
 
     def clip(self, max_norm: float) -> float:
         """Global-norm clipping: sharded grads' squares summed over the group, replicated ones

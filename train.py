@@ -23,9 +23,14 @@ import torch
 import torch.distributed as dist
 
 import elastic
-from checkpoint import export_hf, latest_dir, load_checkpoint, restore, save_checkpoint
+from checkpoint import export_hf, hf_model, latest_dir, load_checkpoint, restore, save_checkpoint
 from compose4d import Compose4D, lr_at
-from harness import METER, Batch, Run, build_model, make_batch
+from harness import DTYPES, METER, Batch, Run, build_model, loading
+from harness.flops import mfu
+from harness.loading import has_safetensors, meta_model
+from harness.run import gather_objects
+from harness.trainlog import TrainLog, memory_now
+from harness import train_data
 
 
 class Preemption:
@@ -131,23 +136,59 @@ def split_even(rows, parts):
 
 
 
+def build(run: Run, cls):
+    """The strategy for this run's layout. From a checkpoint directory with safetensors
+    (--load shards, the default) the model is built on the meta device and each rank reads only
+    its shard (harness/loading.py); otherwise every rank builds the whole model and keeps its
+    part. Each rank's peak resident memory during the build is printed beside the model's
+    size (Linux)."""
+    args, env = run.args, run.env
+    before = loading.rss_reset()
+    if args.load == "shards" and has_safetensors(args.model):
+        strat, how = cls(meta_model(run.config, args), args, env), "read its shard"
+        load = strat.load_report["grow"]
+    else:
+        model, how = build_model(args, run.config, env.device), "built all"
+        load = None if before is None else loading.rss_peak() - before
+        strat = cls(model, args, env)
+    peak = loading.rss_peak()
+    held = sum(p.numel() * p.element_size() for p in strat.model.parameters())
+    with torch.device("meta"):
+        whole = sum(p.numel() for p in meta_model(run.config, args).parameters())
+    whole *= DTYPES[args.dtype].itemsize
+    build = None if before is None or peak is None else peak - before
+    mib = lambda x: "n/a" if x is None else f"{x / 2**20:.1f} MiB"  # noqa: E731
+    ranks = gather_objects(dict(rank=env.rank, load=load, build=build, held=held))
+    for r in ranks:
+        run.print(f"load rank {r['rank']}: {how} of {args.model}; holds {mib(r['held'])} of the "
+                  f"{mib(whole)} model ({args.dtype}); peak resident memory +{mib(r['load'])} "
+                  f"during the load, +{mib(r['build'])} during the whole build (with ZeRO's "
+                  f"buffers)")
+    run.results["load"] = dict(how=how, whole=whole, ranks=ranks)
+    return strat
+
+
 def run_train(run: Run, cls) -> bool:
     """A logged training run with checkpoints; SIGTERM saves (mid-step when P = 1) and exits 0;
-    with --elastic the batch is re-planned for the world size the run (re)starts on."""
+    with --elastic the batch is re-planned for the world size the run (re)starts on; --data
+    trains on text, --eval-every evaluates on held-out documents, --prompt samples at the end."""
     args, env = run.args, run.env
-    model = build_model(args, run.config, env.device)
     meta, full = load_checkpoint(args.resume) if latest_dir(args.resume) else (None, None)
     target = meta.get("global_batch", args.batch) if meta else args.batch
     if args.elastic:     # feasible: checked in compose_constraints
         plan = elastic.replan(env.world, run.config, args)
         args.batch, args.grad_accum, args.zero = plan.global_batch, plan.grad_accum, plan.zero
-    strat = cls(model, args, env)
+    strat = build(run, cls)
+    data = train_data.DataSource(train_data.open_corpus(args, run.config), run.lang, args,
+                                 env.device)
+    if data.corpus is not None:
+        run.print(f"data: {data.corpus.describe()}")
     start, offset, restarts, cut = 0, 0, 0, None
     if meta:
         restore(strat, meta, full)
         start, offset = meta["step"], meta.get("samples", meta["step"] * args.batch)
         restarts, cut = meta.get("restarts", 0) + 1, meta.get("cut")
-        run.print(f"resumed from {args.resume} at step {start}"
+        run.print(f"resumed from {args.resume} at step {start}, sample {offset}"
                   + (f", micro-batch position: {len(cut['rows_done'])} of {cut['global_batch']} "
                      f"sequences done" if cut else "")
                   + f" (saved by layout {meta['layout']}, restart {restarts})")
@@ -157,14 +198,17 @@ def run_train(run: Run, cls) -> bool:
               f"global batch={args.batch} (target {target}) micro-batch={mb} "
               f"grad-accum={args.grad_accum} length={args.length} steps {start}..{args.steps} "
               f"lr={args.lr} ({args.lr_schedule}, warm-up {args.lr_warmup})")
+    log = TrainLog(args.out, env.is_main, resume=bool(meta))
     pre = Preemption()
-    extra = lambda off, **kw: dict(samples=off, global_batch=target, restarts=restarts, **kw)  # noqa
+    extra = lambda off, **kw: dict(samples=off, global_batch=target, restarts=restarts,  # noqa
+                                   data=data.fingerprint, length=args.length, **kw)
     t0, tok = time.time(), 0
     end = min(args.steps, args.stop_at or args.steps)
     s = start
     while s < end:
+        t_step = time.time()
         G = cut["global_batch"] if cut else args.batch
-        batch = make_batch(run.lang, s, G, args.length, env.device, offset=offset)
+        batch = data.train(s, G, offset)
         rows = partial = None
         if cut:      # finish the step a SIGTERM cut: the rows not done yet, from its gradients
             rows = [r for r in range(G) if r not in set(cut["rows_done"])]
@@ -191,11 +235,22 @@ def run_train(run: Run, cls) -> bool:
             cut, full = None, None
         offset += G
         tok += G * args.length
-        if s % args.log_every == 0 or s == end - 1:
+        dt_step = time.time() - t_step
+        row = dict(step=s, loss=loss, lr=lr_at(s, args), grad_norm=strat.last_norm,
+                   tokens_per_s=G * args.length / max(dt_step, 1e-9))
+        row["memory_bytes"], row["memory_source"] = memory_now(env.device)
+        row["mfu"] = mfu(run.config, G * args.length, args.length, dt_step, env.world,
+                         env.device)
+        if args.eval_every and ((s + 1) % args.eval_every == 0 or s == end - 1):
+            row["eval_loss"], row["eval_ppl"] = train_data.evaluate(strat, data)
+        log.write(row)
+        if s % args.log_every == 0 or s == end - 1 or "eval_loss" in row:
             dt = time.time() - t0
             run.print(f"step {s:>5}  loss {loss:.6f}  grad norm {strat.last_norm:.4f}  "
                       f"lr {lr_at(s, args):.2e}  {tok / max(dt, 1e-9):,.0f} tok/s  "
-                      f"world {env.world} global batch {G} micro {mb} accum {args.grad_accum} "
+                      + (f"held-out loss {row['eval_loss']:.4f} ppl {row['eval_ppl']:.2f}  "
+                         if "eval_loss" in row else "")
+                      + f"world {env.world} global batch {G} micro {mb} accum {args.grad_accum} "
                       f"restarts {restarts}  [{s + 1}/{args.steps}, {dt:.0f}s]")
         run.results.setdefault("all_losses", []).append((s, loss))
         s += 1
@@ -212,11 +267,35 @@ def run_train(run: Run, cls) -> bool:
             t1 = time.time()
             d = save_checkpoint(strat, args.save, end, extra(offset))
             run.print(f"saved {d} in {time.time() - t1:.2f} s")
-        if args.export_hf:
-            export_hf(strat, args.export_hf)
-            run.print(f"exported an HF model to {args.export_hf}")
+        finish(run, strat)
+    png = log.close()
+    if png:
+        run.print(f"wrote {png}")
     if args.out and env.is_main:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "train.json"), "w") as f:
             json.dump(dict(strategy=strat.name, losses=run.results.get("all_losses", [])), f)
     return True
+
+
+def finish(run: Run, strat):
+    """At the end of a run: the HF export and the greedy sample, from one gather of the full
+    parameters (a collective), the model rebuilt from HF's own modules on rank 0, so the
+    printed continuation is the one the exported directory gives."""
+    args, env = run.args, run.env
+    if not (args.export_hf or args.prompt):
+        return
+    full = strat.full_params()
+    tok = train_data.tokenizer_dir(args)
+    if args.export_hf:
+        export_hf(strat, args.export_hf, tokenizer=tok, full=full)
+        run.print(f"exported an HF model to {args.export_hf}")
+    if args.prompt and env.is_main:
+        text = train_data.greedy(hf_model(strat, full), tok, args.prompt, args.gen_tokens)
+        run.print(f"prompt: {args.prompt!r}")
+        run.print(f"greedy continuation: {text!r}")
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "sample.json"), "w") as f:
+                json.dump(dict(prompt=args.prompt, continuation=text,
+                               tokens=args.gen_tokens), f)

@@ -17,6 +17,20 @@ def model_flops(config, tokens: int, seq: int) -> float:
     return tokens * (6 * matmul + 12 * L * h * seq)
 
 
+def peak_flops(device) -> float | None:
+    """The GPU's dense bf16 peak FLOP/s (None on CPU or for an unknown GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def mfu(config, tokens: int, seq: int, step_s: float, world: int, device) -> float | None:
+    """Model FLOPs utilisation of a step of `tokens` tokens over `world` GPUs (None on CPU)."""
+    peak = peak_flops(device)
+    return None if not peak else model_flops(config, tokens, seq) / step_s / world / peak
+
+
 def mfu_line(config, args, env, step_s: float) -> str:
     flops = model_flops(config, args.batch * args.length, args.length)
     achieved = flops / step_s / env.world

@@ -36,9 +36,10 @@ class Run:
             print(*a, **k, flush=True)
 
 
-def perturbed(model, seed: int) -> torch.nn.Module:
-    """A copy with every weight nudged: what a rank would hold had it initialised on its own."""
-    m = copy.deepcopy(model)
+def perturbed(model, seed: int, copy_first: bool = True) -> torch.nn.Module:
+    """The model with every weight nudged (a copy unless copy_first=False): what a rank would
+    hold had it initialised on its own."""
+    m = copy.deepcopy(model) if copy_first else model
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in m.parameters():
@@ -48,17 +49,15 @@ def perturbed(model, seed: int) -> torch.nn.Module:
 
 
 def make_pair(run: Run, cls, perturb: bool, with_ref: bool):
-    """(reference on rank 0 or None, strategy) from one reference build."""
+    """(reference on rank 0 or None, strategy) from one reference build. A rank that keeps no
+    reference hands the build itself to the strategy (no second copy of the model)."""
     ref_model = build_model(run.args, run.config, run.env.device)
-    local = ref_model
+    keep_ref = with_ref and run.env.is_main
+    local = copy.deepcopy(ref_model) if keep_ref else ref_model
     if perturb and cls.syncs_initial_params and run.env.rank != 0:
-        local = perturbed(ref_model, 1000 + run.env.rank)
-    else:
-        local = copy.deepcopy(ref_model)
-    ref = (reference_class(cls)(ref_model, run.args, run.env)
-           if (with_ref and run.env.is_main) else None)
-    if not ref:
-        del ref_model
+        local = perturbed(local, 1000 + run.env.rank, copy_first=False)
+    ref = reference_class(cls)(ref_model, run.args, run.env) if keep_ref else None
+    del ref_model
     with METER.measuring():  # count the one-time set-up traffic (e.g. the initial broadcast)
         METER.reset()
         strat = cls(local, run.args, run.env)
