@@ -19,6 +19,7 @@ Measured with Linux's peak resident set (VmHWM, reset by `rss_reset` through
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -30,8 +31,11 @@ TIED_SOURCE = {"lm_head.weight": "model.embed_tokens.weight"}
 
 
 def meta_model(config, args) -> torch.nn.Module:
-    """The model in args.dtype on the meta device: shapes and structure, no storage."""
+    """The model in args.dtype on the meta device: shapes and structure, no storage. It gets a
+    copy of `config`: strategies edit their model's config (cp_ring installs its attention
+    there), and from_config would share the caller's object."""
     from transformers import AutoModelForCausalLM
+    config = copy.deepcopy(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, **model_kwargs(config, args.attn))
     return promote_norms(model.to(DTYPES[args.dtype])).train()

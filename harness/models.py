@@ -3,6 +3,7 @@ planning), HF configs from a preset name, a config.json or a local checkpoint di
 reference model built from them (with weights when the directory has them)."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import types
@@ -109,7 +110,8 @@ def build_model(args, config, device) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, **kw)
     else:
         torch.manual_seed(args.seed)
-        model = AutoModelForCausalLM.from_config(config, **kw)
+        # (a copy: from_config shares the object, and strategies edit their model's config)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **kw)
     return promote_norms(model.to(device=device, dtype=dtype)).train()
 
 

@@ -42,6 +42,7 @@ def hf(base):
 TRAIN = ["--mode", "train", "--batch", "4", "--length", "32", "--log-every", "1"]
 TEXT = [*TRAIN, "--model", path("llama"), "--data", path("corpus"), "--val-fraction", "0.1"]
 PROMPT = "The old man"
+EVAL3 = ["--eval-every", "3", "--eval-batches", "1"]
 W2 = Runs("compose4d.py", 2, {
     # the same two steps from the shards each rank reads and from the whole model, sliced
     "shards": [*TRAIN, "--model", path("tied"), "--tp", "2", "--dtype", "float64",
@@ -53,10 +54,13 @@ W2 = Runs("compose4d.py", 2, {
                  "--eval-every", "20", "--eval-batches", "2", "--lr", "3e-3",
                  "--prompt", PROMPT, "--gen-tokens", "12", "--export-hf", hf],
     # resume across layouts, float64: uninterrupted on tp 2; stopped at 3 on pp 2; resumed on tp 2
-    "whole": [*TEXT, "--tp", "2", "--dtype", "float64", "--steps", "6"],
+    # (with held-out evaluations after step 2: the same on tp 2, pp 2 and cp 2)
+    "whole": [*TEXT, "--tp", "2", "--dtype", "float64", "--steps", "6", *EVAL3],
     "first": [*TEXT, "--pp", "2", "--dtype", "float64", "--steps", "6", "--stop-at", "3",
-              "--save", ck],
-    "second": [*TEXT, "--tp", "2", "--dtype", "float64", "--steps", "6", "--resume", ck],
+              "--save", ck, *EVAL3],
+    "cp": [*TEXT, "--cp", "2", "--dtype", "float64", "--steps", "3", *EVAL3],
+    "second": [*TEXT, "--tp", "2", "--dtype", "float64", "--steps", "6", "--resume", ck,
+               "--save", ck],     # (--resume D --save D: D need not exist when validated)
 })
 
 
@@ -116,6 +120,19 @@ def test_the_export_gives_the_printed_greedy_continuation(runs):
                          do_sample=False, pad_token_id=tok.eos_token_id)
     assert tok.decode(out[0, ids.shape[1]:]) == sample["continuation"]
     assert len(sample["continuation"]) > 0
+    # the last held-out loss (pp 2, forwards only) is the export's loss on the same sequences
+    from harness import lm_loss_sum
+    from harness.corpus import TextCorpus
+    corpus = TextCorpus.open(fixtures(os.path.dirname(r.out))["corpus"], d, len(tok), 0,
+                             val_fraction=0.1, progress=False)
+    ce = n = 0
+    with torch.no_grad():
+        for k in range(2):
+            b = corpus.batch("val", k, 8, 32, "cpu")
+            ce += lm_loss_sum(model(input_ids=b.input_ids).logits, b.labels).item()
+            n += b.n_tokens
+    last = rows(r)[-1]["eval_loss"]
+    assert abs(ce / n - last) <= 1e-5 * last, (ce / n, last)
 
 
 def test_resume_across_layouts_is_exact_with_the_data_position(runs):
@@ -127,12 +144,14 @@ def test_resume_across_layouts_is_exact_with_the_data_position(runs):
     got = {x["step"]: x["loss"] for x in first + second}
     for x in whole:
         assert abs(got[x["step"]] - x["loss"]) <= 1e-12 * x["loss"], (x, got)
-    meta_dir = ck(os.path.dirname(runs(W2, "first").out))
-    with open(os.path.join(meta_dir, "latest")) as f:
-        step_dir = f.read().strip()
-    with open(os.path.join(meta_dir, step_dir, "meta.json")) as f:
-        meta = json.load(f)
-    assert meta["samples"] == 12 and meta["length"] == 32 and len(meta["data"]) >= 16
+    # the held-out loss after step 2 (forwards only) on three layouts
+    ev = [x["eval_loss"] for x in (whole[2], first[2], rows(_ok(runs, "cp"))[2])]
+    assert max(ev) - min(ev) <= 1e-12 * ev[0], ev
+    root = ck(os.path.dirname(runs(W2, "first").out))
+    for step, samples in ((3, 12), (6, 24)):     # saved by the stopped run, then the resumed one
+        with open(os.path.join(root, f"step-{step}", "meta.json")) as f:
+            meta = json.load(f)
+        assert meta["samples"] == samples and meta["length"] == 32 and len(meta["data"]) == 64
 
 
 # -- bad input: one line, exit 2, before any process group ---------------------------------------
@@ -153,7 +172,8 @@ def test_bad_text_inputs_end_with_one_line(tmp_path, args, msg):
     subst = dict(MISSING=os.path.join(str(tmp_path), "nope.txt"), EMPTY=empty,
                  CORPUS=p["corpus"], TOK=p["tok"])
     args = [subst.get(a, a) for a in args]
-    msg = " ".join(subst.get(w, w) for w in msg.split(" "))
+    for k, v in subst.items():
+        msg = msg.replace(k, v)
     base = ["--mode", "train", "--model", p["llama"]]
     r = launch("compose4d.py", 2, *base, *args, as_rank0=True)
     assert_config_error(r, msg, torchrun=False)
