@@ -28,6 +28,7 @@ from compose4d import Compose4D, lr_at
 from harness import DTYPES, METER, Batch, Run, build_model, loading
 from harness.flops import mfu
 from harness.loading import has_safetensors, meta_model
+from harness.recompute import apply_recompute, recompute_what
 from harness.run import gather_objects
 from harness.trainlog import TrainLog, memory_now
 from harness import train_data
@@ -151,6 +152,9 @@ def build(run: Run, cls):
         model, how = build_model(args, run.config, env.device), "built all"
         load = None if before is None else loading.rss_peak() - before
         strat = cls(model, args, env)
+    if args.recompute != "none":
+        apply_recompute(strat.model, args.recompute)
+        run.print(f"recompute {args.recompute}: {recompute_what(strat.model)}")
     peak = loading.rss_peak()
     held = sum(p.numel() * p.element_size() for p in strat.model.parameters())
     with torch.device("meta"):
@@ -205,6 +209,10 @@ def run_train(run: Run, cls) -> bool:
     t0, tok = time.time(), 0
     end = min(args.steps, args.stop_at or args.steps)
     s = start
+    if args.eval_every and start < end:   # the baseline: held-out loss before this run's steps
+        ev, ppl = train_data.evaluate(strat, data)
+        log.write(dict(step=start - 1, eval_loss=ev, eval_ppl=ppl))
+        run.print(f"held-out loss before step {start}: {ev:.4f} (perplexity {ppl:.2f})")
     while s < end:
         t_step = time.time()
         G = cut["global_batch"] if cut else args.batch

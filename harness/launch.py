@@ -56,6 +56,10 @@ def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
                    help="default: cuda when available")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"],
                    help="HF attention implementation of the reference model")
+    p.add_argument("--recompute", default="none", choices=["none", "full", "selective"],
+                   help="activation recompute in the strategy's model (harness/recompute.py): "
+                        "full keeps each decoder layer's input, selective recomputes the "
+                        "attention core")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     p.add_argument("--length", type=int, default=64, help="sequence length")
     p.add_argument("--steps", type=int, default=None,

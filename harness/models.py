@@ -127,6 +127,10 @@ def common_constraints(args, world, config) -> list[str]:
     if drop > 0:
         errs.append(f"attention_dropout={drop}: dropout is not reproducible across layouts; "
                     "set it to 0")
+    if getattr(args, "recompute", "none") != "none" and args.mode in ("benchmark", "peak"):
+        errs.append(f"--recompute {args.recompute}: the benchmark's communication formulas "
+                    f"assume none (a recomputed forward repeats its collectives); measure "
+                    f"recompute with python -m harness.recompute")
     if args.clip < 0:
         errs.append(f"--clip must be >= 0 (got {args.clip})")
     if args.branching > config.vocab_size:

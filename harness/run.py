@@ -13,6 +13,7 @@ import torch.distributed as dist
 from .data import Batch, MarkovLanguage, make_batch
 from .meter import METER
 from .models import build_model
+from .recompute import apply_recompute, recompute_what
 from .strategy import reference_class
 
 if TYPE_CHECKING:
@@ -62,6 +63,11 @@ def make_pair(run: Run, cls, perturb: bool, with_ref: bool):
         METER.reset()
         strat = cls(local, run.args, run.env)
         setup = METER.snapshot()
+    # after the strategy installed its layers and attention (cp_ring) into `local`, in place
+    mode = getattr(run.args, "recompute", "none")
+    if mode != "none":
+        apply_recompute(local, mode)
+        run.print(f"recompute {mode}: {recompute_what(local)}")
     METER.reset()
     return ref, strat, setup
 

@@ -3,7 +3,9 @@
 held-out loss at the end when matplotlib is. Rank 0 writes; the other ranks hold a no-op log.
 
 A train.jsonl row: {"step", "loss", "lr", "grad_norm", "tokens_per_s", "memory_bytes",
-"memory_source", "mfu"} and, on evaluation steps, {"eval_loss", "eval_ppl"}. memory_bytes is
+"memory_source", "mfu"} and, on evaluation steps, {"eval_loss", "eval_ppl"} (the held-out
+loss after that step; a run with evaluations starts with a row {"step": start - 1, "eval_loss",
+"eval_ppl"}: the loss before its first step). memory_bytes is
 torch.cuda.max_memory_allocated on CUDA and the process's peak resident set (VmHWM) on CPU; mfu
 is null on CPU (harness/flops.py).
 """
