@@ -276,7 +276,8 @@ def run_train(run: Run, cls) -> bool:
             d = save_checkpoint(strat, args.save, end, extra(offset))
             run.print(f"saved {d} in {time.time() - t1:.2f} s")
         finish(run, strat)
-    png = log.close()
+    png = log.close(f"{strat.name} W={env.world} {args.dtype}, "
+                    f"{os.path.basename(args.data or 'synthetic')} ({args.model})")
     if png:
         run.print(f"wrote {png}")
     if args.out and env.is_main:

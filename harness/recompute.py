@@ -215,7 +215,7 @@ def main(argv=None):
     config, dtype = load_config(a.model), DTYPES[a.dtype]
     print(f"activation memory per decoder layer, {a.model} ({config.num_hidden_layers} layers), "
           f"micro-batch {a.batch} x {a.length} tokens, {a.dtype}, attention {a.attn}, CPU")
-    print(f"{'mode':<10} {'measured':>12} {'formula':>12} {'ratio':>6} {'all layers':>12} "
+    print(f"{'mode':<10} {'measured':>12} {'formula':>12} {'ratio':>6} {'whole model':>12} "
           f"{'step':>9} {'extra':>7}")
     base = None
     rows = []

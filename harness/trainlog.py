@@ -62,14 +62,14 @@ class TrainLog:
                 if k != "step" and isinstance(v, (int, float)) and v is not None:
                     self.tb.add_scalar(k, v, row["step"])
 
-    def close(self) -> str | None:
+    def close(self, title: str | None = None) -> str | None:
         """Flush TensorBoard and draw loss.png; returns the PNG's path (None without
         matplotlib or rows)."""
         if not self.enabled:
             return None
         if self.tb is not None:
             self.tb.close()
-        return plot_losses(self.rows, os.path.join(self.out, "loss.png"))
+        return plot_losses(self.rows, os.path.join(self.out, "loss.png"), title)
 
 
 def plot_losses(rows: list[dict], path: str, title: str | None = None) -> str | None:
@@ -98,3 +98,10 @@ def plot_losses(rows: list[dict], path: str, title: str | None = None) -> str | 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+if __name__ == "__main__":        # python -m harness.trainlog OUT/train.jsonl PNG [TITLE]
+    import sys
+    with open(sys.argv[1]) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    print(plot_losses(rows, sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None))
