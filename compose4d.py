@@ -48,7 +48,9 @@ M micro-batches, Psi_r = parameters held per rank = about Psi / (T P))
     world        one 8-byte all-reduce of the squared gradient norm
 
 Checkpoints and the train mode: checkpoint.py (layout-independent, atomic; the HF export) and
-train.py (`--mode train`: a logged run, SIGTERM mid-step saves, elastic restarts).
+train.py (`--mode train`: real text with --data, held-out evaluation, samples, logs, SIGTERM
+mid-step saves, elastic restarts). A model built on the meta device (train mode, --model a
+safetensors directory) is materialised here, once it is cut: each rank reads only its shard.
 """
 import copy
 import math

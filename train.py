@@ -12,7 +12,12 @@ A step cut mid-way keeps its reduced gradients: the checkpoint records which row
 whatever layout it restarts with, so the result equals the uninterrupted run.
 Elastic (--elastic): each (re)start re-plans micro-batch, grad-accum and ZeRO stage for the world
 size it finds (elastic.plan_world), keeping the checkpoint's global batch within a tolerance.
-Checkpoints: checkpoint.py (layout-independent, atomic).
+Checkpoints: checkpoint.py (layout-independent, atomic; with the data position).
+Real text: --data (harness/corpus.py, harness/train_data.py), --eval-every (held-out loss through
+pp.Pipeline.evaluate), --prompt (a greedy sample from the gathered model, as the export gives it).
+Loading: with --model a safetensors directory each rank reads only its shard onto a meta-device
+model (harness/loading.py), and prints its peak memory during the build. Logs: --out's
+train.jsonl, TensorBoard events, loss.png (harness/trainlog.py).
 """
 import json
 import os

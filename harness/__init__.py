@@ -28,6 +28,13 @@ The package, one concern per module (a strategy imports its names from here, the
     cli.py          `main`: validate, launch once, run each (dtype, mode) of each run
     nccl.py         `--nccl-semantics`: every p2p batch and collective recorded with its waits
                     and checked under NCCL's rules (harness/nccl.py's docstring)
+    recompute.py    `--recompute none|full|selective`: one helper for every strategy, with its
+                    per-layer formula and measurement (`python -m harness.recompute`)
+    corpus.py       real text (`--data`): read, tokenize into a cache, whole-document held-out
+                    split, packing, sample i a pure function of (seed, i)
+    train_data.py   the train mode's data arguments, batches, held-out evaluation, greedy samples
+    loading.py      each rank reads only its shard of a safetensors checkpoint (meta device)
+    trainlog.py     the train mode's train.jsonl, TensorBoard events and loss.png
 
 Modes (`--mode correctness|learning|benchmark|all|plants|peak`): see correctness.py,
 learning.py and benchmark.py. `--out DIR` writes correctness.json, learning.csv (+ .png with
