@@ -48,13 +48,24 @@ Communication per step (b = bytes per element, Psi padded, Psi_root the root uni
                    multiplies everything by K.
 Model-state bytes per rank: 16 Psi / N in fp32 (params, grads, Adam m and v, all sharded),
 plus the gathered working set: the root and at most 1 + prefetch layers.
+
+HSDP (hybrid sharding, --replicate R; Zhao et al. 2023, section 3.2.2)
+    Shard over S = W / R ranks (a node) and replicate the shards R times (across nodes). The
+    all-gathers and reduce-scatters above stay inside a shard group (fast links), and each unit's
+    reduced shard is all-reduced over its replicate group (the R ranks holding that shard):
+        inside a shard group   3 Psi b - root, as above, with Psi padded to a multiple of S
+        across replicas        Psi b_reduce / S per rank per step: all_reduce of each shard
+    Model states per rank grow to 16 Psi / S: R times FSDP's over W. A ring all-reduce of
+    Psi/S over R ranks moves 2 (R-1)/R of it per rank. Public API: fully_shard(module,
+    group=shard, replicate_group=rep) with (shard, rep) = hsdp_groups(R).
 """
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from harness import (DTensorBaseline, Expect, Plant, full_tensor, global_loss, main, make_adamw,
-                     phase)
+                     name_group, phase, spread_across_ranks)
 from harness.precision import grad_reduce_dtype
 import ddp
 import zero
@@ -91,7 +102,8 @@ class FullyShard(zero.Zero):
     until the end of the backward. Build it with fully_shard()."""
 
     def __init__(self, model, units: list[torch.nn.Module], group=None, prefetch: int = 1,
-                 reshard_after_forward=True, average=True, plant=None, reduce_dtype=None):
+                 reshard_after_forward=True, average=True, plant=None, reduce_dtype=None,
+                 replicate=None):
         names = {id(p): n for n, p in model.named_parameters()}
         inside = {id(p) for u in units for p in u.parameters()}
         root = [p for p in model.parameters() if id(p) not in inside]
@@ -102,7 +114,7 @@ class FullyShard(zero.Zero):
             raise ValueError("fully_shard: every parameter is inside a unit; leave the "
                              "module's own (or one top-level) parameters to the root unit")
         super().__init__(model, group, stage=3, average=average, units=spec, plant=plant,
-                         reduce_dtype=reduce_dtype, names=names)
+                         reduce_dtype=reduce_dtype, names=names, replicate=replicate)
         self.prefetch, self.reshard = prefetch, reshard_after_forward
         self.root, self.layers = self.units[0], self.units[1:]
         self.position = {u: i for i, u in enumerate(self.layers)}
@@ -141,7 +153,8 @@ class FullyShard(zero.Zero):
 
 def fully_shard(module: torch.nn.Module, units=None, group=None, prefetch: int = 1,
                 reshard_after_forward: bool = True, reduce_dtype="auto",
-                average: bool = True, plant: str | None = None) -> FullyShard:
+                average: bool = True, plant: str | None = None,
+                replicate_group=None) -> FullyShard:
     """Shard `module` in place over the ranks of `group`; returns the engine, which
     zero.ZeroOptimizer steps:
 
@@ -153,15 +166,36 @@ def fully_shard(module: torch.nn.Module, units=None, group=None, prefetch: int =
     HF causal LM's decoder layers); everything else is the root unit. The module's parameters
     stay ordinary tensors (views into the gathered flat buffers), so the module's own forward
     runs unchanged. Ranks start from rank 0's parameters and buffers. reduce_dtype: the
-    reduce-scatter's and the gradient shards' dtype, "auto" = fp32 for bf16/fp16 gradients."""
+    reduce-scatter's and the gradient shards' dtype, "auto" = fp32 for bf16/fp16 gradients.
+    replicate_group: HSDP (hybrid sharding): `group` is this rank's shard group (inside a
+    node), replicate_group the ranks holding the same shard in the other replicas; each unit's
+    reduced shard is then averaged over it (hsdp_groups() builds both)."""
     ddp.check_devices(list(module.named_parameters()) + list(module.named_buffers()), group,
                       "fully_shard")
     units = resolve_units(module, units)
-    ddp.broadcast_coalesced(list(module.parameters()) + list(module.buffers()), group)
+    state = list(module.parameters()) + list(module.buffers())
+    ddp.broadcast_coalesced(state, group)
+    if replicate_group is not None:    # then replica 0's (every rank of a shard group agrees)
+        ddp.broadcast_coalesced(state, replicate_group)
     if reduce_dtype == "auto":
         reduce_dtype = grad_reduce_dtype(next(module.parameters()).dtype)
     return FullyShard(module, units, group, prefetch, reshard_after_forward, average, plant,
-                      reduce_dtype)
+                      reduce_dtype, replicate_group)
+
+
+def hsdp_groups(replicas: int):
+    """HSDP's two groups for this rank (collective: every rank creates every group, in one
+    order). Shard groups are S = W / R consecutive ranks (a node's GPUs when S is the GPUs per
+    node); replicate groups are the ranks with the same index in each shard group:
+        shard      [0 .. S-1], [S .. 2S-1], ...     reduce-scatter and all-gather inside
+        replicate  [i, S + i, 2S + i, ...]          one all-reduce of each reduced shard
+    Returns (shard group, replicate group), named "shard" and "replicate" for the meter."""
+    W = dist.get_world_size()
+    S = W // replicas
+    shard, _ = dist.new_subgroups_by_enumeration([list(range(r * S, (r + 1) * S))
+                                                  for r in range(replicas)])
+    rep, _ = dist.new_subgroups_by_enumeration([list(range(i, W, S)) for i in range(S)])
+    return name_group(shard, "shard"), name_group(rep, "replicate")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,6 +205,9 @@ def fsdp_constraints(args, world, config) -> list[str]:
     errs = ddp.batch_constraints(args, world)
     if args.prefetch < 0:
         errs.append(f"--prefetch must be >= 0 (got {args.prefetch})")
+    if args.replicate < 1 or world % args.replicate:
+        errs.append(f"--replicate {args.replicate}: the replicas must divide world size {world} "
+                    f"(HSDP shards over W / R ranks)")
     return errs
 
 
@@ -188,6 +225,9 @@ class FSDP(zero.ZeRO):
         "root-stays-gathered": Plant("the root is not freed after the backward, so the "
                                             "next forward skips its all-gather and uses stale "
                                             "embeddings and head", _ACCUM_CLIP),
+        "replicas-not-averaged": Plant("HSDP: the reduced shards are not all-reduced over the "
+                                       "replicas, so each replica steps on its own half of the "
+                                       "batch", ("--replicate", "2"), world=4),
     }
 
     @staticmethod
@@ -197,36 +237,57 @@ class FSDP(zero.ZeRO):
         p.add_argument("--no-reshard-after-forward", action="store_true",
                        help="keep full parameters from the forward to the backward (ZeRO-2)")
         p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+        p.add_argument("--replicate", type=int, default=1,
+                       help="HSDP: R replicas, each sharded over W / R ranks")
 
     constraints = staticmethod(fsdp_constraints)
 
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
         args.stage = 3  # zero.ZeRO's reporting: FSDP's model states are stage 3's
-        self.zero = fully_shard(model, prefetch=args.prefetch,
+        group = replicate = None
+        if args.replicate > 1:
+            group, replicate = hsdp_groups(args.replicate)
+        self.zero = fully_shard(model, group=group, replicate_group=replicate,
+                                prefetch=args.prefetch,
                                 reshard_after_forward=not args.no_reshard_after_forward,
                                 average=args.plant_bug != "no-average", plant=args.plant_bug,
                                 reduce_dtype=grad_reduce_dtype(next(model.parameters()).dtype,
                                                                args))
         self.optimizer = zero.adamw_on_shards(model, self.zero, args)
 
+    def extra_checks(self):
+        """HSDP: the replicas must hold the same shards (the reference sees replica 0 only)."""
+        z = self.zero
+        if z.replicate is None:
+            return []
+        spread = spread_across_ranks([u.shard for u in z.units], z.replicate)
+        return [("HSDP replicas hold identical shards", spread == 0.0, f"max spread {spread:.1e}")]
+
     def expected_comm(self):
         z, K = self.zero, self.args.grad_accum
+        g = "shard" if z.replicate is not None else "world"   # HSDP: inside a shard group
         b = z.root.full.element_size()
         rb = z.root.grad_shard.element_size()   # the reduce dtype's
         root, layers = z.root.padded * b, sum(u.padded for u in z.layers) * b
         n, L = len(z.units), len(z.layers)
         regather = L if z.reshard else 0
-        rows = [Expect("all_gather_into_tensor", "world", (n + regather) * K,
+        rows = [Expect("all_gather_into_tensor", g, (n + regather) * K,
                        (root + layers + (layers if z.reshard else 0)) * K,
                        "forward: every unit; backward: " + ("each layer again"
                                                             if z.reshard else "none")
                        + (f"; x{K} micro-batches" if K > 1 else "")),
-                Expect("reduce_scatter_tensor", "world", n * K, (root + layers) * K * rb // b,
+                Expect("reduce_scatter_tensor", g, n * K, (root + layers) * K * rb // b,
                        f"Psi*b_reduce = {(root + layers) * rb // b:,} B, one per unit"
                        + (f"; x{K} micro-batches" if K > 1 else ""))]
+        if z.replicate is not None:
+            shard = sum(u.shard_numel for u in z.units) * rb
+            rows.append(Expect("all_reduce", "replicate", n * K, shard * K,
+                               f"HSDP: each reduced shard over the {z.R} replicas, "
+                               f"Psi*b_reduce/S = {shard:,} B"
+                               + (f"; x{K} micro-batches" if K > 1 else "")))
         if self.args.clip:
-            rows.append(Expect("all_reduce", "world", 1, 8, "clip: squared-norm sum (fp64)"))
+            rows.append(Expect("all_reduce", g, 1, 8, "clip: squared-norm sum (fp64)"))
         return rows
 
 

@@ -220,16 +220,19 @@ class Zero:
 
     def __init__(self, model, group=None, stage: int = 1, average: bool = True, units=None,
                  plant: str | None = None, reduce_dtype: torch.dtype | None = None,
-                 names: dict | None = None):
+                 names: dict | None = None, replicate=None):
         """units: [(name, modules)] (default decoder_units(model)), [(name, parameters,
         hook modules)], or [(name, parameters)] for stages 1 and 2 with model=None (the
         optimizer wrapper's buckets; `names` then maps id(parameter) to a name). plant: the
         name of a planted bug (ZeRO.plants), None for the correct engine. reduce_dtype: the
         dtype of the reduce-scatter and of the gradient shards
-        (harness.precision.grad_reduce_dtype; default the gradients' own)."""
+        (harness.precision.grad_reduce_dtype; default the gradients' own). replicate: HSDP's
+        group of the ranks that hold the same shard in the other replicas (fsdp.py): each
+        reduced shard is then averaged over it too."""
         self.model, self.group, self.stage, self.average = model, group, stage, average
-        self.plant = plant
+        self.plant, self.replicate = plant, replicate
         self.W = dist.get_world_size(group)
+        self.R = dist.get_world_size(replicate) if replicate is not None else 1
         if model is not None:
             names = {id(p): n for n, p in model.named_parameters()}
         self.units = []
@@ -357,6 +360,8 @@ class Zero:
         while self.pending:
             u, out, handle = self.pending.pop(0)
             handle.wait()
+            if self.replicate is not None:
+                self._across_replicas(out)
             if self.stage == 1:
                 u.grad_shard.copy_(out)
             elif self.plant == "overwrite-accum":   # the bug: keeps only the last micro-batch
@@ -365,6 +370,16 @@ class Zero:
             else:
                 u.grad_shard.add_(out)  # accumulates over micro-batches
                 u.free_grads()
+
+    def _across_replicas(self, out: torch.Tensor):
+        """HSDP: the shard group's reduced shard, averaged over the R replicas (one all_reduce
+        of Psi/S elements per unit over the replicate group: the only traffic that leaves a
+        shard group, so it is the one that crosses nodes)."""
+        if self.plant == "replicas-not-averaged":   # the bug: each replica keeps its own
+            return
+        if self.average:
+            out.div_(self.R)
+        dist.all_reduce(out, group=self.replicate)
 
     def finish(self):
         """After the last micro-batch's backward: every shard holds its reduced gradient.

@@ -19,6 +19,9 @@ W2 = Runs("fsdp.py", 2, {"clip": ["--clip", "0.5"],
 W3 = Runs("fsdp.py", 3, {"clip": ["--clip", "0.5", "--batch", "6"],   # uneven shards
                          "bench-reshard": BENCH,
                          "bench-keep": BENCH + ["--no-reshard-after-forward"]})
+# HSDP: 2 replicas x shard groups of 2 (correctness with accumulation and clipping, comm)
+W4 = Runs("fsdp.py", 4, {"hsdp": ["--replicate", "2", "--clip", "0.5", "--grad-accum", "2"],
+                         "bench-hsdp": BENCH[:3] + ["8"] + BENCH[4:] + ["--replicate", "2"]})
 SLOW_W2 = Runs("fsdp.py", 2, tier="slow", runs={
     "keep-prefetch2": ["--clip", "0.5", "--no-reshard-after-forward", "--prefetch", "2"],
     "native": ["--compare-native", "--clip", "0.5"]})
@@ -72,6 +75,34 @@ def test_benchmark_comm_and_memory(runs, reshard):
 def test_bad_config(run):
     r = run("fsdp.py", 1, "--prefetch", "-1", torchrun=False)
     assert r.rc == 2 and r.stderr.strip() == "error: --prefetch must be >= 0 (got -1)", r
+
+
+def test_hsdp_correct_with_identical_replicas(runs):
+    r = runs(W4, "hsdp")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    assert "HSDP replicas hold identical shards" in r.stdout, r
+
+
+def test_hsdp_comm_inside_shard_groups_and_across_replicas(runs):
+    """W = 4, R = 2, S = 2: gathers and reduce-scatters inside the shard group (Psi padded to
+    a multiple of S), one all_reduce of each reduced shard (Psi / S) over the replicas."""
+    S = 2
+    r = runs(W4, "bench-hsdp")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    e = 4
+    root, layers = padded(ROOT, S) * e, L * padded(LAYER, S) * e
+    comm = r.json("benchmark.json")["ours"]["comm"]
+    assert comm["reduce_scatter_tensor|shard"] == {"calls": L + 1, "bytes": root + layers}
+    assert comm["all_gather_into_tensor|shard"] == {"calls": 2 * L + 1,
+                                                    "bytes": root + 2 * layers}
+    assert comm["all_reduce|replicate"] == {"calls": L + 1, "bytes": (root + layers) // S}
+    assert not any(k.endswith("|world") for k in comm), comm
+
+
+def test_hsdp_replicas_must_divide_the_world(run):
+    from conftest import assert_config_error
+    r = run("fsdp.py", 4, "--replicate", "3", as_rank0=True)
+    assert_config_error(r, "--replicate 3: the replicas must divide world size 4", torchrun=False)
 
 
 def test_root_prefetches_layer_zero_once_per_forward(group):
