@@ -11,8 +11,8 @@ Input (`TextCorpus.open(path, tokenizer, vocab_size, seed, ...)`)
 Text is tokenized with the tokenizer directory's AutoTokenizer (no special tokens added), and
 each document is followed by EOS: a split's stream is doc0 EOS doc1 EOS ...
 
-Held-out split: whole documents. Document i goes to val when a uniform draw of
-default_rng([seed, i, VAL]) falls below val_fraction (at least one document each way when
+Held-out split: whole documents. Document i goes to val when the i-th uniform draw of
+default_rng([seed, VAL]) falls below val_fraction (at least one document each way when
 val_fraction > 0 and there are two or more), so a document's tokens never sit on both sides.
 
 Packing and sampling: a split's stream is cut into windows of length + 1 tokens that overlap by
@@ -129,10 +129,10 @@ class TextCorpus:
         self.val_fraction, self.cache = val_fraction, cache
         starts = np.concatenate([[0], doc_ends[:-1]])
         n_docs = len(doc_ends)
-        val = np.array([np.random.default_rng([seed, i, VAL]).random() < val_fraction
-                        for i in range(n_docs)], dtype=bool)
+        # document i's draw is the i-th of one seeded stream: a function of (seed, i) only
+        draws = np.random.default_rng([seed, VAL]).random(n_docs)
+        val = draws < val_fraction
         if val_fraction > 0 and n_docs >= 2:        # at least one document on each side
-            draws = [np.random.default_rng([seed, i, VAL]).random() for i in range(n_docs)]
             if not val.any():
                 val[int(np.argmin(draws))] = True
             if val.all():
