@@ -432,6 +432,9 @@ def ep_constraints(args, world, config) -> list[str]:
         errs.append("--aux-free-bias replaces the auxiliary loss: set --aux-coef 0")
     if args.aux_coef < 0 or args.z_coef < 0:
         errs.append("--aux-coef and --z-coef must be >= 0")
+    if getattr(args, "recompute", "none") == "full":   # (harness/recompute.py)
+        errs.append("--recompute full: the routing statistics are recorded in each MoE layer's "
+                    "forward and a recomputed layer would record them twice; use selective")
     return errs
 
 

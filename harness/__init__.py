@@ -29,7 +29,9 @@ The package, one concern per module (a strategy imports its names from here, the
     nccl.py         `--nccl-semantics`: every p2p batch and collective recorded with its waits
                     and checked under NCCL's rules (harness/nccl.py's docstring)
     recompute.py    `--recompute none|full|selective`: one helper for every strategy, with its
-                    per-layer formula and measurement (`python -m harness.recompute`)
+                    per-layer formula and measurement (`python -m harness.recompute`); the
+                    package exports MODES, apply_recompute, activation_bytes, measure (loaded on
+                    first use); run.make_pair applies it after the strategy is built
     corpus.py       real text (`--data`): read, tokenize into a cache, whole-document held-out
                     split, packing, sample i a pure function of (seed, i)
     train_data.py   the train mode's data arguments, batches, held-out evaluation, greedy samples
@@ -58,3 +60,14 @@ from .precision import MasterAdamW  # noqa: F401
 from .run import Run  # noqa: F401
 from .strategy import (HARNESS_PLANTS, DTensorBaseline, Plant, Reference,  # noqa: F401
                        Strategy, all_reduce_flat, full_tensor, make_adamw, spread_across_ranks)
+
+# recompute.py's names load on first use (PEP 562), so that `python -m harness.recompute` does not
+# find its own module imported by the package already (runpy's RuntimeWarning)
+_RECOMPUTE = ("MODES", "apply_recompute", "activation_bytes", "measure", "recompute_what")
+
+
+def __getattr__(name):
+    if name in _RECOMPUTE:
+        from . import recompute
+        return getattr(recompute, name)
+    raise AttributeError(f"module 'harness' has no attribute {name!r}")

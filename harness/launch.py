@@ -56,10 +56,12 @@ def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
                    help="default: cuda when available")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"],
                    help="HF attention implementation of the reference model")
+    # (recompute.MODES, spelled out: importing recompute here would load it with the package)
     p.add_argument("--recompute", default="none", choices=["none", "full", "selective"],
                    help="activation recompute in the strategy's model (harness/recompute.py): "
                         "full keeps each decoder layer's input, selective recomputes the "
-                        "attention core")
+                        "attention core; correctness and learning modes (the benchmark's comm "
+                        "formulas assume none)")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     p.add_argument("--length", type=int, default=64, help="sequence length")
     p.add_argument("--steps", type=int, default=None,

@@ -1,50 +1,127 @@
 """recompute.py: activation recomputation, `--recompute none|full|selective`, one helper for
-every HF Llama-family model the strategies and compose4d train (after Korthikanti et al. 2022,
-"Reducing Activation Recomputation in Large Transformer Models").
+every HF Llama-family (and Mixtral) model the strategies and compose4d train (after Korthikanti
+et al. 2022, "Reducing Activation Recomputation in Large Transformer Models").
 
-    apply_recompute(model, "full")        each decoder layer keeps only its input; its forward
-                                          runs again in the backward (torch.utils.checkpoint,
-                                          non-reentrant)
-    apply_recompute(model, "selective")   only the attention core, softmax(Q K^T / sqrt(d)) V, is
-                                          recomputed: its O(s^2) scores and probabilities are
-                                          never kept (an attention function registered in HF's
-                                          registry that wraps the model's current one, so it
-                                          composes with cp_ring's ring attention)
+The idea
+    The backward needs tensors the forward computed. Instead of keeping them, keep less and
+    compute them again during the backward: memory for time.
+      full        each decoder layer keeps only its input; its forward runs again in the
+                  backward (torch.utils.checkpoint, non-reentrant), one layer at a time. Saved
+                  bytes fall from tens of h per token to one h per token; the price is a second
+                  forward of every layer (~ +1/3 of a step whose backward is twice the forward).
+      selective   only the attention core, softmax(Q K^T / sqrt(d)) V, runs under checkpoint:
+                  its O(s^2) probabilities are never kept, only q, k, v (its inputs) are. The
+                  price is one attention forward per layer. Korthikanti's point: the s^2 terms
+                  dominate at long s and are cheap to recompute (few FLOPs per byte).
 
-Apply it after a strategy installed its own attention (cp_ring) and before the first forward;
-layers a pipeline stage dropped (nn.Identity) are skipped. The recomputation repeats whatever
-the layer's forward communicates (TP's and SP's collectives, CP's ring hops) in the backward, so
-the benchmark's communication formulas assume `--recompute none`.
+Public API
+    MODES = ("none", "full", "selective")
+    apply_recompute(model, mode) -> model     in place, on model.model.layers (nn.Identity entries,
+                                             a pipeline stage's dropped layers, are skipped); a
+                                             second application is refused (ValueError)
+    activation_bytes(config, micro_batch, seq_len, dtype_bytes, mode, attn)
+                                          -> {"per_layer": B, "layers": L * B}   (the formula)
+    measure(model, batch, mode) -> {"activation_bytes": ..., "step_s": ...}  (one forward +
+                                             backward under harness/memory.py's tracker; the
+                                             median of timed forward+backward passes)
+    python -m harness.recompute --model tiny --batch 4 --length 256 --dtype float32 --attn eager
+
+How it is installed
+    full: each layer's `forward` becomes checkpoint(forward, *args, use_reentrant=False,
+    **kwargs), so the keyword arguments HF passes (attention_mask, position_ids,
+    position_embeddings=(cos, sin), ...) reach the recomputation unchanged, except a KV cache,
+    which each recomputation would append to again (HF's gradient checkpointing drops it too;
+    the model's config is left alone, so an exported config keeps use_cache). Hooks on the layer
+    module itself (FSDP's / ZeRO-3's gather before the forward, free after it, gather again
+    before the backward) stay outside the checkpoint and run once; the recomputation runs
+    inside the layer's backward, after the pre-backward gather. (Units smaller than a decoder
+    layer would have their hooks re-run by the recomputation: this helper assumes they are not.)
+    selective: HF (transformers 5) resolves the attention per call with
+    ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward).
+    A function `recompute_<impl>` that runs <impl> under checkpoint is registered in that
+    registry (and <impl>'s mask function under the same name) and the config points at it;
+    "eager" is no registry entry but the default of the attention module's own modeling file,
+    looked up the same way. Applied after a strategy installed its attention (cp_ring's
+    "ring_cp"), it wraps that one.
+    Apply it after the strategy's parallelize / wrapper and before the first forward: the
+    harness does so in run.make_pair (correctness, learning), train.py in the train mode.
+
+Communication
+    A recomputed forward repeats its collectives in the backward (TP's / SP's all-reduces and
+    gathers, CP's ring hops), on every rank in the same order, so the result stays correct;
+    torch stops a recomputation early, after the last op that saves a tensor, so by that rule
+    a collective after it (a TP layer's closing all-reduce) is not repeated (not metered here).
+    The benchmark's comm formulas assume none:
+    `--mode benchmark|peak` refuses --recompute (harness/models.common_constraints). ep_moe
+    refuses full: its routing statistics are recorded in the MoE layer's forward and a
+    recomputed layer would record them twice (selective does not rerun the MoE block).
+    Checked correct at W=2 (correctness mode, float64, 2 steps): tp (full; selective eager and
+    sdpa), fsdp (full, also with --grad-accum 2 --prefetch 2; selective eager), zero --stage 3
+    (full, selective), cp_ring (full zigzag; selective zigzag and allgather), pp (selective 1f1b
+    and zb, full interleaved and zb), ep (selective; full passed too, before the refusal),
+    compose4d (cp 2 full, tp 2 + sp selective). tests/test_recompute.py keeps compose4d's two and
+    pp zb full (quick), tp full and selective, fsdp full, zero-3 selective, cp_ring selective
+    (slow).
 
 Saved activations per decoder layer and micro-batch (b sequences of s tokens; hidden h, a query
-heads and g kv heads of size d, SwiGLU width I, e bytes per element; float32 / float64), counted
-op by op on HF's Llama and equal to the measurement (tests/test_recompute.py):
-    each RMSNorm   its input x, x_hat = x / rms(x) (for the weight's gradient), the output
-                   w * x_hat (kept by the next linear), 1 / rms in float32: 3 e b s h + 4 b s
-                   (the first norm's input is the layer's input; the second's the residual sum)
-    attention      q (h per token), k and v (g d each: sdpa takes them unrepeated; eager repeats
-                   them to a heads, h each), the output (= o_proj's input; eager copies it once
-                   more in the transpose), and sdpa's logsumexp (4 b a s) or eager's float32
-                   softmax (4 b a s^2)
-    SwiGLU         gate, up, silu(gate), their product: 4 e b s I
-so
-    none, eager attention    e b s (10 h + 4 I) + 8 b s + 4 b a s^2
-    none, sdpa (CPU flash)   e b s (8 h + 2 g d + 4 I) + 8 b s + 4 b a s
-    selective                e b s (8 h + 2 g d + 4 I) + 8 b s       (q, k, v kept; no s^2)
-    full                     e b s h                                  (the layer's input)
-Korthikanti's GPT layer keeps s b h (34 + 5 a s / h) bytes in 16-bit with dropout; Llama has
-no dropout masks, a SwiGLU instead of a 4h GELU MLP, RMSNorm and GQA, so the coefficients
-differ, and the s^2 term (5 a s^2 b there: scores, softmax, dropout mask) is one float32 softmax
-output here. Selective recomputation removes exactly that term, for the price of one attention
-forward per layer in the backward. A fused kernel that keeps no s^2 tensor (SDPA's flash path,
-also on CPU) has already removed it, and selective then saves only the logsumexp. Full keeps
-one tensor per layer for the price of a whole layer forward. (bf16: the norms keep float32
-copies, outside this formula.)
+heads and g kv heads of size d, SwiGLU width I, e bytes per element), HF's Llama counted op by
+op (what each autograd node saves), float32 / float64 (where HF's upcasts are no-ops):
+    each RMSNorm   x (by pow), 1/rms (float32, by rsqrt and mul: 4 b s), x_hat = x/rms (by the
+                   weight's mul), the output w * x_hat (by the next linears): 3 e b s h + 4 b s
+                   (the first norm's x is the layer's input, the second's the residual sum)
+    rotary         nothing per layer (mul saves only cos, sin: computed once per forward)
+    attention      eager: q after rotary (h), k and v repeated to a heads (h each, by the two
+                   matmuls), the float32 softmax output (4 b a s^2, by softmax and the second
+                   matmul: one storage), the transposed output (h, by o_proj): 4 e b s h +
+                   4 b a s^2. sdpa, CPU flash kernel: q (h), k, v unrepeated (g d each), its
+                   output (h, laid out (b, s, a, d), so HF's transpose().contiguous() is the same
+                   storage and o_proj keeps it) and the logsumexp (4 b a s): e b s (2 h + 2 g d)
+                   + 4 b a s. Dropout p = 0 saves nothing.
+    SwiGLU         gate (by silu), up and silu(gate) (by mul), their product (by down_proj):
+                   4 e b s I
+    residuals      nothing (add saves nothing)
+so, per layer:
+    none, eager    e b s (10 h + 4 I) + 8 b s + 4 b a s^2
+    none, sdpa     e b s (8 h + 2 g d + 4 I) + 8 b s + 4 b a s
+    selective      e b s (8 h + 2 g d + 4 I) + 8 b s      (q, k, v kept unrepeated; no s^2)
+    full           e b s h                                 (the layer's input)
+(bf16 adds float32 copies: each norm's upcast input, eager's float32 softmax next to its bf16
+copy; outside this formula.) Mixtral's MoE block saves other tensors (routing, expert rows).
 
-    python -m harness.recompute --model tiny --batch 4 --length 256 --attn eager
+Korthikanti et al.'s GPT layer (16-bit, their eq. 1: LayerNorm, a 4h GELU MLP, dropout; a
+attention heads), in bytes:
+    none           s b h (34 + 5 a s / h)     selective  34 s b h     full  2 s b h
+How the Llama count differs (in elements per token, theirs being bytes / 2):
+    MLP        SwiGLU of width I keeps 4 I (gate, up, silu(gate), product); their 4h GELU MLP
+               keeps 9 h (the GELU's input and output, 4 h each, and its input h, which here
+               is counted with the norm)
+    attention  GQA: k and v are g d each (sdpa takes them unrepeated; eager repeats them to h);
+               theirs keeps Q, K, V at h each
+    norms      HF's RMSNorm is unfused: besides its input and output it keeps x_hat = x/rms for
+               the weight's gradient (one more h per norm) and 1/rms in float32 (4 b s)
+    dropout    none: their two residual-branch masks (1 byte per element, 2 s b h) and the
+               attention-dropout mask and output (3 a s^2 b) are gone
+    s^2        eager keeps one float32 softmax output, 4 b a s^2 (theirs: 5 a s^2 b = softmax
+               output 2 + dropout mask 1 + dropout output 2); SDPA's flash path (also on CPU)
+               keeps no s^2 tensor, so selective then saves only its logsumexp.
 
-measures each mode with the live-storage tracker (layers' share: the model at L layers minus
-the model at L/2 layers, over L/2) beside the formula, and the step time.
+Measured (python -m harness.recompute --model tiny --batch 4 --length 256 --dtype float32
+--attn eager|sdpa --repeats 31; 2-core CPU, 2 threads, one process, torch 2.13, transformers
+5.23; tiny: 4 layers, h 64, a 4, g 2, I 128). Per layer: the model at L layers minus the model
+at L/2 layers, over L/2 (cancels embedding, logits, loss); step: median forward+backward of the
+whole model, the modes timed in turn; this tiny model's step is mostly per-op overhead, so the
+relative costs are larger than at realistic sizes (README: the small preset).
+    attn   mode       measured B    formula B  ratio  whole model B   step    extra
+    eager  none        8,921,088    8,921,088  1.000     38,336,512  41.8ms     -
+    eager  full          262,144      262,144  1.000     11,831,296  61.0ms  +46%
+    eager  selective   4,464,640    4,464,640  1.000     24,705,024  50.5ms  +21%
+    sdpa   none        4,481,024    4,481,024  1.000     19,800,068  34.3ms     -
+    sdpa   full          262,144      262,144  1.000      3,180,544  50.7ms  +48%
+    sdpa   selective   4,464,640    4,464,640  1.000     19,736,580  40.9ms  +19%
+The eager s^2 term is 4 b a s^2 = 4,194,304 B of the 8.9 MB; selective removes it and eager's
+repeated k, v (e b s (2 h - 2 g d) = 262,144 B). Under sdpa it saves only the 16 KB logsumexp.
+Repeated runs move the step times by ~20% (another user on the machine), the extras by a few
+points.
 """
 from __future__ import annotations
 
@@ -62,26 +139,33 @@ MODES = ("none", "full", "selective")
 
 
 def decoder_layers(model):
-    return [l for l in model.model.layers if not isinstance(l, torch.nn.Identity)]
+    """The decoder layers this (stage of the) model runs: model.model.layers without the
+    nn.Identity placeholders a pipeline stage leaves for the layers it dropped."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"recompute: {type(model).__name__} is not an HF causal LM with "
+                         f"decoder layers at .model.layers (unwrap a DataParallel's .module)")
+    return [l for l in layers if not isinstance(l, torch.nn.Identity)]
 
 
 def apply_recompute(model, mode: str):
-    """Install recomputation `mode` into an HF CausalLM in place; returns the model."""
+    """Install recomputation `mode` ("none", "full", "selective") into an HF Llama-family or
+    Mixtral CausalLM in place; returns the model. Call it after a strategy installed its layers
+    and attention (cp_ring's "ring_cp") and before the first forward. A second application
+    (other than "none") is refused."""
     if mode not in MODES:
         raise ValueError(f"--recompute must be one of {', '.join(MODES)} (got {mode!r})")
     if mode == "none":
         return model
     if getattr(model, "_recompute", "none") != "none":
         raise ValueError(f"recompute {model._recompute!r} is installed already")
-    model._recompute = mode
-    # a KV cache would be updated again by each recomputed forward (HF's own gradient
-    # checkpointing turns it off for the same reason); training never reads it
-    model.config.use_cache = False
+    layers = decoder_layers(model)
     if mode == "full":
-        for layer in decoder_layers(model):
+        for layer in layers:
             layer.forward = functools.partial(_checkpointed, layer.forward)
     elif mode == "selective":
         _wrap_attention(model)
+    model._recompute = mode
     return model
 
 
@@ -98,29 +182,45 @@ def recompute_what(model) -> str:
 
 def _checkpointed(forward, *args, **kwargs):
     """A decoder layer's forward that keeps only its inputs (the hooks on the layer itself,
-    e.g. FSDP's gathers, stay outside and run once)."""
+    e.g. FSDP's gathers, stay outside and run once). A KV cache is not passed on: each
+    recomputation would append the layer's keys and values to it again (HF's own gradient
+    checkpointing drops it too); a training step never reads it. Without gradients (evaluation,
+    generation) the layer runs as it is, cache included."""
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
+    if kwargs.get("past_key_values") is not None:
+        kwargs = dict(kwargs, past_key_values=None, use_cache=False)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def _wrap_attention(model):
     """Register `recompute_<impl>`: the model's attention function run under checkpoint, so
-    only q, k, v are kept for the backward, and point the model's config at it."""
+    only q, k, v are kept for the backward, and point the model's config at it.
+
+    HF (transformers 5) resolves the function per call with
+    ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward):
+    "eager" is not in the registry, it is the default of the attention module's own file
+    (modeling_llama's or modeling_mixtral's eager_attention_forward), so it is looked up the
+    same way here, from the module being run."""
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     impl = model.config._attn_implementation or "eager"
+    if impl.startswith("recompute_"):
+        raise ValueError(f"selective recompute is installed already ({impl})")
+    if impl != "eager" and impl not in ALL_ATTENTION_FUNCTIONS:
+        raise ValueError(f"selective recompute: attention {impl!r} is not registered in HF's "
+                         f"AttentionInterface")
     layers = decoder_layers(model)
-    if impl == "eager":
-        base = sys.modules[type(layers[0].self_attn).__module__].eager_attention_forward
-    else:
-        base = ALL_ATTENTION_FUNCTIONS[impl]
 
     def attention(module, query, key, value, attention_mask, **kwargs):
+        base = (sys.modules[type(module).__module__].eager_attention_forward if impl == "eager"
+                else ALL_ATTENTION_FUNCTIONS[impl])
+
         def core(q, k, v):
             return base(module, q, k, v, attention_mask, **kwargs)[0]
         if not torch.is_grad_enabled():
             return core(query, key, value), None
+        # (the probabilities eager would return are not kept: that is the point)
         return checkpoint(core, query, key, value, use_reentrant=False), None
 
     name = f"recompute_{impl}"
@@ -136,24 +236,45 @@ def _wrap_attention(model):
 
 
 # -- the formula ------------------------------------------------------------------------------
-def activation_bytes(config, batch: int, seq: int, dtype_bytes: int, mode: str,
-                     attn: str = "sdpa") -> int:
-    """Saved activations of one decoder layer for one micro-batch (the docstring's table)."""
+def activation_bytes(config, micro_batch: int, seq_len: int, dtype_bytes: int, mode: str,
+                     attn: str = "sdpa") -> dict:
+    """Saved activations of one micro-batch's forward (the docstring's table):
+    {"per_layer": bytes one decoder layer keeps, "layers": all config.num_hidden_layers of them}.
+    attn: the attention the layers run ("eager", or "sdpa" with the CPU flash kernel, which
+    keeps its output and logsumexp); it does not matter for full."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
+    if attn not in ("eager", "sdpa"):
+        raise ValueError(f"attn must be eager or sdpa (got {attn!r})")
     h, I, a = config.hidden_size, config.intermediate_size, config.num_attention_heads
     d = getattr(config, "head_dim", None) or h // a
     g = config.num_key_value_heads
-    e, bs = dtype_bytes, batch * seq
+    e, b, s = dtype_bytes, micro_batch, seq_len
+    norms = 2 * 4 * b * s                   # two RMSNorms' inverse RMS, float32
     if mode == "full":
-        return e * bs * h
-    norms = 2 * 4 * bs                      # two RMSNorms' inverse RMS, float32
-    if mode == "selective":
-        return e * bs * (8 * h + 2 * g * d + 4 * I) + norms
-    if attn == "eager":
-        return e * bs * (10 * h + 4 * I) + norms + 4 * batch * a * seq * seq
-    return e * bs * (8 * h + 2 * g * d + 4 * I) + norms + 4 * batch * a * seq
+        per = e * b * s * h                 # the layer's input
+    elif mode == "selective":               # q, k, v kept for the recomputation; no s^2
+        per = e * b * s * (8 * h + 2 * g * d + 4 * I) + norms
+    elif attn == "eager":                   # k, v repeated to a heads; float32 softmax
+        per = e * b * s * (10 * h + 4 * I) + norms + 4 * b * a * s * s
+    else:                                   # sdpa's CPU flash kernel: output + logsumexp
+        per = e * b * s * (8 * h + 2 * g * d + 4 * I) + norms + 4 * b * a * s
+    return dict(per_layer=per, layers=per * config.num_hidden_layers)
+
+
+def korthikanti_bytes(config, micro_batch: int, seq_len: int, mode: str) -> int:
+    """Korthikanti et al.'s GPT layer, 16-bit, with dropout (their eq. 1 and section 4.2):
+    none s b h (34 + 5 a s / h), selective s b h 34, full s b h 2. For comparison only."""
+    h, a, s, b = config.hidden_size, config.num_attention_heads, seq_len, micro_batch
+    return {"none": s * b * h * 34 + 5 * a * s * s * b, "selective": s * b * h * 34,
+            "full": 2 * s * b * h}[mode]
 
 
 # -- measuring --------------------------------------------------------------------------------
+def _ids(batch):
+    return batch.input_ids if hasattr(batch, "input_ids") else batch
+
+
 def _forward_backward(model, ids):
     from .meter import phase
     with phase("forward"):
@@ -164,7 +285,10 @@ def _forward_backward(model, ids):
 
 def activation_peak(model, ids) -> int:
     """Peak bytes of storages created in the forward and alive at once (the tracker of
-    harness/memory.py), over one forward and backward."""
+    harness/memory.py, as measure_memory uses it: storages created inside phase("forward")
+    count as activations; the model's parameters are seeded as preexisting), over one forward
+    and backward. A recomputation runs in the backward, outside phase("forward"): its
+    transient tensors (one layer's at a time) are not counted."""
     from .memory import MemoryTracker
     model.zero_grad(set_to_none=True)
     tracker = MemoryTracker([p for p in model.parameters()])
@@ -173,7 +297,10 @@ def activation_peak(model, ids) -> int:
     return tracker.act_peak
 
 
-def step_time(model, ids, repeats: int = 5) -> float:
+def step_time(model, ids, repeats: int = 5) -> float | None:
+    """Median wall time of `repeats` forward+backward passes, after one warm-up (None: 0)."""
+    if repeats < 1:
+        return None
     times = []
     for _ in range(repeats + 1):
         model.zero_grad(set_to_none=True)
@@ -183,49 +310,104 @@ def step_time(model, ids, repeats: int = 5) -> float:
     return statistics.median(times[1:])
 
 
-def per_layer_measured(config, mode: str, attn: str, dtype, batch: int, seq: int,
-                       seed: int = 0) -> dict:
-    """The layers' share of the activation peak: (model at L layers - model at L/2) / (L/2)."""
+def measure(model, batch, mode: str, repeats: int = 5) -> dict:
+    """One forward+backward of `model` on `batch` (input ids (B, S), or a harness Batch) with
+    recompute `mode`, applied to a copy (the model is left as it is; a model that has `mode`
+    installed already is measured itself):
+    {"activation_bytes": the peak of live forward-created storages (activation_peak),
+     "step_s": the median forward+backward time (step_time)}."""
+    installed = getattr(model, "_recompute", "none")
+    if installed != mode:
+        if installed != "none":
+            raise ValueError(f"measure: the model has recompute {installed!r} installed; "
+                             f"give it one without")
+        model = apply_recompute(copy.deepcopy(model), mode)
+    ids = _ids(batch)
+    return dict(activation_bytes=activation_peak(model, ids),
+                step_s=step_time(model, ids, repeats))
+
+
+def _tiny_model(config, layers: int, mode: str, attn: str, dtype, seed: int):
     from transformers import AutoModelForCausalLM
     from .models import model_kwargs, promote_norms
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = layers
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, **model_kwargs(cfg, attn))
+    return apply_recompute(promote_norms(model.to(dtype)).train(), mode)
+
+
+def per_layer_measured(config, mode: str, attn: str, dtype, batch: int, seq: int,
+                       seed: int = 0, repeats: int = 5) -> dict:
+    """The layers' share of the activation peak: (model at L layers - model at L/2) / (L/2),
+    which cancels the embedding, final norm, logits and loss; the whole model's peak and step
+    time at L layers."""
     L = config.num_hidden_layers
-    out = {}
-    for n in (L, L // 2):
-        cfg = copy.deepcopy(config)
-        cfg.num_hidden_layers = n
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, **model_kwargs(cfg, attn))
-        model = apply_recompute(promote_norms(model.to(dtype)).train(), mode)
-        ids = torch.randint(0, cfg.vocab_size, (batch, seq),
-                            generator=torch.Generator().manual_seed(seed))
-        out[n] = (activation_peak(model, ids), step_time(model, ids) if n == L else None)
-    per = (out[L][0] - out[L // 2][0]) / (L - L // 2)
-    return dict(per_layer=per, total=out[L][0], step_s=out[L][1])
+    if L < 2:
+        raise ValueError("per_layer_measured needs a config with >= 2 decoder layers")
+    ids = torch.randint(0, config.vocab_size, (batch, seq),
+                        generator=torch.Generator().manual_seed(seed))
+    out = {n: measure(_tiny_model(config, n, mode, attn, dtype, seed), ids, mode,
+                      repeats if n == L else 0) for n in (L, L // 2)}
+    per = (out[L]["activation_bytes"] - out[L // 2]["activation_bytes"]) / (L - L // 2)
+    return dict(per_layer=per, total=out[L]["activation_bytes"], step_s=out[L]["step_s"])
+
+
+def interleaved_step_times(models: dict, ids, repeats: int) -> dict:
+    """{key: median forward+backward seconds}, the models timed in turn (one step each, round
+    after round), so that a change in the machine's load falls on every mode alike."""
+    times = {k: [] for k in models}
+    for k, m in models.items():                     # warm-up
+        step_time(m, ids, 1)
+    for _ in range(repeats):
+        for k, m in models.items():
+            m.zero_grad(set_to_none=True)
+            t = time.perf_counter()
+            _forward_backward(m, ids)
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main(argv=None):
     from .models import DTYPES, load_config
-    p = argparse.ArgumentParser(prog="python -m harness.recompute")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--length", type=int, default=256)
+    p = argparse.ArgumentParser(prog="python -m harness.recompute",
+                                description="saved activations per decoder layer and step time "
+                                            "for each --recompute mode, one process")
+    p.add_argument("--model", default="tiny",
+                   help="a preset of harness/models.py or an HF model directory / config.json")
+    p.add_argument("--batch", type=int, default=4, help="micro-batch (sequences)")
+    p.add_argument("--length", type=int, default=256, help="sequence length")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
+    p.add_argument("--repeats", type=int, default=11,
+                   help="timed forward+backward passes per mode (interleaved; median)")
+    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     config, dtype = load_config(a.model), DTYPES[a.dtype]
-    print(f"activation memory per decoder layer, {a.model} ({config.num_hidden_layers} layers), "
-          f"micro-batch {a.batch} x {a.length} tokens, {a.dtype}, attention {a.attn}, CPU")
+    L = config.num_hidden_layers
+    print(f"activation memory per decoder layer, {a.model} ({L} layers, h "
+          f"{config.hidden_size}), micro-batch {a.batch} x {a.length} tokens, {a.dtype}, "
+          f"attention {a.attn}, {torch.get_num_threads()} CPU threads")
+    mem = {m: per_layer_measured(config, m, a.attn, dtype, a.batch, a.length, a.seed, repeats=0)
+           for m in MODES}
+    ids = torch.randint(0, config.vocab_size, (a.batch, a.length),
+                        generator=torch.Generator().manual_seed(a.seed))
+    times = interleaved_step_times({m: _tiny_model(config, L, m, a.attn, dtype, a.seed)
+                                    for m in MODES}, ids, a.repeats) if a.repeats else {}
     print(f"{'mode':<10} {'measured':>12} {'formula':>12} {'ratio':>6} {'whole model':>12} "
           f"{'step':>9} {'extra':>7}")
-    base = None
     rows = []
     for mode in MODES:
-        m = per_layer_measured(config, mode, a.attn, dtype, a.batch, a.length)
-        f = activation_bytes(config, a.batch, a.length, dtype.itemsize, mode, a.attn)
-        base = base or m["step_s"]
-        rows.append(dict(mode=mode, formula=f, **m))
-        print(f"{mode:<10} {m['per_layer']:>12,.0f} {f:>12,} {m['per_layer'] / f:>6.3f} "
-              f"{m['total']:>12,} {m['step_s'] * 1e3:>7.1f}ms {m['step_s'] / base - 1:>+7.1%}")
+        m, f = mem[mode], activation_bytes(config, a.batch, a.length, dtype.itemsize, mode, a.attn)
+        t = times.get(mode)
+        rows.append(dict(mode=mode, per_layer=m["per_layer"], total=m["total"], step_s=t,
+                         formula=f["per_layer"], formula_layers=f["layers"]))
+        step = "" if t is None else f"{t * 1e3:>7.1f}ms {t / times['none'] - 1:>+7.1%}"
+        print(f"{mode:<10} {m['per_layer']:>12,.0f} {f['per_layer']:>12,} "
+              f"{m['per_layer'] / f['per_layer']:>6.3f} {m['total']:>12,} {step}")
+    gpt = {m: korthikanti_bytes(config, a.batch, a.length, m) for m in MODES}
+    print("Korthikanti's GPT layer of this h, a, b, s (16-bit, GELU MLP, dropout): "
+          + ", ".join(f"{m} {v:,}" for m, v in gpt.items()))
     return rows
 
 

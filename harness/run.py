@@ -13,7 +13,6 @@ import torch.distributed as dist
 from .data import Batch, MarkovLanguage, make_batch
 from .meter import METER
 from .models import build_model
-from .recompute import apply_recompute, recompute_what
 from .strategy import reference_class
 
 if TYPE_CHECKING:
@@ -66,6 +65,8 @@ def make_pair(run: Run, cls, perturb: bool, with_ref: bool):
     # after the strategy installed its layers and attention (cp_ring) into `local`, in place
     mode = getattr(run.args, "recompute", "none")
     if mode != "none":
+        # (imported here: `python -m harness.recompute` must not find it imported by the package)
+        from .recompute import apply_recompute, recompute_what
         apply_recompute(local, mode)
         run.print(f"recompute {mode}: {recompute_what(local)}")
     METER.reset()

@@ -1,8 +1,6 @@
 """Activation recompute (harness/recompute.py): gradients unchanged, the saved activations per
-layer equal to the formula byte for byte, a recomputation that differs from the forward is
-caught, and the strategies stay correct with it under torchrun."""
-import copy
-
+layer equal to the formula byte for byte, the recomputation really runs (and one that differs
+from the forward is caught), and the strategies stay correct with it under torchrun."""
 import pytest
 import torch
 
@@ -11,9 +9,9 @@ from conftest import Runs, assert_config_error, launch
 from harness.models import load_config, model_kwargs, promote_norms
 
 
-def tiny(attn, dtype=torch.float64, layers=None, seed=0):
+def tiny(attn, dtype=torch.float64, layers=None, seed=0, preset="tiny"):
     from transformers import AutoModelForCausalLM
-    cfg = load_config("tiny")
+    cfg = load_config(preset)
     if layers:
         cfg.num_hidden_layers = layers
     torch.manual_seed(seed)
@@ -29,6 +27,12 @@ def grads(model, ids):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def assert_same_grads(got, ref):
+    assert got.keys() == ref.keys()
+    for n in ref:
+        assert torch.allclose(got[n], ref[n], rtol=1e-12, atol=1e-15), n
+
+
 IDS = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
 
 
@@ -38,14 +42,66 @@ def test_gradients_do_not_change(attn, mode):
     ref_loss, ref = grads(tiny(attn), IDS)
     loss, got = grads(rc.apply_recompute(tiny(attn), mode), IDS)
     assert torch.equal(loss, ref_loss)
-    for n in ref:
-        assert torch.allclose(got[n], ref[n], rtol=1e-12, atol=1e-15), n
+    assert_same_grads(got, ref)
+
+
+def test_full_leaves_a_kv_cache_alone():
+    """A forward with use_cache=True (HF's default config): the recomputation must not append
+    to the cache again; the config is not edited (an exported model keeps use_cache)."""
+    ref_loss, ref = grads(tiny("sdpa"), IDS)
+    m = rc.apply_recompute(tiny("sdpa"), "full")
+    assert m.config.use_cache
+    m.zero_grad(set_to_none=True)
+    out = m(input_ids=IDS, use_cache=True)
+    loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1),
+                                             IDS[:, 1:].flatten())
+    loss.backward()
+    assert out.past_key_values.get_seq_length() == 0      # not filled twice (48 + 48)
+    assert torch.equal(loss.detach(), ref_loss)
+    assert_same_grads({n: p.grad for n, p in m.named_parameters()}, ref)
+    with torch.no_grad():      # evaluation / generation: the layers run as they are, cached
+        assert m(input_ids=IDS, use_cache=True).past_key_values.get_seq_length() == 48
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_gradients_do_not_change_mixtral(mode):
+    """The MoE model (router, experts) under either mode, eager attention."""
+    ref_loss, ref = grads(tiny("eager", preset="tiny-moe"), IDS)
+    loss, got = grads(rc.apply_recompute(tiny("eager", preset="tiny-moe"), mode), IDS)
+    assert torch.equal(loss, ref_loss)
+    assert_same_grads(got, ref)
+
+
+def test_selective_wraps_a_registered_attention():
+    """Like cp_ring's "ring_cp": a custom function in HF's registry is wrapped, not replaced,
+    and really runs twice per layer (forward, recomputation), with unchanged gradients."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    calls = []
+
+    def probe(module, *args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return sdpa_attention_forward(module, *args, **kwargs)
+    AttentionInterface.register("probe_attn", probe)
+    ref_loss, ref = grads(tiny("sdpa"), IDS)
+    m = tiny("sdpa")
+    m.config._attn_implementation = "probe_attn"
+    rc.apply_recompute(m, "selective")
+    assert m.config._attn_implementation == "recompute_probe_attn"
+    assert "recompute_probe_attn" in rc.recompute_what(m)
+    loss, got = grads(m, IDS)
+    assert len(calls) == 2 * 4         # 4 layers: the forward, then the backward's recompute
+    assert torch.equal(loss, ref_loss)
+    assert_same_grads(got, ref)
+    with torch.no_grad():              # no grad: no checkpoint, one call per layer
+        m(input_ids=IDS)
+    assert len(calls) == 3 * 4
 
 
 def test_a_recomputation_that_differs_from_the_forward_is_caught(monkeypatch):
-    """The check above can fail: a full recompute whose second run of the layer sees shifted
-    rotary positions (what a recompute that rebuilt positions would do under CP) changes the
-    gradients, while the forward (and the loss) stays the same."""
+    """The gradient check can fail: a full recompute whose second run of the layer sees
+    shifted rotary positions (what a recompute that rebuilt positions would do under CP)
+    changes the gradients, while the forward (and the loss) stays the same."""
     calls = {"n": 0}
     real = rc.checkpoint
 
@@ -70,53 +126,111 @@ def test_a_recomputation_that_differs_from_the_forward_is_caught(monkeypatch):
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_saved_activations_equal_the_formula(attn):
     cfg = load_config("tiny")
-    got = {m: rc.per_layer_measured(cfg, m, attn, torch.float32, 2, 128)["per_layer"]
+    got = {m: rc.per_layer_measured(cfg, m, attn, torch.float32, 2, 128, repeats=0)["per_layer"]
            for m in rc.MODES}
     want = {m: rc.activation_bytes(cfg, 2, 128, 4, m, attn) for m in rc.MODES}
-    assert got == want
+    assert got == {m: w["per_layer"] for m, w in want.items()}          # byte for byte
+    assert all(w["layers"] == 4 * w["per_layer"] for w in want.values())
     assert got["full"] < got["selective"] < got["none"]
     if attn == "eager":      # selective removes the float32 softmax, 4 b a s^2, and eager's
         #                      k and v repeated to all heads, e b s (2 h - 2 g d)
         assert got["none"] - got["selective"] == 4 * 2 * 4 * 128 * 128 + 4 * 2 * 128 * 64
+    else:                    # sdpa (CPU flash) keeps no s^2 tensor: only its logsumexp goes
+        assert got["none"] - got["selective"] == 4 * 2 * 4 * 128
+
+
+def test_measure_on_a_model():
+    """measure(): the three modes on one model (applied to copies, the model left as it is),
+    activation bytes strictly ordered full < selective < none under eager, so the memory
+    checks cannot pass vacuously; a model with another mode installed is refused."""
+    m = tiny("eager", dtype=torch.float32)
+    ids = IDS[:, :32]
+    got = {mode: rc.measure(m, ids, mode, repeats=1) for mode in rc.MODES}
+    assert not hasattr(m, "_recompute") and m.config._attn_implementation == "eager"
+    act = {k: v["activation_bytes"] for k, v in got.items()}
+    assert act["full"] < act["selective"] < act["none"], act
+    assert all(v["step_s"] > 0 for v in got.values())
+    rc.apply_recompute(m, "full")
+    assert rc.measure(m, ids, "full", repeats=0)["activation_bytes"] == act["full"]
+    with pytest.raises(ValueError, match="has recompute 'full' installed"):
+        rc.measure(m, ids, "selective")
 
 
 def test_skips_dropped_layers_and_rejects_bad_use():
     m = tiny("sdpa")
     m.model.layers[0] = torch.nn.Identity()        # a pipeline stage's dropped layer
+    m.model.layers[3] = torch.nn.Identity()
     rc.apply_recompute(m, "full")
-    assert "3 decoder layers" in rc.recompute_what(m)
+    assert "2 decoder layers" in rc.recompute_what(m)
     with pytest.raises(ValueError, match="installed already"):
         rc.apply_recompute(m, "selective")
+    s = rc.apply_recompute(tiny("sdpa", layers=2), "selective")
+    with pytest.raises(ValueError, match="installed already"):
+        rc.apply_recompute(s, "selective")
     with pytest.raises(ValueError, match="must be one of"):
         rc.apply_recompute(tiny("sdpa"), "partial")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        rc.activation_bytes(load_config("tiny"), 1, 8, 4, "partial")
+    with pytest.raises(ValueError, match="unwrap"):
+        rc.apply_recompute(torch.nn.Linear(2, 2), "full")
     untouched = rc.apply_recompute(tiny("sdpa"), "none")       # none: nothing installed
     assert not hasattr(untouched, "_recompute") and untouched.config.use_cache
 
 
+def test_every_strategy_takes_the_argument():
+    from harness import MODES, base_parser
+    p = base_parser("x.py")
+    choices = next(a.choices for a in p._actions if a.dest == "recompute")
+    assert tuple(choices) == MODES == rc.MODES
+    assert p.parse_args([]).recompute == "none"
+
+
 def test_the_command_prints_the_table(capsys):
-    rows = rc.main(["--model", "tiny", "--batch", "1", "--length", "64", "--attn", "eager"])
+    rows = rc.main(["--model", "tiny", "--batch", "1", "--length", "64", "--attn", "eager",
+                    "--repeats", "1"])
     assert [r["mode"] for r in rows] == list(rc.MODES)
     assert all(r["per_layer"] == r["formula"] for r in rows)
-    assert "ratio" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ratio" in out and "Korthikanti" in out
 
 
-# -- the strategies with recompute, under torchrun (shares compose4d's W=2 launch) -----------
+# -- the strategies with recompute, under torchrun --------------------------------------------
+# quick: shares compose4d's and pp's W=2 launches
 W2 = Runs("compose4d.py", 2, {
     "cp-full": ["--cp", "2", "--recompute", "full"],
     "tp-sp-selective": ["--tp", "2", "--sp", "--recompute", "selective", "--attn", "sdpa"],
 })
 PP = Runs("pp.py", 2, {"zb-full": ["--schedule", "zb", "--recompute", "full"]})
+# slow: joins the slow W=2 launches of test_tp_sp.py, test_fsdp.py, test_zero.py
+SLOW_TP = Runs("tp.py", 2, tier="slow", runs={
+    "tp-full": ["--recompute", "full"],
+    "tp-selective-eager": ["--recompute", "selective", "--attn", "eager"]})
+SLOW_FSDP = Runs("fsdp.py", 2, tier="slow", runs={   # gathers re-entered by the recompute
+    "fsdp-full-accum": ["--recompute", "full", "--grad-accum", "2", "--prefetch", "2"]})
+SLOW_ZERO = Runs("zero.py", 2, tier="slow", runs={
+    "zero3-selective": ["--stage", "3", "--recompute", "selective", "--attn", "eager"]})
+SLOW_CP = Runs("cp_ring.py", 2, tier="slow", runs={  # wraps "ring_cp"
+    "cp-selective": ["--recompute", "selective"]})
 
 
-@pytest.mark.parametrize("batch,key", [(W2, "cp-full"), (W2, "tp-sp-selective"),
-                                       (PP, "zb-full")])
+@pytest.mark.parametrize("batch,key", [
+    *[pytest.param(b, k, id=k) for b in (W2, PP) for k in b.runs],
+    *[pytest.param(b, k, marks=pytest.mark.slow, id=k)
+      for b in (SLOW_TP, SLOW_FSDP, SLOW_ZERO, SLOW_CP) for k in b.runs]])
 def test_strategies_stay_correct_with_recompute(runs, batch, key):
     r = runs(batch, key)
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
-    assert "recompute " in r.stdout
+    mode = next(batch.runs[key][i + 1] for i, a in enumerate(batch.runs[key])
+                if a == "--recompute")
+    assert f"recompute {mode}: " in r.stdout, r
 
 
 def test_benchmark_refuses_recompute():
     r = launch("tp.py", 2, "--mode", "benchmark", "--recompute", "full", as_rank0=True)
     assert_config_error(r, "--recompute full: the benchmark's communication formulas",
                         torchrun=False)
+
+
+def test_ep_refuses_full_recompute():
+    r = launch("ep_moe.py", 2, "--recompute", "full", as_rank0=True)
+    assert_config_error(r, "--recompute full: the routing statistics", torchrun=False)
