@@ -1,4 +1,5 @@
-"""pp.py: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, ZB-H1) from raw point-to-point.
+"""pp.py: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, ZB-H1, DualPipeV) from raw
+point-to-point.
 
 The idea
     Cut the model into stages, one per rank (P ranks), and cut the batch into M micro-batches.
@@ -14,10 +15,23 @@ The idea
                     ...), so the pipeline is V times deeper and the bubble (P-1)/(V*M+P-1);
       ZB-H1         (Qi et al., "Zero Bubble Pipeline Parallelism" 2024) the backward splits into
                     I (gradient of the input, on the critical path) and W (weight gradient,
-                    deferred into the cool-down bubble): (P-1)/(3M+P-1) with T_F = T_I = T_W.
+                    deferred into the cool-down bubble): (P-1)/(3M+P-1) with T_F = T_I = T_W;
+      DualPipeV     (DeepSeek-V3 2024, DualPipe "cut in half"; Sea AI's "V" placement) the model in
+                    2P chunks placed as a V: rank r holds chunks r and 2P-1-r, so every rank has
+                    one chunk on the way down and one on the way up, and rank 0 holds the first
+                    and the last. Micro-batches are fed from one end; in the steady state each
+                    rank pairs the forward of one micro-batch on one chunk with the backward of
+                    another on its other chunk (DeepSeek overlaps the pair's communication with
+                    its computation; here the pair runs back to back and each one's sends are in
+                    flight while the other computes), and the drain splits backwards into I and
+                    W. Bubble (P-1)(F&B + B - 3W) in chunk times (DualPipe's table, PP = 2P
+                    stages): with F&B = F + B and T_F = T_I = T_W, (P-1)/(3M+P-1), ZB-H1's share
+                    at 2P chunks of half a stage each; activations of up to 2P+1 chunk-micro-
+                    batches per rank (1F1B: P micro-batches of a 2-chunk stage, 2P). Needs
+                    M >= 2P.
 
 Schedules are pure functions (P, M, V, rank) -> ordered actions (kind, chunk, micro-batch), kind
-in F, B, I, W. A discrete-event simulation (simulate) checks every schedule's dependencies and
+in F, B, I, W; chunk c lives on rank chunk_owner(name, c, P) (c % P, or the V for DualPipeV). A discrete-event simulation (simulate) checks every schedule's dependencies and
 measures its bubble with unit costs (F=1, B=2, I=W=1); one executor runs any of them. The same
 actions are torch.distributed.pipelining's _Action(stage, F|B|I|W, micro-batch) one to one, so
 tests/test_pp.py also runs torch's own schedule validator and comms simulator on them (with the
@@ -38,14 +52,17 @@ Point-to-point (NCCL's rules: harness/nccl.py, checked by --nccl-semantics)
 Stage split: the decoder layers go to P*V chunks, contiguous, minimising the largest chunk's
 parameter count, with the embeddings counted on the first chunk and the final norm and head on
 the last. Tied embeddings: the first and last stages each hold a copy, and their gradients are
-summed over a two-rank group before the step.
+summed over a two-rank group before the step (DualPipeV: rank 0 holds both ends, one tensor).
+The V's turn (chunks P-1 and P, both on rank P-1) hands its activation and gradient over in
+memory, with no message.
 Loss: each micro-batch's CE sum over the global token count N, so the sum over micro-batches is
 the reference's global mean. ZB-H1's W re-traverses the stage's retained graph for the weight
 gradients (correct; its extra compute is the price of not rewriting every layer's backward).
 
 Communication per step (mb = B/M sequences, S length, H hidden, b bytes): every chunk boundary
-(P*V - 1 of them) carries M activations forward and M gradients back, each mb*S*H*b, plus one
-all_reduce of the tied embedding gradient when tied.
+between two ranks (P*V - 1 of them; DualPipeV 2P - 2) carries M activations forward and M
+gradients back, each mb*S*H*b, plus one all_reduce of the tied embedding gradient when tied
+and the ends are on two ranks.
 
 Public API
     pipe = Pipeline(model, P, V, rank, schedule, group=None, tie_group=None)   this rank's
@@ -67,8 +84,24 @@ COST = {"F": 1, "B": 2, "I": 1, "W": 1}
 # ----------------------------------------------------------------------------------------------
 # Schedules: pure functions
 # ----------------------------------------------------------------------------------------------
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "dualpipev")
+
+
+def chunks_per_rank(name: str, V: int) -> int:
+    """V for the interleaved schedule, 2 for DualPipeV, else 1."""
+    return V if name == "interleaved" else 2 if name == "dualpipev" else 1
+
+
+def chunk_owner(name: str, c: int, P: int) -> int:
+    """The rank that holds chunk c: looped (c % P), or for DualPipeV the V (c on the way down,
+    2P-1-c on the way up)."""
+    if name == "dualpipev":
+        return c if c < P else 2 * P - 1 - c
+    return c % P
+
+
 def schedule(name: str, P: int, M: int, V: int, rank: int) -> list[tuple[str, int, int]]:
-    """Actions (kind, chunk, micro-batch) for `rank`; chunk c lives on rank c % P."""
+    """Actions (kind, chunk, micro-batch) for `rank`; chunk c lives on chunk_owner(name, c, P)."""
     if name == "gpipe":
         return [("F", rank, m) for m in range(M)] + [("B", rank, m) for m in range(M)]
     if name == "1f1b":
@@ -77,6 +110,8 @@ def schedule(name: str, P: int, M: int, V: int, rank: int) -> list[tuple[str, in
         return _interleaved(P, M, V, rank)
     if name == "zb":
         return _zb_h1(P, M, rank)
+    if name == "dualpipev":
+        return _dualpipev(P, M, rank)
     raise ValueError(name)
 
 
@@ -131,40 +166,125 @@ def _zb_h1(P, M, rank):
     return acts
 
 
-def simulate(name, P, M, V=1, cost=None):
-    """Run every rank's actions with unit costs (`cost`, default COST), honouring dependencies.
-    Returns (per-rank action lists with (start, end), makespan, bubble fraction, peak
-    in-flight)."""
+def _dualpipev(P, M, rank, pairs: list | None = None):
+    """DualPipeV (DeepSeek's DualPipe cut in half), rank r holding chunks down = r and
+    up = 2P-1-r. Eight phases, each a count that depends on the rank, so that the micro-batches
+    fed into chunk 0 arrive at every rank just in time:
+      1 warm-up        2(P-1-r) forwards of `down`
+      2                r+1 pairs F(down) F(up)
+      3                P-1-r times I(up), W(up), F(up): the zero-bubble split starts the first
+                       backwards early and keeps the up chunk fed
+      4 steady state   M-2P+r+1 times F(down)&B(up), F(up)&B(down): a forward of one
+                       micro-batch paired with a backward of another, on the other chunk
+      5                P-1-r times B(up), F(up)&B(down): the up chunk's last forwards
+      6                r+1 pairs B(up) B(down), split into I and deferred W from the middle on
+                       (the odd ranks one backward earlier than the even ones)
+      7 cool-down      P-1-r times W, I(down): the deferred W's fill the drain
+      8                r+1 W's: the rest of them
+    Each count is the number of micro-batches of that kind, so every chunk sees F, and B or I+W,
+    once per micro-batch (M >= 2P). `pairs`, when given, receives the index of each overlapped
+    pair's F (its B is the next action): DeepSeek's F&B chunks, which simulate(paired=True)
+    starts together."""
+    down, up = rank, 2 * P - 1 - rank
+    acts, pending = [], []
+    nxt = {}                              # (chunk, "F" | "B") -> its next micro-batch
+
+    def fwd(c):
+        m = nxt.get((c, "F"), 0)
+        nxt[(c, "F")] = m + 1
+        acts.append(("F", c, m))
+
+    def bwd(c, split=False):
+        m = nxt.get((c, "B"), 0)
+        nxt[(c, "B")] = m + 1
+        acts.append(("I" if split else "B", c, m))
+        if split:
+            pending.append((c, m))
+
+    def weight():
+        if pending:
+            acts.append(("W",) + pending.pop(0))
+
+    def pair(f, b):                       # F&B: a forward and another micro-batch's backward
+        if pairs is not None:
+            pairs.append(len(acts))
+        fwd(f), bwd(b)
+
+    for _ in range(2 * (P - 1 - rank)):
+        fwd(down)
+    for _ in range(rank + 1):
+        fwd(down), fwd(up)
+    for _ in range(P - 1 - rank):
+        bwd(up, split=True), weight(), fwd(up)
+    for i in range(M - 2 * P + rank + 1):
+        if i == 0 and rank == P - 1:      # the V's bottom: B(up) needs this very F(down)
+            fwd(down), bwd(up)
+        else:
+            pair(down, up)
+        pair(up, down)
+    for _ in range(P - 1 - rank):
+        bwd(up), pair(up, down)
+    split = False
+    for i in range(rank + 1):
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
+        bwd(up, split)
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+        bwd(down, split)
+    for _ in range(P - 1 - rank):
+        weight(), bwd(down, split)
+    while pending:
+        weight()
+    return acts
+
+
+def simulate(name, P, M, V=1, cost=None, paired=False):
+    """Run every rank's actions with unit costs (`cost`, default COST), honouring dependencies,
+    each action as soon as its inputs are there (as the executor runs them). paired=True
+    (DualPipeV): each overlapped F&B pair starts only once both halves' inputs are there, as
+    DeepSeek's implementation runs it (both receives, then both computations). Returns (per-rank
+    action lists with (start, end), makespan, bubble fraction, peak in-flight)."""
+    V = chunks_per_rank(name, V)
     C, cost = P * V, cost or COST
     acts = [schedule(name, P, M, V, r) for r in range(P)]
+    pair_at = [set() for _ in range(P)]
+    if paired and name == "dualpipev":
+        for r in range(P):
+            _dualpipev(P, M, r, pairs := [])
+            pair_at[r] = set(pairs)
     done, t_rank, pos = {}, [0.0] * P, [0] * P
     timeline = [[] for _ in range(P)]
     inflight, peak = [0] * P, [0] * P
+
+    def deps_of(kind, c, m):
+        deps = []
+        if kind == "F" and c > 0:
+            deps.append(("F", c - 1, m))
+        if kind in ("B", "I"):
+            deps.append(("F", c, m))
+            if c < C - 1:
+                deps.append(("B" if ("B", c + 1, m) in done else "I", c + 1, m))
+        if kind == "W":
+            deps.append(("I", c, m))
+        return deps
+
     progress = True
     while progress:
         progress = False
         for r in range(P):
             while pos[r] < len(acts[r]):
-                kind, c, m = acts[r][pos[r]]
-                deps = []
-                if kind == "F" and c > 0:
-                    deps.append(("F", c - 1, m))
-                if kind in ("B", "I"):
-                    deps.append(("F", c, m))
-                    if c < C - 1:
-                        deps.append(("B" if ("B", c + 1, m) in done else "I", c + 1, m))
-                if kind == "W":
-                    deps.append(("I", c, m))
+                group = acts[r][pos[r]:pos[r] + (2 if pos[r] in pair_at[r] else 1)]
+                deps = [d for a in group for d in deps_of(*a) if d not in group]
                 if any(d not in done for d in deps):
                     break
-                start = max([t_rank[r]] + [done[d] for d in deps])
-                end = start + cost[kind]
-                done[(kind, c, m)] = end
-                t_rank[r] = end
-                timeline[r].append((kind, c, m, start, end))
-                inflight[r] += 1 if kind == "F" else (-1 if kind in ("B", "I") else 0)
-                peak[r] = max(peak[r], inflight[r])
-                pos[r] += 1
+                t = max([t_rank[r]] + [done[d] for d in deps])
+                for kind, c, m in group:
+                    start, t = t, t + cost[kind]
+                    done[(kind, c, m)] = t
+                    timeline[r].append((kind, c, m, start, t))
+                    inflight[r] += 1 if kind == "F" else (-1 if kind in ("B", "I") else 0)
+                    peak[r] = max(peak[r], inflight[r])
+                t_rank[r] = t
+                pos[r] += len(group)
                 progress = True
     if any(pos[r] < len(acts[r]) for r in range(P)):
         raise RuntimeError(f"schedule {name} deadlocks (P={P}, M={M}, V={V})")
@@ -175,7 +295,14 @@ def simulate(name, P, M, V=1, cost=None):
 
 def bubble_formula(name, P, M, V=1) -> float:
     """(P-1)/(M+P-1); interleaved (P-1)/(V*M+P-1); ZB-H1 with T_F = T_I = T_W:
-    (P-1)(T_F+T_I-T_W) / (M(T_F+T_I+T_W) + (P-1)(T_F+T_I-T_W)) = (P-1)/(3M+P-1)."""
+    (P-1)(T_F+T_I-T_W) / (M(T_F+T_I+T_W) + (P-1)(T_F+T_I-T_W)) = (P-1)/(3M+P-1).
+    DualPipeV: DualPipe's (PP/2-1)(T_F&B + T_B - 3 T_W) idle per rank with PP = 2P chunk stages,
+    T_F&B = T_F + T_B (the pair runs back to back) and T_B = T_I + T_W, over 2M (T_F + T_B) of
+    work: with T_F = T_I = T_W, 2(P-1) / (6M + 2(P-1)) = (P-1)/(3M+P-1)."""
+    if name == "dualpipev":
+        F, I, W = COST["F"], COST["I"], COST["W"]
+        idle = (P - 1) * ((F + I + W) + (I + W) - 3 * W)
+        return idle / (2 * M * (F + I + W) + idle)
     if name == "zb":
         return (P - 1) / (3 * M + P - 1)
     return (P - 1) / ((V if name == "interleaved" else 1) * M + P - 1)
@@ -208,7 +335,7 @@ class Grid:
     step of micro-batch m's first forward (chunk 0), the grid's consistent cut for m."""
 
     def __init__(self, name: str, P: int, M: int, V: int = 1):
-        C = P * V
+        C = P * chunks_per_rank(name, V)
         timeline, T, _, _ = simulate(name, P, M, V, cost=dict.fromkeys(COST, 1))
         T = int(T)
         self.steps = [[(None, [], []) for _ in range(T)] for _ in range(P)]
@@ -216,12 +343,14 @@ class Grid:
         for r in range(P):
             for kind, c, m, start, _ in timeline[r]:
                 _, send = messages(kind, c, m, C)
+                if send and chunk_owner(name, send[1], P) == r:
+                    send = None      # the V's turn: handed over in memory (Pipeline.run)
                 t = int(start)
                 self.steps[r][t] = ((kind, c, m), [send] if send else [], self.steps[r][t][2])
                 if kind == "F" and c == 0:
                     self.first_forward[m] = t
                 if send:
-                    self.steps[send[1] % P][t][2].append(send)
+                    self.steps[chunk_owner(name, send[1], P)][t][2].append(send)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -267,6 +396,7 @@ class Pipeline:
 
     def __init__(self, model, P: int, V: int, rank: int, schedule_name: str, group=None,
                  tie_group=None):
+        V = chunks_per_rank(schedule_name, V)
         self.model, self.P, self.V, self.rank, self.group = model, P, V, rank, group
         self.schedule_name, self.C = schedule_name, P * V
         self.positions, self.seq_shards, self.loss_sum = None, 1, lm_loss_sum
@@ -284,11 +414,11 @@ class Pipeline:
         self.bounds = split_layers([float(x) for x in n_layer], emb, head, self.C)
         self.costs = [sum(n_layer[i] for i in b) + (emb if c == 0 else 0)
                       + (head if c == self.C - 1 else 0) for c, b in enumerate(self.bounds)]
-        self.mine = [c for c in range(self.C) if c % P == rank]
+        self.mine = [c for c in range(self.C) if self.owner(c) == rank]
         keep = {i for c in self.mine for i in self.bounds[c]}
         self.tied = model.lm_head.weight is base.embed_tokens.weight
         first, last = 0 in self.mine, self.C - 1 in self.mine
-        if self.tied and P > 1 and last and not first:
+        if self.tied and last and not first:
             model.lm_head.weight = nn.Parameter(base.embed_tokens.weight.detach().clone())
         for i in range(len(base.layers)):  # drop what this rank does not run
             if i not in keep:
@@ -297,7 +427,11 @@ class Pipeline:
             base.embed_tokens = None
         if not last:
             base.norm, model.lm_head = None, None
-        self.tie_group = tie_group if self.tied and P > 1 else None
+        self.tie_group = tie_group if self.tied and self.owner(0) != self.owner(self.C - 1) else None
+
+    def owner(self, c: int) -> int:
+        """The (group) rank that holds chunk c."""
+        return chunk_owner(self.schedule_name, c, self.P)
 
     # -- the model, cut into chunks --
     def run_chunk(self, c, x, S):
@@ -330,10 +464,10 @@ class Pipeline:
         ops, bufs = [], []
         for src, dst, m, bwd in keys_out:
             ops.append(dist.P2POp(dist.isend, sends.pop((src, dst, m, bwd)), group=self.group,
-                                  group_peer=dst % self.P, tag=(m * self.C + dst) * 2 + bwd))
+                                  group_peer=self.owner(dst), tag=(m * self.C + dst) * 2 + bwd))
         for src, dst, m, bwd in keys_in:
             buf = torch.empty(shape, dtype=dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=src % self.P,
+            ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=self.owner(src),
                                   tag=(m * self.C + dst) * 2 + bwd))
             bufs.append(((src, dst, m, bwd), buf))
         if not ops:
@@ -456,6 +590,12 @@ class Pipeline:
                             sends[send_key] = dx.contiguous()
                         if kind in ("B", "W"):
                             del inputs[(c, m)], outputs[(c, m)], grads[(c, m)]
+                if send_key and self.owner(send_key[1]) == self.rank:
+                    # the V's turn (DualPipeV): the next chunk is this rank's, no message
+                    t_out = sends.pop(send_key)
+                    if self.plant == "v-turn-zero-grad" and send_key[3]:   # (planted: the
+                        t_out = torch.zeros_like(t_out)                    # gradient dropped)
+                    received[send_key] = (t_out, [])
             keep = (lambda k: k[2] < stop_at) if stop_at is not None else (lambda k: True)
             self._post(sends, [k for k in keys_out if keep(k)], [k for k in keys_in if keep(k)],
                        shape, dtype, received)
@@ -483,16 +623,18 @@ class Pipeline:
             for c in self.mine:
                 if c == 0:
                     x = mb.input_ids
+                elif self.owner(c - 1) == self.rank:     # the V's turn: out of chunk c - 1
+                    x = out
                 else:
                     x = torch.empty(shape, dtype=dtype, device=device)
                     for w in dist.batch_isend_irecv([dist.P2POp(
-                            dist.irecv, x, group=self.group, group_peer=(c - 1) % self.P)]):
+                            dist.irecv, x, group=self.group, group_peer=self.owner(c - 1))]):
                         w.wait()
                 out = self.run_chunk(c, x, S)
-                if c < self.C - 1:
+                if c < self.C - 1 and self.owner(c + 1) != self.rank:
                     for w in dist.batch_isend_irecv([dist.P2POp(
                             dist.isend, out.contiguous(), group=self.group,
-                            group_peer=(c + 1) % self.P)]):
+                            group_peer=self.owner(c + 1))]):
                         w.wait()
                 else:
                     loss_sum += self.loss_sum(out, mb.labels).double()
@@ -511,12 +653,12 @@ class Pipeline:
 # Harness adapter
 # ----------------------------------------------------------------------------------------------
 def pp_constraints(args, world, config) -> list[str]:
-    P, V, M = world, args.virtual_stages, args.microbatches
-    V = V if args.schedule == "interleaved" else 1
+    P, M = world, args.microbatches
+    V = chunks_per_rank(args.schedule, args.virtual_stages)
     L = config.num_hidden_layers
     if L < P * V:
         return [f"{L} decoder layers cannot fill {P * V} pipeline chunks "
-                f"({P} stages x {V} virtual stages)"]
+                f"({P} stages x {V} {'chunks' if args.schedule == 'dualpipev' else 'virtual stages'})"]
     if args.batch % M:
         return [f"global batch {args.batch} is not divisible by --microbatches {M}"]
     if args.schedule == "interleaved" and P < 2:
@@ -524,6 +666,9 @@ def pp_constraints(args, world, config) -> list[str]:
     if args.schedule == "interleaved" and (M % P or M < P):
         return [f"interleaved 1F1B needs --microbatches ({M}) to be a multiple of the "
                 f"pipeline size {P}"]
+    if args.schedule == "dualpipev" and M < 2 * P:
+        return [f"DualPipeV needs --microbatches ({M}) >= 2 x the pipeline size ({2 * P}): each "
+                f"rank's steady state pairs micro-batches from both arms of the V"]
     if args.attn != "sdpa":
         return ["pp runs decoder layers itself and relies on sdpa's causal mode (--attn sdpa)"]
     return []
@@ -558,11 +703,17 @@ class PP(Strategy):
         "w-stale-grad": Plant(
             "ZB-H1's deferred W backpropagates the output gradient of the last I (a later "
             "micro-batch) instead of its own micro-batch's", TIED_PLANT_ARGS, world=3),
+        "v-turn-zero-grad": Plant(
+            "DualPipeV: at the V's turn (chunks P-1 and P on one rank) the gradient handed from "
+            "chunk P to chunk P-1 in memory is zeros, as if the hand-over were forgotten",
+            ("--schedule", "dualpipev", "--microbatches", "4", "--dtype", "float32",
+             "--clip", "0.5")),
     }
 
     @staticmethod
     def add_args(p):
-        p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"])
+        p.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES),
+                       help="dualpipev: 2 chunks per rank in a V, --microbatches >= 2 x ranks")
         p.add_argument("--microbatches", type=int, default=4, help="M")
         p.add_argument("--virtual-stages", type=int, default=2,
                        help="V, chunks per rank for --schedule interleaved")
@@ -572,11 +723,13 @@ class PP(Strategy):
     def __init__(self, model, args, env):
         self.args, self.env = args, env
         self.name = f"pp-{args.schedule}"
-        V = args.virtual_stages if args.schedule == "interleaved" else 1
+        V = chunks_per_rank(args.schedule, args.virtual_stages)
         self.model = model
         tied = model.lm_head.weight is model.model.embed_tokens.weight
-        tie = (name_group(dist.new_group([0, env.world - 1]), "tied")
-               if tied and env.world > 1 else None)
+        ends = {chunk_owner(args.schedule, 0, env.world),
+                chunk_owner(args.schedule, env.world * V - 1, env.world)}
+        tie = (name_group(dist.new_group(sorted(ends)), "tied")   # (DualPipeV: one rank, none)
+               if tied and len(ends) > 1 else None)
         self.pipe = Pipeline(model, env.world, V, env.rank, args.schedule, tie_group=tie)
         self.pipe.plant = args.plant_bug
         self.optimizer = make_adamw([p for p in model.parameters()], args)
@@ -623,12 +776,14 @@ class PP(Strategy):
         a, cfg = self.args, self.model.config
         M, C = a.microbatches, self.pipe.C
         act = (a.batch // M) * a.length * cfg.hidden_size * DTYPES[a.dtype].itemsize
-        mine = self.pipe.mine
-        sends = sum(1 for c in mine if c < C - 1) * M + sum(1 for c in mine if c > 0) * M
+        mine, owner = self.pipe.mine, self.pipe.owner
+        # a boundary to another rank (the V's turn, chunks P-1 and P on one rank, is no message)
+        sends = M * sum((c < C - 1 and owner(c + 1) != owner(c)) + (c > 0 and owner(c - 1) != owner(c))
+                        for c in mine)
         recvs = sends
         rows = [Expect("isend", "world", sends, sends * act,
-                       f"M x (activations out + gradients back) per chunk boundary, "
-                       f"{act:,} B each"),
+                       f"M x (activations out + gradients back) per chunk boundary to another "
+                       f"rank, {act:,} B each"),
                 Expect("irecv", "world", recvs, recvs * act, "the mirror of the sends")]
         if self.pipe.tie_group is not None and (0 in mine or C - 1 in mine):
             n = self.model.config.vocab_size * cfg.hidden_size * DTYPES[a.dtype].itemsize
@@ -642,7 +797,7 @@ class PP(Strategy):
         with METER.paused():  # the last timed step (the very last one was memory-tracked)
             dist.all_gather_object(tl, self.timeline.steps[0])
         a = self.args
-        V = a.virtual_stages if a.schedule == "interleaved" else 1
+        V = a.virtual_stages
         end = max(e for t in tl for *_, e in t)
         busy = sum(e - s for t in tl for *_, s, e in t)
         measured = 1 - busy / (len(tl) * end)
@@ -650,8 +805,15 @@ class PP(Strategy):
         lines = [f"bubble: measured {measured:.3f} (wall clock, last step), simulated {sim:.3f} "
                  f"(unit costs F=1 B=2 I=W=1), formula "
                  f"{bubble_formula(a.schedule, self.env.world, a.microbatches, V):.3f}; "
-                 f"peak in-flight micro-batches per stage {peak}",
-                 f"stage costs (parameters): {self.pipe.costs}"]
+                 f"peak in-flight micro-batches per stage {peak}"]
+        if a.schedule == "dualpipev":
+            _, _, sim_pairs, _ = simulate(a.schedule, self.env.world, a.microbatches, V,
+                                          paired=True)
+            lines.append(f"DualPipeV: the formula is DeepSeek's, whose F&B pairs start together "
+                         f"(simulated so: {sim_pairs:.3f}); this executor starts each half when "
+                         f"its input is there ({sim:.3f}); in-flight counts are chunk "
+                         f"micro-batches, half a 1F1B stage each")
+        lines.append(f"stage costs (parameters): {self.pipe.costs}")
         if a.out and self.env.is_main:
             plot_timeline(tl, end, f"{a.out}/timeline.png", self.name)
         return lines + ascii_timeline(tl, end)

@@ -43,6 +43,7 @@ TOUR = [
     ("pp 1f1b W=4", "pp.py", 4, ["--schedule", "1f1b"]),
     ("pp interleaved V=2", "pp.py", 2, ["--schedule", "interleaved"]),
     ("pp zb-h1 W=4", "pp.py", 4, ["--schedule", "zb"]),
+    ("pp dualpipev M=4", "pp.py", 2, ["--schedule", "dualpipev", "--microbatches", "4"]),
     ("ep dropless aux-loss", "ep_moe.py", 2, []),
     ("ep W=4 capacity 1.0 z-loss", "ep_moe.py", 4, ["--capacity-factor", "1.0", "--z-coef", "1e-3"]),
     ("ep W=4 aux-free bias", "ep_moe.py", 4, ["--aux-free-bias", "--aux-coef", "0", "--steps", "3"]),

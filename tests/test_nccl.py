@@ -104,13 +104,14 @@ def grid_traces(name, P, M, V):
     """Every rank's p2p as pp.Pipeline.run posts it: one batch per grid step, waited lazily
     (before the receiving action; sends at the end of the step)."""
     g = pp.Grid(name, P, M, V)
-    comm = ("0", tuple(range(P)))
+    comm, C = ("0", tuple(range(P))), P * pp.chunks_per_rank(name, V)
+    owner = lambda c: pp.chunk_owner(name, c, P)   # noqa: E731
     out = []
     for r in range(P):
         t = []
         for _, sends, recvs in g.steps[r]:
-            ops = ([S(d % P, (m * P * V + d) * 2 + b) for _, d, m, b in sends]
-                   + [R(s % P, (m * P * V + d) * 2 + b) for s, d, m, b in recvs])
+            ops = ([S(owner(d), (m * C + d) * 2 + b) for _, d, m, b in sends]
+                   + [R(owner(s), (m * C + d) * 2 + b) for s, d, m, b in recvs])
             if ops:
                 t.append(["p2p", comm, "grid", None, ops])
         out.append(t)
@@ -136,13 +137,16 @@ def unbatched_traces(name, P, M, V):
     return out
 
 
-CASES = [(name, P, M) for name in ("gpipe", "1f1b", "interleaved", "zb") for P in (2, 3, 4)
-         for M in ((P, 2 * P) if name == "interleaved" else (P, 2 * P + 1))]
+CASES = [(name, P, M) for name in ("gpipe", "1f1b", "interleaved", "zb", "dualpipev")
+         for P in (2, 3, 4)
+         for M in ((P, 2 * P) if name == "interleaved" else
+                   (2 * P, 2 * P + 1) if name == "dualpipev" else (P, 2 * P + 1))]
 
 
 @pytest.mark.parametrize("name,P,M", CASES)
 def test_every_schedule_on_the_grid_follows_nccl_rules(name, P, M):
     V = 2 if name == "interleaved" else 1
+    C = P * pp.chunks_per_rank(name, V)
     g = pp.Grid(name, P, M, V)
     for r in range(P):   # every action once, in the schedule's order
         assert [a for a, _, _ in g.steps[r] if a] == pp.schedule(name, P, M, V, r)
@@ -154,7 +158,10 @@ def test_every_schedule_on_the_grid_follows_nccl_rules(name, P, M):
     for r in range(P):
         for t, (a, _, recvs) in enumerate(g.steps[r]):
             assert all(sent[k] == t for k in recvs)
-            recv, _ = pp.messages(*a, P * V) if a else (None, None)
+            recv, _ = pp.messages(*a, C) if a else (None, None)
+            if recv and pp.chunk_owner(name, recv[0], P) == r:   # the V's turn: in memory
+                assert name == "dualpipev" and recv[:2] in ((P - 1, P), (P, P - 1))
+                continue
             assert recv is None or sent[recv] < t
     ok, line = check(grid_traces(name, P, M, V))
     assert ok, line
@@ -179,7 +186,8 @@ def pp_runs(P):
     runs = {}
     for name, p, M in CASES:
         if p == P:
-            extra = ["--model", EIGHT, "--virtual-stages", "2"] if name == "interleaved" else []
+            extra = (["--model", EIGHT, "--virtual-stages", "2"] if name == "interleaved" else
+                     ["--model", EIGHT] if name == "dualpipev" else [])
             runs[f"{name}-M{M}"] = [*NCCL, "--schedule", name, "--microbatches", M,
                                     "--batch", M * (8 // M or 1), *extra]
     return runs

@@ -23,45 +23,102 @@ needs_torch_oracle = pytest.mark.skipif(
 CASES = [(P, M, V) for P in (2, 3, 4) for M in (1, 2, 3, 4, 8) for V in (1, 2)]
 
 
+NAMES = ["gpipe", "1f1b", "interleaved", "zb", "dualpipev"]
+
+
 def valid(name, P, M, V):
+    if name == "dualpipev":
+        return V == 1 and M >= 2 * P
     if name != "interleaved":
         return V == 1
     return V > 1 and M % P == 0 and M >= P
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb"])
+def chunks(name, P, V):
+    return P * pp.chunks_per_rank(name, V)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_schedules(name):
     checked = 0
-    for P, M, V in CASES:
+    for P, M, V in CASES + [(3, 6, 1), (4, 9, 1), (4, 16, 1)]:
         if not valid(name, P, M, V):
             continue
-        C = P * V
+        C = chunks(name, P, V)
         for r in range(P):
             acts = pp.schedule(name, P, M, V, r)
             seen = {}
             for i, a in enumerate(acts):
                 assert a not in seen, (name, P, M, V, r, a)
                 seen[a] = i
-            kinds = {"F", "B"} if name != "zb" else {"F", "I", "W"}
-            mine = [c for c in range(C) if c % P == r]
-            # counts: every (chunk, micro-batch) once per kind
-            assert set(seen) == {(k, c, m) for k in kinds for c in mine for m in range(M)}
+            mine = [c for c in range(C) if pp.chunk_owner(name, c, P) == r]
+            if name == "dualpipev":      # the V: chunks r and 2P-1-r
+                assert mine == [r, 2 * P - 1 - r]
             for c in mine:
                 for m in range(M):  # F before its backward on this stage, I before W
-                    back = ("B", c, m) if name != "zb" else ("I", c, m)
+                    split = ("I", c, m) in seen
+                    if name in ("zb", "dualpipev"):  # each backward whole (B) or as I then W
+                        assert split == (("W", c, m) in seen) != (("B", c, m) in seen)
+                    back = ("I", c, m) if split else ("B", c, m)
                     assert seen[("F", c, m)] < seen[back]
-                    if name == "zb":
+                    if split:
                         assert seen[("I", c, m)] < seen[("W", c, m)]
+            # counts: every (chunk, micro-batch) once per kind, nothing else
+            n = len(mine) * M
+            assert sum(k == "F" for k, *_ in acts) == n
+            assert sum(k in ("B", "I") for k, *_ in acts) == n
+            if name not in ("zb", "dualpipev"):
+                assert {k for k, *_ in acts} == {"F", "B"}
+            elif name == "zb":
+                assert {k for k, *_ in acts} == {"F", "I", "W"}
         # cross-stage dependencies: the event simulation completes (raises on deadlock)
         _, _, bubble, peak = pp.simulate(name, P, M, V)
         if name == "gpipe":
             assert peak == [M] * P
         if name in ("1f1b", "zb"):
             assert max(peak) <= P
-        if M >= P:  # the bubble of the unit-cost simulation is the textbook formula
+        if name == "dualpipev":
+            # DualPipe's table: activations of PP+1 = 2P+1 chunk micro-batches per rank (1F1B:
+            # P micro-batches of a stage, 2P chunks' worth); the bubble (P-1)(F&B + B - 3W) is
+            # that of F&B pairs started together; this executor starts each half as soon as its
+            # input is there, which at unit costs halves it: (P-1) T_F idle per rank
+            assert peak == [2 * P + 1] * P, peak
+            paired = pp.simulate(name, P, M, V, paired=True)[2]
+            assert paired == pytest.approx(pp.bubble_formula(name, P, M, V), abs=1e-12)
+            assert bubble == pytest.approx((P - 1) / (6 * M + P - 1), abs=1e-12)
+        elif M >= P:  # the bubble of the unit-cost simulation is the textbook formula
             assert bubble == pytest.approx(pp.bubble_formula(name, P, M, V), abs=1e-12)
         checked += 1
     assert checked >= 4
+
+
+@pytest.mark.parametrize("cost", [dict(F=1, B=2, I=1, W=1), dict(F=2, B=3, I=2, W=1),
+                                  dict(F=1, B=3, I=2, W=1), dict(F=3, B=4, I=2, W=2)])
+def test_dualpipev_bubble_against_deepseeks_formula(cost):
+    """DualPipe's (PP/2 - 1)(F&B + B - 3W) per rank (PP = 2P chunk stages, F&B = F + B when the
+    pair is not overlapped): the paired simulation meets it where the formula's assumptions hold
+    (T_F = T_I: the first two costs; elsewhere it is an estimate, e.g. one W per rank and stage
+    off at F=3 I=W=2); starting each half as soon as it can (this executor) is never worse than
+    the pairs."""
+    for P, M in ((2, 4), (3, 6), (4, 8), (4, 12)):
+        idle = {}
+        for paired in (False, True):
+            tl, T, _, _ = pp.simulate("dualpipev", P, M, cost=cost, paired=paired)
+            per_rank = {T - sum(e - s for *_, s, e in tl[r]) for r in range(P)}
+            assert len(per_rank) == 1         # every rank idles the same
+            idle[paired] = per_rank.pop()
+        paper = (P - 1) * ((cost["F"] + cost["B"]) + cost["B"] - 3 * cost["W"])
+        if cost["F"] == cost["I"]:
+            assert idle[True] == paper, (P, M, idle)
+        assert idle[False] <= idle[True], (P, M, idle)
+
+
+def test_dualpipev_against_1f1b_at_equal_depth():
+    """Same P ranks and M micro-batches: DualPipeV's idle share is ZB-H1's formula with 2P half
+    stages; 1F1B's is (P-1)/(M+P-1); ZB-H1's (P-1)/(3M+P-1)."""
+    for P, M in ((2, 4), (4, 8), (4, 16)):
+        v, one, zb = (pp.simulate(n, P, M)[2] for n in ("dualpipev", "1f1b", "zb"))
+        assert v < zb < one
 
 
 # ----------------------------------------------------------------------------------------------
@@ -75,47 +132,51 @@ def torch_order(name, P, M, V):
             for r in range(P)}
 
 
-def with_executor_comms(order, C):
+def with_executor_comms(order, C, owner=None):
     """The point-to-point as pp's executor issues it: a blocking receive right before the action
     that consumes it, an asynchronous send right after the action that produced it (torch's
     simulator models exactly that: a send is ready once its compute ran, a receive once the
     peer's send was issued)."""
-    out = {}
+    out, owner = {}, owner or (lambda c: c % len(order))
     for r, acts in order.items():
         seq = []
         for a in acts:
             k, c, m = a.computation_type, a.stage_index, a.microbatch_index
             fwd, back = k == T.F, k in (T.B, T.I)
-            if fwd and c > 0:
+            up, down = c < C - 1 and owner(c + 1) != r, c > 0 and owner(c - 1) != r
+            if fwd and down:        # (the V's turn, a neighbour on this rank: no message)
                 seq.append(T._Action(c, T.RECV_F, m))
-            if back and c < C - 1:
+            if back and up:
                 seq.append(T._Action(c, T.RECV_B, m))
             seq.append(a)
-            if fwd and c < C - 1:
+            if fwd and up:
                 seq.append(T._Action(c, T.SEND_F, m))
-            if back and c > 0:
+            if back and down:
                 seq.append(T._Action(c, T.SEND_B, m))
         out[r] = seq
     return out
 
 
 @needs_torch_oracle
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb"])
+@pytest.mark.parametrize("name", NAMES)
 def test_schedules_pass_torch_validator_and_comms_simulation(name):
     checked = 0
     for P, M, V in CASES:
         if not valid(name, P, M, V):
             continue
-        C, stage_to_rank = P * V, (lambda s, P=P: s % P)
+        C = chunks(name, P, V)
+        stage_to_rank = (lambda s, P=P: pp.chunk_owner(name, s, P))
         order = torch_order(name, P, M, V)
-        # every stage runs F, then B (or I then W), once per micro-batch, on one rank: c % P
-        assert T._validate_schedule(order, P, C, M) == {c: c % P for c in range(C)}
+        # every stage runs F, then B (or I then W), once per micro-batch, on one rank: c % P,
+        # or the V
+        assert T._validate_schedule(order, P, C, M) == {c: stage_to_rank(c) for c in range(C)}
         # torch's own lowering: sends and receives inserted by torch, then its dry run (raises
         # "Schedule is not progressing" on a deadlock)
         T._simulate_comms_compute(T._add_send_recv(copy.deepcopy(order), stage_to_rank, C),
                                   stage_to_rank, C)
         # the order in which pp's executor really posts them
-        sim = T._simulate_comms_compute(with_executor_comms(order, C), stage_to_rank, C)
+        sim = T._simulate_comms_compute(with_executor_comms(order, C, stage_to_rank),
+                                        stage_to_rank, C)
         assert all(sim[r] for r in range(P))
         checked += 1
     assert checked >= 4
@@ -143,6 +204,11 @@ def torch_generated(name, P, M, V):
     if name == "gpipe":
         o = T.ScheduleGPipe._get_pipeline_order(
             types.SimpleNamespace(_num_stages=P, _n_microbatches=M))
+    elif name == "dualpipev":     # its F&B pairs are OVERLAP_F_B actions holding both halves
+        ns = types.SimpleNamespace(pp_group_size=P, _n_microbatches=M)
+        o = {r: [s for a in T.ScheduleDualPipeV._calculate_single_rank_operations(ns, r)
+                 for s in (a.sub_actions if a.computation_type == T.OVERLAP_F_B else (a,))]
+             for r in range(P)}
     else:
         cls = T.ScheduleInterleaved1F1B if name == "interleaved" else \
             T.ScheduleInterleavedZeroBubble
@@ -161,13 +227,14 @@ def torch_generated(name, P, M, V):
 
 
 @needs_torch_oracle
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb"])
+@pytest.mark.parametrize("name", NAMES)
 def test_schedules_are_torchs_own(name):
     """Same actions in the same order per rank as torch's ScheduleGPipe, ZB1P (V = 1) without
-    W, ScheduleInterleaved1F1B (Megatron's, M a multiple of P) and ScheduleInterleavedZeroBubble
-    (ZB1P; with V = 1 it is ZB-H1: W deferred by `rank` backwards)."""
+    W, ScheduleInterleaved1F1B (Megatron's, M a multiple of P), ScheduleInterleavedZeroBubble
+    (ZB1P; with V = 1 it is ZB-H1: W deferred by `rank` backwards) and ScheduleDualPipeV (from
+    DeepSeek's code; its F&B pairs taken apart in order)."""
     if not all(hasattr(T, c) for c in ("ScheduleGPipe", "ScheduleInterleaved1F1B",
-                                       "ScheduleInterleavedZeroBubble")):
+                                       "ScheduleInterleavedZeroBubble", "ScheduleDualPipeV")):
         pytest.skip("this torch lacks one of torch's schedule classes")
     checked = 0
     for P, M, V in CASES:
@@ -189,11 +256,13 @@ def test_split_balances_with_embeddings_and_head():
     assert pp.split_layers([1.0] * 4, 0.0, 0.0, 4) == [range(i, i + 1) for i in range(4)]
 
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb", "dualpipev"]
 CORRECT = ["--microbatches", "4", "--clip", "0.5"]
 W2 = Runs("pp.py", 2, {  # one launch per batch: the start-up (~10 s a process) paid once
     **{s: ["--schedule", s, *CORRECT] for s in SCHEDULES},
     "learning": ["--mode", "learning", "--steps", "40"],
+    "bench-v": ["--mode", "benchmark", "--schedule", "dualpipev", "--microbatches", "4",
+                "--warmup", "1", "--bench-iters", "2"],
     "bench": ["--mode", "benchmark", "--schedule", "1f1b", "--microbatches", "4",
               "--warmup", "1", "--bench-iters", "2"],
 })
@@ -201,8 +270,20 @@ SLOW_W4 = Runs("pp.py", 4, tier="slow", runs={
     **{s: ["--schedule", s, *CORRECT] for s in SCHEDULES if s != "interleaved"},
     "interleaved": ["--schedule", "interleaved", *CORRECT,
                     "--model", config_file("layers8", num_hidden_layers=8)],
+    # P = 4: 8 chunks, M >= 2P; tied (rank 0 holds both ends); NCCL's rules checked
+    "dualpipev": ["--schedule", "dualpipev", "--microbatches", "8", "--clip", "0.5",
+                  "--nccl-semantics",
+                  "--model", config_file("layers8-tied", num_hidden_layers=8,
+                                         tie_word_embeddings=True)],
     "tied-m2": ["--schedule", "1f1b", "--microbatches", "2",
                 "--model", config_file("tied", tie_word_embeddings=True)],
+})
+
+
+SLOW_W3 = Runs("pp.py", 3, tier="slow", runs={   # an odd pipeline: 6 chunks, the turn on rank 2
+    "dualpipev": ["--schedule", "dualpipev", "--microbatches", "6", "--batch", "6",
+                  "--dtype", "float32",
+                  "--model", config_file("layers6", num_hidden_layers=6)],
 })
 
 
@@ -210,9 +291,18 @@ SLOW_W4 = Runs("pp.py", 4, tier="slow", runs={
 @pytest.mark.parametrize("batch", [W2, pytest.param(SLOW_W4, marks=pytest.mark.slow)])
 def test_correctness(runs, schedule, batch):
     r = runs(batch, schedule)
-    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    nccl = schedule == "dualpipev" and batch is SLOW_W4     # its last line: the NCCL verdict
+    assert r.rc == 0 and r.last_line.startswith("NCCL semantics: PASS" if nccl else "PASS"), r
     res = r.json("correctness.json")[0]
     assert res["strategy"] == f"pp-{schedule}" and res["tensors"] == res["grads_compared"]
+    if nccl:
+        assert res["tensors"] == 74 and "\nPASS pp-dualpipev W=4" in r.stdout, r
+
+
+@pytest.mark.slow
+def test_dualpipev_odd_pipeline(runs):
+    r = runs(SLOW_W3, "dualpipev")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
 
 
 @pytest.mark.slow
@@ -237,10 +327,28 @@ def test_benchmark_comm_bubble_timeline(runs):
     assert "formula 0.200" in r.stdout and "rank 1 |" in r.stdout
 
 
+def test_dualpipev_benchmark_comm_and_bubble(runs):
+    """Rank 0 holds chunks 0 and 3 of 4: M activations out of chunk 0 and M gradients out of
+    chunk 3 (rank 1's chunks 1 and 2 meet at the V's turn, in memory)."""
+    M, B, S, H = 4, 8, 64, 64
+    r = runs(W2, "bench-v")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    act = B // M * S * H * 4
+    c = r.json("benchmark.json")["ours"]["comm"]
+    assert c["isend|world"] == c["irecv|world"] == {"calls": 2 * M, "bytes": 2 * M * act}
+    assert "tied" not in str(c)
+    # (P-1)(F&B + B - 3W) / (2M(F + B) + that) = 2 / 26 at P = 2, M = 4; the executor's own 1 / 25
+    assert "formula 0.077" in r.stdout and "simulated 0.040" in r.stdout, r.stdout
+    assert "peak in-flight micro-batches per stage [5, 5]" in r.stdout
+
 @pytest.mark.parametrize("args,world,msg", [
     (["--layers2"], 3, "2 decoder layers cannot fill 3 pipeline chunks"),
     (["--schedule", "interleaved", "--microbatches", "3", "--batch", "6"], 2,
      "interleaved 1F1B needs --microbatches (3) to be a multiple of the pipeline size 2"),
+    (["--schedule", "dualpipev", "--microbatches", "3", "--batch", "6"], 2,
+     "DualPipeV needs --microbatches (3) >= 2 x the pipeline size (4)"),
+    (["--schedule", "dualpipev", "--microbatches", "6", "--batch", "6"], 3,
+     "4 decoder layers cannot fill 6 pipeline chunks (3 stages x 2 chunks)"),
 ])
 def test_bad_config(run, tmp_path, args, world, msg):
     if args == ["--layers2"]:
