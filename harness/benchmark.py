@@ -142,7 +142,8 @@ def _report_benchmark(run, name, cls, n_params, ours, native, ref, expected, set
         e = exp.get(key)
         summed = e is not None and e.ranks == "sum"
         calls, nbytes = (ours["comm_sum"] if summed else measured).get(key, (0, 0))
-        wire = nbytes * RING_FACTOR.get(key[0], lambda w: 1.0)(W) / (W if summed else 1)
+        P = METER.sizes.get(key[1], W)   # the group's ranks (node, replicate, tp, ...)
+        wire = nbytes * RING_FACTOR.get(key[0], lambda w: 1.0)(P) / (W if summed else 1)
         # per-rank rows must also be the same every step; summed ones are data-dependent per rank
         match = (e is not None and math.isclose(e.calls, calls) and math.isclose(e.bytes, nbytes)
                  and (summed or list(key) not in map(list, ours["comm_varied"])))
@@ -160,7 +161,7 @@ def _report_benchmark(run, name, cls, n_params, ours, native, ref, expected, set
         ours=jsonable(ours), native={n: jsonable(r) for n, r in native},
         reference=jsonable(ref),
         expected=[e.__dict__ for e in expected], setup=jsonable({"comm": setup})["comm"],
-        memory_formula=formula, comm_ok=comm_ok)
+        memory_formula=formula, comm_ok=comm_ok, group_sizes=dict(METER.sizes))
     write_json(run, "benchmark.json", run.results["benchmark"])
     run.print(("PASS " if comm_ok else "FAIL ") + f"{name} W={W} benchmark: "
               f"{ours['tokens_per_s']:.0f} tokens/s, communication "

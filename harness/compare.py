@@ -251,6 +251,11 @@ class NoiseSource:
     """A single-device reference whose distance from the float64 target is a noise sample."""
     ref: Strategy
     scale: float       # multiplies its error (eps64/eps32 for float32 noise in a float64 run)
+    lr_flip: float = 0.0   # lr per step an entry's update may differ by on this rounding alone:
+    # coarse (int8) rounding can flip the sign of any gradient entry smaller than its error,
+    # and Adam's update is ~lr * sign(g) whatever |g|, so one such entry moves by 2 lr per
+    # step, an all-or-nothing event a per-tensor noise sample need not contain (lossy_noise
+    # models set `lr_flip` to 2; parameters then get 2 lr * steps absolute)
 
 
 class PermutedReference:
@@ -348,11 +353,18 @@ def noise_sources(run: Run, cls, ref, policy) -> tuple:
     linearly in the unit roundoff: forward, backward, everything). What scaling cannot carry,
     Adam's update error on entries whose gradient is near its eps (a float32 parameter's error
     is floored by its own rounding, an ulp of |p|), the parameter floor covers
-    (NoisePolicy.update_floor)."""
+    (NoisePolicy.update_floor). A strategy that rounds on purpose (zero.py's --zeropp int8
+    communication) supplies `lossy_noise(run)`, a single-device model of that rounding (or a
+    list of them): its distance from the target is one more noise sample (scale 1), so the
+    verdict stays error vs error."""
+    lossy = cls.lossy_noise(run) if hasattr(cls, "lossy_noise") else None
+    lossy = [] if lossy is None else lossy if isinstance(lossy, list) else [lossy]
+    extra = [NoiseSource(m, 1.0, getattr(m, "lr_flip", 0.0))   # rounding on purpose
+             for m in lossy]
     if policy.dtype != "float64":
-        return reference_in(run, cls, "float64"), [NoiseSource(ref, 1.0)]
+        return reference_in(run, cls, "float64"), [NoiseSource(ref, 1.0)] + extra
     sources = [NoiseSource(reference_in(run, cls, policy.noise_dtype), policy.scale)]
     permuted = PermutedReference.build(run, cls)
     if permuted is not None:   # float64's own noise, measured (PermutedReference)
         sources.append(NoiseSource(permuted, 1.0))
-    return ref, sources
+    return ref, sources + extra

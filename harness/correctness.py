@@ -111,7 +111,8 @@ def _correctness_one(run: Run, cls) -> bool:
             cmp.add("grad", s, grads, t_grads, noisy)
             cmp.add("param", s, params, target.full_params(),
                     [(x.ref.full_params(), x.scale) for x in sources],
-                    policy.update_floor(args.lr, s + 1))
+                    policy.update_floor(args.lr, s + 1)
+                    + max((x.lr_flip for x in sources), default=0.0) * args.lr * (s + 1))
             cmp.add_scalar("loss", s, loss, t_loss, [(v, x.scale) for v, x in zip(n_loss, sources)])
             if args.clip:
                 norm = lambda x: float(full_tensor(x.grad_norm))  # noqa: E731

@@ -7,7 +7,8 @@ Communication is counted by wrapping the `torch.distributed` functions while a s
 strategy code calls plain `dist.all_reduce(...)`. Bytes are the logical buffer per call: the
 tensor for all_reduce/broadcast/send/recv, the *full* (gathered) tensor for all_gather and
 reduce_scatter, the send buffer for all_to_all. Per-rank wire traffic for a ring algorithm is
-derived from that: all_reduce 2(W-1)/W, all_gather and reduce_scatter (W-1)/W, all_to_all (W-1)/W.
+derived from that: all_reduce 2(W-1)/W, all_gather and reduce_scatter (W-1)/W, all_to_all (W-1)/W,
+W the size of the call's group (`METER.sizes`; the world's where none was named).
 Loss logging (one scalar all_reduce) runs under `meter.paused()` and is not counted.
 """
 from __future__ import annotations
@@ -186,6 +187,7 @@ class CommMeter:
         self._paused = 0
         self._saved: dict = {}
         self.device = None    # the run's device (set by launch): collectives' tensors live there
+        self.sizes: dict[str, int] = {}   # group name -> ranks (subgroups seen while measuring)
 
     def _wrap(self, name, fn):
         sig = inspect.signature(fn)
@@ -200,7 +202,10 @@ class CommMeter:
                         opn = getattr(op.op, "__name__", "p2p").lstrip("_")
                         self._add(opn, group_name(op.group), _nbytes(op.tensor))
                 else:
-                    self._add(name, group_name(bound.get("group")), _nbytes(bound[_METERED[name]]))
+                    group = bound.get("group")
+                    self._add(name, group_name(group), _nbytes(bound[_METERED[name]]))
+                    if group is not None:   # the wire factor takes the group's size
+                        self.sizes[group_name(group)] = dist.get_world_size(group)
             self._depth += 1
             try:
                 return fn(*args, **kwargs)

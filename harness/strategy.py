@@ -42,6 +42,12 @@ The adapter contract (subclass `Strategy`)
     plants                    {NAME: Plant(doc, args, world)}: known bugs the strategy can plant in
                               itself (--plant-bug NAME, checked where the bug would be); args is the
                               configuration in which correctness must FAIL (tests/test_plants.py).
+    lossy_noise(run)          classmethod, optional: for a strategy that rounds on purpose
+                              (zero.py's --zeropp int8 communication), a single-device model of
+                              that rounding built from the run's weights (a Strategy with step,
+                              full_grads, full_params), or a list of them; each one's distance
+                              from the float64 target is one more noise sample (scale 1). None
+                              (the default): exact.
     native                    optional Strategy subclass (or list of them) wrapping PyTorch's own
                               implementation, used by `--compare-native`; the first is the one
                               the step-time ratio is taken against.
@@ -99,6 +105,10 @@ class Strategy:
     @staticmethod
     def add_args(parser):
         pass
+
+    @classmethod
+    def lossy_noise(cls, run):
+        return None
 
     @staticmethod
     def constraints(args, world, config) -> list[str]:

@@ -7,7 +7,7 @@ import torch
 
 import harness
 import zero
-from conftest import Runs
+from conftest import Runs, assert_config_error
 
 TINY_PARAMS = 180_800
 CLIP = ["--clip", "0.5"]  # below the initial gradient norm, so clipping is active
@@ -166,3 +166,108 @@ def test_bf16_mixed_precision_memory_and_correctness(runs, stage, psi_units):
     if stage == 2:  # and the errors stay within the noise policy's multiple of single-device bf16
         c = runs(SLOW_W2, "bf16-stage2")
         assert c.rc == 0 and c.last_line.startswith("PASS"), c
+
+
+# ---------------------------------------------------------------------------------------------
+# ZeRO++ (--zeropp qwz,hpz,qgz --node-size N): W=4 in two nodes of 2, W=2 in two nodes of 1
+# ---------------------------------------------------------------------------------------------
+ZPP = ["--stage", "3", "--zeropp", "qwz,hpz,qgz", "--node-size", "2"]
+W4 = Runs("zero.py", 4, {
+    "zpp-all": ZPP,                                   # float64, the error-vs-error rule
+    "zpp-qwz-hpz": ["--stage", "3", "--zeropp", "qwz,hpz", "--node-size", "2",
+                    "--dtype", "float32"],
+    "zpp-bench": [*BENCH, *ZPP, "--bench-iters", "1"],
+})
+W2_ZPP = Runs("zero.py", 2, {   # node size 1: every rank a node, qgZ one all-to-all across
+    "zpp-n1": ["--stage", "3", "--zeropp", "qwz,hpz,qgz", "--node-size", "1", "--clip", "0.5"],
+    "zpp-qgz-stage2": ["--stage", "2", "--zeropp", "qgz", "--node-size", "2",
+                       "--grad-accum", "2"],   # node size W: one all-to-all inside the node
+})
+
+
+def assert_zpp_pass(r, name, world, checks):
+    res = assert_pass(r, name, world)
+    got = {c["name"]: c for c in res["checks"]}
+    assert len(got) == checks and all(c["ok"] for c in got.values()), res["checks"]
+    # the quantized run is judged by the quantization noise model, not float noise: its errors
+    # are far above float noise and within 8x the model's
+    assert res["max_grad_err"] > 1e-4 and res["worst_ratio"] <= 1, res
+    return res
+
+
+@pytest.mark.parametrize("batch,key,world,name,checks", [
+    (W4, "zpp-all", 4, "zero3+qwz+hpz+qgz", 3),
+    (W4, "zpp-qwz-hpz", 4, "zero3+qwz+hpz", 2),
+    (W2_ZPP, "zpp-n1", 2, "zero3+qwz+hpz+qgz", 3),
+    (W2_ZPP, "zpp-qgz-stage2", 2, "zero2+qgz", 1)])
+def test_zeropp_correctness(runs, batch, key, world, name, checks):
+    assert_zpp_pass(runs(batch, key), name, world, checks)
+
+
+def test_zeropp_bytes_equal_the_formula(runs):
+    """W=4, N=2 (M=2 nodes), tiny float32: bytes per op and group, exactly."""
+    r = runs(W4, "zpp-bench")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    b = r.json("benchmark.json")
+    W, N, M, B, e = 4, 2, 2, 256, 4
+    L, H, I, V, KV = 4, 64, 128, 256, 32
+    layer = 2 * H * H + 2 * H * KV + 3 * H * I + 2 * H
+    P = [V * H] + [layer] * L + [H + V * H]        # every unit divisible by 4: no padding
+    s = [p // W for p in P]
+    ceil = lambda a: -(-a // B)  # noqa: E731
+    qwz = sum(p + 4 * W * ceil(x) for p, x in zip(P, s))          # int8 + float32 scales
+    node_a2a = sum(p + 4 * N * ceil(M * x) for p, x in zip(P, s))
+    cross_a2a = sum(p // N + 4 * M * ceil(x) for p, x in zip(P, s))
+    assert (qwz, node_a2a, cross_a2a) == (183_696, 183_656, 91_848)
+    n = len(P)
+    comm = b["ours"]["comm"]
+    assert comm == {"all_gather_into_tensor|world": {"calls": n, "bytes": qwz},
+                    "all_gather_into_tensor|node": {"calls": n, "bytes": sum(P) * e},
+                    "all_to_all_single|node": {"calls": n, "bytes": node_a2a},
+                    "all_to_all_single|cross": {"calls": n, "bytes": cross_a2a}}, comm
+    assert b["group_sizes"] == {"node": 2, "cross": 2}
+    exact = 3 * sum(P) * e                   # ZeRO-3: 2 all-gathers + 1 reduce-scatter, fp32
+    assert exact == 2_169_600 and exact / (qwz + sum(P) * e + node_a2a + cross_a2a) > 1.8
+    assert exact / (qwz + cross_a2a) > 7.8   # what leaves a node: world + cross groups
+    # hpZ's secondary shard Psi/N is resident beside the primary Psi/W
+    for m in b["ours"]["memory"]:
+        assert m["params"] == (sum(P) // W + sum(P) // N) * e == 542_400, m
+        assert m["grads"] == sum(P) // W * e and m["optimizer"] == 2 * sum(P) // W * e, m
+    assert b["memory_formula"]["params"] == 542_400
+
+
+def test_zeropp_plants_fail(runs):
+    """The clean W=4 run PASSes and each ZeRO++ plant FAILs (test_plants.py's run, shared)."""
+    import test_plants
+    args = list(zero.ZeRO._ZEROPP)
+    r = runs(test_plants.BATCHES["zero.py", 4], " ".join(args))
+    rows = json.load(open(os.path.join(r.out, "plants.json")))
+    verdicts = {row["plant"]: row["passed"] for row in rows}
+    assert verdicts == {"(none)": True, "qwz-local-dequant": False,
+                        "hpz-stale-secondary": False, "qgz-chunk-order": False}, r
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--stage", "3", "--zeropp", "qwz,hpz", "--node-size", "3"],
+     "--node-size 3 must divide the world size 4"),
+    (["--stage", "3", "--zeropp", "qwz,int4"], "--zeropp: unknown trick 'int4'"),
+    (["--stage", "2", "--zeropp", "qwz"], "--zeropp qwz: quantizes or re-partitions stage 3"),
+])
+def test_zeropp_bad_config(run, args, msg):
+    r = run("zero.py", 4, *args, as_rank0=True)
+    assert_config_error(r, msg, torchrun=False)
+
+
+def test_zeropp_constraints():
+    """The other refusals, without a process each (the first error is the one printed)."""
+    p = harness.base_parser("t")
+    zero.ZeRO.add_args(p)
+    cases = {"--stage 1 --zeropp hpz --node-size 2": "--zeropp hpz: quantizes",
+             "--stage 3 --zeropp qgz": "--zeropp qgz needs --node-size N",
+             "--stage 3 --zeropp qwz --node-size 2": "--node-size 2 is for ZeRO++'s",
+             "--stage 3 --zeropp hpz --node-size 0": "--node-size 0 must divide",
+             "--stage 3 --zeropp qwz,hpz,qgz --node-size 4": None,
+             "--stage 2 --zeropp qgz --node-size 1": None}
+    for argv, msg in cases.items():
+        errs = zero.zero_constraints(p.parse_args(argv.split()), 4, None)
+        assert (errs[0].startswith(msg) if msg else errs == []), (argv, errs)
