@@ -1464,8 +1464,9 @@ class ZeRO(Strategy):
         b = self.zero.units[0].full.element_size()
         rb = self.zero.units[0].grad_shard.element_size()   # the reduce dtype's
         mixed = self.optimizer.mixed
-        opt = (12 if mixed else 2 * b) * padded / self.env.world  # master + m + v, or m + v
-        shard = padded / self.env.world
+        # over the shard group: the world, or HSDP's S = W / R ranks (fsdp.py --replicate)
+        opt = (12 if mixed else 2 * b) * padded / self.zero.W   # master + m + v, or m + v
+        shard = padded / self.zero.W
         params = padded * b if self.args.stage < 3 else shard * b
         zpp = getattr(self.zero, "zpp", None)
         if zpp is not None and zpp.hpz:   # hpZ's secondary shard: Psi / N per rank

@@ -37,6 +37,9 @@ The package, one concern per module (a strategy imports its names from here, the
     train_data.py   the train mode's data arguments, batches, held-out evaluation, greedy samples
     loading.py      each rank reads only its shard of a safetensors checkpoint (meta device)
     trainlog.py     the train mode's train.jsonl, TensorBoard events and loss.png
+    plan.py         `python -m harness.plan`: one GPU's model states, activations, bubble and
+                    comm per step for a cluster layout, from the strategies' formulas
+                    (docs/interview.md's cluster-scale questions)
 
 Modes (`--mode correctness|learning|benchmark|all|plants|peak`): see correctness.py,
 learning.py and benchmark.py. `--out DIR` writes correctness.json, learning.csv (+ .png with

@@ -97,6 +97,12 @@ def test_hsdp_comm_inside_shard_groups_and_across_replicas(runs):
                                                     "bytes": root + 2 * layers}
     assert comm["all_reduce|replicate"] == {"calls": L + 1, "bytes": (root + layers) // S}
     assert not any(k.endswith("|world") for k in comm), comm
+    # model states over the shard group: 16 Psi / S (fp32), measured and formula alike
+    b = r.json("benchmark.json")
+    states = 16 * (root + layers) // e // S
+    assert b["memory_formula"]["model_states"] == states
+    assert b["ours"]["memory"][0]["model_states"] == states
+    assert b["group_sizes"] == {"shard": S, "replicate": 2}
 
 
 def test_hsdp_replicas_must_divide_the_world(run):

@@ -1,0 +1,384 @@
+"""plan.py: a one-process calculator for a training layout at a scale this machine cannot run:
+model-state bytes, activation bytes, the pipeline bubble and the communication per step of one
+GPU, for a given model shape and (tp, cp, pp, dp, ep) layout. docs/interview.md uses it for the
+cluster-scale questions (Llama 3 405B, a 7B model on 8 A100s, DeepSeek-V3).
+
+    python -m harness.plan --model llama3-405b --mem-gib 80 \\
+        --layout tp=8,pp=16,dp=128,seq=8192,m=16 --layout tp=8,cp=16,pp=16,dp=8,seq=131072,m=16
+    python -m harness.plan --model llama2-7b --mem-gib 40 --layout dp=8,zero=3,recompute=full
+    python -m harness.plan bubble --stages 4 --microbatches 8 --virtual-stages 2
+    python -m harness.plan ring --ranks 4 --elements 8
+
+A layout is comma-separated key=value pairs: tp, cp, pp, dp, ep (expert-parallel ranks inside
+dp; an MoE model only), seq (length), mb (sequences per micro-batch), m (micro-batches per step
+per pipeline), v (virtual stages, with schedule=interleaved), schedule (1f1b, interleaved, ...),
+zero (0 to 3, over dp x cp as compose4d.py does), sp (1: Megatron sequence parallelism inside
+tp), recompute (none, selective, full). Bytes per element from --dtype.
+
+Where each number comes from (imported, not copied; new here: comm_per_step and the TP split):
+    parameters     counted: the HF model is built from its config on the meta device
+    model states   elastic.MemoryModel with the textbook's mixed-precision bytes: 2 params +
+                   2 grads + 12 optimizer (fp32 master, m, v) = 16 Psi (fp32: 4 + 4 + 8),
+                   divided by tp x pp, and by dp x cp as the ZeRO stage says. zero.py, which
+                   reduces bf16 gradients in fp32 by default, keeps 4 Psi / N more (an fp32
+                   gradient shard; its docstring's table)
+    activations    harness.recompute.activation_bytes per decoder layer and micro-batch (SDPA
+                   attention; equal to the live-storage measurement byte for byte), the tokens
+                   / cp; / tp for what lives inside TP's regions, all of it / tp with SP (the
+                   split oom_search.predict_peak makes, restated in activation_bytes: the
+                   norms' inputs and outputs stay whole under TP alone); 1F1B: the first stage holds min(M, P) micro-batches of its
+                   layers (GPipe: M; the interleaved schedule's extra in-flight chunks are not
+                   counted). Llama-family shapes only (not MLA or MoE layers)
+    logits         oom_search.predict_peak's logits and loss term, on the last stage
+    bubble         pp.bubble_formula; in-flight micro-batches from pp.simulate
+    wire bytes     harness.meter.RING_FACTOR (ring algorithms)
+    comm per step  comm_per_step() below: the per-step formulas that tp.py, sp.py, cp_ring.py,
+                   pp.py, zero.py and ep_moe.py state in their docstrings, for one layout
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+GiB = 2 ** 30
+
+# Shapes for planning (public configs). Anything else: a preset of harness/models.py, an HF
+# model directory or config.json.
+PLAN_MODELS = {
+    "llama3-405b": ("llama", dict(vocab_size=128256, hidden_size=16384, intermediate_size=53248,
+                                  num_hidden_layers=126, num_attention_heads=128,
+                                  num_key_value_heads=8, tie_word_embeddings=False)),
+    "llama3-70b": ("llama", dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                                 num_hidden_layers=80, num_attention_heads=64,
+                                 num_key_value_heads=8, tie_word_embeddings=False)),
+    "llama2-7b": ("llama", dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                                num_hidden_layers=32, num_attention_heads=32,
+                                num_key_value_heads=32, tie_word_embeddings=False)),
+    # transformers' DeepseekV3Config defaults are DeepSeek-V3's (671B, 256 routed experts, top-8,
+    # MLA, the first 3 layers dense)
+    "deepseek-v3": ("deepseek_v3", {}),
+}
+
+
+def load(name: str):
+    from transformers import CONFIG_MAPPING
+    if name in PLAN_MODELS:
+        kind, kw = PLAN_MODELS[name]
+        return CONFIG_MAPPING[kind](**kw)
+    from .models import load_config
+    return load_config(name)
+
+
+def count_params(config) -> dict:
+    """Parameters of the HF model built on the meta device (nothing allocated): total, routed
+    experts (`.experts.` in the name), and the rest (dense)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = experts = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        experts += p.numel() if ".experts." in name else 0
+    return dict(total=total, experts=experts, dense=total - experts)
+
+
+# ----------------------------------------------------------------------------------------------
+# One layout
+# ----------------------------------------------------------------------------------------------
+DEFAULTS = dict(tp=1, cp=1, pp=1, dp=1, ep=1, seq=4096, mb=1, m=None, v=1, schedule="1f1b",
+                zero=1, sp=0, recompute="none")
+
+
+def parse_layout(text: str) -> dict:
+    lay = dict(DEFAULTS)
+    for item in filter(None, text.split(",")):
+        key, _, val = item.partition("=")
+        if key not in DEFAULTS:
+            raise SystemExit(f"error: unknown layout key {key!r} (keys: {', '.join(DEFAULTS)})")
+        lay[key] = val if key in ("schedule", "recompute") else int(val)
+    if lay["m"] is None:   # enough micro-batches to fill the pipeline once
+        lay["m"] = lay["pp"]
+    if lay["dp"] % lay["ep"]:
+        raise SystemExit(f"error: ep={lay['ep']} must divide dp={lay['dp']}")
+    return lay
+
+
+def describe(lay) -> str:
+    dims = " x ".join(f"{k}{lay[k]}" for k in ("tp", "cp", "pp", "dp", "ep")
+                      if lay[k] > 1 or k in ("tp", "pp", "dp"))
+    gpus = lay["tp"] * lay["cp"] * lay["pp"] * lay["dp"]
+    return (f"{dims} = {gpus:,} GPUs; seq {lay['seq']:,}, micro-batch {lay['mb']}, "
+            f"M {lay['m']} ({lay['schedule']}), ZeRO-{lay['zero']}"
+            f"{', SP' if lay['sp'] else ''}, recompute {lay['recompute']}")
+
+
+def is_llama(config) -> bool:
+    return getattr(config, "model_type", "") in ("llama", "mistral", "qwen2")
+
+
+def state_bytes(params: dict, lay, elem: int) -> dict:
+    """Model states per GPU: dense parameters over tp x pp (ZeRO over dp x cp), routed experts
+    over ep x pp (ZeRO over the dp x cp / ep replicas of each expert). Each part is
+    elastic.MemoryModel's with the other two coefficients zero."""
+    from elastic import MemoryModel
+    coef = dict(params=(elem, 0, 0), grads=(0, elem, 0),
+                optimizer=(0, 0, 12 if elem < 4 else 2 * elem))
+    zero, dpc = lay["zero"], lay["dp"] * lay["cp"]
+    out = {}
+    for kind, n, dp, split in (("dense", params["dense"], dpc, lay["tp"]),
+                               ("experts", params["experts"], dpc // lay["ep"], lay["ep"])):
+        out[kind] = {part: MemoryModel(*c).states(n, zero, dp, split, lay["pp"])
+                     for part, c in coef.items()}
+        out[kind]["psi"] = n / (split * lay["pp"])
+        out[kind]["total"] = sum(out[kind][part] for part in coef)
+    return out
+
+
+def activation_bytes(config, lay, elem: int) -> dict | None:
+    """Saved activations per GPU (the first pipeline stage, which holds the most under 1F1B)."""
+    if not is_llama(config):
+        return None
+    from .recompute import activation_bytes as per_layer_bytes
+    b, s, T = lay["mb"], lay["seq"] // lay["cp"], lay["tp"]        # s: this GPU's tokens (CP)
+    mode = lay["recompute"]
+    per = per_layer_bytes(config, b, s, elem, mode, "sdpa")["per_layer"]
+    if mode == "full":        # the layer's input: the residual stream, sequence-sharded under SP
+        local = per / T if lay["sp"] else per
+    else:                     # outside TP's regions: the two norms' inputs and outputs, and
+        outside = elem * b * s * 4 * config.hidden_size + 2 * 4 * b * s   # their fp32 1/rms
+        local = per / T if lay["sp"] else (per - outside) / T + outside
+    layers = math.ceil(config.num_hidden_layers / lay["pp"])
+    in_flight = min(lay["m"], lay["pp"]) if lay["schedule"] != "gpipe" else lay["m"]
+    return dict(per_layer=local, layers=layers, in_flight=in_flight,
+                total=local * layers * in_flight)
+
+
+def logits_bytes(config, lay, elem: int) -> float:
+    """The last stage's logits, their fp32 log-softmax and gradient (vocab-parallel under TP)."""
+    if not is_llama(config):
+        return 0.0
+    from oom_search import predict_peak
+    strategy = "tp" if lay["tp"] > 1 else "ddp"
+    return predict_peak(strategy, lay["tp"], lay["seq"] // lay["cp"], lay["mb"], config,
+                        elem)["logits"]
+
+
+def comm_per_step(config, params: dict, lay, elem: int) -> list[tuple]:
+    """Communication of one GPU per optimizer step, by group: rows (group, op, calls, logical
+    bytes, formula). Logical bytes follow the meter's convention (harness/meter.py: the buffer
+    for all_reduce and p2p, the full tensor for all_gather and reduce_scatter, the send buffer
+    for all_to_all). A middle pipeline stage with ceil(L/P) layers; gradients reduced in fp32
+    (4 bytes; --reduce-dtype's default), parameters gathered in the run's dtype. From the
+    docstrings of tp.py (4 all-reduces per layer per micro-batch), sp.py (the same bytes as
+    all-gathers and reduce-scatters, plus the backward re-gathers), cp_ring.py's allgather
+    variant (Llama 3's), pp.py (an activation and a gradient per micro-batch and boundary),
+    zero.py (per stage) and ep_moe.py (4 token all-to-alls per MoE layer)."""
+    T, C, P, D, E = lay["tp"], lay["cp"], lay["pp"], lay["dp"], lay["ep"]
+    M, b, h = lay["m"], lay["mb"], config.hidden_size
+    L = math.ceil(config.num_hidden_layers / P)
+    n = b * lay["seq"] // C                       # tokens per micro-batch on this GPU
+    act = n * h * elem                            # one activation of the residual stream
+    rows = []
+    if T > 1:
+        if lay["sp"]:
+            rows.append(("tp", "all_gather", 6 * L * M, 6 * L * M * act,
+                         "6 per layer per micro-batch (4 + 2 backward re-gathers) of b s h e"))
+            rows.append(("tp", "reduce_scatter", 4 * L * M, 4 * L * M * act,
+                         "4 per layer per micro-batch of b s h e"))
+        else:
+            rows.append(("tp", "all_reduce", 4 * L * M, 4 * L * M * act,
+                         "4 per layer per micro-batch (2 forward, 2 backward) of b s h e"))
+    if C > 1:
+        kv = config.num_key_value_heads * (getattr(config, "head_dim", None)
+                                           or h // config.num_attention_heads)
+        kv_local = max(kv // T, kv // config.num_key_value_heads)
+        full = b * lay["seq"] * 2 * kv_local * elem
+        rows.append(("cp", "all_gather", 2 * L * M, 2 * L * M * full,
+                     "K,V per layer per micro-batch, forward and again backward: b S 2kv/T e"))
+        rows.append(("cp", "reduce_scatter", L * M, L * M * full,
+                     "dK,dV per layer per micro-batch: b S 2kv/T e"))
+    if P > 1:
+        msg = act // (T if lay["sp"] else 1)
+        sends = 2 * M * lay["v"]
+        what = ("an activation forward and a gradient back per micro-batch"
+                + (" and chunk" if lay["v"] > 1 else "") + ": b s h e"
+                + (" / tp" if lay["sp"] else ""))
+        rows.append(("pp", "send", sends, sends * msg, what))
+    for kind, group, ranks in (("dense", "dp", D * C), ("experts", "edp", D * C // E)):
+        psi = params[kind] / ((T if kind == "dense" else E) * P)
+        if ranks <= 1 or psi == 0:
+            continue
+        z, rs, ag = lay["zero"], psi * 4, psi * elem
+        if z == 0:
+            rows.append((group, "all_reduce", 1, rs, "the gradients: Psi_r x 4 (fp32)"))
+            continue
+        k = M if z >= 2 else 1                     # ZeRO-2/3 reduce-scatter per micro-batch
+        rows.append((group, "reduce_scatter", k, k * rs,
+                     "gradients, Psi_r x 4" + (" per micro-batch" if k > 1 else "")))
+        g = 2 * M if z == 3 else 1
+        rows.append((group, "all_gather", g, g * ag, "parameters, Psi_r x e"
+                     + (" forward and backward per micro-batch" if z == 3 else "")))
+    if E > 1:
+        moe = sum(1 for i in range(config.num_hidden_layers)
+                  if i >= getattr(config, "first_k_dense_replace", 0))
+        moe_l = math.ceil(moe / P)
+        k = config.num_experts_per_tok
+        calls = 4 * moe_l * M
+        rows.append(("ep", "all_to_all", calls, calls * k * n * h * elem,
+                     "dispatch + combine, forward + backward, per MoE layer: k b s h e"))
+    return rows
+
+
+def plan(config, params, lay, elem: int, mem_gib: float | None, out=print) -> dict:
+    from harness.meter import RING_FACTOR
+    import pp
+    states = state_bytes(params, lay, elem)
+    acts = activation_bytes(config, lay, elem)
+    logits = logits_bytes(config, lay, elem)
+    st = sum(v["total"] for v in states.values())
+    out(f"layout {describe(lay)}")
+    d, e = states["dense"], states["experts"]
+    experts = f" ({params['experts']:,} in routed experts)" if params["experts"] else ""
+    out(f"  parameters        {params['total']:,}{experts}; per GPU {d['psi'] + e['psi']:,.0f}")
+    out(f"  model states/GPU  params {(d['params'] + e['params']) / GiB:.2f} GiB + grads "
+        f"{(d['grads'] + e['grads']) / GiB:.2f} GiB + optimizer "
+        f"{(d['optimizer'] + e['optimizer']) / GiB:.2f} GiB = {st / GiB:.2f} GiB")
+    total = st
+    if acts is None:
+        out("  activations/GPU   not computed (the formula covers Llama-family layers only)")
+    else:
+        out(f"  activations/GPU   {acts['per_layer'] / GiB:.3f} GiB per layer per micro-batch x "
+            f"{acts['layers']} layers x {acts['in_flight']} in flight = "
+            f"{acts['total'] / GiB:.2f} GiB; logits (last stage) {logits / GiB:.2f} GiB")
+        total += acts["total"] + logits
+    fits = ("" if mem_gib is None else
+            f" ({'fits' if total <= mem_gib * GiB else 'does not fit'} in {mem_gib:g} GiB)")
+    out(f"  total/GPU         {total / GiB:.2f} GiB{fits}")
+    if lay["pp"] > 1:
+        name, V = lay["schedule"], lay["v"]
+        out(f"  bubble            {name} P={lay['pp']} M={lay['m']}"
+            + (f" V={V}" if name == "interleaved" else "")
+            + f": {pp.bubble_formula(name, lay['pp'], lay['m'], V):.3f}")
+    out("  comm/step/GPU     group  op              calls          bytes      wire/rank  formula")
+    size = dict(tp=lay["tp"], cp=lay["cp"], pp=2, dp=lay["dp"] * lay["cp"],
+                edp=lay["dp"] * lay["cp"] // lay["ep"], ep=lay["ep"])
+    rows = comm_per_step(config, params, lay, elem)
+    for group, op, calls, nbytes, formula in rows:
+        key = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
+               "all_to_all": "all_to_all_single"}.get(op, op)
+        wire = nbytes * RING_FACTOR[key](size[group]) if key in RING_FACTOR else nbytes
+        out(f"                    {group:<6} {op:<14} {calls:>6,} {nbytes / GiB:>10.2f} GiB "
+            f"{wire / GiB:>10.2f} GiB  {formula}")
+    return dict(layout=lay, states=st, activations=None if acts is None else acts["total"],
+                logits=logits, total=total, comm=rows, fits=fits)
+
+
+# ----------------------------------------------------------------------------------------------
+# The bubble of every schedule, and the ring all-reduce step by step
+# ----------------------------------------------------------------------------------------------
+def bubbles(P: int, M: int, V: int, names, target: float, out=print) -> list[dict]:
+    """pp.bubble_formula beside pp.simulate's unit-cost bubble and peak in-flight micro-batches
+    per rank, and the point-to-point messages per step (every cross-rank send of the schedule)."""
+    import pp
+    rows = []
+    out(f"pipeline P={P} M={M} V={V} (unit costs F=1, B=2, I=W=1)")
+    out(f"{'schedule':<12} {'formula':>8} {'simulated':>9} {'p2p sends':>9}  in flight per rank")
+    for name in names:
+        _, _, sim, peak = pp.simulate(name, P, M, V)
+        cv = pp.chunks_per_rank(name, V) if hasattr(pp, "chunks_per_rank") else (
+            V if name == "interleaved" else 1)
+        owner = getattr(pp, "chunk_owner", lambda _n, c, p: c % p)
+        sends = sum(1 for r in range(P) for kind, c, m in pp.schedule(name, P, M, cv, r)
+                    for msg in [pp.messages(kind, c, m, P * cv)[1]]
+                    if msg is not None and owner(name, msg[1], P) != r)
+        f = pp.bubble_formula(name, P, M, V)
+        rows.append(dict(name=name, formula=f, simulated=sim, sends=sends, peak=peak))
+        out(f"{name:<12} {f:>8.3f} {sim:>9.3f} {sends:>9}  {peak}")
+    need = next(m for m in range(1, 100 * P) if pp.bubble_formula("1f1b", P, m) < target)
+    out(f"1f1b: bubble < {target:.0%} from M = {need} = 4(P-1)+1 at P={P}; at M = 4P = {4 * P}: "
+        f"{pp.bubble_formula('1f1b', P, 4 * P):.3f}")
+    return rows
+
+
+def ring_all_reduce(N: int, S: int, elem: int = 4, out=print) -> dict:
+    """The ring all-reduce of N vectors of S elements, step by step in one process: a
+    reduce-scatter (N-1 steps: rank r sends chunk (r - t) mod N to r+1, which adds it) then an
+    all-gather (N-1 steps: the reduced chunks travel on). Each step moves one chunk of S/N per
+    rank. Checks the result against the plain sum; returns the bytes each rank sent."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    # integers in float64: every order of summation gives the same, exact sum
+    data = [torch.randint(-1000, 1000, (S,), generator=g).double() for _ in range(N)]
+    want = torch.stack(data).sum(0)
+    chunks = [list(d.tensor_split(N)) for d in data]
+    sent = [0] * N
+    steps = 0
+    for phase in ("reduce-scatter", "all-gather"):
+        for t in range(N - 1):
+            msgs = []
+            for r in range(N):   # every rank sends one chunk to r+1 at the same time
+                i = (r - t) % N if phase == "reduce-scatter" else (r + 1 - t) % N
+                msgs.append(((r + 1) % N, i, chunks[r][i].clone()))
+                sent[r] += chunks[r][i].numel() * elem
+            for dst, i, x in msgs:
+                chunks[dst][i] = chunks[dst][i] + x if phase == "reduce-scatter" else x
+            steps += 1
+    ok = all(torch.equal(torch.cat(c), want) for c in chunks)
+    from harness.meter import RING_FACTOR
+    formula = RING_FACTOR["all_reduce"](N) * S * elem
+    out(f"ring all-reduce of N={N} vectors of S={S} elements ({elem} bytes each): {steps} steps "
+        f"= 2(N-1), each sending one chunk of S/N = {S // N:,} elements per rank")
+    out(f"bytes sent per rank: {sent[0]:,} = 2(N-1)/N x S x {elem} = {formula:,.0f}; "
+        f"every rank equal: {len(set(sent)) == 1}; result equals the sum: {ok}")
+    return dict(steps=steps, sent=sent, ok=ok)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bubble"]:
+        p = argparse.ArgumentParser(prog="python -m harness.plan bubble")
+        p.add_argument("--stages", type=int, default=4)
+        p.add_argument("--microbatches", type=int, default=8)
+        p.add_argument("--virtual-stages", type=int, default=2)
+        p.add_argument("--schedules", default="gpipe,1f1b,interleaved,zb")
+        p.add_argument("--target", type=float, default=0.2)
+        a = p.parse_args(argv[1:])
+        return bubbles(a.stages, a.microbatches, a.virtual_stages, a.schedules.split(","),
+                       a.target)
+    if argv[:1] == ["ring"]:
+        p = argparse.ArgumentParser(prog="python -m harness.plan ring")
+        p.add_argument("--ranks", type=int, default=4)
+        p.add_argument("--elements", type=int, default=1024)
+        a = p.parse_args(argv[1:])
+        if a.elements % a.ranks:
+            raise SystemExit("error: --elements must be a multiple of --ranks")
+        return ring_all_reduce(a.ranks, a.elements)
+    p = argparse.ArgumentParser(prog="python -m harness.plan", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="llama3-405b",
+                   help=f"{', '.join(PLAN_MODELS)}, a harness preset, or an HF config")
+    p.add_argument("--layout", action="append", required=True,
+                   help="tp=8,pp=16,dp=128,seq=8192,m=16,... (repeatable)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--mem-gib", type=float, default=None, help="memory per GPU, for 'fits'")
+    a = p.parse_args(argv)
+    config = load(a.model)
+    elem = 4 if a.dtype == "float32" else 2
+    params = count_params(config)
+    rows = [plan(config, params, parse_layout(text), elem, a.mem_gib) for text in a.layout]
+    if len(rows) > 1:
+        print(f"summary ({a.model}, {a.dtype}; GiB per GPU)")
+        print(f"  {'layout':<44} {'states':>7} {'acts':>7} {'logits':>7} {'total':>7}")
+        for r in rows:
+            lay = r["layout"]
+            name = " ".join(f"{k}{lay[k]}" for k in ("tp", "cp", "pp", "dp", "ep") if lay[k] > 1)
+            name += f" zero{lay['zero']}{' sp' if lay['sp'] else ''} {lay['recompute']}"
+            acts = "-" if r["activations"] is None else f"{r['activations'] / GiB:.2f}"
+            print(f"  {name:<44} {r['states'] / GiB:>7.2f} {acts:>7} {r['logits'] / GiB:>7.2f} "
+                  f"{r['total'] / GiB:>7.2f}{r['fits']}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

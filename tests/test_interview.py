@@ -1,0 +1,189 @@
+"""docs/interview.md: every question's command is run, and every figure the page quotes from it
+must appear in its output (the page's rules, stated at its top):
+
+- a question is a `## N. title` section; its command is the first ```bash block in it (one
+  command, one line); the ```text blocks after it hold output lines quoted verbatim;
+- a quoted line matches an output line when its whitespace-separated tokens appear there in
+  order, as whole tokens, separated only by whitespace; `...` stands for any text;
+- a token that starts with `~` is a timing (or a statistic of the timed steps): any number
+  matches it, the rest of the token (a unit, `%`, `x`) must be there; every other token,
+  numbers included, is compared exactly;
+- `<!-- pending: NAME -->` on the line before the ```bash fence: the command is not written yet
+  (ZeRO++, DualPipeV); its test is skipped with that reason.
+
+The commands run in the repository root with `python` and `torchrun` meaning this interpreter; a
+command used by several questions runs once. INTERVIEW_OUTPUTS=DIR keeps each command's output
+there (to refresh the page's figures)."""
+import os
+import re
+import stat
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGE = os.path.join(ROOT, "docs", "interview.md")
+QUESTIONS = 25
+NUMBER = r"[-+]?(?:\d[\d,]*)?\.?\d+(?:[eE][-+]?\d+)?"
+
+
+# -- the page -------------------------------------------------------------------------------------
+def parse(text: str) -> dict:
+    """{question number: {"title", "command", "pending", "quoted": [lines]}}."""
+    sections = re.split(r"^## (\d+)\. (.*)$", text, flags=re.M)
+    out = {}
+    for i in range(1, len(sections), 3):
+        n, title, body = int(sections[i]), sections[i + 1].strip(), sections[i + 2]
+        blocks = list(re.finditer(r"^```(\w+)\n(.*?)^```$", body, flags=re.M | re.S))
+        bash = [b for b in blocks if b.group(1) == "bash"]
+        command, pending = None, None
+        if bash:
+            command = bash[0].group(2).strip()
+            before = body[:bash[0].start()].rstrip().splitlines()
+            m = re.fullmatch(r"<!-- pending: (\S+) -->", before[-1].strip()) if before else None
+            pending = m.group(1) if m else None
+        start = bash[0].end() if bash else 0
+        quoted = [line for b in blocks if b.group(1) == "text" and b.start() > start
+                  for line in b.group(2).splitlines() if line.strip()]
+        out[n] = dict(title=title, command=command, pending=pending, quoted=quoted,
+                      commands=len(bash))
+    return out
+
+
+def pattern(quoted: str) -> re.Pattern:
+    """A quoted line as a regular expression over one output line (the rules above)."""
+    parts = []
+    for tok in quoted.split():
+        if tok == "...":
+            parts.append(".*?")
+        elif tok.startswith("~") and re.match(NUMBER, tok[1:]):
+            rest = tok[1 + re.match(NUMBER, tok[1:]).end():]
+            parts.append(NUMBER + re.escape(rest))
+        else:
+            parts.append(re.escape(tok))
+    body, prev = "", None
+    for p in parts:   # tokens are separated by whitespace; `...` absorbs its own
+        body += p if prev is None or p == ".*?" or prev == ".*?" else r"\s+" + p
+        prev = p
+    return re.compile(r"(?:^|(?<=\s))" + body + r"(?=\s|$)")
+
+
+def missing(quoted: list[str], output: str) -> list[str]:
+    """The quoted lines that no output line matches."""
+    lines = output.splitlines()
+    return [q for q in quoted if not any(pattern(q).search(line) for line in lines)]
+
+
+# -- running a command -------------------------------------------------------------------------
+_OUTPUTS: dict = {}
+
+
+def shims(tmp) -> str:
+    """A directory whose `python` and `torchrun` run this interpreter."""
+    os.makedirs(tmp, exist_ok=True)
+    for name, line in (("python", f'exec "{sys.executable}" "$@"'),
+                       ("torchrun", f'exec "{sys.executable}" -m torch.distributed.run "$@"')):
+        path = os.path.join(tmp, name)
+        with open(path, "w") as f:
+            f.write(f"#!/bin/sh\n{line}\n")
+        os.chmod(path, os.stat(path).st_mode | stat.S_IEXEC)
+    return tmp
+
+
+def run_command(command: str, bindir: str, timeout: int = 300) -> str:
+    if command not in _OUTPUTS:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                   PATH=bindir + os.pathsep + os.environ.get("PATH", ""))
+        proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
+                              timeout=timeout, env=env, cwd=ROOT)
+        assert proc.returncode == 0, (f"{command}\nexit {proc.returncode}\n"
+                                      f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        _OUTPUTS[command] = proc.stdout + proc.stderr
+        dump = os.environ.get("INTERVIEW_OUTPUTS")   # keep the outputs, to refresh the page
+        if dump:
+            os.makedirs(dump, exist_ok=True)
+            with open(os.path.join(dump, f"{len(_OUTPUTS):02d}.txt"), "w") as f:
+                f.write(f"$ {command}\n{_OUTPUTS[command]}")
+    return _OUTPUTS[command]
+
+
+@pytest.fixture(scope="module")
+def bindir(tmp_path_factory):
+    return shims(str(tmp_path_factory.mktemp("bin")))
+
+
+@pytest.fixture(scope="module")
+def page():
+    with open(PAGE) as f:
+        return parse(f.read())
+
+
+# -- tests ----------------------------------------------------------------------------------------
+def test_page_has_every_question_with_one_command(page):
+    assert sorted(page) == list(range(1, QUESTIONS + 1))
+    for n, q in page.items():
+        assert q["commands"] == 1, f"question {n}: {q['commands']} bash blocks"
+        assert "\n" not in q["command"], f"question {n}: one command, one line"
+        if not q["pending"]:
+            assert q["quoted"], f"question {n} quotes no output"
+    assert {n for n, q in page.items() if q["pending"]} <= {19, 24}
+
+
+def test_matcher_rules():
+    out = ("  all_reduce   world   1   723,200   ok Psi*b\n"
+           "zero1 (ours)   41.0   7.1   12479   7.30 MiB   1.67x")
+    assert not missing(["all_reduce world 1 723,200"], out)
+    assert missing(["all_reduce world 1 723,201"], out)            # a number is exact
+    assert missing(["all_reduce world 1 23,200"], out)             # whole tokens only
+    assert not missing(["zero1 (ours) ~99.9 ~1 ~5 7.30 MiB ~2.00x"], out)  # timings: any number
+    assert missing(["zero1 (ours) ~99.9 ~1 ~5 7.31 MiB ~2.00x"], out)
+    assert missing(["zero1 (ours) ~99.9 ~1 ~5 7.30 MiB ~2.00%"], out)      # the unit is kept
+    assert not missing(["all_reduce ... ok Psi*b"], out)           # `...` elides
+    assert missing(["all_reduce ... ok Psi*c"], out)
+
+
+def drift(line: str) -> str | None:
+    """The line with the last digit of its last exact figure (not a `~` timing) changed."""
+    exact = [m for m in re.finditer(r"\S+", line)
+             if not m.group().startswith("~") and re.search(r"\d", m.group())]
+    if not exact:
+        return None
+    tok = exact[-1]
+    pos = tok.start() + [d for d in re.finditer(r"\d", tok.group())][-1].start()
+    return line[:pos] + str((int(line[pos]) + 1) % 10) + line[pos + 1:]
+
+
+def test_a_drifted_figure_fails(page):
+    """A modified copy of the page fails against the output its figures were quoted from."""
+    with open(PAGE) as f:
+        text = f.read()
+    checked = 0
+    for n, q in page.items():
+        if q["pending"]:
+            continue
+        # the output those lines were quoted from (timings replaced by other numbers)
+        fake = "\n".join(re.sub(r"~(" + NUMBER + ")", "123.4", line) for line in q["quoted"])
+        fake = fake.replace("...", "elided text")
+        assert not missing(q["quoted"], fake), n
+        line = next((x for x in reversed(q["quoted"]) if drift(x)), None)
+        if line is None:
+            continue
+        at = re.search(rf"^## {n}\. ", text, flags=re.M).start()   # in this question's section
+        drifted = parse(text[:at] + text[at:].replace(line, drift(line), 1))[n]
+        assert drifted["quoted"] != q["quoted"], n
+        assert missing(drifted["quoted"], fake), f"question {n}: drift not caught: {drift(line)}"
+        checked += 1
+    assert checked >= QUESTIONS - 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", range(1, QUESTIONS + 1))
+def test_question(n, page, bindir):
+    q = page[n]
+    if q["pending"]:
+        pytest.skip(f"question {n}: its command is pending ({q['pending']})")
+    output = run_command(q["command"], bindir)
+    gone = missing(q["quoted"], output)
+    assert not gone, (f"question {n}: `{q['command']}` no longer prints:\n  "
+                      + "\n  ".join(gone) + f"\n--- output\n{output[-6000:]}")
