@@ -7,14 +7,13 @@ and the weights' gradients are summed over the ranks."""
 import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, __file__.rsplit("/examples/", 1)[0])
 import cp_ring  # noqa: E402
 import ddp  # noqa: E402
-from common import SEQ, STEPS, VOCAB, batch, init, log  # noqa: E402
+from common import SEQ, STEPS, VOCAB, batch, finish, init, log  # noqa: E402
 
 device, rank = init()
 torch.manual_seed(0)
@@ -35,4 +34,4 @@ for step in range(STEPS):
     opt.step()
     opt.zero_grad()
     log(step, loss, summed=True)           # each rank: its share of the mean
-dist.destroy_process_group()
+finish()

@@ -4,11 +4,10 @@ ddp.DataParallel is used exactly like torch's DistributedDataParallel."""
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/examples/", 1)[0])
 import ddp  # noqa: E402
-from common import STEPS, TinyLM, batch, init, log, loss_fn  # noqa: E402
+from common import STEPS, TinyLM, batch, finish, init, log, loss_fn  # noqa: E402
 
 device, rank = init()
 model = ddp.DataParallel(TinyLM().to(device))          # rank 0's weights win
@@ -24,4 +23,4 @@ for step in range(STEPS):
     opt.step()
     opt.zero_grad()                                     # set_to_none, torch's default
     log(step, loss * accum)
-dist.destroy_process_group()
+finish()

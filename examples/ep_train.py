@@ -13,7 +13,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 sys.path.insert(0, __file__.rsplit("/examples/", 1)[0])
 import ddp  # noqa: E402
 import ep_moe  # noqa: E402
-from common import SEQ, STEPS, VOCAB, batch, init, log  # noqa: E402
+from common import SEQ, STEPS, VOCAB, batch, finish, init, log  # noqa: E402
 
 device, rank = init()
 W = dist.get_world_size()
@@ -35,4 +35,4 @@ for step in range(STEPS):
     opt.step()
     opt.zero_grad()
     log(step, loss, summed=True)           # each rank: its share of the mean
-dist.destroy_process_group()
+finish()

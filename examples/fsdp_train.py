@@ -6,12 +6,11 @@ unit, gathered just before it runs and freed after."""
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/examples/", 1)[0])
 import fsdp  # noqa: E402
 import zero  # noqa: E402
-from common import STEPS, TinyLM, batch, init, log, loss_fn, no_decay_groups  # noqa: E402
+from common import STEPS, TinyLM, batch, finish, init, log, loss_fn, no_decay_groups  # noqa: E402
 
 device, rank = init()
 model = TinyLM().to(device)
@@ -28,4 +27,4 @@ for step in range(STEPS):
 full = fs.full_tensors("param")                           # collective: full weights
 if rank == 0:
     print(f"gathered {len(full)} full parameters", flush=True)
-dist.destroy_process_group()
+finish()

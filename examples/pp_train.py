@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, __file__.rsplit("/examples/", 1)[0])
 import pp  # noqa: E402
-from common import SEQ, STEPS, VOCAB, batch, init, log  # noqa: E402
+from common import SEQ, STEPS, VOCAB, batch, finish, init, log  # noqa: E402
 from harness.data import Batch  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -33,4 +33,4 @@ for step in range(STEPS):
     opt.step()
     opt.zero_grad()
     log(step, loss_sum / b.n_tokens, printer=P - 1)   # the last stage has the loss
-dist.destroy_process_group()
+finish()

@@ -8,13 +8,12 @@ import argparse
 import sys
 
 import torch
-import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, __file__.rsplit("/examples/", 1)[0])
 import sp  # noqa: E402
 import tp  # noqa: E402
-from common import SEQ, STEPS, VOCAB, batch, init, log  # noqa: E402
+from common import SEQ, STEPS, VOCAB, batch, finish, init, log  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--sp", action="store_true")
@@ -39,4 +38,4 @@ for step in range(STEPS):
 full = tpm.full({n: p.detach() for n, p in model.named_parameters()})   # collective
 if rank == 0:
     print(f"gathered {len(full)} full parameters", flush=True)
-dist.destroy_process_group()
+finish()

@@ -6,11 +6,10 @@ import argparse
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/examples/", 1)[0])
 import zero  # noqa: E402
-from common import STEPS, TinyLM, batch, init, log, loss_fn, no_decay_groups  # noqa: E402
+from common import STEPS, TinyLM, batch, finish, init, log, loss_fn, no_decay_groups  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--stage", type=int, default=2)
@@ -32,4 +31,4 @@ state = opt.state_dict()                                # collective: the unshar
 if rank == 0:
     torch.save(state, "/tmp/zero_example_optimizer.pt")  # loadable by torch.optim.AdamW too
     print(f"saved the optimizer state of {len(state['state'])} parameters", flush=True)
-dist.destroy_process_group()
+finish()
