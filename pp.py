@@ -56,8 +56,15 @@ summed over a two-rank group before the step (DualPipeV: rank 0 holds both ends,
 The V's turn (chunks P-1 and P, both on rank P-1) hands its activation and gradient over in
 memory, with no message.
 Loss: each micro-batch's CE sum over the global token count N, so the sum over micro-batches is
-the reference's global mean. ZB-H1's W re-traverses the stage's retained graph for the weight
-gradients (correct; its extra compute is the price of not rewriting every layer's backward).
+the reference's global mean.
+
+The split backward (ZB-H1, DualPipeV): I is one backward pass that computes the input's
+gradient and the gradients of the small parameters (norms, embeddings), while every linear
+layer of the stage (DeferredLinear, installed for those schedules) returns only its input's
+gradient and stashes its (input, output-gradient) pair; W is then just those matmuls,
+grad_W += g^T x per linear, with no second traversal of the graph. So I + W costs one backward,
+the graph is freed at I, and what W keeps alive is exactly the stashed pairs (the paper's
+"activation memory of W").
 
 Communication per step (mb = B/M sequences, S length, H hidden, b bytes): every chunk boundary
 between two ranks (P*V - 1 of them; DualPipeV 2P - 2) carries M activations forward and M
@@ -320,6 +327,62 @@ def messages(kind: str, c: int, m: int, C: int):
     return None, None
 
 
+class WeightGradStore:
+    """The deferred weight gradients of a stage's linear layers (the split backward). While
+    `key` is set (during an I action of (chunk, micro-batch) `key`), a DeferredLinear's backward
+    computes only its input's gradient and appends (module, input, output gradient) to
+    pending[key]; flush(key) (the W action) computes every stashed weight's gradient."""
+
+    def __init__(self):
+        self.key = None
+        self.pending: dict = {}
+
+    @torch.no_grad()     # (with grad mode on, g^T x would record a graph that keeps every x
+    def flush(self, key):  # and g alive through the weight's .grad)
+        for module, x, g in self.pending.pop(key, ()):
+            g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+            w = module.weight
+            if w.grad is None:
+                w.grad = g2.t() @ x2
+            else:                      # accumulated in place: no weight-sized temporary
+                w.grad.addmm_(g2.t(), x2)
+            if module.bias is not None:
+                gb = g2.sum(0)
+                module.bias.grad = gb if module.bias.grad is None else module.bias.grad.add_(gb)
+
+
+class DeferredLinear(torch.autograd.Function):
+    """y = x W^T + b whose backward, while the store is deferring (an I action), returns only
+    dL/dx and leaves dL/dW = g^T x for the W action; otherwise the ordinary linear backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, module, store):
+        ctx.save_for_backward(x, weight)
+        ctx.module, ctx.store, ctx.has_bias = module, store, bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        dx = g @ weight if ctx.needs_input_grad[0] else None
+        if ctx.store.key is not None:         # I: the weight's gradient waits for W
+            ctx.store.pending.setdefault(ctx.store.key, []).append((ctx.module, x, g))
+            return dx, None, None, None, None
+        g2 = g.reshape(-1, g.shape[-1])
+        dw = g2.t() @ x.reshape(-1, x.shape[-1])
+        db = g2.sum(0) if ctx.has_bias else None
+        return dx, dw, db, None, None
+
+
+def defer_linears(modules, store: WeightGradStore) -> list:
+    """Route every nn.Linear under `modules` through DeferredLinear; returns the linears."""
+    linears = [m for mod in modules for m in mod.modules() if isinstance(m, nn.Linear)]
+    for lin in linears:
+        lin.forward = (lambda x, lin=lin: DeferredLinear.apply(x, lin.weight, lin.bias, lin,
+                                                               store))
+    return linears
+
+
 class Grid:
     """Every rank's actions on one lockstep grid of time steps, the point-to-point plan that
     NCCL can run (the scheme of torch.distributed.pipelining's PipelineScheduleMulti).
@@ -428,6 +491,16 @@ class Pipeline:
         if not last:
             base.norm, model.lm_head = None, None
         self.tie_group = tie_group if self.tied and self.owner(0) != self.owner(self.C - 1) else None
+        # the split backward: I computes the input's and the small parameters' gradients, W the
+        # linear layers' from their stashed (input, output gradient) pairs
+        self.wgrad = WeightGradStore()
+        self.split = schedule_name in ("zb", "dualpipev")
+        self.small_params = {}
+        if self.split:
+            for c in self.mine:
+                linears = defer_linears(self.modules_of(c), self.wgrad)
+                deferred = {id(lin.weight) for lin in linears}
+                self.small_params[c] = [p for p in self.params_of(c) if id(p) not in deferred]
 
     def owner(self, c: int) -> int:
         """The (group) rank that holds chunk c."""
@@ -447,14 +520,17 @@ class Pipeline:
             h = self.model.lm_head(base.norm(h))
         return h
 
-    def params_of(self, c):
+    def modules_of(self, c):
         base = self.model.model
         mods = [base.layers[i] for i in self.bounds[c]]
         if c == 0:
             mods.append(base.embed_tokens)
         if c == self.C - 1:
             mods += [base.norm, self.model.lm_head]
-        return [p for m in mods for p in m.parameters()]
+        return mods
+
+    def params_of(self, c):
+        return [p for m in self.modules_of(c) for p in m.parameters()]
 
     # -- point-to-point --
     def _post(self, sends: dict, keys_out: list, keys_in: list, shape, dtype, received: dict):
@@ -515,16 +591,23 @@ class Pipeline:
     def backward(self, kind, c, m, x, out, g):
         """B, I or W of chunk c for micro-batch m, from its stashed input x and output out and
         the output's gradient g (None on the last chunk, where out is the loss). B: the whole
-        backward; I: the input's gradient only, keeping the graph for W; W: the weights'
-        gradients, from that retained graph. Returns the input's gradient, for chunk c - 1
-        (B and I, c > 0), else None."""
+        backward; I: one backward pass for the input's gradient and the small parameters'
+        (norms, embeddings), the linear layers stashing their (input, output gradient) pairs;
+        W: the linear layers' weight gradients from those pairs (x, out, g unused). Returns the
+        input's gradient, for chunk c - 1 (B and I, c > 0), else None."""
         if kind == "B":
             torch.autograd.backward(out, g)
-        elif kind == "I" and c > 0:
-            (dx,) = torch.autograd.grad(out, x, g, retain_graph=True)
-            x.grad = dx
+        elif kind == "I":
+            self.wgrad.key = (c, m)
+            try:
+                torch.autograd.backward(out, g, inputs=([x] if c > 0 else [])
+                                        + self.small_params[c])
+            finally:
+                self.wgrad.key = None
         elif kind == "W":
-            torch.autograd.backward(out, g, inputs=self.params_of(c))
+            self.wgrad.flush((c, m) if self.plant != "w-stale-grad" else self._last_i)
+        if kind == "I":
+            self._last_i = (c, m)
         return x.grad if kind in ("B", "I") and c > 0 else None
 
     def _stop_before(self, m) -> bool:
@@ -534,7 +617,10 @@ class Pipeline:
         consistent cut: every message of an earlier step is posted on both of its ranks and
         nothing of micro-batches >= m is, so an agreement inside stop_check (a collective) hears
         from every rank and cannot deadlock under NCCL's rules. run() then drains the
-        micro-batches < m. Never before micro-batch 0, so a step always makes progress."""
+        micro-batches < m. Never before micro-batch 0, so a step always makes progress.
+        Its price: such an agreement is a global barrier and a host read before every
+        micro-batch, so no stage runs ahead (1F1B, F = 1, B = 2, P = 8, M = 32: bubble 0.18 ->
+        0.33); train.py asks it only under --preempt-at micro-batch."""
         return m > 0 and self.stop_check is not None and self.stop_check(m)
 
     # -- one optimizer step's worth of micro-batches --
@@ -558,6 +644,7 @@ class Pipeline:
         grid = self._grids[(M, self.schedule_name)]
         starts = {t: m for m, t in grid.first_forward.items()}
         self.batches = []
+        self.wgrad.pending.clear()             # (a stopped step's I's whose W never ran)
         received, sends = {}, {}               # message key -> tensor
         inputs, outputs, grads = {}, {}, {}    # per (chunk, micro-batch), until its B or W
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -583,8 +670,8 @@ class Pipeline:
                         if kind in ("B", "I"):
                             g = None if recv_key is None else self._take(received, recv_key)
                             grads[(c, m)] = g
-                        elif self.plant != "w-stale-grad":   # (planted bug: W keeps the last
-                            g = grads[(c, m)]                # I's g, a later micro-batch's)
+                        else:
+                            g = grads[(c, m)]
                         dx = self.backward(kind, c, m, inputs[(c, m)], outputs[(c, m)], g)
                         if send_key:
                             sends[send_key] = dx.contiguous()
@@ -701,8 +788,8 @@ class PP(Strategy):
             "gloo runs it, NCCL deadlocks (two stages that send to each other in one step)",
             ("--nccl-semantics", "--schedule", "1f1b", "--microbatches", "4")),
         "w-stale-grad": Plant(
-            "ZB-H1's deferred W backpropagates the output gradient of the last I (a later "
-            "micro-batch) instead of its own micro-batch's", TIED_PLANT_ARGS, world=3),
+            "ZB-H1's deferred W takes the stashed pairs of the last I (a later micro-batch) "
+            "instead of its own micro-batch's", TIED_PLANT_ARGS, world=3),
         "v-turn-zero-grad": Plant(
             "DualPipeV: at the V's turn (chunks P-1 and P on one rank) the gradient handed from "
             "chunk P to chunk P-1 in memory is zeros, as if the hand-over were forgotten",

@@ -354,3 +354,55 @@ def test_bad_config(run, tmp_path, args, world, msg):
     if args == ["--layers2"]:
         args = ["--model", config_file("layers2", num_hidden_layers=2)(tmp_path)]
     assert_config_error(run("pp.py", world, *args), msg)
+
+
+# ----------------------------------------------------------------------------------------------
+# The split backward (ZB-H1, DualPipeV): I + W is one backward, not two
+# ----------------------------------------------------------------------------------------------
+def _split_backward_case(split: bool, count_flops=False):
+    import gc
+    import weakref
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+    cfg = harness.load_config("tiny")
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").double()
+    m.config.use_cache = False
+    store = pp.WeightGradStore()
+    linears = pp.defer_linears([m], store)
+    deferred = {id(lin.weight) for lin in linears}
+    small = [p for p in m.parameters() if id(p) not in deferred]
+    ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    refs, flops = [], 0
+    for mb in range(2):                       # two micro-batches accumulate
+        loss = m(input_ids=ids.roll(mb, 1), labels=ids.roll(mb, 1)).loss
+        with FlopCounterMode(display=False) as fc:
+            if split:
+                store.key = (0, mb)
+                torch.autograd.backward(loss, inputs=small)      # I
+                store.key = None
+                refs += [weakref.ref(t) for _, x, g in store.pending[(0, mb)] for t in (x, g)]
+                store.flush((0, mb))                              # W
+            else:
+                loss.backward()
+        if mb == 0:   # (the first: FlopCounterMode does not count the in-place addmm_ with
+            flops = fc.get_total_flops()     # which W accumulates the second)
+        del loss
+    gc.collect()
+    grads = {n: p.grad for n, p in m.named_parameters()}
+    return grads, flops, refs
+
+
+def test_split_backward_is_one_backward():
+    """I + W gives the same gradients as B (two micro-batches accumulated, float64), in the same
+    FLOPs (no second traversal), leaves
+    plain leaf gradients (no graph), and frees every stashed input and output gradient after W."""
+    ref, ref_flops, _ = _split_backward_case(False)
+    got, flops, refs = _split_backward_case(True)
+    assert set(got) == set(ref) and all(g is not None for g in got.values())
+    for n in ref:
+        assert (got[n] - ref[n]).abs().max().item() <= 1e-12 * max(1.0, ref[n].abs().max().item()), n
+        assert got[n].grad_fn is None and not got[n].requires_grad, n
+    assert flops == ref_flops, (flops, ref_flops)
+    assert refs and all(r() is None for r in refs), sum(r() is not None for r in refs)
