@@ -15,10 +15,24 @@ Who talks to whom, per MoE layer (Lepikhin et al. "GShard" 2020; Fedus et al. "S
     3. all_to_all_single of the per-expert counts (E int64), so every rank knows how many rows it
        will receive from whom and for which of its experts.
     4. dispatch: an uneven all_to_all_single of the token rows.
-    5. the local experts run on contiguous row groups (rows re-sorted expert-major).
+    5. the local experts run on contiguous row groups (rows re-sorted expert-major), as one
+       grouped computation: torch._grouped_mm over the ragged groups, or (float64, or where it
+       does not run) a padded torch.bmm over (E/W, max rows, H); LocalExperts.
     6. combine: the reverse all_to_all_single, then out[t] += w[t, j] * y[t, j] in token order.
     The all-to-all is an autograd Function whose backward is the same exchange with the splits
     swapped, so the backward mirrors the forward: 4 token all-to-alls per layer per step.
+
+Host reads: one per MoE layer per step. all_to_all_single takes its split sizes as Python ints,
+    so the uneven exchange must read the counts of step 3 from the device once: one .tolist() of
+    (rows to each rank, rows from each rank for each local expert), from which the dispatch, the
+    experts' groups and the combine are all sized, and which the backward reuses (none there).
+    Nothing else in the step reads the device: counts are scatter_adds, not bincount (a sync on
+    CUDA), repeat_interleave gets its output_size, dropped rows are sorted last instead of
+    masked out, and the statistics (kept rows) stay device scalars until a report reads them
+    after the steps. The alternative, a padded all-to-all of fixed size per (rank, expert), needs
+    the maximum count (a read) when dropless, and with capacity would send up to W times the
+    kept rows (the per-pair bound min(C E/W, k T) is W times a rank's share); not done.
+    (The harness adds the step's logged loss; torch's AdamW reads its CPU step counters.)
 
 Communication per layer per step, dropless (T = tokens per rank, H = hidden, b = bytes/element)
     logical send bytes, summed over ranks:  4 k (W T) H b     (dispatch + combine, fwd + bwd)
@@ -64,8 +78,9 @@ renormalisation, a combine that returns rows to the wrong tokens, expert gradien
 the data-parallel size, and a per-rank (instead of global-batch) auxiliary loss.
 
 Public API
-    blocks = parallelize(model, group, capacity_factor=None)   E/W experts per rank in every
-        MoE block of an HF Mixtral-family model; the rest replicated under ddp.DataParallel
+    blocks = parallelize(model, group, capacity_factor=None, ..., experts_impl="auto")   E/W
+        experts per rank in every MoE block of an HF Mixtral-family model; the rest replicated
+        under ddp.DataParallel. experts_impl: "auto" | "grouped_mm" | "bmm" | "loop"
 """
 import math
 import types
@@ -121,6 +136,13 @@ def route(weight, x, top_k, bias=None, renormalise=True):
     if not renormalise:
         return logits, probs, top, idx
     return logits, probs, top / top.sum(dim=-1, keepdim=True), idx
+
+
+def expert_counts(flat_idx, n: int):
+    """(n,) int64 occurrences of each value of flat_idx: torch.bincount's result without its
+    host sync (on CUDA bincount reads the maximum to size its output)."""
+    return torch.zeros(n, dtype=torch.long, device=flat_idx.device).scatter_add_(
+        0, flat_idx, torch.ones_like(flat_idx))
 
 
 def expert_capacity(factor: float, n_global: int, top_k: int, n_experts: int) -> int:
@@ -192,7 +214,7 @@ class MoEBlock(nn.Module):
         # the router losses in the model's precision (probs is float32, as HF routes)
         wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
         p = probs if wide.dtype == probs.dtype else F.softmax(wide, dim=-1)
-        rec = dict(counts=torch.bincount(idx.reshape(-1), minlength=self.num_experts),
+        rec = dict(counts=expert_counts(idx.reshape(-1), self.num_experts),
                    prob_sum=p.sum(0), choices=idx.numel() * self.world)
         if self.opts.z_coef:
             rec["z_sum"] = torch.logsumexp(wide, dim=-1).pow(2).sum()
@@ -203,7 +225,8 @@ class MoEBlock(nn.Module):
                                   self.top_k, self.num_experts)
             local = F.one_hot(idx, self.num_experts).sum(0)         # (k, E)
             keep, kept_all = capacity_keep(idx, self.gather_counts(local), self.rank, cap)
-            rec.update(kept_all=kept_all, kept=int(kept_all.sum()), capacity=cap)
+            # kept: a device scalar, read by the statistics after the step, not here
+            rec.update(kept_all=kept_all, kept=kept_all.sum(), capacity=cap)
         return self.dispatch_combine(x, w, idx, keep, rec).reshape(b, s, h)
 
     def gather_counts(self, local):
@@ -225,22 +248,110 @@ class ReferenceMoE(MoEBlock):
         return self.experts(x, idx, w)
 
 
-class LocalExperts(nn.Module):
-    """This rank's slice [first, first + n) of HF's fused expert weights, run group by group."""
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (torch._grouped_mm's backward
+    rejects an expanded one, e.g. the gradient of a .sum())."""
 
-    def __init__(self, hf_experts, first: int, n: int):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+_GROUPED_MM_OK: dict = {}
+
+
+def grouped_mm_works(device, dtype, dims) -> bool:
+    """Whether torch._grouped_mm (a private op: CPU and CUDA in torch 2.11-2.13, float32 /
+    bfloat16 / float16, no float64; rows strided in multiples of 16 bytes) runs forward and
+    backward here. Probed once per (device, dtype, dims) on a tiny problem with an empty group."""
+    key = (torch.device(device).type, dtype, tuple(dims))
+    if key not in _GROUPED_MM_OK:
+        ok = hasattr(torch, "_grouped_mm") and all(d * dtype.itemsize % 16 == 0 for d in dims)
+        if ok:
+            h, o = dims[0], dims[1]
+            try:       # (with gradients even when called under no_grad / inference_mode)
+                with torch.inference_mode(False), torch.enable_grad():
+                    a = torch.ones(3, h, dtype=dtype, device=device, requires_grad=True)
+                    b = torch.ones(3, o, h, dtype=dtype, device=device, requires_grad=True)
+                    offs = torch.tensor([1, 1, 3], dtype=torch.int32, device=device)
+                    y = torch._grouped_mm(a, b.transpose(1, 2), offs=offs)
+                    _ContiguousGrad.apply(y).sum().backward()
+            except (RuntimeError, NotImplementedError):
+                ok = False
+        _GROUPED_MM_OK[key] = ok
+    return _GROUPED_MM_OK[key]
+
+
+class LocalExperts(nn.Module):
+    """This rank's slice [first, first + n) of HF's fused expert weights, under HF's names and
+    layout (gate_up_proj (n, 2I, H), down_proj (n, H, I): full_grads()/full_params() gather them
+    back into HF's (E, ...) tensors), applied to rows grouped by expert (counts[e] rows each).
+
+    The n experts run as one grouped computation, not a Python loop of 2n matmuls (impl):
+      grouped_mm  torch._grouped_mm over the ragged groups (offsets = cumsum(counts), no
+                  padding): CPU and CUDA, float32/bfloat16/float16, where grouped_mm_works();
+      bmm         portable (float64 included): the rows packed into an (n, C, H) buffer, C =
+                  max(counts), each expert's rows first and zero padding after; two
+                  torch.bmm; the padded rows are never read back, so they add nothing to the
+                  output, and their zero gradients add nothing to the weights' (sum of
+                  x_pad^T g_pad over rows). Cost n C instead of sum(counts) rows;
+      loop        the per-expert loop (the oracle the tests compare the grouped paths with);
+      auto        grouped_mm where it works, else bmm."""
+    IMPLS = ("auto", "grouped_mm", "bmm", "loop")
+
+    def __init__(self, hf_experts, first: int, n: int, impl: str = "auto"):
         super().__init__()
+        if impl not in self.IMPLS:
+            raise ValueError(f"experts impl {impl!r} not in {self.IMPLS}")
         self.gate_up_proj = nn.Parameter(hf_experts.gate_up_proj.detach()[first:first + n].clone())
         self.down_proj = nn.Parameter(hf_experts.down_proj.detach()[first:first + n].clone())
         self.act_fn = hf_experts.act_fn
+        self.impl = impl
+
+    def which(self, x) -> str:
+        if self.impl != "auto":
+            return self.impl
+        two_i, h = self.gate_up_proj.shape[1:]
+        return ("grouped_mm" if grouped_mm_works(x.device, x.dtype, (h, two_i, two_i // 2))
+                else "bmm")
 
     def forward(self, x, counts: list[int]):
+        if not sum(counts):                      # no rows at all: keep the weights in the graph
+            return self._loop(x, counts)
+        return getattr(self, "_" + self.which(x))(x, counts)
+
+    def _loop(self, x, counts):
         outs, off = [], 0
         for e, n in enumerate(counts):          # x: rows grouped by local expert, counts[e] each
             gate, up = F.linear(x[off:off + n], self.gate_up_proj[e]).chunk(2, dim=-1)
             outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
             off += n
         return torch.cat(outs)
+
+    def _grouped_mm(self, x, counts):
+        # (R, H) x (n, H, 2I) -> (R, 2I), row block e through expert e (offs: block ends)
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        gu = torch._grouped_mm(x.contiguous(), self.gate_up_proj.transpose(1, 2), offs=offs)
+        gate, up = _ContiguousGrad.apply(gu).chunk(2, dim=-1)
+        y = torch._grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        return _ContiguousGrad.apply(y)
+
+    def _bmm(self, x, counts):
+        n, C, H = len(counts), max(counts), x.shape[-1]
+        # row r of expert e -> slot e C + r of the padded buffer
+        cnt = torch.tensor(counts, device=x.device)
+        e_of_row = torch.repeat_interleave(torch.arange(n, device=x.device), cnt,
+                                           output_size=x.shape[0])
+        slot = (torch.arange(x.shape[0], device=x.device) + e_of_row * C
+                - (cnt.cumsum(0) - cnt)[e_of_row])
+        xp = x.new_zeros(n * C, H).index_copy(0, slot, x).view(n, C, H)     # (n, C, H)
+        gate, up = torch.bmm(xp, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+        y = torch.bmm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2))  # (n, C, H)
+        return y.reshape(n * C, H).index_select(0, slot)                      # padding dropped
 
 
 class ExpertParallelMoE(MoEBlock):
@@ -249,7 +360,8 @@ class ExpertParallelMoE(MoEBlock):
         self.group = group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.local = self.num_experts // self.world
-        self.experts = LocalExperts(hf_block.experts, self.rank * self.local, self.local)
+        self.experts = LocalExperts(hf_block.experts, self.rank * self.local, self.local,
+                                    getattr(opts, "experts_impl", "auto"))
 
     def gather_counts(self, local):
         out = local.new_empty((self.world * local.shape[0],) + tuple(local.shape[1:]))
@@ -261,13 +373,12 @@ class ExpertParallelMoE(MoEBlock):
         W, El, E = self.world, self.local, self.num_experts
         flat_e, flat_w = idx.reshape(-1), w.reshape(-1)
         flat_t = torch.arange(N, device=x.device).repeat_interleave(k)
-        if keep is not None:                    # dropped choices are never sent
-            sel = keep.reshape(-1)
-            flat_e, flat_t, flat_w = flat_e[sel], flat_t[sel], flat_w[sel]
+        if keep is not None:   # a dropped choice goes to "expert E": sorted last, never sent
+            flat_e = flat_e.masked_fill(~keep.reshape(-1), E)
         # 2. sort by expert = by destination rank (stable: token order inside each expert)
         order = torch.argsort(flat_e, stable=True)
         e_s, t_s, w_s = flat_e[order], flat_t[order], flat_w[order]
-        send = torch.bincount(e_s, minlength=E)                     # rows per expert, (E,)
+        send = expert_counts(e_s, E + 1)[:E]                        # rows per expert, (E,)
         # 3. counts: recv[s, e] rows from rank s for my local expert e
         if keep is None:
             recv = torch.empty_like(send)
@@ -275,15 +386,21 @@ class ExpertParallelMoE(MoEBlock):
             recv = recv.view(W, El)
         else:
             recv = rec["kept_all"].sum(1)[:, self.rank * El:(self.rank + 1) * El]
-        send_splits = send.view(W, El).sum(1).tolist()
-        recv_splits = recv.sum(1).tolist()
+        # The layer's one host read: all_to_all_single takes its splits as Python ints (the
+        # backward reuses them). Everything below is sized from this one list.
+        sizes = torch.cat([send.view(W, El).sum(1), recv.reshape(-1)]).tolist()
+        send_splits, recv_m = sizes[:W], [sizes[W + s * El:W + (s + 1) * El] for s in range(W)]
+        recv_splits = [sum(r) for r in recv_m]
+        per_expert = [sum(r[e] for r in recv_m) for e in range(El)]
+        n_sent = sum(send_splits)                 # < N k with capacity: the dropped rows last
+        e_s, t_s, w_s = e_s[:n_sent], t_s[:n_sent], w_s[:n_sent]
         # 4. dispatch
         xr = self.exchange(x[t_s], recv_splits, send_splits)
         # 5. local experts on expert-major rows (arrivals are source-major)
         expert_of_row = torch.arange(El, device=x.device).repeat(W).repeat_interleave(
-            recv.reshape(-1))
+            recv.reshape(-1), output_size=sum(recv_splits))
         perm = torch.argsort(expert_of_row, stable=True)
-        y = self.experts(xr[perm], recv.sum(0).tolist())
+        y = self.experts(xr[perm], per_expert)
         inv = torch.empty_like(perm)
         inv[perm] = torch.arange(perm.numel(), device=x.device)
         if self.plant == "combine-wrong-order":   # un-sorts with perm, not its inverse
@@ -314,16 +431,18 @@ class _NoStats(list):
 
 
 def parallelize(model, group, capacity_factor: float | None = None, aux_free_bias=False,
-                z_coef: float = 0.0, stats: list | None = None, plant: str | None = None):
+                z_coef: float = 0.0, stats: list | None = None, plant: str | None = None,
+                experts_impl: str = "auto"):
     """Expert parallelism for an HF Mixtral-family model over the ranks of `group`, in place
     (the entry the harness and users call): each rank keeps E/W experts, every MoE block
     dispatches its rows to the experts' ranks and combines them back (all_to_all_single).
     Returns the blocks; `stats` collects each block's routing counts per forward (the router
     losses: router_losses(stats, ...)). Everything else stays replicated: wrap the model in
     ddp.DataParallel(model, dp_group, params=[non-expert parameters], average=False) with
-    each rank's loss its share of the global objective (see ExpertParallel.step)."""
+    each rank's loss its share of the global objective (see ExpertParallel.step).
+    experts_impl: how the local experts run (LocalExperts: auto, grouped_mm, bmm, loop)."""
     opts = types.SimpleNamespace(capacity_factor=capacity_factor, aux_free_bias=aux_free_bias,
-                                 z_coef=z_coef)
+                                 z_coef=z_coef, experts_impl=experts_impl)
     stats = _NoStats() if stats is None else stats
     return install(model, lambda b: ExpertParallelMoE(b, stats, opts, group, plant=plant))
 
@@ -477,6 +596,9 @@ class ExpertParallel(Strategy):
                        help="DeepSeek-V3 style selection bias instead of the auxiliary loss")
         p.add_argument("--bias-rate", type=float, default=1e-3,
                        help="aux-free bias update per step")
+        p.add_argument("--experts-impl", default="auto", choices=LocalExperts.IMPLS,
+                       help="local experts: torch._grouped_mm, padded bmm, per-expert loop; "
+                            "auto = grouped_mm where it runs (not float64), else bmm")
         p.add_argument("--bucket-mb", type=float, default=25.0,
                        help="gradient bucket size for the replicated parameters")
 
@@ -491,7 +613,8 @@ class ExpertParallel(Strategy):
         self.dp_group = name_group(dist.new_group(ranks), "dp")
         self.stats: list[dict] = []
         self.blocks = parallelize(model, self.group, args.capacity_factor, args.aux_free_bias,
-                                  args.z_coef, self.stats, args.plant_bug)
+                                  args.z_coef, self.stats, args.plant_bug,
+                                  getattr(args, "experts_impl", "auto"))
         self.expert_params = [p for n, p in model.named_parameters() if is_expert(n)]
         dense = [p for n, p in model.named_parameters() if not is_expert(n)]
         # The loss on each rank is its share of the global objective, so replicated gradients
@@ -584,7 +707,7 @@ class ExpertParallel(Strategy):
         dense_bytes = sum(p.numel() for p in self.dp.bucket_of) * self.dp.reduce_itemsize
         rows = []
         if self.args.capacity_factor:
-            kept = self.routing.metered["kept"] / max(1, self.routing.metered["steps"])
+            kept = float(self.routing.metered["kept"]) / max(1, self.routing.metered["steps"])
             rows.append(Expect("all_to_all_single", "ep", 4 * L * W, 4 * kept * H * b,
                                f"4 x kept rows x H b = 4 x {kept:,.0f} x {H} x {b} (kept over "
                                f"{L} layers; {k * n_global * L:,} choices)", ranks="sum"))
@@ -631,7 +754,7 @@ class ExpertParallel(Strategy):
             with METER.paused():
                 dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
             cap = h[-1]["capacity"]
-            drop = 1 - sum(r["kept"] for r in h) / max(1, sum(r["choices"] for r in h))
+            drop = 1 - float(sum(r["kept"] for r in h)) / max(1, sum(r["choices"] for r in h))
             checks.append(("expert capacity respected", top.item() <= cap,
                            f"max rows per expert per layer {top.item():.0f} <= C = {cap}; "
                            f"dropped choices {100 * drop:.2f}% over {len(h)} steps "

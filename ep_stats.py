@@ -6,6 +6,10 @@ all-to-all), whose splits give the rows sent off this rank. ep_moe.py's dispatch
 carry no counters. The adapter hands `record` the router's own per-layer records (choices, kept
 rows, capacity) once per step. The balance and wire-byte lines are computed from those
 observations: learning mode prints the balance lines, benchmark mode all of them.
+
+Nothing here reads the device inside a step: the loads and splits it observes are the Python
+ints each layer read once for its all-to-all anyway, and the kept rows (capacity) stay device
+scalars until a report converts them, after the steps.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ class RoutingStats:
     def record(self, router_stats: list[dict]):
         """Close a step: its observations and the router's per-layer records into history."""
         s, obs = router_stats, self.observed
+        # kept: with capacity a device scalar (summed on the device), read by the reports
         rec = dict(load=torch.stack(obs["load"]),          # (L, E/W) rows received per expert
                    off=sum(obs["off"]),                    # rows sent off-rank: dispatch+combine
                    choices=sum(r["choices"] for r in s),
@@ -67,7 +72,7 @@ class RoutingStats:
         loads, n = self.loads(last)
         imb = loads.max(1).values / loads.mean(1)
         h = self.history[-last:]
-        drop = 1 - sum(r["kept"] for r in h) / sum(r["choices"] for r in h)
+        drop = 1 - float(sum(r["kept"] for r in h)) / sum(r["choices"] for r in h)
         lines = [f"expert load (rows received) over the last {n} steps: imbalance max/mean per layer "
                  + ", ".join(f"{x:.2f}" for x in imb.tolist())
                  + f" (mean {imb.mean():.2f}); dropped choices {100 * drop:.2f}%"]

@@ -4,6 +4,7 @@ priority, the all-to-all round trip, then the full model against the single-devi
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -20,6 +21,10 @@ W2 = Runs("ep_moe.py", 2, {  # one launch per batch: the start-up (~10 s a proce
     "capacity": ["--capacity-factor", "1.0"],
     "learning": ["--mode", "learning", "--steps", "40", "--lr", "1e-2", "--log-every", "20"],
     "bench": ["--mode", "benchmark", "--bench-iters", "3", "--warmup", "1"],
+    "bench-capacity": ["--mode", "benchmark", "--bench-iters", "3", "--warmup", "1",
+                       "--capacity-factor", "1.0"],
+    # float32: the local experts run as torch._grouped_mm (float64 runs take the padded bmm)
+    "grouped-f32": DROPLESS + ["--dtype", "float32", "--experts-impl", "grouped_mm"],
 })
 SLOW_W4 = Runs("ep_moe.py", 4, tier="slow", runs={
     "dropless": DROPLESS,
@@ -145,6 +150,178 @@ def test_dispatch_combine_round_trip(world):
     assert p.stdout.count("PASS rank") == 3 * world and "FAIL" not in p.stdout, p.stdout
 
 
+def moe_experts(E=6, H=16, I=24, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return types.SimpleNamespace(
+        gate_up_proj=torch.randn(E, 2 * I, H, generator=g, dtype=torch.float64).to(dtype),
+        down_proj=torch.randn(E, H, I, generator=g, dtype=torch.float64).to(dtype), act_fn=F.silu)
+
+
+def experts_run(impl, hf, counts, dtype, seed=1):
+    """(which impl ran, [output, grad x, grad gate_up_proj, grad down_proj]) of experts 3..5."""
+    g = torch.Generator().manual_seed(seed)
+    H = hf.gate_up_proj.shape[-1]
+    x = torch.randn(sum(counts), H, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    gy = torch.randn(sum(counts), H, generator=g, dtype=torch.float64).to(dtype)
+    m = ep_moe.LocalExperts(hf, 3, len(counts), impl)
+    y = m(x, counts)
+    y.backward(gy)
+    return m.which(x), [y, x.grad, m.gate_up_proj.grad, m.down_proj.grad]
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 9], [0, 0, 7], [1, 12, 3], [0, 0, 0]])
+def test_grouped_experts_equal_the_loop(counts):
+    """The grouped local experts (padded bmm in float64; torch._grouped_mm in float32 where it
+    runs) against the per-expert loop: outputs and every gradient, with an expert that gets no
+    rows, uneven counts, and no rows at all. The padding reaches neither output nor gradients."""
+    hf = moe_experts()
+    _, loop = experts_run("loop", hf, counts, torch.float64)
+    which, bmm = experts_run("auto", hf, counts, torch.float64)
+    assert which == "bmm"                         # grouped_mm has no float64
+    for a, b in zip(bmm, loop):
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-12, atol=1e-12), \
+            (a - b).abs().max()
+    hf32 = moe_experts(dtype=torch.float32)
+    _, loop32 = experts_run("loop", hf32, counts, torch.float32)
+    impls = ["bmm"] + (["grouped_mm"] if ep_moe.grouped_mm_works("cpu", torch.float32,
+                                                                  (16, 48, 24)) else [])
+    for impl in impls:
+        _, out = experts_run(impl, hf32, counts, torch.float32)
+        for a, b in zip(out, loop32):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (impl, (a - b).abs().max())
+
+
+def test_grouped_mm_probe_refuses_what_it_cannot_run():
+    assert not ep_moe.grouped_mm_works("cpu", torch.float64, (16, 48, 24))    # no float64
+    assert not ep_moe.grouped_mm_works("cpu", torch.float32, (6, 48, 24))     # 24-byte rows
+    with pytest.raises(ValueError):
+        ep_moe.LocalExperts(moe_experts(), 0, 2, "fused")
+
+
+def ep_block(impl, experts=6, H=16, seed=0):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(hidden_size=H, intermediate_size=24, num_local_experts=experts,
+                        num_experts_per_tok=2, router_jitter_noise=0.0)
+    hf = MixtralSparseMoeBlock(cfg).double()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_()
+    opts = types.SimpleNamespace(aux_free_bias=True, capacity_factor=None, z_coef=0.0,
+                                 experts_impl=impl)
+    return ep_moe.ExpertParallelMoE(hf, [], opts, None)
+
+
+def test_grouped_block_equals_the_loop_block(group):
+    """A whole EP block (route, counts exchange, dispatch, experts, combine) with the grouped
+    experts against the same block with the loop, float64: skewed routing leaves experts empty
+    and the rest uneven; every gradient agrees to float64 noise."""
+    outs = {}
+    for impl in ("loop", "auto"):
+        blk = ep_block(impl)
+        # a selection bias: expert 0 takes every token, 1 more than its share, 4 and 5 none
+        blk.bias.copy_(torch.tensor([1.0, 0.2, 0.0, 0.0, -10.0, -10.0]))
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(2, 9, 16, generator=g, dtype=torch.float64).requires_grad_()
+        y = blk(x)
+        y.backward(torch.randn(y.shape, generator=g, dtype=torch.float64))
+        outs[impl] = [y, x.grad] + [p.grad for p in blk.parameters()]
+        loads = []
+        blk.experts.forward = (lambda f: lambda r, c: loads.append(c) or f(r, c))(
+            blk.experts.forward)
+        blk(x)
+    assert 0 in loads[0] and len(set(loads[0])) > 2, loads      # empty and uneven experts
+    for a, b in zip(outs["auto"], outs["loop"]):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), (a - b).abs().max()
+
+
+class HostReads:
+    """Counts, by call site in the named files, the device-to-host reads a step makes: item,
+    tolist, cpu, numpy, int/float/bool/index/format of a tensor (torch has no CPU analogue of
+    torch.cuda.set_sync_debug_mode, so the methods are patched), and the ops that read the
+    device implicitly on CUDA: bincount, nonzero, boolean-mask indexing, repeat_interleave
+    with tensor repeats and no output_size."""
+    READS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__",
+             "__format__")
+
+    def __init__(self, files=("ep_moe.py", "ep_stats.py")):
+        self.files, self.calls = files, []
+
+    def _site(self):
+        f = sys._getframe(2)
+        name = os.path.basename(f.f_code.co_filename)
+        return f"{name}:{f.f_code.co_name}" if name in self.files else None
+
+    def _wrap(self, name, fn, implicit=None):
+        def wrapped(*a, **k):
+            site = self._site()
+            if site and (implicit is None or implicit(*a, **k)):
+                self.calls.append(f"{site} {name}")
+            return fn(*a, **k)
+        return wrapped
+
+    def __enter__(self):
+        T = torch.Tensor
+        bool_index = (lambda t, i: any(isinstance(j, torch.Tensor) and j.dtype == torch.bool
+                                       for j in (i if isinstance(i, tuple) else (i,))))
+        no_size = (lambda t, r=None, *a, **k: isinstance(r, torch.Tensor)
+                   and k.get("output_size") is None)
+        self.saved = [(T, n, getattr(T, n)) for n in self.READS] + [
+            (T, "__getitem__", T.__getitem__), (T, "repeat_interleave", T.repeat_interleave),
+            (torch, "repeat_interleave", torch.repeat_interleave),
+            (torch, "bincount", torch.bincount), (T, "bincount", T.bincount),
+            (torch, "nonzero", torch.nonzero), (T, "nonzero", T.nonzero)]
+        implicit = {"__getitem__": bool_index, "repeat_interleave": no_size}
+        for obj, n, fn in self.saved:
+            setattr(obj, n, self._wrap(n, fn, implicit.get(n)))
+        return self
+
+    def __exit__(self, *exc):
+        for obj, n, fn in self.saved:
+            setattr(obj, n, fn)
+
+
+def ep_strategy(*extra):
+    from harness.launch import Env, base_parser, resolve_defaults
+    p = base_parser("ep_moe.py")
+    ep_moe.ExpertParallel.add_args(p)
+    args = resolve_defaults(p.parse_args(list(extra)), "correctness", "cpu")
+    env = Env(0, 1, 0, torch.device("cpu"), "gloo")
+    return ep_moe.ExpertParallel(tiny_moe(torch.float64), args, env), args
+
+
+@pytest.mark.parametrize("extra", [
+    DROPLESS, ["--capacity-factor", "0.8", "--clip", "0.5"],
+    ["--aux-free-bias", "--aux-coef", "0", "--capacity-factor", "1.0"]])
+def test_one_host_read_per_moe_layer_per_step(group, extra):
+    """EP's host reads in a whole step (forward, backward, clip, optimizer, bias, statistics):
+    one per MoE layer, the split sizes of its uneven all_to_all_single (Python ints), which the
+    backward reuses. Before (the loop version) this counter saw 6 per layer dropless (3
+    .tolist(): send splits, receive splits, per-expert counts; and, syncs on CUDA only, 2
+    bincounts and a repeat_interleave without output_size) and 10 with capacity (+ int() of the
+    kept count for the statistics, 3 boolean-mask selections of the kept rows)."""
+    strat, args = ep_strategy(*extra)
+    lang = harness.MarkovLanguage(strat.model.config.vocab_size, 0)
+    L = strat.model.config.num_hidden_layers
+    for s in range(3):
+        b = harness.make_batch(lang, s, args.batch, args.length, torch.device("cpu"),
+                               ignore=True)
+        with HostReads() as reads:
+            strat.step(b)
+        assert reads.calls == ["ep_moe.py:dispatch_combine tolist"] * L, reads.calls
+    assert len(strat.routing.history) == 3       # the statistics were still recorded
+
+
+def test_host_read_counter_sees_reads():
+    # the counter itself: every kind of read it claims to see, from a counted file
+    code = compile("t.tolist(); int(t[0]); t.bincount(); t[t > 0]; "
+                   "torch.repeat_interleave(t, t); f'{t[0]:.1f}'", "ep_moe.py", "exec")
+    with HostReads() as reads:
+        exec(code, dict(t=torch.tensor([1, 2]), torch=torch))
+    assert len(reads.calls) == 6, reads.calls
+
+
 def assert_pass(r, world):
     """PASS as judged by the harness's noise policy, every tensor compared, every check ok."""
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
@@ -205,6 +382,25 @@ def test_benchmark_comm_matches_formulas(runs):
         L * (4 * k * n * H * 4 + 2 * E * 8)
     assert cfg.num_local_experts == E
     assert "tokens per expert per step" in r.stdout and "2 k T H b (W-1)/W" in r.stdout
+
+
+def test_benchmark_comm_with_capacity_matches_formulas(runs):
+    """With capacity the token all-to-alls carry the kept rows only: 4 x kept x H b summed over
+    ranks, kept read from the router's device counts after the steps (not inside them)."""
+    r = runs(W2, "bench-capacity")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    b = r.json("benchmark.json")
+    assert b["comm_ok"], r.stdout
+    L, E, H, k, W = 2, 8, 64, 2, 2
+    a2a = b["ours"]["comm_sum"]["all_to_all_single|ep"]
+    assert 0 < a2a["bytes"] < L * 4 * k * 8 * 64 * H * 4     # fewer than the dropless rows
+    assert b["ours"]["comm"]["all_gather_into_tensor|ep"]["bytes"] == L * W * k * E * 8
+
+
+@pytest.mark.skipif(not ep_moe.grouped_mm_works("cpu", torch.float32, (64, 128, 64)),
+                    reason="torch._grouped_mm does not run on this CPU build")
+def test_correctness_float32_grouped_mm(runs):
+    assert_pass(runs(W2, "grouped-f32"), 2)
 
 
 def test_bad_world_size_for_experts(run):
