@@ -49,8 +49,9 @@ M micro-batches, Psi_r = parameters held per rank = about Psi / (T P))
 
 Checkpoints and the train mode: checkpoint.py (layout-independent, atomic; the HF export) and
 train.py (`--mode train`: real text with --data, held-out evaluation, samples, logs, SIGTERM
-mid-step saves, elastic restarts). A model built on the meta device (train mode, --model a
-safetensors directory) is materialised here, once it is cut: each rank reads only its shard.
+saves at the end of the step in flight, or mid-step with --preempt-at micro-batch, elastic
+restarts). A model built on the meta device (train mode, --model a safetensors directory) is
+materialised here, once it is cut: each rank reads only its shard.
 """
 import copy
 import math
@@ -306,6 +307,14 @@ class Compose4D(Strategy):
                        help="--elastic: memory budget per GPU for the planner's memory model")
         p.add_argument("--grace-s", type=float, default=30.0,
                        help="seconds between SIGTERM and the forced kill (reported)")
+        p.add_argument("--preempt-at", default="step", choices=["step", "micro-batch"],
+                       help="train mode with --save: where a SIGTERM stops the run. step: the "
+                            "ranks agree on it once per step, inside the step's loss all-reduce "
+                            "(no extra collective or host read), and save at the end of the step "
+                            "in flight. micro-batch: also a MAX all-reduce and host read before "
+                            "every micro-batch (1F1B), so the cut may fall mid-step (the "
+                            "gradients saved); each is a global barrier that costs pipeline "
+                            "bubble")
         p.add_argument("--test-sigterm-at", default=None,
                        help="test hook STEP:MB: rank 0 sends SIGTERM to the launcher after "
                             "that micro-batch")

@@ -5,11 +5,15 @@ preemption and elastic restarts, outside the comparisons (no reference).
         --lr-schedule cosine --lr-warmup 20 --save ckpt --export-hf hf_out
     torchrun --nproc_per_node=2 compose4d.py --pp 2 --mode train --steps 300 --resume ckpt
 
-Preemption: SIGTERM sets a flag; the ranks agree on it with one MAX all-reduce (`Preemption`)
-between steps, and with P = 1 also before each micro-batch's forward (pp.Pipeline's stop_check).
-A step cut mid-way keeps its reduced gradients: the checkpoint records which rows are done
-(`cut`), and the resumed run finishes that step from the saved gradient sum (`step_rows`), on
-whatever layout it restarts with, so the result equals the uninterrupted run.
+Preemption: SIGTERM sets a flag; the ranks agree on it once per step, at no extra cost: the flag
+rides as a second element of the step's loss all-reduce (`loss_and_flag`), read with the loss (the
+step's one host read). The step in flight finishes and is saved at its end, then the process exits
+0. `--preempt-at micro-batch` also agrees before each micro-batch's first forward (pp.Pipeline's
+stop_check: a MAX all-reduce and a host read per micro-batch, a global barrier that serialises the
+pipeline), so a 1F1B step can be cut mid-way: the checkpoint then keeps the step's reduced
+gradients and records which rows are done (`cut`), and the resumed run finishes that step from the
+saved gradient sum (`step_rows`), on whatever layout it restarts with, so the result equals the
+uninterrupted run. Either way the resumed run equals the uninterrupted one.
 Elastic (--elastic): each (re)start re-plans micro-batch, grad-accum and ZeRO stage for the world
 size it finds (elastic.plan_world), keeping the checkpoint's global batch within a tolerance.
 Checkpoints: checkpoint.py (layout-independent, atomic; with the data position).
@@ -40,9 +44,10 @@ from harness import train_data
 
 
 class Preemption:
-    """SIGTERM (from the batch system, or torchrun passing it on) sets a flag; the ranks agree on
-    it with one MAX all-reduce at micro-batch (P = 1) and step boundaries, so all of them stop
-    after the same micro-batch."""
+    """SIGTERM (from the batch system, or torchrun passing it on) sets a flag. The ranks agree
+    on it through `loss_and_flag` once per step (no collective of its own), or, under
+    `--preempt-at micro-batch`, also with `agreed` (one MAX all-reduce and a host read) before
+    every micro-batch, so all of them stop after the same micro-batch."""
 
     def __init__(self):
         self.flag, self.at = False, None
@@ -58,15 +63,33 @@ class Preemption:
         return bool(t.item())
 
 
-def step_rows(strat: Compose4D, batch: Batch, rows=None, mb=None, stop=None, partial=None):
+def loss_and_flag(strat: Compose4D, loss_sum: torch.Tensor, flag: bool) -> tuple[float, bool]:
+    """The step's global CE sum (counted once over tp, as Compose4D.loss_once) and whether any
+    rank has seen SIGTERM, from one all-reduce of [CE sum, flag] over the world (float64, on the
+    model's device; not metered, like the loss's own) and one host read: the loss read the step
+    makes anyway, so agreeing on preemption costs no collective and no synchronisation."""
+    t = torch.zeros(2, dtype=torch.float64, device=loss_sum.device)
+    if strat.me["tp"] == 0:
+        t[0] = loss_sum.detach()
+    t[1] = float(flag)
+    with METER.paused():
+        dist.all_reduce(t)
+    ce, n = t.tolist()
+    return ce, n > 0
+
+
+def step_rows(strat: Compose4D, batch: Batch, rows=None, mb=None, stop=None, partial=None,
+              flag=lambda: False, cut=True):
     """Compose4D.step, resumable and cuttable. Over the global batch's rows `rows` (default: all
     of them, split into contiguous dp shares of --grad-accum micro-batches; else each dp rank
     takes its contiguous share of `rows` in micro-batches of at most `mb`). `stop(m) -> bool`,
     asked on every rank before forward m (pp.Pipeline.stop_check), may end the step once
-    micro-batches 0..m-1 are drained: the gradients are then reduced and kept, nothing is
+    micro-batches 0..m-1 are drained (`cut`: its answer agreed across ranks; else it is a local
+    callback that must return False): the gradients are then reduced and kept, nothing is
     updated, and the processed rows are returned, for a mid-step checkpoint. `partial`: a
-    restored mid-step gradient (sum over the rows already done) to start from.
-    Returns (global loss or None when cut, (processed rows, loss sum) or None)."""
+    restored mid-step gradient (sum over the rows already done) to start from. `flag()`: this
+    rank's preemption flag, read after the micro-batches and agreed with the loss.
+    Returns (global loss or None when cut, (processed rows, loss sum) or None, agreed flag)."""
     D, dp = strat.grid.size["dp"], strat.me["dp"]
     strat.optimizer.zero_grad(set_to_none=False)
     if partial is not None:
@@ -88,11 +111,11 @@ def step_rows(strat: Compose4D, batch: Batch, rows=None, mb=None, stop=None, par
     finally:
         strat.pipe.stop_check = None
     grads = strat.reduce_grads()
-    loss = strat.loss_once(loss_sum)
-    if stop is not None and strat.pipe.completed < M:      # cut: keep the gradients
-        return None, (processed(strat, batch, strat.pipe.completed), loss)
+    loss, stopping = loss_and_flag(strat, loss_sum, flag())
+    if cut and stop is not None and strat.pipe.completed < M:     # cut: keep the gradients
+        return None, (processed(strat, batch, strat.pipe.completed), loss), stopping
     strat.update(grads)
-    return loss / batch.n_tokens, None
+    return loss / batch.n_tokens, None, stopping
 
 
 def processed(strat: Compose4D, batch: Batch, k: int) -> list[int]:
@@ -178,7 +201,8 @@ def build(run: Run, cls):
 
 
 def run_train(run: Run, cls) -> bool:
-    """A logged training run with checkpoints; SIGTERM saves (mid-step when P = 1) and exits 0;
+    """A logged training run with checkpoints; SIGTERM saves at the end of the step in flight
+    (mid-step under --preempt-at micro-batch, 1F1B) and exits 0;
     with --elastic the batch is re-planned for the world size the run (re)starts on; --data
     trains on text, --eval-every evaluates on held-out documents, --prompt samples at the end."""
     args, env = run.args, run.env
@@ -226,15 +250,22 @@ def run_train(run: Run, cls) -> bool:
         if cut:      # finish the step a SIGTERM cut: the rows not done yet, from its gradients
             rows = [r for r in range(G) if r not in set(cut["rows_done"])]
             partial = full["grad"]
-        def stop(m, s=s):      # before forward m: micro-batch m - 1 is the last to finish
+        def sigterm_hook(m, s=s):   # before forward m: micro-batch m - 1 is the last done
             if args.test_sigterm_at == f"{s}:{m - 1}" and env.is_main:
                 # under torchrun the launcher passes it on to every rank; alone, to ourselves
                 os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(),
                         signal.SIGTERM)
-                pre.flag = True
+                pre.flag, pre.at = True, pre.at or time.time()
+        def stop(m):           # --preempt-at micro-batch: agree before every micro-batch
+            sigterm_hook(m)
             return pre.agreed(env.device)
-        mid_step = rows is None and args.save and args.schedule == "1f1b"   # (V = 1)
-        loss, stopped = step_rows(strat, batch, rows, mb, stop if mid_step else None, partial)
+        # The default (--preempt-at step) asks nothing per micro-batch: the flag is agreed with
+        # the step's loss and acted on after the update. Only the test hook looks in (locally).
+        mid_step = (args.preempt_at == "micro-batch" and rows is None and args.save
+                    and args.schedule == "1f1b")                          # (V = 1)
+        hook = stop if mid_step else (sigterm_hook if args.test_sigterm_at else None)
+        loss, stopped, stopping = step_rows(strat, batch, rows, mb, hook, partial,
+                                            flag=lambda: pre.flag, cut=mid_step)
         if stopped:                                  # SIGTERM inside the step: save mid-step
             done, loss_sum = stopped
             t1 = time.time()
@@ -267,11 +298,12 @@ def run_train(run: Run, cls) -> bool:
                       f"restarts {restarts}  [{s + 1}/{args.steps}, {dt:.0f}s]")
         run.results.setdefault("all_losses", []).append((s, loss))
         s += 1
-        if args.save and pre.agreed(env.device):     # SIGTERM between steps (or P > 1)
+        if args.save and stopping:     # SIGTERM seen by some rank before this step's loss
             t1 = time.time()
             d = save_checkpoint(strat, args.save, s, extra(offset))
-            run.print(f"SIGTERM: saved {d} at the step boundary in {time.time() - t1:.2f} s "
-                      f"(grace {args.grace_s:g} s)")
+            since = "" if pre.at is None else f", {t1 - pre.at:.2f} s after the signal"
+            run.print(f"SIGTERM: saved {d} at the end of step {s - 1} in "
+                      f"{time.time() - t1:.2f} s{since} (grace {args.grace_s:g} s)")
             break
         if args.save and args.save_every and s % args.save_every == 0 and s < end:
             save_checkpoint(strat, args.save, s, extra(offset))

@@ -120,15 +120,17 @@ def test_sigterm_mid_step_restarts_at_2_then_4_equal_uninterrupted(tmp_path, uni
     ck = tmp_path / "ck"
     train = _trainer(tmp_path, ck)
     full = uninterrupted
-    # W=4 (dp 4, micro-batch 1, accum 2): SIGTERM from the launcher after micro-batch 0 of step 1
-    r1, l1 = train(4, "a", "--test-sigterm-at", "1:0")
+    # W=4 (dp 4, micro-batch 1, accum 2): SIGTERM from the launcher after micro-batch 0 of step 1,
+    # cut there (--preempt-at micro-batch; the default finishes the step, see below)
+    r1, l1 = train(4, "a", "--test-sigterm-at", "1:0", "--preempt-at", "micro-batch")
     assert "SIGTERM: saved" in r1.stdout and "after 4 of 8 sequences of step 1" in r1.stdout, r1
     assert (ck / "latest").read_text() == "step-1"
     meta = json.loads((ck / "step-1" / "meta.json").read_text())
     assert meta["cut"]["rows_done"] == [0, 2, 4, 6] and meta["layout"]["dp"] == 4
     assert sorted(l1) == [0]
     # restart on 2 ranks: re-planned to accum 4, finishes step 1 from the saved gradients; cut again
-    r2, l2 = train(2, "b", "--resume", str(ck), "--test-sigterm-at", "3:1")
+    r2, l2 = train(2, "b", "--resume", str(ck), "--test-sigterm-at", "3:1",
+                   "--preempt-at", "micro-batch")
     assert "micro 1 accum 4 restarts 1" in r2.stdout and "step 3" in r2.stdout, r2
     # and back on 4
     r3, l3 = train(4, "c", "--resume", str(ck))
@@ -174,7 +176,8 @@ def test_sigterm_inside_a_pipeline_step_drains_and_resumes_exactly(tmp_path, uni
     ck = tmp_path / "ck"
     train = _trainer(tmp_path, ck, ["--pp", "2"])
     full = uninterrupted
-    r1, l1 = train(4, "a", "--test-sigterm-at", "2:0", "--nccl-semantics")
+    r1, l1 = train(4, "a", "--test-sigterm-at", "2:0", "--nccl-semantics",
+                   "--preempt-at", "micro-batch")
     assert "after 2 of 8 sequences of step 2" in r1.stdout, r1
     # the drain's agreement at the grid's cut: no cycle of waits under NCCL's rules
     assert r1.last_line.startswith("NCCL semantics: PASS ("), r1
@@ -184,3 +187,60 @@ def test_sigterm_inside_a_pipeline_step_drains_and_resumes_exactly(tmp_path, uni
     assert sorted(got) == list(range(6))
     for s in range(6):
         assert abs(got[s] - full[s]) <= 1e-9 * full[s], (s, got[s], full[s])
+
+
+@pytest.mark.slow
+def test_sigterm_mid_step_by_default_finishes_the_step_and_resumes_exactly(tmp_path,
+                                                                          uninterrupted):
+    """The default (--preempt-at step), pp 2 x dp 2: SIGTERM after micro-batch 0 of step 2; no
+    rank asks about it until the step's loss all-reduce, so step 2 runs to its end and is saved
+    there (no cut); resumed on 2 ranks, the curve equals the uninterrupted run."""
+    ck = tmp_path / "ck"
+    train = _trainer(tmp_path, ck, ["--pp", "2"])
+    full = uninterrupted
+    r1, l1 = train(4, "a", "--test-sigterm-at", "2:0", "--nccl-semantics")
+    assert "SIGTERM: saved" in r1.stdout and "step-3 at the end of step 2" in r1.stdout, r1
+    assert (ck / "latest").read_text() == "step-3"
+    meta = json.loads((ck / "step-3" / "meta.json").read_text())
+    assert "cut" not in meta and meta["samples"] == 24 and meta["layout"]["dp"] == 2
+    assert sorted(l1) == [0, 1, 2]
+    assert r1.last_line.startswith("NCCL semantics: PASS ("), r1
+    r2, l2 = train(2, "b", "--resume", str(ck))
+    assert "at step 3" in r2.stdout and "restarts 1" in r2.stdout, r2
+    got = {**l1, **l2}
+    assert sorted(got) == list(range(6))
+    for s in range(6):
+        assert abs(got[s] - full[s]) <= 1e-9 * full[s], (s, got[s], full[s])
+
+
+def test_save_costs_no_collective_or_host_read_per_micro_batch(tmp_path):
+    """The preemption check of --save, counted (tests/count_calls.py wraps every
+    torch.distributed call and Tensor.item/tolist, per step): pp 2, M = 4 micro-batches, with
+    and without --save. The default rides in the loss all-reduce: at most one extra small
+    collective per step (none, in fact) and not one extra host read. --preempt-at micro-batch
+    is the control that shows the counter sees the agreement: one all-reduce and one read before
+    each micro-batch after the first (M - 1 per step)."""
+    from conftest import launch
+    M, steps = 4, 5
+    base = ["--mode", "train", "--pp", "2", "--grad-accum", str(M), "--batch", "8",
+            "--steps", str(steps), "--log-every", "100"]
+
+    def calls(name, *extra):
+        out = tmp_path / name
+        r = launch("tests/count_calls.py", 2, *base, *extra, out=out)
+        assert r.rc == 0, r
+        return [json.loads((out / f"calls-rank{k}.json").read_text()) for k in range(2)]
+
+    plain = calls("plain")
+    saved = calls("save", "--save", tmp_path / "ck")
+    per_mb = calls("mb", "--save", tmp_path / "ck2", "--preempt-at", "micro-batch")
+    for rank in range(2):
+        assert len(plain[rank]) == steps
+        for s in range(1, steps):         # whole windows: the end of step s - 1 to that of s
+            p, q, m = plain[rank][s], saved[rank][s], per_mb[rank][s]
+            extra = {k: q.get(k, 0) - p.get(k, 0) for k in set(p) | set(q)}
+            coll = sum(v for k, v in extra.items() if not k.startswith("host:"))
+            reads = sum(v for k, v in extra.items() if k.startswith("host:"))
+            assert 0 <= coll <= 1 and reads == 0, (rank, s, p, q)
+            assert m.get("all_reduce", 0) - p.get("all_reduce", 0) == M - 1, (rank, s, p, m)
+            assert m.get("host:item", 0) - p.get("host:item", 0) == M - 1, (rank, s, p, m)

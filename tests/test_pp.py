@@ -396,8 +396,7 @@ def _split_backward_case(split: bool, count_flops=False):
 
 def test_split_backward_is_one_backward():
     """I + W gives the same gradients as B (two micro-batches accumulated, float64), in the same
-    FLOPs (no second traversal), leaves
-    plain leaf gradients (no graph), and frees every stashed input and output gradient after W."""
+    FLOPs (no second traversal), leaves plain leaf gradients (no graph), and frees every stashed input and output gradient after W."""
     ref, ref_flops, _ = _split_backward_case(False)
     got, flops, refs = _split_backward_case(True)
     assert set(got) == set(ref) and all(g is not None for g in got.values())
