@@ -2,10 +2,12 @@
 # make test   set up, then run the test suite but the heavy tests (CPU, gloo; CI runs this)
 # make quick  the quick subset of the tests (no setup, skips tests marked slow)
 # make test-all  everything, also the tests marked heavy (W=3 on the realistic checkpoint)
+# make bench  every strategy against PyTorch's own and the single device, timed interleaved:
+#             results/bench-cpu.json (W=2 and 4; about 40 minutes on 2 cores)
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: setup tour test test-all quick
+.PHONY: setup tour test test-all quick bench
 setup:
 	bash scripts/setup.sh
 
@@ -20,3 +22,6 @@ test-all: setup
 
 quick:
 	$(PYTHON) -m pytest -q -m "not slow and not heavy" tests
+
+bench: setup
+	$(PYTHON) scripts/bench.py

@@ -19,12 +19,13 @@ import torch
 import torch.distributed as dist
 
 from .memory import OOM_EXIT, SimulatedOOM, measure_memory, steady_peak
-from .meter import METER, RING_FACTOR
+from .meter import METER, RING_FACTOR, mark, seconds_between
 from .models import DTYPES, build_model
 from .report import jsonable, fmt_bytes, write_json
 from .run import Run, gather_objects, max_over_ranks, broadcast_verdict, make_pair
+from .overlap import plot as plot_overlap, profile_step
 from .strategy import natives, reference_class
-from .timing import timed_steps
+from .timing import sync, timed_steps
 
 
 def bench_strategy(run: Run, strat) -> dict:
@@ -40,6 +41,10 @@ def bench_strategy(run: Run, strat) -> dict:
     comm = METER.snapshot(per=args.bench_iters)
     raw_counts = {k: tuple(v) for k, v in METER.counts.items()}
     METER.reset()
+    # one more step under torch.profiler: the share of communication hidden behind compute
+    with METER.paused():
+        ov, spans = profile_step(strat, run.batch(args.warmup + args.bench_iters),
+                                 run.env.device)
     mem = measure_memory(run, strat)
     step_t, fwd_t = max_over_ranks(step_t), max_over_ranks(fwd_t)
     comm_sum = {}
@@ -53,7 +58,77 @@ def bench_strategy(run: Run, strat) -> dict:
                 # a key whose totals are not a multiple of the step count varied between steps
                 comm_varied=[k for k, (c, b) in raw_counts.items()
                              if c % args.bench_iters or b % args.bench_iters],
-                memory=gather_objects(mem))
+                memory=gather_objects(mem), overlap=gather_objects(ov), spans=spans)
+
+
+def overlap_share(r: dict) -> float | None:
+    """The hidden share over all ranks: hidden seconds / communication seconds, summed."""
+    comm = sum(o["comm_s"] for o in r["overlap"])
+    return sum(o["hidden_s"] for o in r["overlap"]) / comm if comm else None
+
+
+def _step_seconds(run: Run, strat, batch) -> float:
+    env = run.env
+    cuda = env.device.type == "cuda"
+    sync(env)
+    start = mark(cuda)
+    strat.step(batch)
+    end = mark(cuda)
+    sync(env)
+    return seconds_between(start, end)
+
+
+def paired_ratios(run: Run, cls, names: list) -> dict:
+    """Step-time ratios measured interleaved: ours and every baseline (and the single-device
+    reference, on rank 0 while the others wait) built side by side, then --paired rounds of one
+    step each, in turn, ranks aligned by a barrier before every step; a step's time is the max
+    over ranks. Returns {baseline name: sorted ours/theirs ratios, one per round}. Interleaving
+    shares every drift of the machine (other load, clocks, caches) between the two sides of each
+    ratio, where timing one implementation after the other does not."""
+    args, env = run.args, run.env
+
+    def barrier():
+        with METER.paused():
+            dist.barrier()
+    sides = [make_pair(run, c, perturb=False, with_ref=False)[1] for c in [cls] + natives(cls)]
+    ref = (reference_class(cls)(build_model(args, run.config, env.device), args, env)
+           if env.is_main else None)
+    for s in range(args.warmup):
+        for strat in sides:
+            strat.step(run.batch(s))
+        if ref is not None:
+            ref.step(run.batch(s))
+    times = [[] for _ in sides]
+    ref_times = []
+    with METER.paused():
+        for i in range(args.paired):
+            batch = run.batch(args.warmup + i)
+            for k, strat in enumerate(sides):
+                barrier()
+                times[k].append(_step_seconds(run, strat, batch))
+            barrier()
+            if ref is not None:
+                ref_times.append(_step_seconds(run, ref, batch))
+    ranks = gather_objects(times)
+    times = [[max(r[k][i] for r in ranks) for i in range(args.paired)] for k in range(len(sides))]
+    out = {n: sorted(o / t for o, t in zip(times[0], times[k + 1])) for k, n in enumerate(names)}
+    if env.is_main:
+        out["single device"] = sorted(o / t for o, t in zip(times[0], ref_times))
+    del sides, ref
+    return out
+
+
+def _no_spans(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k != "spans"}
+
+
+def quantile(xs: list, q: float) -> float:
+    """The q-quantile of sorted xs, linearly interpolated."""
+    if len(xs) == 1:
+        return xs[0]
+    at = q * (len(xs) - 1)
+    i = min(int(at), len(xs) - 2)
+    return xs[i] + (xs[i + 1] - xs[i]) * (at - i)
 
 
 def run_benchmark(run: Run, cls) -> bool:
@@ -73,6 +148,7 @@ def run_benchmark(run: Run, cls) -> bool:
         _, nat, _ = make_pair(run, ncls, perturb=False, with_ref=False)
         native.append((nat.name, bench_strategy(run, nat)))
         del nat
+    paired = paired_ratios(run, cls, [n for n, _ in native]) if args.paired else {}
     # The single-device reference, alone on rank 0 with one rank's share of the machine.
     ref = None
     if env.is_main:
@@ -84,7 +160,7 @@ def run_benchmark(run: Run, cls) -> bool:
     ok = True
     if env.is_main:
         ok = _report_benchmark(run, name, cls, n_params, ours, native, ref, expected, setup,
-                               formula, lines)
+                               formula, lines, paired)
     return broadcast_verdict(ok)
 
 
@@ -97,7 +173,7 @@ def _bench_single(run: Run, strat) -> dict:
 
 
 def _report_benchmark(run, name, cls, n_params, ours, native, ref, expected, setup, formula,
-                      lines) -> bool:
+                      lines, paired) -> bool:
     args, env = run.args, run.env
     elem = torch.tensor([], dtype=DTYPES[args.dtype]).element_size()
     run.print(f"parameters: {n_params:,} ({fmt_bytes(n_params * elem)} in {args.dtype}); "
@@ -113,7 +189,29 @@ def _report_benchmark(run, name, cls, n_params, ours, native, ref, expected, set
                   f"{r['tokens_per_s']:>12.0f}{fmt_bytes(peak):>12}"
                   f"{r['step_s'] / ref['step_s']:>12.2f}x")
     if native:
-        run.print(f"step time ours / {native[0][0]}: {ours['step_s'] / native[0][1]['step_s']:.3f}")
+        run.print(f"step time ours / {native[0][0]}: {ours['step_s'] / native[0][1]['step_s']:.3f}"
+                  + ("" if paired else " (timed one after the other: --paired N interleaves)"))
+    ratios = {}
+    for base, xs in paired.items():
+        ratios[base] = dict(median=quantile(xs, 0.5), p10=quantile(xs, 0.1),
+                            p90=quantile(xs, 0.9), n=len(xs))
+        run.print(f"step time ours / {base}, {len(xs)} interleaved pairs: median "
+                  f"{ratios[base]['median']:.3f} (p10 {ratios[base]['p10']:.3f}, "
+                  f"p90 {ratios[base]['p90']:.3f})")
+    for label, r in rows[1:]:
+        share = overlap_share(r)
+        o = r["overlap"][0]
+        run.print(f"overlap {label}: " + ("no communication in the step" if share is None else
+                  f"{share:.0%} of communication time hidden behind compute (all ranks; rank 0: "
+                  f"comm {o['comm_s'] * 1e3:.1f} ms, exposed {o['exposed_s'] * 1e3:.1f} ms; "
+                  f"one profiled step)"))
+    if args.out:
+        path = plot_overlap([(label.split()[0], r["spans"]) for label, r in rows[1:]],
+                            os.path.join(args.out, "overlap.png"),
+                            f"{name} W={env.world} {args.dtype}: rank 0's step, communication "
+                            f"vs compute")
+        if path:
+            run.print(f"overlap timeline: {path}")
     run.print(f"memory per rank ({ours['memory'][0]['peak_source']}):")
     run.print(f"  {'rank':<14}{'params':>12}{'grads':>12}{'optimizer':>12}{'states':>12}"
               f"{'activations':>13}{'peak':>12}")
@@ -158,10 +256,11 @@ def _report_benchmark(run, name, cls, n_params, ours, native, ref, expected, set
     run.results["benchmark"] = dict(
         strategy=name, world=W, dtype=args.dtype, device=env.device.type,
         model=args.model, batch=args.batch, length=args.length, params=n_params,
-        ours=jsonable(ours), native={n: jsonable(r) for n, r in native},
+        ours=jsonable(_no_spans(ours)), native={n: jsonable(_no_spans(r)) for n, r in native},
         reference=jsonable(ref),
         expected=[e.__dict__ for e in expected], setup=jsonable({"comm": setup})["comm"],
-        memory_formula=formula, comm_ok=comm_ok, group_sizes=dict(METER.sizes))
+        memory_formula=formula, comm_ok=comm_ok, group_sizes=dict(METER.sizes),
+        overlap_share=overlap_share(ours), paired=ratios)
     write_json(run, "benchmark.json", run.results["benchmark"])
     run.print(("PASS " if comm_ok else "FAIL ") + f"{name} W={W} benchmark: "
               f"{ours['tokens_per_s']:.0f} tokens/s, communication "

@@ -1,0 +1,120 @@
+"""bench.py: every strategy against PyTorch's own implementation and the single-device reference,
+timed interleaved, into results/bench-cpu.json (`make bench`).
+
+    python scripts/bench.py                        # every row, W=2 and 4 (~40 minutes on 2 cores)
+    python scripts/bench.py --world 2 --only ddp,zero-1 --pairs 4 --out /tmp/b.json
+
+One `torchrun --nproc_per_node=W <strategy>.py --mode benchmark --compare-native --paired N` per
+(strategy, W): ours, each of its baselines and the single-device reference are built side by side
+and step in turn, one step each, N rounds (harness/benchmark.py: paired_ratios), so each round's
+ratio ours/theirs shares the machine's state of that moment. Written per (strategy, baseline, W):
+
+    {"strategy", "baseline", "world", "dtype", "ratio_median", "ratio_p10", "ratio_p90",
+     "overlap_share", "pairs", "model", "machine"}
+
+overlap_share is ours, from one profiled step (harness/overlap.py); null when the step has no
+communication. The baselines (each strategy's `native`): ddp.py torch DDP; zero.py (stages 1, 2)
+ZeroRedundancyOptimizer over torch DDP; fsdp.py FSDP2 (`fully_shard`) and our DDP; tp.py DTensor
+TP; pp.py torch.distributed.pipelining where its schedules run; the others only the reference.
+"""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (label, script, extra arguments)
+ROWS = [
+    ("ddp", "ddp.py", []),
+    ("zero-1", "zero.py", ["--stage", "1"]),
+    ("zero-2", "zero.py", ["--stage", "2"]),
+    ("zero-3", "zero.py", ["--stage", "3"]),
+    ("fsdp", "fsdp.py", []),
+    ("tp", "tp.py", []),
+    ("sp megatron", "sp.py", ["--variant", "megatron"]),
+    ("sp ulysses", "sp.py", ["--variant", "ulysses"]),
+    ("cp zigzag", "cp_ring.py", ["--variant", "zigzag"]),
+    ("pp 1f1b", "pp.py", ["--schedule", "1f1b", "--microbatches", "8"]),
+    ("pp zb", "pp.py", ["--schedule", "zb", "--microbatches", "8"]),
+]
+BENCH = ["--mode", "benchmark", "--compare-native", "--dtype", "float32", "--batch", "8",
+         "--length", "128", "--warmup", "2", "--bench-iters", "2"]
+
+
+def machine() -> str:
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores, gloo"
+
+
+def run_one(label, script, extra, world, pairs, model, verbose=False) -> list[dict]:
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={world}", os.path.join(HERE, script), *BENCH, "--model", model,
+               "--paired", str(pairs), "--out", out, *extra]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE, env=env)
+        if verbose or p.returncode:
+            print(p.stdout[-4000:], p.stderr[-2000:] if p.returncode else "", flush=True)
+        if p.returncode:
+            raise SystemExit(f"bench: {label} at W={world} failed (exit {p.returncode})")
+        with open(os.path.join(out, "benchmark.json")) as f:
+            b = json.load(f)
+    rows = []
+    for base, r in b["paired"].items():
+        rows.append(dict(strategy=label, baseline=base, world=world, dtype=b["dtype"],
+                         ratio_median=round(r["median"], 4), ratio_p10=round(r["p10"], 4),
+                         ratio_p90=round(r["p90"], 4),
+                         overlap_share=(None if b["overlap_share"] is None
+                                        else round(b["overlap_share"], 4)),
+                         pairs=r["n"], model=b["model"], machine=machine()))
+    return rows
+
+
+def table(rows) -> str:
+    lines = ["| strategy | baseline | W | ours/theirs median (p10-p90) | overlap share (ours) |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        ov = "-" if r["overlap_share"] is None else f"{r['overlap_share']:.0%}"
+        lines.append(f"| {r['strategy']} | {r['baseline']} | {r['world']} | "
+                     f"{r['ratio_median']:.2f} ({r['ratio_p10']:.2f}-{r['ratio_p90']:.2f}) | "
+                     f"{ov} |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", default="2,4", help="world sizes, comma-separated")
+    p.add_argument("--only", default=None, help="labels to run, comma-separated (default all)")
+    p.add_argument("--pairs", type=int, default=8, help="interleaved rounds per run")
+    p.add_argument("--model", default="small")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "bench-cpu.json"))
+    p.add_argument("--verbose", action="store_true")
+    a = p.parse_args()
+    only = None if a.only is None else set(a.only.split(","))
+    unknown = (only or set()) - {label for label, _, _ in ROWS}
+    if unknown:
+        print(f"error: unknown --only labels {sorted(unknown)}; known: "
+              f"{', '.join(label for label, _, _ in ROWS)}", file=sys.stderr)
+        sys.exit(2)
+    rows = []
+    for world in [int(w) for w in a.world.split(",")]:
+        for label, script, extra in ROWS:
+            if only is None or label in only:
+                got = run_one(label, script, extra, world, a.pairs, a.model, a.verbose)
+                for r in got:
+                    print(f"{label:<12} W={world} vs {r['baseline']:<16} median "
+                          f"{r['ratio_median']:.3f} (p10 {r['ratio_p10']:.3f}, p90 "
+                          f"{r['ratio_p90']:.3f})  overlap {r['overlap_share']}", flush=True)
+                rows += got
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(table(rows))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
