@@ -1477,5 +1477,30 @@ class ZeRO(Strategy):
                 "model_states": params + grads + opt}
 
 
+class TorchZeRO1(ddp.TorchDDP):
+    """Baseline: PyTorch's own ZeRO-1, torch.distributed.optim.ZeroRedundancyOptimizer (AdamW
+    state sharded by whole parameters, each rank updating its own and broadcasting them) over
+    torch DDP's gradient all-reduce, on the same data and loss scaling (--compare-native)."""
+    name = "torch-zero1"
+    constraints = staticmethod(zero_constraints)
+
+    def __init__(self, model, args, env):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        super().__init__(model, args, env)
+        ref = self.optimizer   # make_adamw's hyper-parameters, the reference's
+        g = ref.param_groups[0]
+        self.optimizer = ZeroRedundancyOptimizer(
+            list(model.parameters()), optimizer_class=torch.optim.AdamW, lr=g["lr"],
+            weight_decay=g["weight_decay"], betas=g["betas"], eps=g["eps"])
+
+    def model_states(self):
+        local = [v for s in self.optimizer.optim.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return {"params": list(self.model.parameters()),
+                "grads": [p.grad for p in self.model.parameters()], "optimizer": local}
+
+
+ZeRO.native = TorchZeRO1
+
 if __name__ == "__main__":
     main(ZeRO)
