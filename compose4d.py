@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from harness import (DTYPES, METER, Batch, Expect, Plant, Reference, Strategy, all_reduce_flat,
-                     global_loss, main, name_group, phase, scalar, spread_across_ranks)
+                     clip_by_norm, global_loss, main, name_group, phase, spread_across_ranks)
 from harness.flops import mfu_line
 from harness.precision import grad_reduce_dtype
 from harness import loading, train_data
@@ -515,13 +515,7 @@ class Compose4D(Strategy):
                 sq += gr[a:b].double().pow(2).sum()
         over_shards_only = self.args.plant_bug == "clip-norm-misses-pp"
         dist.all_reduce(sq, group=self.groups["dpcp"] if over_shards_only else None)
-        norm = scalar(sq.sqrt())
-        if max_norm > 0:
-            coef = min(1.0, max_norm / (norm + 1e-6))
-            if coef < 1.0:
-                for gr in grads:
-                    gr.mul_(coef)
-        return norm
+        return clip_by_norm(sq, grads, max_norm)
 
     # -- full tensors (collective) --
     def _full(self, stage_tensors: dict) -> dict[str, torch.Tensor]:

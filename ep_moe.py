@@ -90,8 +90,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from harness import (Batch, Expect, Plant, Reference, Strategy, global_loss, lm_loss_sum, main,
-                     make_adamw, METER, name_group, phase, spread_across_ranks)
+from harness import (Batch, Expect, Plant, Reference, Strategy, clip_by_norm, global_loss,
+                     lm_loss_sum, main, make_adamw, METER, name_group, phase, spread_across_ranks)
 from harness.precision import grad_reduce_dtype
 from ddp import DataParallel
 from ep_stats import RoutingStats
@@ -674,11 +674,8 @@ class ExpertParallel(Strategy):
         sq_dense = sum(g.double().pow(2).sum() for g in dense)
         sq_exp = sum(p.grad.double().pow(2).sum() for p in self.expert_params).reshape(1)
         dist.all_reduce(sq_exp, group=self.group)
-        norm = (sq_dense + sq_exp[0]).sqrt()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for g in dense + [p.grad for p in self.expert_params]:
-            g.mul_(coef.to(g.dtype))
-        return norm
+        return clip_by_norm(sq_dense + sq_exp[0], dense + [p.grad for p in self.expert_params],
+                            max_norm)
 
     # ---- reassembly ------------------------------------------------------------------------
     def _gather_experts(self, tensors: dict) -> dict:

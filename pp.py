@@ -81,8 +81,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness import (Batch, Expect, Plant, Strategy, DTYPES, global_loss, lm_loss_sum, main,
-                     make_adamw, METER, name_group, phase)
+from harness import (Batch, Expect, Plant, Strategy, DTYPES, clip_by_norm, global_loss,
+                     lm_loss_sum, main, make_adamw, METER, name_group, phase)
 from harness.timing import ActionTimeline
 
 COST = {"F": 1, "B": 2, "I": 1, "W": 1}
@@ -915,13 +915,7 @@ def clip_across_stages(model, max_norm, pipe):
         if p.grad is not None and not (skip_copy and n == "lm_head.weight"):
             sq += p.grad.double().pow(2).sum()
     dist.all_reduce(sq, group=pipe.group)
-    norm = sq.sqrt().item()
-    coef = min(1.0, max_norm / (norm + 1e-6))
-    if coef < 1.0:
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef)
-    return norm
+    return clip_by_norm(sq, [p.grad for p in model.parameters() if p.grad is not None], max_norm)
 
 
 def ascii_timeline(timelines, end, width=72) -> list[str]:

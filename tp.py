@@ -49,7 +49,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from harness import (Batch, DTensorBaseline, Expect, Plant, Reference, Strategy, all_reduce_flat,
-                     DTYPES, IGNORE_INDEX, main, make_adamw, phase, scalar, spread_across_ranks)
+                     DTYPES, IGNORE_INDEX, clip_by_norm, main, make_adamw, phase, scalar,
+                     spread_across_ranks)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -415,13 +416,9 @@ class TensorParallel:
                     target, sq = sharded, sq / self.kv_copies
                 target += sq
         dist.all_reduce(sharded, group=self.group)
-        norm = (sharded + replicated).sqrt().item()
-        coef = min(1.0, max_norm / (norm + 1e-6))
-        if coef < 1.0:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
+        return clip_by_norm(sharded + replicated,
+                            [p.grad for p in self.model.parameters() if p.grad is not None],
+                            max_norm)
 
     def device(self):
         return next(self.model.parameters()).device

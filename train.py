@@ -63,19 +63,24 @@ class Preemption:
         return bool(t.item())
 
 
-def loss_and_flag(strat: Compose4D, loss_sum: torch.Tensor, flag: bool) -> tuple[float, bool]:
-    """The step's global CE sum (counted once over tp, as Compose4D.loss_once) and whether any
-    rank has seen SIGTERM, from one all-reduce of [CE sum, flag] over the world (float64, on the
-    model's device; not metered, like the loss's own) and one host read: the loss read the step
-    makes anyway, so agreeing on preemption costs no collective and no synchronisation."""
-    t = torch.zeros(2, dtype=torch.float64, device=loss_sum.device)
+def loss_and_flag(strat: Compose4D, loss_sum: torch.Tensor, flag: bool,
+                  norm=None) -> tuple[float, bool, float | None]:
+    """The step's global CE sum (counted once over tp, as Compose4D.loss_once), whether any
+    rank has seen SIGTERM, and the gradient norm (a device scalar, the same on every rank) as a
+    float, from one all-reduce of [CE sum, flag, norm on rank 0] over the world (float64, on
+    the model's device; not metered, like the loss's own) and one host read: the loss read the
+    step makes anyway, so agreeing on preemption and logging the norm cost no collective and no
+    synchronisation of their own."""
+    t = torch.zeros(3, dtype=torch.float64, device=loss_sum.device)
     if strat.me["tp"] == 0:
         t[0] = loss_sum.detach()
     t[1] = float(flag)
+    if norm is not None and dist.get_rank() == 0:
+        t[2] = norm
     with METER.paused():
         dist.all_reduce(t)
-    ce, n = t.tolist()
-    return ce, n > 0
+    ce, n, g = t.tolist()
+    return ce, n > 0, (g if norm is not None else None)
 
 
 def step_rows(strat: Compose4D, batch: Batch, rows=None, mb=None, stop=None, partial=None,
@@ -111,10 +116,12 @@ def step_rows(strat: Compose4D, batch: Batch, rows=None, mb=None, stop=None, par
     finally:
         strat.pipe.stop_check = None
     grads = strat.reduce_grads()
-    loss, stopping = loss_and_flag(strat, loss_sum, flag())
     if cut and stop is not None and strat.pipe.completed < M:     # cut: keep the gradients
+        loss, stopping, _ = loss_and_flag(strat, loss_sum, flag())
         return None, (processed(strat, batch, strat.pipe.completed), loss), stopping
-    strat.update(grads)
+    strat.update(grads)    # (clipped on the device: the norm is not read inside the step)
+    # the step's one host read: its loss, the preemption flag and the gradient norm together
+    loss, stopping, strat.last_norm = loss_and_flag(strat, loss_sum, flag(), strat.last_norm)
     return loss / batch.n_tokens, None, stopping
 
 

@@ -90,8 +90,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from harness import (METER, Batch, Expect, Plant, Reference, Strategy, global_loss,
-                     lm_loss_sum, main, name_group, phase)
+from harness import (METER, Batch, Expect, Plant, Reference, Strategy, clip_by_norm,
+                     global_loss, lm_loss_sum, main, name_group, phase)
 from harness.models import build_model
 from harness.precision import LOW_PRECISION, grad_reduce_dtype
 import ddp
@@ -235,19 +235,15 @@ class FlatUnit:
 # Clipping on flat shards
 # ----------------------------------------------------------------------------------------------
 def clip_shard_grads(grads: list[torch.Tensor], max_norm: float, group=None,
-                     plant: str | None = None) -> float:
-    """Global-norm clipping from shard norms: one scalar all_reduce. Padding is zero."""
+                     plant: str | None = None) -> torch.Tensor:
+    """Global-norm clipping from shard norms: one scalar all_reduce, no host read (the norm is
+    returned as a device scalar). Padding is zero."""
     sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device)
     for g in grads:
         sq += g.double().pow(2).sum()
     if plant != "clip-local-norm":   # the bug: each rank clips by its own shard's norm
         dist.all_reduce(sq, group=group)
-    norm = sq.sqrt().item()
-    coef = min(1.0, max_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s formula
-    if coef < 1.0:
-        for g in grads:
-            g.mul_(coef)
-    return norm
+    return clip_by_norm(sq, grads, max_norm)   # torch.nn.utils.clip_grad_norm_'s formula
 
 
 # ----------------------------------------------------------------------------------------------

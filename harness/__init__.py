@@ -62,7 +62,8 @@ from .models import (DTYPES, PRESETS, ConfigError, build_model, common_constrain
 from .precision import MasterAdamW  # noqa: F401
 from .run import Run  # noqa: F401
 from .strategy import (HARNESS_PLANTS, DTensorBaseline, Plant, Reference,  # noqa: F401
-                       Strategy, all_reduce_flat, full_tensor, make_adamw, spread_across_ranks)
+                       Strategy, all_reduce_flat, clip_by_norm, full_tensor, make_adamw,
+                       spread_across_ranks)
 
 # recompute.py's names load on first use (PEP 562), so that `python -m harness.recompute` does not
 # find its own module imported by the package already (runpy's RuntimeWarning)

@@ -167,6 +167,20 @@ def all_reduce_flat(tensors: list[torch.Tensor], group=None):
         off += t.numel()
 
 
+def clip_by_norm(sq: torch.Tensor, grads, max_norm: float) -> torch.Tensor:
+    """Global-norm clipping without a host read: `sq` is the reduced squared global norm (a
+    device scalar); every gradient in `grads` is scaled by torch.nn.utils.clip_grad_norm_'s
+    coefficient min(1, max_norm / (norm + 1e-6)), computed and applied on the device (a
+    coefficient of 1 multiplies by one, as torch does), so the step need not wait for the norm.
+    max_norm <= 0: no clipping. Returns the norm, a 0-d tensor (read it when logging)."""
+    norm = sq.sqrt().reshape(())
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+    return norm
+
+
 def spread_across_ranks(tensors, group=None) -> float:
     """Max over tensors of (max - min across ranks) of each tensor's sum: 0.0 when every rank
     holds identical replicas (a checksum, for extra_checks; not metered)."""

@@ -363,3 +363,24 @@ def test_permuted_reference_is_the_same_function_in_another_order():
     match = lambda n: next((d for s, d in PermutedReference.RULES if n.endswith(s)), None)  # noqa
     assert match("model.layers.0.self_attn.q_norm.weight") is None
     assert match("model.layers.0.input_layernorm.weight") == ("h",)
+
+
+def test_clipping_reads_nothing_from_the_device(group):
+    """Global-norm clipping (harness.clip_by_norm, zero's shard clipping that all the sharded
+    strategies share the shape of) scales on the device: no item()/tolist()/float() of the norm
+    inside the step, and the same result as torch.nn.utils.clip_grad_norm_, clipped or not."""
+    from test_ep_moe import HostReads
+    import zero
+    for max_norm in (1.0, 1e9):
+        torch.manual_seed(0)
+        grads = [torch.randn(5, 3, dtype=torch.float64) * 10 for _ in range(3)]
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        want = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        with HostReads(files=("strategy.py", "zero.py")) as reads:
+            norm = zero.clip_shard_grads(grads, max_norm)
+        assert reads.calls == [], reads.calls
+        assert isinstance(norm, torch.Tensor) and torch.allclose(norm, want, rtol=1e-14)
+        for p, g in zip(params, grads):
+            assert torch.allclose(p.grad, g, rtol=1e-14, atol=0)
