@@ -125,7 +125,7 @@ class NoisePolicy:
     def describe(self) -> str:
         src = (f"single-device {self.noise_dtype} vs float64"
                + (f" x eps ratio {self.scale:.1e}, and float64 on a permuted model"
-                  if self.scale != 1 else ""))
+                  if self.scale != 1 else f", and {self.dtype} on a permuted model"))
         return (f"err <= {self.k:g} x noise + {self.floor_ulps:g} ulp, params "
                 f"{self.factor('param'):g} x + {PARAM_LR_FLOOR * min(1, EPS[self.dtype] / ADAM_EPS):.0e}"
                 f" lr/step ({src})")
@@ -259,8 +259,8 @@ class NoiseSource:
 
 
 class PermutedReference:
-    """The float64 reference on an exactly equivalent model, a direct sample of float64's own
-    noise on this machine. Hidden units, MLP units and kv-head groups (each with its query
+    """The reference (float64, or the run's low dtype) on an exactly equivalent model, a direct
+    sample of that dtype's own noise on this machine. Hidden units, MLP units and kv-head groups (each with its query
     heads) are permuted, and so are the batch's sequences: the same function, computed with a
     different summation order in every matmul (over the hidden size, the heads, the MLP width
     and the tokens), as a parallel strategy reorders them. `full_grads` / `full_params` map
@@ -291,8 +291,8 @@ class PermutedReference:
         self.model = ref.model
 
     @classmethod
-    def build(cls, run: Run, strategy_cls):
-        ref = reference_in(run, strategy_cls, "float64")
+    def build(cls, run: Run, strategy_cls, dtype: str = "float64"):
+        ref = reference_in(run, strategy_cls, dtype)
         cfg = run.config
         if type(ref).objective is not Reference.objective:
             return None   # an objective beyond the LM loss (MoE): its terms are not mapped
@@ -348,7 +348,11 @@ class PermutedReference:
 
 
 def noise_sources(run: Run, cls, ref, policy) -> tuple:
-    """(target, [NoiseSource]) on rank 0. float32/bfloat16 runs: the reference in that dtype.
+    """(target, [NoiseSource]) on rank 0. float32/bfloat16 runs: the reference in that dtype,
+    and the same on a permuted model (PermutedReference in that dtype): one sample of a single
+    summation order can land far closer to the target than another (on an AMD EPYC with AVX512,
+    the realistic checkpoint's float32 o_proj gradient: 1.0e-6 in the reference's order, 7.8e-6
+    in the permuted one, where a correct TP run measured 1.8e-5 and FAILed on the first alone).
     float64 runs: the float32 reference, its error scaled by eps64/eps32 (rounding propagates
     linearly in the unit roundoff: forward, backward, everything). What scaling cannot carry,
     Adam's update error on entries whose gradient is near its eps (a float32 parameter's error
@@ -362,7 +366,9 @@ def noise_sources(run: Run, cls, ref, policy) -> tuple:
     extra = [NoiseSource(m, 1.0, getattr(m, "lr_flip", 0.0))   # rounding on purpose
              for m in lossy]
     if policy.dtype != "float64":
-        return reference_in(run, cls, "float64"), [NoiseSource(ref, 1.0)] + extra
+        permuted = PermutedReference.build(run, cls, policy.dtype)
+        return reference_in(run, cls, "float64"), [NoiseSource(ref, 1.0)] + (
+            [] if permuted is None else [NoiseSource(permuted, 1.0)]) + extra
     sources = [NoiseSource(reference_in(run, cls, policy.noise_dtype), policy.scale)]
     permuted = PermutedReference.build(run, cls)
     if permuted is not None:   # float64's own noise, measured (PermutedReference)

@@ -180,6 +180,10 @@ def recompute_what(model) -> str:
     return "none"
 
 
+CACHE_KWARGS = ("past_key_values", "cache")   # the layer's KV-cache argument: transformers
+# 5.24 renamed past_key_values to cache (and still accepts the old name with a warning)
+
+
 def _checkpointed(forward, *args, **kwargs):
     """A decoder layer's forward that keeps only its inputs (the hooks on the layer itself,
     e.g. FSDP's gathers, stay outside and run once). A KV cache is not passed on: each
@@ -188,8 +192,9 @@ def _checkpointed(forward, *args, **kwargs):
     generation) the layer runs as it is, cache included."""
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    if kwargs.get("past_key_values") is not None:
-        kwargs = dict(kwargs, past_key_values=None, use_cache=False)
+    for key in CACHE_KWARGS:
+        if kwargs.get(key) is not None:
+            kwargs = dict(kwargs, **{key: None}, use_cache=False)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 

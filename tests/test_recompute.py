@@ -45,6 +45,11 @@ def test_gradients_do_not_change(attn, mode):
     assert_same_grads(got, ref)
 
 
+def kv_cache(out):
+    """The output's KV cache: `cache` from transformers 5.24, `past_key_values` before."""
+    return out["cache"] if "cache" in out else out.past_key_values
+
+
 def test_full_leaves_a_kv_cache_alone():
     """A forward with use_cache=True (HF's default config): the recomputation must not append
     to the cache again; the config is not edited (an exported model keeps use_cache)."""
@@ -56,11 +61,11 @@ def test_full_leaves_a_kv_cache_alone():
     loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1),
                                              IDS[:, 1:].flatten())
     loss.backward()
-    assert out.past_key_values.get_seq_length() == 0      # not filled twice (48 + 48)
+    assert kv_cache(out).get_seq_length() == 0      # not filled twice (48 + 48)
     assert torch.equal(loss.detach(), ref_loss)
     assert_same_grads({n: p.grad for n, p in m.named_parameters()}, ref)
     with torch.no_grad():      # evaluation / generation: the layers run as they are, cached
-        assert m(input_ids=IDS, use_cache=True).past_key_values.get_seq_length() == 48
+        assert kv_cache(m(input_ids=IDS, use_cache=True)).get_seq_length() == 48
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
