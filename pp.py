@@ -71,6 +71,15 @@ between two ranks (P*V - 1 of them; DualPipeV 2P - 2) carries M activations forw
 gradients back, each mb*S*H*b, plus one all_reduce of the tied embedding gradient when tied
 and the ends are on two ranks.
 
+Baseline (--compare-native): TorchPipelining runs torch.distributed.pipelining on the same cut,
+micro-batches and loss scaling: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B, interleaved ->
+ScheduleInterleaved1F1B (looped placement, as ours), zb -> ScheduleInterleavedZeroBubble with one
+stage per rank (torch's ZB1P, which at V = 1 is ZB-H1 action for action), dualpipev ->
+ScheduleDualPipeV (its "v" placement is our V). Each chunk is a PipelineStage over a TorchChunk
+(Pipeline.run_chunk); torch knows nothing of tied embeddings, so their gradient is summed over
+the tie group after schedule.step(). torch's ScheduleZBVZeroBubble (ZB-V: the V placement, two
+stages per rank) has no counterpart here.
+
 Public API
     pipe = Pipeline(model, P, V, rank, schedule, group=None, tie_group=None)   this rank's
         stage(s) of an HF Llama-family model (the other layers dropped) and the executor:
@@ -458,7 +467,7 @@ class Pipeline:
     around them), so a caller may wrap them: the benchmark times them that way (PP below)."""
 
     def __init__(self, model, P: int, V: int, rank: int, schedule_name: str, group=None,
-                 tie_group=None):
+                 tie_group=None, split_backward: bool | None = None):
         V = chunks_per_rank(schedule_name, V)
         self.model, self.P, self.V, self.rank, self.group = model, P, V, rank, group
         self.schedule_name, self.C = schedule_name, P * V
@@ -494,7 +503,8 @@ class Pipeline:
         # the split backward: I computes the input's and the small parameters' gradients, W the
         # linear layers' from their stashed (input, output gradient) pairs
         self.wgrad = WeightGradStore()
-        self.split = schedule_name in ("zb", "dualpipev")
+        self.split = (schedule_name in ("zb", "dualpipev") if split_backward is None
+                      else split_backward)   # (False: the cut only, torch's pipelining runs it)
         self.small_params = {}
         if self.split:
             for c in self.mine:
@@ -805,7 +815,8 @@ class PP(Strategy):
         p.add_argument("--virtual-stages", type=int, default=2,
                        help="V, chunks per rank for --schedule interleaved")
 
-    constraints = staticmethod(pp_constraints)
+    constraints = staticmethod(lambda a, w, c: pp_constraints(a, w, c) + (   # (+ the baseline's)
+        torch_pp_constraints(a, w, c) if getattr(a, "compare_native", False) else []))
 
     def __init__(self, model, args, env):
         self.args, self.env = args, env
@@ -956,6 +967,112 @@ def plot_timeline(timelines, end, path, title):
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
+
+# ----------------------------------------------------------------------------------------------
+# Baseline: PyTorch's own pipelining (--compare-native)
+# ----------------------------------------------------------------------------------------------
+# Our schedule -> torch.distributed.pipelining's class that runs the same actions in the same
+# order (tests/test_pp.py::test_schedules_are_torchs_own checks the IR): ZB-H1 is torch's ZB1P
+# (ScheduleInterleavedZeroBubble) with one stage per rank; DualPipeV places its 2P stages as
+# our V ("v" style: stage s on rank s, or 2P-1-s).
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                   "interleaved": "ScheduleInterleaved1F1B",
+                   "zb": "ScheduleInterleavedZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+
+
+def torch_pp_constraints(args, world, config) -> list[str]:
+    """What torch's schedule class refuses beyond ours (checked with --compare-native only)."""
+    P, M = world, args.microbatches
+    if args.schedule == "1f1b" and M < P:
+        return [f"--compare-native: torch's Schedule1F1B needs --microbatches ({M}) >= the "
+                f"number of stages ({P})"]
+    if args.schedule == "zb" and M % max(1, M // P):
+        return [f"--compare-native: torch's ScheduleInterleavedZeroBubble needs --microbatches "
+                f"({M}) to be a multiple of its number of rounds max(1, M // P) = {M // P}"]
+    return []
+
+
+class TorchChunk(nn.Module):
+    """One chunk of the cut model as torch's PipelineStage wants it: a module that owns exactly
+    the chunk's parameters (its layers, plus the embeddings on the first chunk, the final norm
+    and head on the last) and maps token ids or hidden states to hidden states or logits, the
+    rotary embeddings computed inside (Pipeline.run_chunk, the same code ours runs)."""
+
+    def __init__(self, pipe: "Pipeline", c: int):
+        super().__init__()
+        self.parts = nn.ModuleList(pipe.modules_of(c))   # (registered: parameters() is the chunk's)
+        self.pipe, self.c = pipe, c                       # (a plain object, not a submodule)
+
+    def forward(self, x):
+        with phase("forward"):
+            return self.pipe.run_chunk(self.c, x, x.shape[1])
+
+
+class TorchPipelining(Strategy):
+    """Baseline: torch.distributed.pipelining running the schedule of --schedule on the same
+    cut (Pipeline's balanced split, chunk c on chunk_owner(c): looped, or the V), the same
+    micro-batches (torch splits the batch along dim 0 as Batch.split does) and the same loss
+    scaling: each micro-batch's CE sum over the global token count, with scale_grads=False, so
+    the gradients summed over micro-batches are the reference's mean. Tied embeddings: the two
+    ends' gradients are summed over the tie group after schedule.step() (Pipeline.sync_tied),
+    torch's schedules knowing nothing of ties; DualPipeV with ties holds both ends on rank 0, two
+    stages sharing one tensor. full_grads / full_params / clipping are PP's."""
+    name = "torch-pp"
+    constraints = staticmethod(pp_constraints)
+
+    def __init__(self, model, args, env):
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining import schedules as torch_schedules
+        self.args, self.env, self.model = args, env, model
+        name = args.schedule
+        self.name = f"torch-pp-{name}"
+        P, V = env.world, chunks_per_rank(name, args.virtual_stages)
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        ends = {chunk_owner(name, 0, P), chunk_owner(name, P * V - 1, P)}
+        tie = name_group(dist.new_group(sorted(ends)), "tied") if tied and len(ends) > 1 else None
+        # the cut only: torch splits the backward of its zero-bubble schedules itself
+        self.pipe = Pipeline(model, P, V, env.rank, name, tie_group=tie, split_backward=False)
+        self.stages = [PipelineStage(TorchChunk(self.pipe, c), c, self.pipe.C, env.device)
+                       for c in self.pipe.mine]
+        cls = getattr(torch_schedules, TORCH_SCHEDULES[name])
+        single = issubclass(cls, torch_schedules.PipelineScheduleSingle)
+        self.schedule = cls(self.stages[0] if single else self.stages, args.microbatches,
+                            loss_fn=self._loss, scale_grads=False)
+        self.optimizer = make_adamw(list(model.parameters()), args)
+        self._n_tokens, self._ce = 1, []
+
+    def _loss(self, logits, labels):
+        """torch's loss_fn, per micro-batch on the last stage: CE sum / global token count."""
+        with phase("forward"):
+            ce = lm_loss_sum(logits, labels)
+            self._ce.append(ce.detach().double())
+            return ce / self._n_tokens
+
+    def step(self, batch):
+        self.optimizer.zero_grad(set_to_none=True)
+        self._n_tokens, self._ce = batch.n_tokens, []
+        inputs = (batch.input_ids,) if 0 in self.pipe.mine else ()
+        target = batch.labels if self.pipe.C - 1 in self.pipe.mine else None
+        self.schedule.step(*inputs, target=target, return_outputs=False)
+        with phase("backward"):
+            self.pipe.sync_tied()
+        with phase("optimizer"):
+            if self.args.clip:
+                self.grad_norm = clip_across_stages(self.model, self.args.clip, self.pipe)
+            self.optimizer.step()
+        # the last M: on its first step torch runs the loss once more to infer the gradients'
+        # metadata (_prepare_backward_infra)
+        ce = self._ce[-self.args.microbatches:]
+        loss_sum = (torch.stack(ce).sum() if ce else
+                    torch.zeros((), dtype=torch.float64, device=batch.input_ids.device))
+        return global_loss(loss_sum, batch.n_tokens)
+
+    _gather = PP._gather
+    full_grads = PP.full_grads
+    full_params = PP.full_params
+
+
+PP.native = TorchPipelining
 
 if __name__ == "__main__":
     main(PP)

@@ -265,6 +265,11 @@ W2 = Runs("pp.py", 2, {  # one launch per batch: the start-up (~10 s a process) 
                 "--warmup", "1", "--bench-iters", "2"],
     "bench": ["--mode", "benchmark", "--schedule", "1f1b", "--microbatches", "4",
               "--warmup", "1", "--bench-iters", "2"],
+    # the baseline, torch.distributed.pipelining (--compare-native: ours, then torch's): 1F1B
+    # in float64 with clipping; ZB-H1 (torch's ZB1P, split I/W) tied, in float32
+    "native-1f1b": ["--compare-native", "--schedule", "1f1b", *CORRECT],
+    "native-zb": ["--compare-native", "--schedule", "zb", *CORRECT, "--dtype", "float32",
+                  "--model", "configs/tiny-tied.json"],
 })
 SLOW_W4 = Runs("pp.py", 4, tier="slow", runs={
     **{s: ["--schedule", s, *CORRECT] for s in SCHEDULES if s != "interleaved"},
@@ -312,6 +317,19 @@ def test_tied_embeddings_and_fewer_microbatches_than_stages(runs):
     assert r.json("correctness.json")[0]["tensors"] == 38
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_torch_pipelining_baseline(runs, schedule):
+    """PyTorch's own schedule (Schedule1F1B; ScheduleInterleavedZeroBubble, ZB1P, with one
+    stage per rank) on the same cut, micro-batches and loss scaling passes the same correctness
+    check as ours: every gradient, parameter and loss against the float64 reference."""
+    r = runs(W2, f"native-{schedule}")
+    assert r.rc == 0 and r.last_line.startswith("PASS torch-pp-" + schedule), r
+    res = r.json("correctness.json")
+    assert [x["strategy"] for x in res] == [f"pp-{schedule}", f"torch-pp-{schedule}"]
+    n = 39 if schedule == "1f1b" else 38         # (tied: one tensor fewer)
+    assert all(x["ok"] and x["tensors"] == x["grads_compared"] == n for x in res), res
+
+
 def test_learning(runs):
     r = runs(W2, "learning")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
@@ -349,6 +367,8 @@ def test_dualpipev_benchmark_comm_and_bubble(runs):
      "DualPipeV needs --microbatches (3) >= 2 x the pipeline size (4)"),
     (["--schedule", "dualpipev", "--microbatches", "6", "--batch", "6"], 3,
      "4 decoder layers cannot fill 6 pipeline chunks (3 stages x 2 chunks)"),
+    (["--schedule", "1f1b", "--microbatches", "1", "--batch", "2", "--compare-native"], 2,
+     "--compare-native: torch's Schedule1F1B needs --microbatches (1) >= the number of stages"),
 ])
 def test_bad_config(run, tmp_path, args, world, msg):
     if args == ["--layers2"]:

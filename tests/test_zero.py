@@ -24,6 +24,8 @@ def tied_config(base):
 W2 = Runs("zero.py", 2, {  # one launch per batch: the start-up (~10 s a process) paid once
     **{f"clip{s}": ["--stage", s, *CLIP] for s in (1, 2, 3)},
     "learning": ["--stage", "3", "--mode", "learning", "--steps", "40"],
+    # the baseline: PyTorch's ZeroRedundancyOptimizer over torch DDP (ours, then theirs)
+    "native1": ["--stage", "1", "--compare-native", *CLIP],
 })
 W3 = Runs("zero.py", 3, {  # 3 does not divide the units' sizes, so the buffers are padded
     f"bench{s}": [*BENCH, "--stage", s, "--clip", "1.0", "--batch", "6", "--bench-iters", "2"]
@@ -66,6 +68,16 @@ def test_stage3_tied_embeddings(runs):
     r = runs(SLOW_W2, "tied")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     assert r.json("correctness.json")[0]["tensors"] == 38  # lm_head is the embedding
+
+
+def test_torch_zero_redundancy_optimizer_baseline(runs):
+    """PyTorch's own ZeRO-1 (ZeroRedundancyOptimizer over torch DDP), run by --compare-native
+    after ours on the same data, passes the same check against the float64 reference."""
+    r = runs(W2, "native1")
+    assert r.rc == 0 and r.last_line.startswith("PASS torch-zero1"), r
+    res = r.json("correctness.json")
+    assert [x["strategy"] for x in res] == ["zero1", "torch-zero1"], res
+    assert all(x["ok"] and x["tensors"] == x["grads_compared"] == 39 for x in res), res
 
 
 def test_learning(runs):
