@@ -301,7 +301,7 @@ class TorchFSDP2(DTensorBaseline):
         from torch.distributed.fsdp import fully_shard
         self.args, self.env, self.model = args, env, model
         mesh = init_device_mesh(env.device.type, (env.world,))
-        reshard = not args.no_reshard_after_forward
+        reshard = not getattr(args, "no_reshard_after_forward", False)   # (zero.py: absent)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)

@@ -1449,7 +1449,7 @@ class ZeRO(Strategy):
             add("reduce_scatter_tensor", "world", n * rs_times, P * rb * rs_times,
                 f"Psi*b_reduce {P * rb:,}" + x(rs_times))
         if self.args.stage < 3:
-            add("all_gather_into_tensor", "world", n, P * b, f"updated parameters Psi*b")
+            add("all_gather_into_tensor", "world", n, P * b, "updated parameters Psi*b")
         if self.args.clip:
             add("all_reduce", "world", 1, 8, "clip: squared-norm sum (fp64)")
         return [Expect(op, g, c, nb, "; ".join(t)) for (op, g), (c, nb, t) in agg.items()]
@@ -1496,7 +1496,17 @@ class TorchZeRO1(ddp.TorchDDP):
                 "grads": [p.grad for p in self.model.parameters()], "optimizer": local}
 
 
-ZeRO.native = TorchZeRO1
+def _torch_counterpart(args):
+    """--compare-native's baseline: stages 1 and 2 shard the optimizer (ZeroRedundancyOptimizer,
+    which has no gradient sharding: its stage 2 is the same object); stage 3 shards the
+    parameters too, as FSDP2 does (fsdp.py, imported here: it builds on this file)."""
+    if args.stage == 3:
+        import fsdp
+        return fsdp.TorchFSDP2
+    return TorchZeRO1
+
+
+ZeRO.native = staticmethod(_torch_counterpart)
 
 if __name__ == "__main__":
     main(ZeRO)

@@ -90,7 +90,8 @@ def paired_ratios(run: Run, cls, names: list) -> dict:
     def barrier():
         with METER.paused():
             dist.barrier()
-    sides = [make_pair(run, c, perturb=False, with_ref=False)[1] for c in [cls] + natives(cls)]
+    sides = [make_pair(run, c, perturb=False, with_ref=False)[1]
+             for c in [cls] + natives(cls, args)]
     ref = (reference_class(cls)(build_model(args, run.config, env.device), args, env)
            if env.is_main else None)
     for s in range(args.warmup):
@@ -144,7 +145,7 @@ def run_benchmark(run: Run, cls) -> bool:
     expected, formula, lines = strat.expected_comm(), strat.memory_formula(), strat.report_lines()
     del strat
     native = []
-    for ncls in (natives(cls) if args.compare_native else []):
+    for ncls in (natives(cls, args) if args.compare_native else []):
         _, nat, _ = make_pair(run, ncls, perturb=False, with_ref=False)
         native.append((nat.name, bench_strategy(run, nat)))
         del nat

@@ -26,7 +26,7 @@ from .strategy import HARNESS_PLANTS, Plant, full_tensor, natives
 def run_correctness(run: Run, cls) -> bool:
     args = run.args
     ok = True
-    classes = [cls] + (natives(cls) if args.compare_native else [])
+    classes = [cls] + (natives(cls, args) if args.compare_native else [])
     for c in classes:
         ok &= _correctness_one(run, c)
     return ok

@@ -50,7 +50,9 @@ The adapter contract (subclass `Strategy`)
                               (the default): exact.
     native                    optional Strategy subclass (or list of them) wrapping PyTorch's own
                               implementation, used by `--compare-native`; the first is the one
-                              the step-time ratio is taken against.
+                              the step-time ratio is taken against. Or a staticmethod of the
+                              run's args returning one (zero.py: ZeroRedundancyOptimizer for
+                              stages 1 and 2, FSDP2 for stage 3).
     reference                 the single-device reference class (default `Reference`: plain HF
                               model + AdamW). A strategy whose objective adds terms to the LM
                               loss (ep_moe's router losses) supplies a subclass computing them.
@@ -251,6 +253,8 @@ def reference_class(cls):
     return getattr(cls, "reference", None) or Reference
 
 
-def natives(cls) -> list:
+def natives(cls, args) -> list:
     n = cls.native
+    if n is not None and not isinstance(n, (type, list, tuple)):
+        n = n(args)           # chosen by the run's arguments
     return list(n) if isinstance(n, (list, tuple)) else ([n] if n else [])

@@ -27,19 +27,25 @@ import tempfile
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# (label, script, extra arguments)
+# (label, script, extra arguments). tp and sp run the small preset with 8 heads / 4 kv heads
+# (configs/small-gqa8.json): the small preset's 6 heads do not split over 4 ranks.
+GQA8 = ["--model", "configs/small-gqa8.json"]
+PP = ["--microbatches", "8"]
 ROWS = [
     ("ddp", "ddp.py", []),
     ("zero-1", "zero.py", ["--stage", "1"]),
     ("zero-2", "zero.py", ["--stage", "2"]),
     ("zero-3", "zero.py", ["--stage", "3"]),
     ("fsdp", "fsdp.py", []),
-    ("tp", "tp.py", []),
-    ("sp megatron", "sp.py", ["--variant", "megatron"]),
-    ("sp ulysses", "sp.py", ["--variant", "ulysses"]),
+    ("tp", "tp.py", GQA8),
+    ("sp megatron", "sp.py", ["--variant", "megatron", *GQA8]),
+    ("sp ulysses", "sp.py", ["--variant", "ulysses", *GQA8]),
     ("cp zigzag", "cp_ring.py", ["--variant", "zigzag"]),
-    ("pp 1f1b", "pp.py", ["--schedule", "1f1b", "--microbatches", "8"]),
-    ("pp zb", "pp.py", ["--schedule", "zb", "--microbatches", "8"]),
+    ("pp gpipe", "pp.py", ["--schedule", "gpipe", *PP]),
+    ("pp 1f1b", "pp.py", ["--schedule", "1f1b", *PP]),
+    ("pp interleaved", "pp.py", ["--schedule", "interleaved", *PP]),
+    ("pp zb", "pp.py", ["--schedule", "zb", *PP]),
+    ("pp dualpipev", "pp.py", ["--schedule", "dualpipev", *PP]),
 ]
 BENCH = ["--mode", "benchmark", "--compare-native", "--dtype", "float32", "--batch", "8",
          "--length", "128", "--warmup", "2", "--bench-iters", "2"]
@@ -50,17 +56,25 @@ def machine() -> str:
 
 
 def run_one(label, script, extra, world, pairs, model, verbose=False) -> list[dict]:
+    """The rows of one launch; a launch the strategy refuses (exit 2: the configuration does not
+    fit this world size) or that fails gives one row with `skipped`, the reason, instead."""
+    model_args = [] if "--model" in extra else ["--model", model]
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={world}", os.path.join(HERE, script), *BENCH, "--model", model,
+               f"--nproc_per_node={world}", os.path.join(HERE, script), *BENCH, *model_args,
                "--paired", str(pairs), "--out", out, *extra]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE, env=env)
         if verbose or p.returncode:
             print(p.stdout[-4000:], p.stderr[-2000:] if p.returncode else "", flush=True)
-        if p.returncode:
-            raise SystemExit(f"bench: {label} at W={world} failed (exit {p.returncode})")
-        with open(os.path.join(out, "benchmark.json")) as f:
+        path = os.path.join(out, "benchmark.json")
+        if p.returncode or not os.path.exists(path):
+            lines = [l for l in (p.stderr + p.stdout).splitlines() if l.startswith("error:")]
+            why = lines[0] if lines else f"failed (exit {p.returncode})"   # error: a refusal
+            return [dict(strategy=label, baseline=None, world=world, dtype="float32",
+                         skipped=why, model=model_args[1] if model_args else extra[-1],
+                         machine=machine())]
+        with open(path) as f:
             b = json.load(f)
     rows = []
     for base, r in b["paired"].items():
@@ -77,6 +91,9 @@ def table(rows) -> str:
     lines = ["| strategy | baseline | W | ours/theirs median (p10-p90) | overlap share (ours) |",
              "|---|---|---|---|---|"]
     for r in rows:
+        if r.get("skipped"):
+            lines.append(f"| {r['strategy']} | - | {r['world']} | not run: {r['skipped']} | - |")
+            continue
         ov = "-" if r["overlap_share"] is None else f"{r['overlap_share']:.0%}"
         lines.append(f"| {r['strategy']} | {r['baseline']} | {r['world']} | "
                      f"{r['ratio_median']:.2f} ({r['ratio_p10']:.2f}-{r['ratio_p90']:.2f}) | "
@@ -105,6 +122,9 @@ def main():
             if only is None or label in only:
                 got = run_one(label, script, extra, world, a.pairs, a.model, a.verbose)
                 for r in got:
+                    if r.get("skipped"):
+                        print(f"{label:<12} W={world} not run: {r['skipped']}", flush=True)
+                        continue
                     print(f"{label:<12} W={world} vs {r['baseline']:<16} median "
                           f"{r['ratio_median']:.3f} (p10 {r['ratio_p10']:.3f}, p90 "
                           f"{r['ratio_p90']:.3f})  overlap {r['overlap_share']}", flush=True)
@@ -114,6 +134,8 @@ def main():
         json.dump(rows, f, indent=1)
     print(table(rows))
     print(f"wrote {a.out}")
+    if any(r.get("skipped", "").startswith("failed") for r in rows):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

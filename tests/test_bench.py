@@ -1,0 +1,40 @@
+"""scripts/bench.py (`make bench`): the interleaved ours-vs-PyTorch table. One real row on the
+tiny model (the schema results/bench-cpu.json is written in, the ratios taken from --paired
+rounds), and a refused configuration recorded as a skipped row with its reason, not a crash."""
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+KEYS = {"strategy", "baseline", "world", "dtype", "ratio_median", "ratio_p10", "ratio_p90",
+        "overlap_share", "pairs", "model", "machine"}
+
+
+def bench(tmp_path, *args):
+    out = tmp_path / "bench.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench.py"), *args,
+                        "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
+    return p, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_ddp_row_against_torch_ddp_and_the_reference(tmp_path):
+    p, rows = bench(tmp_path, "--world", "2", "--only", "ddp", "--pairs", "3", "--model", "tiny")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert [r["baseline"] for r in rows] == ["torch-ddp", "single device"], rows
+    for r in rows:
+        assert set(r) == KEYS and r["world"] == 2 and r["dtype"] == "float32", r
+        assert r["pairs"] == 3 and r["model"] == "tiny", r
+        assert 0 < r["ratio_p10"] <= r["ratio_median"] <= r["ratio_p90"], r
+        assert 0 <= r["overlap_share"] <= 1, r   # (tiny: one bucket, ~0; tests/test_overlap.py)
+    assert "| ddp | torch-ddp | 2 |" in p.stdout
+
+
+def test_refused_configuration_is_a_skipped_row(tmp_path):
+    # tp runs 8 heads (configs/small-gqa8.json): 3 ranks cannot split them
+    p, rows = bench(tmp_path, "--world", "3", "--only", "tp", "--pairs", "2")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert len(rows) == 1 and rows[0]["skipped"].startswith("error:"), rows
+    assert "head" in rows[0]["skipped"], rows
+    assert "| tp | - | 3 | not run: error:" in p.stdout
