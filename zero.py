@@ -4,8 +4,10 @@ The idea (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trilli
 Models", SC 2020)
     Data parallelism keeps W identical copies of the model states. ZeRO keeps one: each rank
     owns 1/W of every state and the rest is communicated when needed.
-      stage 1  optimizer states sharded: grads are reduce-scattered after the backward, each rank
-               updates its 1/W of the parameters, and the updated parameters are all-gathered;
+      stage 1  optimizer states sharded: full grads accumulate over the micro-batches and the
+               last backward reduce-scatters each unit as its gradients complete (hooks,
+               overlapped as stage 2's), each rank updates its 1/W of the parameters, and the
+               updated parameters are all-gathered;
       stage 2  + gradients sharded: a unit's gradients are reduce-scattered *during* the backward
                (hooks) as soon as they are complete, and the full gradients are freed as they go;
       stage 3  + parameters sharded: a unit's parameters are all-gathered just before it runs,
@@ -84,6 +86,7 @@ Public API
         in torch's unsharded format; stage 3: ZeroOptimizer(..., engine=Zero(model, stage=3))
         or engine=fsdp.fully_shard(model); examples/zero_train.py
 """
+import contextlib
 import copy
 
 import torch
@@ -174,6 +177,7 @@ class FlatUnit:
         self.gathered = True
         self.handle = None   # an in-flight (prefetched) all-gather
         self.ready: set = set()   # parameters whose gradient for this micro-batch is complete
+        self.launched = False     # stage 1: reduce-scattered in this step (sync backward)
 
     def take_grad(self, p):
         """p's gradient arrived: make sure it lives in the full gradient buffer (re-allocated
@@ -404,6 +408,9 @@ class _Done:
 # ----------------------------------------------------------------------------------------------
 # The engine: hooks that implement the three stages on an HF model
 # ----------------------------------------------------------------------------------------------
+IN_FLIGHT = 2   # reduce-scatters a backward keeps in flight (Zero.in_flight)
+
+
 class Zero:
     """Installs ZeRO's hooks into `model`. `units` defaults to decoder_units(model); the unit
     order is the forward order, and reductions launch in its reverse."""
@@ -473,6 +480,16 @@ class Zero:
         self.order = list(reversed(self.units))
         self.consumed = False   # an optimizer step used the shards (ZeroOptimizer.step)
         self.next_launch, self.pending = 0, []
+        # Stage 1 keeps full gradients over the micro-batches and reduce-scatters each unit once
+        # per step: in finish() by default, or, while `sync` is set (the step's last backward:
+        # ZeroOptimizer.reduce_in_backward, the harness's last micro-batch), as each unit's
+        # gradients complete, overlapped with the rest of the backward as stage 2 does.
+        self.sync = False
+        # Reductions in flight at once: a unit's launch waits only for the ones beyond this
+        # many, so the backward goes on computing the next unit's gradients while the last two
+        # reduce-scatter (full gradient buffers alive: the in-flight units' plus the one being
+        # computed)
+        self.in_flight = IN_FLIGHT
 
     # -- stage 3: gather before use, free after --
     def _pre_forward(self, u: FlatUnit):
@@ -557,7 +574,13 @@ class Zero:
             self.zero_grad()                    # the reduced shards start again from zero
         u.take_grad(p)
         if self.stage == 1:
-            return  # stage 1 keeps full gradients and reduce-scatters once, in finish()
+            if u.launched:
+                raise RuntimeError(
+                    f"ZeRO stage 1: a gradient of unit {u.name!r} arrived after its reduce-"
+                    f"scatter in this step; the backward that reduces (reduce_in_backward) must "
+                    f"be the last before step()")
+            if not self.sync:
+                return  # accumulate; reduce-scattered once, in finish()
         u.ready.add(p)
         if len(u.ready) < u.n_grads:
             return
@@ -589,9 +612,9 @@ class Zero:
         u.free_params()  # this unit's backward is done with its parameters
 
     def _launch(self, u: FlatUnit):
-        """Reduce-scatter u's full gradient (async). Earlier launches complete first, so at most
-        the in-flight unit and the one being computed hold full gradients."""
-        self._complete()
+        """Reduce-scatter u's full gradient (async). Earlier launches beyond `in_flight - 1`
+        complete first, so at most `in_flight` units reduce while one more is computed."""
+        self._complete(keep=self.in_flight - 1)
         u.clear_stale()
         src = (u.grad_full if u.grad_full.dtype == u.grad_shard.dtype
                else u.grad_full.to(u.grad_shard.dtype))   # bf16 gradients summed in fp32
@@ -607,6 +630,7 @@ class Zero:
             handle = dist.reduce_scatter_tensor(out, src, group=self.group, async_op=True)
         self.pending.append((u, out, handle))
         u.ready = set()
+        u.launched = True
 
     def _check_qgz(self, src, out, bound):
         """Verify mode: the exact reduce-scatter of the same gradient (unmetered) beside qgZ's;
@@ -620,8 +644,9 @@ class Zero:
         z = self.zpp
         z.qgz_ratio = r if z.qgz_ratio is None else torch.maximum(z.qgz_ratio, r)
 
-    def _complete(self):
-        while self.pending:
+    def _complete(self, keep: int = 0):
+        """Wait for the oldest reductions until `keep` are left in flight."""
+        while len(self.pending) > keep:
             u, out, handle = self.pending.pop(0)
             handle.wait()
             if self.replicate is not None:
@@ -647,17 +672,25 @@ class Zero:
 
     def finish(self):
         """After the last micro-batch's backward: every shard holds its reduced gradient.
-        Stage 1 reduces everything here. Stages 2 and 3 reduce here what the hooks could not:
+        Stage 1 reduces here every unit its last backward did not (all of them without `sync`).
+        Stages 2 and 3 reduce here what the hooks could not:
         from a unit that is missing a gradient (a parameter no backward reached: its slot is
         zero) to the end of the order, then, from the start, every unit that has gradients
         again (a later micro-batch's, blocked behind the incomplete unit). The same order on
         every rank whose backwards reached the same parameters."""
-        if self.stage == 1 or self.next_launch or any(u.ready for u in self.units):
-            self._launch_ready(everything=True)   # stage 1; units with unused parameters
+        if self.stage == 1:   # every unit the backward did not reduce, in the fixed order
+            for u in self.order:
+                if not u.launched:
+                    self._launch(u)
+            self.next_launch = 0
+        elif self.next_launch or any(u.ready for u in self.units):
+            self._launch_ready(everything=True)   # units with unused parameters
             for u in self.order:
                 if u.ready:
                     self._launch(u)
         self._complete()
+        for u in self.units:
+            u.launched = False
         if self.stage == 3:   # a unit whose gradients never completed is still gathered
             for u in self.units:
                 if u.handle is not None:
@@ -820,6 +853,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for p in u.params:
                     p.grad = None   # the hooks move the next gradient back into the buffer
         self.reduced = False
+
+    @contextlib.contextmanager
+    def reduce_in_backward(self):
+        """Stage 1: run the step's last backward inside this, and each unit's gradients are
+        reduce-scattered as soon as they are complete, overlapped with the rest of that
+        backward, instead of all at once in step(). Earlier backwards (accumulation) stay
+        local. A backward after it in the same step raises. Stages 2 and 3 reduce in every
+        backward anyway (this is then a no-op)."""
+        self.engine.sync = True
+        try:
+            yield
+        finally:
+            self.engine.sync = False
 
     def reduce_gradients(self):
         """Finish the reduce-scatter (idempotent within a step): each shard then holds the
@@ -1320,8 +1366,11 @@ class ZeRO(Strategy):
     def step(self, batch: Batch) -> float:
         opt = self.optimizer
         opt.zero_grad(set_to_none=False)
+        def set_sync(last):   # stage 1: the last micro-batch's backward reduce-scatters
+            self.zero.sync = last
         local_sum = ddp.forward_backward(self.model, batch, self.env.rank, self.env.world,
-                                         self.args.grad_accum)
+                                         self.args.grad_accum, set_sync)
+        self.zero.sync = False
         with phase("backward"):
             opt.reduce_gradients()
         with phase("optimizer"):

@@ -3,6 +3,7 @@ timed interleaved, into results/bench-cpu.json (`make bench`).
 
     python scripts/bench.py                        # every row, W=2 and 4 (~40 minutes on 2 cores)
     python scripts/bench.py --world 2 --only ddp,zero-1 --pairs 4 --out /tmp/b.json
+    python scripts/bench.py --world 4 --only zero-1 --merge     # redo rows, keep the others
 
 One `torchrun --nproc_per_node=W <strategy>.py --mode benchmark --compare-native --paired N` per
 (strategy, W): ours, each of its baselines and the single-device reference are built side by side
@@ -13,9 +14,13 @@ ratio ours/theirs shares the machine's state of that moment. Written per (strate
      "overlap_share", "pairs", "model", "machine"}
 
 overlap_share is ours, from one profiled step (harness/overlap.py); null when the step has no
-communication. The baselines (each strategy's `native`): ddp.py torch DDP; zero.py (stages 1, 2)
-ZeroRedundancyOptimizer over torch DDP; fsdp.py FSDP2 (`fully_shard`) and our DDP; tp.py DTensor
-TP; pp.py torch.distributed.pipelining where its schedules run; the others only the reference.
+communication. The baselines (each strategy's `native`): ddp.py torch DDP; zero.py stages 1, 2
+ZeroRedundancyOptimizer over torch DDP, stage 3 FSDP2; fsdp.py FSDP2 (`fully_shard`) and our DDP;
+tp.py DTensor TP; sp.py our TP (no DTensor SP baseline); pp.py torch.distributed.pipelining's
+class for each schedule (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
+ScheduleInterleavedZeroBubble, ScheduleDualPipeV); cp_ring.py only the reference (torch's
+context_parallel has no CPU sharding rule for SDPA in torch 2.13). A configuration a strategy
+refuses at a world size (its one `error:` line) is written as {"strategy", "world", "skipped"}.
 """
 import argparse
 import json
@@ -108,6 +113,8 @@ def main():
     p.add_argument("--pairs", type=int, default=8, help="interleaved rounds per run")
     p.add_argument("--model", default="small")
     p.add_argument("--out", default=os.path.join(HERE, "results", "bench-cpu.json"))
+    p.add_argument("--merge", action="store_true",
+                   help="keep --out's other rows: replace only the (strategy, W) runs made now")
     p.add_argument("--verbose", action="store_true")
     a = p.parse_args()
     only = None if a.only is None else set(a.only.split(","))
@@ -116,6 +123,23 @@ def main():
         print(f"error: unknown --only labels {sorted(unknown)}; known: "
               f"{', '.join(label for label, _, _ in ROWS)}", file=sys.stderr)
         sys.exit(2)
+    order = {label: i for i, (label, _, _) in enumerate(ROWS)}
+    old = []
+    if a.merge and os.path.exists(a.out):
+        with open(a.out) as f:
+            old = json.load(f)
+
+    def save(rows):
+        """The table so far (after every launch: an interrupted run keeps what it measured);
+        with --merge, the old rows of every (strategy, W) not run again."""
+        done = {(r["strategy"], r["world"]) for r in rows}
+        out = sorted([r for r in old if (r["strategy"], r["world"]) not in done] + rows,
+                     key=lambda r: (r["world"], order.get(r["strategy"], len(order))))
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+        return out
+
     rows = []
     for world in [int(w) for w in a.world.split(",")]:
         for label, script, extra in ROWS:
@@ -129,9 +153,8 @@ def main():
                           f"{r['ratio_median']:.3f} (p10 {r['ratio_p10']:.3f}, p90 "
                           f"{r['ratio_p90']:.3f})  overlap {r['overlap_share']}", flush=True)
                 rows += got
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(rows, f, indent=1)
+                save(rows)
+    rows = save(rows)
     print(table(rows))
     print(f"wrote {a.out}")
     if any(r.get("skipped", "").startswith("failed") for r in rows):

@@ -109,13 +109,15 @@ def report(name: str, err: float, control: bool = False):
 
 
 def train(model, opt, rank, accum=1, set_to_none=True, no_sync=None, clip=None, steps=STEPS,
-          start=0, buffers=True, snap=None, zero=None):
+          start=0, buffers=True, snap=None, zero=None, last=None):
     """The user's loop; returns the parameters (and buffers) after every step (snap(): how to
-    read them, for sharded modules)."""
+    read them, for sharded modules; last(): a context for the step's last backward)."""
     snaps = []
     for step in range(start, start + steps):
         for k in range(accum):
             ctx = no_sync() if no_sync is not None and k < accum - 1 else contextlib.nullcontext()
+            if last is not None and k == accum - 1:
+                ctx = last()
             with ctx:
                 (loss_fn(model, tokens(rank, step, k)) / accum).backward()
         if clip is not None:
@@ -235,6 +237,24 @@ def check_zero(rank, W):
         ref_more = reference_steps(ref_model, ref_opt, W, accum, clip, start=STEPS)
         report(f"{name}: load_state_dict(torch's) then 2 more steps",
                max(rel_diff(g, w) for g, w in zip(got, ref_more)))
+    # stage 1 reduce-scattering during the last backward (overlapped), small buckets
+    ref_model, ref_opt, want = reference_run(W, "adamw", 2, 0.05)
+    model = build(seed=7, unused=False)
+    opt = make("adamw", model, stage=1, bucket_mb=0.0005)
+    got = train(model, opt, rank, 2, clip=lambda: opt.clip_grad_norm_(0.05), buffers=False,
+                last=opt.reduce_in_backward)
+    report("zero stage 1 adamw, accum 2, clip 0.05, last backward in reduce_in_backward(): "
+           f"ZeroOptimizer vs torch.optim, {STEPS} steps",
+           max(rel_diff(g, w) for g, w in zip(got, want)))
+    with opt.reduce_in_backward():
+        loss_fn(model, tokens(rank, 0, 0)).backward()
+    try:    # a backward after the reducing one, in the same step: refused
+        loss_fn(model, tokens(rank, 0, 1)).backward()
+        err = 0.0
+    except RuntimeError as e:
+        err = float("inf") if "must be the last before step()" in str(e) else 0.0
+    report("zero stage 1: a backward after reduce_in_backward's is refused", err, control=True)
+    opt.zero_grad()
     # the comparison sees unaveraged gradients
     ref_model, ref_opt, want = reference_run(W, "sgd", 1, None)
     model = build(seed=7, unused=False)

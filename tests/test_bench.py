@@ -31,10 +31,16 @@ def test_ddp_row_against_torch_ddp_and_the_reference(tmp_path):
     assert "| ddp | torch-ddp | 2 |" in p.stdout
 
 
-def test_refused_configuration_is_a_skipped_row(tmp_path):
+def test_refused_configuration_is_a_skipped_row_merged_into_the_table(tmp_path):
+    # --merge keeps the other rows: an earlier tp row at W=3 is replaced, ddp's is kept
+    earlier = [dict(strategy="tp", world=3, skipped="stale"), dict(strategy="ddp", world=3,
+                                                                   skipped="kept")]
+    (tmp_path / "bench.json").write_text(json.dumps(earlier))
     # tp runs 8 heads (configs/small-gqa8.json): 3 ranks cannot split them
-    p, rows = bench(tmp_path, "--world", "3", "--only", "tp", "--pairs", "2")
+    p, rows = bench(tmp_path, "--world", "3", "--only", "tp", "--pairs", "2", "--merge")
     assert p.returncode == 0, p.stdout + p.stderr
+    assert [r["strategy"] for r in rows] == ["ddp", "tp"] and rows[0]["skipped"] == "kept"
+    rows = rows[1:]
     assert len(rows) == 1 and rows[0]["skipped"].startswith("error:"), rows
     assert "head" in rows[0]["skipped"], rows
     assert "| tp | - | 3 | not run: error:" in p.stdout

@@ -25,7 +25,10 @@ EXPECTED = {
              for what in ("ZeroOptimizer vs torch.optim on the global batch",
                           "state_dict() vs the torch optimizer's",
                           "load_state_dict(torch's) then 2 more steps")]
-    + ["control zero stage 2 summing instead of averaging"],
+    + ["zero stage 1 adamw, accum 2, clip 0.05, last backward in reduce_in_backward(): "
+       "ZeroOptimizer vs torch.optim",
+       "control zero stage 1: a backward after reduce_in_backward's is refused",
+       "control zero stage 2 summing instead of averaging"],
     "fsdp": ["fsdp reshard=True, accum 2, clip 0.05: fully_shard vs FSDP2",
              "fsdp reshard=False: fully_shard vs FSDP2",
              "fsdp reshard=True, accum 2, an unused layer: fully_shard vs FSDP2",
