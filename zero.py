@@ -417,7 +417,8 @@ class Zero:
 
     def __init__(self, model, group=None, stage: int = 1, average: bool = True, units=None,
                  plant: str | None = None, reduce_dtype: torch.dtype | None = None,
-                 names: dict | None = None, replicate=None, zeropp: ZeroPP | None = None):
+                 names: dict | None = None, replicate=None, zeropp: ZeroPP | None = None,
+                 prefetch: int = 0):
         """units: [(name, modules)] (default decoder_units(model)), [(name, parameters,
         hook modules)], or [(name, parameters)] for stages 1 and 2 with model=None (the
         optimizer wrapper's buckets; `names` then maps id(parameter) to a name). plant: the
@@ -426,9 +427,12 @@ class Zero:
         (harness.precision.grad_reduce_dtype; default the gradients' own). replicate: HSDP's
         group of the ranks that hold the same shard in the other replicas (fsdp.py): each
         reduced shard is then averaged over it too. zeropp: ZeRO++'s tricks (ZeroPP; qwZ and
-        hpZ at stage 3, over the world group: group=None)."""
+        hpZ at stage 3, over the world group: group=None). prefetch (stage 3): units whose
+        all-gather is launched ahead of use, the next ones in the forward and the previous
+        ones in the backward (fsdp.FullyShard has its own schedule, with a root unit)."""
         self.model, self.group, self.stage, self.average = model, group, stage, average
         self.plant, self.replicate, self.zpp = plant, replicate, zeropp
+        self.prefetch = prefetch
         self.W = dist.get_world_size(group)
         self.R = dist.get_world_size(replicate) if replicate is not None else 1
         if model is not None:
@@ -456,6 +460,7 @@ class Zero:
             covered = sum(len(u.params) for u in self.units)
             assert covered == len(names), f"units cover {covered} of {len(names)} parameters"
         self.unit_of = {p: u for u in self.units for p in u.params}
+        self.unit_index = {u: i for i, u in enumerate(self.units)}
         for p in self.unit_of:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -498,6 +503,8 @@ class Zero:
                 self._gather_forward(u)
             return
         u.wait()
+        i = self.unit_index[u]
+        self._prefetch_units(self.units[i + 1:i + 1 + self.prefetch])
 
     def _post_forward(self, u: FlatUnit, out):
         u.free_params()
@@ -516,6 +523,15 @@ class Zero:
                 self._gather_backward(u)
             return
         u.wait()
+        i = self.unit_index[u]
+        self._prefetch_units(self.units[max(0, i - self.prefetch):i][::-1])
+
+    def _prefetch_units(self, units):
+        """Launch the all-gathers of `units` (async; the same units in the same order on every
+        rank): each runs while the current unit computes, and the unit's own hook waits."""
+        for v in units:
+            if not v.gathered:
+                v.gather_params(async_op=True)
 
     # -- ZeRO++ gathers (stage 3, synchronous) --
     def _zpp_gathers(self) -> bool:
@@ -561,8 +577,15 @@ class Zero:
 
     # -- gradients --
     def zero_grad(self):
+        """Discard this step's gradients. A reduction still in flight (a backward that
+        reduced, then no step: e.g. a refused later backward) reads the buffers zeroed here:
+        it completes first, and its result is dropped with the rest."""
+        self._complete()
         self.consumed = False
+        self.next_launch = 0
         for u in self.units:
+            u.launched = False
+            u.ready = set()
             if self.stage == 1:
                 u.grad_full.zero_()
             else:
@@ -1214,6 +1237,8 @@ def zero_constraints(args, world, config) -> list[str]:
     errs = ddp.batch_constraints(args, world)
     if args.stage not in (1, 2, 3):
         errs.append(f"--stage must be 1, 2 or 3 (got {args.stage})")
+    if getattr(args, "prefetch", 0) < 0:
+        errs.append(f"--prefetch must be >= 0 (got {args.prefetch})")
     tricks, N = parse_zeropp(args.zeropp), args.node_size
     bad = [t for t in tricks if t not in TRICKS]
     if bad:
@@ -1274,6 +1299,8 @@ class ZeRO(Strategy):
     def add_args(p):
         p.add_argument("--stage", type=int, default=1, help="ZeRO stage: 1, 2 or 3")
         p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+        p.add_argument("--prefetch", type=int, default=1,
+                       help="stage 3: units whose all-gather is launched ahead of use")
         p.add_argument("--zeropp", default=None,
                        help="ZeRO++ tricks, a comma-separated subset of qwz (int8 forward "
                             "all-gather), hpz (secondary partition inside the node), qgz (int8 "
@@ -1297,7 +1324,7 @@ class ZeRO(Strategy):
         self.zero = Zero(model, stage=args.stage, average=args.plant_bug != "no-average",
                          plant=args.plant_bug,
                          reduce_dtype=grad_reduce_dtype(next(model.parameters()).dtype, args),
-                         zeropp=zpp)
+                         zeropp=zpp, prefetch=getattr(args, "prefetch", 0))
         self.optimizer = adamw_on_shards(model, self.zero, args)
 
     @classmethod

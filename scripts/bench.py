@@ -4,6 +4,7 @@ timed interleaved, into results/bench-cpu.json (`make bench`).
     python scripts/bench.py                        # every row, W=2 and 4 (~40 minutes on 2 cores)
     python scripts/bench.py --world 2 --only ddp,zero-1 --pairs 4 --out /tmp/b.json
     python scripts/bench.py --world 4 --only zero-1 --merge     # redo rows, keep the others
+    python scripts/bench.py --table results/bench-cpu.json      # the README's table
 
 One `torchrun --nproc_per_node=W <strategy>.py --mode benchmark --compare-native --paired N` per
 (strategy, W): ours, each of its baselines and the single-device reference are built side by side
@@ -93,16 +94,17 @@ def run_one(label, script, extra, world, pairs, model, verbose=False) -> list[di
 
 
 def table(rows) -> str:
-    lines = ["| strategy | baseline | W | ours/theirs median (p10-p90) | overlap share (ours) |",
-             "|---|---|---|---|---|"]
+    lines = ["| strategy | baseline | W | ours/theirs median (p10-p90) | overlap share (ours) "
+             "| model |", "|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"| {r['strategy']} | - | {r['world']} | not run: {r['skipped']} | - |")
+            lines.append(f"| {r['strategy']} | - | {r['world']} | not run: {r['skipped']} | - "
+                         f"| {r.get('model', '-')} |")
             continue
         ov = "-" if r["overlap_share"] is None else f"{r['overlap_share']:.0%}"
         lines.append(f"| {r['strategy']} | {r['baseline']} | {r['world']} | "
                      f"{r['ratio_median']:.2f} ({r['ratio_p10']:.2f}-{r['ratio_p90']:.2f}) | "
-                     f"{ov} |")
+                     f"{ov} | {r['model']} |")
     return "\n".join(lines)
 
 
@@ -115,8 +117,14 @@ def main():
     p.add_argument("--out", default=os.path.join(HERE, "results", "bench-cpu.json"))
     p.add_argument("--merge", action="store_true",
                    help="keep --out's other rows: replace only the (strategy, W) runs made now")
+    p.add_argument("--table", metavar="JSON", default=None,
+                   help="print the markdown table of a written file and exit (runs nothing)")
     p.add_argument("--verbose", action="store_true")
     a = p.parse_args()
+    if a.table:
+        with open(a.table) as f:
+            print(table(json.load(f)))
+        return
     only = None if a.only is None else set(a.only.split(","))
     unknown = (only or set()) - {label for label, _, _ in ROWS}
     if unknown:

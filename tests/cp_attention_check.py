@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 import cp_ring  # noqa: E402
+from harness import teardown  # noqa: E402
 
 B, H, HKV = 2, 4, 2                                          # GQA: the ring carries 2 kv heads
 
@@ -51,8 +52,7 @@ def distributed(args):
             print(f"{'PASS' if good else 'FAIL'} {variant} W={W} S={args.seq} {args.dtype}: "
                   f"max rel err (out, dq, dk, dv) {err.item():.1e} (tol {args.tol:.0e})",
                   flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    teardown()
     return ok
 
 

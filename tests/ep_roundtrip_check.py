@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 import ep_moe  # noqa: E402
+from harness import teardown  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--experts", type=int, default=8)
@@ -71,5 +72,5 @@ for case in ("identity", "scaled", "capacity"):
           f"(dropped {dropped}) max |out - expected| {(out - expect).abs().max().item():.1e}",
           flush=True)
     ok &= good
-dist.destroy_process_group()
+teardown()
 sys.exit(0 if ok else 1)

@@ -21,6 +21,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 import ddp  # noqa: E402
 import fsdp  # noqa: E402
 import zero  # noqa: E402
+from harness import teardown  # noqa: E402
 
 V, H, B, S, STEPS = 16, 8, 4, 5, 5
 TOL = 1e-12          # float64; the oracles run the same arithmetic, so errors are ~1e-16
@@ -367,5 +368,5 @@ if __name__ == "__main__":
         if rank == 0 or not ok:
             print(line if rank == 0 else f"rank {rank}: {line}", flush=True)
     failed = any(not ok for ok, _ in results)
-    dist.destroy_process_group()
+    teardown()   # not a bare destroy: gloo can abort at interpreter shutdown (see teardown)
     sys.exit(1 if failed else 0)

@@ -44,3 +44,6 @@ def test_refused_configuration_is_a_skipped_row_merged_into_the_table(tmp_path):
     assert len(rows) == 1 and rows[0]["skipped"].startswith("error:"), rows
     assert "head" in rows[0]["skipped"], rows
     assert "| tp | - | 3 | not run: error:" in p.stdout
+    t = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "--table",
+                        str(tmp_path / "bench.json")], capture_output=True, text=True)
+    assert t.returncode == 0 and t.stdout.count("not run:") == 2, t.stdout + t.stderr

@@ -2,7 +2,8 @@
 
 The interval arithmetic on hand examples; then benchmark runs (tiny, W=2): the share is > 0 for
 every strategy that claims overlap (DDP's buckets during the backward, ZeRO-1's and ZeRO-2's
-reduce-scatters during the (last) backward (ZeRO-1 before: 0%, all after the backward), FSDP's prefetched gathers, ring attention's hops behind the block compute,
+reduce-scatters during the (last) backward (ZeRO-1 before: 0%, all after the backward), ZeRO-3's
+prefetched gathers, FSDP's prefetched gathers, ring attention's hops behind the block compute,
 the pipeline's point-to-point behind the stages' compute), and about 0 where the algorithm gives
 compute nothing to do while communicating (TP's all-reduces sit on the critical path; DDP with one
 bucket reduces only after the backward): the measure can fail."""
@@ -15,7 +16,8 @@ BENCH = ["--mode", "benchmark", "--warmup", "1", "--bench-iters", "1"]
 DDP = Runs("ddp.py", 2, {"overlap-buckets": BENCH + ["--bucket-mb", "0.05"],
                          "overlap-one-bucket": BENCH})
 ZERO = Runs("zero.py", 2, {"overlap-zero2": BENCH + ["--stage", "2"],
-                           "overlap-zero1": BENCH + ["--stage", "1"]})
+                           "overlap-zero1": BENCH + ["--stage", "1"],
+                           "overlap-zero3": BENCH + ["--stage", "3"]})
 FSDP = Runs("fsdp.py", 2, {"overlap-fsdp": BENCH})
 CP = Runs("cp_ring.py", 2, {"overlap-cp": BENCH + ["--variant", "zigzag"]})
 PP = Runs("pp.py", 2, {"overlap-pp": BENCH + ["--microbatches", "4"]})
@@ -42,7 +44,7 @@ def share(r) -> float:
 
 
 @pytest.mark.parametrize("batch,key", [(DDP, "overlap-buckets"), (ZERO, "overlap-zero2"),
-                                       (ZERO, "overlap-zero1"),
+                                       (ZERO, "overlap-zero1"), (ZERO, "overlap-zero3"),
                                        (FSDP, "overlap-fsdp"), (CP, "overlap-cp"),
                                        (PP, "overlap-pp")])
 def test_overlap_is_measured_where_claimed(runs, batch, key):
