@@ -409,19 +409,31 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse, cp, scale, n_rep, do, delta, dq = _backward_setup(ctx, dout)
         dt = dq.dtype
         kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros_like(kv, dtype=dt)           # travels with kv, home after W hops
+        # Both transfers hide behind a block's compute (as ring-flash-attention does): the next
+        # K/V hop is posted before this block's gradients, and the dK/dV accumulated so far for
+        # the block held now (sent by the previous rank after its compute) arrive meanwhile;
+        # this rank adds its part and passes them on. After W hops they are home.
+        dkv_reqs = None
         for step in range(cp.W):
             src = (cp.rank - step) % cp.W
+            if step < cp.W - 1:
+                nxt, kv_reqs = _hop([kv], cp)
+            dkv = torch.zeros_like(kv, dtype=dt)       # this rank's part for block src
             _grad(q, kv[0], kv[1], do, out, lse, delta, cp, src, scale, n_rep, dq, dkv)
             if cp.W == 1:
                 break
-            if step < cp.W - 1:                        # K/V and their dK/dV move on together
-                (kv, dkv), reqs = _hop([kv, dkv], cp)
-            elif cp.plant == "dkv-not-home":           # planted bug: no last hop, the
-                break                                  # neighbour's dK/dV are taken as ours
-            else:                                      # the last hop brings our dK/dV home
-                (dkv,), reqs = _hop([dkv], cp)
-            _wait(reqs)
+            if dkv_reqs is not None:                   # the earlier ranks' parts for block src
+                _wait(dkv_reqs)
+                dkv += arrived
+            if step == cp.W - 1 and cp.plant == "dkv-not-home":   # planted bug: no last hop,
+                break                                  # the neighbour's dK/dV taken as ours
+            (arrived,), dkv_reqs = _hop([dkv], cp)     # the last one brings our dK/dV home
+            if step < cp.W - 1:
+                _wait(kv_reqs)
+                kv = nxt[0]
+        else:
+            _wait(dkv_reqs)
+            dkv = arrived
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 

@@ -418,7 +418,7 @@ class Zero:
     def __init__(self, model, group=None, stage: int = 1, average: bool = True, units=None,
                  plant: str | None = None, reduce_dtype: torch.dtype | None = None,
                  names: dict | None = None, replicate=None, zeropp: ZeroPP | None = None,
-                 prefetch: int = 0):
+                 prefetch: int = 0, overlap_param_gather: bool = False):
         """units: [(name, modules)] (default decoder_units(model)), [(name, parameters,
         hook modules)], or [(name, parameters)] for stages 1 and 2 with model=None (the
         optimizer wrapper's buckets; `names` then maps id(parameter) to a name). plant: the
@@ -429,10 +429,15 @@ class Zero:
         reduced shard is then averaged over it too. zeropp: ZeRO++'s tricks (ZeroPP; qwZ and
         hpZ at stage 3, over the world group: group=None). prefetch (stage 3): units whose
         all-gather is launched ahead of use, the next ones in the forward and the previous
-        ones in the backward (fsdp.FullyShard has its own schedule, with a root unit)."""
+        ones in the backward (fsdp.FullyShard has its own schedule, with a root unit).
+        overlap_param_gather (stages 1, 2; units given as modules): the all-gather of the
+        updated parameters after each step is launched async, and each module waits for its own
+        units' gathers in a forward pre-hook (Megatron's overlap_param_gather), so the later
+        units' gathers run behind the earlier units' forward."""
         self.model, self.group, self.stage, self.average = model, group, stage, average
         self.plant, self.replicate, self.zpp = plant, replicate, zeropp
         self.prefetch = prefetch
+        self.overlap_param_gather = overlap_param_gather and stage < 3
         self.W = dist.get_world_size(group)
         self.R = dist.get_world_size(replicate) if replicate is not None else 1
         if model is not None:
@@ -473,6 +478,13 @@ class Zero:
                 u.modules[-1].register_forward_hook(
                     lambda mod, args, out, u=u: self._post_forward(u, out))
                 u.free_params()
+        if self.overlap_param_gather:
+            # every module that holds a unit's parameters waits for the gathers of the units
+            # that own them (a tied parameter may belong to an earlier unit)
+            for u in self.units:
+                for m in u.modules:
+                    deps = list(dict.fromkeys(self.unit_of[p] for p in m.parameters()))
+                    m.register_forward_pre_hook(lambda mod, args, deps=deps: self.wait_params(deps))
         if zeropp is not None and zeropp.hpz:
             for u in self.units:   # hpZ's secondary shard: padded / N, refreshed every forward
                 u.secondary = torch.zeros(u.padded // zeropp.N, dtype=u.full.dtype,
@@ -722,12 +734,25 @@ class Zero:
                 if u.gathered:
                     self._post_backward(u)
 
-    def all_gather_params(self):
-        """After the update (stages 1, 2): every rank's full buffer gets every updated shard."""
+    def all_gather_params(self, overlap: bool = False):
+        """After the update (stages 1, 2): every rank's full buffer gets every updated shard.
+        overlap (with overlap_param_gather, units with modules): launched async in the forward
+        order; the forward pre-hooks wait (wait_params), and so does anything that reads or
+        writes the buffers before that (the next step, the harness's reassembly)."""
+        self.wait_params()   # a unit no forward reached since the last launch
         if self.plant == "no-param-gather":   # the bug: other ranks' updates never arrive
             return
         for u in self.units:
-            dist.all_gather_into_tensor(u.full, u.shard.clone(), group=self.group)
+            later = overlap and self.overlap_param_gather and bool(u.modules)
+            u.handle = dist.all_gather_into_tensor(u.full, u.shard.clone(), group=self.group,
+                                                   async_op=later)
+
+    def wait_params(self, units=None):
+        """Finish the in-flight parameter all-gathers of `units` (default all)."""
+        for u in (self.units if units is None else units):
+            if u.handle is not None:
+                u.handle.wait()
+                u.handle = None
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """The resident gradient storage: stage 1's full buffers (and its reduced shards when
@@ -739,6 +764,8 @@ class Zero:
 
     # -- reassembly for the harness (collectives) --
     def full_tensors(self, kind: str) -> dict[str, torch.Tensor]:
+        if self.stage < 3:
+            self.wait_params()   # the shards are views of the buffers a gather may still fill
         return self.gather_flat([u.grad_shard if kind == "grad" else u.shard
                                  for u in self.units])
 
@@ -914,6 +941,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.reduce_gradients()
+        if self.engine.stage < 3:
+            self.engine.wait_params()   # the update writes shards inside the gathered buffers
         for g, ig in zip(self.param_groups, self.inner.param_groups):   # e.g. an lr schedule
             ig.update({k: v for k, v in g.items() if k != "params"})
         shards = self.grad_shards()
@@ -926,7 +955,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if m is not u.shard:
                 u.shard.copy_(m)
         if self.engine.stage < 3:
-            self.engine.all_gather_params()
+            self.engine.all_gather_params(overlap=True)
         # The step consumed the reduced shards: the next backward starts them from zero even
         # without opt.zero_grad() (model.zero_grad() cannot reach them: at stages 2 and 3
         # .grad is None after a reduction). They stay readable until then.
@@ -1301,6 +1330,9 @@ class ZeRO(Strategy):
         p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
         p.add_argument("--prefetch", type=int, default=1,
                        help="stage 3: units whose all-gather is launched ahead of use")
+        p.add_argument("--sync-param-gather", action="store_true",
+                       help="stages 1, 2: all-gather the updated parameters inside the step "
+                            "(default: async, each unit's forward waits for its own)")
         p.add_argument("--zeropp", default=None,
                        help="ZeRO++ tricks, a comma-separated subset of qwz (int8 forward "
                             "all-gather), hpz (secondary partition inside the node), qgz (int8 "
@@ -1324,7 +1356,8 @@ class ZeRO(Strategy):
         self.zero = Zero(model, stage=args.stage, average=args.plant_bug != "no-average",
                          plant=args.plant_bug,
                          reduce_dtype=grad_reduce_dtype(next(model.parameters()).dtype, args),
-                         zeropp=zpp, prefetch=getattr(args, "prefetch", 0))
+                         zeropp=zpp, prefetch=getattr(args, "prefetch", 0),
+                         overlap_param_gather=not getattr(args, "sync_param_gather", False))
         self.optimizer = adamw_on_shards(model, self.zero, args)
 
     @classmethod

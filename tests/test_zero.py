@@ -153,6 +153,31 @@ def test_zero_optimizer_bf16_masters(group):
     assert sorted(masters["state"][0]) == ["exp_avg", "exp_avg_sq", "step"]
 
 
+def test_overlapped_param_gather_is_waited_by_each_units_own_forward(group):
+    """Stages 1, 2: the step launches the parameter all-gathers async; each unit's gather is
+    finished by its own modules' forward pre-hook, not before (the later units' gathers are still
+    in flight while the first layers compute) and not after (every unit is complete when used);
+    --sync-param-gather's engine finishes them inside the step."""
+    args = harness.resolve_defaults(harness.base_parser("t").parse_args([]), "correctness", "cpu")
+    for overlap in (True, False):
+        m = harness.build_model(args, harness.load_config("tiny"), "cpu")
+        z = zero.Zero(m, stage=1, overlap_param_gather=overlap)
+        opt = zero.ZeroOptimizer(m.parameters(), torch.optim.AdamW, engine=z, lr=1e-3)
+        x = torch.randint(0, m.config.vocab_size, (2, 8))
+        m(x).logits.float().sum().backward()
+        opt.step()
+        assert [u.handle is not None for u in z.units] == [overlap] * len(z.units)
+        seen = {}
+        for i, layer in enumerate(m.model.layers):   # runs after the engine's own pre-hook
+            layer.register_forward_pre_hook(
+                lambda mod, a, i=i: [seen.setdefault(i, [u.handle is None for u in z.units])]
+                and None)
+        m(x)
+        n = len(z.units)
+        assert seen[0] == [True, True] + [not overlap] * (n - 2), seen[0]   # embed, layers.0
+        assert all(u.handle is None for u in z.units)
+
+
 def test_units_cover_every_parameter_once():
     args = harness.resolve_defaults(harness.base_parser("t").parse_args([]), "correctness", "cpu")
     for tied in (False, True):
