@@ -67,7 +67,9 @@ class CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
+        # one copy: autograd may hand the same gradient tensor to other consumers, so it is
+        # not ours to reduce in place (Megatron does; torch's contract says not to)
+        grad = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -77,7 +79,12 @@ class ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        x = x.contiguous().clone()
+        if x.is_contiguous() and not x._is_view():
+            # the row-parallel matmul's fresh partial sum, which nothing else holds: reduced in
+            # place, no copy (mark_dirty: autograd then refuses any use of the old values)
+            ctx.mark_dirty(x)
+        else:
+            x = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(x, group=group)
         return x
 
