@@ -3,7 +3,7 @@
 # make quick  the quick subset of the tests (no setup, skips tests marked slow)
 # make test-all  everything, also the tests marked heavy (W=3 on the realistic checkpoint)
 # make bench  every strategy against PyTorch's own and the single device, timed interleaved:
-#             results/bench-cpu.json (W=2 and 4; about 40 minutes on 2 cores)
+#             results/bench-cpu.json (W=2 at 6 rounds, W=4 at 3; about 30 minutes on 2 cores)
 PYTHON ?= python3
 export PYTHON
 
@@ -24,4 +24,6 @@ quick:
 	$(PYTHON) -m pytest -q -m "not slow and not heavy" tests
 
 bench: setup
-	$(PYTHON) scripts/bench.py
+	$(PYTHON) scripts/bench.py --world 2 --pairs 6
+	$(PYTHON) scripts/bench.py --world 4 --pairs 3 --merge
+	$(PYTHON) scripts/bench.py --table results/bench-cpu.json --wide

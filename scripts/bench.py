@@ -1,10 +1,12 @@
 """bench.py: every strategy against PyTorch's own implementation and the single-device reference,
 timed interleaved, into results/bench-cpu.json (`make bench`).
 
-    python scripts/bench.py                        # every row, W=2 and 4 (~40 minutes on 2 cores)
+    python scripts/bench.py                        # every row, W=2 and 4, 8 rounds each
+    make bench                                     # the README's: W=2 at 6 rounds, W=4 at 3 (~30 min on 2 cores)
     python scripts/bench.py --world 2 --only ddp,zero-1 --pairs 4 --out /tmp/b.json
     python scripts/bench.py --world 4 --only zero-1 --merge     # redo rows, keep the others
-    python scripts/bench.py --table results/bench-cpu.json      # the README's table
+    python scripts/bench.py --table results/bench-cpu.json      # every row
+    python scripts/bench.py --table results/bench-cpu.json --wide   # the README's table
 
 One `torchrun --nproc_per_node=W <strategy>.py --mode benchmark --compare-native --paired N` per
 (strategy, W): ours, each of its baselines and the single-device reference are built side by side
@@ -108,6 +110,33 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def wide_table(rows) -> str:
+    """The README's form: one line per (strategy, baseline), one column per world size, the
+    median ratio with its p10-p90 spread, and ours' overlap share per world size."""
+    worlds = sorted({r["world"] for r in rows})
+    lines, seen = [], {}
+    for r in rows:
+        key = (r["strategy"], r.get("baseline") or "-")
+        seen.setdefault(key, {})[r["world"]] = r
+    head = ["strategy", "baseline"] + [f"W={w} ours/theirs" for w in worlds] + \
+        [f"overlap W={w}" for w in worlds]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (strategy, base), by_world in seen.items():
+        cells, overlap = [], []
+        for w in worlds:
+            r = by_world.get(w)
+            if r is None:
+                cells.append("-")
+            elif r.get("skipped"):
+                cells.append(f"not run: {r['skipped']}")
+            else:
+                cells.append(f"{r['ratio_median']:.2f} ({r['ratio_p10']:.2f}-{r['ratio_p90']:.2f})")
+            ov = None if r is None else r.get("overlap_share")
+            overlap.append("-" if ov is None else f"{ov:.0%}")
+        lines.append("| " + " | ".join([strategy, base, *cells, *overlap]) + " |")
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", default="2,4", help="world sizes, comma-separated")
@@ -119,11 +148,14 @@ def main():
                    help="keep --out's other rows: replace only the (strategy, W) runs made now")
     p.add_argument("--table", metavar="JSON", default=None,
                    help="print the markdown table of a written file and exit (runs nothing)")
+    p.add_argument("--wide", action="store_true",
+                   help="with --table: one line per pair, a column per world size (the README's)")
     p.add_argument("--verbose", action="store_true")
     a = p.parse_args()
     if a.table:
         with open(a.table) as f:
-            print(table(json.load(f)))
+            rows = json.load(f)
+        print(wide_table(rows) if a.wide else table(rows))
         return
     only = None if a.only is None else set(a.only.split(","))
     unknown = (only or set()) - {label for label, _, _ in ROWS}

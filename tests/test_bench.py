@@ -47,3 +47,20 @@ def test_refused_configuration_is_a_skipped_row_merged_into_the_table(tmp_path):
     t = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "--table",
                         str(tmp_path / "bench.json")], capture_output=True, text=True)
     assert t.returncode == 0 and t.stdout.count("not run:") == 2, t.stdout + t.stderr
+
+
+def test_wide_table_one_line_per_pair_a_column_per_world(tmp_path):
+    rows = [dict(strategy="ddp", baseline="torch-ddp", world=2, ratio_median=0.98, ratio_p10=0.9,
+                 ratio_p90=1.1, overlap_share=0.7),
+            dict(strategy="ddp", baseline="torch-ddp", world=4, ratio_median=1.02, ratio_p10=0.97,
+                 ratio_p90=1.03, overlap_share=None),
+            dict(strategy="tp", world=4, skipped="error: heads")]
+    (tmp_path / "b.json").write_text(json.dumps(rows))
+    t = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "--table",
+                        str(tmp_path / "b.json"), "--wide"], capture_output=True, text=True)
+    assert t.returncode == 0, t.stderr
+    lines = t.stdout.splitlines()
+    assert lines[0] == ("| strategy | baseline | W=2 ours/theirs | W=4 ours/theirs | overlap W=2 "
+                        "| overlap W=4 |"), lines
+    assert "| ddp | torch-ddp | 0.98 (0.90-1.10) | 1.02 (0.97-1.03) | 70% | - |" in lines, lines
+    assert "| tp | - | - | not run: error: heads | - | - |" in lines, lines
