@@ -81,10 +81,13 @@ def _step_seconds(run: Run, strat, batch) -> float:
 def paired_ratios(run: Run, cls, names: list) -> dict:
     """Step-time ratios measured interleaved: ours and every baseline (and the single-device
     reference, on rank 0 while the others wait) built side by side, then --paired rounds of one
-    step each, in turn, ranks aligned by a barrier before every step; a step's time is the max
-    over ranks. Returns {baseline name: sorted ours/theirs ratios, one per round}. Interleaving
-    shares every drift of the machine (other load, clocks, caches) between the two sides of each
-    ratio, where timing one implementation after the other does not."""
+    step each, ranks aligned by a barrier before every step; a step's time is the max over
+    ranks. The order inside a round alternates (ours first in even rounds, last in odd ones:
+    A B, B A, ...), so neither side always runs on the caches and allocator state the other
+    left. Returns {baseline name: dict(ratios=sorted ours/theirs, one per round, ours_s=...,
+    theirs_s=... the per-round step seconds)}. Interleaving shares every drift of the machine
+    (other load, clocks, caches) between the two sides of each ratio, where timing one
+    implementation after the other does not."""
     args, env = run.args, run.env
 
     def barrier():
@@ -101,20 +104,23 @@ def paired_ratios(run: Run, cls, names: list) -> dict:
             ref.step(run.batch(s))
     times = [[] for _ in sides]
     ref_times = []
+    slots = list(range(len(sides))) + [None]   # None: the reference, on rank 0 only
     with METER.paused():
         for i in range(args.paired):
             batch = run.batch(args.warmup + i)
-            for k, strat in enumerate(sides):
+            for k in (slots if i % 2 == 0 else slots[::-1]):
                 barrier()
-                times[k].append(_step_seconds(run, strat, batch))
-            barrier()
-            if ref is not None:
-                ref_times.append(_step_seconds(run, ref, batch))
+                if k is not None:
+                    times[k].append(_step_seconds(run, sides[k], batch))
+                elif ref is not None:
+                    ref_times.append(_step_seconds(run, ref, batch))
     ranks = gather_objects(times)
     times = [[max(r[k][i] for r in ranks) for i in range(args.paired)] for k in range(len(sides))]
-    out = {n: sorted(o / t for o, t in zip(times[0], times[k + 1])) for k, n in enumerate(names)}
+    theirs = dict(zip(names, times[1:]))
     if env.is_main:
-        out["single device"] = sorted(o / t for o, t in zip(times[0], ref_times))
+        theirs["single device"] = ref_times
+    out = {n: dict(ratios=sorted(o / t for o, t in zip(times[0], ts)), ours_s=times[0],
+                   theirs_s=ts) for n, ts in theirs.items()}
     del sides, ref
     return out
 
@@ -193,12 +199,16 @@ def _report_benchmark(run, name, cls, n_params, ours, native, ref, expected, set
         run.print(f"step time ours / {native[0][0]}: {ours['step_s'] / native[0][1]['step_s']:.3f}"
                   + ("" if paired else " (timed one after the other: --paired N interleaves)"))
     ratios = {}
-    for base, xs in paired.items():
+    for base, pr in paired.items():
+        xs = pr["ratios"]
         ratios[base] = dict(median=quantile(xs, 0.5), p10=quantile(xs, 0.1),
-                            p90=quantile(xs, 0.9), n=len(xs))
-        run.print(f"step time ours / {base}, {len(xs)} interleaved pairs: median "
-                  f"{ratios[base]['median']:.3f} (p10 {ratios[base]['p10']:.3f}, "
-                  f"p90 {ratios[base]['p90']:.3f})")
+                            p90=quantile(xs, 0.9), n=len(xs),
+                            ours_ms=1e3 * quantile(sorted(pr["ours_s"]), 0.5),
+                            theirs_ms=1e3 * quantile(sorted(pr["theirs_s"]), 0.5))
+        run.print(f"step time ours / {base}, {len(xs)} interleaved pairs (order alternating): "
+                  f"median {ratios[base]['median']:.3f} (p10 {ratios[base]['p10']:.3f}, "
+                  f"p90 {ratios[base]['p90']:.3f}); median steps {ratios[base]['ours_ms']:.1f} "
+                  f"/ {ratios[base]['theirs_ms']:.1f} ms")
     for label, r in rows[1:]:
         share = overlap_share(r)
         o = r["overlap"][0]

@@ -10,11 +10,14 @@ timed interleaved, into results/bench-cpu.json (`make bench`).
 
 One `torchrun --nproc_per_node=W <strategy>.py --mode benchmark --compare-native --paired N` per
 (strategy, W): ours, each of its baselines and the single-device reference are built side by side
-and step in turn, one step each, N rounds (harness/benchmark.py: paired_ratios), so each round's
-ratio ours/theirs shares the machine's state of that moment. Written per (strategy, baseline, W):
+and step in turn, one step each, N rounds, the order reversed every other round (A B, B A, ...;
+harness/benchmark.py: paired_ratios), so each round's ratio ours/theirs shares the machine's
+state of that moment. Written per (strategy, baseline, W):
 
     {"strategy", "baseline", "world", "dtype", "ratio_median", "ratio_p10", "ratio_p90",
-     "overlap_share", "pairs", "model", "machine"}
+     "ours_ms", "theirs_ms", "overlap_share", "pairs", "model", "machine"}
+
+ours_ms and theirs_ms are the median step times of the same rounds (max over ranks).
 
 overlap_share is ours, from one profiled step (harness/overlap.py); null when the step has no
 communication. The baselines (each strategy's `native`): ddp.py torch DDP; zero.py stages 1, 2
@@ -88,7 +91,8 @@ def run_one(label, script, extra, world, pairs, model, verbose=False) -> list[di
     for base, r in b["paired"].items():
         rows.append(dict(strategy=label, baseline=base, world=world, dtype=b["dtype"],
                          ratio_median=round(r["median"], 4), ratio_p10=round(r["p10"], 4),
-                         ratio_p90=round(r["p90"], 4),
+                         ratio_p90=round(r["p90"], 4), ours_ms=round(r["ours_ms"], 2),
+                         theirs_ms=round(r["theirs_ms"], 2),
                          overlap_share=(None if b["overlap_share"] is None
                                         else round(b["overlap_share"], 4)),
                          pairs=r["n"], model=b["model"], machine=machine()))
@@ -180,7 +184,7 @@ def main():
             json.dump(out, f, indent=1)
         return out
 
-    rows = []
+    rows = []   # this invocation's runs (save() adds --merge's older rows to the file)
     for world in [int(w) for w in a.world.split(",")]:
         for label, script, extra in ROWS:
             if only is None or label in only:
@@ -194,10 +198,9 @@ def main():
                           f"{r['ratio_p90']:.3f})  overlap {r['overlap_share']}", flush=True)
                 rows += got
                 save(rows)
-    rows = save(rows)
-    print(table(rows))
+    print(table(save(rows)))
     print(f"wrote {a.out}")
-    if any(r.get("skipped", "").startswith("failed") for r in rows):
+    if any(r.get("skipped", "").startswith("failed") for r in rows):   # this run's, not merged
         sys.exit(1)
 
 

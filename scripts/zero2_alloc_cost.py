@@ -11,11 +11,25 @@ preset's units (embedding, head, 8 decoder layers: 72 MiB in float32), the same 
 glibc serves a buffer this large by mmap, so every step touches fresh pages; the CUDA caching
 allocator reuses its blocks instead. Measured on the 2-core AMD EPYC CPU: stage 1 5.7-6.6 ms,
 stage 2 34-38 ms; with glibc told to keep its pages (both variables above) 7.8-8.2 ms."""
+import os
+import sys
 import time
 
 import torch
 
-SIZES = [3_145_728] * 2 + [1_622_016] * 8   # elements per unit, the small preset
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def unit_sizes(preset: str = "small") -> list[int]:
+    """Elements per zero.py unit (embed, each decoder layer, norm + head) of a preset, counted
+    on the meta device so nothing is allocated."""
+    from transformers import AutoModelForCausalLM
+    from harness.models import load_config
+    from zero import decoder_units
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_config(preset))
+    return [sum(p.numel() for m in mods for p in m.parameters())
+            for _, mods in decoder_units(model)]
 
 
 def stage1(bufs, grads):
@@ -33,15 +47,16 @@ def stage2(bufs, grads):
 
 
 def main(reps: int = 10):
-    grads = [torch.randn(n) for n in SIZES]
+    sizes = unit_sizes()
+    grads = [torch.randn(n) for n in sizes]
     for name, f in (("stage 1, in place", stage1), ("stage 2, free and reallocate", stage2)):
-        bufs = [torch.zeros(n) for n in SIZES]
+        bufs = [torch.zeros(n) for n in sizes]
         f(bufs, grads)   # warm-up
         t = time.perf_counter()
         for _ in range(reps):
             f(bufs, grads)
         print(f"{name:<30} {(time.perf_counter() - t) / reps * 1e3:6.1f} ms per step "
-              f"({sum(SIZES) * 4 / 2**20:.0f} MiB of gradients)")
+              f"({sum(sizes) * 4 / 2**20:.1f} MiB of gradients)")
 
 
 if __name__ == "__main__":

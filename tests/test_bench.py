@@ -9,7 +9,7 @@ import sys
 from conftest import ROOT
 
 KEYS = {"strategy", "baseline", "world", "dtype", "ratio_median", "ratio_p10", "ratio_p90",
-        "overlap_share", "pairs", "model", "machine"}
+        "ours_ms", "theirs_ms", "overlap_share", "pairs", "model", "machine"}
 
 
 def bench(tmp_path, *args):
@@ -27,19 +27,21 @@ def test_ddp_row_against_torch_ddp_and_the_reference(tmp_path):
         assert set(r) == KEYS and r["world"] == 2 and r["dtype"] == "float32", r
         assert r["pairs"] == 3 and r["model"] == "tiny", r
         assert 0 < r["ratio_p10"] <= r["ratio_median"] <= r["ratio_p90"], r
+        assert r["ours_ms"] > 0 and r["theirs_ms"] > 0, r
         assert 0 <= r["overlap_share"] <= 1, r   # (tiny: one bucket, ~0; tests/test_overlap.py)
     assert "| ddp | torch-ddp | 2 |" in p.stdout
 
 
 def test_refused_configuration_is_a_skipped_row_merged_into_the_table(tmp_path):
-    # --merge keeps the other rows: an earlier tp row at W=3 is replaced, ddp's is kept
+    # --merge keeps the other rows: an earlier tp row at W=3 is replaced, ddp's is kept; its
+    # old failure is not this run's, so the exit code stays 0
     earlier = [dict(strategy="tp", world=3, skipped="stale"), dict(strategy="ddp", world=3,
-                                                                   skipped="kept")]
+                                                                   skipped="failed (exit 1)")]
     (tmp_path / "bench.json").write_text(json.dumps(earlier))
     # tp runs 8 heads (configs/small-gqa8.json): 3 ranks cannot split them
     p, rows = bench(tmp_path, "--world", "3", "--only", "tp", "--pairs", "2", "--merge")
     assert p.returncode == 0, p.stdout + p.stderr
-    assert [r["strategy"] for r in rows] == ["ddp", "tp"] and rows[0]["skipped"] == "kept"
+    assert [r["strategy"] for r in rows] == ["ddp", "tp"] and rows[0]["skipped"] == "failed (exit 1)"
     rows = rows[1:]
     assert len(rows) == 1 and rows[0]["skipped"].startswith("error:"), rows
     assert "head" in rows[0]["skipped"], rows
