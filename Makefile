@@ -3,7 +3,7 @@
 # make quick  the quick subset of the tests (no setup, skips tests marked slow)
 # make test-all  everything, also the tests marked heavy (W=3 on the realistic checkpoint)
 # make bench  every strategy against PyTorch's own and the single device, timed interleaved:
-#             results/bench-cpu.json (W=2 at 6 rounds, W=4 at 3; about 30 minutes on 2 cores)
+#             results/bench-cpu.json (W=2 at 6 rounds, W=4 at 4; about 35 minutes on 2 cores)
 PYTHON ?= python3
 export PYTHON
 
@@ -25,5 +25,5 @@ quick:
 
 bench: setup
 	$(PYTHON) scripts/bench.py --world 2 --pairs 6
-	$(PYTHON) scripts/bench.py --world 4 --pairs 3 --merge
+	$(PYTHON) scripts/bench.py --world 4 --pairs 4 --merge
 	$(PYTHON) scripts/bench.py --table results/bench-cpu.json --wide

@@ -81,7 +81,7 @@ class ReduceFromTP(torch.autograd.Function):
     def forward(ctx, x, group):
         if x.is_contiguous() and not x._is_view():
             # the row-parallel matmul's fresh partial sum, which nothing else holds: reduced in
-            # place, no copy (mark_dirty: autograd then refuses any use of the old values)
+            # place, no copy (mark_dirty: autograd raises if any node saved the pre-reduce value)
             ctx.mark_dirty(x)
         else:
             x = x.clone(memory_format=torch.contiguous_format)

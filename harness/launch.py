@@ -80,8 +80,9 @@ def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
     p.add_argument("--bench-iters", type=int, default=5, help="benchmark timed steps")
     p.add_argument("--paired", type=int, default=0,
                    help="benchmark with --compare-native: also N rounds of ours, each baseline "
-                        "and the single-device reference, one step each in turn, and the median "
-                        "and spread of the per-round step-time ratios")
+                        "and the single-device reference, one step each in turn (the order "
+                        "reversed every other round), and the median and spread of the "
+                        "per-round step-time ratios")
     p.add_argument("--log-every", type=int, default=10, help="learning-mode print interval")
     p.add_argument("--compare-native", action="store_true",
                    help="also run PyTorch's own implementation, where the strategy has one")

@@ -2,7 +2,7 @@
 timed interleaved, into results/bench-cpu.json (`make bench`).
 
     python scripts/bench.py                        # every row, W=2 and 4, 8 rounds each
-    make bench                                     # the README's: W=2 at 6 rounds, W=4 at 3 (~30 min on 2 cores)
+    make bench                                     # the README's: W=2 at 6 rounds, W=4 at 4 (~35 min on 2 cores)
     python scripts/bench.py --world 2 --only ddp,zero-1 --pairs 4 --out /tmp/b.json
     python scripts/bench.py --world 4 --only zero-1 --merge     # redo rows, keep the others
     python scripts/bench.py --table results/bench-cpu.json      # every row

@@ -9,8 +9,9 @@ each unit's buffer once reduce-scattered (zero.py: FlatUnit.free_grads) and allo
 zeroed, when the unit's next gradient arrives (FlatUnit.alloc_grads). Timed here on the small
 preset's units (embedding, head, 8 decoder layers: 72 MiB in float32), the same storage calls.
 glibc serves a buffer this large by mmap, so every step touches fresh pages; the CUDA caching
-allocator reuses its blocks instead. Measured on the 2-core AMD EPYC CPU: stage 1 5.7-6.6 ms,
-stage 2 34-38 ms; with glibc told to keep its pages (both variables above) 7.8-8.2 ms."""
+allocator reuses its blocks instead. Measured on the 2-core AMD EPYC CPU, five runs: stage 1
+4.4-5.3 ms, stage 2 38-42 ms; with glibc told to keep its pages (both variables above, four runs)
+stage 2 5.8-6.4 ms."""
 import os
 import sys
 import time
