@@ -24,11 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def unit_sizes(preset: str = "small") -> list[int]:
     """Elements per zero.py unit (embed, each decoder layer, norm + head) of a preset, counted
     on the meta device so nothing is allocated."""
-    from transformers import AutoModelForCausalLM
+    from types import SimpleNamespace
+    from harness.loading import meta_model
     from harness.models import load_config
     from zero import decoder_units
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(load_config(preset))
+    model = meta_model(load_config(preset), SimpleNamespace(attn="sdpa", dtype="float32"))
     return [sum(p.numel() for m in mods for p in m.parameters())
             for _, mods in decoder_units(model)]
 

@@ -41,7 +41,8 @@ def test_refused_configuration_is_a_skipped_row_merged_into_the_table(tmp_path):
     # tp runs 8 heads (configs/small-gqa8.json): 3 ranks cannot split them
     p, rows = bench(tmp_path, "--world", "3", "--only", "tp", "--pairs", "2", "--merge")
     assert p.returncode == 0, p.stdout + p.stderr
-    assert [r["strategy"] for r in rows] == ["ddp", "tp"] and rows[0]["skipped"] == "failed (exit 1)"
+    assert [r["strategy"] for r in rows] == ["ddp", "tp"], rows
+    assert rows[0]["skipped"] == "failed (exit 1)", rows
     rows = rows[1:]
     assert len(rows) == 1 and rows[0]["skipped"].startswith("error:"), rows
     assert "head" in rows[0]["skipped"], rows
