@@ -9,6 +9,7 @@ The package, one concern per module (a strategy imports its names from here, the
 
     strategy.py     the adapter contract (`Strategy`), the single-device `Reference`, `Plant`,
                     and the helpers strategies share (make_adamw, all_reduce_flat, ...)
+    plants.py       `planted(NAME)`: the switch for a planted bug, set by the harness for a run
     models.py       presets, HF configs and checkpoint directories, the reference model
     data.py         the synthetic Markov language (exact loss floor), `Batch`, ignored labels
     loss.py         the loss normalisation: CE sum over a rank's tokens / global token count
@@ -59,6 +60,7 @@ from .memory import OOM_EXIT, MemoryTracker, SimulatedOOM, steady_peak  # noqa: 
 from .meter import METER, CommMeter, Expect, group_name, name_group, phase  # noqa: F401
 from .models import (DTYPES, PRESETS, ConfigError, build_model, common_constraints,  # noqa: F401
                      has_weights, load_config, model_kwargs, param_count, promote_norms)
+from .plants import planted, planting  # noqa: F401
 from .precision import MasterAdamW  # noqa: F401
 from .run import Run  # noqa: F401
 from .strategy import (HARNESS_PLANTS, DTensorBaseline, Plant, Reference,  # noqa: F401

@@ -19,6 +19,7 @@ from .launch import Env, base_parser, env_from_os, fail_config, launch, resolve_
 from .learning import run_learning
 from .models import ConfigError, common_constraints, load_config
 from .nccl import nccl_checked
+from .plants import planting
 from .run import Run
 from .strategy import HARNESS_PLANTS
 
@@ -69,8 +70,9 @@ def _execute(cls, args, env: Env, config, dtypes) -> bool:
               "benchmark": run_benchmark, "peak": run_peak, "plants": run_plants,
               **cls.modes}[mode]
         # --nccl-semantics: each run's record checked after it (plants: each planted run's)
-        ok &= (nccl_checked(fn, run, cls) if a.nccl_semantics and mode != "plants"
-               else fn(run, cls))
+        with planting(a.plant_bug):   # the planted bug, if any, is on for this run only
+            ok &= (nccl_checked(fn, run, cls) if a.nccl_semantics and mode != "plants"
+                   else fn(run, cls))
     return ok
 
 

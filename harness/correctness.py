@@ -61,8 +61,9 @@ def run_plants(run: Run, cls) -> bool:
         args.mode, args.plant_bug = "correctness", name
         sub = Run(args, run.env, run.config, run.lang, run.results)
         run.print(f"\n=== plant: {name or '(none: the clean run must PASS)'}")
-        passed = (nccl_checked(_correctness_one, sub, cls) if args.nccl_semantics
-                  else _correctness_one(sub, cls))
+        with planting(name):
+            passed = (nccl_checked(_correctness_one, sub, cls) if args.nccl_semantics
+                      else _correctness_one(sub, cls))
         rows.append((name or "(none)", passed, passed == (name is None)))
     run.print(f"\nplants: {cls.name} W={run.env.world} {run.args.dtype}"
               f"{' clip=%g' % run.args.clip if run.args.clip else ''}")
