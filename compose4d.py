@@ -47,10 +47,10 @@ M micro-batches, Psi_r = parameters held per rank = about Psi / (T P))
                  per micro-batch (M Psi_r b) (zero.py)
     world        one 8-byte all-reduce of the squared gradient norm
 
-Checkpoints and the train mode: checkpoint.py (layout-independent, atomic; the HF export) and
-train.py (`--mode train`: real text with --data, held-out evaluation, samples, logs, SIGTERM
-saves at the end of the step in flight, or mid-step with --preempt-at micro-batch, elastic
-restarts). A model built on the meta device (train mode, --model a safetensors directory) is
+Checkpoints and the train mode: trainer4d/checkpoint.py (layout-independent, atomic; the HF
+export) and trainer4d/train.py (`--mode train`: real text with --data, held-out evaluation,
+samples, logs, SIGTERM saves at the end of the step in flight, or mid-step with --preempt-at
+micro-batch, elastic restarts). A model built on the meta device (train mode, --model a safetensors directory) is
 materialised here, once it is cut: each rank reads only its shard.
 """
 import copy
@@ -66,11 +66,11 @@ from harness.flops import mfu_line
 from harness.precision import grad_reduce_dtype
 from harness import loading, train_data
 import cp_ring
-import elastic
 import pp
 import sp
 import tp
 import zero
+from trainer4d import elastic, train   # the train mode (checkpoints, preemption, elastic)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,7 +186,7 @@ def compose_constraints(args, world, config) -> list[str]:
                 f"{T * P * C} (dp = W / (tp pp cp))"]
     D = world // (T * P * C)
     if args.mode == "train" and args.elastic:     # re-plan first: it sets batch and grad-accum
-        plan = elastic.replan(world, config, args)
+        plan = train.replan(world, config, args)
         if not plan.feasible:
             return [f"--elastic: {plan.why}"]
         args = copy.copy(args)
@@ -271,6 +271,7 @@ class Compose4D(Strategy):
             "the first stage's embedding and the last stage's head copy of the tied weight "
             "are not summed: each updates with its own part of the gradient", _PP),
     }
+    modes = {"train": train.run_train}   # --mode train: a logged run with checkpoints
 
     @staticmethod
     def add_args(p):
@@ -490,6 +491,9 @@ class Compose4D(Strategy):
         """The global CE sum (logging): every tp rank computed the same one, so count it once."""
         return global_loss(loss_sum if self.me["tp"] == 0 else loss_sum * 0, 1)
 
+    def learning_rate(self, step: int) -> float:
+        return lr_at(step, self.args)
+
     def update(self, grads: list[torch.Tensor]):
         """Clip by the global norm, AdamW on the shards at this step's learning rate, all-gather
         the updated parameters."""
@@ -643,6 +647,4 @@ if __name__ == "__main__":
     import sys
     if sys.argv[1:2] == ["plan"]:       # the elastic batch planner (no process group)
         sys.exit(elastic.plan_main(sys.argv[2:]))
-    import train                        # the train mode: checkpoints, preemption, elastic
-    Compose4D.modes = {"train": train.run_train}
     main(Compose4D)

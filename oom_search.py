@@ -51,8 +51,8 @@ Prediction (--predict; bytes per rank, e = bytes per element of the run's dtype)
     cp blocks      cp_ring's block kernel is plain torch (no fused kernel): its backward holds the
                    scores, probabilities, dP and dS of one (S/2C)^2 block per head: 4 b a (S/2C)^2 e.
     Peak = states + activations + logits/loss (PP: the largest stage). Stated tolerance against
-    the measured CPU peak on the tiny preset: within 15% (tests/test_oom_search.py; measured: 12%
-    on tiny, 5% on small); --compare prints the ratios.
+    the measured CPU peak on the tiny preset: within 15% (tests/test_oom_search.py); --compare
+    prints the ratios.
 
 Simulation (--simulate)
     The real training steps of the strategy, under FakeTensorMode, as rank 0 of a world of N on

@@ -3,7 +3,8 @@
 A strategy file (ddp.py, zero.py, ...) holds the algorithm and a small adapter class
 (`Strategy`, whose contract is written at the top of strategy.py); `main(StrategyClass)` does the
 rest: launches the process group, builds the single-device reference, generates the data, and
-runs the modes against the reference. Nothing here knows how any strategy splits the work.
+runs the modes against the reference. Nothing here knows how any strategy splits the work, and
+nothing here imports a strategy file (tests/test_layout.py checks it).
 
 The package, one concern per module (a strategy imports its names from here, the package):
 
@@ -38,9 +39,6 @@ The package, one concern per module (a strategy imports its names from here, the
     train_data.py   the train mode's data arguments, batches, held-out evaluation, greedy samples
     loading.py      each rank reads only its shard of a safetensors checkpoint (meta device)
     trainlog.py     the train mode's train.jsonl, TensorBoard events and loss.png
-    plan.py         `python -m harness.plan`: one GPU's model states, activations, bubble and
-                    comm per step for a cluster layout, from the strategies' formulas
-                    (docs/interview.md's cluster-scale questions)
 
 Modes (`--mode correctness|learning|benchmark|all|plants|peak`): see correctness.py,
 learning.py and benchmark.py. `--out DIR` writes correctness.json, learning.csv (+ .png with
@@ -52,7 +50,7 @@ from .compare import (TOL_K, Comparison, NoisePolicy, clip_coef, preclip_grads, 
                       role)
 from .correctness import run_correctness, run_plants  # noqa: F401
 from .data import PAD_ID, Batch, MarkovLanguage, ignore_spans, make_batch  # noqa: F401
-from .launch import (Env, base_parser, fail_config, launch,  # noqa: F401
+from .launch import (base_parser, fail_config, launch,  # noqa: F401
                      resolve_defaults, teardown)
 from .learning import run_learning  # noqa: F401
 from .loss import IGNORE_INDEX, global_loss, lm_loss_sum, scalar  # noqa: F401
@@ -62,7 +60,7 @@ from .models import (DTYPES, PRESETS, ConfigError, build_model, common_constrain
                      has_weights, load_config, model_kwargs, param_count, promote_norms)
 from .plants import planted, planting  # noqa: F401
 from .precision import MasterAdamW  # noqa: F401
-from .run import Run  # noqa: F401
+from .run import Env, Run  # noqa: F401
 from .strategy import (HARNESS_PLANTS, DTensorBaseline, Plant, Reference,  # noqa: F401
                        Strategy, all_reduce_flat, clip_by_norm, full_tensor, make_adamw,
                        spread_across_ranks)

@@ -11,7 +11,6 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from .compare import TOL_K
 from .meter import METER
 from .models import DTYPES, PRESETS
+from .run import Env
 from .strategy import HARNESS_PLANTS
 
 
@@ -133,19 +133,6 @@ def resolve_defaults(args, mode: str, device: str, world: int = 1) -> argparse.N
     if a.tol_k is None:
         a.tol_k = TOL_K
     return a
-
-
-@dataclass
-class Env:
-    rank: int
-    world: int
-    local_rank: int
-    device: torch.device
-    backend: str
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
 
 def env_from_os() -> tuple[int, int, int]:

@@ -13,7 +13,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .meter import phase
-from .run import Run
 
 
 def unique_bytes(tensors) -> int:
@@ -103,9 +102,10 @@ class MemoryTracker(TorchDispatchMode):
         return out
 
 
-def measure_memory(run: Run, strat, limit: int | None = None, step: int = 10_000) -> dict:
+def measure_memory(run, strat, limit: int | None = None, step: int = 10_000) -> dict:
     """One more step under the live-storage tracker (CPU) or the CUDA allocator's peak.
-    limit: raise SimulatedOOM when the tracked bytes exceed it (peak mode's CPU budget)."""
+    run: the harness Run (its env and batches); limit: raise SimulatedOOM when the tracked bytes
+    exceed it (peak mode's CPU budget)."""
     env = run.env
     states = strat.model_states()
     pre = [t for ts in states.values() for t in ts if t is not None]
@@ -129,7 +129,7 @@ def measure_memory(run: Run, strat, limit: int | None = None, step: int = 10_000
     return out
 
 
-def steady_peak(run: Run, strat, limit: int | None = None) -> dict:
+def steady_peak(run, strat, limit: int | None = None) -> dict:
     """The peak of a training step in steady state: the first step creates the optimizer's
     states in its optimizer phase, after the activations are gone; from the second step on they
     are live through the forward and backward as well. So two steps are tracked and the second

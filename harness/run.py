@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import copy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -15,8 +14,19 @@ from .meter import METER
 from .models import build_model
 from .strategy import reference_class
 
-if TYPE_CHECKING:
-    from .launch import Env
+
+@dataclass
+class Env:
+    """This process's place in the job: its rank, the world size, its device and backend."""
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
 
 
 @dataclass

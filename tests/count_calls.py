@@ -18,7 +18,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-import train  # noqa: E402
+from trainer4d import train  # noqa: E402
 from harness.meter import _METERED, patch_dist  # noqa: E402
 from harness.nccl import COLLECTIVES  # noqa: E402
 

@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-import checkpoint
 import compose4d
 import harness
 import harness.flops
 from conftest import Runs, assert_config_error, config_file
+from trainer4d import checkpoint
 
 N_TENSORS = 2 + 4 * 9 + 1      # tiny: embed + head + 4 layers x 9 + final norm
 

@@ -1,12 +1,12 @@
-"""elastic.py's batch planner: the rule, the memory model, infeasible counts, and the CLI."""
+"""trainer4d/elastic.py's batch planner: the rule, the memory model, infeasible counts, and the CLI."""
 import json
 import subprocess
 import sys
 
 import pytest
 
-import elastic
 from conftest import ROOT, assert_config_error
+from trainer4d import elastic
 
 GiB = 2**30
 BASE = dict(params=5e9, hidden=4096, layers=32, seq=4096, mem_bytes=80 * GiB, tolerance=0.10,
@@ -152,7 +152,7 @@ def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path):
     assert r.rc != 0                                  # died inside the step-4 save
     assert (ck / ".tmp-step-4").is_dir() and not (ck / "step-4").exists()
     assert (ck / "latest").read_text() == "step-2"
-    import checkpoint
+    from trainer4d import checkpoint
     meta, tensors = checkpoint.load_checkpoint(str(ck))
     assert meta["step"] == 2 and len(tensors["param"]) == 39
     # and a restart resumes from it

@@ -1,8 +1,8 @@
-"""harness/plan.py, the layout calculator of docs/interview.md: its figures against the measured
+"""trainer4d/plan.py, the layout calculator of docs/interview.md: its figures against the measured
 ones they stand for (zero.py's and tp.py's benchmark bytes on tiny, harness.recompute's
 formula, pp.py's simulation) and against hand counts. One process, no process group."""
 import harness
-from harness import plan
+from trainer4d import plan
 from harness.models import load_config
 import pp
 

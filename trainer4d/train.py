@@ -31,9 +31,6 @@ import time
 import torch
 import torch.distributed as dist
 
-import elastic
-from checkpoint import export_hf, hf_model, latest_dir, load_checkpoint, restore, save_checkpoint
-from compose4d import Compose4D, lr_at
 from harness import DTYPES, METER, Batch, Run, build_model, loading
 from harness.flops import mfu
 from harness.loading import has_safetensors, meta_model
@@ -41,6 +38,10 @@ from harness.recompute import apply_recompute, recompute_what
 from harness.run import gather_objects
 from harness.trainlog import TrainLog, memory_now
 from harness import train_data
+
+from . import elastic
+from .checkpoint import (export_hf, hf_model, latest_dir, load_checkpoint, restore,
+                         save_checkpoint)
 
 
 class Preemption:
@@ -63,7 +64,7 @@ class Preemption:
         return bool(t.item())
 
 
-def loss_and_flag(strat: Compose4D, loss_sum: torch.Tensor, flag: bool,
+def loss_and_flag(strat, loss_sum: torch.Tensor, flag: bool,
                   norm=None) -> tuple[float, bool, float | None]:
     """The step's global CE sum (counted once over tp, as Compose4D.loss_once), whether any
     rank has seen SIGTERM, and the gradient norm (a device scalar, the same on every rank) as a
@@ -83,7 +84,7 @@ def loss_and_flag(strat: Compose4D, loss_sum: torch.Tensor, flag: bool,
     return ce, n > 0, (g if norm is not None else None)
 
 
-def step_rows(strat: Compose4D, batch: Batch, rows=None, mb=None, stop=None, partial=None,
+def step_rows(strat, batch: Batch, rows=None, mb=None, stop=None, partial=None,
               flag=lambda: False, cut=True):
     """Compose4D.step, resumable and cuttable. Over the global batch's rows `rows` (default: all
     of them, split into contiguous dp shares of --grad-accum micro-batches; else each dp rank
@@ -125,7 +126,7 @@ def step_rows(strat: Compose4D, batch: Batch, rows=None, mb=None, stop=None, par
     return loss / batch.n_tokens, None, stopping
 
 
-def processed(strat: Compose4D, batch: Batch, k: int) -> list[int]:
+def processed(strat, batch: Batch, k: int) -> list[int]:
     """Global rows done when every dp rank has run its first k micro-batches (fresh step)."""
     D, M = strat.grid.size["dp"], strat.args.grad_accum
     n = batch.input_ids.shape[0] // D
@@ -133,7 +134,7 @@ def processed(strat: Compose4D, batch: Batch, k: int) -> list[int]:
     return [d * n + i for d in range(D) for i in range(k * mb)]
 
 
-def add_partial(strat: Compose4D, full: dict[str, torch.Tensor]):
+def add_partial(strat, full: dict[str, torch.Tensor]):
     """Put a restored partial gradient where this layout's reductions count it exactly once:
     on dp x cp rank 0 (ZeRO-1's full buffers; ZeRO-2: each rank's own shard of it); for
     tp-partial (SP norm) gradients on tp rank 0 only; for the tied head copy on the first
@@ -170,6 +171,21 @@ def split_even(rows, parts):
         i += n
     return out
 
+
+
+def target_batch(args) -> int:
+    """The global batch an elastic run keeps: the checkpoint's, or --batch for a fresh run."""
+    d = latest_dir(args.resume)
+    if d is None:
+        return args.batch
+    with open(os.path.join(d, "meta.json")) as f:
+        return json.load(f).get("global_batch", args.batch)
+
+
+def replan(world: int, config, args) -> elastic.Plan:
+    """--elastic: the batch, grad-accum and ZeRO stage for the world size this run (re)starts
+    on (compose4d's constraints call it before the process group exists)."""
+    return elastic.replan(world, config, args, target_batch(args))
 
 
 def build(run: Run, cls):
@@ -216,7 +232,7 @@ def run_train(run: Run, cls) -> bool:
     meta, full = load_checkpoint(args.resume) if latest_dir(args.resume) else (None, None)
     target = meta.get("global_batch", args.batch) if meta else args.batch
     if args.elastic:     # feasible: checked in compose_constraints
-        plan = elastic.replan(env.world, run.config, args)
+        plan = elastic.replan(env.world, run.config, args, target)
         args.batch, args.grad_accum, args.zero = plan.global_batch, plan.grad_accum, plan.zero
     strat = build(run, cls)
     data = train_data.DataSource(train_data.open_corpus(args, run.config), run.lang, args,
@@ -287,7 +303,7 @@ def run_train(run: Run, cls) -> bool:
         offset += G
         tok += G * args.length
         dt_step = time.time() - t_step
-        row = dict(step=s, loss=loss, lr=lr_at(s, args), grad_norm=strat.last_norm,
+        row = dict(step=s, loss=loss, lr=strat.learning_rate(s), grad_norm=strat.last_norm,
                    tokens_per_s=G * args.length / max(dt_step, 1e-9))
         row["memory_bytes"], row["memory_source"] = memory_now(env.device)
         row["mfu"] = mfu(run.config, G * args.length, args.length, dt_step, env.world,
@@ -298,7 +314,7 @@ def run_train(run: Run, cls) -> bool:
         if s % args.log_every == 0 or s == end - 1 or "eval_loss" in row:
             dt = time.time() - t0
             run.print(f"step {s:>5}  loss {loss:.6f}  grad norm {strat.last_norm:.4f}  "
-                      f"lr {lr_at(s, args):.2e}  {tok / max(dt, 1e-9):,.0f} tok/s  "
+                      f"lr {strat.learning_rate(s):.2e}  {tok / max(dt, 1e-9):,.0f} tok/s  "
                       + (f"held-out loss {row['eval_loss']:.4f} ppl {row['eval_ppl']:.2f}  "
                          if "eval_loss" in row else "")
                       + f"world {env.world} global batch {G} micro {mb} accum {args.grad_accum} "

@@ -9,7 +9,8 @@ data's fingerprint and the sequence length.
 Atomic: everything is written into DIR/.tmp-step-N, renamed to DIR/step-N, and only then does
 DIR/latest (replaced with os.replace) name it, so a crash never leaves a half-written "latest".
 `export_hf` writes the full model with save_pretrained; AutoModelForCausalLM.from_pretrained
-loads it and gives the same logits.
+loads it and gives the same logits. `strat` below is a compose4d.Compose4D (passed in by the train
+mode; this module does not import the trainer, so the trainer can import it).
 """
 from __future__ import annotations
 
@@ -17,15 +18,11 @@ import json
 import os
 import shutil
 import time
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from harness import DTYPES, METER
-
-if TYPE_CHECKING:
-    from compose4d import Compose4D
 
 
 def _tp_split(strat, name):
@@ -39,7 +36,7 @@ def _write_synced(path: str, text: str):
         os.fsync(f.fileno())
 
 
-def save_checkpoint(strat: Compose4D, root: str, step: int, extra: dict | None = None,
+def save_checkpoint(strat, root: str, step: int, extra: dict | None = None,
                     grads: bool = False) -> str:
     """Collective. Returns the step directory. `extra` goes into meta.json (data position,
     restarts, a cut step's position); `grads`: also the reduced gradients of a cut step."""
@@ -116,7 +113,7 @@ def load_checkpoint(root: str) -> tuple[dict, dict[str, dict[str, torch.Tensor]]
     return meta, full
 
 
-def restore(strat: Compose4D, meta: dict, full: dict):
+def restore(strat, meta: dict, full: dict):
     """Parameters, AdamW moments and step counters from full tensors, sliced for this layout."""
     z, opt = strat.zero, strat.optimizer
 
@@ -141,7 +138,7 @@ def restore(strat: Compose4D, meta: dict, full: dict):
     opt.steps_taken, strat.t = meta["adam_t"], meta["step"]
 
 
-def hf_model(strat: Compose4D, full: dict[str, torch.Tensor]):
+def hf_model(strat, full: dict[str, torch.Tensor]):
     """A plain HF model (CPU, the run's dtype, HF's own modules) holding the full tensors."""
     from transformers import AutoModelForCausalLM
     cfg = strat.model.config
@@ -154,7 +151,7 @@ def hf_model(strat: Compose4D, full: dict[str, torch.Tensor]):
     return model.eval()
 
 
-def export_hf(strat: Compose4D, out: str, tokenizer: str | None = None,
+def export_hf(strat, out: str, tokenizer: str | None = None,
               full: dict[str, torch.Tensor] | None = None):
     """Collective (unless `full`, the gathered tensors, is given): the full trained model as an
     HF model directory, with the tokenizer's files when there is one (rank 0 writes)."""

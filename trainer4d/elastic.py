@@ -142,21 +142,10 @@ def format_table(target: int, rows: list[Plan]) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 # Re-planning a run (compose4d.py --mode train --elastic): before the process group exists
 # ----------------------------------------------------------------------------------------------
-def target_batch(args) -> int:
-    """The global batch to keep: the checkpoint's, or --batch for a fresh run."""
-    import json
-    import os
-    from checkpoint import latest_dir
-    d = latest_dir(args.resume)
-    if d is None:
-        return args.batch
-    with open(os.path.join(d, "meta.json")) as f:
-        return json.load(f).get("global_batch", args.batch)
-
-
-def replan(world: int, config, args) -> Plan:
-    """plan_world for this world size: TP, PP, CP as given, DP absorbs the change. Runs in
-    compose4d's constraints, before the process group exists, so an infeasible world ends at
+def replan(world: int, config, args, target: int) -> Plan:
+    """plan_world for this world size: TP, PP, CP as given, DP absorbs the change, the global
+    batch kept near `target` (the caller's: the checkpoint's, or --batch for a fresh run). Runs
+    in compose4d's constraints, before the process group exists, so an infeasible world ends at
     once. (torch and transformers are imported here: the planner's CLI does not need them.)"""
     import torch
     from transformers import AutoModelForCausalLM
@@ -164,7 +153,7 @@ def replan(world: int, config, args) -> Plan:
     with torch.device("meta"):
         params = param_count(AutoModelForCausalLM.from_config(config))
     return plan_world(
-        world, target_batch(args), params=params, hidden=config.hidden_size,
+        world, target, params=params, hidden=config.hidden_size,
         layers=config.num_hidden_layers, seq=args.length, mem_bytes=args.mem_gib * 2**30,
         tolerance=args.batch_tolerance, max_micro_batch=args.max_micro_batch,
         min_zero=args.zero, max_zero=2, tp=args.tp, pp=args.pp, cp=args.cp)

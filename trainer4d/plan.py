@@ -3,11 +3,11 @@ model-state bytes, activation bytes, the pipeline bubble and the communication p
 GPU, for a given model shape and (tp, cp, pp, dp, ep) layout. docs/interview.md uses it for the
 cluster-scale questions (Llama 3 405B, a 7B model on 8 A100s, DeepSeek-V3).
 
-    python -m harness.plan --model llama3-405b --mem-gib 80 \\
+    python -m trainer4d.plan --model llama3-405b --mem-gib 80 \\
         --layout tp=8,pp=16,dp=128,seq=8192,m=16 --layout tp=8,cp=16,pp=16,dp=8,seq=131072,m=16
-    python -m harness.plan --model llama2-7b --mem-gib 40 --layout dp=8,zero=3,recompute=full
-    python -m harness.plan bubble --stages 4 --microbatches 8 --virtual-stages 2
-    python -m harness.plan ring --ranks 4 --elements 8
+    python -m trainer4d.plan --model llama2-7b --mem-gib 40 --layout dp=8,zero=3,recompute=full
+    python -m trainer4d.plan bubble --stages 4 --microbatches 8 --virtual-stages 2
+    python -m trainer4d.plan ring --ranks 4 --elements 8
 
 A layout is comma-separated key=value pairs: tp, cp, pp, dp, ep (expert-parallel ranks inside
 dp; an MoE model only), seq (length), mb (sequences per micro-batch), m (micro-batches per step
@@ -66,7 +66,7 @@ def load(name: str):
     if name in PLAN_MODELS:
         kind, kw = PLAN_MODELS[name]
         return CONFIG_MAPPING[kind](**kw)
-    from .models import load_config
+    from harness.models import load_config
     return load_config(name)
 
 
@@ -122,7 +122,7 @@ def state_bytes(params: dict, lay, elem: int) -> dict:
     """Model states per GPU: dense parameters over tp x pp (ZeRO over dp x cp), routed experts
     over ep x pp (ZeRO over the dp x cp / ep replicas of each expert). Each part is
     elastic.MemoryModel's with the other two coefficients zero."""
-    from elastic import MemoryModel
+    from .elastic import MemoryModel
     coef = dict(params=(elem, 0, 0), grads=(0, elem, 0),
                 optimizer=(0, 0, 12 if elem < 4 else 2 * elem))
     zero, dpc = lay["zero"], lay["dp"] * lay["cp"]
@@ -140,7 +140,7 @@ def activation_bytes(config, lay, elem: int) -> dict | None:
     """Saved activations per GPU (the first pipeline stage, which holds the most under 1F1B)."""
     if not is_llama(config):
         return None
-    from .recompute import activation_bytes as per_layer_bytes
+    from harness.recompute import activation_bytes as per_layer_bytes
     b, s, T = lay["mb"], lay["seq"] // lay["cp"], lay["tp"]        # s: this GPU's tokens (CP)
     mode = lay["recompute"]
     per = per_layer_bytes(config, b, s, elem, mode, "sdpa")["per_layer"]
@@ -338,7 +338,7 @@ def ring_all_reduce(N: int, S: int, elem: int = 4, out=print) -> dict:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bubble"]:
-        p = argparse.ArgumentParser(prog="python -m harness.plan bubble")
+        p = argparse.ArgumentParser(prog="python -m trainer4d.plan bubble")
         p.add_argument("--stages", type=int, default=4)
         p.add_argument("--microbatches", type=int, default=8)
         p.add_argument("--virtual-stages", type=int, default=2)
@@ -348,14 +348,14 @@ def main(argv=None):
         return bubbles(a.stages, a.microbatches, a.virtual_stages, a.schedules.split(","),
                        a.target)
     if argv[:1] == ["ring"]:
-        p = argparse.ArgumentParser(prog="python -m harness.plan ring")
+        p = argparse.ArgumentParser(prog="python -m trainer4d.plan ring")
         p.add_argument("--ranks", type=int, default=4)
         p.add_argument("--elements", type=int, default=1024)
         a = p.parse_args(argv[1:])
         if a.elements % a.ranks:
             raise SystemExit("error: --elements must be a multiple of --ranks")
         return ring_all_reduce(a.ranks, a.elements)
-    p = argparse.ArgumentParser(prog="python -m harness.plan", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m trainer4d.plan", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama3-405b",
                    help=f"{', '.join(PLAN_MODELS)}, a harness preset, or an HF config")
     p.add_argument("--layout", action="append", required=True,
