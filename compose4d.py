@@ -61,7 +61,8 @@ import torch
 import torch.distributed as dist
 
 from harness import (DTYPES, METER, Batch, Expect, Plant, Reference, Strategy, all_reduce_flat,
-                     clip_by_norm, global_loss, main, name_group, phase, spread_across_ranks)
+                     clip_by_norm, global_loss, main, name_group, phase, planted,
+                     spread_across_ranks)
 from harness.flops import mfu_line
 from harness.precision import grad_reduce_dtype
 from harness import loading, train_data
@@ -370,7 +371,7 @@ class Compose4D(Strategy):
         V = args.virtual_stages if args.schedule == "interleaved" else 1
         self.pipe = pp.Pipeline(model, P, V, self.me["pp"], args.schedule, group=g["pp"],
                                 tie_group=g["tied"])
-        self.pipe.positions = None if args.plant_bug == "cp-local-positions" else self.pos
+        self.pipe.positions = None if planted("cp-local-positions") else self.pos   # plant
         self.pipe.seq_shards = T if args.sp else 1
         if self.tp is not None:
             self.pipe.loss_sum = self.tp.loss_sum
@@ -381,7 +382,7 @@ class Compose4D(Strategy):
         if any(p.is_meta for p in model.parameters()):
             self.load_report = self._load_shards()
         # ZeRO over dp x cp, on this stage's (TP-sharded) parameters; gradients summed.
-        zgroup = g["dp"] if args.plant_bug == "grad-sum-misses-cp" else g["dpcp"]
+        zgroup = g["dp"] if planted("grad-sum-misses-cp") else g["dpcp"]   # plant
         self.zero = zero.Zero(model, group=zgroup, stage=args.zero, average=False,
                               units=self._units(),
                               reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
@@ -459,8 +460,7 @@ class Compose4D(Strategy):
         CE_sum / N_global; then the gradient sums, clipping and AdamW on the ZeRO shards."""
         self.optimizer.zero_grad(set_to_none=False)
         local = self.local_batch(batch)
-        n_tokens = (local.n_tokens if self.args.plant_bug == "local-token-mean"
-                    else batch.n_tokens)
+        n_tokens = local.n_tokens if planted("local-token-mean") else batch.n_tokens   # plant
         loss_sum = self.pipe.run(local, self.args.grad_accum, n_tokens)
         grads = self.reduce_grads()
         loss = self.loss_once(loss_sum)
@@ -471,14 +471,14 @@ class Compose4D(Strategy):
         """The gradient sums after the micro-batches: over dp x cp (ZeRO's reduce-scatter, which
         also shards them), over tp for the partial gradients (norms under SP, replicated kv
         heads), over the tied pair (first stage's embedding, last stage's head copy)."""
-        g, plant = self.groups, self.args.plant_bug
+        g = self.groups
         with phase("backward"):
             self.optimizer.reduce_gradients()
             grads = self.optimizer.grad_shards()
-            if plant != "sp-partials-unreduced":
+            if not planted("sp-partials-unreduced"):   # plant: norms' partials left unsummed
                 self._reduce_slices(grads, self.partial_slices, g["tp"])
             if g["tied"] is not None and (self.first or self.last) \
-                    and plant != "tied-sync-skipped":
+                    and not planted("tied-sync-skipped"):   # plant: the tie forgotten
                 dist.all_reduce(grads[0] if self.first else grads[-1], group=g["tied"])
         return grads
 
@@ -499,7 +499,7 @@ class Compose4D(Strategy):
         the updated parameters."""
         with phase("optimizer"):
             self.grad_norm = self.last_norm = self.clip(grads, self.args.clip)
-            t = self.t + 1 if self.args.plant_bug == "lr-one-step-ahead" else self.t
+            t = self.t + 1 if planted("lr-one-step-ahead") else self.t   # plant
             self.optimizer.param_groups[0]["lr"] = lr_at(t, self.args)
             self.optimizer.step()     # AdamW on the edited shards, then the all-gather
         self.t += 1
@@ -517,7 +517,7 @@ class Compose4D(Strategy):
         for gr, sl in zip(grads, self.norm_slices):
             for a, b in sl:
                 sq += gr[a:b].double().pow(2).sum()
-        over_shards_only = self.args.plant_bug == "clip-norm-misses-pp"
+        over_shards_only = planted("clip-norm-misses-pp")   # plant: each stage's own norm
         dist.all_reduce(sq, group=self.groups["dpcp"] if over_shards_only else None)
         return clip_by_norm(sq, grads, max_norm)
 

@@ -105,23 +105,8 @@ How the Llama count differs (in elements per token, theirs being bytes / 2):
                output 2 + dropout mask 1 + dropout output 2); SDPA's flash path (also on CPU)
                keeps no s^2 tensor, so selective then saves only its logsumexp.
 
-Measured (python -m harness.recompute --model tiny --batch 4 --length 256 --dtype float32
---attn eager|sdpa --repeats 31; 2-core CPU, 2 threads, one process, torch 2.13, transformers
-5.23; tiny: 4 layers, h 64, a 4, g 2, I 128). Per layer: the model at L layers minus the model
-at L/2 layers, over L/2 (cancels embedding, logits, loss); step: median forward+backward of the
-whole model, the modes timed in turn; this tiny model's step is mostly per-op overhead, so the
-relative costs are larger than at realistic sizes (README: the small preset).
-    attn   mode       measured B    formula B  ratio  whole model B   step    extra
-    eager  none        8,921,088    8,921,088  1.000     38,336,512  41.8ms     -
-    eager  full          262,144      262,144  1.000     11,831,296  61.0ms  +46%
-    eager  selective   4,464,640    4,464,640  1.000     24,705,024  50.5ms  +21%
-    sdpa   none        4,481,024    4,481,024  1.000     19,800,068  34.3ms     -
-    sdpa   full          262,144      262,144  1.000      3,180,544  50.7ms  +48%
-    sdpa   selective   4,464,640    4,464,640  1.000     19,736,580  40.9ms  +19%
-The eager s^2 term is 4 b a s^2 = 4,194,304 B of the 8.9 MB; selective removes it and eager's
-repeated k, v (e b s (2 h - 2 g d) = 262,144 B). Under sdpa it saves only the 16 KB logsumexp.
-Repeated runs move the step times by ~20% (another user on the machine), the extras by a few
-points.
+Measured figures (bytes per layer against the formula, step time per mode):
+results/recompute-tiny-cpu.json, made by `python -m harness.recompute --model tiny ...`.
 """
 from __future__ import annotations
 
