@@ -18,6 +18,7 @@ from .compare import Comparison, Judged, NoisePolicy, noise_sources, preclip_gra
 from .launch import base_parser
 from .models import param_count
 from .nccl import nccl_checked
+from .plants import planting
 from .report import write_json
 from .run import Run, broadcast_verdict, make_pair
 from .strategy import HARNESS_PLANTS, Plant, full_tensor, natives
