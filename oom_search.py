@@ -273,11 +273,12 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
     # to an fp32 copy first (lm_loss_sum, tp's vocab-parallel CE)
     logits_tok = V * (2 * elem + 4 + (4 if elem < 4 else 0))
     if strategy == "pp":
-        # pp.split_layers' balanced split; 1F1B with M = W micro-batches of b: stage r holds
-        # W - r of them in flight; the first stage has the embedding, the last the head + logits
-        import pp
+        # pp_schedule.split_layers' balanced split; 1F1B with M = W micro-batches of b: stage r
+        # holds W - r of them in flight; the first stage has the embedding, the last the head
+        # + logits
+        from pp_schedule import split_layers
         last = embed + h if W > 1 else head   # the last stage holds its own copy of a tied head
-        bounds = pp.split_layers([float(layer_params)] * Ly, embed, embed + h, W)
+        bounds = split_layers([float(layer_params)] * Ly, embed, embed + h, W)
         stages = []
         for r, rng in enumerate(bounds):
             n = len(rng) * layer_params + (embed if r == 0 else 0) + (last if r == W - 1 else 0)

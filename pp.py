@@ -2,68 +2,43 @@
 point-to-point.
 
 The idea
-    Cut the model into stages, one per rank (P ranks), and cut the batch into M micro-batches.
-    Activations flow forward from stage to stage and gradients flow back. Stage r can only run
-    micro-batch m after stage r-1 did, so the pipeline fills and drains. The idle share is the
-    bubble:
-      GPipe / AFAB  (Huang et al. 2019) all forwards, then all backwards: bubble (P-1)/(M+P-1);
-                    every stage holds the activations of all M micro-batches;
-      1F1B          (Narayanan et al., PipeDream-Flush 2021) after P-1-r warm-up forwards each
-                    stage alternates one forward and one backward: same bubble, at most P
-                    micro-batches in flight;
-      interleaved   (Narayanan et al., Megatron 2021) each rank holds V chunks (chunks r, r+P,
-                    ...), so the pipeline is V times deeper and the bubble (P-1)/(V*M+P-1);
-      ZB-H1         (Qi et al., "Zero Bubble Pipeline Parallelism" 2024) the backward splits into
-                    I (gradient of the input, on the critical path) and W (weight gradient,
-                    deferred into the cool-down bubble): (P-1)/(3M+P-1) with T_F = T_I = T_W;
-      DualPipeV     (DeepSeek-V3 2024, DualPipe "cut in half"; Sea AI's "V" placement) the model in
-                    2P chunks placed as a V: rank r holds chunks r and 2P-1-r, so every rank has
-                    one chunk on the way down and one on the way up, and rank 0 holds the first
-                    and the last. Micro-batches are fed from one end; in the steady state each
-                    rank pairs the forward of one micro-batch on one chunk with the backward of
-                    another on its other chunk (DeepSeek overlaps the pair's communication with
-                    its computation; here the pair runs back to back and each one's sends are in
-                    flight while the other computes), and the drain splits backwards into I and
-                    W. Bubble (P-1)(F&B + B - 3W) in chunk times (DualPipe's table, PP = 2P
-                    stages): with F&B = F + B and T_F = T_I = T_W, (P-1)/(3M+P-1), ZB-H1's share
-                    at 2P chunks of half a stage each; activations of up to 2P+1 chunk-micro-
-                    batches per rank (1F1B: P micro-batches of a 2-chunk stage, 2P). Needs
-                    M >= 2P.
-
-Schedules are pure functions (P, M, V, rank) -> ordered actions (kind, chunk, micro-batch), kind
-in F, B, I, W; chunk c lives on rank chunk_owner(name, c, P) (c % P, or the V for DualPipeV). A discrete-event simulation (simulate) checks every schedule's dependencies and
-measures its bubble with unit costs (F=1, B=2, I=W=1); one executor runs any of them. The same
-actions are torch.distributed.pipelining's _Action(stage, F|B|I|W, micro-batch) one to one, so
-tests/test_pp.py also runs torch's own schedule validator and comms simulator on them (with the
-sends and receives placed as the executor places them) and compares them with torch's generators.
+    Cut the model into stages, one per rank (P ranks), and the batch into M micro-batches.
+    Activations flow forward from stage to stage and gradients flow back, so the pipeline fills
+    and drains; the idle share is the bubble. The schedules are planned as data in
+    pp_schedule.py (actions per rank, a simulator, the lockstep grid; the derivations there),
+    with T_F = T_I = T_W and B = I + W:
+      gpipe        GPipe (Huang et al. 2019)                  (P-1)/(M+P-1), M micro-batches held
+      1f1b         PipeDream-Flush (Narayanan et al. 2021)    (P-1)/(M+P-1), at most P held
+      interleaved  Megatron (Narayanan et al. 2021), V chunks per rank      (P-1)/(V*M+P-1)
+      zb           ZB-H1 (Qi et al. 2024), B split into I and a deferred W  (P-1)/(3M+P-1)
+      dualpipev    DualPipeV (DeepSeek-V3 2024), 2 chunks per rank in a V: DualPipe's
+                   (P-1)(F&B + B - 3W) idle per rank, (P-1)/(3M+P-1); M >= 2P
+    This file is the executor: it cuts an HF model into the chunks, runs any schedule's actions
+    over raw point-to-point, splits the backward for ZB-H1 and DualPipeV, and sums the tied
+    embeddings' gradient.
 
 Point-to-point (NCCL's rules: harness/nccl.py, checked by --nccl-semantics)
     NCCL ignores tags and runs a communicator's operations in issue order, each send waiting
-    for its receive. Posting each send and receive alone, where it is needed, deadlocks 1F1B:
-    stage 0's second warm-up send waits for stage 1's receive, queued behind stage 1's gradient
-    send, which waits for stage 0's receive behind that first send. So every schedule runs on a
-    lockstep grid (Grid, as torch.distributed.pipelining's PipelineScheduleMulti): at most one
-    action per rank per step, and after each step one batch_isend_irecv with the step's send and
-    the receives of what the neighbours send in the same step. Batches pair up step by step on
-    every schedule; receives are posted early and waited just before their tensor is used. Tags
-    (chunk, micro-batch, direction) remain for gloo; the checker verifies NCCL's FIFO pairing
-    agrees with them. Shapes are known up front (micro-batch, sequence, hidden).
+    for its receive, so posting each send and receive alone where it is needed deadlocks 1F1B.
+    Every schedule therefore runs on a lockstep grid (pp_schedule.Grid, as torch's
+    PipelineScheduleMulti): at most one action per rank per step, then one batch_isend_irecv
+    with the step's send and the receives of what the neighbours send in that step. Receives
+    are posted early and waited just before their tensor is used; tags (chunk, micro-batch,
+    direction) remain for gloo. Shapes are known up front (micro-batch, sequence, hidden).
 
 Stage split: the decoder layers go to P*V chunks, contiguous, minimising the largest chunk's
 parameter count, with the embeddings counted on the first chunk and the final norm and head on
-the last. Tied embeddings: the first and last stages each hold a copy, and their gradients are
-summed over a two-rank group before the step (DualPipeV: rank 0 holds both ends, one tensor).
-The V's turn (chunks P-1 and P, both on rank P-1) hands its activation and gradient over in
-memory, with no message.
+the last (pp_schedule.split_layers). Tied embeddings: the first and last stages each hold a
+copy, and their gradients are summed over a two-rank group before the step (DualPipeV: rank 0
+holds both ends, one tensor). The V's turn (chunks P-1 and P, both on rank P-1) hands its
+activation and gradient over in memory, with no message.
 Loss: each micro-batch's CE sum over the global token count N, so the sum over micro-batches is
 the reference's global mean.
 
-The split backward (ZB-H1, DualPipeV): I is one backward pass that computes the input's
-gradient and the gradients of the small parameters (norms, embeddings), while every linear
-layer of the stage (DeferredLinear, installed for those schedules) returns only its input's
-gradient and stashes its (input, output-gradient) pair; W is then just those matmuls,
-grad_W += g^T x per linear, with no second traversal of the graph. So I + W costs one backward,
-the graph is freed at I, and what W keeps alive is exactly the stashed pairs (the paper's
+The split backward (ZB-H1, DualPipeV): I is one backward pass for the input's gradient and the
+small parameters' (norms, embeddings), every linear layer (DeferredLinear) stashing its (input,
+output gradient) pair; W is then grad_W += g^T x per linear, no second traversal. I + W costs
+one backward, the graph is freed at I, and W keeps exactly the stashed pairs alive (the paper's
 "activation memory of W").
 
 Communication per step (mb = B/M sequences, S length, H hidden, b bytes): every chunk boundary
@@ -71,271 +46,37 @@ between two ranks (P*V - 1 of them; DualPipeV 2P - 2) carries M activations forw
 gradients back, each mb*S*H*b, plus one all_reduce of the tied embedding gradient when tied
 and the ends are on two ranks.
 
-Baseline (--compare-native): TorchPipelining runs torch.distributed.pipelining on the same cut,
-micro-batches and loss scaling: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B, interleaved ->
-ScheduleInterleaved1F1B (looped placement, as ours), zb -> ScheduleInterleavedZeroBubble with one
-stage per rank (torch's ZB1P, which at V = 1 is ZB-H1 action for action), dualpipev ->
-ScheduleDualPipeV (its "v" placement is our V). Each chunk is a PipelineStage over a TorchChunk
-(Pipeline.run_chunk); torch knows nothing of tied embeddings, so their gradient is summed over
-the tie group after schedule.step(). torch's ScheduleZBVZeroBubble (ZB-V: the V placement, two
-stages per rank) has no counterpart here.
+Baseline (--compare-native): TorchPipelining runs torch.distributed.pipelining's class for the
+same schedule (TORCH_SCHEDULES; zb is torch's ZB1P with one stage per rank, dualpipev its "v"
+placement) on the same cut, micro-batches and loss scaling, one PipelineStage per chunk; the
+tied gradient is summed after schedule.step(). torch's ZB-V has no counterpart here.
 
 Public API
     pipe = Pipeline(model, P, V, rank, schedule, group=None, tie_group=None)   this rank's
         stage(s) of an HF Llama-family model (the other layers dropped) and the executor:
         pipe.run(batch, M, n_tokens) runs one step's forwards and backwards;
-        pipe.evaluate(batch, M) the forwards only (a held-out loss)
+        pipe.evaluate(batch, M) the forwards only (a held-out loss);
+        pipe.sync_tied() sums the tied embedding's gradient over tie_group
+    clip_across_stages(model, max_norm, pipe)   global-norm clipping over the stages
+    The pure planning names (SCHEDULES, schedule, simulate, bubble_formula, Grid, split_layers,
+    ...) are pp_schedule's, importable without torch; pp.X re-exports them.
 """
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from harness import (Batch, Expect, Plant, Strategy, DTYPES, clip_by_norm, global_loss,
-                     lm_loss_sum, main, make_adamw, METER, name_group, phase)
+                     lm_loss_sum, main, make_adamw, METER, name_group, phase, planted)
+from harness.timeline import ascii_timeline, measured_bubble, plot_timeline
 from harness.timing import ActionTimeline
-
-COST = {"F": 1, "B": 2, "I": 1, "W": 1}
+# the pure plan (re-exported: pp.schedule, pp.simulate, pp.Grid, ... keep working)
+from pp_schedule import (COST, SCHEDULES, Grid, bubble_formula, chunk_owner,  # noqa: F401
+                         chunks_per_rank, messages, schedule, simulate, split_layers)
 
 
 # ----------------------------------------------------------------------------------------------
-# Schedules: pure functions
+# The split backward: I computes the input gradient now, W the weight gradients later
 # ----------------------------------------------------------------------------------------------
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "dualpipev")
-
-
-def chunks_per_rank(name: str, V: int) -> int:
-    """V for the interleaved schedule, 2 for DualPipeV, else 1."""
-    return V if name == "interleaved" else 2 if name == "dualpipev" else 1
-
-
-def chunk_owner(name: str, c: int, P: int) -> int:
-    """The rank that holds chunk c: looped (c % P), or for DualPipeV the V (c on the way down,
-    2P-1-c on the way up)."""
-    if name == "dualpipev":
-        return c if c < P else 2 * P - 1 - c
-    return c % P
-
-
-def schedule(name: str, P: int, M: int, V: int, rank: int) -> list[tuple[str, int, int]]:
-    """Actions (kind, chunk, micro-batch) for `rank`; chunk c lives on chunk_owner(name, c, P)."""
-    if name == "gpipe":
-        return [("F", rank, m) for m in range(M)] + [("B", rank, m) for m in range(M)]
-    if name == "1f1b":
-        return _one_f_one_b(P, M, rank)
-    if name == "interleaved":
-        return _interleaved(P, M, V, rank)
-    if name == "zb":
-        return _zb_h1(P, M, rank)
-    if name == "dualpipev":
-        return _dualpipev(P, M, rank)
-    raise ValueError(name)
-
-
-def _one_f_one_b(P, M, rank):
-    warm = min(P - rank - 1, M)
-    acts = [("F", rank, m) for m in range(warm)]
-    f, b = warm, 0
-    while f < M:
-        acts += [("F", rank, f), ("B", rank, b)]
-        f, b = f + 1, b + 1
-    acts += [("B", rank, m) for m in range(b, M)]
-    return acts
-
-
-def _interleaved(P, M, V, rank):
-    """Megatron's interleaved 1F1B: micro-batches go through the chunks in groups of P."""
-    n = V * M
-
-    def fwd(k):  # k-th forward on this rank -> (chunk, micro-batch)
-        group, within = divmod(k, P * V)
-        return (((k // P) % V) * P + rank, group * P + within % P)
-
-    def bwd(k):
-        group, within = divmod(k, P * V)
-        return (((V - 1 - (k // P) % V)) * P + rank, group * P + within % P)
-    warm = min((P - rank - 1) * 2 + (V - 1) * P, n)
-    acts = [("F",) + fwd(k) for k in range(warm)]
-    f, b = warm, 0
-    while f < n:
-        acts += [("F",) + fwd(f), ("B",) + bwd(b)]
-        f, b = f + 1, b + 1
-    acts += [("B",) + bwd(k) for k in range(b, n)]
-    return acts
-
-
-def _zb_h1(P, M, rank):
-    """1F1B with each B split into I then W, W deferred by `rank` backward steps: later stages
-    keep their I's back to back, so the gradient wave reaches stage 0 in (P-1) I's instead of
-    (P-1) B's, and their deferred W's fill what would have been the cool-down bubble. In-flight
-    activations (F done, I not) stay those of 1F1B."""
-    delay = rank
-    acts, pending = [], []
-    for kind, c, m in _one_f_one_b(P, M, rank):
-        if kind == "F":
-            acts.append((kind, c, m))
-            continue
-        acts.append(("I", c, m))
-        pending.append(m)
-        if len(pending) > delay:
-            acts.append(("W", c, pending.pop(0)))
-    acts += [("W", rank, m) for m in pending]
-    return acts
-
-
-def _dualpipev(P, M, rank, pairs: list | None = None):
-    """DualPipeV (DeepSeek's DualPipe cut in half), rank r holding chunks down = r and
-    up = 2P-1-r. Eight phases, each a count that depends on the rank, so that the micro-batches
-    fed into chunk 0 arrive at every rank just in time:
-      1 warm-up        2(P-1-r) forwards of `down`
-      2                r+1 pairs F(down) F(up)
-      3                P-1-r times I(up), W(up), F(up): the zero-bubble split starts the first
-                       backwards early and keeps the up chunk fed
-      4 steady state   M-2P+r+1 times F(down)&B(up), F(up)&B(down): a forward of one
-                       micro-batch paired with a backward of another, on the other chunk
-      5                P-1-r times B(up), F(up)&B(down): the up chunk's last forwards
-      6                r+1 pairs B(up) B(down), split into I and deferred W from the middle on
-                       (the odd ranks one backward earlier than the even ones)
-      7 cool-down      P-1-r times W, I(down): the deferred W's fill the drain
-      8                r+1 W's: the rest of them
-    Each count is the number of micro-batches of that kind, so every chunk sees F, and B or I+W,
-    once per micro-batch (M >= 2P). `pairs`, when given, receives the index of each overlapped
-    pair's F (its B is the next action): DeepSeek's F&B chunks, which simulate(paired=True)
-    starts together."""
-    down, up = rank, 2 * P - 1 - rank
-    acts, pending = [], []
-    nxt = {}                              # (chunk, "F" | "B") -> its next micro-batch
-
-    def fwd(c):
-        m = nxt.get((c, "F"), 0)
-        nxt[(c, "F")] = m + 1
-        acts.append(("F", c, m))
-
-    def bwd(c, split=False):
-        m = nxt.get((c, "B"), 0)
-        nxt[(c, "B")] = m + 1
-        acts.append(("I" if split else "B", c, m))
-        if split:
-            pending.append((c, m))
-
-    def weight():
-        if pending:
-            acts.append(("W",) + pending.pop(0))
-
-    def pair(f, b):                       # F&B: a forward and another micro-batch's backward
-        if pairs is not None:
-            pairs.append(len(acts))
-        fwd(f), bwd(b)
-
-    for _ in range(2 * (P - 1 - rank)):
-        fwd(down)
-    for _ in range(rank + 1):
-        fwd(down), fwd(up)
-    for _ in range(P - 1 - rank):
-        bwd(up, split=True), weight(), fwd(up)
-    for i in range(M - 2 * P + rank + 1):
-        if i == 0 and rank == P - 1:      # the V's bottom: B(up) needs this very F(down)
-            fwd(down), bwd(up)
-        else:
-            pair(down, up)
-        pair(up, down)
-    for _ in range(P - 1 - rank):
-        bwd(up), pair(up, down)
-    split = False
-    for i in range(rank + 1):
-        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
-        bwd(up, split)
-        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
-        bwd(down, split)
-    for _ in range(P - 1 - rank):
-        weight(), bwd(down, split)
-    while pending:
-        weight()
-    return acts
-
-
-def simulate(name, P, M, V=1, cost=None, paired=False):
-    """Run every rank's actions with unit costs (`cost`, default COST), honouring dependencies,
-    each action as soon as its inputs are there (as the executor runs them). paired=True
-    (DualPipeV): each overlapped F&B pair starts only once both halves' inputs are there, as
-    DeepSeek's implementation runs it (both receives, then both computations). Returns (per-rank
-    action lists with (start, end), makespan, bubble fraction, peak in-flight)."""
-    V = chunks_per_rank(name, V)
-    C, cost = P * V, cost or COST
-    acts = [schedule(name, P, M, V, r) for r in range(P)]
-    pair_at = [set() for _ in range(P)]
-    if paired and name == "dualpipev":
-        for r in range(P):
-            _dualpipev(P, M, r, pairs := [])
-            pair_at[r] = set(pairs)
-    done, t_rank, pos = {}, [0.0] * P, [0] * P
-    timeline = [[] for _ in range(P)]
-    inflight, peak = [0] * P, [0] * P
-
-    def deps_of(kind, c, m):
-        deps = []
-        if kind == "F" and c > 0:
-            deps.append(("F", c - 1, m))
-        if kind in ("B", "I"):
-            deps.append(("F", c, m))
-            if c < C - 1:
-                deps.append(("B" if ("B", c + 1, m) in done else "I", c + 1, m))
-        if kind == "W":
-            deps.append(("I", c, m))
-        return deps
-
-    progress = True
-    while progress:
-        progress = False
-        for r in range(P):
-            while pos[r] < len(acts[r]):
-                group = acts[r][pos[r]:pos[r] + (2 if pos[r] in pair_at[r] else 1)]
-                deps = [d for a in group for d in deps_of(*a) if d not in group]
-                if any(d not in done for d in deps):
-                    break
-                t = max([t_rank[r]] + [done[d] for d in deps])
-                for kind, c, m in group:
-                    start, t = t, t + cost[kind]
-                    done[(kind, c, m)] = t
-                    timeline[r].append((kind, c, m, start, t))
-                    inflight[r] += 1 if kind == "F" else (-1 if kind in ("B", "I") else 0)
-                    peak[r] = max(peak[r], inflight[r])
-                t_rank[r] = t
-                pos[r] += len(group)
-                progress = True
-    if any(pos[r] < len(acts[r]) for r in range(P)):
-        raise RuntimeError(f"schedule {name} deadlocks (P={P}, M={M}, V={V})")
-    makespan = max(t_rank)
-    busy = sum(e - s for tl in timeline for *_, s, e in tl)
-    return timeline, makespan, 1 - busy / (P * makespan), peak
-
-
-def bubble_formula(name, P, M, V=1) -> float:
-    """(P-1)/(M+P-1); interleaved (P-1)/(V*M+P-1); ZB-H1 with T_F = T_I = T_W:
-    (P-1)(T_F+T_I-T_W) / (M(T_F+T_I+T_W) + (P-1)(T_F+T_I-T_W)) = (P-1)/(3M+P-1).
-    DualPipeV: DualPipe's (PP/2-1)(T_F&B + T_B - 3 T_W) idle per rank with PP = 2P chunk stages,
-    T_F&B = T_F + T_B (the pair runs back to back) and T_B = T_I + T_W, over 2M (T_F + T_B) of
-    work: with T_F = T_I = T_W, 2(P-1) / (6M + 2(P-1)) = (P-1)/(3M+P-1)."""
-    if name == "dualpipev":
-        F, I, W = COST["F"], COST["I"], COST["W"]
-        idle = (P - 1) * ((F + I + W) + (I + W) - 3 * W)
-        return idle / (2 * M * (F + I + W) + idle)
-    if name == "zb":
-        return (P - 1) / (3 * M + P - 1)
-    return (P - 1) / ((V if name == "interleaved" else 1) * M + P - 1)
-
-
-def messages(kind: str, c: int, m: int, C: int):
-    """(what action (kind, c, m) receives before it runs, what it sends after), each a message
-    key (source chunk, destination chunk, micro-batch, backward) or None."""
-    if kind == "F":
-        return ((c - 1, c, m, False) if c > 0 else None,
-                (c, c + 1, m, False) if c < C - 1 else None)
-    if kind in ("B", "I"):
-        return ((c + 1, c, m, True) if c < C - 1 else None,
-                (c, c - 1, m, True) if c > 0 else None)
-    return None, None
-
-
 class WeightGradStore:
     """The deferred weight gradients of a stage's linear layers (the split backward). While
     `key` is set (during an I action of (chunk, micro-batch) `key`), a DeferredLinear's backward
@@ -392,67 +133,6 @@ def defer_linears(modules, store: WeightGradStore) -> list:
     return linears
 
 
-class Grid:
-    """Every rank's actions on one lockstep grid of time steps, the point-to-point plan that
-    NCCL can run (the scheme of torch.distributed.pipelining's PipelineScheduleMulti).
-
-    The steps come from simulate() with every action costing 1: each rank runs at most one
-    action per step. After step t's action a rank posts one batch_isend_irecv: that action's
-    send and the receives of every message its neighbours send at step t. A message is thus
-    sent and received in the same step's batches on both ranks, so batches pair up step by step:
-    no send waits on a receive that is queued behind another blocked operation, under any
-    schedule (NCCL ignores tags and runs a communicator's operations in issue order; see
-    harness/nccl.py). Receives are posted early and waited just before the action that uses
-    them. `steps[r][t]` = (action or None, send keys, receive keys); `first_forward[m]`: the
-    step of micro-batch m's first forward (chunk 0), the grid's consistent cut for m."""
-
-    def __init__(self, name: str, P: int, M: int, V: int = 1):
-        C = P * chunks_per_rank(name, V)
-        timeline, T, _, _ = simulate(name, P, M, V, cost=dict.fromkeys(COST, 1))
-        T = int(T)
-        self.steps = [[(None, [], []) for _ in range(T)] for _ in range(P)]
-        self.first_forward = {}
-        for r in range(P):
-            for kind, c, m, start, _ in timeline[r]:
-                _, send = messages(kind, c, m, C)
-                if send and chunk_owner(name, send[1], P) == r:
-                    send = None      # the V's turn: handed over in memory (Pipeline.run)
-                t = int(start)
-                self.steps[r][t] = ((kind, c, m), [send] if send else [], self.steps[r][t][2])
-                if kind == "F" and c == 0:
-                    self.first_forward[m] = t
-                if send:
-                    self.steps[chunk_owner(name, send[1], P)][t][2].append(send)
-
-
-# ----------------------------------------------------------------------------------------------
-# Stage split
-# ----------------------------------------------------------------------------------------------
-def split_layers(costs: list[float], first: float, last: float, n: int) -> list[range]:
-    """Contiguous split of layers (costs) into n non-empty chunks minimising the largest chunk
-    cost, the first chunk also paying `first` (embeddings) and the last `last` (norm + head)."""
-    L = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    INF = float("inf")
-    best = [[INF] * (L + 1) for _ in range(n + 1)]   # best[k][i]: first i layers in k chunks
-    cut = [[0] * (L + 1) for _ in range(n + 1)]
-    best[0][0] = 0.0
-    for k in range(1, n + 1):
-        for i in range(k, L + 1):
-            for j in range(k - 1, i):
-                cost = prefix[i] - prefix[j] + (first if j == 0 else 0) + (last if i == L else 0)
-                val = max(best[k - 1][j], cost)
-                if val < best[k][i]:
-                    best[k][i], cut[k][i] = val, j
-    bounds, i = [], L
-    for k in range(n, 0, -1):
-        bounds.append(range(cut[k][i], i))
-        i = cut[k][i]
-    return bounds[::-1]
-
-
 # ----------------------------------------------------------------------------------------------
 # The pipeline: this rank's chunks and the executor
 # ----------------------------------------------------------------------------------------------
@@ -472,12 +152,8 @@ class Pipeline:
         self.model, self.P, self.V, self.rank, self.group = model, P, V, rank, group
         self.schedule_name, self.C = schedule_name, P * V
         self.positions, self.seq_shards, self.loss_sum = None, 1, lm_loss_sum
-        # A preemption point: stop_check(m) is called by every rank once per micro-batch m >= 1,
-        # at the grid step where m starts; True on all ranks ends the step once the
-        # micro-batches already started are drained (see _stop_before()).
-        self.stop_check = None
+        self.stop_check = None   # the preemption point, stop_check(m) (see _stop_before())
         self.completed = 0       # micro-batches run to the end in the last run()
-        self.plant = None        # a planted bug's name (--plant-bug), set by the harness adapter
         self._grids = {}         # (M, schedule) -> Grid
         base = model.model
         n_layer = [sum(p.numel() for p in layer.parameters()) for layer in base.layers]
@@ -499,10 +175,9 @@ class Pipeline:
             base.embed_tokens = None
         if not last:
             base.norm, model.lm_head = None, None
-        self.tie_group = tie_group if self.tied and self.owner(0) != self.owner(self.C - 1) else None
-        # the split backward: I computes the input's and the small parameters' gradients, W the
-        # linear layers' from their stashed (input, output gradient) pairs
-        self.wgrad = WeightGradStore()
+        self.tie_group = (tie_group if self.tied and self.owner(0) != self.owner(self.C - 1)
+                          else None)
+        self.wgrad = WeightGradStore()     # the split backward: W's stashed pairs
         self.split = (schedule_name in ("zb", "dualpipev") if split_backward is None
                       else split_backward)   # (False: the cut only, torch's pipelining runs it)
         self.small_params = {}
@@ -558,7 +233,7 @@ class Pipeline:
             bufs.append(((src, dst, m, bwd), buf))
         if not ops:
             return
-        if self.plant == "split-batches":   # planted: each op alone, sends first (gloo runs it)
+        if planted("split-batches"):   # plant: each op alone, sends first (gloo runs it)
             works = [w for op in ops for w in dist.batch_isend_irecv([op])]
         else:
             works = list(dist.batch_isend_irecv(ops))
@@ -592,9 +267,9 @@ class Pipeline:
             return out, None
         ce = self.loss_sum(out, mbs[m].labels)
         loss = ce / n_tokens
-        if self.plant == "microbatch-scale":   # planted: torch-style 1/M on top
+        if planted("microbatch-scale"):   # plant: torch-style 1/M on top
             loss = ce / n_tokens / len(mbs)
-        if self.plant == "mean-of-means":      # planted: each micro-batch's mean
+        if planted("mean-of-means"):      # plant: each micro-batch's own mean
             loss = ce / mbs[m].n_tokens / len(mbs)
         return loss, ce.detach().double()
 
@@ -608,16 +283,14 @@ class Pipeline:
         if kind == "B":
             torch.autograd.backward(out, g)
         elif kind == "I":
-            self.wgrad.key = (c, m)
+            self.wgrad.key = self._last_i = (c, m)    # (_last_i: for the w-stale-grad plant)
             try:
                 torch.autograd.backward(out, g, inputs=([x] if c > 0 else [])
                                         + self.small_params[c])
             finally:
                 self.wgrad.key = None
         elif kind == "W":
-            self.wgrad.flush((c, m) if self.plant != "w-stale-grad" else self._last_i)
-        if kind == "I":
-            self._last_i = (c, m)
+            self.wgrad.flush(self._last_i if planted("w-stale-grad") else (c, m))  # plant: stale
         return x.grad if kind in ("B", "I") and c > 0 else None
 
     def _stop_before(self, m) -> bool:
@@ -629,8 +302,8 @@ class Pipeline:
         from every rank and cannot deadlock under NCCL's rules. run() then drains the
         micro-batches < m. Never before micro-batch 0, so a step always makes progress.
         Its price: such an agreement is a global barrier and a host read before every
-        micro-batch, so no stage runs ahead (1F1B, F = 1, B = 2, P = 8, M = 32: bubble 0.18 ->
-        0.33); train.py asks it only under --preempt-at micro-batch."""
+        micro-batch, so no stage runs ahead (a larger bubble); train.py asks it only under
+        --preempt-at micro-batch."""
         return m > 0 and self.stop_check is not None and self.stop_check(m)
 
     # -- one optimizer step's worth of micro-batches --
@@ -690,8 +363,8 @@ class Pipeline:
                 if send_key and self.owner(send_key[1]) == self.rank:
                     # the V's turn (DualPipeV): the next chunk is this rank's, no message
                     t_out = sends.pop(send_key)
-                    if self.plant == "v-turn-zero-grad" and send_key[3]:   # (planted: the
-                        t_out = torch.zeros_like(t_out)                    # gradient dropped)
+                    if planted("v-turn-zero-grad") and send_key[3]:   # plant: the gradient
+                        t_out = torch.zeros_like(t_out)               # dropped
                     received[send_key] = (t_out, [])
             keep = (lambda k: k[2] < stop_at) if stop_at is not None else (lambda k: True)
             self._post(sends, [k for k in keys_out if keep(k)], [k for k in keys_in if keep(k)],
@@ -746,6 +419,18 @@ class Pipeline:
         dist.all_reduce(w.grad, group=self.tie_group)
 
 
+def clip_across_stages(model, max_norm, pipe):
+    """Global-norm clipping: every stage's squared norm summed; a tied head copy counts once."""
+    # on the model's device: NCCL takes no CPU tensors (and no host copy per parameter)
+    sq = torch.zeros(1, dtype=torch.float64, device=next(model.parameters()).device)
+    skip_copy = pipe.tied and not planted("clip-tied-twice")   # plant: the copy counted too
+    for n, p in model.named_parameters():
+        if p.grad is not None and not (skip_copy and n == "lm_head.weight"):
+            sq += p.grad.double().pow(2).sum()
+    dist.all_reduce(sq, group=pipe.group)
+    return clip_by_norm(sq, [p.grad for p in model.parameters() if p.grad is not None], max_norm)
+
+
 # ----------------------------------------------------------------------------------------------
 # Harness adapter
 # ----------------------------------------------------------------------------------------------
@@ -754,8 +439,8 @@ def pp_constraints(args, world, config) -> list[str]:
     V = chunks_per_rank(args.schedule, args.virtual_stages)
     L = config.num_hidden_layers
     if L < P * V:
-        return [f"{L} decoder layers cannot fill {P * V} pipeline chunks "
-                f"({P} stages x {V} {'chunks' if args.schedule == 'dualpipev' else 'virtual stages'})"]
+        per = "chunks" if args.schedule == "dualpipev" else "virtual stages"
+        return [f"{L} decoder layers cannot fill {P * V} pipeline chunks ({P} stages x {V} {per})"]
     if args.batch % M:
         return [f"global batch {args.batch} is not divisible by --microbatches {M}"]
     if args.schedule == "interleaved" and P < 2:
@@ -819,17 +504,15 @@ class PP(Strategy):
         torch_pp_constraints(a, w, c) if getattr(a, "compare_native", False) else []))
 
     def __init__(self, model, args, env):
-        self.args, self.env = args, env
+        self.args, self.env, self.model = args, env, model
         self.name = f"pp-{args.schedule}"
         V = chunks_per_rank(args.schedule, args.virtual_stages)
-        self.model = model
         tied = model.lm_head.weight is model.model.embed_tokens.weight
         ends = {chunk_owner(args.schedule, 0, env.world),
                 chunk_owner(args.schedule, env.world * V - 1, env.world)}
         tie = (name_group(dist.new_group(sorted(ends)), "tied")   # (DualPipeV: one rank, none)
                if tied and len(ends) > 1 else None)
         self.pipe = Pipeline(model, env.world, V, env.rank, args.schedule, tie_group=tie)
-        self.pipe.plant = args.plant_bug
         self.optimizer = make_adamw([p for p in model.parameters()], args)
         # The benchmark's timeline: each action's compute span, the receives and sends left out
         # (waiting for a peer is bubble, not work); two steps kept, for report_lines.
@@ -844,7 +527,7 @@ class PP(Strategy):
         with self.timeline.step():
             loss_sum = self.pipe.run(batch, self.args.microbatches)
         with phase("backward"):
-            if self.args.plant_bug != "no-tied-sync":   # planted bug: the tie forgotten
+            if not planted("no-tied-sync"):   # plant: the tie forgotten
                 self.pipe.sync_tied()
         with phase("optimizer"):
             if self.args.clip:
@@ -876,13 +559,12 @@ class PP(Strategy):
         act = (a.batch // M) * a.length * cfg.hidden_size * DTYPES[a.dtype].itemsize
         mine, owner = self.pipe.mine, self.pipe.owner
         # a boundary to another rank (the V's turn, chunks P-1 and P on one rank, is no message)
-        sends = M * sum((c < C - 1 and owner(c + 1) != owner(c)) + (c > 0 and owner(c - 1) != owner(c))
-                        for c in mine)
-        recvs = sends
+        sends = M * sum((c < C - 1 and owner(c + 1) != owner(c))
+                        + (c > 0 and owner(c - 1) != owner(c)) for c in mine)
         rows = [Expect("isend", "world", sends, sends * act,
                        f"M x (activations out + gradients back) per chunk boundary to another "
                        f"rank, {act:,} B each"),
-                Expect("irecv", "world", recvs, recvs * act, "the mirror of the sends")]
+                Expect("irecv", "world", sends, sends * act, "the mirror of the sends")]
         if self.pipe.tie_group is not None and (0 in mine or C - 1 in mine):
             n = self.model.config.vocab_size * cfg.hidden_size * DTYPES[a.dtype].itemsize
             rows.append(Expect("all_reduce", "tied", 1, n, "tied embedding gradient"))
@@ -894,19 +576,15 @@ class PP(Strategy):
         tl = [None] * self.env.world
         with METER.paused():  # the last timed step (the very last one was memory-tracked)
             dist.all_gather_object(tl, self.timeline.steps[0])
-        a = self.args
-        V = a.virtual_stages
-        end = max(e for t in tl for *_, e in t)
-        busy = sum(e - s for t in tl for *_, s, e in t)
-        measured = 1 - busy / (len(tl) * end)
+        a, V = self.args, self.args.virtual_stages
+        end, measured = measured_bubble(tl)
         _, _, sim, peak = simulate(a.schedule, self.env.world, a.microbatches, V)
         lines = [f"bubble: measured {measured:.3f} (wall clock, last step), simulated {sim:.3f} "
                  f"(unit costs F=1 B=2 I=W=1), formula "
                  f"{bubble_formula(a.schedule, self.env.world, a.microbatches, V):.3f}; "
                  f"peak in-flight micro-batches per stage {peak}"]
         if a.schedule == "dualpipev":
-            _, _, sim_pairs, _ = simulate(a.schedule, self.env.world, a.microbatches, V,
-                                          paired=True)
+            sim_pairs = simulate(a.schedule, self.env.world, a.microbatches, V, paired=True)[2]
             lines.append(f"DualPipeV: the formula is DeepSeek's, whose F&B pairs start together "
                          f"(simulated so: {sim_pairs:.3f}); this executor starts each half when "
                          f"its input is there ({sim:.3f}); in-flight counts are chunk "
@@ -917,64 +595,12 @@ class PP(Strategy):
         return lines + ascii_timeline(tl, end)
 
 
-def clip_across_stages(model, max_norm, pipe):
-    """Global-norm clipping: every stage's squared norm summed; a tied head copy counts once."""
-    # on the model's device: NCCL takes no CPU tensors (and no host copy per parameter)
-    sq = torch.zeros(1, dtype=torch.float64, device=next(model.parameters()).device)
-    skip_copy = pipe.tied and pipe.plant != "clip-tied-twice"   # planted: the copy counted too
-    for n, p in model.named_parameters():
-        if p.grad is not None and not (skip_copy and n == "lm_head.weight"):
-            sq += p.grad.double().pow(2).sum()
-    dist.all_reduce(sq, group=pipe.group)
-    return clip_by_norm(sq, [p.grad for p in model.parameters() if p.grad is not None], max_norm)
-
-
-def ascii_timeline(timelines, end, width=72) -> list[str]:
-    """One row per rank: F/B/I/W with the micro-batch's last digit, '.' idle."""
-    rows = []
-    for r, tl in enumerate(timelines):
-        line = ["."] * width
-        for kind, c, m, s, e in tl:
-            a, b = int(s / end * width), max(int(s / end * width) + 1, int(e / end * width))
-            for i in range(a, min(b, width)):
-                line[i] = kind if i == a else str(m % 10)
-        rows.append(f"  rank {r} |" + "".join(line) + "|")
-    return rows
-
-
-def plot_timeline(timelines, end, path, title):
-    """The schedule as a Gantt chart (when matplotlib is installed)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    import os
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    colors = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:green"}
-    fig, ax = plt.subplots(figsize=(9, 0.6 * len(timelines) + 1))
-    for r, tl in enumerate(timelines):
-        for kind, c, m, s, e in tl:
-            ax.barh(r, (e - s) * 1e3, left=s * 1e3, color=colors[kind], edgecolor="black",
-                    linewidth=0.3)
-            ax.text((s + e) / 2 * 1e3, r, f"{kind}{m}", ha="center", va="center", fontsize=6)
-    ax.set_yticks(range(len(timelines)), [f"rank {r}" for r in range(len(timelines))])
-    ax.invert_yaxis()
-    ax.set_xlabel("ms")
-    ax.set_title(f"{title}: F forward, B/I backward (input), W weight gradient")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 # ----------------------------------------------------------------------------------------------
 # Baseline: PyTorch's own pipelining (--compare-native)
 # ----------------------------------------------------------------------------------------------
-# Our schedule -> torch.distributed.pipelining's class that runs the same actions in the same
-# order (tests/test_pp.py::test_schedules_are_torchs_own checks the IR): ZB-H1 is torch's ZB1P
-# (ScheduleInterleavedZeroBubble) with one stage per rank; DualPipeV places its 2P stages as
-# our V ("v" style: stage s on rank s, or 2P-1-s).
+# Our schedule -> torch's class that runs the same actions in the same order (checked by
+# tests/test_pp.py::test_schedules_are_torchs_own): ZB-H1 is torch's ZB1P with one stage per
+# rank; ScheduleDualPipeV's "v" style places stage s on rank s or 2P-1-s, our V.
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
                    "interleaved": "ScheduleInterleaved1F1B",
                    "zb": "ScheduleInterleavedZeroBubble", "dualpipev": "ScheduleDualPipeV"}
@@ -993,10 +619,8 @@ def torch_pp_constraints(args, world, config) -> list[str]:
 
 
 class TorchChunk(nn.Module):
-    """One chunk of the cut model as torch's PipelineStage wants it: a module that owns exactly
-    the chunk's parameters (its layers, plus the embeddings on the first chunk, the final norm
-    and head on the last) and maps token ids or hidden states to hidden states or logits, the
-    rotary embeddings computed inside (Pipeline.run_chunk, the same code ours runs)."""
+    """One chunk as torch's PipelineStage wants it: a module owning exactly the chunk's
+    parameters (Pipeline.modules_of) whose forward is Pipeline.run_chunk, the code ours runs."""
 
     def __init__(self, pipe: "Pipeline", c: int):
         super().__init__()
@@ -1009,14 +633,11 @@ class TorchChunk(nn.Module):
 
 
 class TorchPipelining(Strategy):
-    """Baseline: torch.distributed.pipelining running the schedule of --schedule on the same
-    cut (Pipeline's balanced split, chunk c on chunk_owner(c): looped, or the V), the same
-    micro-batches (torch splits the batch along dim 0 as Batch.split does) and the same loss
-    scaling: each micro-batch's CE sum over the global token count, with scale_grads=False, so
-    the gradients summed over micro-batches are the reference's mean. Tied embeddings: the two
-    ends' gradients are summed over the tie group after schedule.step() (Pipeline.sync_tied),
-    torch's schedules knowing nothing of ties; DualPipeV with ties holds both ends on rank 0, two
-    stages sharing one tensor. full_grads / full_params / clipping are PP's."""
+    """Baseline: torch.distributed.pipelining running --schedule on Pipeline's cut (chunk c on
+    chunk_owner(c)), the same micro-batches (torch splits dim 0 as Batch.split does) and loss
+    scaling (CE sum / global token count, scale_grads=False). torch's schedules know nothing of
+    ties: the ends' gradients are summed after schedule.step() (Pipeline.sync_tied); DualPipeV
+    holds both ends on rank 0, two stages sharing one tensor. Gathers and clipping are PP's."""
     name = "torch-pp"
     constraints = staticmethod(pp_constraints)
 

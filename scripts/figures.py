@@ -4,8 +4,9 @@
     python scripts/figures.py --only schedules,zigzag     # the two that need no processes
 
     schedules  docs/pp-schedules.png    every pipeline schedule of pp.py on one time axis:
-                                        pp.simulate()'s unit-cost timelines (F=1, B=2, I=W=1)
-                                        at P=4, M=8, the bubble of each beside its formula
+                                        pp_schedule.simulate()'s unit-cost timelines (F=1,
+                                        B=2, I=W=1) at P=4, M=8, the bubble of each beside
+                                        its formula
     zigzag     docs/cp-zigzag.png       cp_ring.py's layouts of a causal sequence over W=4
                                         ranks: who owns which query rows, and the attention
                                         work (query-key pairs under the causal mask) per rank
@@ -63,12 +64,12 @@ def _plt():
 
 # -- pipeline schedules (pure) -----------------------------------------------------------------
 def schedule_data(P=4, M=8) -> dict:
-    import pp
+    import pp_schedule      # pure Python: no torch needed for this picture
     out = {}
     for name, V in PIPELINES:
-        tl, T, bubble, peak = pp.simulate(name, P, M, V)
+        tl, T, bubble, peak = pp_schedule.simulate(name, P, M, V)
         out[name] = dict(V=V, timeline=tl, makespan=T, bubble=bubble, peak=peak,
-                         formula=pp.bubble_formula(name, P, M, V))
+                         formula=pp_schedule.bubble_formula(name, P, M, V))
     return out
 
 

@@ -1,13 +1,15 @@
-"""pp.py: schedules without processes, then the pipeline under torchrun on CPU."""
+"""pp_schedule.py's schedules without processes (nor torch), then pp.py's pipeline under
+torchrun on CPU."""
 import copy
-import json
+import subprocess
+import sys
 import types
 
 import pytest
 
 import harness
-import pp
-from conftest import Runs, assert_config_error, config_file
+import pp_schedule
+from conftest import ROOT, Runs, assert_config_error, config_file
 
 try:   # torch's own pipeline-schedule IR, validator and comms simulator (private, torch >= 2.5)
     from torch.distributed.pipelining import schedules as T
@@ -35,7 +37,7 @@ def valid(name, P, M, V):
 
 
 def chunks(name, P, V):
-    return P * pp.chunks_per_rank(name, V)
+    return P * pp_schedule.chunks_per_rank(name, V)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -46,12 +48,12 @@ def test_schedules(name):
             continue
         C = chunks(name, P, V)
         for r in range(P):
-            acts = pp.schedule(name, P, M, V, r)
+            acts = pp_schedule.schedule(name, P, M, V, r)
             seen = {}
             for i, a in enumerate(acts):
                 assert a not in seen, (name, P, M, V, r, a)
                 seen[a] = i
-            mine = [c for c in range(C) if pp.chunk_owner(name, c, P) == r]
+            mine = [c for c in range(C) if pp_schedule.chunk_owner(name, c, P) == r]
             if name == "dualpipev":      # the V: chunks r and 2P-1-r
                 assert mine == [r, 2 * P - 1 - r]
             for c in mine:
@@ -72,7 +74,7 @@ def test_schedules(name):
             elif name == "zb":
                 assert {k for k, *_ in acts} == {"F", "I", "W"}
         # cross-stage dependencies: the event simulation completes (raises on deadlock)
-        _, _, bubble, peak = pp.simulate(name, P, M, V)
+        _, _, bubble, peak = pp_schedule.simulate(name, P, M, V)
         if name == "gpipe":
             assert peak == [M] * P
         if name in ("1f1b", "zb"):
@@ -83,11 +85,11 @@ def test_schedules(name):
             # that of F&B pairs started together; this executor starts each half as soon as its
             # input is there, which at unit costs halves it: (P-1) T_F idle per rank
             assert peak == [2 * P + 1] * P, peak
-            paired = pp.simulate(name, P, M, V, paired=True)[2]
-            assert paired == pytest.approx(pp.bubble_formula(name, P, M, V), abs=1e-12)
+            paired = pp_schedule.simulate(name, P, M, V, paired=True)[2]
+            assert paired == pytest.approx(pp_schedule.bubble_formula(name, P, M, V), abs=1e-12)
             assert bubble == pytest.approx((P - 1) / (6 * M + P - 1), abs=1e-12)
         elif M >= P:  # the bubble of the unit-cost simulation is the textbook formula
-            assert bubble == pytest.approx(pp.bubble_formula(name, P, M, V), abs=1e-12)
+            assert bubble == pytest.approx(pp_schedule.bubble_formula(name, P, M, V), abs=1e-12)
         checked += 1
     assert checked >= 4
 
@@ -103,7 +105,7 @@ def test_dualpipev_bubble_against_deepseeks_formula(cost):
     for P, M in ((2, 4), (3, 6), (4, 8), (4, 12)):
         idle = {}
         for paired in (False, True):
-            tl, T, _, _ = pp.simulate("dualpipev", P, M, cost=cost, paired=paired)
+            tl, T, _, _ = pp_schedule.simulate("dualpipev", P, M, cost=cost, paired=paired)
             per_rank = {T - sum(e - s for *_, s, e in tl[r]) for r in range(P)}
             assert len(per_rank) == 1         # every rank idles the same
             idle[paired] = per_rank.pop()
@@ -117,7 +119,7 @@ def test_dualpipev_against_1f1b_at_equal_depth():
     """Same P ranks and M micro-batches: DualPipeV's idle share is ZB-H1's formula with 2P half
     stages; 1F1B's is (P-1)/(M+P-1); ZB-H1's (P-1)/(3M+P-1)."""
     for P, M in ((2, 4), (4, 8), (4, 16)):
-        v, one, zb = (pp.simulate(n, P, M)[2] for n in ("dualpipev", "1f1b", "zb"))
+        v, one, zb = (pp_schedule.simulate(n, P, M)[2] for n in ("dualpipev", "1f1b", "zb"))
         assert v < zb < one
 
 
@@ -128,8 +130,8 @@ def test_dualpipev_against_1f1b_at_equal_depth():
 # ----------------------------------------------------------------------------------------------
 def torch_order(name, P, M, V):
     """pp's compute schedule in torch's format: {rank: [_Action(stage, F|B|I|W, mb)]}."""
-    return {r: [T._Action(c, T._ComputationType(k), m) for k, c, m in pp.schedule(name, P, M, V, r)]
-            for r in range(P)}
+    return {r: [T._Action(c, T._ComputationType(k), m)
+                for k, c, m in pp_schedule.schedule(name, P, M, V, r)] for r in range(P)}
 
 
 def with_executor_comms(order, C, owner=None):
@@ -165,7 +167,7 @@ def test_schedules_pass_torch_validator_and_comms_simulation(name):
         if not valid(name, P, M, V):
             continue
         C = chunks(name, P, V)
-        stage_to_rank = (lambda s, P=P: pp.chunk_owner(name, s, P))
+        stage_to_rank = (lambda s, P=P: pp_schedule.chunk_owner(name, s, P))
         order = torch_order(name, P, M, V)
         # every stage runs F, then B (or I then W), once per micro-batch, on one rank: c % P,
         # or the V
@@ -245,15 +247,27 @@ def test_schedules_are_torchs_own(name):
 
 
 def test_zero_bubble_beats_1f1b():
-    assert pp.simulate("zb", 4, 8)[2] < pp.simulate("1f1b", 4, 8)[2] / 2
+    assert pp_schedule.simulate("zb", 4, 8)[2] < pp_schedule.simulate("1f1b", 4, 8)[2] / 2
 
 
 def test_split_balances_with_embeddings_and_head():
     # 4 equal layers, embeddings and head each worth 0.5 layer: 2 stages of 2 layers each
-    assert pp.split_layers([1.0] * 4, 0.5, 0.5, 2) == [range(0, 2), range(2, 4)]
+    assert pp_schedule.split_layers([1.0] * 4, 0.5, 0.5, 2) == [range(0, 2), range(2, 4)]
     # a heavy embedding pushes layers to the later stages
-    assert pp.split_layers([1.0] * 4, 3.0, 0.0, 2) == [range(0, 1), range(1, 4)]
-    assert pp.split_layers([1.0] * 4, 0.0, 0.0, 4) == [range(i, i + 1) for i in range(4)]
+    assert pp_schedule.split_layers([1.0] * 4, 3.0, 0.0, 2) == [range(0, 1), range(1, 4)]
+    assert pp_schedule.split_layers([1.0] * 4, 0.0, 0.0, 4) == [range(i, i + 1) for i in range(4)]
+
+
+def test_schedules_plan_without_torch():
+    """pp_schedule is pure Python: it imports, simulates and lays out the grid with torch
+    unimportable (the figures and the plan calculator need no torch.distributed)."""
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import pp_schedule as s\n"
+            "s.Grid('dualpipev', 4, 8)\n"
+            "print(s.simulate('1f1b', 4, 8)[2], s.split_layers([1.0] * 4, 0, 0, 2))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert float(p.stdout.split()[0]) == pytest.approx(3 / 11, abs=1e-12), p.stdout
 
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb", "dualpipev"]
@@ -385,6 +399,8 @@ def _split_backward_case(split: bool, count_flops=False):
     import torch
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
+
+    import pp
     cfg = harness.load_config("tiny")
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").double()
@@ -416,7 +432,8 @@ def _split_backward_case(split: bool, count_flops=False):
 
 def test_split_backward_is_one_backward():
     """I + W gives the same gradients as B (two micro-batches accumulated, float64), in the same
-    FLOPs (no second traversal), leaves plain leaf gradients (no graph), and frees every stashed input and output gradient after W."""
+    FLOPs (no second traversal), leaves plain leaf gradients (no graph), and frees every stashed
+    input and output gradient after W."""
     ref, ref_flops, _ = _split_backward_case(False)
     got, flops, refs = _split_backward_case(True)
     assert set(got) == set(ref) and all(g is not None for g in got.values())

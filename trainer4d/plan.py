@@ -30,7 +30,7 @@ Where each number comes from (imported, not copied; new here: comm_per_step and 
                    layers (GPipe: M; the interleaved schedule's extra in-flight chunks are not
                    counted). Llama-family shapes only (not MLA or MoE layers)
     logits         oom_search.predict_peak's logits and loss term, on the last stage
-    bubble         pp.bubble_formula; in-flight micro-batches from pp.simulate
+    bubble         pp_schedule.bubble_formula; in-flight micro-batches from pp_schedule.simulate
     wire bytes     harness.meter.RING_FACTOR (ring algorithms)
     comm per step  comm_per_step() below: the per-step formulas that tp.py, sp.py, cp_ring.py,
                    pp.py, zero.py and ep_moe.py state in their docstrings, for one layout
@@ -233,7 +233,7 @@ def comm_per_step(config, params: dict, lay, elem: int) -> list[tuple]:
 
 def plan(config, params, lay, elem: int, mem_gib: float | None, out=print) -> dict:
     from harness.meter import RING_FACTOR
-    import pp
+    import pp_schedule as pp
     states = state_bytes(params, lay, elem)
     acts = activation_bytes(config, lay, elem)
     logits = logits_bytes(config, lay, elem)
@@ -281,18 +281,16 @@ def plan(config, params, lay, elem: int, mem_gib: float | None, out=print) -> di
 def bubbles(P: int, M: int, V: int, names, target: float, out=print) -> list[dict]:
     """pp.bubble_formula beside pp.simulate's unit-cost bubble and peak in-flight micro-batches
     per rank, and the point-to-point messages per step (every cross-rank send of the schedule)."""
-    import pp
+    import pp_schedule as pp
     rows = []
     out(f"pipeline P={P} M={M} V={V} (unit costs F=1, B=2, I=W=1)")
     out(f"{'schedule':<12} {'formula':>8} {'simulated':>9} {'p2p sends':>9}  in flight per rank")
     for name in names:
         _, _, sim, peak = pp.simulate(name, P, M, V)
-        cv = pp.chunks_per_rank(name, V) if hasattr(pp, "chunks_per_rank") else (
-            V if name == "interleaved" else 1)
-        owner = getattr(pp, "chunk_owner", lambda _n, c, p: c % p)
+        cv = pp.chunks_per_rank(name, V)
         sends = sum(1 for r in range(P) for kind, c, m in pp.schedule(name, P, M, cv, r)
                     for msg in [pp.messages(kind, c, m, P * cv)[1]]
-                    if msg is not None and owner(name, msg[1], P) != r)
+                    if msg is not None and pp.chunk_owner(name, msg[1], P) != r)
         f = pp.bubble_formula(name, P, M, V)
         rows.append(dict(name=name, formula=f, simulated=sim, sends=sends, peak=peak))
         out(f"{name:<12} {f:>8.3f} {sim:>9.3f} {sends:>9}  {peak}")
