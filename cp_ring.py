@@ -15,9 +15,9 @@ The idea (Liu et al., "Ring Attention with Blockwise Transformers", 2023; Brando
     float64 runs). Each rescale factor is the exp of a difference of two scores (m is a score),
     exact but for one rounding. Merging normalised block outputs by their log-sum-exps instead,
     out <- out - sigmoid(lse_b - lse) (out - out_b), is the same algebra but weighs each block
-    by a difference of two lse's that carry eps * |lse| each: with large logits (|s| ~ 100)
-    out then disagrees with the backward's P = exp(s - lse) by ~100 eps, and dQ/dK came out up
-    to 6x less accurate than torch's SDPA (`python tests/cp_attention_check.py --kernel`).
+    by a difference of two lse's that carry eps * |lse| each: with large logits out then
+    disagrees with the backward's P = exp(s - lse) by ~|s| eps, and dQ/dK lose accuracy against
+    torch's SDPA (`python tests/cp_attention_check.py --kernel` measures both merges).
     The backward is a custom autograd Function: dQ accumulates locally, while dK/dV travel
     around the ring with their K/V and arrive home after a last hop.
 
@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from harness import Expect, Plant, Strategy, DTYPES, main, make_adamw, METER, phase
+from harness import Expect, Plant, Strategy, DTYPES, main, make_adamw, METER, phase, planted
 from harness.timing import CallTimer
 from harness.precision import grad_reduce_dtype
 import ddp
@@ -100,10 +100,10 @@ def relation(q: tuple[int, int], k: tuple[int, int]) -> str:
 class CPContext:
     """What the attention function needs: group, layout and block kernel.
     world/rank default to the group's (given, they let one process play every rank of the
-    block loop: tests/cp_attention_check.py --kernel). plant: a planted bug's name or None."""
+    block loop: tests/cp_attention_check.py --kernel)."""
 
-    def __init__(self, variant, group, seq, world=None, rank=None, plant=None, kernel=None):
-        self.variant, self.group, self.plant = variant, group, plant
+    def __init__(self, variant, group, seq, world=None, rank=None, kernel=None):
+        self.variant, self.group = variant, group
         self.W = dist.get_world_size(group) if world is None else world
         self.rank = dist.get_rank(group) if rank is None else rank
         self.chunks = layout(variant, self.W, seq)
@@ -157,7 +157,7 @@ def block_forward(q, k, v, scale, rel, qr, kr):
     return p @ v, p.sum(-1), m
 
 
-def merge(state, block, plant=None):
+def merge(state, block):
     """Online softmax: add a block's (acc, l, m) to the running (acc, l, m), both rescaled to
     the larger max (each factor exp(m - m') <= 1, the difference of two scores)."""
     if state is None:
@@ -165,7 +165,7 @@ def merge(state, block, plant=None):
     (acc, l, m), (acc_b, l_b, m_b) = state, block
     new_m = torch.maximum(m, m_b)
     a, b = torch.exp(m - _finite(new_m)), torch.exp(m_b - _finite(new_m))
-    if plant == "merge-no-rescale":   # planted bug: the running output keeps its old max
+    if planted("merge-no-rescale"):   # plant: the running output keeps its old max
         return acc + acc_b * b[..., None], l * a + l_b * b, new_m
     return acc * a[..., None] + acc_b * b[..., None], l * a + l_b * b, new_m
 
@@ -338,8 +338,8 @@ def _pairs(cp, src):
     for qa, qb, qr in cp.offsets(cp.rank):
         for ka, kb, kr in cp.offsets(src):
             rel = relation(qr, kr)
-            if cp.plant == "unmasked-diagonal" and rel == "mask":
-                rel = "full"   # planted bug: the diagonal block attends to its future too
+            if planted("unmasked-diagonal") and rel == "mask":
+                rel = "full"   # plant: the diagonal block attends to its future too
             if rel != "skip":
                 yield (qa, qb, qr), (ka, kb, kr), rel
 
@@ -350,7 +350,7 @@ def _attend(q, k, v, cp, src, scale, n_rep, acc):
         block = cp.kernel.forward(q[:, :, qa:qb], _expand(k[:, :, ka:kb], n_rep),
                                   _expand(v[:, :, ka:kb], n_rep), scale, rel, qr, kr,
                                   acc["dtype"])
-        acc[qa] = merge(acc.get(qa), block, cp.plant)
+        acc[qa] = merge(acc.get(qa), block)
 
 
 def _grad(q, k, v, do, out, lse, delta, cp, src, scale, n_rep, dq, dkv):
@@ -425,8 +425,8 @@ class RingAttention(torch.autograd.Function):
             if dkv_reqs is not None:                   # the earlier ranks' parts for block src
                 _wait(dkv_reqs)
                 dkv += arrived
-            if step == cp.W - 1 and cp.plant == "dkv-not-home":   # planted bug: no last hop,
-                break                                  # the neighbour's dK/dV taken as ours
+            if step == cp.W - 1 and planted("dkv-not-home"):   # plant: no last hop, the
+                break                                  # neighbour's dK/dV taken as ours
             (arrived,), dkv_reqs = _hop([dkv], cp)     # the last one brings our dK/dV home
             if step < cp.W - 1:
                 _wait(kv_reqs)
@@ -471,7 +471,7 @@ class AllGatherAttention(torch.autograd.Function):
             _grad(q, full[src][:, 0], full[src][:, 1], do, out, lse, delta, cp, src, scale,
                   n_rep, dq, blk)
         mine = torch.empty(full.shape[1:], dtype=full.dtype, device=full.device)
-        if cp.plant == "no-reduce-scatter":   # planted bug: only our own queries' dK/dV
+        if planted("no-reduce-scatter"):   # plant: only our own queries' dK/dV
             mine = dfull[cp.rank].to(full.dtype)
         else:
             dist.reduce_scatter_tensor(mine, dfull.to(full.dtype).view((-1,) + full.shape[2:]),
@@ -502,8 +502,7 @@ def install(model, cp: CPContext):
         layer.self_attn.cp = cp
 
 
-def parallelize(model, group, seq_len: int, variant: str = "zigzag", kernel=None,
-                plant: str | None = None) -> CPContext:
+def parallelize(model, group, seq_len: int, variant: str = "zigzag", kernel=None) -> CPContext:
     """Context parallelism for an HF Llama-family model over the ranks of `group`, in place
     (the entry the harness, compose4d and users call). Returns the context, whose `positions`
     are this rank's global token positions. In a loop:
@@ -514,7 +513,7 @@ def parallelize(model, group, seq_len: int, variant: str = "zigzag", kernel=None
         logits = model(input_ids=ids[:, pos], position_ids=pos[None].expand(B, -1)).logits
         (loss_sum(logits, labels[:, pos]) / n_tokens_global).backward()   # grads summed
     """
-    cp = CPContext(variant, group, seq_len, plant=plant, kernel=kernel)
+    cp = CPContext(variant, group, seq_len, kernel=kernel)
     install(model, cp)
     cp.positions = positions(cp.chunks[cp.rank])
     return cp
@@ -594,13 +593,12 @@ class CP(Strategy):
         self.kernel_time = CallTimer(env.device.type == "cuda")
         kernel.forward = self.kernel_time.wrap(kernel.forward, work=_block_flops)
         kernel.backward = self.kernel_time.wrap(kernel.backward)
-        self.cp = parallelize(model, None, args.length, args.variant, kernel, args.plant_bug)
+        self.cp = parallelize(model, None, args.length, args.variant, kernel)
         self.pos = self.cp.positions.to(env.device)
-        if args.plant_bug == "contiguous-tokens":   # planted bug: the usual contiguous split
+        if planted("contiguous-tokens"):   # plant: the usual contiguous split
             self.pos = positions(layout("ring", env.world, args.length)[env.rank]).to(env.device)
         # Same weights, different tokens: gradients are summed over the CP group.
         self.dp = ddp.DataParallel(model, broadcast=False, broadcast_buffers=False,
-                                   average=args.plant_bug != "no-average",
                                    reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
         self.optimizer = make_adamw(model.parameters(), args)
 

@@ -47,9 +47,10 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from harness import (METER, Batch, Expect, Plant, Strategy, global_loss, lm_loss_sum, main,
-                     make_adamw, phase, spread_across_ranks)
+from harness import (Batch, Expect, Plant, Strategy, global_loss, lm_loss_sum, main, make_adamw,
+                     phase, planted, spread_across_ranks)
 from harness.precision import LOW_PRECISION, grad_reduce_dtype
+from harness.reduce_probe import ReductionProbe
 
 
 # ----------------------------------------------------------------------------------------------
@@ -87,6 +88,10 @@ class Bucket:
         self.ready = 0
         self.handle = None
         self.wire = None   # what the all_reduce sums: the buffer, or its fp32 copy
+
+    def settle(self):
+        """Every trainable parameter's .grad into its slot (settle_slots), before a reduction."""
+        settle_slots(self.params, self.slots)
 
 
 def take_fresh_grad(p: torch.nn.Parameter, slot: torch.Tensor):
@@ -203,8 +208,8 @@ class DataParallel(torch.nn.Module):
             [(names.get(id(p), "a parameter"), p) for p in replicated]
             + list(module.named_buffers()), group, "DataParallel")
         cap = int(bucket_mb * 2**20)
-        if broadcast:  # replicas must start identical: rank 0's weights win
-            broadcast_coalesced(replicated + list(module.buffers()), group, cap)
+        if broadcast and not planted("no-broadcast"):   # plant: each keeps its own init
+            broadcast_coalesced(replicated + list(module.buffers()), group, cap)   # rank 0's win
         self.broadcast_buffers = broadcast_buffers and any(True for _ in module.buffers())
         self.forward_sync = True
         params = [p for p in replicated if p.requires_grad]
@@ -224,10 +229,6 @@ class DataParallel(torch.nn.Module):
         self.used: set = set()   # parameters with a gradient since the last reduction (the
                                  # find_unused_parameters map)
         self.callback_queued = False
-        # probe=True: the next step also sums an fp64 copy of the local gradients (unmetered),
-        # keeps the reduction's error against it in `reduce_error` (the benchmark's report)
-        # and turns the probe off: one step, the benchmark's first warm-up step
-        self.probe, self.reduce_error, self._exact = False, None, []
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled() and (self.callback_queued or self.next_launch):
@@ -294,13 +295,11 @@ class DataParallel(torch.nn.Module):
         return (self.reduce_dtype or self.buckets[0].buffer.dtype).itemsize
 
     def _launch(self, b: Bucket):
-        settle_slots(b.params, b.slots)
-        if self.probe:
-            self._exact.append(b.buffer.double())
+        b.settle()
         b.wire = (b.buffer if self.reduce_dtype in (None, b.buffer.dtype)
                   else b.buffer.to(self.reduce_dtype))
         # Pre-divide by W (as torch DDP does) so the sum is the average and stays in range.
-        if self.average:
+        if self.average and not planted("no-average"):   # plant: the sum, W x the mean
             b.wire.div_(self.world)
         b.handle = dist.all_reduce(b.wire, group=self.group, async_op=True)
         self.next_launch += 1
@@ -329,51 +328,21 @@ class DataParallel(torch.nn.Module):
                 p.grad = None if unused is not None and p in unused else slot
         self.next_launch = 0
         self.used = set()
-        if self.probe:
-            self._measure()
-
-    def _measure(self):
-        """The reduction's error: the reduced buckets against an fp64 sum of the same local
-        gradients (max |got - exact| / max |exact|, over the buckets)."""
-        exact = torch.cat(self._exact)
-        with METER.paused():
-            dist.all_reduce(exact, group=self.group)
-        if self.average:
-            exact /= self.world
-        got = torch.cat([b.buffer.double() for b in self.buckets])
-        stored = exact.to(self.buckets[0].buffer.dtype).double()   # the storage's own rounding
-        scale = exact.abs().max().clamp_min(torch.finfo(torch.float64).tiny)
-        self.probe = False
-        self.reduce_error = (((got - exact).abs().max() / scale).item(),
-                             ((got - stored).abs().max() / scale).item(),
-                             (got != stored).double().mean().item())
-        self._exact = []
-
-
-def reduce_error_lines(dp, args) -> list[str]:
-    """The benchmark's line on the gradient reduction's own error (bf16/fp16 runs, probed)."""
-    if dp.reduce_error is None:
-        return []
-    dt = dp.reduce_dtype or dp.buckets[0].buffer.dtype
-    err, beyond, frac = dp.reduce_error
-    return [f"gradient all-reduce in {str(dt).replace('torch.', '')} (--reduce-dtype "
-            f"{args.reduce_dtype}), first step, against an fp64 sum of the same local gradients: "
-            f"error {err:.1e}; beyond the storage's own rounding of that sum {beyond:.1e} "
-            f"({frac:.1%} of the entries differ from it)"]
 
 
 def forward_backward(model, batch: Batch, rank: int, world: int, accum: int,
-                     set_sync=lambda sync: None, plant: str | None = None) -> torch.Tensor:
+                     set_sync=lambda sync: None) -> torch.Tensor:
     """The data-parallel micro-step loop: this rank's 1/W of the batch in `accum` micro-batches,
     each backpropagating W * CE_sum / N (see "Loss scaling" above). set_sync(k == accum-1) tells
     the gradient machinery which backward is the last. Returns the local CE sum (float64)."""
     local_sum = torch.zeros((), dtype=torch.float64, device=batch.input_ids.device)
     for k, mb in enumerate(batch.shard(rank, world).split(accum)):
-        set_sync(k == (0 if plant == "sync-first-microbatch" else accum - 1))
+        last = 0 if planted("sync-first-microbatch") else accum - 1   # plant: syncs the first
+        set_sync(k == last)
         with phase("forward"):
             ce = lm_loss_sum(model(input_ids=mb.input_ids).logits, mb.labels)
         with phase("backward"):
-            if plant == "mean-of-means":   # each micro-batch's own mean, averaged
+            if planted("mean-of-means"):   # plant: each micro-batch's own mean, averaged
                 (ce / mb.n_tokens / accum).backward()
             else:
                 (ce * world / batch.n_tokens).backward()
@@ -457,20 +426,20 @@ class DDP(Strategy):
         self.model = model
         # getattr: DDP also serves as a memory baseline for other strategies' flags
         self.dp = DataParallel(model, bucket_mb=getattr(args, "bucket_mb", 25.0),
-                               broadcast=not (getattr(args, "no_broadcast", False)
-                                              or args.plant_bug == "no-broadcast"),
-                               average=args.plant_bug != "no-average",
+                               broadcast=not getattr(args, "no_broadcast", False),
                                broadcast_buffers=False,   # HF's buffers are constants
                                reduce_dtype=grad_reduce_dtype(next(model.parameters()).dtype,
                                                               args))
         self.optimizer = make_adamw(model.parameters(), args)
-        self.dp.probe = args.mode == "benchmark" and bool(self.dp.buckets) and \
-            self.dp.buckets[0].buffer.dtype in LOW_PRECISION
+        # Instrumentation from outside the algorithm: the benchmark's first step also sums the
+        # low-precision gradients in fp64, for the reduction's own error (report_lines)
+        self.probe = (ReductionProbe(self.dp) if args.mode == "benchmark" and self.dp.buckets
+                      and self.dp.buckets[0].buffer.dtype in LOW_PRECISION else None)
 
     def step(self, batch: Batch) -> float:
         self.optimizer.zero_grad(set_to_none=False)
         local_sum = forward_backward(self.dp, batch, self.env.rank, self.env.world,
-                                     self.args.grad_accum, self.dp.set_sync, self.args.plant_bug)
+                                     self.args.grad_accum, self.dp.set_sync)
         with phase("optimizer"):
             if self.args.clip:
                 self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
@@ -487,7 +456,7 @@ class DDP(Strategy):
         return rows
 
     def report_lines(self):
-        return reduce_error_lines(self.dp, self.args)
+        return self.probe.report_lines(self.args.reduce_dtype) if self.probe else []
 
     def extra_checks(self):
         spread = spread_across_ranks(self.model.parameters())

@@ -68,14 +68,9 @@ included, in every dtype: the dropless reference *is* HF's block, and a float64 
 it must select and weight experts from the same float32 probabilities. The router losses use the
 probabilities in the model's dtype (at least float32), as HF's load_balancing_loss_func does.
 
-The reference (MoEReference): dropless and without a selection bias, HF's own model untouched
-(MixtralSparseMoeBlock.forward: HF's router, renormalisation and experts; none of this file's
-code) and the router losses from HF's recorded router logits; with capacity or the aux-free bias,
-which HF does not implement, HF's experts behind this file's route() and drops.
-
-Planted bugs (--plant-bug NAME, see ExpertParallel.plants): a router that skips the top-k
-renormalisation, a combine that returns rows to the wrong tokens, expert gradients divided by
-the data-parallel size, and a per-rank (instead of global-batch) auxiliary loss.
+The reference (MoEReference) is HF's own model wherever HF has the feature, so it shares no
+routing code with this file; the routing statistics (loads, drops, off-rank rows) are observed
+from outside the blocks (harness.routing.RoutingStats).
 
 Public API
     blocks = parallelize(model, group, capacity_factor=None, ..., experts_impl="auto")   E/W
@@ -91,10 +86,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from harness import (Batch, Expect, Plant, Reference, Strategy, clip_by_norm, global_loss,
-                     lm_loss_sum, main, make_adamw, METER, name_group, phase, spread_across_ranks)
+                     lm_loss_sum, main, make_adamw, name_group, phase, planted,
+                     spread_across_ranks)
 from harness.precision import grad_reduce_dtype
+from harness.routing import RoutingStats, hf_moe_objective
 from ddp import DataParallel
-from ep_stats import RoutingStats
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,10 +118,10 @@ class AllToAll(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 # Routing, capacity and the router losses (shared by the reference and the parallel block)
 # ----------------------------------------------------------------------------------------------
-def route(weight, x, top_k, bias=None, renormalise=True):
+def route(weight, x, top_k, bias=None):
     """HF MixtralTopKRouter's math, its float32 softmax included: (logits (N,E), probs (N,E)
     float32, weights (N,k), experts (N,k)). The bias, if any, only changes which experts are
-    selected. renormalise=False is a planted bug (the top-k weights no longer sum to 1)."""
+    selected."""
     logits = F.linear(x, weight)
     probs = F.softmax(logits.float(), dim=-1)
     if bias is None:
@@ -133,7 +129,7 @@ def route(weight, x, top_k, bias=None, renormalise=True):
     else:
         idx = torch.topk(probs + bias, top_k, dim=-1).indices
         top = probs.gather(-1, idx)
-    if not renormalise:
+    if planted("router-no-renorm"):   # plant: the top-k weights no longer sum to 1
         return logits, probs, top, idx
     return logits, probs, top / top.sum(dim=-1, keepdim=True), idx
 
@@ -195,11 +191,11 @@ class MoEBlock(nn.Module):
     """Replaces a MixtralSparseMoeBlock, keeping its `gate` (router) so parameter names stay
     HF's. Subclasses implement dispatch_combine(x, weights, experts)."""
 
-    def __init__(self, hf_block, stats: list, opts, plant: str | None = None):
+    def __init__(self, hf_block, stats: list, opts):
         super().__init__()
         self.gate = hf_block.gate
         self.top_k, self.num_experts = hf_block.top_k, hf_block.gate.num_experts
-        self.stats, self.opts, self.plant = stats, opts, plant
+        self.stats, self.opts = stats, opts
         w = self.gate.weight
         self.register_buffer("bias", torch.zeros(self.num_experts, device=w.device,
                                                  dtype=torch.promote_types(w.dtype, torch.float32))
@@ -209,8 +205,7 @@ class MoEBlock(nn.Module):
     def forward(self, hidden):
         b, s, h = hidden.shape
         x = hidden.reshape(-1, h)
-        logits, probs, w, idx = route(self.gate.weight, x, self.top_k, self.bias,
-                                      renormalise=self.plant != "router-no-renorm")
+        logits, probs, w, idx = route(self.gate.weight, x, self.top_k, self.bias)
         # the router losses in the model's precision (probs is float32, as HF routes)
         wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
         p = probs if wide.dtype == probs.dtype else F.softmax(wide, dim=-1)
@@ -238,8 +233,8 @@ class ReferenceMoE(MoEBlock):
     global batch's drops applied as zero weights, then HF's own experts. A bug planted in
     route() reaches it too, as a real one would."""
 
-    def __init__(self, hf_block, stats, opts, plant: str | None = None):
-        super().__init__(hf_block, stats, opts, plant)
+    def __init__(self, hf_block, stats, opts):
+        super().__init__(hf_block, stats, opts)
         self.experts = hf_block.experts
 
     def dispatch_combine(self, x, w, idx, keep, rec):
@@ -355,8 +350,8 @@ class LocalExperts(nn.Module):
 
 
 class ExpertParallelMoE(MoEBlock):
-    def __init__(self, hf_block, stats, opts, group, plant: str | None = None):
-        super().__init__(hf_block, stats, opts, plant)
+    def __init__(self, hf_block, stats, opts, group):
+        super().__init__(hf_block, stats, opts)
         self.group = group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.local = self.num_experts // self.world
@@ -403,7 +398,7 @@ class ExpertParallelMoE(MoEBlock):
         y = self.experts(xr[perm], per_expert)
         inv = torch.empty_like(perm)
         inv[perm] = torch.arange(perm.numel(), device=x.device)
-        if self.plant == "combine-wrong-order":   # un-sorts with perm, not its inverse
+        if planted("combine-wrong-order"):   # plant: un-sorts with perm, not its inverse
             inv = perm
         # 6. combine: back to the senders, weighted, summed per token
         yb = self.exchange(y[inv], send_splits, recv_splits)
@@ -431,8 +426,7 @@ class _NoStats(list):
 
 
 def parallelize(model, group, capacity_factor: float | None = None, aux_free_bias=False,
-                z_coef: float = 0.0, stats: list | None = None, plant: str | None = None,
-                experts_impl: str = "auto"):
+                z_coef: float = 0.0, stats: list | None = None, experts_impl: str = "auto"):
     """Expert parallelism for an HF Mixtral-family model over the ranks of `group`, in place
     (the entry the harness and users call): each rank keeps E/W experts, every MoE block
     dispatches its rows to the experts' ranks and combines them back (all_to_all_single).
@@ -444,7 +438,7 @@ def parallelize(model, group, capacity_factor: float | None = None, aux_free_bia
     opts = types.SimpleNamespace(capacity_factor=capacity_factor, aux_free_bias=aux_free_bias,
                                  z_coef=z_coef, experts_impl=experts_impl)
     stats = _NoStats() if stats is None else stats
-    return install(model, lambda b: ExpertParallelMoE(b, stats, opts, group, plant=plant))
+    return install(model, lambda b: ExpertParallelMoE(b, stats, opts, group))
 
 
 def is_expert(name: str) -> bool:
@@ -454,39 +448,14 @@ def is_expert(name: str) -> bool:
 # ----------------------------------------------------------------------------------------------
 # The single-device reference: HF's own MoE block where HF has one, else HF's experts + route()
 # ----------------------------------------------------------------------------------------------
-def hf_router_losses(router_logits: tuple, n_experts: int, top_k: int):
-    """(aux, z) from HF's recorded router logits (one (N, E) tensor per layer), in their dtype
-    (at least float32, as the strategy's).
-
-    aux: transformers' load_balancing_loss_func (Mixtral) formula, E * sum_e f_e P_e over all
-        L N rows (padding included: HF's model is called without an attention mask). HF's function
-        accumulates in float32, and its backward therefore rounds the aux gradient to float32,
-        which would cap a float64 target at float32 precision; so the same sums are taken here in
-        the logits' dtype and MoEReference checks them against HF's own value at every step.
-        The normalisation is the same as router_losses' (global counts and rows).
-        f counts the router's choices (top-k of HF's float32 probabilities; HF's function
-        re-selects from probabilities in the logits' dtype, different only at float32 ties).
-    z: transformers' ST-MoE router_z_loss_func (Switch Transformers; Mixtral has none): the mean
-        of logsumexp^2 over each layer's tokens, averaged over the layers (= over all L N rows)."""
-    from transformers.models.switch_transformers.modeling_switch_transformers import (
-        router_z_loss_func)
-    router_logits = [lg.to(torch.promote_types(lg.dtype, torch.float32)) for lg in router_logits]
-    rows = sum(lg.shape[0] for lg in router_logits)
-    counts = sum(torch.bincount(torch.topk(F.softmax(lg.float(), -1), top_k, -1).indices
-                                .reshape(-1), minlength=n_experts) for lg in router_logits)
-    prob_sum = sum(F.softmax(lg, dim=-1).sum(0) for lg in router_logits)
-    aux = n_experts * ((counts.to(prob_sum.dtype) / rows) * (prob_sum / rows)).sum()
-    z = sum(router_z_loss_func(lg[None]) for lg in router_logits) / len(router_logits)
-    return aux, z
-
-
 class MoEReference(Reference):
     """The single-device reference; objective = mean CE + aux_coef aux + z_coef z.
 
     Dropless and without a selection bias (the default), it shares no code with the strategy:
     the model is HF's own, untouched (MixtralSparseMoeBlock.forward with HF's router, top-k
     renormalisation and experts), and the router losses come from the router logits HF records
-    (output_router_logits=True) via hf_router_losses. A router bug in route() therefore FAILs.
+    (output_router_logits=True), checked against HF's own load_balancing_loss_func
+    (harness.routing.hf_moe_objective). A router bug in route() therefore FAILs.
     HF has no capacity dropping and no auxiliary-loss-free bias: with --capacity-factor or
     --aux-free-bias the layers are ReferenceMoE (this file's route() and drops, HF's experts) and
     the losses this file's router_losses, so those runs check the dispatch, not the router
@@ -498,31 +467,16 @@ class MoEReference(Reference):
         self.stats, self.blocks = [], []
         if not self.hf_block:
             # route() is shared here: its planted bug (router-no-renorm) is shared too
-            self.blocks = install(ref_model, lambda b: ReferenceMoE(
-                b, self.stats, args, plant=args.plant_bug))
+            self.blocks = install(ref_model, lambda b: ReferenceMoE(b, self.stats, args))
 
     def objective(self, batch):
-        if not self.hf_block:
-            self.stats.clear()
-            loss = super().objective(batch)
-            self.counts, aux, z = router_losses(self.stats, batch.input_ids.numel(),
-                                                self.blocks[0].num_experts)
-            return loss + self.args.aux_coef * aux + (self.args.z_coef * z if z is not None else 0)
-        cfg = self.model.config
-        out = self.model(input_ids=batch.input_ids, output_router_logits=True)
-        loss = lm_loss_sum(out.logits, batch.labels) / batch.n_tokens
-        aux, z = hf_router_losses(out.router_logits, cfg.num_local_experts,
-                                  cfg.num_experts_per_tok)
-        # out.aux_loss: HF's load_balancing_loss_func itself (float32 sums; bfloat16 softmax)
-        rtol = 3e-2 if out.router_logits[0].dtype == torch.bfloat16 else 1e-4
-        if abs(aux.item() - out.aux_loss.item()) > rtol * abs(out.aux_loss.item()):
-            raise RuntimeError(f"reference aux loss {aux.item()} disagrees with HF's "
-                               f"load_balancing_loss_func {out.aux_loss.item()}")
-        if self.args.aux_coef:
-            loss = loss + self.args.aux_coef * aux
-        if self.args.z_coef:
-            loss = loss + self.args.z_coef * z
-        return loss
+        if self.hf_block:
+            return hf_moe_objective(self.model, batch, self.args.aux_coef, self.args.z_coef)
+        self.stats.clear()
+        loss = super().objective(batch)
+        self.counts, aux, z = router_losses(self.stats, batch.input_ids.numel(),
+                                            self.blocks[0].num_experts)
+        return loss + self.args.aux_coef * aux + (self.args.z_coef * z if z is not None else 0)
 
     def after_step(self):
         if self.args.aux_free_bias:
@@ -613,8 +567,7 @@ class ExpertParallel(Strategy):
         self.dp_group = name_group(dist.new_group(ranks), "dp")
         self.stats: list[dict] = []
         self.blocks = parallelize(model, self.group, args.capacity_factor, args.aux_free_bias,
-                                  args.z_coef, self.stats, args.plant_bug,
-                                  getattr(args, "experts_impl", "auto"))
+                                  args.z_coef, self.stats, getattr(args, "experts_impl", "auto"))
         self.expert_params = [p for n, p in model.named_parameters() if is_expert(n)]
         dense = [p for n, p in model.named_parameters() if not is_expert(n)]
         # The loss on each rank is its share of the global objective, so replicated gradients
@@ -646,7 +599,7 @@ class ExpertParallel(Strategy):
             counts, aux, z = router_losses(self.stats, batch.input_ids.numel(),
                                            self.blocks[0].num_experts,
                                            self._reduce_counts if self.counts_reduced else None)
-            if self.args.plant_bug == "aux-per-rank":   # local f and P, averaged over ranks
+            if planted("aux-per-rank"):   # plant: local f and P, averaged over the ranks
                 aux = router_losses(self.stats, mb.input_ids.numel(),
                                     self.blocks[0].num_experts)[1] / self.env.world
             if self.args.aux_coef:
@@ -655,7 +608,7 @@ class ExpertParallel(Strategy):
                 obj = obj + self.args.z_coef * z
         with phase("backward"):
             obj.backward()   # replicated gradients summed by the end of the backward
-            if self.args.plant_bug == "expert-grad-scale":
+            if planted("expert-grad-scale"):   # plant: divided like the replicated ones
                 for p in self.expert_params:
                     p.grad.div_(self.env.world)
         with phase("optimizer"):
@@ -745,17 +698,7 @@ class ExpertParallel(Strategy):
                    f"{len(exp)} expert tensors, E/W = "
                    f"{self.model.config.num_local_experts // self.env.world} experts each")]
         if self.args.capacity_factor:
-            h = self.routing.history
-            top = torch.tensor([float(max(int(r["load"].max()) for r in h))],
-                               device=self.env.device)
-            with METER.paused():
-                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
-            cap = h[-1]["capacity"]
-            drop = 1 - float(sum(r["kept"] for r in h)) / max(1, sum(r["choices"] for r in h))
-            checks.append(("expert capacity respected", top.item() <= cap,
-                           f"max rows per expert per layer {top.item():.0f} <= C = {cap}; "
-                           f"dropped choices {100 * drop:.2f}% over {len(h)} steps "
-                           f"(factor {self.args.capacity_factor})"))
+            checks.append(self.routing.capacity_check(self.group, self.args.capacity_factor))
         return checks
 
 

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness import Expect, Plant, Strategy, DTYPES, main, make_adamw, phase, scalar
+from harness import Expect, Plant, Strategy, DTYPES, main, make_adamw, phase, planted, scalar
 from harness.precision import grad_reduce_dtype
 import ddp
 import tp
@@ -74,16 +74,16 @@ class GatherFromSP(torch.autograd.Function):
     """enter: all-gather the sequence forward; reduce-scatter the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group, plant=None):
-        ctx.group, ctx.plant = group, plant
+    def forward(ctx, x, group):
+        ctx.group = group
         return _gather_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.plant == "enter-grad-unreduced":   # planted bug: own chunk, not summed over ranks
+        if planted("enter-grad-unreduced"):   # plant: own chunk, not summed over the ranks
             r, s = dist.get_rank(ctx.group), grad.shape[1] // dist.get_world_size(ctx.group)
-            return grad[:, r * s:(r + 1) * s], None, None
-        return _reduce_scatter_seq(grad, ctx.group), None, None
+            return grad[:, r * s:(r + 1) * s], None
+        return _reduce_scatter_seq(grad, ctx.group), None
 
 
 class ReduceScatterToSP(torch.autograd.Function):
@@ -103,18 +103,18 @@ class SplitToSP(torch.autograd.Function):
     """Keep this rank's chunk of a full (replicated) sequence; backward all-gathers."""
 
     @staticmethod
-    def forward(ctx, x, group, plant=None):
+    def forward(ctx, x, group):
         ctx.group = group
         W, r = dist.get_world_size(group), dist.get_rank(group)
         s = x.shape[1] // W
         mine = x[:, r * s:(r + 1) * s]
-        if plant == "split-strided":   # planted bug: tokens r, r+W, ... but gathered as chunks
+        if planted("split-strided"):   # plant: tokens r, r+W, ... but gathered as chunks
             mine = x[:, r::W]
         return mine.contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad.contiguous(), ctx.group), None, None
+        return _gather_seq(grad.contiguous(), ctx.group), None
 
 
 class _Regather:
@@ -143,12 +143,12 @@ class _Regather:
 
 
 class SPRegion(tp.TPRegion):
-    def __init__(self, group, plant: str | None = None):
-        super().__init__(group, plant)
+    def __init__(self, group):
+        super().__init__(group)
         self._contexts = []
 
     def enter(self, x):
-        full = GatherFromSP.apply(x, self.group, self.plant)
+        full = GatherFromSP.apply(x, self.group)
         if torch.is_grad_enabled():
             r = _Regather(full, x.detach(), self.group)
             ctx = torch.autograd.graph.saved_tensors_hooks(r.pack, _Regather.unpack)
@@ -184,7 +184,7 @@ class MegatronSP(tp.TP):
 
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
-        self.tp = parallelize(model, None, args.plant_bug)
+        self.tp = parallelize(model)
         self.seq_partial = self.tp.extra_partial
         self.optimizer = make_adamw(model.parameters(), args)
 
@@ -194,7 +194,7 @@ class MegatronSP(tp.TP):
             ce = self.tp.loss_sum(self.model(input_ids=batch.input_ids).logits, batch.labels)
         with phase("backward"):
             (ce / batch.n_tokens).backward()
-            if self.args.plant_bug == "norm-grads-unreduced":   # planted bug: treated as TP's
+            if planted("norm-grads-unreduced"):   # plant: the norms treated as TP's
                 self.tp.extra_partial = []
             self.tp.reduce_partial_grads()
         with phase("optimizer"):
@@ -229,45 +229,45 @@ class MegatronSP(tp.TP):
         return _per_layer_lines(self.model.config, self.args, self.env.world)
 
 
-def parallelize(model, group=None, plant: str | None = None) -> tp.TensorParallel:
+def parallelize(model, group=None) -> tp.TensorParallel:
     """Megatron sequence parallelism: tp.parallelize with all-gather / reduce-scatter regions,
     and the residual stream sequence-sharded between them. The loop is tp's (the norms'
     gradients join tpm.reduce_partial_grads()); each rank still feeds the whole sequence."""
-    tpm = tp.parallelize(model, group, region=SPRegion(group, plant), plant=plant)
-    tpm.extra_partial = shard_residual_stream(model, group, plant)
+    tpm = tp.parallelize(model, group, region=SPRegion(group))
+    tpm.extra_partial = shard_residual_stream(model, group)
     return tpm
 
 
-def shard_residual_stream(model, group, plant: str | None = None) -> list[nn.Parameter]:
+def shard_residual_stream(model, group) -> list[nn.Parameter]:
     """Megatron SP on a model whose linear layers tensor_parallel already split with an
     SPRegion: the residual stream is sequence-sharded from the first layer's input on (call
     before a pipeline drops layers). Returns the parameters whose gradients are partial over the
     group (the norms and the row-parallel biases act on this rank's tokens only)."""
     model.model.layers[0].register_forward_pre_hook(
-        lambda mod, args, kwargs: _split_first(args, kwargs, group, plant), with_kwargs=True)
+        lambda mod, args, kwargs: _split_first(args, kwargs, group), with_kwargs=True)
     return [p for n, p in model.named_parameters()
             if "norm" in n or n.endswith(("o_proj.bias", "down_proj.bias"))]
 
 
-def _split_first(args, kwargs, group, plant=None):
+def _split_first(args, kwargs, group):
     if "hidden_states" in kwargs:
-        kwargs["hidden_states"] = SplitToSP.apply(kwargs["hidden_states"], group, plant)
+        kwargs["hidden_states"] = SplitToSP.apply(kwargs["hidden_states"], group)
     else:
-        args = (SplitToSP.apply(args[0], group, plant),) + tuple(args[1:])
+        args = (SplitToSP.apply(args[0], group),) + tuple(args[1:])
     return args, kwargs
 
 
 # ----------------------------------------------------------------------------------------------
 # Ulysses: all-to-all between sequence-sharded and head-sharded layouts
 # ----------------------------------------------------------------------------------------------
-def _seq_to_heads(x, group, plant=None):
+def _seq_to_heads(x, group):
     """(B, h, s, d) with local tokens -> (B, h/W, W*s, d) with local heads."""
     W = dist.get_world_size(group)
     B, h, s, d = x.shape
     send = x.reshape(B, W, h // W, s, d).transpose(0, 1).contiguous()   # (W, B, h/W, s, d)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)                     # dim 0: source rank
-    if plant == "a2a-permute":   # planted bug: (B, W, h/W, s, d) viewed as (B, h/W, W*s, d)
+    if planted("a2a-permute"):   # plant: (B, W, h/W, s, d) viewed as (B, h/W, W*s, d)
         return recv.transpose(0, 1).reshape(B, h // W, W * s, d)
     return recv.permute(1, 2, 0, 3, 4).reshape(B, h // W, W * s, d)
 
@@ -284,13 +284,13 @@ def _heads_to_seq(x, group):
 
 class SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, plant=None):
+    def forward(ctx, x, group):
         ctx.group = group
-        return _seq_to_heads(x, group, plant)
+        return _seq_to_heads(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad.contiguous(), ctx.group), None, None
+        return _heads_to_seq(grad.contiguous(), ctx.group), None
 
 
 class HeadsToSeq(torch.autograd.Function):
@@ -308,8 +308,8 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
                       **kwargs):
     """HF attention-interface function: q/k/v arrive as (B, heads, local tokens, d)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    group, plant = module.sp_group, getattr(module, "sp_plant", None)
-    q, k, v = (SeqToHeads.apply(t, group, plant) for t in (query, key, value))
+    group = module.sp_group
+    q, k, v = (SeqToHeads.apply(t, group) for t in (query, key, value))
     # All tokens of the sequence are here now: plain causal attention over them.
     out, _ = sdpa_attention_forward(module, q, k, v, None, scaling=scaling, dropout=dropout,
                                     is_causal=True)
@@ -317,7 +317,7 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.transpose(1, 2).contiguous(), None
 
 
-def parallelize_ulysses(model, group=None, plant: str | None = None, **dp_kwargs):
+def parallelize_ulysses(model, group=None, **dp_kwargs):
     """DeepSpeed-Ulysses for an HF Llama-family model over the ranks of `group`, in place:
     attention runs through HF's attention registry with an all-to-all from sequence shards to
     head shards and back. Returns the model wrapped in ddp.DataParallel over the same group
@@ -327,7 +327,7 @@ def parallelize_ulysses(model, group=None, plant: str | None = None, **dp_kwargs
     AttentionInterface.register("ulysses", ulysses_attention)
     model.config._attn_implementation = "ulysses"
     for layer in model.model.layers:
-        layer.self_attn.sp_group, layer.self_attn.sp_plant = group, plant
+        layer.self_attn.sp_group = group
     return ddp.DataParallel(model, group, **dp_kwargs)
 
 
@@ -348,14 +348,12 @@ class Ulysses(Strategy):
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
         # Replicated weights, different tokens: DDP's bucketed gradient all-reduce.
-        self.dp = parallelize_ulysses(model, None, args.plant_bug, broadcast=False,
-                                      broadcast_buffers=False,
-                                      average=args.plant_bug != "no-average",
+        self.dp = parallelize_ulysses(model, None, broadcast=False, broadcast_buffers=False,
                                       reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
         self.optimizer = make_adamw(model.parameters(), args)
         s, r = args.length // env.world, env.rank   # this rank's contiguous tokens
         self.pos = torch.arange(r * s, (r + 1) * s, device=env.device)
-        if args.plant_bug == "strided-shard":   # planted bug: strided, but gathered as chunks
+        if planted("strided-shard"):   # plant: strided, but the all-to-all assumes chunks
             self.pos = torch.arange(r, args.length, env.world, device=env.device)
 
     def step(self, batch):

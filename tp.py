@@ -49,7 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from harness import (Batch, DTensorBaseline, Expect, Plant, Reference, Strategy, all_reduce_flat,
-                     DTYPES, IGNORE_INDEX, clip_by_norm, main, make_adamw, phase, scalar,
+                     DTYPES, IGNORE_INDEX, clip_by_norm, main, make_adamw, phase, planted, scalar,
                      spread_across_ranks)
 
 
@@ -97,11 +97,11 @@ class TPRegion:
     """How activations enter and leave a parallel region: f/g for TP; sp.py swaps in the
     sequence all-gather / reduce-scatter pair."""
 
-    def __init__(self, group, plant: str | None = None):
-        self.group, self.plant = group, plant
+    def __init__(self, group):
+        self.group = group
 
     def enter(self, x):
-        if self.plant == "no-f":   # planted bug: no f, so d(input) is this rank's branch only
+        if planted("no-f"):   # plant: no f, so d(input) is this rank's branch only
             return x
         return CopyToTP.apply(x, self.group)
 
@@ -153,10 +153,9 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Rows [lo, lo + V_pad/T) of the (padded) embedding table."""
 
-    def __init__(self, emb: nn.Embedding, lo: int, per_rank: int, region: TPRegion,
-                 plant: str | None = None):
+    def __init__(self, emb: nn.Embedding, lo: int, per_rank: int, region: TPRegion):
         super().__init__()
-        self.lo, self.per_rank, self.region, self.plant = lo, per_rank, region, plant
+        self.lo, self.per_rank, self.region = lo, per_rank, region
         w = torch.zeros(per_rank, emb.weight.shape[1], dtype=emb.weight.dtype,
                         device=emb.weight.device)
         rows = emb.weight.detach()[lo:lo + per_rank]
@@ -167,7 +166,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.lo) | (ids >= self.lo + self.per_rank)
         local = (ids - self.lo).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
-        if self.plant == "embed-unmasked":   # planted bug: other ranks' ids add this row 0
+        if planted("embed-unmasked"):   # plant: other ranks' ids add this shard's row 0
             out = F.embedding(local, self.weight)
         return self.region.embed_exit(out)
 
@@ -177,7 +176,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     the global max, the sum of exponentials, and the target logit (from its owner)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, lo, vocab, group, plant=None):
+    def forward(ctx, logits, labels, lo, vocab, group):
         dtype = logits.dtype
         x = logits.float() if dtype in (torch.bfloat16, torch.float16) else logits.clone()
         n_local = x.shape[-1]
@@ -190,7 +189,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = exp.sum(dim=-1)
         dist.all_reduce(sum_exp, group=group)
         ignore = labels == IGNORE_INDEX
-        if plant == "ce-counts-ignored":   # planted bug: ignored labels are not masked
+        if planted("ce-counts-ignored"):   # plant: ignored labels are not masked
             ignore = torch.zeros_like(ignore)
         t = labels - lo
         mine = (t >= 0) & (t < n_local) & ~ignore
@@ -211,7 +210,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         # FakeTensors in oom_search's simulation)
         grad.scatter_add_(1, t.clamp(0, grad.shape[1] - 1)[:, None], -mine.to(grad.dtype)[:, None])
         grad.mul_(grad_loss.masked_fill(ignore, 0.0)[:, None])
-        return grad.to(ctx.dtype), None, None, None, None, None
+        return grad.to(ctx.dtype), None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,8 +234,8 @@ class TensorParallel:
     versions; HF's own attention code then runs on the local heads unchanged, since it reshapes
     with view(..., -1, head_dim)."""
 
-    def __init__(self, model, group, region: TPRegion | None = None, plant: str | None = None):
-        self.model, self.group, self.plant = model, group, plant   # plant: --plant-bug NAME
+    def __init__(self, model, group, region: TPRegion | None = None):
+        self.model, self.group = model, group
         self.region = region or TPRegion(group)
         T, r = dist.get_world_size(group), dist.get_rank(group)
         cfg = model.config
@@ -303,7 +302,7 @@ class TensorParallel:
         self.vocab_lo = r * per
         tied = model.lm_head.weight is base.embed_tokens.weight
         base.embed_tokens = VocabParallelEmbedding(base.embed_tokens, self.vocab_lo, per,
-                                                   self.region, plant)
+                                                   self.region)
         head = nn.Linear(1, 1, bias=False)  # placeholder replaced by the vocab shard below
         if tied:
             head.weight = base.embed_tokens.weight
@@ -337,7 +336,7 @@ class TensorParallel:
     def loss_sum(self, logits, labels) -> torch.Tensor:
         return VocabParallelCrossEntropy.apply(
             logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), self.vocab_lo,
-            self.vocab, self.group, self.plant).sum()
+            self.vocab, self.group).sum()
 
     def reduce_partial_grads(self):
         """All-reduce the gradients that each rank holds only a part of (one flat call). A
@@ -346,8 +345,8 @@ class TensorParallel:
         group serves every head (n_kv x the head's bytes; no per-head process groups).
         extra_partial's (sp.py's norms) are summed as they are."""
         kv, plain = self.partial_grads, self.extra_partial
-        if self.plant == "kv-copies-summed-across-heads":   # the bug: every kv head's copies
-            kv, plain = [], [*kv, *plain]                  # summed with every other head's
+        if planted("kv-copies-summed-across-heads"):   # plant: every kv head's copies summed
+            kv, plain = [], [*kv, *plain]             # with every other head's
         back = []
         for p in kv:
             if p.grad is not None:
@@ -416,7 +415,7 @@ class TensorParallel:
         for n, p in self.model.named_parameters():
             if p.grad is not None:
                 target = sharded if n in self.split_dim else replicated
-                if self.plant == "clip-norm-scale":   # planted bug: replicated ones counted T times
+                if planted("clip-norm-scale"):   # plant: replicated ones counted T times
                     target = sharded
                 sq = p.grad.double().pow(2).sum()
                 if n in self.kv_split:   # a kv head's m copies count once
@@ -431,8 +430,7 @@ class TensorParallel:
         return next(self.model.parameters()).device
 
 
-def parallelize(model, group=None, region: TPRegion | None = None,
-                plant: str | None = None) -> TensorParallel:
+def parallelize(model, group=None, region: TPRegion | None = None) -> TensorParallel:
     """Split an HF Llama-family model's layers, vocabulary and loss over the ranks of `group`,
     in place (the one entry the harness, sp.py, compose4d and users call). In a loop:
 
@@ -447,7 +445,7 @@ def parallelize(model, group=None, region: TPRegion | None = None,
     errs = tp_constraints(None, dist.get_world_size(group), model.config)
     if errs:
         raise ValueError(f"tp.parallelize: {errs[0]}")
-    return TensorParallel(model, group, region, plant)
+    return TensorParallel(model, group, region)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -501,12 +499,8 @@ class TP(Strategy):
 
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
-        self.tp = parallelize(model, group=None, region=self.make_region(),
-                              plant=args.plant_bug)
+        self.tp = parallelize(model)
         self.optimizer = make_adamw(model.parameters(), args)
-
-    def make_region(self):
-        return TPRegion(None, self.args.plant_bug)
 
     def step(self, batch: Batch) -> float:
         self.optimizer.zero_grad(set_to_none=True)
