@@ -3,6 +3,7 @@
     python tour.py              # every entry whose script exists
     python tour.py --only ddp   # entries whose label starts with "ddp"
     python tour.py --plants     # every planted bug (--plant-bug NAME) must FAIL, clean runs PASS
+    python tour.py --out results/tour-cpu.json   # also write the rows (the docs quote them)
 
 Each entry is one `torchrun --standalone --nproc_per_node=W script --mode correctness` run
 against the single-device reference; the table shows what each compared and its worst error.
@@ -96,7 +97,17 @@ def plant_groups(only=None):
     return [(s, w, list(a), names) for (s, w, a), names in out.items()]
 
 
-def run_plants(only=None):
+def write_rows(path, hdr, rows, **extra):
+    """--out: the summary as JSON, one dict per row, with the machine it ran on."""
+    if path:
+        import platform
+        with open(path, "w") as f:
+            json.dump(dict(command=" ".join(["python", "tour.py"] + sys.argv[1:]),
+                           machine=f"{platform.machine()} CPU, {os.cpu_count()} cores, gloo",
+                           rows=[dict(zip(hdr, row)) for row in rows], **extra), f, indent=1)
+
+
+def run_plants(only=None, out=None):
     """Every planted bug must FAIL and each clean configuration PASS (`--mode plants`)."""
     rows, failed = [], 0
     groups = plant_groups(only)
@@ -126,8 +137,10 @@ def run_plants(only=None):
     for row in [hdr] + rows:
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
     wrong = sum(1 for r in rows if r[-1] != "ok")
-    print(f"\n{sum(1 for r in rows if r[3] != '(none)' and r[-1] == 'ok')} planted bugs caught, "
-          f"{wrong} wrong verdicts")
+    caught = sum(1 for r in rows if r[3] != '(none)' and r[-1] == 'ok')
+    print(f"\n{caught} planted bugs caught, {wrong} wrong verdicts")
+    write_rows(out, ("script", "world", "configuration", "plant", "verdict", "as_expected"), rows,
+               configurations=len(groups), caught=caught, wrong=wrong)
     sys.exit(1 if wrong or failed else 0)
 
 
@@ -136,9 +149,10 @@ def main():
     ap.add_argument("--only", default=None, help="run entries whose label starts with this")
     ap.add_argument("--plants", action="store_true",
                     help="instead: run every strategy's planted bugs (each must FAIL)")
+    ap.add_argument("--out", default=None, help="write the summary's rows to this JSON file")
     args = ap.parse_args()
     if args.plants:
-        run_plants(args.only)
+        run_plants(args.only, args.out)
     entries = [e for e in TOUR if os.path.exists(os.path.join(HERE, e[1]))
                and (args.only is None or e[0].startswith(args.only))]
     rows, failed = [], 0
@@ -164,6 +178,8 @@ def main():
     for row in [hdr] + rows:
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
     print(f"\n{len(rows) - failed} passed, {failed} failed")
+    write_rows(args.out, ("strategy", "world", "dtype", "compared", "max_rel_err", "worst_ratio",
+                          "time", "result"), rows, passed=len(rows) - failed, failed=failed)
     sys.exit(1 if failed else 0)
 
 

@@ -39,6 +39,11 @@ The package, one concern per module (a strategy imports its names from here, the
     train_data.py   the train mode's data arguments, batches, held-out evaluation, greedy samples
     loading.py      each rank reads only its shard of a safetensors checkpoint (meta device)
     trainlog.py     the train mode's train.jsonl, TensorBoard events and loss.png
+    timeline.py     a pipeline's per-rank action timelines: the measured bubble, ASCII and PNG
+    routing.py      ep_moe's routing statistics (loads, drops, off-rank rows), observed from
+                    outside the algorithm, and HF's router losses as the dropless oracle
+    reduce_probe.py DDP's reduction error in a low --reduce-dtype, measured from outside the
+                    engine (an unmetered float64 sum beside each bucket's reduction)
 
 Modes (`--mode correctness|learning|benchmark|all|plants|peak`): see correctness.py,
 learning.py and benchmark.py. `--out DIR` writes correctness.json, learning.csv (+ .png with

@@ -372,6 +372,9 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=11,
                    help="timed forward+backward passes per mode (interleaved; median)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None,
+                   help="merge the rows into this JSON file (one list per --attn; the docs "
+                        "render their table from it)")
     a = p.parse_args(argv)
     config, dtype = load_config(a.model), DTYPES[a.dtype]
     L = config.num_hidden_layers
@@ -398,7 +401,29 @@ def main(argv=None):
     gpt = {m: korthikanti_bytes(config, a.batch, a.length, m) for m in MODES}
     print("Korthikanti's GPT layer of this h, a, b, s (16-bit, GELU MLP, dropout): "
           + ", ".join(f"{m} {v:,}" for m, v in gpt.items()))
+    if a.out:
+        _write(a, rows, times)
     return rows
+
+
+def _write(a, rows, times):
+    """--out: this --attn's rows, merged with the file's rows of the other attention."""
+    import json
+    import os
+    import platform
+    old = json.load(open(a.out))["rows"] if os.path.exists(a.out) else []
+    new = [dict(attn=a.attn, mode=r["mode"], measured_bytes_per_layer=r["per_layer"],
+                formula_bytes_per_layer=r["formula"], whole_model_bytes=r["total"],
+                step_ms=None if r["step_s"] is None else round(r["step_s"] * 1e3, 1),
+                extra=(None if r["step_s"] is None or r["mode"] == "none" else
+                       f"{r['step_s'] / times['none'] - 1:+.0%}")) for r in rows]
+    with open(a.out, "w") as f:
+        json.dump(dict(command=f"python -m harness.recompute --model {a.model} --batch {a.batch} "
+                               f"--length {a.length} --dtype {a.dtype} --attn eager|sdpa "
+                               f"--repeats {a.repeats}",
+                       machine=f"{platform.machine()} CPU, {torch.get_num_threads()} threads, "
+                               f"one process", dtype=a.dtype, world=1,
+                       rows=[r for r in old if r["attn"] != a.attn] + new), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ the comparison did see it. Exit code 1 when any line is a FAIL.
 import argparse
 import contextlib
 import copy
+import json
+import os
+import re
 import sys
 import warnings
 
@@ -348,6 +351,21 @@ def check_errors():
         results.append(("meta device" in str(e), f"PASS error: DataParallel(meta module): {e}"))
 
 
+def write_rows(path: str, world: int):
+    """--out FILE: each verdict line as {world, case, value}, merged with the file's rows of the
+    other world sizes (docs/api.md renders the table from it: scripts/docs.py)."""
+    rows = []
+    for ok, line in results:
+        m = re.match(r"(?:PASS|FAIL) (.*?): max relative difference (\S+)", line)
+        case, value = (m.group(1), m.group(2)) if m else (line[5:].split(": ")[0], "refused")
+        rows.append(dict(world=world, case=case, value=value, ok=ok))
+    old = json.load(open(path))["rows"] if os.path.exists(path) else []
+    with open(path, "w") as f:
+        json.dump(dict(command="torchrun --nproc_per_node=W tests/library_oracles.py --out FILE",
+                       machine=f"CPU, {os.cpu_count()} cores, gloo", dtype="float64",
+                       rows=[r for r in old if r["world"] != world] + rows), f, indent=1)
+
+
 CHECKS = {"ddp": check_ddp, "zero": check_zero, "fsdp": check_fsdp, "errors": check_errors}
 
 if __name__ == "__main__":
@@ -368,5 +386,7 @@ if __name__ == "__main__":
         if rank == 0 or not ok:
             print(line if rank == 0 else f"rank {rank}: {line}", flush=True)
     failed = any(not ok for ok, _ in results)
+    if args.out and rank == 0:
+        write_rows(args.out, W)
     teardown()   # not a bare destroy: gloo can abort at interpreter shutdown (see teardown)
     sys.exit(1 if failed else 0)
