@@ -40,8 +40,10 @@ The adapter contract (subclass `Strategy`)
                               torch's clip coefficient from it, so gradients are compared before
                               clipping, and judges the norm on its own row.
     plants                    {NAME: Plant(doc, args, world)}: known bugs the strategy can plant in
-                              itself (--plant-bug NAME, checked where the bug would be); args is the
-                              configuration in which correctness must FAIL (tests/test_plants.py).
+                              itself; args is the configuration in which correctness must FAIL
+                              (tests/test_plants.py). The harness switches one on for a run
+                              (--plant-bug NAME); the strategy's code tests `planted(NAME)` on the
+                              line the bug changes (harness/plants.py): no API takes a plant.
     lossy_noise(run)          classmethod, optional: for a strategy that rounds on purpose
                               (zero.py's --zeropp int8 communication), a single-device model of
                               that rounding built from the run's weights (a Strategy with step,
@@ -62,8 +64,8 @@ The adapter contract (subclass `Strategy`)
     cpu_dtype                 {mode: dtype}: a strategy's own CPU default where MODE_DEFAULTS'
                               does not suit it (ep_moe learns in float64: see its docstring).
     modes                     {name: function(run, cls) -> bool}: extra --mode values (compose4d's
-                              "train", from train.py: a logged run with checkpoints, outside the
-                              comparisons).
+                              "train", from trainer4d/train.py: a logged run with checkpoints,
+                              outside the comparisons).
 
 Strategy code marks its forward and backward with `with phase("forward"):` so the benchmark can
 time them and the memory tracker can tell activations from the rest.
