@@ -77,9 +77,9 @@ def run_entry(script, nproc, extra, timeout=600):
     return p.returncode, results, last, secs, p
 
 
-STRATEGIES = {"ddp.py": "DDP", "zero.py": "ZeRO", "fsdp.py": "FSDP", "tp.py": "TP",
-              "sp.py": "SP", "pp.py": "PP", "cp_ring.py": "CP", "ep_moe.py": "ExpertParallel",
-              "compose4d.py": "Compose4D"}
+STRATEGIES = {"ddp.py": "DDP", "zero.py": "ZeRO", "zeropp.py": "ZeroPlusPlus", "fsdp.py": "FSDP",
+              "tp.py": "TP", "sp.py": "SP", "pp.py": "PP", "cp_ring.py": "CP",
+              "ep_moe.py": "ExpertParallel", "compose4d.py": "Compose4D"}
 
 
 def plant_groups(only=None):

@@ -170,7 +170,7 @@ def test_every_schedule_on_the_grid_follows_nccl_rules(name, P, M):
 @pytest.mark.parametrize("name,P,M,V,stalls", [
     ("1f1b", 2, 4, 1, True), ("zb", 4, 8, 1, True), ("interleaved", 2, 4, 2, True),
     ("gpipe", 4, 8, 1, False)])
-def test_one_op_per_batch_stalls_where_the_issue_said(name, P, M, V, stalls):
+def test_one_op_per_batch_stalls_where_predicted(name, P, M, V, stalls):
     ok, line = check(unbatched_traces(name, P, M, V))
     assert ok != stalls and (not stalls or "deadlock" in line), line
 
