@@ -13,7 +13,7 @@ Markdown viewer does not show:
     <!--/table-->
 
 A figure's path walks the JSON: a key, a list index, or `[k=v,...]`, the one list element whose
-fields equal those values (exactly one must match). A figure that a formula gives (an exact
+fields equal those values (exactly one must match; a space in a value is written %20). A figure that a formula gives (an exact
 byte count, which the strategy's benchmark test asserts against the same formula) names `=` as
 its source and the formula's instance as its path, without spaces:
 
@@ -31,6 +31,7 @@ import json
 import os
 import re
 import sys
+from urllib.parse import unquote
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIG = re.compile(r"<!--fig (\S+) (\S+) (\S+?)-->(.*?)<!--/fig-->", re.S)
@@ -51,7 +52,7 @@ def walk(data, path: str):
     """The value at `path` (the module docstring's syntax)."""
     for step in re.findall(r"\[[^\]]*\]|[^.\[\]]+", path):
         if step.startswith("["):
-            want = dict(kv.split("=", 1) for kv in step[1:-1].split(","))
+            want = {k: unquote(v) for k, v in (kv.split("=", 1) for kv in step[1:-1].split(","))}
             hits = [x for x in data if all(str(x.get(k)) == v for k, v in want.items())]
             if len(hits) != 1:
                 raise KeyError(f"{step} matches {len(hits)} elements, not one")
@@ -163,9 +164,13 @@ TABLES = {"bench": _bench, "tour": _tour, "tour-excerpt": lambda: _tour(excerpt=
 
 # -- docs/correctness.md, docs/testing.md (planted bugs from the code; the realistic checkpoint) --
 def _plant_groups():
-    sys.path.insert(0, HERE)
-    import tour
-    return tour.plant_groups()   # (script, world, args, [names]) from each strategy's `plants`
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    try:
+        import tour
+        return tour.plant_groups()   # (script, world, args, [names]) from each strategy's `plants`
+    except ImportError as e:          # a strategy file that does not import: one problem line
+        raise ValueError(f"tour.plant_groups(): {e}") from e
 
 
 def _plants():
@@ -196,7 +201,7 @@ def _realistic():
 
     def span(kind):
         xs = [r[f"{kind}_err"] / r[f"{kind}_noise"] for r in d["rows"] if r[f"{kind}_err"] > 0]
-        return f"{min(xs):.1f} to {max(xs):.1f}"
+        return f"{min(xs):.2g} to {max(xs):.2g}"
 
     eps = {"float64": 2.0 ** -52, "float32": 2.0 ** -23}
     ulps = ", ".join(f"{dt} {max(r['loss_err'] for r in d['rows'] if r['dtype'] == dt) / e:.1f}"
@@ -210,6 +215,219 @@ def _realistic():
 
 
 TABLES.update({"plants": _plants, "plant-count": _plant_count, "realistic": _realistic})
+
+
+# -- docs/benchmarks.md: communication and memory per strategy (results/strategies-cpu.json) ------
+# per-rank wire bytes: a ring all-reduce sends 2(W-1)/W of its buffer, the other ops (W-1)/W
+STRATEGY_COMM = {
+    "ddp": "all-reduce 2(W−1)/W·Ψb",
+    "zero-1": "reduce-scatter + all-gather, (W−1)/W·Ψb each",
+    "zero-2": "reduce-scatter + all-gather, (W−1)/W·Ψb each",
+    "zero-3": "all-gather twice (forward, backward) + reduce-scatter: 3(W−1)/W·Ψb",
+    "fsdp": "(3Ψ−Ψ_root)(W−1)/W·b: the root unit stays gathered",
+    "tp": "all-reduce 2(W−1)/W·((4L+2)·N·H·b + 3·N·b)",
+    "sp megatron": "all-gather (6L+3), reduce-scatter (4L+1), (W−1)/W·N·H·b each; "
+                   "all-reduce N·H·b + 3·N·b + Ψ_norm·b",
+    "sp ulysses": "all-to-all (W−1)/W·2L(2H+2H_kv)·N/W·b; all-reduce 2(W−1)/W·Ψb",
+    "cp zigzag": "ring (6W−4)·L·N/W·H_kv·b; all-reduce 2(W−1)/W·Ψb",
+    "pp 1f1b": "activations or their gradients across one boundary: N·H·b",
+}
+OPS = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
+       "reduce_scatter_tensor": "reduce-scatter", "all_to_all_single": "all-to-all",
+       "isend": "send"}
+
+
+def _strategies_comm():
+    d = load("results/strategies-cpu.json")
+    lines = ["| strategy | sent per rank per step | total | formula |", "|---|---|---|---|"]
+    for r in d["rows"]:
+        ops = ", ".join(f"{OPS.get(op, op)} {v / 2**20:,.1f}"
+                        for op, v in sorted(r["wire"].items()))
+        lines.append(f"| {r['label']} | {ops} MiB | {sum(r['wire'].values()) / 2**20:,.1f} MiB | "
+                     f"{STRATEGY_COMM.get(r['label'], '')} |")
+    return "\n".join(lines)
+
+
+def _strategies_memory():
+    d = load("results/strategies-cpu.json")
+    keys = ("params", "grads", "optimizer")
+    lines = ["| strategy | params | grads | optimizer | model states | activations | peak |",
+             "|---|---|---|---|---|---|---|"]
+    rows = [(r["label"], r["memory"]) for r in d["rows"]]
+    rows.append(("single device (whole batch)", d["rows"][0]["reference_memory"]))
+    for label, m in rows:
+        mib = [m[k] / 2**20 for k in keys]
+        lines.append(f"| {label} | " + " | ".join(f"{v:,.1f}" for v in mib)
+                     + f" | {sum(mib):,.1f} | {m['activations'] / 2**20:,.1f} | "
+                       f"{m['peak'] / 2**20:,.1f} |")
+    return "\n".join(lines)
+
+
+# -- docs/gpu.md: the raw runs under results/gpu/ -------------------------------------------------
+def _gpu_file(path):
+    with open(os.path.join(HERE, "results", "gpu", path)) as f:
+        return f.read()
+
+
+def _gpu_w1():
+    """Per script: its PASS lines out of its verdicts, and the bf16 learning run's distance from
+    the reference, in the first run (summary.json) and after the fixes (the logs)."""
+    first = load("results/gpu/w1-first/summary.json")
+    diff = re.compile(r"max rel diff vs reference (\S+) \(tol (\S+)\)")
+    tol = next(m.group(2) for r in first.values() for v in r.get("verdicts", [])
+               for m in [diff.search(v)] if m)
+    lines = [f"| script | first run | after the fixes | bf16 learning, max relative difference "
+             f"from the reference (tolerance {tol}): first / after |", "|---|---|---|---|"]
+
+    def summary(vs):
+        fails = [v.split(":")[0].split(" W=1 ")[-1] + (" learning" if diff.search(v) else "")
+                 for v in vs if v.startswith("FAIL")]
+        return f"{len(vs) - len(fails)}/{len(vs)} PASS" + "".join(f"; FAIL {f}" for f in fails)
+
+    def learned(vs):
+        return next((m.group(1) for v in vs for m in [diff.search(v)] if m), "")
+
+    for label, r in first.items():
+        then = [v for v in r.get("verdicts", []) if v.startswith(("PASS", "FAIL"))]
+        path = os.path.join(HERE, "results", "gpu", "w1-after-fixes", f"{label}.log")
+        now = None
+        if os.path.exists(path):
+            with open(path) as f:
+                now = [ln.strip() for ln in f if ln.startswith(("PASS", "FAIL"))]
+        a = summary(then) if then else ("exit 0" if r["rc"] == 0 else f"exit {r['rc']}")
+        b = summary(now) if now else "not run again"
+        c = " / ".join(x for x in (learned(then), learned(now or [])) if x) or "-"
+        lines.append(f"| {label} | {a} | {b} | {c} |")
+    return "\n".join(lines)
+
+
+def _gpu_perf():
+    lines = ["| run | tokens/step | S | step ms | tokens/s | MFU | peak memory |",
+             "|---|---|---|---|---|---|---|"]
+    for path in ("perf-16k-tokens/perf.json", "perf-8k-tokens/perf.json"):
+        for r in load(f"results/gpu/{path}"):
+            lines.append(f"| reference (HF model + AdamW, fp32 masters) | "
+                         f"{r['batch'] * r['length']:,} | {r['length']} | "
+                         f"{r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
+                         f"{r['max_memory_gib']:.1f} GiB |")
+    tail = load("results/gpu/perf-8k-tokens/perf.json")[0]["compose4d_log_tail"]
+    head = next(ln for ln in tail if ln.startswith("benchmark:"))
+    batch, length = (int(re.search(rf"{k}=(\d+)", head).group(1)) for k in ("batch", "length"))
+    ref = next(ln for ln in tail if ln.startswith("single device (ref)")).split()
+    ours = next(ln for ln in tail if "(ours)" in ln).split(")")[-1].split()
+    mfu = re.search(r"MFU ([\d.]+%)", next(ln for ln in tail if "MFU" in ln)).group(1)
+    lines.append(f"| compose4d W=1, benchmark mode (its reference beside it: {ref[3]} ms, "
+                 f"{ours[5].rstrip('x')}× its step time) | {batch * length:,} | {length} | "
+                 f"{ours[0]} | {int(ours[2]):,} | {mfu} | {float(ours[3]):.1f} {ours[4]} |")
+    return "\n".join(lines)
+
+
+GPU_KERNELS = [("GEMM (nvjet)", ("nvjet",)), ("flash attention (cuDNN)", ("sdpa",)),
+               ("copies", ("direct_cop", "bfloat16_copy", "::bfloa")),
+               ("cross-entropy softmax", ("SoftMax",)), ("AdamW (multi-tensor)", ("multi_tensor",))]
+
+
+def _gpu_kernels():
+    lines = ["| run | " + " | ".join(k for k, _ in GPU_KERNELS) + " | rest of the top 15 |",
+             "|---|" + "---|" * (len(GPU_KERNELS) + 1)]
+    for tokens in ("16k", "8k"):
+        r = load(f"results/gpu/perf-{tokens}-tokens/perf.json")[0]
+        for s in (2048, 4096):
+            rows = [ln for ln in _gpu_file(f"perf-{tokens}-tokens/profile-{s}.txt").splitlines()
+                    if re.search(r"\d%\s", ln) and not ln.startswith(("Self", "-"))]
+            share = {k: 0.0 for k, _ in GPU_KERNELS}
+            rest = 0.0
+            for ln in rows:
+                pct = float(re.findall(r"([\d.]+)%", ln)[2])   # the third %: Self CUDA %
+                kind = next((k for k, keys in GPU_KERNELS if any(x in ln for x in keys)), None)
+                if kind:
+                    share[kind] += pct
+                else:
+                    rest += pct
+            lines.append(f"| {r['batch'] * r['length']:,} tokens, S={s} | "
+                         + " | ".join(f"{share[k]:.1f}%" if share[k] else "-"
+                                      for k, _ in GPU_KERNELS)
+                         + f" | {rest:.1f}% |")
+    return "\n".join(lines)
+
+
+def _predict():
+    sys.path.insert(0, HERE)
+    import oom_search
+    from harness import load_config
+    return oom_search, load_config
+
+
+def _gpu_oom_tp():
+    oom_search, load_config = _predict()
+    cfg = load_config("llama3.2-1b")
+    text = _gpu_file("oom_search-tp-w1.txt").split("\nsp W=1")[0]
+    trials = sorted((int(n), kind, rest) for n, kind, rest in
+                    re.findall(r"^\s+(\d+): (OK|OOM)(.*)$", text, re.M))
+    lines = ["| length | measured peak | predicted (`predict_peak`) | predicted / measured |",
+             "|---|---|---|---|"]
+    for n, kind, rest in trials:
+        pred = oom_search.predict_peak("tp", 1, n, 1, cfg, 2)["peak"] / 2**20
+        if kind == "OK":
+            got = float(re.search(r"peak ([\d,.]+) MiB", rest).group(1).replace(",", ""))
+            lines.append(f"| {n:,} | {got:,.0f} MiB (OK) | {pred:,.0f} MiB | {pred / got:.4f} |")
+        else:
+            m = re.search(r"Tried to allocate ([\d.]+ GiB).*?of which ([\d.]+ [GM]iB) is free",
+                          rest)
+            lines.append(f"| {n:,} | CUDA OOM (asked for {m.group(1)}, {m.group(2)} free) | "
+                         f"{pred:,.0f} MiB | |")
+    card = float(re.search(r"total capacity of ([\d.]+) GiB", text).group(1))
+    fits = max(n for n, kind, _ in trials if kind == "OK")
+    first_oom = min(n for n, kind, _ in trials if kind == "OOM" and n > fits)
+    spare = card - oom_search.predict_peak("tp", 1, first_oom, 1, cfg, 2)["peak"] / 2**30
+    lines += ["", f"The card: {card} GiB ({card * 1024:,.0f} MiB). Longest length that fit: "
+              f"{fits:,}. At {first_oom:,}, which ran out of memory, the prediction leaves "
+              f"{spare:.1f} GiB of the card unused."]
+    return "\n".join(lines)
+
+
+def _gpu_cp_kernels():
+    d = load("results/gpu/cp_kernels.json")
+    cs = sorted({r["C"] for r in d["rows"]})
+    lines = ["| dtype | kernel | " + " | ".join(f"C={c}" + (" (whole-sequence SDPA)" if c == 1
+                                                         else "") for c in cs) + " |",
+             "|---|---|" + "---|" * len(cs)]
+    by = {}
+    for r in d["rows"]:
+        by.setdefault((r["dtype"], "pure" if "pure" in r["kernel"] else "fused"), {})[r["C"]] = r
+    for dtype in ("bfloat16", "float32"):
+        fused, pure = by[(dtype, "fused")], by[(dtype, "pure")]
+        name = re.search(r"fused \((\S+)\)", fused[max(cs)]["kernel"]).group(1)
+        for label, row in ((f"fused (`{name}`)", fused), ("pure torch", pure)):
+            lines.append(f"| {dtype} | {label} | " + " | ".join(
+                f"{row[c]['err']:.1e}, {row[c]['ms']:.2f} ms" if c in row else "" for c in cs)
+                + " |")
+        lines.append(f"| {dtype} | pure / fused time | " + " | ".join(
+            f"{pure[c]['ms'] / fused[c]['ms']:.2f}" if c in pure else "" for c in cs) + " |")
+    return "\n".join(lines)
+
+
+def _oom_predict():
+    oom_search, load_config = _predict()
+    budget, worlds = 80 * 2**30, (1, 2, 8)
+    lines = ["| model | strategy | " + " | ".join(f"W={w}" for w in worlds) + " |",
+             "|---|---|" + "---|" * len(worlds)]
+    for model in ("llama3.2-1b", "llama3-8b"):
+        cfg = load_config(model)
+        for s, name in (("tp", "tp"), ("sp", "sp (Megatron)"), ("pp", "pp (1F1B)")):
+            cells = []
+            for w in worlds:
+                n = oom_search.predict_max(s, w, 1, cfg, budget, 512, None, 512, 2, False)
+                states = oom_search.predict_peak(s, w, 512, 1, cfg, 2)["states"] / 2**30
+                cells.append(f"{n:,}" if n else f"none: states alone {states:,.1f} GiB")
+            lines.append(f"| {model} | {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+TABLES.update({"strategies-comm": _strategies_comm, "strategies-memory": _strategies_memory,
+               "gpu-w1": _gpu_w1, "gpu-perf": _gpu_perf, "gpu-kernels": _gpu_kernels,
+               "gpu-oom-tp": _gpu_oom_tp, "gpu-cp-kernels": _gpu_cp_kernels,
+               "oom-predict": _oom_predict})
 
 
 # -- check and write ------------------------------------------------------------------------------
