@@ -15,7 +15,8 @@ Nothing here re-implements a parallelism; the blocks come from their own files:
                            with P = 1 it is plain gradient accumulation over the micro-batches
     zero.Zero, ZeroOptimizer  ZeRO-1 (default) or ZeRO-2 over the dp x cp group
 What is here: the rank grid and its groups, the step that strings the blocks together, and
-gradient clipping across all four dimensions.
+gradient clipping across all four dimensions. examples/train_4d.py composes tp, cp_ring, pp and
+zero the same way in a short user loop (no SP, checkpoints or correctness mode).
 The correctness reference takes its learning-rate schedule from torch.optim.lr_scheduler
 (torch_schedule), not from our lr_at; the planted bugs (`--plant-bug NAME`, Compose4D.plants) show
 that the correctness mode catches what a one-line slip in this file would break.
@@ -37,14 +38,26 @@ One step
     (each gradient element counted once: tp-replicated ones on tp rank 0 only, the tied head copy
     on the first stage only), AdamW on the shards, all-gather of the updated parameters.
 
-Communication per step (N_r = tokens per rank per step = B S / (D C), H hidden, b bytes, L layers,
-M micro-batches, Psi_r = parameters held per rank = about Psi / (T P))
-    tp group     TP: (4 L_stage + 2) all-reduces of N_r H b (+3 of N_r b for the loss); with SP
-                 they become all-gathers / reduce-scatters of the same size (tp.py, sp.py)
-    cp group     per layer (C-1) forward hops of K,V and (C-1) backward hops of K,V,dK,dV (cp_ring)
+Communication per step and rank (Compose4D.expected_comm; N_r = tokens per rank per step =
+B S / (D C), H hidden, b bytes, M micro-batches, L_r = the layers this rank's stage holds,
+f = 1 on the stage that holds the embedding, l = 1 on the stage that holds the LM head, else 0;
+Psi_r = parameters held per rank = about Psi / (T P))
+    tp group     TP: 4 L_r + f + l all-reduces per micro-batch (4 per layer, the embedding's
+                 forward, the LM head's backward), each of N_r H b / M: (4 L_r + f + l) N_r H b
+                 per step, i.e. 4L + 2 of N_r H b at P = 1, 4 L_r + 1 on the first and the last
+                 of P > 1 stages, 4 L_r in between; the last stage adds 3 per micro-batch of
+                 N_r b_ce / M for the loss (b_ce = 4 for bf16). With SP (sp.py), per micro-batch
+                 6 L_r + 2 l + f all-gathers and 4 L_r + l reduce-scatters of N_r H b / M, and
+                 the embedding's all-reduce stays. Plus one all-reduce of the partial gradients'
+                 shards (norms under SP, replicated kv heads) when there are any
+    cp group     per layer and micro-batch (C-1) forward hops of K,V and (C-1) backward hops of
+                 K,V,dK,dV, then dK,dV home (cp_ring)
     pp group     2 M (activation + gradient) sends of N_r H b / (M T_sp) per stage boundary (pp.py)
-    dp x cp      ZeRO-1: one reduce-scatter + one all-gather of Psi_r b; ZeRO-2: reduce-scatters
-                 per micro-batch (M Psi_r b) (zero.py)
+    dp x cp      ZeRO-1: one reduce-scatter of Psi_r b_r and one all-gather of Psi_r b, one call
+                 per unit each (b_r: the reduce dtype's bytes, 4 for bf16); ZeRO-2 reduce-scatters
+                 every micro-batch (M Psi_r b_r) (zero.py)
+    tied pair    with tied embeddings and P > 1, one all-reduce of the embedding's gradient shard
+                 on the first and last stages
     world        one 8-byte all-reduce of the squared gradient norm
 
 Checkpoints and the train mode: trainer4d/checkpoint.py (layout-independent, atomic; the HF

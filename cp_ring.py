@@ -1,7 +1,10 @@
 """cp_ring.py: context parallelism with ring attention (zig-zag load-balanced), from raw p2p.
 
-The idea (Liu et al., "Ring Attention with Blockwise Transformers", 2023; Brandon et al.,
-"Striped Attention", 2023, and Llama 3's zig-zag/all-gather context parallelism)
+The idea (Liu et al., "Ring Attention with Blockwise Transformers", 2023; the zig-zag layout
+is Megatron-LM's context parallelism's (get_batch_on_this_cp_rank) and ring-flash-attention's
+(zigzag_ring_flash_attn, Zhu, 2024); Llama 3 ("The Llama 3 Herd of Models", 2024) uses it with
+all-gathered K/V. Striped Attention (Brandon et al., 2023) balances the causal work another way,
+round-robin: token t on rank t mod W; it is not implemented here)
     The sequence is sharded over W ranks; every layer except attention is per-token, so only
     attention needs the other ranks' keys and values. Ring attention computes it in W steps:
     each rank attends its queries to the K/V block it holds, then passes the block to the next
@@ -23,7 +26,7 @@ The idea (Liu et al., "Ring Attention with Blockwise Transformers", 2023; Brando
 
 Layouts (--variant)
     zigzag     the sequence is cut into 2W chunks; rank r holds chunks r and 2W-1-r, so every
-               rank has the same causal work (default)
+               rank has the same causal work (default; Megatron-LM's layout)
     ring       contiguous chunks: rank W-1 attends to everything, rank 0 to its own block only;
                kept to show why zig-zag exists
     allgather  zig-zag layout, but K/V are all-gathered per layer and dK/dV reduce-scattered
@@ -57,7 +60,7 @@ and (allgather) dK/dV kept instead of reduce-scattered.
 Public API
     cp = parallelize(model, group, seq_len, variant="zigzag")   ring attention installed in place;
         cp.positions are this rank's tokens; the weights' gradients summed with
-        ddp.DataParallel(model, group, average=False)
+        ddp.DataParallel(model, group, average=False); examples/cp_train.py is a complete loop
 """
 import torch
 import torch.distributed as dist

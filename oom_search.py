@@ -48,8 +48,15 @@ Prediction (--predict; bytes per rank, e = bytes per element of the run's dtype)
     logits, loss   the logits e, the loss's log-softmax 4 and the logits' gradient e, per token per
                    vocabulary entry, + 4 for the fp32 copy of half-precision logits (vocab-parallel
                    under TP/SP: / T; on the last stage only in PP).
-    cp blocks      cp_ring's block kernel is plain torch (no fused kernel): its backward holds the
-                   scores, probabilities, dP and dS of one (S/2C)^2 block per head: 4 b a (S/2C)^2 e.
+    cp blocks      cp_ring's pure torch block kernel (--attn-kernel torch; what the trials' default
+                   `auto` picks on CPU and in float64) materialises each block's scores: its
+                   backward holds the scores, probabilities, dP and dS of one (S/2C)^2 block per
+                   head: 4 b a (S/2C)^2 e (bf16 blocks are computed in fp32, so 4 bytes there
+                   while the formula counts e = 2). On CUDA `auto` takes PyTorch's fused kernels
+                   (FlashAttention-2 for bf16, memory-efficient for fp32; the pure kernel only if
+                   their self-test fails), which keep only each block's output and log-sum-exp;
+                   the prediction adds the pure kernel's term either way, so on CUDA it is high by
+                   up to that term.
     Peak = states + activations + logits/loss (PP: the largest stage). Stated tolerance against
     the measured CPU peak on the tiny preset: within 15% (tests/test_oom_search.py); --compare
     prints the ratios.

@@ -7,10 +7,11 @@ Models", 2022)
     between regions each rank holds S/T tokens. Megatron's f/g pair becomes
       enter  all-gather along the sequence   (backward: reduce-scatter)
       exit   reduce-scatter along the sequence (backward: all-gather)
-    An all-gather plus a reduce-scatter move the same bytes as one all-reduce, so SP costs what TP
-    costs and divides the remaining activations by T. The norms (and row-parallel biases) now
-    see only their own tokens, so their gradients are all-reduced over the group. The embedding's
-    partial sums are all-reduced and each rank keeps its sequence chunk at the first layer.
+    An all-gather plus a reduce-scatter move the same bytes as one all-reduce, so each of TP's
+    region all-reduces costs what SP's pair costs; SP adds 2L+2 all-gathers (below) and divides
+    the remaining activations by T. The norms (and row-parallel biases) now see only their own
+    tokens, so their gradients are all-reduced over the group. The embedding's partial sums
+    are all-reduced and each rank keeps its sequence chunk at the first layer.
     Megatron reduce-scatters there, but HF builds its RoPE tables and causal mask from the
     embedding output's length, so it stays full-length until then: attention always runs on the
     gathered full sequence, and RoPE sees true positions. The LM head gathers the sequence and
@@ -20,23 +21,41 @@ Models", 2022)
     Full weights on every rank; rank r holds tokens [r*S/W, (r+1)*S/W) of every sequence and
     passes their global position ids, so RoPE is right. Attention needs all tokens, so an
     all-to-all turns (local tokens, all heads) into (all tokens, local heads) before attention and
-    back after. Heads and kv heads must divide by W. The attention function plugs into HF's
-    attention registry. Replicated weights see different tokens, so their gradients are
-    all-reduced (ddp.DataParallel).
+    back after. The attention heads must divide by W: heads are what Ulysses shards, so its degree
+    is at most the head count (Ulysses' own limit). That the kv heads must divide by W too is this
+    implementation's limit, not Ulysses': with fewer kv heads than W, each could be repeated
+    (W / kv heads times) before the all-to-all (GQA's repeat_kv, moved earlier) at the cost of
+    more bytes; here that configuration is refused in one line. The attention function plugs
+    into HF's attention registry. Replicated weights see different tokens, so their gradients
+    are all-reduced (ddp.DataParallel).
 
-Communication per step (N = B*S tokens, H hidden, L layers, b bytes, W = T ranks)
-    megatron  all_gather (4L+2) and reduce_scatter (4L+1) of N*H*b each, all_reduce: embedding
-              N*H*b, loss 3 x N*b, norm/bias grads 1: per-rank wire traffic equal to TP's. Plus
-              the 2L+1 backward re-gathers of the region inputs that are not kept (memory /T).
+Communication per step (N = B*S tokens, H hidden, H_kv = kv heads x head dim, L layers,
+b bytes, W = T ranks; per-rank wire bytes of a ring: all_reduce 2(W-1)/W of its buffer,
+all_gather / reduce_scatter / all_to_all (W-1)/W)
+    megatron  all_gather (6L+3) and reduce_scatter (4L+1) of N*H*b each (expected_comm), and
+              all_reduce: embedding N*H*b, loss 3 x N*b, norm/bias grads 1. TP's 4L+1 region
+              all-reduces become 4L+1 all-gather / reduce-scatter pairs and the embedding's
+              all-reduce stays: the same bytes. On top come 2L+2 all-gathers: the first layer's
+              split (backward) and the 2L+1 re-gathers of the region inputs that are not kept for
+              the weight gradients (what divides their memory by T). Per-rank wire bytes:
+                  SP = TP + (2L+2) (W-1)/W N*H*b = (10L+6)/(8L+4) x TP   (1.25x as L grows)
+              (TP: (4L+2) all-reduces, 2 (W-1)/W (4L+2) N*H*b), plus the norms' gradient
+              all-reduce (Psi_norm*b).
     ulysses   all_to_all per layer: q, k, v in and the output back, forward and backward:
-              2 x (2H + 2 H_kv) x N/W * b per layer, which is about 1/W of TP's 4 N*H*b, plus the
-              data-parallel all_reduce of the gradients (Psi*b).
+              buffers of 2 x (2H + 2 H_kv) x N/W * b per layer, against TP's 4 all-reduces of N*H*b:
+                  buffer bytes      (H + H_kv) / (H W) of TP's: 2/W without GQA, towards 1/W
+                                    as H_kv / H shrinks;
+                  per-rank wire     (H + H_kv) / (2 H W) of TP's (an all-to-all sends (W-1)/W of
+                                    its buffer, a ring all-reduce twice that): 1/W without GQA,
+                                    less with it;
+              plus the data-parallel all_reduce of the gradients (Psi*b).
 
 Public API
     tpm = parallelize(model, group)   Megatron SP: tp.parallelize with sequence-sharded regions
         (the loop is tp.py's; the norms' gradients join tpm.reduce_partial_grads())
     dp = parallelize_ulysses(model, group)   Ulysses: the all-to-all attention installed, the
         model returned under ddp.DataParallel; each rank feeds its 1/W of every sequence
+    Complete loops: examples/tp_train.py --sp, examples/ulysses_train.py.
 """
 import torch
 import torch.distributed as dist

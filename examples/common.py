@@ -1,5 +1,8 @@
-"""What the three examples share: a small model, a toy task, and the process group. A user's
-own code has its own versions of these; the parallel part is in each example's loop."""
+"""What the examples share: a small model (TinyLM, or a small HF Llama config), a toy task, the
+process group and the loss log. A user's own code has its own versions of these; the parallel
+part is in each example's loop. The examples import the suite's files as an installed package
+(`pip install -e .` at the repository root, or PYTHONPATH set to it) and this file from their
+own folder (torchrun puts a script's folder on sys.path)."""
 import gc
 import os
 
@@ -30,6 +33,14 @@ class TinyLM(nn.Module):
         for block in self.blocks:
             h = h + block(h)
         return self.head(self.norm(h))
+
+
+def llama_config(layers: int = 2):
+    """A small HF Llama: 4 attention heads, 2 kv heads (GQA), untied embeddings."""
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=SEQ, tie_word_embeddings=False)
 
 
 def batch(rank: int, step: int, size: int = 8):
@@ -72,7 +83,7 @@ def log(step, loss, *, summed=False, printer=0, extra=""):
         loss = loss.detach().clone()
         dist.all_reduce(loss)
     if dist.get_rank() == printer:
-        print(f"step {step:3d}  loss {float(loss):.3f}{extra}", flush=True)
+        print(f"step {step:3d}  loss {float(loss):.4f}{extra}", flush=True)
 
 
 def finish():

@@ -3,14 +3,11 @@ torchrun --nproc_per_node=2 examples/fsdp_train.py
 
 fsdp.fully_shard shards parameters, gradients and optimizer state; each block you name is a
 unit, gathered just before it runs and freed after."""
-import sys
-
 import torch
 
-sys.path.insert(0, __file__.rsplit("/examples/", 1)[0])
-import fsdp  # noqa: E402
-import zero  # noqa: E402
-from common import STEPS, TinyLM, batch, finish, init, log, loss_fn, no_decay_groups  # noqa: E402
+import fsdp
+import zero
+from common import STEPS, TinyLM, batch, finish, init, log, loss_fn, no_decay_groups
 
 device, rank = init()
 model = TinyLM().to(device)

@@ -5,24 +5,20 @@ ranks, in place; HF's own forward then runs on each rank's shards. All ranks of 
 parallel group see the same tokens. --sp: Megatron sequence parallelism (sp.parallelize), the
 same loop, with the residual stream between the blocks split along the sequence too."""
 import argparse
-import sys
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
-sys.path.insert(0, __file__.rsplit("/examples/", 1)[0])
-import sp  # noqa: E402
-import tp  # noqa: E402
-from common import SEQ, STEPS, VOCAB, batch, finish, init, log  # noqa: E402
+import sp
+import tp
+from common import STEPS, batch, finish, init, llama_config, log
 
 p = argparse.ArgumentParser()
 p.add_argument("--sp", action="store_true")
 args = p.parse_args()
 device, rank = init()
 torch.manual_seed(0)                                   # the same full weights on every rank
-cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
-model = LlamaForCausalLM(cfg).to(device)
+model = LlamaForCausalLM(llama_config()).to(device)
 tpm = (sp.parallelize if args.sp else tp.parallelize)(model, None)   # 1/T of the layers each
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 for step in range(STEPS):

@@ -3,16 +3,16 @@
 zero.ZeroOptimizer wraps a standard torch optimizer; each rank keeps 1/W of its state (and,
 at stage 2, of the gradients)."""
 import argparse
-import sys
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/examples/", 1)[0])
-import zero  # noqa: E402
-from common import STEPS, TinyLM, batch, finish, init, log, loss_fn, no_decay_groups  # noqa: E402
+import zero
+from common import STEPS, TinyLM, batch, finish, init, log, loss_fn, no_decay_groups
 
 p = argparse.ArgumentParser()
 p.add_argument("--stage", type=int, default=2)
+p.add_argument("--save", default="/tmp/zero_example_optimizer.pt",
+               help="where rank 0 writes the unsharded optimizer state")
 args = p.parse_args()
 device, rank = init()
 model = TinyLM().to(device)
@@ -29,6 +29,6 @@ for step in range(STEPS):
     log(step, loss, extra=f"  grad norm {norm:.3f}")
 state = opt.state_dict()                                # collective: the unsharded state
 if rank == 0:
-    torch.save(state, "/tmp/zero_example_optimizer.pt")  # loadable by torch.optim.AdamW too
+    torch.save(state, args.save)                        # loadable by torch.optim.AdamW too
     print(f"saved the optimizer state of {len(state['state'])} parameters", flush=True)
 finish()
