@@ -64,8 +64,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from harness import (DTensorBaseline, Expect, Plant, full_tensor, global_loss, main, make_adamw,
-                     name_group, phase, spread_across_ranks)
+from harness import Expect, Plant, main, name_group, planted, spread_across_ranks
 from harness.precision import grad_reduce_dtype
 import ddp
 import zero
@@ -99,11 +98,11 @@ class FullyShard(zero.Zero):
     """ZeRO-3's engine (zero.Zero, stage 3) with FSDP's schedule: prefetch in both directions,
     optional resharding after the forward, and a root unit (every parameter outside the named
     units, e.g. embeddings, final norm and head) gathered at the start of the forward and kept
-    until the end of the backward. Build it with fully_shard()."""
+    until the end of the backward; with `replicate` (HSDP), each reduced shard is averaged over
+    the replicas too. Build it with fully_shard()."""
 
     def __init__(self, model, units: list[torch.nn.Module], group=None, prefetch: int = 1,
-                 reshard_after_forward=True, average=True, plant=None, reduce_dtype=None,
-                 replicate=None):
+                 reshard_after_forward=True, average=True, reduce_dtype=None, replicate=None):
         names = {id(p): n for n, p in model.named_parameters()}
         inside = {id(p) for u in units for p in u.parameters()}
         root = [p for p in model.parameters() if id(p) not in inside]
@@ -113,9 +112,11 @@ class FullyShard(zero.Zero):
         if not root:
             raise ValueError("fully_shard: every parameter is inside a unit; leave the "
                              "module's own (or one top-level) parameters to the root unit")
-        super().__init__(model, group, stage=3, average=average, units=spec, plant=plant,
-                         reduce_dtype=reduce_dtype, names=names, replicate=replicate)
+        super().__init__(model, group, stage=3, average=average, units=spec,
+                         reduce_dtype=reduce_dtype, names=names)
         self.prefetch, self.reshard = prefetch, reshard_after_forward
+        self.replicate = replicate
+        self.R = dist.get_world_size(replicate) if replicate is not None else 1
         self.root, self.layers = self.units[0], self.units[1:]
         self.position = {u: i for i, u in enumerate(self.layers)}
 
@@ -139,8 +140,8 @@ class FullyShard(zero.Zero):
     def _post_backward(self, u):
         """After u's backward: free its parameters, the root's too (it is gathered again by the
         next forward, after the optimizer has updated its shard)."""
-        if u is self.root and self.plant == "root-stays-gathered":
-            return   # the bug: the next step's forward runs on the root's pre-update values
+        if u is self.root and planted("root-stays-gathered"):   # plant: stale root next step
+            return
         u.free_params()
 
     def _pre_backward(self, u):
@@ -150,11 +151,20 @@ class FullyShard(zero.Zero):
         else:
             self._prefetch(self.layers[:self.position[u]][::-1])
 
+    def _reduced(self, out):
+        """HSDP: the shard group's reduced shard, averaged over the R replicas (one all_reduce
+        of Psi/S elements per unit over the replicate group: the only traffic that leaves a
+        shard group, so it is the one that crosses nodes)."""
+        if self.replicate is None or planted("replicas-not-averaged"):   # plant: not averaged
+            return
+        if self.average:
+            out.div_(self.R)
+        dist.all_reduce(out, group=self.replicate)
+
 
 def fully_shard(module: torch.nn.Module, units=None, group=None, prefetch: int = 1,
                 reshard_after_forward: bool = True, reduce_dtype="auto",
-                average: bool = True, plant: str | None = None,
-                replicate_group=None) -> FullyShard:
+                average: bool = True, replicate_group=None) -> FullyShard:
     """Shard `module` in place over the ranks of `group`; returns the engine, which
     zero.ZeroOptimizer steps:
 
@@ -179,7 +189,7 @@ def fully_shard(module: torch.nn.Module, units=None, group=None, prefetch: int =
         ddp.broadcast_coalesced(state, replicate_group)
     if reduce_dtype == "auto":
         reduce_dtype = grad_reduce_dtype(next(module.parameters()).dtype)
-    return FullyShard(module, units, group, prefetch, reshard_after_forward, average, plant,
+    return FullyShard(module, units, group, prefetch, reshard_after_forward, average,
                       reduce_dtype, replicate_group)
 
 
@@ -251,7 +261,6 @@ class FSDP(zero.ZeRO):
         self.zero = fully_shard(model, group=group, replicate_group=replicate,
                                 prefetch=args.prefetch,
                                 reshard_after_forward=not args.no_reshard_after_forward,
-                                average=args.plant_bug != "no-average", plant=args.plant_bug,
                                 reduce_dtype=grad_reduce_dtype(next(model.parameters()).dtype,
                                                                args))
         self.optimizer = zero.adamw_on_shards(model, self.zero, args)
@@ -291,38 +300,7 @@ class FSDP(zero.ZeRO):
         return rows
 
 
-class TorchFSDP2(DTensorBaseline):
-    """Baseline: PyTorch's FSDP2 (fully_shard) on each decoder layer and the root."""
-    name = "torch-fsdp2"
-    constraints = staticmethod(fsdp_constraints)
-
-    def __init__(self, model, args, env):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        self.args, self.env, self.model = args, env, model
-        mesh = init_device_mesh(env.device.type, (env.world,))
-        reshard = not getattr(args, "no_reshard_after_forward", False)   # (zero.py: absent)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-        self.optimizer = make_adamw(model.parameters(), args)
-
-    def step(self, batch):
-        self.optimizer.zero_grad(set_to_none=True)
-
-        def set_sync(sync):  # FSDP2's switch for reduce-scattering on this backward
-            self.model.set_requires_gradient_sync(sync)
-        local_sum = ddp.forward_backward(self.model, batch, self.env.rank, self.env.world,
-                                         self.args.grad_accum, set_sync)
-        with phase("optimizer"):
-            if self.args.clip:
-                self.grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(
-                    self.model.parameters(), self.args.clip))
-            self.optimizer.step()
-        return global_loss(local_sum, batch.n_tokens)
-
-
-FSDP.native = [TorchFSDP2, ddp.DDP]
+FSDP.native = [zero.TorchFSDP2, ddp.DDP]   # PyTorch's FSDP2 on the same units, and our DDP
 
 if __name__ == "__main__":
     warnings.filterwarnings("ignore", message=".*FSDP.*")

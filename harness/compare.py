@@ -357,7 +357,7 @@ def noise_sources(run: Run, cls, ref, policy) -> tuple:
     linearly in the unit roundoff: forward, backward, everything). What scaling cannot carry,
     Adam's update error on entries whose gradient is near its eps (a float32 parameter's error
     is floored by its own rounding, an ulp of |p|), the parameter floor covers
-    (NoisePolicy.update_floor). A strategy that rounds on purpose (zero.py's --zeropp int8
+    (NoisePolicy.update_floor). A strategy that rounds on purpose (zeropp.py's int8
     communication) supplies `lossy_noise(run)`, a single-device model of that rounding (or a
     list of them): its distance from the target is one more noise sample (scale 1), so the
     verdict stays error vs error."""

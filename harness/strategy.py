@@ -45,7 +45,7 @@ The adapter contract (subclass `Strategy`)
                               (--plant-bug NAME); the strategy's code tests `planted(NAME)` on the
                               line the bug changes (harness/plants.py): no API takes a plant.
     lossy_noise(run)          classmethod, optional: for a strategy that rounds on purpose
-                              (zero.py's --zeropp int8 communication), a single-device model of
+                              (zeropp.py's int8 communication), a single-device model of
                               that rounding built from the run's weights (a Strategy with step,
                               full_grads, full_params), or a list of them; each one's distance
                               from the float64 target is one more noise sample (scale 1). None

@@ -1,4 +1,5 @@
-"""zero.py (ZeRO-1/2/3) against the single-device reference, under torchrun on CPU."""
+"""zero.py (ZeRO-1/2/3) and zeropp.py (ZeRO++ on its engine) against the single-device
+reference, under torchrun on CPU."""
 import json
 import os
 
@@ -6,7 +7,9 @@ import pytest
 import torch
 
 import harness
+import test_plants
 import zero
+import zeropp
 from conftest import Runs, assert_config_error
 
 TINY_PARAMS = 180_800
@@ -206,16 +209,16 @@ def test_bf16_mixed_precision_memory_and_correctness(runs, stage, psi_units):
 
 
 # ---------------------------------------------------------------------------------------------
-# ZeRO++ (--zeropp qwz,hpz,qgz --node-size N): W=4 in two nodes of 2, W=2 in two nodes of 1
+# ZeRO++ (zeropp.py --zeropp qwz,hpz,qgz --node-size N): W=4 in two nodes of 2, W=2 in two of 1
 # ---------------------------------------------------------------------------------------------
 ZPP = ["--stage", "3", "--zeropp", "qwz,hpz,qgz", "--node-size", "2"]
-W4 = Runs("zero.py", 4, {
+W4 = Runs("zeropp.py", 4, {
     "zpp-all": ZPP,                                   # float64, the error-vs-error rule
     "zpp-qwz-hpz": ["--stage", "3", "--zeropp", "qwz,hpz", "--node-size", "2",
                     "--dtype", "float32"],
     "zpp-bench": [*BENCH, *ZPP, "--bench-iters", "1"],
 })
-W2_ZPP = Runs("zero.py", 2, {   # node size 1: every rank a node, qgZ one all-to-all across
+W2_ZPP = Runs("zeropp.py", 2, {   # node size 1: every rank a node, qgZ one all-to-all across
     "zpp-n1": ["--stage", "3", "--zeropp", "qwz,hpz,qgz", "--node-size", "1", "--clip", "0.5"],
     "zpp-qgz-stage2": ["--stage", "2", "--zeropp", "qgz", "--node-size", "2",
                        "--grad-accum", "2"],   # node size W: one all-to-all inside the node
@@ -273,11 +276,14 @@ def test_zeropp_bytes_equal_the_formula(runs):
     assert b["memory_formula"]["params"] == 542_400
 
 
+ZPP_PLANTS = " ".join(zeropp.ZeroPlusPlus._ZEROPP)   # test_plants.py's run once tour lists it
+PLANTS = test_plants.BATCHES.get(("zeropp.py", 4)) or Runs("zeropp.py", 4, {ZPP_PLANTS: [
+    "--mode", "plants", "--plants", ",".join(zeropp.ZeroPlusPlus.plants), *ZPP_PLANTS.split()]})
+
+
 def test_zeropp_plants_fail(runs):
-    """The clean W=4 run PASSes and each ZeRO++ plant FAILs (test_plants.py's run, shared)."""
-    import test_plants
-    args = list(zero.ZeRO._ZEROPP)
-    r = runs(test_plants.BATCHES["zero.py", 4], " ".join(args))
+    """The clean W=4 run PASSes and each ZeRO++ plant FAILs."""
+    r = runs(PLANTS, ZPP_PLANTS)
     rows = json.load(open(os.path.join(r.out, "plants.json")))
     verdicts = {row["plant"]: row["passed"] for row in rows}
     assert verdicts == {"(none)": True, "qwz-local-dequant": False,
@@ -291,14 +297,14 @@ def test_zeropp_plants_fail(runs):
     (["--stage", "2", "--zeropp", "qwz"], "--zeropp qwz: quantizes or re-partitions stage 3"),
 ])
 def test_zeropp_bad_config(run, args, msg):
-    r = run("zero.py", 4, *args, as_rank0=True)
+    r = run("zeropp.py", 4, *args, as_rank0=True)
     assert_config_error(r, msg, torchrun=False)
 
 
 def test_zeropp_constraints():
     """The other refusals, without a process each (the first error is the one printed)."""
     p = harness.base_parser("t")
-    zero.ZeRO.add_args(p)
+    zeropp.ZeroPlusPlus.add_args(p)
     cases = {"--stage 1 --zeropp hpz --node-size 2": "--zeropp hpz: quantizes",
              "--stage 3 --zeropp qgz": "--zeropp qgz needs --node-size N",
              "--stage 3 --zeropp qwz --node-size 2": "--node-size 2 is for ZeRO++'s",
@@ -306,5 +312,5 @@ def test_zeropp_constraints():
              "--stage 3 --zeropp qwz,hpz,qgz --node-size 4": None,
              "--stage 2 --zeropp qgz --node-size 1": None}
     for argv, msg in cases.items():
-        errs = zero.zero_constraints(p.parse_args(argv.split()), 4, None)
+        errs = zeropp.zeropp_constraints(p.parse_args(argv.split()), 4, None)
         assert (errs[0].startswith(msg) if msg else errs == []), (argv, errs)

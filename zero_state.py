@@ -1,0 +1,196 @@
+"""zero_state.py: ZeRO's flat shards seen as per-parameter tensors: the harness's reassembly
+and resident bytes, layout-free checkpoints, and torch-format optimizer state dicts.
+
+zero.py keeps every state (parameters, gradients, the optimizer's) as one flat shard per unit:
+rank r holds elements [r s, (r+1) s) of the unit's buffer, s = padded / W, and a parameter is
+the range [off, off + numel) of that buffer. What follows is bookkeeping over those ranges
+(plus all-gathers over the shard group), none of it part of ZeRO's algorithm; zero.py mixes it
+into its two classes:
+
+    FlatTensors   (zero.Zero and its subclasses: fsdp.FullyShard, zeropp.ZeroPP)
+        full_tensors(kind), gather_flat(shards) -> {name: tensor}   each unit's shard
+                                                 all-gathered and cut per parameter
+        flat_shards(tensors) -> [shard]          the inverse: this rank's shard of each unit
+        grad_tensors()                           the resident gradient storage
+    ShardedState  (zero.ZeroOptimizer)
+        shard_state(key), load_shard_state(key, shards), steps_taken
+                                                 an elementwise state, one flat shard per unit
+                                                 (compose4d's checkpoints: any layout reads them)
+        state_dict(), load_state_dict(sd)        torch's unsharded format (collective): a plain
+                                                 torch optimizer over the same groups reads it
+        state_tensors()                          the resident optimizer state
+"""
+import torch
+import torch.distributed as dist
+
+
+class FlatTensors:
+    """Mixed into zero.Zero: reads its `units` (zero.FlatUnit), `group`, `stage` and
+    wait_params()."""
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The resident gradient storage: stage 1's full buffers (and its reduced shards when
+        they are a separate fp32 tensor), stages 2 and 3's shards."""
+        full = [u.grad_full for u in self.units] if self.stage == 1 else []
+        shards = [u.grad_shard for u in self.units
+                  if self.stage > 1 or u.grad_shard.dtype != u.grad_full.dtype]
+        return full + shards
+
+    def full_tensors(self, kind: str) -> dict[str, torch.Tensor]:
+        """Every parameter's ("param") or reduced gradient's ("grad") full tensor (collective)."""
+        if self.stage < 3:
+            self.wait_params()   # the shards are views of the buffers a gather may still fill
+        return self.gather_flat([u.grad_shard if kind == "grad" else u.shard
+                                 for u in self.units])
+
+    def gather_flat(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-parameter tensors from one flat shard per unit (parameters, gradients or an
+        optimizer state), all-gathered over the group."""
+        out = {}
+        for u, src in zip(self.units, shards):
+            flat = torch.empty(u.padded, dtype=src.dtype, device=src.device)
+            dist.all_gather_into_tensor(flat, src.contiguous(), group=self.group)
+            for n, p, off in zip(u.names, u.params, u.offsets):
+                out[n] = flat[off:off + p.numel()].view(p.shape)
+        return out
+
+    def flat_shards(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The inverse of gather_flat: this rank's flat shard of each unit, from per-parameter
+        tensors (zero padding)."""
+        out = []
+        for u in self.units:
+            flat = torch.zeros(u.padded, dtype=u.full.dtype, device=u.full.device)
+            for n, p, off in zip(u.names, u.params, u.offsets):
+                flat[off:off + p.numel()] = tensors[n].reshape(-1)
+            out.append(flat[u.rank * u.shard_numel:(u.rank + 1) * u.shard_numel].clone())
+        return out
+
+
+class ShardedState:
+    """Mixed into zero.ZeroOptimizer: reads its `engine` (the units), `masters` (this rank's
+    flat shard of each unit, or its fp32 copy), `runs` [(unit, start in the shard, length,
+    group)] and `views` (the inner optimizer's parameters, one per run), `inner`, `index`
+    (torch's numbering), `param_groups` and `group`."""
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The resident optimizer-state tensors (fp32 masters, the inner optimizer's states)."""
+        states = [t for st in self.inner.state.values() for t in st.values()
+                  if torch.is_tensor(t) and t.dim() > 0]
+        return [m for m, u in zip(self.masters, self.engine.units) if m is not u.shard] + states
+
+    def shard_state(self, key: str) -> list[torch.Tensor]:
+        """This rank's flat shard of an elementwise state per unit ("param": the parameter
+        shard, or its fp32 master), zeros where the state does not exist (yet)."""
+        if key == "param":
+            return list(self.masters)
+        out = [torch.zeros_like(m) for m in self.masters]
+        for v, (ui, a, n, _) in zip(self.views, self.runs):
+            if key in self.inner.state.get(v, {}):
+                out[ui][a:a + n] = self.inner.state[v][key]
+        return out
+
+    def load_shard_state(self, key: str, shards: list[torch.Tensor]):
+        """The inverse of shard_state for an elementwise state of the inner optimizer."""
+        for v, (ui, a, n, _) in zip(self.views, self.runs):
+            self.inner.state[v][key] = shards[ui][a:a + n].to(v.dtype).clone()
+
+    @property
+    def steps_taken(self) -> int:
+        """The inner optimizer's step count (Adam's bias correction)."""
+        st = self.inner.state.get(self.views[0], {}) if self.views else {}
+        return int(st["step"]) if "step" in st else 0
+
+    @steps_taken.setter
+    def steps_taken(self, t: int):
+        for v in self.views:
+            self.inner.state[v]["step"] = torch.tensor(float(t), dtype=torch.float32)
+
+    def _layout(self):
+        """{unit: {key: dtype}} of the elementwise states and {group: {key: value}} of the
+        scalar ones, as every rank needs them for the gathers (one object all-gather)."""
+        elem, scalar = {}, {}
+        for v, (ui, a, n, gi) in zip(self.views, self.runs):
+            for k, x in self.inner.state.get(v, {}).items():
+                if torch.is_tensor(x) and x.dim() == 1:
+                    elem.setdefault(ui, {})[k] = x.dtype
+                else:
+                    scalar.setdefault(gi, {})[k] = x
+        every = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, (elem, scalar), group=self.group)
+        elem, scalar = {}, {}
+        for e, s in every:
+            for ui, keys in e.items():
+                elem.setdefault(ui, {}).update(keys)
+            for gi, vals in s.items():
+                scalar.setdefault(gi, {}).update(vals)
+        return elem, scalar
+
+    def state_dict(self) -> dict:
+        """The unsharded optimizer's state dict (collective: every rank gets it): per parameter
+        (torch's numbering over the groups) its elementwise states at full shape and the
+        group's scalar ones (e.g. step)."""
+        elem, scalar = self._layout()
+        state: dict = {}
+        for ui, u in enumerate(self.engine.units):
+            for key in sorted(elem.get(ui, {})):
+                local = torch.zeros(u.shard_numel, dtype=elem[ui][key], device=u.shard.device)
+                for v, (vi, a, n, _) in zip(self.views, self.runs):
+                    if vi == ui and key in self.inner.state.get(v, {}):
+                        local[a:a + n] = self.inner.state[v][key]
+                full = torch.empty(u.padded, dtype=local.dtype, device=local.device)
+                dist.all_gather_into_tensor(full, local, group=self.group)
+                for p, off in zip(u.params, u.offsets):
+                    if p.requires_grad:
+                        state.setdefault(self.index[p], {})[key] = \
+                            full[off:off + p.numel()].view(p.shape).clone()
+        group_of = {self.index[p]: gi for gi, g in enumerate(self.param_groups)
+                    for p in g["params"]}
+        for i in state:
+            for k, x in scalar.get(group_of[i], {}).items():
+                state[i][k] = x.clone() if torch.is_tensor(x) else x
+        groups = [dict({k: v for k, v in g.items() if k != "params"},
+                       params=[self.index[p] for p in g["params"]]) for g in self.param_groups]
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict):
+        """Load an unsharded state dict (this optimizer's, or a plain torch optimizer's over the
+        same parameter groups): every rank keeps its slices."""
+        groups, state = state_dict["param_groups"], state_dict["state"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("ZeroOptimizer.load_state_dict: the parameter groups' sizes "
+                             f"{[len(g['params']) for g in groups]} differ from this "
+                             f"optimizer's {[len(g['params']) for g in self.param_groups]}")
+        ids = [i for g in groups for i in g["params"]]
+        by_param = {p: state.get(ids[self.index[p]]) for p in self.index}
+        for p, st in by_param.items():
+            for k, x in (st or {}).items():
+                if torch.is_tensor(x) and x.dim() > 0 and x.shape != p.shape:
+                    raise ValueError(f"ZeroOptimizer.load_state_dict: state {k!r} of parameter "
+                                     f"{self.index[p]} has shape {tuple(x.shape)}, the "
+                                     f"parameter {tuple(p.shape)}")
+        inner_state = {}
+        for j, (v, (ui, a, n, gi)) in enumerate(zip(self.views, self.runs)):
+            u, entry = self.engine.units[ui], {}
+            lo, hi = u.lo + a, u.lo + a + n
+            for p, off in zip(u.params, u.offsets):
+                st = by_param.get(p)
+                x0, x1 = max(off, lo), min(off + p.numel(), hi)
+                if not st or x0 >= x1:
+                    continue
+                for k, x in st.items():
+                    if torch.is_tensor(x) and x.dim() > 0:
+                        if k not in entry:
+                            entry[k] = torch.zeros(n, dtype=x.dtype, device=v.device)
+                        entry[k][x0 - lo:x1 - lo] = x.reshape(-1)[x0 - off:x1 - off]
+                    elif k not in entry:
+                        entry[k] = x.clone() if torch.is_tensor(x) else x
+            if entry:
+                inner_state[j] = entry
+        for g, sg in zip(self.param_groups, groups):
+            g.update({k: v for k, v in sg.items() if k != "params"})
+        inner_groups, j = [], 0
+        for g, ig in zip(self.param_groups, self.inner.param_groups):
+            inner_groups.append(dict({k: v for k, v in g.items() if k != "params"},
+                                     params=list(range(j, j + len(ig["params"])))))
+            j += len(ig["params"])
+        self.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})

@@ -1,0 +1,700 @@
+"""zeropp.py: ZeRO++ on zero.py's engine: int8 weight gathers, a secondary parameter shard per
+node, and an int8 hierarchical all-to-all in place of the gradient reduce-scatter.
+
+The idea (Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant Model
+Training", 2023)
+    ZeRO-3 moves 3 Psi per step over the world group: two all-gathers of the parameters and one
+    reduce-scatter of the gradients, all of it across nodes. ZeRO++ adds three tricks (any
+    subset: --zeropp qwz,hpz,qgz --node-size N). W = M N: M nodes of N consecutive ranks; each
+    rank has two groups, "node" (its N node-mates) and "cross" (the M ranks with its local
+    index, one in each node).
+    qwZ  stage 3's forward all-gather moves int8 blocks of BLOCK = 256 elements + one float32
+         scale (absmax / 127, symmetric) per block, dequantized into the full buffer; the shards
+         (the optimizer's masters) stay exact. Without hpZ the backward gathers the same way.
+    hpZ  after the forward gather each rank keeps slice `local` of N of the full buffer (its
+         secondary shard, Psi/N); the backward all-gathers those inside the node, exactly.
+    qgZ  the reduce-scatter becomes the hierarchical all-to-all: quantize, all-to-all in the
+         node, dequantize + sum, re-quantize, all-to-all across nodes, dequantize + sum (the same
+         shard layout as reduce_scatter_tensor). Any stage.
+    The seam: ZeroPP is a zero.Zero whose stage-3 gather hooks and reduce_scatter are replaced;
+    the accumulation, the hooks' order, the optimizer and its shards stay zero.py's.
+
+Bytes per step per rank (logical buffers as the meter counts them; per unit u, P_u padded,
+s_u = P_u / W, c(x) = ceil(x / 256), 4 B per scale; b the model dtype's bytes)
+    qwZ fwd   all_gather world  sum_u P_u + 4 W c(s_u)            (vs P_u b)
+    bwd       hpZ: all_gather node  sum_u P_u b; else qwZ's again (world)
+    qgZ       all_to_all node   sum_u P_u + 4 N c(M s_u)          (N > 1)
+              all_to_all cross  sum_u P_u / N + 4 M c(s_u)        (M > 1)
+              (vs reduce_scatter world P_u b_reduce); N = 1 or N = W: one all-to-all
+    hpZ memory: + sum_u P_u / N * b resident per rank (the secondary shards)
+    The paper's 4x (3 Psi -> 0.75 Psi across nodes: int8 forward 0.5, hpZ backward 0, int4
+    gradients 0.25) counts fp16 against fp16; here the gradients are int8 and the baseline is
+    ZeRO-3 in the model's dtype (fp32 doubles the ratio). The benchmark prints the ratios.
+
+Correctness
+    int8 rounding is not float noise. QuantizationNoise, a single-device model of the rounding,
+    is the noise source the quantized run is judged against (error vs error). ZeroPPChecks,
+    wrapped around the engine in correctness mode, adds exact checks: qwZ within half a step per
+    block, every backward gather equal to the forward's bit for bit, qgZ within its summed half
+    steps of the exact reduce-scatter (an unmetered one beside each quantized one).
+
+Public API
+    engine = ZeroPP(model, ("qwz", "hpz", "qgz"), node_size=N, stage=3)   collective: builds the
+        node and cross groups; over the world group. Then, as for zero.Zero:
+    opt = zero.ZeroOptimizer(model.parameters(), torch.optim.AdamW, engine=engine, lr=...)
+    torchrun --nproc_per_node=4 zeropp.py --stage 3 --zeropp qwz,hpz,qgz --node-size 2
+"""
+import copy
+
+import torch
+import torch.distributed as dist
+
+from harness import METER, Batch, Expect, Plant, Reference, lm_loss_sum, main, name_group, planted
+from harness.models import build_model
+from zero import ZeRO, Zero, decoder_units, pad_to, zero_constraints
+
+BLOCK = 256          # elements per quantization block (one float32 scale each)
+TRICKS = ("qwz", "hpz", "qgz")
+
+
+# ----------------------------------------------------------------------------------------------
+# Block quantization and the quantized collectives
+# ----------------------------------------------------------------------------------------------
+def n_blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def quantize(x: torch.Tensor):
+    """x: [P, L] -> (int8 [P, L], float32 scales [P, ceil(L/BLOCK)]): each row cut into blocks
+    of BLOCK from its start (the last one partial), symmetric, scale = absmax / 127, so
+    |dequantize - x| <= scale / 2 = absmax / 254 per element."""
+    P, L = x.shape
+    nb = n_blocks(L)
+    xb = torch.nn.functional.pad(x, (0, nb * BLOCK - L)).view(P, nb, BLOCK)
+    scale = xb.abs().amax(-1).float() / 127                      # [P, nb]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).to(x.dtype)
+    q = torch.round(xb / safe[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.view(P, nb * BLOCK)[:, :L], scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+    """The inverse of quantize, up to the rounding: [P, L] in `dtype`."""
+    P, L = q.shape
+    nb = scale.shape[1]
+    qb = torch.nn.functional.pad(q, (0, nb * BLOCK - L)).view(P, nb, BLOCK)
+    return (qb.to(dtype) * scale[..., None].to(dtype)).view(P, nb * BLOCK)[:, :L]
+
+
+def half_steps(scale: torch.Tensor, L: int, dtype) -> torch.Tensor:
+    """Each element's quantization bound scale / 2, [P, L] (the checks' bookkeeping)."""
+    P, nb = scale.shape
+    h = (scale.to(dtype) / 2)[..., None].expand(P, nb, BLOCK)
+    return h.reshape(P, nb * BLOCK)[:, :L]
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[P, L + 4 nb] int8: each row's payload, then its scales' bytes, so one collective moves
+    both (an all-gather's or an all-to-all's rows are then equal-sized, as the ops need)."""
+    return torch.cat([q, scale.contiguous().view(torch.int8)], dim=1)
+
+
+def unpack(buf: torch.Tensor, L: int):
+    return buf[:, :L], buf[:, L:].contiguous().view(torch.float32)
+
+
+def quantized_all_gather(u) -> torch.Tensor:
+    """qwZ: the full buffer of u (a zero.FlatUnit) from every rank's shard, as int8 blocks +
+    float32 scales in one all_gather_into_tensor of W * (s + 4 ceil(s / BLOCK)) bytes, returned
+    dequantized (this rank's own slice too: every rank must compute with the same weights).
+    The shard itself, the optimizer's master, is untouched."""
+    s, W = u.shard_numel, u.W
+    q, scale = quantize(u.shard.detach().view(1, s))
+    send = pack(q, scale).view(-1)
+    recv = torch.empty(W * send.numel(), dtype=torch.int8, device=send.device)
+    dist.all_gather_into_tensor(recv, send, group=u.group)
+    q_all, scales = unpack(recv.view(W, -1), s)
+    if planted("qwz-local-dequant"):   # plant: every block dequantized with our own scales
+        scales = scale.expand(W, -1)
+    return dequantize(q_all, scales, u.full.dtype).reshape(-1)
+
+
+def quantized_all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Row p of x [P, L] goes to rank p of `group`, int8 + scales in one all_to_all_single of
+    P (L + 4 ceil(L / BLOCK)) bytes. Returns the received rows, dequantized, [P, L]."""
+    P, L = x.shape
+    send = pack(*quantize(x))
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return dequantize(*unpack(recv, L), x.dtype)
+
+
+def make_groups(node_size: int):
+    """(node, cross) for this rank; collective (every rank builds every group, one order)."""
+    W = dist.get_world_size()
+    node, _ = dist.new_subgroups_by_enumeration(
+        [list(range(m * node_size, (m + 1) * node_size)) for m in range(W // node_size)])
+    cross, _ = dist.new_subgroups_by_enumeration(
+        [list(range(i, W, node_size)) for i in range(node_size)])
+    return name_group(node, "node"), name_group(cross, "cross")
+
+
+def fill(u, write):
+    """Re-allocate u's full buffer and write(full) into it, not bumping the version counter of
+    the views autograd saved in the forward."""
+    u.full.untyped_storage().resize_(u.padded * u.full.element_size())
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(u.full):
+        write(u.full)
+    u.gathered = True
+
+
+DONE = torch.futures.Future()   # the handle of a reduction already complete (qgZ's all-to-alls)
+DONE.set_result(None)
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine: zero.Zero with ZeRO++'s gathers and reduce-scatter
+# ----------------------------------------------------------------------------------------------
+class ZeroPP(Zero):
+    """zero.Zero over the world group with ZeRO++'s `tricks` (a subset of TRICKS, in the order
+    given): qwZ and hpZ replace stage 3's gathers (synchronous, no prefetch), qgZ the
+    reduce-scatter; everything else (units, accumulation, the optimizer's shards) is the
+    engine's. node_size: N, ranks per node (hpZ, qgZ); **kw: zero.Zero's options."""
+
+    def __init__(self, model, tricks, node_size: int = 1, **kw):
+        if kw.get("group") is not None:
+            raise ValueError("ZeroPP runs over the world group: its node and cross groups tile it")
+        self.tricks = tuple(tricks)
+        self.qwz, self.hpz, self.qgz = (t in self.tricks for t in TRICKS)
+        W = dist.get_world_size()
+        self.N, self.M, self.local = node_size, W // node_size, dist.get_rank() % node_size
+        # every rank creates every group, in one order
+        self.node, self.cross = make_groups(node_size) if self.hpz or self.qgz else (None, None)
+        super().__init__(model, **kw)
+        for u in self.units if self.hpz else []:   # padded / N, refreshed by every forward
+            u.secondary = torch.zeros(u.padded // node_size, dtype=u.full.dtype,
+                                      device=u.full.device)
+
+    # -- stage 3: ZeRO++'s gathers in place of the engine's (qgZ alone keeps the engine's) --
+    def _pre_forward(self, u):
+        if not (self.qwz or self.hpz):
+            return super()._pre_forward(u)
+        if not u.gathered:
+            self.gather_forward(u)
+
+    def _pre_backward(self, u):
+        if not (self.qwz or self.hpz):
+            return super()._pre_backward(u)
+        if not u.gathered:
+            self.gather_backward(u)
+
+    def gather_forward(self, u):
+        """qwZ: the quantized all-gather (else the exact one); hpZ: then keep this rank's
+        secondary shard, slice `local` of N of the full buffer, for the backward."""
+        if self.qwz:
+            fill(u, lambda full: full.copy_(quantized_all_gather(u)))
+        else:
+            fill(u, lambda full: dist.all_gather_into_tensor(full, u.shard, group=u.group))
+        if self.hpz:
+            n = u.secondary.numel()
+            if not (planted("hpz-stale-secondary") and u.secondary.any()):  # plant: 1st only
+                u.secondary.copy_(u.full[self.local * n:(self.local + 1) * n])
+
+    def gather_backward(self, u):
+        """hpZ: all-gather the secondary shards inside the node (exact copies of the forward's
+        weights, in the model dtype); without hpZ, qwZ's quantized gather again: deterministic,
+        so the backward differentiates exactly the weights the forward used."""
+        if self.hpz:
+            fill(u, lambda full: dist.all_gather_into_tensor(full, u.secondary, group=self.node))
+        else:
+            fill(u, lambda full: full.copy_(quantized_all_gather(u)))
+
+    # -- qgZ: the gradient reduce-scatter --
+    def reduce_scatter(self, src, like):
+        if not self.qgz:
+            return super().reduce_scatter(src, like)
+        return self.quantized_reduce_scatter(src), DONE   # synchronous all-to-alls
+
+    exchange = staticmethod(quantized_all_to_all)   # one hop (ZeroPPChecks observes it)
+
+    def quantized_reduce_scatter(self, src: torch.Tensor) -> torch.Tensor:
+        """qgZ: the paper's hierarchical all-to-all in place of reduce_scatter_tensor. src [W s]
+        is this rank's full (pre-divided) gradient; chunk r = src[r s:(r+1) s] belongs to rank
+        r = m N + l (node m, local index l). Returns chunk `rank` summed over the W ranks, as
+        reduce_scatter_tensor would give it:
+          1. inside the node (N > 1): local peer l gets, from every node-mate, the M chunks
+             whose owners have local index l, [m' N + l for m' < M] (src viewed [M, N, s],
+             transposed to [N, M, s]); quantize, all_to_all, dequantize, sum the N rows: a
+             [M s] partial sum;
+          2. across nodes (M > 1): re-quantize the partial's M chunks, chunk m' to node m' (the
+             rank with local index l there, its owner), all_to_all, dequantize, sum the M rows.
+        N = 1 skips step 1 (every rank is a node) and N = W skips step 2 (one node): either
+        way one all-to-all over all ranks."""
+        N, M = self.N, self.M
+        s = src.numel() // (N * M)
+        part = src
+        if N > 1:
+            rows = src.view(M, N, s).transpose(0, 1).reshape(N, M * s)
+            if planted("qgz-chunk-order"):   # plant: chunks sent in rank order, not by owner
+                rows = src.view(N, M * s)
+            part = self.exchange(rows, self.node).sum(0)
+        if M > 1:
+            part = self.exchange(part.view(M, s), self.cross).sum(0)
+        return part
+
+
+# ----------------------------------------------------------------------------------------------
+# The exact checks, observed from outside the engine
+# ----------------------------------------------------------------------------------------------
+class ZeroPPChecks:
+    """Wraps a ZeroPP engine's methods, the way ep_stats.RoutingStats wraps ep_moe's blocks:
+      gather_forward / gather_backward   a copy of each forward gather; each backward gather is
+                                         compared with it, element by element;
+      exchange                           each hop's error bound, the sender's half steps plus
+                                         what its rows already carried, sent along by an
+                                         unmetered exact all-to-all;
+      quantized_reduce_scatter           the exact reduce-scatter of the same gradient beside
+                                         it (unmetered), and the worst |qgZ - exact| / bound.
+    The engine's collectives and the meter's counts are untouched; the records stay on the
+    device during the steps, and rows() reads them after."""
+
+    def __init__(self, engine: ZeroPP):
+        self.engine = engine
+        self.fwd_copy: dict = {}
+        self.bwd_mismatch = None   # elements where a backward gather differed from the forward's
+        self.qgz_ratio = None      # max |quantized - exact| / bound over every reduced shard
+        self.bound = None          # the bound carried through this reduction's hops
+        engine.gather_forward = self._observe_forward(engine.gather_forward)
+        engine.gather_backward = self._observe_backward(engine.gather_backward)
+        engine.exchange = self._observe_hop(engine.exchange)
+        engine.quantized_reduce_scatter = self._observe_reduce(engine.quantized_reduce_scatter)
+
+    def _observe_forward(self, fn):
+        def gather_forward(u):
+            fn(u)
+            self.fwd_copy[u] = u.full.clone()
+        return gather_forward
+
+    def _observe_backward(self, fn):
+        def gather_backward(u):
+            fn(u)
+            if u in self.fwd_copy:
+                diff = (u.full != self.fwd_copy.pop(u)).sum()
+                self.bwd_mismatch = diff if self.bwd_mismatch is None else self.bwd_mismatch + diff
+        return gather_backward
+
+    def _observe_hop(self, fn):
+        def exchange(x, group):
+            out = fn(x, group)
+            bound = half_steps(quantize(x)[1], x.shape[1], x.dtype)   # the sender's rounding
+            if self.bound is not None:
+                bound = bound + self.bound.view_as(x)
+            got = torch.empty_like(bound)
+            with METER.paused():
+                dist.all_to_all_single(got, bound.contiguous(), group=group)
+            self.bound = got.sum(0)   # summed as the received rows are
+            return out
+        return exchange
+
+    def _observe_reduce(self, fn):
+        def quantized_reduce_scatter(src):
+            self.bound = None
+            out = fn(src)
+            if self.bound is not None:
+                self._check_qgz(src, out, self.bound)
+            return out
+        return quantized_reduce_scatter
+
+    def _check_qgz(self, src, out, bound):
+        """The exact reduce-scatter of the same gradient (unmetered) beside qgZ's; the worst
+        |quantized - exact| / bound so far, on the device. The slack covers float rounding of
+        the sums: each element's bound is at least 1/254 of the magnitudes summed."""
+        exact = torch.empty_like(out)
+        with METER.paused():
+            dist.reduce_scatter_tensor(exact, src, group=self.engine.group)
+        slack = 1 + 2048 * self.engine.W * torch.finfo(out.dtype).eps
+        r = ((out - exact).abs() / (bound * slack + torch.finfo(out.dtype).tiny)).max()
+        self.qgz_ratio = r if self.qgz_ratio is None else torch.maximum(self.qgz_ratio, r)
+
+    def rows(self) -> list:
+        """(name, ok, detail) per check (collective; each fails under one of the plants): qwZ,
+        a fresh quantized gather of every unit beside the exact gather of the masters, every
+        element within half a step of its block (the step recomputed from the exact values:
+        absmax / 127 of the rank's shard in blocks of BLOCK); fwd=bwd, the recorded mismatches
+        (hpZ's secondary shards or qwZ's gather again); qgZ, the recorded worst ratio."""
+        z = self.engine
+        dev, out = z.units[0].full.device, []
+
+        def reduce(x, op):
+            t = torch.as_tensor(x, dtype=torch.float64, device=dev).clone()
+            with METER.paused():
+                dist.all_reduce(t, op=op)
+            return t.item()
+        if z.qwz:
+            worst, blocks = torch.zeros((), dtype=torch.float64, device=dev), 0
+            for u in z.units:
+                W, s = u.W, u.shard_numel
+                with METER.paused():
+                    deq = quantized_all_gather(u).double().view(W, s)
+                    exact = torch.empty(u.padded, dtype=u.shard.dtype, device=dev)
+                    dist.all_gather_into_tensor(exact, u.shard.detach(), group=u.group)
+                x = exact.double().view(W, s)
+                nb = n_blocks(s)
+                xb = torch.nn.functional.pad(x, (0, nb * BLOCK - s)).view(W, nb, BLOCK)
+                h = (xb.abs().amax(-1) / 254)[..., None].expand(W, nb, BLOCK)
+                h = h.reshape(W, nb * BLOCK)[:, :s]
+                slack = 1 + 512 * torch.finfo(u.full.dtype).eps + 2.0 ** -23
+                r = ((deq - x).abs() / (h * slack + torch.finfo(torch.float64).tiny)).max()
+                worst = torch.maximum(worst, r)
+                blocks += W * nb
+            w = reduce(worst, dist.ReduceOp.MAX)
+            out.append(("qwZ gathered weights within half a quantization step of the masters",
+                        w <= 1.0, f"max |dequantized - master| / (block absmax / 254) = "
+                        f"{w:.3f} over {blocks} blocks of {BLOCK}"))
+        if z.stage == 3 and (z.qwz or z.hpz):
+            m = reduce(0.0 if self.bwd_mismatch is None else self.bwd_mismatch, dist.ReduceOp.SUM)
+            src = "hpZ's secondary shards (node group)" if z.hpz else "qwZ's gather again"
+            out.append(("backward gathers equal the forward's bit for bit", m == 0,
+                        f"{m:.0f} elements differ, all ranks and steps; backward from {src}"))
+        if z.qgz:
+            r = reduce(-1.0 if self.qgz_ratio is None else self.qgz_ratio, dist.ReduceOp.MAX)
+            out.append(("qgZ shards within the summed half steps of the exact reduce-scatter",
+                        0 <= r <= 1.0, f"max |qgZ - exact| / bound = {r:.3f} (N={z.N}, M={z.M})"))
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The noise the quantized run is judged against
+# ----------------------------------------------------------------------------------------------
+class QuantizationNoise(Reference):
+    """ZeRO++'s error-vs-error rule: a sample of how far correct int8 block rounding lands from
+    the float64 target, on one device. Rounding to nearest is modelled as an independent error
+    uniform in +-half a step (the additive-noise model of uniform quantization), each step the
+    absmax / 127 of the strategy's block, drawn afresh every step:
+      qwZ  every weight, for the forward and backward only (the masters stay exact); blocks:
+           each unit's flat buffer padded to W, row r rank r's shard, cut in blocks of BLOCK;
+      qgZ  the gradient as the hierarchical all-to-all rounds it: each rank's own (pre-divided)
+           gradient, computed here from its share of the batch, in the blocks of its in-node
+           rows, then each node's partial sum in the blocks of its chunks; N = 1 or M = 1 skip
+           a stage as the strategy does.
+    The quantized run passes when err(ZeRO++, float64) <= k x err(this, float64) + floor
+    (harness.compare, the same TOL_K as for float noise): its rounding may be a few times this
+    model's, not the 1e-1..1 of a wrong scale or a misplaced chunk. The model shares only the
+    layout with the strategy, not the quantizer, which ZeroPPChecks checks exactly.
+
+    The loss is one number, and the first-order change g.e of one random draw e can land near
+    zero by chance, far below its typical size, where a tensor's max over thousands of entries
+    cannot. So the loss noise is not a draw but its spread: with e_i uniform in +-h_i, g.e has
+    standard deviation sigma_L = sqrt(sum g_i^2 h_i^2 / 3) (g the gradient, h the weights' half
+    steps). The model reports its loss both ways, L + sigma_L here and L - sigma_L from `mirror`
+    (a second noise source over the same run): the loss noise is |L - target| + sigma_L.
+
+    Parameters: a gradient entry smaller than its rounding error can change sign, and Adam's
+    update is about lr * sign(g) however small g is, so that entry moves 2 lr away: all or
+    nothing, which the model's own draw need not hit in the same tensor. lr_flip = 2 makes the
+    harness add 2 lr per step to the parameters' absolute floor (compare.NoiseSource).
+    Optimizer and parameter-gather bugs are what the exact run (zero.py) checks without that
+    floor; ZeRO++ changes neither."""
+    name = "int8 quantization noise model"
+    lr_flip = 2.0   # a gradient entry within its rounding of zero can flip Adam's +-lr update
+
+    def __init__(self, ref_model, args, env, tricks, world: int, node_size: int):
+        super().__init__(ref_model, args, env)
+        self.tricks, self.W, self.N, self.M = set(tricks), world, node_size, world // node_size
+        self.units, claimed = [], set()
+        for _, modules in decoder_units(ref_model):
+            ps = [p for m in modules for p in m.parameters() if id(p) not in claimed]
+            claimed.update(id(p) for p in ps)
+            self.units.append(ps)
+        self.gen = torch.Generator().manual_seed(20230616)
+        self.sigma = 0.0
+        self.mirror = _Mirror(self)
+
+    @staticmethod
+    def _half(rows: torch.Tensor) -> torch.Tensor:
+        """[R, L] -> each element's half step, its row's block of BLOCK: absmax / 254."""
+        R, L = rows.shape
+        nb = n_blocks(L)
+        xb = torch.nn.functional.pad(rows, (0, nb * BLOCK - L)).view(R, nb, BLOCK)
+        half = (xb.abs().amax(-1, keepdim=True) / 254).expand(R, nb, BLOCK)
+        return half.reshape(R, nb * BLOCK)[:, :L]
+
+    def _uniform(self, half: torch.Tensor) -> torch.Tensor:
+        u = torch.rand(half.shape, generator=self.gen, dtype=torch.float64)
+        return (2 * u - 1).to(half.device, half.dtype) * half
+
+    def _flat(self, tensors) -> torch.Tensor:
+        """A unit's tensors flat, zero-padded to a multiple of W (None: zeros)."""
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        return torch.nn.functional.pad(flat, (0, pad_to(flat.numel(), self.W) - flat.numel()))
+
+    def _split(self, flat: torch.Tensor, like) -> list[torch.Tensor]:
+        out, off = [], 0
+        for t in like:
+            out.append(flat[off:off + t.numel()].view_as(t))
+            off += t.numel()
+        return out
+
+    def _qgz_error(self, G: torch.Tensor) -> torch.Tensor:
+        """G [W, P]: each rank's pre-divided gradient of one unit -> the modelled error of
+        qgZ's reduced gradient [P] (chunk c = rank c's shard)."""
+        W, P = G.shape
+        N, M, s = self.N, self.M, P // W
+        err = torch.zeros(P, dtype=G.dtype, device=G.device)
+        if N > 1:   # each rank's rows to its node-mates: [M, N, s] -> [N, M s]
+            parts = []
+            for r in range(W):
+                rows = G[r].view(M, N, s).transpose(0, 1).reshape(N, M * s)
+                e = self._uniform(self._half(rows)).view(N, M, s).transpose(0, 1).reshape(P)
+                err += e
+                parts.append(G[r] + e)
+            nodes = [sum(parts[m * N:(m + 1) * N]) for m in range(M)]
+        else:
+            nodes = list(G)
+        if M > 1:   # each node's partial, chunk by chunk, across nodes
+            for a in nodes:
+                err += self._uniform(self._half(a.view(W, s))).reshape(P)
+        return err
+
+    def step(self, batch: Batch) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        params = [p for ps in self.units for p in ps]
+        saved = [p.detach().clone() for p in params] if "qwz" in self.tricks else []
+        with torch.no_grad():
+            for ps in (self.units if saved else []):
+                flat = self._flat([p.detach() for p in ps])
+                e = self._uniform(self._half(flat.view(self.W, -1))).reshape(-1)
+                for p, d in zip(ps, self._split(e, ps)):
+                    p.add_(d)
+        if "qgz" in self.tricks:   # every rank's share (and micro-batch) on its own
+            K = getattr(self.args, "grad_accum", 1)
+            total = [torch.zeros_like(self._flat([p.detach() for p in ps])) for ps in self.units]
+            ce_sum = 0.0
+            for k in range(K):
+                per_rank = []
+                for r in range(self.W):
+                    mb = batch.shard(r, self.W).split(K)[k]
+                    self.optimizer.zero_grad(set_to_none=True)
+                    ce = lm_loss_sum(self.model(input_ids=mb.input_ids).logits, mb.labels)
+                    (ce / batch.n_tokens).backward()
+                    ce_sum += ce.item()
+                    per_rank.append([self._flat([p.grad if p.grad is not None
+                                                 else torch.zeros_like(p) for p in ps])
+                                     for ps in self.units])
+                for i in range(len(self.units)):
+                    G = torch.stack([g[i] for g in per_rank])
+                    total[i] += G.sum(0) + self._qgz_error(G)
+            for ps, t in zip(self.units, total):
+                for p, g in zip(ps, self._split(t, ps)):
+                    p.grad = g.clone()
+            loss = ce_sum / batch.n_tokens
+        else:
+            out = self.objective(batch)
+            out.backward()
+            loss = out.item()
+        with torch.no_grad():
+            var = 0.0
+            for ps in (self.units if saved else []):   # sigma_L^2 = sum g^2 h^2 / 3
+                h = self._half(self._flat([p.detach() for p in ps]).view(self.W, -1))
+                g = self._flat([p.grad if p.grad is not None else torch.zeros_like(p)
+                                for p in ps])
+                var += (g.double() ** 2 * h.reshape(-1).double() ** 2).sum().item() / 3
+            self.sigma = var ** 0.5
+            for p, x in zip(params, saved):
+                p.copy_(x)
+        if self.args.clip:
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                            self.args.clip)
+        self.optimizer.step()
+        self.last = loss
+        return self.last + self.sigma
+
+
+class _Mirror:
+    """QuantizationNoise's second face: the same run, its loss reported as L - sigma_L."""
+
+    def __init__(self, model: QuantizationNoise):
+        self.model = model
+
+    def step(self, batch) -> float:
+        return self.model.last - self.model.sigma
+
+    def __getattr__(self, name):   # grads, params, grad_norm: the model's
+        return getattr(self.model, name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Harness adapter
+# ----------------------------------------------------------------------------------------------
+def parse_tricks(text: str) -> list[str]:
+    """--zeropp's tricks, in the order given."""
+    return [t.strip() for t in text.split(",")]
+
+
+def zeropp_constraints(args, world, config) -> list[str]:
+    errs = zero_constraints(args, world, config)
+    tricks, N = parse_tricks(args.zeropp), args.node_size
+    bad = [t for t in tricks if t not in TRICKS]
+    if bad:
+        errs.append(f"--zeropp: unknown trick {bad[0]!r} (a comma-separated subset of "
+                    f"{', '.join(TRICKS)})")
+        return errs
+    wrong = [t for t in tricks if t in ("qwz", "hpz")]
+    if wrong and args.stage != 3:
+        errs.append(f"--zeropp {wrong[0]}: quantizes or re-partitions stage 3's parameter "
+                    f"all-gathers, and --stage {args.stage} has none (stages 1 and 2 take qgz "
+                    f"only)")
+    needs_node = [t for t in tricks if t in ("hpz", "qgz")]
+    if needs_node and N is None:
+        errs.append(f"--zeropp {needs_node[0]} needs --node-size N (ranks per node)")
+    elif N is not None and not needs_node:
+        errs.append(f"--node-size {N} is for ZeRO++'s hpz and qgz (give --zeropp hpz or qgz)")
+    elif N is not None and (N < 1 or world % N):
+        errs.append(f"--node-size {N} must divide the world size {world} (nodes are N "
+                    f"consecutive ranks)")
+    return errs
+
+
+class ZeroPlusPlus(ZeRO):
+    """zero.py's adapter on the ZeroPP engine: the same step, reassembly and optimizer; its own
+    plants, noise model, exact checks (correctness mode: ZeroPPChecks), traffic and memory."""
+    name = "zero++"
+    _ZEROPP = ("--stage", "3", "--zeropp", "qwz,hpz,qgz", "--node-size", "2")
+    plants = {
+        "qwz-local-dequant": Plant("qwZ: each rank dequantizes every rank's int8 blocks "
+                                   "with its own scales (the scales are not gathered)",
+                                   _ZEROPP, world=4),
+        "hpz-stale-secondary": Plant("hpZ: the secondary shard is filled by the first forward "
+                                     "only, so from the second step the backward runs on the "
+                                     "weights before the update", _ZEROPP, world=4),
+        "qgz-chunk-order": Plant("qgZ: the in-node all-to-all sends the chunks in rank order "
+                                 "instead of grouped by owner, so ranks reduce others' chunks",
+                                 _ZEROPP, world=4),
+    }
+
+    @staticmethod
+    def add_args(p):
+        ZeRO.add_args(p)
+        p.add_argument("--zeropp", default="qwz,hpz,qgz",
+                       help="ZeRO++ tricks, a comma-separated subset of qwz (int8 forward "
+                            "all-gather), hpz (secondary partition inside the node), qgz (int8 "
+                            "hierarchical all-to-all for the gradients); qwz and hpz: stage 3")
+        p.add_argument("--node-size", type=int, default=None,
+                       help="ranks per node (groups of N consecutive ranks): hpz, qgz")
+        p.set_defaults(stage=3)
+
+    constraints = staticmethod(zeropp_constraints)
+
+    def __init__(self, model, args, env):
+        super().__init__(model, args, env)   # the engine: make_engine below
+        self.name += "".join(f"+{t}" for t in self.zero.tricks)
+        self.checks = ZeroPPChecks(self.zero) if args.mode == "correctness" else None
+
+    def make_engine(self, model, **kw) -> ZeroPP:
+        return ZeroPP(model, parse_tricks(self.args.zeropp), self.args.node_size or 1, **kw)
+
+    @classmethod
+    def lossy_noise(cls, run):
+        """ZeRO++'s int8 rounding, modelled on one device (QuantizationNoise): the harness
+        judges a qwz/qgz run against its distance from the float64 target too."""
+        tricks = set(parse_tricks(run.args.zeropp))
+        if not tricks & {"qwz", "qgz"}:
+            return None   # hpz alone is exact: the ordinary float noise judges it
+        a = copy.copy(run.args)
+        a.dtype = "float64"
+        model = QuantizationNoise(build_model(a, run.config, run.env.device), a, run.env,
+                                  tricks, run.env.world, run.args.node_size or 1)
+        return [model, model.mirror]   # the loss both ways: |drift| + sigma_L
+
+    def extra_checks(self):
+        return self.checks.rows() if self.checks is not None else []
+
+    def model_states(self):
+        states = super().model_states()
+        if self.zero.hpz:   # hpZ's secondary shards stay resident
+            states["params"] = states["params"] + [u.secondary for u in self.zero.units]
+        return states
+
+    def memory_formula(self) -> dict[str, float]:
+        f = super().memory_formula()
+        if self.zero.hpz:   # hpZ's secondary shard: Psi / N per rank
+            extra = self.psi()[1] / self.zero.N * self.zero.units[0].full.element_size()
+            f["params"] += extra
+            f["model_states"] += extra
+        return f
+
+    def report_lines(self):
+        z, lines = self.zero, super().report_lines()
+        _, padded = self.psi()
+        b = z.units[0].full.element_size()
+        if z.hpz:
+            sec = sum(u.secondary.numel() for u in z.units) * b
+            lines.append(f"hpZ secondary shards: Psi/N * b = {padded:,} / {z.N} * {b} = "
+                         f"{sec:,} B per rank, resident beside the primary shard "
+                         f"({padded // self.env.world * b:,} B)")
+        mine = {(e.op, e.group): e.bytes for e in self.expected_comm()}
+        base = {(e.op, e.group): e.bytes for e in ZeRO.expected_comm(self)}
+        total, exact = sum(mine.values()), sum(base.values())
+        cross = sum(v for (op, g), v in mine.items() if g in ("world", "cross"))
+        lines.append(f"ZeRO++ ({','.join(t for t in TRICKS if t in z.tricks)}, N={z.N}, "
+                     f"M={z.M}): {total:,} B per step per rank vs {exact:,} B exact "
+                     f"({exact / total:.2f}x less); leaving a node (world and cross groups) "
+                     f"{cross:,} B ({exact / cross:.2f}x less); the paper: 3 Psi -> 0.75 Psi "
+                     f"across nodes (4x) counted in fp16, int4 gradients")
+        return lines
+
+    def expected_comm(self):
+        """ZeRO++'s rows (the docstring's formulas), summed over units u with P_u padded and
+        s_u = P_u / W; int8 payload + float32 scales (4 B per block of BLOCK)."""
+        z, K, W, N, M = self.zero, self.args.grad_accum, self.env.world, self.zero.N, self.zero.M
+        units, n, P = z.units, len(z.units), sum(u.padded for u in z.units)
+        b, rb = units[0].full.element_size(), units[0].grad_shard.element_size()   # rb: reduce
+        rs_times = K if self.args.stage >= 2 else 1
+        x = lambda k: f", x{k} micro-batches" if k > 1 else ""  # noqa: E731
+        agg: dict = {}   # (op, group) -> [calls, bytes, formula parts]
+
+        def add(op, group, calls, nbytes, text):
+            a = agg.setdefault((op, group), [0, 0, []])
+            a[0], a[1] = a[0] + calls, a[1] + nbytes
+            a[2].append(text)
+        if self.args.stage == 3:
+            qw_scales = sum(4 * W * n_blocks(u.shard_numel) for u in units)
+            gather_q = P + qw_scales
+            if z.qwz:
+                add("all_gather_into_tensor", "world", n * K, gather_q * K,
+                    f"qwZ fwd: int8 Psi {P:,} + scales 4W*sum ceil(s/{BLOCK}) {qw_scales:,}"
+                    + x(K))
+            else:
+                add("all_gather_into_tensor", "world", n * K, P * b * K,
+                    f"fwd: Psi*b {P * b:,}" + x(K))
+            if z.hpz:
+                add("all_gather_into_tensor", "node", n * K, P * b * K,
+                    f"hpZ bwd: secondary shards, Psi*b {P * b:,} inside the node" + x(K))
+            elif z.qwz:
+                add("all_gather_into_tensor", "world", n * K, gather_q * K,
+                    "qwZ bwd: the same quantized gather again" + x(K))
+            else:
+                add("all_gather_into_tensor", "world", n * K, P * b * K,
+                    f"bwd: Psi*b {P * b:,}" + x(K))
+        if z.qgz:
+            if N > 1:
+                sc1 = sum(4 * N * n_blocks(M * u.shard_numel) for u in units)
+                add("all_to_all_single", "node", n * rs_times, (P + sc1) * rs_times,
+                    f"qgZ in node: int8 Psi {P:,} + scales 4N*sum ceil(M s/{BLOCK}) {sc1:,}"
+                    + x(rs_times))
+            if M > 1:
+                sc2 = sum(4 * M * n_blocks(u.shard_numel) for u in units)
+                add("all_to_all_single", "cross", n * rs_times, (P // N + sc2) * rs_times,
+                    f"qgZ across nodes: int8 Psi/N {P // N:,} + scales 4M*sum ceil(s/{BLOCK}) "
+                    f"{sc2:,}" + x(rs_times))
+        else:
+            add("reduce_scatter_tensor", "world", n * rs_times, P * rb * rs_times,
+                f"Psi*b_reduce {P * rb:,}" + x(rs_times))
+        if self.args.stage < 3:
+            add("all_gather_into_tensor", "world", n, P * b, "updated parameters Psi*b")
+        if self.args.clip:
+            add("all_reduce", "world", 1, 8, "clip: squared-norm sum (fp64)")
+        return [Expect(op, g, c, nb, "; ".join(t)) for (op, g), (c, nb, t) in agg.items()]
+
+
+if __name__ == "__main__":
+    main(ZeroPlusPlus)
