@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from .models import DTYPES, build_model
 from .report import jsonable, fmt_bytes, write_json
 from .run import Run, gather_objects, max_over_ranks, broadcast_verdict, make_pair
 from .overlap import plot as plot_overlap, profile_step
+from .plants import planting
 from .strategy import natives, reference_class
 from .timing import sync, timed_steps
 
@@ -98,8 +100,9 @@ def paired_ratios(run: Run, cls, names: list) -> dict:
     ref = (reference_class(cls)(build_model(args, run.config, env.device), args, env)
            if env.is_main else None)
     for s in range(args.warmup):
-        for strat in sides:
-            strat.step(run.batch(s))
+        for k, strat in enumerate(sides):
+            with planting(None) if k else nullcontext():
+                strat.step(run.batch(s))
         if ref is not None:
             ref.step(run.batch(s))
     times = [[] for _ in sides]
@@ -111,7 +114,8 @@ def paired_ratios(run: Run, cls, names: list) -> dict:
             for k in (slots if i % 2 == 0 else slots[::-1]):
                 barrier()
                 if k is not None:
-                    times[k].append(_step_seconds(run, sides[k], batch))
+                    with planting(None) if k else nullcontext():   # a plant is ours only
+                        times[k].append(_step_seconds(run, sides[k], batch))
                 elif ref is not None:
                     ref_times.append(_step_seconds(run, ref, batch))
     ranks = gather_objects(times)
@@ -152,8 +156,9 @@ def run_benchmark(run: Run, cls) -> bool:
     del strat
     native = []
     for ncls in (natives(cls, args) if args.compare_native else []):
-        _, nat, _ = make_pair(run, ncls, perturb=False, with_ref=False)
-        native.append((nat.name, bench_strategy(run, nat)))
+        with planting(None):   # PyTorch's own runs without our planted bug
+            _, nat, _ = make_pair(run, ncls, perturb=False, with_ref=False)
+            native.append((nat.name, bench_strategy(run, nat)))
         del nat
     paired = paired_ratios(run, cls, [n for n, _ in native]) if args.paired else {}
     # The single-device reference, alone on rank 0 with one rank's share of the machine.

@@ -18,6 +18,7 @@ byte count, which the strategy's benchmark test asserts against the same formula
 its source and the formula's instance as its path, without spaces:
 
     <!--fig = 18*131072+3*2048 ,-->2,365,440<!--/fig--> B
+    <!--fig = 4*PSI_TINY ,-->723,200<!--/fig--> B       (Ψ counted from the tiny preset's model)
  Its format is a Python format spec, optionally
 followed by a scale: `/MiB` or `/GiB` (bytes), `*100` (a share as a percentage). So a figure
 cannot drift from its results file: editing one by hand, or rerunning a benchmark without
@@ -64,11 +65,42 @@ def walk(data, path: str):
     return data
 
 
+def model_sizes() -> dict[str, int]:
+    """The parameter counts a formula may name, counted from the presets' models (meta device),
+    so that a formula's Ψ follows the code: PSI_TINY, PSI_SMALL, PSI_TINY_MOE and its dense and
+    expert parts (PSI_TINY_MOE_DENSE, PSI_TINY_MOE_EXPERTS)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    sys.path.insert(0, HERE)
+    from harness import load_config
+    from ep_moe import is_expert
+    out = {}
+    for preset in ("tiny", "small", "tiny-moe"):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(load_config(preset))
+        key = "PSI_" + preset.upper().replace("-", "_")
+        named = dict(model.named_parameters())
+        out[key] = sum(p.numel() for p in named.values())
+        if preset == "tiny-moe":
+            out[key + "_EXPERTS"] = sum(p.numel() for n, p in named.items() if is_expert(n))
+            out[key + "_DENSE"] = out[key] - out[key + "_EXPERTS"]
+    return out
+
+
+_SIZES: dict = {}
+
+
 def formula(expr: str):
-    """An arithmetic expression: numbers, + - * / // ** % and parentheses, nothing else."""
-    if not re.fullmatch(r"[0-9eE.+\-*/%() ]+", expr):
+    """An arithmetic expression: numbers, the names of model_sizes(), + - * / // ** % and
+    parentheses, nothing else."""
+    if not re.fullmatch(r"[0-9eE.+\-*/%() A-Z_]+", expr):
         raise ValueError(f"not an arithmetic expression: {expr}")
-    return eval(expr, {"__builtins__": {}})   # noqa: S307 (checked above: arithmetic only)
+    names = set(re.findall(r"\b[A-Z][A-Z_]+\b", expr))
+    if names and not _SIZES:
+        _SIZES.update(model_sizes())
+    if names - set(_SIZES):
+        raise ValueError(f"unknown names {sorted(names - set(_SIZES))} (known: {sorted(_SIZES)})")
+    return eval(expr, {"__builtins__": {}}, dict(_SIZES))   # noqa: S307 (arithmetic only)
 
 
 def render_figure(source: str, path: str, fmt: str) -> str:

@@ -137,9 +137,14 @@ def test_strategy_files_stay_short(name):
     assert n <= MAX_LINES, f"{name}.py has {n} lines: give the concept that grew a sibling file"
 
 
+# The harness modules that turn --plant-bug into the switch (harness/plants.py's planting)
+SWITCHES = {"harness.cli", "harness.correctness", "harness.launch"}
+
+
 def plant_parameters(path: str) -> list[str]:
     """Every function (autograd Functions' forward included) with a parameter named like a
-    planted-bug switch, and every `.plant` attribute assigned: test switches in the API."""
+    planted-bug switch, every `.plant*` attribute assigned, and every read of the command line's
+    `plant_bug` (attribute or getattr): test switches passed around instead of harness.planted."""
     with open(path) as f:
         tree = ast.parse(f.read(), path)
     out = []
@@ -150,20 +155,28 @@ def plant_parameters(path: str) -> list[str]:
         elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
             if re.fullmatch(r"plant\w*", node.attr):
                 out.append(f".{node.attr} = (line {node.lineno})")
+        if isinstance(node, ast.Attribute) and node.attr == "plant_bug" and \
+                isinstance(node.ctx, ast.Load):
+            out.append(f".plant_bug read (line {node.lineno})")
+        elif isinstance(node, ast.Constant) and node.value == "plant_bug":
+            out.append(f"'plant_bug' (line {node.lineno})")
     return out
 
 
 def test_no_public_api_takes_a_planted_bug():
-    """Plants are switched on by the harness (harness.planted), never passed in."""
-    found = {m: plant_parameters(os.path.join(ROOT, m + ".py")) for m in strategy_files()}
+    """Plants are switched on by the harness (harness.planted), never passed in or read from
+    the arguments outside the harness's switch."""
+    found = {m: plant_parameters(p) for m, p in modules().items() if m not in SWITCHES}
     assert {m: f for m, f in found.items() if f} == {}
 
 
 def test_the_plant_finder_sees_a_plant_parameter(tmp_path):
     p = tmp_path / "x.py"
     p.write_text("class F:\n    def forward(ctx, x, group, plant=None):\n        pass\n"
-                 "def g(m):\n    m.plant = 'x'\n")
-    assert plant_parameters(str(p)) == ["forward(plant)", ".plant = (line 5)"]
+                 "def g(m, args):\n    m.plant = 'x'\n"
+                 "    return args.plant_bug != 'no-average' or getattr(args, 'plant_bug')\n")
+    assert plant_parameters(str(p)) == ["forward(plant)", ".plant = (line 5)",
+                                        ".plant_bug read (line 6)", "'plant_bug' (line 6)"]
 
 
 def test_installed_names_cannot_shadow_a_users_modules():
