@@ -74,8 +74,8 @@ import torch
 import torch.distributed as dist
 
 from harness import (DTYPES, METER, Batch, Expect, Plant, Reference, Strategy, all_reduce_flat,
-                     clip_by_norm, global_loss, main, name_group, phase, planted,
-                     spread_across_ranks)
+                     attention_features, clip_by_norm, global_loss, main, name_group, phase,
+                     planted, spread_across_ranks)
 from harness.flops import mfu_line
 from harness.precision import grad_reduce_dtype
 from harness import loading, train_data
@@ -238,8 +238,10 @@ def compose_constraints(args, world, config) -> list[str]:
         return [f"--sp: the {args.length // C} tokens per cp rank are not divisible by tp = {T}"]
     if args.zero not in (1, 2):
         return [f"--zero must be 1 or 2 (got {args.zero})"]
-    if args.attn != "sdpa":
-        return ["compose4d runs decoder layers itself (pp.Pipeline) with sdpa (--attn sdpa)"]
+    feats = attention_features(config, args.length) + (
+        [f"{args.attn} attention (the ring installs its own)"] if args.attn != "sdpa" else [])
+    if C > 1 and feats:
+        return [f"--cp {C}: context parallelism's ring attention does not implement {feats[0]}"]
     if args.resume and not os.path.isdir(args.resume) and args.resume != args.save:
         # (--save D --resume D is the restart idiom: the first launch finds no D yet)
         return [f"--resume {args.resume}: no such directory"]

@@ -66,7 +66,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from harness import Expect, Plant, Strategy, DTYPES, main, make_adamw, METER, phase, planted
+from harness import (Expect, Plant, Strategy, DTYPES, attention_features, main, make_adamw,
+                     METER, phase, planted)
 from harness.timing import CallTimer
 from harness.precision import grad_reduce_dtype
 import ddp
@@ -550,6 +551,8 @@ def cp_constraints(args, world, config) -> list[str]:
         what = "W" if args.variant == "ring" else "2W"
         errs.append(f"sequence length {args.length} is not divisible by {what} = {parts} "
                     f"({args.variant} layout over {world} ranks)")
+    errs += [f"context parallelism's ring attention does not implement {f}"
+             for f in attention_features(config, args.length)]
     return errs
 
 

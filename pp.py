@@ -65,8 +65,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness import (Batch, Expect, Plant, Strategy, DTYPES, clip_by_norm, global_loss,
-                     lm_loss_sum, main, make_adamw, METER, name_group, phase, planted)
+from harness import (Batch, Expect, Plant, Strategy, DTYPES, attention_masks, clip_by_norm,
+                     global_loss, lm_loss_sum, main, make_adamw, METER, name_group, phase,
+                     planted, soft_cap)
 from harness.timeline import ascii_timeline, measured_bubble, plot_timeline
 from harness.timing import ActionTimeline
 # the pure plan (re-exported: pp.schedule, pp.simulate, pp.Grid, ... keep working)
@@ -198,11 +199,14 @@ class Pipeline:
                else self.positions)[None]
         h = base.embed_tokens(x) if c == 0 else x
         cos_sin = base.rotary_emb(h, pos)
+        masks = attention_masks(self.model.config, pos[0], h.dtype)
+        types = getattr(self.model.config, "layer_types", None)
         for i in self.bounds[c]:
-            h = base.layers[i](h, attention_mask=None, position_ids=pos,
+            mask = masks and masks[types[i] if types else "full_attention"]
+            h = base.layers[i](h, attention_mask=mask, position_ids=pos,
                                position_embeddings=cos_sin)
         if c == self.C - 1:
-            h = self.model.lm_head(base.norm(h))
+            h = soft_cap(self.model.lm_head(base.norm(h)), self.model.config)
         return h
 
     def modules_of(self, c):
@@ -451,8 +455,6 @@ def pp_constraints(args, world, config) -> list[str]:
     if args.schedule == "dualpipev" and M < 2 * P:
         return [f"DualPipeV needs --microbatches ({M}) >= 2 x the pipeline size ({2 * P}): each "
                 f"rank's steady state pairs micro-batches from both arms of the V"]
-    if args.attn != "sdpa":
-        return ["pp runs decoder layers itself and relies on sdpa's causal mode (--attn sdpa)"]
     return []
 
 

@@ -61,7 +61,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness import Expect, Plant, Strategy, DTYPES, main, make_adamw, phase, planted, scalar
+from harness import (Expect, Plant, Strategy, DTYPES, attention_features, main, make_adamw,
+                     phase, planted, scalar)
 from harness.precision import grad_reduce_dtype
 import ddp
 import tp
@@ -228,9 +229,11 @@ class MegatronSP(tp.TP):
         b = DTYPES[a.dtype].itemsize
         b_ce = 4 if a.dtype == "bfloat16" else b
         nhb = N * H * b
-        partial = sum(p.numel() for p in self.seq_partial) + self.tp.partial_numel()
-        ar_calls = 1 + 3 + 1 + (1 if a.clip else 0)
-        ar_bytes = nhb + 3 * N * b_ce + partial * b + (8 if a.clip else 0)
+        partial = (sum(p.numel() for p in self.seq_partial)
+                   + sum(p.numel() * self.tp.n_kv for p in self.tp.partial_grads))
+        norm_calls, norm_bytes = tp.norm_sharded_comm(self.tp, N, a.dtype)
+        ar_calls = 1 + 3 + 1 + (1 if a.clip else 0) + norm_calls
+        ar_bytes = nhb + 3 * N * b_ce + partial * b + (8 if a.clip else 0) + norm_bytes
         return [
             Expect("all_gather_into_tensor", "world", 6 * L + 3, (6 * L + 3) * nhb,
                    "(6L+3) x N*H*b: 2 region entries per layer + LM head (fwd); the same "
@@ -253,19 +256,19 @@ def parallelize(model, group=None) -> tp.TensorParallel:
     and the residual stream sequence-sharded between them. The loop is tp's (the norms'
     gradients join tpm.reduce_partial_grads()); each rank still feeds the whole sequence."""
     tpm = tp.parallelize(model, group, region=SPRegion(group))
-    tpm.extra_partial = shard_residual_stream(model, group)
+    tpm.extra_partial = shard_residual_stream(model, group, tpm.kinds)
     return tpm
 
 
-def shard_residual_stream(model, group) -> list[nn.Parameter]:
+def shard_residual_stream(model, group, kinds: dict[str, str]) -> list[nn.Parameter]:
     """Megatron SP on a model whose linear layers tensor_parallel already split with an
     SPRegion: the residual stream is sequence-sharded from the first layer's input on (call
     before a pipeline drops layers). Returns the parameters whose gradients are partial over the
-    group (the norms and the row-parallel biases act on this rank's tokens only)."""
+    group, from tp's `kinds`: the replicated ones (norms and row-parallel biases act on this
+    rank's tokens only) and the partial ones (per-head q/k norms: this rank's heads)."""
     model.model.layers[0].register_forward_pre_hook(
         lambda mod, args, kwargs: _split_first(args, kwargs, group), with_kwargs=True)
-    return [p for n, p in model.named_parameters()
-            if "norm" in n or n.endswith(("o_proj.bias", "down_proj.bias"))]
+    return [p for n, p in model.named_parameters() if kinds.get(n) in ("replicated", "partial")]
 
 
 def _split_first(args, kwargs, group):
@@ -418,6 +421,9 @@ def sp_constraints(args, world, config) -> list[str]:
                 f"size {world}"]
     if args.variant == "megatron":
         return tp.tp_constraints(args, world, config)
+    feats = attention_features(config, args.length)
+    if feats:
+        return [f"ulysses attends with SDPA's causal mode, which does not implement {feats[0]}"]
     h, kv = config.num_attention_heads, config.num_key_value_heads
     if h % world or kv % world:
         return [f"ulysses needs num_attention_heads ({h}) and num_key_value_heads ({kv}) "

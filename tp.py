@@ -43,6 +43,8 @@ Public API
     tpm.clip(max_norm)                global-norm clipping over the shards
     examples/tp_train.py is a complete loop.
 """
+import copy
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -121,17 +123,58 @@ class TPRegion:
 # ----------------------------------------------------------------------------------------------
 class ColumnParallelLinear(nn.Module):
     """Rows `rows` of the full (out, in) weight and bias: this rank computes a slice of the
-    output features. `rows=None` replicates the layer (MQA's single kv head)."""
+    output features. `rows=None` replicates the layer (MQA's single kv head); a list of slices
+    takes one slice of each segment of a fused projection (Phi3's qkv_proj: its q, k and v
+    rows; gate_up_proj: its gate and up rows), so the local output keeps the fused order."""
 
-    def __init__(self, linear: nn.Linear, rows: slice | None):
+    def __init__(self, linear: nn.Linear, rows):
         super().__init__()
-        rows = rows or slice(None)
-        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
-        self.bias = (nn.Parameter(linear.bias.detach()[rows].clone())
+        pick = ((lambda t: torch.cat([t[s] for s in rows])) if isinstance(rows, list)
+                else (lambda t: t[rows or slice(None)]))
+        self.weight = nn.Parameter(pick(linear.weight.detach()).clone())
+        self.bias = (nn.Parameter(pick(linear.bias.detach()).clone())
                      if linear.bias is not None else None)
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
+
+
+class SumOverTP(torch.autograd.Function):
+    """A sum of every rank's partial value, forward; its gradient is summed the same way
+    backward (each rank's output fed every rank's input)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ShardedRMSNorm(nn.Module):
+    """An RMSNorm over a feature dimension that TP splits (OLMo2's q_norm / k_norm over all
+    heads' features): each rank holds `rows` of the weight and of the features, and the mean
+    square is the all-reduced sum of squares over the full width, 1 all-reduce of N values
+    forward and 1 backward. Computes as OLMo2's norm does: in at least float32, weight times
+    the normalised features, then the input's dtype."""
+
+    def __init__(self, norm: nn.Module, rows: slice, width: int, group):
+        super().__init__()
+        self.weight = nn.Parameter(norm.weight.detach()[rows].clone())
+        self.eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+        self.width, self.group = width, group
+
+    def forward(self, x):
+        dtype = x.dtype
+        h = x.to(torch.promote_types(dtype, torch.float32))
+        sq = SumOverTP.apply(h.pow(2).sum(-1, keepdim=True), self.group)     # (B, S, 1)
+        return (self.weight * (h * torch.rsqrt(sq / self.width + self.eps))).to(dtype)
 
 
 class RowParallelLinear(nn.Module):
@@ -156,6 +199,8 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, emb: nn.Embedding, lo: int, per_rank: int, region: TPRegion):
         super().__init__()
         self.lo, self.per_rank, self.region = lo, per_rank, region
+        # Gemma's scaled embedding multiplies by sqrt(H), rounded to the weight's dtype
+        self.scale = getattr(emb, "scalar_embed_scale", None)
         w = torch.zeros(per_rank, emb.weight.shape[1], dtype=emb.weight.dtype,
                         device=emb.weight.device)
         rows = emb.weight.detach()[lo:lo + per_rank]
@@ -168,7 +213,10 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
         if planted("embed-unmasked"):   # plant: other ranks' ids add this shard's row 0
             out = F.embedding(local, self.weight)
-        return self.region.embed_exit(out)
+        out = self.region.embed_exit(out)
+        if self.scale is not None:
+            out = out * torch.tensor(self.scale, dtype=self.weight.dtype, device=out.device)
+        return out
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -229,10 +277,104 @@ def pad_to(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
+# How TP treats each parameter of an HF decoder, by its name inside a layer. Every parameter
+# gets one of these kinds; one that gets none is refused (classify()), never trained wrong.
+#   column / row   split by output rows / input columns (Megatron)
+#   fused          a fused projection split segment by segment (Phi3's qkv_proj, gate_up_proj)
+#   kv-copy        a kv projection replicated on T / n_kv ranks (more ranks than kv heads)
+#   vocab          the vocabulary rows of the embedding and the LM head (padded)
+#   norm-sharded   a norm over a split feature dim (OLMo2's full-width q/k norm): ShardedRMSNorm
+#   replicated     acts on the full residual stream: identical input and complete gradient
+#   partial        replicated, but each rank's gradient covers its own heads only (Qwen3's and
+#                  Gemma3's per-head q/k norms): summed over the group after the backward
+COLUMN, ROW, FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), \
+    ("o_proj", "down_proj"), ("qkv_proj", "gate_up_proj")
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+               "post_feedforward_layernorm")
+
+
+def head_dims(config) -> tuple[int, int, int]:
+    """(head_dim, q heads, kv heads) of an HF config."""
+    h = config.num_attention_heads
+    return (getattr(config, "head_dim", None) or config.hidden_size // h, h,
+            getattr(config, "num_key_value_heads", None) or h)
+
+
+def classify(model, T: int) -> tuple[dict[str, str], list[str]]:
+    """(kind of every parameter, the reasons it refuses): a pure walk over the model's modules,
+    no collective, on a meta-device model too. A reason names the parameter and what TP cannot
+    do with it; parallelize() and the scripts refuse on the first one."""
+    d, hq, hkv = head_dims(model.config)
+    replicate_kv = hkv % T != 0
+    kinds, errs = {}, []
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "layers") or not hasattr(base, "embed_tokens"):
+        return {}, [f"{type(model).__name__} is not an HF decoder (model.model.layers, "
+                    f"model.model.embed_tokens): tensor parallelism does not know its layout"]
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        leaf = parts[-1]
+        own = list(module.named_parameters(recurse=False))
+        if not own:
+            continue
+        in_layer = len(parts) >= 4 and parts[:2] == ["model", "layers"]
+        why = None
+        if name in ("model.embed_tokens", "lm_head"):
+            known = type(module) in (nn.Embedding, nn.Linear) or (
+                isinstance(module, nn.Embedding) and hasattr(module, "scalar_embed_scale"))
+            kind = "vocab" if known else None
+        elif name == "model.norm" or (in_layer and len(parts) == 4 and leaf in LAYER_NORMS):
+            kind = "replicated"
+        elif in_layer and len(parts) == 5 and type(module) is nn.Linear and (
+                leaf in COLUMN + ROW + FUSED):
+            kind = ("fused" if leaf in FUSED else "row" if leaf in ROW
+                    else "kv-copy" if replicate_kv and leaf in ("k_proj", "v_proj") else "column")
+            if kind == "fused" and replicate_kv:
+                kind, why = None, (f"a fused projection with more ranks ({T}) than kv heads "
+                                   f"({hkv}) is not supported")
+        elif in_layer and len(parts) == 5 and leaf in ("q_norm", "k_norm"):
+            n = module.weight.numel()
+            heads = hq if leaf == "q_norm" else hkv
+            if n == d:
+                kind = "partial"
+            elif n == heads * d and type(module).__name__.endswith("RMSNorm") and len(own) == 1:
+                kind = "norm-sharded"
+                if replicate_kv and leaf == "k_norm":
+                    kind, why = None, (f"a full-width k_norm with more ranks ({T}) than kv "
+                                       f"heads ({hkv}) is not supported")
+            else:
+                kind, why = None, (f"a q/k norm over {n} features (neither one head, {d}, nor "
+                                   f"all heads, {heads * d}, of an RMSNorm)")
+        else:
+            kind = None
+        for pname, p in own:
+            full = f"{name}.{pname}"
+            k = kind
+            if kind in ("row",) and pname == "bias":
+                k = "replicated"              # added once, after the reduction
+            if k is None:
+                errs.append(f"{full} ({type(module).__name__}): "
+                            + (why or "not a module tensor parallelism knows how to split"))
+            kinds[full] = k
+    return kinds, errs
+
+
+def join_shards(parts: list[torch.Tensor], dim: int, segments=None) -> torch.Tensor:
+    """The full tensor from every rank's shard (rank order): concatenated along `dim`, or for a
+    fused projection (`segments`: the full sizes of its segments along dim 0) segment by
+    segment, each segment's rank slices in order."""
+    if not segments:
+        return torch.cat(parts, dim=dim)
+    local = [n // len(parts) for n in segments]
+    pieces = [q.split(local) for q in parts]
+    return torch.cat([pc[s] for s in range(len(local)) for pc in pieces])
+
+
 class TensorParallel:
-    """Replaces the Linear/Embedding modules of an HF Llama (in place) with their T-way sharded
-    versions; HF's own attention code then runs on the local heads unchanged, since it reshapes
-    with view(..., -1, head_dim)."""
+    """Replaces the Linear/Embedding modules (and full-width q/k norms) of an HF decoder (in
+    place) with their T-way sharded versions; HF's own attention code then runs on the local
+    heads unchanged, since it reshapes with view(..., -1, head_dim). `kinds` says how each
+    parameter is treated (classify()); the reductions follow from it."""
 
     def __init__(self, model, group, region: TPRegion | None = None):
         self.model, self.group = model, group
@@ -240,8 +382,11 @@ class TensorParallel:
         T, r = dist.get_world_size(group), dist.get_rank(group)
         cfg = model.config
         self.T, self.rank, self.vocab = T, r, cfg.vocab_size
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        hq, hkv = cfg.num_attention_heads // T, cfg.num_key_value_heads
+        self.kinds, errs = classify(model, T)
+        if errs:
+            raise ValueError(f"tp.parallelize: {errs[0]}")
+        head_dim, hq_full, hkv = head_dims(cfg)
+        hq = hq_full // T
         # More ranks than kv heads (T = m * hkv): each kv head is replicated on m consecutive
         # ranks, the ones whose q heads attend to it (Megatron's GQA with tp > kv heads).
         self.kv_copies = 1 if hkv % T == 0 else T // hkv
@@ -250,52 +395,70 @@ class TensorParallel:
         hkv_local = 1 if self.replicate_kv else hkv // T
         # sharded: name -> dim along which the full tensor is split (vocab ones are padded)
         self.split_dim: dict[str, int] = {}
+        # fused projections: name -> the full sizes of its segments along dim 0
+        self.segments: dict[str, tuple[int, ...]] = {}
         # the replicated kv projections (kv_copies of each; rank r holds kv head r // m)
         self.kv_split: set[str] = set()
-        self.partial_grads: list[nn.Parameter] = []  # replicated params with per-rank grads
+        self.partial_grads: list[nn.Parameter] = []  # replicated kv heads' per-rank grads
 
         def rows(n_per_rank):
             return slice(r * n_per_rank, (r + 1) * n_per_rank)
+        kv_rows = (slice(self.kv_head * head_dim, (self.kv_head + 1) * head_dim)
+                   if self.replicate_kv else rows(hkv_local * head_dim))
         base = model.model
         for i, layer in enumerate(base.layers):
             a, m, p = layer.self_attn, layer.mlp, f"model.layers.{i}."
-            a.q_proj = ColumnParallelLinear(a.q_proj, rows(hq * head_dim))
-            kv_rows = (slice(self.kv_head * head_dim, (self.kv_head + 1) * head_dim)
-                       if self.replicate_kv else rows(hkv_local * head_dim))
-            a.k_proj = ColumnParallelLinear(a.k_proj, kv_rows)
-            a.v_proj = ColumnParallelLinear(a.v_proj, kv_rows)
+            if hasattr(a, "qkv_proj"):       # Phi3: [q; k; v] rows, each split by heads
+                q_n, kv_n = hq_full * head_dim, hkv * head_dim
+                a.qkv_proj = ColumnParallelLinear(a.qkv_proj, [
+                    rows(hq * head_dim), slice(q_n + kv_rows.start, q_n + kv_rows.stop),
+                    slice(q_n + kv_n + kv_rows.start, q_n + kv_n + kv_rows.stop)])
+                for kind in ("weight", "bias"):
+                    self.segments[p + f"self_attn.qkv_proj.{kind}"] = (q_n, kv_n, kv_n)
+                # Phi3 finds its q rows at config.num_attention_heads * head_dim: a config of
+                # its own, with this rank's heads
+                a.config = copy.copy(a.config)
+                a.config.num_attention_heads = hq
+            else:
+                a.q_proj = ColumnParallelLinear(a.q_proj, rows(hq * head_dim))
+                a.k_proj = ColumnParallelLinear(a.k_proj, kv_rows)
+                a.v_proj = ColumnParallelLinear(a.v_proj, kv_rows)
             a.o_proj = RowParallelLinear(a.o_proj, rows(hq * head_dim), self.region)
             a.num_key_value_groups = hq // hkv_local
-            inter = m.gate_proj.weight.shape[0] // T
-            m.gate_proj = ColumnParallelLinear(m.gate_proj, rows(inter))
-            m.up_proj = ColumnParallelLinear(m.up_proj, rows(inter))
-            m.down_proj = RowParallelLinear(m.down_proj, rows(inter), self.region)
-            for n in ("q_proj", "o_proj"):
-                self.split_dim[p + f"self_attn.{n}.weight"] = 0 if n == "q_proj" else 1
-            for n in ("gate_proj", "up_proj"):
-                self.split_dim[p + f"mlp.{n}.weight"] = 0
-            self.split_dim[p + "mlp.down_proj.weight"] = 1
-            for n in ("q_proj", "k_proj", "v_proj"):
-                if getattr(a, n).bias is not None and (n == "q_proj" or not self.replicate_kv):
-                    self.split_dim[p + f"self_attn.{n}.bias"] = 0
-            if m.gate_proj.bias is not None:
-                self.split_dim[p + "mlp.gate_proj.bias"] = 0
-                self.split_dim[p + "mlp.up_proj.bias"] = 0
-            if self.replicate_kv:
-                # each copy's gradient covers its own q heads only: summed over the m copies
-                self.partial_grads += [q for q in (*a.k_proj.parameters(), *a.v_proj.parameters())]
-                for n in ("k_proj", "v_proj"):
-                    for kind in ("weight", "bias"):
-                        if getattr(getattr(a, n), kind, None) is not None:
-                            self.kv_split.add(p + f"self_attn.{n}.{kind}")
+            for attr, n in (("num_heads", hq), ("num_key_value_heads", hkv_local)):
+                if hasattr(a, attr):
+                    setattr(a, attr, n)
+            for n, heads, sl in (("q_norm", hq_full, rows(hq * head_dim)), ("k_norm", hkv, kv_rows)):
+                if self.kinds.get(p + f"self_attn.{n}.weight") == "norm-sharded":
+                    setattr(a, n, ShardedRMSNorm(getattr(a, n), sl, heads * head_dim, group))
+            if hasattr(m, "gate_up_proj"):   # Phi3: [gate; up] rows, each split
+                inter = m.gate_up_proj.weight.shape[0] // 2
+                m.gate_up_proj = ColumnParallelLinear(
+                    m.gate_up_proj, [rows(inter // T), slice(inter + r * (inter // T),
+                                                             inter + (r + 1) * (inter // T))])
+                for kind in ("weight", "bias"):
+                    self.segments[p + f"mlp.gate_up_proj.{kind}"] = (inter, inter)
+                inter_local = inter // T
             else:
-                for n in ("k_proj", "v_proj"):
-                    self.split_dim[p + f"self_attn.{n}.weight"] = 0
+                inter_local = m.gate_proj.weight.shape[0] // T
+                m.gate_proj = ColumnParallelLinear(m.gate_proj, rows(inter_local))
+                m.up_proj = ColumnParallelLinear(m.up_proj, rows(inter_local))
+            m.down_proj = RowParallelLinear(m.down_proj, rows(inter_local), self.region)
             # Entering each region: f on the shared input of q/k/v, and of gate/up.
             a.register_forward_pre_hook(self._enter_kwargs, with_kwargs=True)
             m.register_forward_pre_hook(self._enter_args)
             for mod in (a, m):
                 mod.register_forward_hook(self._leave)
+        for name, kind in self.kinds.items():
+            if kind in ("column", "fused", "norm-sharded"):
+                self.split_dim[name] = 0
+            elif kind == "row" and name.endswith(".weight"):
+                self.split_dim[name] = 1
+            elif kind == "kv-copy":
+                self.kv_split.add(name)
+        named = dict(model.named_parameters())
+        # each copy's gradient covers its own q heads only: summed over the m copies
+        self.partial_grads = [named[n] for n, k in self.kinds.items() if k == "kv-copy"]
         # Vocabulary: padded to a multiple of T, embedding and head split by rows.
         self.vocab_padded = pad_vocab(cfg.vocab_size, T)
         per = self.vocab_padded // T
@@ -318,7 +481,12 @@ class TensorParallel:
         self.split_dim["model.embed_tokens.weight"] = 0
         if not tied:
             self.split_dim["lm_head.weight"] = 0
-        self.extra_partial: list[nn.Parameter] = []   # more partial gradients (sp.py's norms)
+        # Per-head q/k norms see this rank's heads only: their gradients are summed over the
+        # group (sp.py replaces this list with every replicated parameter: under SP the norms
+        # see this rank's tokens only too)
+        named = dict(model.named_parameters())
+        self.extra_partial: list[nn.Parameter] = [
+            named[n] for n, k in self.kinds.items() if k == "partial"]
 
     def _enter_kwargs(self, module, args, kwargs):
         if "hidden_states" in kwargs:
@@ -343,8 +511,11 @@ class TensorParallel:
         replicated kv head's gradient is summed over its m copies only: each rank places it at
         its head's position in a zero buffer of all n_kv heads, so one all-reduce over the
         group serves every head (n_kv x the head's bytes; no per-head process groups).
-        extra_partial's (sp.py's norms) are summed as they are."""
+        extra_partial's (per-head q/k norms; under SP every replicated parameter) are summed
+        as they are."""
         kv, plain = self.partial_grads, self.extra_partial
+        if planted("qk-norm-grads-unreduced"):   # plant: per-head q/k norms kept per rank
+            plain = [p for p in plain if self.kinds.get(self._name(p)) != "partial"]
         if planted("kv-copies-summed-across-heads"):   # plant: every kv head's copies summed
             kv, plain = [], [*kv, *plain]             # with every other head's
         back = []
@@ -358,9 +529,14 @@ class TensorParallel:
         for p, buf in back:
             p.grad.copy_(buf[self.kv_head])
 
+    def _name(self, p) -> str:
+        return next(n for n, q in self.model.named_parameters() if q is p)
+
     def partial_numel(self) -> int:
-        """Elements of the partial gradients' all-reduce (the kv heads' buffers)."""
-        return sum(p.numel() * self.n_kv for p in self.partial_grads)
+        """Elements of the partial gradients' all-reduce (the kv heads' buffers and the
+        extra partial gradients)."""
+        return (sum(p.numel() * self.n_kv for p in self.partial_grads)
+                + sum(p.numel() for p in self.extra_partial))
 
     def full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full tensors from this rank's shards (collective): gather along the split dim and
@@ -376,17 +552,25 @@ class TensorParallel:
             if name in self.kv_split:      # one copy of each kv head
                 out[name] = torch.cat(parts[::self.kv_copies], dim=0)
                 continue
-            full = torch.cat(parts, dim=d)
+            full = join_shards(parts, d, self.segments.get(name))
             if name in ("model.embed_tokens.weight", "lm_head.weight"):
                 full = full[:self.vocab]
             out[name] = full
         return out
 
-    def local_range(self, name: str, full_shape) -> tuple[int, int, int] | None:
+    def local_range(self, name: str, full_shape):
         """(dim, start, stop) of the full tensor `name` that this rank holds, or None when it
-        holds the whole tensor. For the vocabulary-split embedding and head, stop may pass the
-        true vocabulary: those rows are zero padding. A checkpoint loader reads just this range
-        (harness/loading.py); local() cuts it from a full tensor."""
+        holds the whole tensor; a fused projection's is a list of them, one per segment, to be
+        concatenated. For the vocabulary-split embedding and head, stop may pass the true
+        vocabulary: those rows are zero padding. A checkpoint loader reads just these ranges
+        (harness/loading.py); local() cuts them from a full tensor."""
+        if name in self.segments:
+            out, off = [], 0
+            for n in self.segments[name]:
+                k = n // self.T
+                out.append((0, off + self.rank * k, off + (self.rank + 1) * k))
+                off += n
+            return out
         if name in self.kv_split:           # a replicated kv projection: one head's rows
             n = full_shape[0] // self.n_kv
             return 0, self.kv_head * n, (self.kv_head + 1) * n
@@ -404,6 +588,8 @@ class TensorParallel:
         r = self.local_range(name, full.shape)
         if r is None:
             return full
+        if isinstance(r, list):
+            return torch.cat([full.narrow(d, a, b - a) for d, a, b in r], dim=0)
         d, a, b = r
         return pad_to(full.narrow(d, a, max(0, min(b, full.shape[d]) - a)), d, b - a)
 
@@ -431,18 +617,21 @@ class TensorParallel:
 
 
 def parallelize(model, group=None, region: TPRegion | None = None) -> TensorParallel:
-    """Split an HF Llama-family model's layers, vocabulary and loss over the ranks of `group`,
-    in place (the one entry the harness, sp.py, compose4d and users call). In a loop:
+    """Split an HF decoder's layers, vocabulary and loss over the ranks of `group`, in place
+    (the one entry the harness, sp.py, compose4d and users call). Llama, Mistral, Qwen2/3,
+    OLMo2, Gemma2 and Phi3 layouts are known (classify()); any parameter that is not raises
+    ValueError naming it, before any collective. In a loop:
 
         tpm = tp.parallelize(model, group)              # every rank built the same weights
         logits = model(input_ids=ids).logits             # this rank's vocabulary shard
         loss = tpm.loss_sum(logits, labels) / n_tokens   # vocab-parallel cross-entropy
         loss.backward()
-        tpm.reduce_partial_grads()                       # once per step: replicated kv heads
+        tpm.reduce_partial_grads()                       # once per step: replicated kv
+                                                         # heads, per-head q/k norms
         tpm.clip(max_norm); optimizer.step()             # the norm over all shards
 
     `tpm.full(...)` / `tpm.local(...)` convert between full tensors and this rank's shards."""
-    errs = tp_constraints(None, dist.get_world_size(group), model.config)
+    errs = shape_constraints(dist.get_world_size(group), model.config)
     if errs:
         raise ValueError(f"tp.parallelize: {errs[0]}")
     return TensorParallel(model, group, region)
@@ -452,8 +641,12 @@ def parallelize(model, group=None, region: TPRegion | None = None) -> TensorPara
 # Harness adapter
 # ----------------------------------------------------------------------------------------------
 def tp_constraints(args, world, config) -> list[str]:
-    T = world
-    h, kv = config.num_attention_heads, config.num_key_value_heads
+    """The shapes T must divide, then every parameter classified (on a meta-device model)."""
+    return shape_constraints(world, config) or classify(meta_model(config), world)[1]
+
+
+def shape_constraints(T: int, config) -> list[str]:
+    _, h, kv = head_dims(config)
     if h % T:
         return [f"tensor parallel size {T} does not divide num_attention_heads {h}"]
     if kv % T and T % kv:
@@ -463,6 +656,14 @@ def tp_constraints(args, world, config) -> list[str]:
         return [f"tensor parallel size {T} does not divide intermediate_size "
                 f"{config.intermediate_size}"]
     return []
+
+
+def meta_model(config):
+    """The architecture of `config` on the meta device (no storage): what classify() walks
+    before any process group exists."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config))
 
 
 # Where each planted bug must FAIL: the tour's model, float32 with clipping (clipping hides a
@@ -483,6 +684,10 @@ class TP(Strategy):
                                           PLANT_ARGS),
         "clip-norm-scale": Plant("the clip norm sums the replicated gradients' squares "
                                         "over the group too: counted T times", PLANT_ARGS),
+        "qk-norm-grads-unreduced": Plant(
+            "Qwen3's per-head q/k norms keep each rank's gradient (its own heads' share) "
+            "instead of the sum over the group", ("--model", "tiny-qwen3", "--dtype", "float32",
+                                                  "--clip", "0.5")),
         "kv-copies-summed-across-heads": Plant(
             "with more ranks than kv heads, a replicated kv head's gradient is all-reduced "
             "over the whole group: summed with the other heads' copies, not its own only",
@@ -534,17 +739,31 @@ class TP(Strategy):
         N, H, L = a.batch * a.length, cfg.hidden_size, cfg.num_hidden_layers
         b = DTYPES[a.dtype].itemsize
         b_ce = 4 if a.dtype == "bfloat16" else b
-        calls = 4 * L + 2 + 3 + (1 if self.tp.partial_grads else 0)
+        partial = self.tp.partial_grads or self.tp.extra_partial
+        calls = 4 * L + 2 + 3 + (1 if partial else 0)
         nbytes = (4 * L + 2) * N * H * b + 3 * N * b_ce
-        if self.tp.partial_grads:
+        if partial:
             nbytes += self.tp.partial_numel() * b
+        calls, nbytes = calls + norm_sharded_comm(self.tp, N, a.dtype)[0], \
+            nbytes + norm_sharded_comm(self.tp, N, a.dtype)[1]
         if a.clip:
             calls, nbytes = calls + 1, nbytes + 8
         return [Expect("all_reduce", "world", calls, nbytes,
                        f"(4L+2) x N*H*b + 3 x N*b_ce = {4 * L + 2} x {N * H * b:,} + "
                        f"3 x {N * b_ce:,} B (L={L}, N=B*S={N}, H={H})"
                        + (" + kv grads" if self.tp.partial_grads else "")
+                       + (" + q/k norm grads" if self.tp.extra_partial else "")
+                       + (" + full-width q/k norms 2 x N*b each" if norm_sharded_comm(
+                           self.tp, N, a.dtype)[0] else "")
                        + (" + clip" if a.clip else ""))]
+
+
+def norm_sharded_comm(tpm: TensorParallel, N: int, dtype: str) -> tuple[int, int]:
+    """(all-reduce calls, bytes) of the full-width q/k norms (ShardedRMSNorm): one sum of
+    squares of N values forward and its gradient backward, each, in at least float32."""
+    n = sum(1 for k in tpm.kinds.values() if k == "norm-sharded")
+    b = max(DTYPES[dtype].itemsize, 4)
+    return 2 * n, 2 * n * N * b
 
 
 class DTensorTP(DTensorBaseline, Reference):

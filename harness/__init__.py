@@ -61,7 +61,9 @@ from .learning import run_learning  # noqa: F401
 from .loss import IGNORE_INDEX, global_loss, lm_loss_sum, scalar  # noqa: F401
 from .memory import OOM_EXIT, MemoryTracker, SimulatedOOM, steady_peak  # noqa: F401
 from .meter import METER, CommMeter, Expect, group_name, name_group, phase  # noqa: F401
-from .models import (DTYPES, PRESETS, ConfigError, build_model, common_constraints,  # noqa: F401
+from .models import (DTYPES, PRESETS, ConfigError, attention_features, attention_masks,  # noqa: F401
+                     build_model,
+                     common_constraints, soft_cap, resolve_attn,
                      has_weights, load_config, model_kwargs, param_count, promote_norms)
 from .plants import planted, planting  # noqa: F401
 from .precision import MasterAdamW  # noqa: F401

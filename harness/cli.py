@@ -17,7 +17,7 @@ from .correctness import run_correctness, run_plants
 from .data import MarkovLanguage
 from .launch import Env, base_parser, env_from_os, fail_config, launch, resolve_defaults, teardown
 from .learning import run_learning
-from .models import ConfigError, common_constraints, load_config
+from .models import ConfigError, common_constraints, load_config, resolve_attn
 from .nccl import nccl_checked
 from .plants import planting
 from .run import Run
@@ -35,8 +35,11 @@ def _validate(cls, args, world: int, rank: int):
         fail_config("--device cuda: CUDA is not available", rank)
     try:
         config = load_config(args.model)
+        args.attn, line = resolve_attn(config, args.attn)
     except ConfigError as e:
         fail_config(str(e), rank)
+    if line and rank == 0:
+        print(line, flush=True)
     dtypes = args.dtype.split(",") if args.dtype else [None]
     errs = []
     for d in dtypes:

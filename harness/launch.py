@@ -54,8 +54,9 @@ def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
                         % "|".join(DTYPES))
     p.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="default: cuda when available")
-    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"],
-                   help="HF attention implementation of the reference model")
+    p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager"],
+                   help="HF attention implementation of the models (auto: sdpa where the "
+                        "model's class has it, eager otherwise, printed)")
     # (recompute.MODES, spelled out: importing recompute here would load it with the package)
     p.add_argument("--recompute", default="none", choices=["none", "full", "selective"],
                    help="activation recompute in the strategy's model (harness/recompute.py): "

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import types
 
 import torch
 
@@ -15,6 +14,11 @@ import torch
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
+
+_TINY_FAMILY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                    tie_word_embeddings=False, rms_norm_eps=1e-6, pad_token_id=0,
+                    bos_token_id=1, eos_token_id=2)
 
 PRESETS = {
     "tiny": dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -39,6 +43,19 @@ PRESETS = {
                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.0,
                      max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6),
+    # One small model per HF decoder family beyond Llama (tests/test_families.py): what each adds
+    # is what a strategy must classify or refuse (docs/strategies.md, "Model families").
+    **{f"tiny-{t}": dict(_TINY_FAMILY, model_type=t, **extra) for t, extra in {
+        "mistral": dict(sliding_window=None),
+        "qwen2": dict(),                                   # q/k/v biases
+        "qwen3": dict(head_dim=16),                        # per-head q_norm / k_norm
+        "olmo2": dict(),                                   # full-width q/k norms, post-norms
+        "gemma2": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                       layer_types=["sliding_attention", "full_attention"],
+                       tie_word_embeddings=True),          # (1+w) norms in float32, embedding
+                                                           # scale, soft-capping, sliding window
+        "phi3": dict(original_max_position_embeddings=4096),  # fused qkv_proj / gate_up_proj
+    }.items()},
     "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096,
                          intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
@@ -74,26 +91,90 @@ def has_weights(spec: str) -> bool:
         f.endswith((".safetensors", ".bin")) for f in os.listdir(spec))
 
 
-def _promoting_rmsnorm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """HF's RMSNorm with `.to(float32)` replaced by promotion to at least float32: identical
-    for bf16/fp32, and truly float64 in float64 runs (HF's cast would round every norm to
-    float32, so a loss scaled by a non-power-of-two W shows 1e-7 errors in a float64 run)."""
-    dtype = hidden_states.dtype
-    h = hidden_states.to(torch.promote_types(dtype, torch.float32))
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-    return self.weight * h.to(dtype)
+class Float64Kept(torch.overrides.TorchFunctionMode):
+    """A float64 run kept float64 inside modules that compute in float32 by design: HF's norms
+    (`hidden.to(torch.float32)`, Gemma's `x.float()` and `(1 + w.float())`), eager attention's
+    `softmax(..., dtype=torch.float32)`. Under this mode a cast of a float64 tensor down to
+    float32 keeps float64. Nothing changes in bf16/fp32 runs; in float64 runs the model
+    computes what it computes in float32, exactly, so the float64 verdict judges the strategy
+    and not the model's own rounding (a loss scaled by a non-power-of-two W showed 1e-7 errors
+    through Llama's float32 norm, 2e-8 through Gemma2's)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        f64 = any(isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args)
+        if f64:
+            if func is torch.Tensor.float:
+                return args[0]
+            if func is torch.Tensor.to:
+                args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kwargs.get("dtype") is torch.float32:
+                kwargs = {**kwargs, "dtype": torch.float64}
+        return func(*args, **kwargs)
 
 
-def promote_norms(model: torch.nn.Module) -> torch.nn.Module:
+def _enter_float64(module, args, kwargs=None):
+    if module._f64_depth == 0:
+        module._f64_mode = Float64Kept()
+        module._f64_mode.__enter__()
+    module._f64_depth += 1
+
+
+def _exit_float64(module, args, out):
+    module._f64_depth -= 1
+    if module._f64_depth == 0:
+        module._f64_mode.__exit__(None, None, None)
+
+
+def keep_float64(model: torch.nn.Module) -> torch.nn.Module:
+    """In a float64 model, every module that rounds to float32 by design (its norms and
+    attention) runs under Float64Kept. The hooks act only when the module's parameters are
+    float64: a no-op in other dtypes. (A MoE router's float32 softmax is left as it is: the
+    expert-parallel verdicts are measured with it.)"""
     for m in model.modules():
-        if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon"):
-            m.forward = types.MethodType(_promoting_rmsnorm_forward, m)
+        if type(m).__name__.endswith(("Norm", "Attention")) and not hasattr(m, "_f64_depth"):
+            m._f64_depth = 0
+            m.register_forward_pre_hook(
+                lambda mod, a: _enter_float64(mod, a) if _is_f64(mod) else None)
+            m.register_forward_hook(
+                lambda mod, a, o: _exit_float64(mod, a, o) if mod._f64_depth else None,
+                always_call=True)
     return model
+
+
+def _is_f64(module) -> bool:
+    p = next(module.parameters(), None)
+    if p is None:   # (an attention module whose projections a strategy replaced still has some)
+        return module._f64_depth > 0
+    return p.dtype == torch.float64
+
+
+promote_norms = keep_float64   # (the name the strategies and tools import)
+
+
+def resolve_attn(config, attn: str) -> tuple[str, str | None]:
+    """(the attention implementation for --attn, a line to print or None): `auto` takes SDPA
+    where the model's HF class supports it and eager otherwise (Gemma2); asking for SDPA where
+    there is none is a configuration error, not a traceback from inside transformers."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise ConfigError(f"--model: {type(config).__name__} has no causal-LM class in "
+                          f"transformers")
+    sdpa = getattr(cls, "_supports_sdpa", False)
+    if attn == "auto":
+        return ("sdpa", None) if sdpa else ("eager", f"attention: eager ({cls.__name__} has no "
+                                                     f"SDPA implementation)")
+    if attn == "sdpa" and not sdpa:
+        raise ConfigError(f"--attn sdpa: {cls.__name__} has no SDPA implementation "
+                          f"(--attn eager, or auto)")
+    return attn, None
 
 
 def model_kwargs(config, attn: str) -> dict:
     """The implementation choices every model build makes (from_config / from_pretrained)."""
-    kw = dict(attn_implementation=attn)
+    kw = dict(attn_implementation=resolve_attn(config, attn)[0] if attn == "auto" else attn)
     if getattr(config, "num_local_experts", None):
         # HF's reference expert loop; its grouped_mm kernel takes no float64
         kw["experts_implementation"] = "eager"
@@ -136,3 +217,55 @@ def common_constraints(args, world, config) -> list[str]:
     if args.branching > config.vocab_size:
         errs.append(f"--branching {args.branching} exceeds vocab_size {config.vocab_size}")
     return errs
+
+
+# What a model's own forward does around its decoder layers, for the strategies that call the
+# layers themselves (pp.Pipeline, compose4d)
+def sliding_window(config, length: int) -> tuple[int | None, bool]:
+    """(the window of the model's sliding layers when it is shorter than `length`, or None;
+    whether every layer slides): Gemma2 alternates sliding and full layers (layer_types),
+    Mistral and Phi3 slide on every layer when config.sliding_window is set."""
+    w = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not w or w >= length or (types and "sliding_attention" not in types):
+        return None, False
+    return w, not types
+
+
+def attention_features(config, length: int) -> list[str]:
+    """What an attention kernel written by hand (cp_ring's ring, sp's Ulysses) would have to do
+    beyond causal softmax attention for this model: logit soft-capping, a sliding window
+    shorter than the sequence. Those strategies refuse the model while the list is not empty."""
+    out = []
+    if getattr(config, "attn_logit_softcapping", None):
+        out.append(f"attention logit soft-capping (attn_logit_softcapping="
+                   f"{config.attn_logit_softcapping})")
+    w, _ = sliding_window(config, length)
+    if w:
+        out.append(f"a sliding window of {w} tokens, shorter than --length {length}")
+    return out
+
+
+def attention_masks(config, pos: torch.Tensor, dtype) -> dict | None:
+    """The additive masks a decoder layer needs when it is called on its own, by attention
+    type: none with SDPA and no sliding window (its causal mode), otherwise query i sees key j
+    when pos_j <= pos_i (and pos_i - pos_j < the window on sliding layers, HF's convention):
+    eager attention (Gemma2) and sliding windows, as the model's own forward would build them.
+    A composition that installs its own attention (context parallelism) masks by itself."""
+    impl = config._attn_implementation
+    window, every_layer = sliding_window(config, int(pos.max()) + 1)
+    if impl not in ("eager", "sdpa") or (impl == "sdpa" and not window):
+        return None
+    d = pos[:, None] - pos[None, :]                      # (S, S): query i minus key j
+    causal = d >= 0
+    slide = causal & (d < window) if window else causal
+    return {kind: torch.zeros(d.shape, dtype=dtype, device=pos.device).masked_fill(
+                ~ok, torch.finfo(dtype).min)[None, None]
+            for kind, ok in (("full_attention", slide if every_layer else causal),
+                             ("sliding_attention", slide))}
+
+
+def soft_cap(logits: torch.Tensor, config) -> torch.Tensor:
+    """Gemma2's final logit soft-capping, cap * tanh(logits / cap), as its model applies it."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from harness import DTYPES, METER
+import tp
 
 
 def _tp_split(strat, name):
@@ -58,6 +59,8 @@ def save_checkpoint(strat, root: str, step: int, extra: dict | None = None,
         drop = "lm_head.weight" if strat.tied else None     # the tied copy: saved once, as embed
         rec = {"tp_rank": strat.me["tp"], "tp": strat.args.tp,
                "split": {n: _tp_split(strat, n) for n in local["param"] if n != drop},
+               "segments": ({} if strat.tp is None else   # fused projections (Phi3)
+                            {n: list(s) for n, s in strat.tp.segments.items() if n in local["param"]}),
                "tensors": {k: {n: t.detach().cpu().clone() for n, t in v.items() if n != drop}
                            for k, v in local.items()}}
         path = os.path.join(tmp, f"pp{strat.me['pp']}-tp{strat.me['tp']}.pt")
@@ -106,7 +109,8 @@ def load_checkpoint(root: str) -> tuple[dict, dict[str, dict[str, torch.Tensor]]
         for kind in recs[0]["tensors"]:
             for n, dim in recs[0]["split"].items():
                 parts = [r["tensors"][kind][n] for r in recs]
-                t = parts[0] if dim is None else torch.cat(parts, dim=dim)
+                t = parts[0] if dim is None else tp.join_shards(
+                    parts, dim, recs[0].get("segments", {}).get(n))
                 if n in ("model.embed_tokens.weight", "lm_head.weight"):
                     t = t[:meta["vocab"]]             # drop the TP vocabulary padding
                 full.setdefault(kind, {})[n] = t
