@@ -245,6 +245,12 @@ def compose_constraints(args, world, config) -> list[str]:
     if args.resume and not os.path.isdir(args.resume) and args.resume != args.save:
         # (--save D --resume D is the restart idiom: the first launch finds no D yet)
         return [f"--resume {args.resume}: no such directory"]
+    if args.resume:
+        found, problems = train.find_checkpoint(args.resume)
+        if found is None and problems:
+            return [f"--resume {args.resume}: no complete, intact checkpoint ({problems[0]})"]
+    if args.keep is not None and args.keep < 1:
+        return [f"--keep must be >= 1 (got {args.keep})"]
     return train_data.constraints(args, config)
 
 
@@ -309,6 +315,8 @@ class Compose4D(Strategy):
         p.add_argument("--lr-min-ratio", type=float, default=0.1, help="cosine floor / lr")
         p.add_argument("--save", default=None, help="train mode: checkpoint directory")
         p.add_argument("--save-every", type=int, default=0, help="steps between saves (0: end)")
+        p.add_argument("--keep", type=int, default=None,
+                       help="keep the newest N complete checkpoints (default: all)")
         p.add_argument("--resume", default=None, help="train mode: resume from DIR/latest")
         p.add_argument("--stop-at", type=int, default=None,
                        help="train mode: save and stop after this many steps (an interruption)")

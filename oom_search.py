@@ -267,7 +267,7 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
     opt_e = 12 if elem < 4 else 2 * elem
     # --- activations per token per layer
     inside = ((h + 2 * kv) + (h + kv) + 2 * h + 4 * I + (2 * a * L_seq if eager else 0)) * elem
-    # two norms' inputs and outputs; in half precision promote_norms computes RMSNorm in
+    # two norms' inputs and outputs; in half precision HF computes RMSNorm in
     # fp32, which keeps an fp32 copy of the input and of the normalised product (12h bytes)
     outside = 4 * h * elem + (12 * h if elem < 4 else 0)
     if strategy == "tp":
@@ -346,7 +346,7 @@ def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
     from transformers import AutoModelForCausalLM
     from harness import (DTYPES, ConfigError, Env, MarkovLanguage, Run, base_parser,
                          common_constraints, load_config, make_batch, model_kwargs,
-                         promote_norms, resolve_defaults, steady_peak)
+                         keep_float64, resolve_defaults, steady_peak)
     script, cls_name, _ = STRATEGIES[strategy]
     strat_cls = getattr(importlib.import_module(script[:-3]), cls_name)
     parser = base_parser(script)
@@ -381,7 +381,7 @@ def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
                 for k, b in list(m._buffers.items()):
                     if b is not None:
                         m._buffers[k] = torch.empty(b.shape, dtype=b.dtype)
-            promote_norms(net).train()
+            keep_float64(net).train()
             env = Env(rank, W, rank, torch.device("cpu"), "fake")
             strat = strat_cls(net, args, env)
             run = Run(args, env, config, lang)

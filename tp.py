@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tp_plan import classify, head_dims, join_shards, meta_model
 from harness import (Batch, DTensorBaseline, Expect, Plant, Reference, Strategy, all_reduce_flat,
                      DTYPES, IGNORE_INDEX, clip_by_norm, main, make_adamw, phase, planted, scalar,
                      spread_across_ranks)
@@ -275,99 +276,6 @@ def pad_to(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = n - t.shape[dim]
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
-
-
-# How TP treats each parameter of an HF decoder, by its name inside a layer. Every parameter
-# gets one of these kinds; one that gets none is refused (classify()), never trained wrong.
-#   column / row   split by output rows / input columns (Megatron)
-#   fused          a fused projection split segment by segment (Phi3's qkv_proj, gate_up_proj)
-#   kv-copy        a kv projection replicated on T / n_kv ranks (more ranks than kv heads)
-#   vocab          the vocabulary rows of the embedding and the LM head (padded)
-#   norm-sharded   a norm over a split feature dim (OLMo2's full-width q/k norm): ShardedRMSNorm
-#   replicated     acts on the full residual stream: identical input and complete gradient
-#   partial        replicated, but each rank's gradient covers its own heads only (Qwen3's and
-#                  Gemma3's per-head q/k norms): summed over the group after the backward
-COLUMN, ROW, FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), \
-    ("o_proj", "down_proj"), ("qkv_proj", "gate_up_proj")
-LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-               "post_feedforward_layernorm")
-
-
-def head_dims(config) -> tuple[int, int, int]:
-    """(head_dim, q heads, kv heads) of an HF config."""
-    h = config.num_attention_heads
-    return (getattr(config, "head_dim", None) or config.hidden_size // h, h,
-            getattr(config, "num_key_value_heads", None) or h)
-
-
-def classify(model, T: int) -> tuple[dict[str, str], list[str]]:
-    """(kind of every parameter, the reasons it refuses): a pure walk over the model's modules,
-    no collective, on a meta-device model too. A reason names the parameter and what TP cannot
-    do with it; parallelize() and the scripts refuse on the first one."""
-    d, hq, hkv = head_dims(model.config)
-    replicate_kv = hkv % T != 0
-    kinds, errs = {}, []
-    base = getattr(model, "model", None)
-    if base is None or not hasattr(base, "layers") or not hasattr(base, "embed_tokens"):
-        return {}, [f"{type(model).__name__} is not an HF decoder (model.model.layers, "
-                    f"model.model.embed_tokens): tensor parallelism does not know its layout"]
-    for name, module in model.named_modules():
-        parts = name.split(".")
-        leaf = parts[-1]
-        own = list(module.named_parameters(recurse=False))
-        if not own:
-            continue
-        in_layer = len(parts) >= 4 and parts[:2] == ["model", "layers"]
-        why = None
-        if name in ("model.embed_tokens", "lm_head"):
-            known = type(module) in (nn.Embedding, nn.Linear) or (
-                isinstance(module, nn.Embedding) and hasattr(module, "scalar_embed_scale"))
-            kind = "vocab" if known else None
-        elif name == "model.norm" or (in_layer and len(parts) == 4 and leaf in LAYER_NORMS):
-            kind = "replicated"
-        elif in_layer and len(parts) == 5 and type(module) is nn.Linear and (
-                leaf in COLUMN + ROW + FUSED):
-            kind = ("fused" if leaf in FUSED else "row" if leaf in ROW
-                    else "kv-copy" if replicate_kv and leaf in ("k_proj", "v_proj") else "column")
-            if kind == "fused" and replicate_kv:
-                kind, why = None, (f"a fused projection with more ranks ({T}) than kv heads "
-                                   f"({hkv}) is not supported")
-        elif in_layer and len(parts) == 5 and leaf in ("q_norm", "k_norm"):
-            n = module.weight.numel()
-            heads = hq if leaf == "q_norm" else hkv
-            if n == d:
-                kind = "partial"
-            elif n == heads * d and type(module).__name__.endswith("RMSNorm") and len(own) == 1:
-                kind = "norm-sharded"
-                if replicate_kv and leaf == "k_norm":
-                    kind, why = None, (f"a full-width k_norm with more ranks ({T}) than kv "
-                                       f"heads ({hkv}) is not supported")
-            else:
-                kind, why = None, (f"a q/k norm over {n} features (neither one head, {d}, nor "
-                                   f"all heads, {heads * d}, of an RMSNorm)")
-        else:
-            kind = None
-        for pname, p in own:
-            full = f"{name}.{pname}"
-            k = kind
-            if kind in ("row",) and pname == "bias":
-                k = "replicated"              # added once, after the reduction
-            if k is None:
-                errs.append(f"{full} ({type(module).__name__}): "
-                            + (why or "not a module tensor parallelism knows how to split"))
-            kinds[full] = k
-    return kinds, errs
-
-
-def join_shards(parts: list[torch.Tensor], dim: int, segments=None) -> torch.Tensor:
-    """The full tensor from every rank's shard (rank order): concatenated along `dim`, or for a
-    fused projection (`segments`: the full sizes of its segments along dim 0) segment by
-    segment, each segment's rank slices in order."""
-    if not segments:
-        return torch.cat(parts, dim=dim)
-    local = [n // len(parts) for n in segments]
-    pieces = [q.split(local) for q in parts]
-    return torch.cat([pc[s] for s in range(len(local)) for pc in pieces])
 
 
 class TensorParallel:
@@ -656,14 +564,6 @@ def shape_constraints(T: int, config) -> list[str]:
         return [f"tensor parallel size {T} does not divide intermediate_size "
                 f"{config.intermediate_size}"]
     return []
-
-
-def meta_model(config):
-    """The architecture of `config` on the meta device (no storage): what classify() walks
-    before any process group exists."""
-    from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(copy.deepcopy(config))
 
 
 # Where each planted bug must FAIL: the tour's model, float32 with clipping (clipping hides a

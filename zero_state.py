@@ -56,10 +56,12 @@ class FlatTensors:
 
     def flat_shards(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """The inverse of gather_flat: this rank's flat shard of each unit, from per-parameter
-        tensors (zero padding)."""
+        tensors (zero padding), in the tensors' own dtype (fp32 masters and moments stay fp32
+        in a bf16 run: a resume must not round them)."""
         out = []
         for u in self.units:
-            flat = torch.zeros(u.padded, dtype=u.full.dtype, device=u.full.device)
+            dtype = tensors[u.names[0]].dtype if u.names else u.full.dtype
+            flat = torch.zeros(u.padded, dtype=dtype, device=u.full.device)
             for n, p, off in zip(u.names, u.params, u.offsets):
                 flat[off:off + p.numel()] = tensors[n].reshape(-1)
             out.append(flat[u.rank * u.shard_numel:(u.rank + 1) * u.shard_numel].clone())

@@ -11,7 +11,10 @@ The package, one concern per module (a strategy imports its names from here, the
     strategy.py     the adapter contract (`Strategy`), the single-device `Reference`, `Plant`,
                     and the helpers strategies share (make_adamw, all_reduce_flat, ...)
     plants.py       `planted(NAME)`: the switch for a planted bug, set by the harness for a run
-    models.py       presets, HF configs and checkpoint directories, the reference model
+    models.py       presets (tiny-<family>: one small model per HF decoder family), HF configs
+                    and checkpoint directories, the reference model; --attn auto; float64 kept
+                    inside norms and attention (Float64Kept); the masks and soft-capping a
+                    model's forward applies around its layers, for pp and compose4d
     data.py         the synthetic Markov language (exact loss floor), `Batch`, ignored labels
     loss.py         the loss normalisation: CE sum over a rank's tokens / global token count
     precision.py    the mixed-precision policy: fp32 master weights (`make_adamw`)
@@ -64,7 +67,7 @@ from .meter import METER, CommMeter, Expect, group_name, name_group, phase  # no
 from .models import (DTYPES, PRESETS, ConfigError, attention_features, attention_masks,  # noqa: F401
                      build_model,
                      common_constraints, soft_cap, resolve_attn,
-                     has_weights, load_config, model_kwargs, param_count, promote_norms)
+                     has_weights, load_config, model_kwargs, param_count, keep_float64)
 from .plants import planted, planting  # noqa: F401
 from .precision import MasterAdamW  # noqa: F401
 from .run import Env, Run  # noqa: F401

@@ -38,8 +38,6 @@ def _validate(cls, args, world: int, rank: int):
         args.attn, line = resolve_attn(config, args.attn)
     except ConfigError as e:
         fail_config(str(e), rank)
-    if line and rank == 0:
-        print(line, flush=True)
     dtypes = args.dtype.split(",") if args.dtype else [None]
     errs = []
     for d in dtypes:
@@ -53,6 +51,8 @@ def _validate(cls, args, world: int, rank: int):
         errs.append("--runs: a run in the list cannot name another --runs file")
     if errs:
         fail_config(errs[0], rank)
+    if line and rank == 0:
+        print(line, flush=True)   # which attention --attn auto chose, and why
     return config, dtypes
 
 

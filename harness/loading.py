@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from .models import ConfigError, DTYPES, model_kwargs, promote_norms
+from .models import ConfigError, DTYPES, model_kwargs, keep_float64
 
 TIED_SOURCE = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -38,7 +38,7 @@ def meta_model(config, args) -> torch.nn.Module:
     config = copy.deepcopy(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, **model_kwargs(config, args.attn))
-    return promote_norms(model.to(DTYPES[args.dtype])).train()
+    return keep_float64(model.to(DTYPES[args.dtype])).train()
 
 
 def checkpoint_files(directory: str) -> dict[str, str]:

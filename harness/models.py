@@ -46,7 +46,7 @@ PRESETS = {
     # One small model per HF decoder family beyond Llama (tests/test_families.py): what each adds
     # is what a strategy must classify or refuse (docs/strategies.md, "Model families").
     **{f"tiny-{t}": dict(_TINY_FAMILY, model_type=t, **extra) for t, extra in {
-        "mistral": dict(sliding_window=None),
+        "mistral": dict(sliding_window=8),                  # a window on every layer
         "qwen2": dict(),                                   # q/k/v biases
         "qwen3": dict(head_dim=16),                        # per-head q_norm / k_norm
         "olmo2": dict(),                                   # full-width q/k norms, post-norms
@@ -149,9 +149,6 @@ def _is_f64(module) -> bool:
     return p.dtype == torch.float64
 
 
-promote_norms = keep_float64   # (the name the strategies and tools import)
-
-
 def resolve_attn(config, attn: str) -> tuple[str, str | None]:
     """(the attention implementation for --attn, a line to print or None): `auto` takes SDPA
     where the model's HF class supports it and eager otherwise (Gemma2); asking for SDPA where
@@ -193,7 +190,7 @@ def build_model(args, config, device) -> torch.nn.Module:
         torch.manual_seed(args.seed)
         # (a copy: from_config shares the object, and strategies edit their model's config)
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **kw)
-    return promote_norms(model.to(device=device, dtype=dtype)).train()
+    return keep_float64(model.to(device=device, dtype=dtype)).train()
 
 
 def param_count(model) -> int:

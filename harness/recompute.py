@@ -319,12 +319,12 @@ def measure(model, batch, mode: str, repeats: int = 5) -> dict:
 
 def _tiny_model(config, layers: int, mode: str, attn: str, dtype, seed: int):
     from transformers import AutoModelForCausalLM
-    from .models import model_kwargs, promote_norms
+    from .models import model_kwargs, keep_float64
     cfg = copy.deepcopy(config)
     cfg.num_hidden_layers = layers
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, **model_kwargs(cfg, attn))
-    return apply_recompute(promote_norms(model.to(dtype)).train(), mode)
+    return apply_recompute(keep_float64(model.to(dtype)).train(), mode)
 
 
 def per_layer_measured(config, mode: str, attn: str, dtype, batch: int, seq: int,

@@ -456,6 +456,14 @@ def _oom_predict():
     return "\n".join(lines)
 
 
+def _families():
+    if os.path.join(HERE, "scripts") not in sys.path:
+        sys.path.insert(0, os.path.join(HERE, "scripts"))
+    from families import table
+    return table(load("results/families-cpu.json")["rows"])
+
+
+TABLES.update({"families": _families})
 TABLES.update({"strategies-comm": _strategies_comm, "strategies-memory": _strategies_memory,
                "gpu-w1": _gpu_w1, "gpu-perf": _gpu_perf, "gpu-kernels": _gpu_kernels,
                "gpu-oom-tp": _gpu_oom_tp, "gpu-cp-kernels": _gpu_cp_kernels,

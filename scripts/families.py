@@ -45,8 +45,9 @@ def run_cell(strategy: str, family: str) -> dict:
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     lines = [l for l in p.stdout.splitlines() if l.startswith(("PASS", "FAIL"))]
-    if p.returncode == 2:
-        verdict, line = "refused", (p.stdout.strip().splitlines() or [""])[-1]
+    errors = [l for l in (p.stdout + p.stderr).splitlines() if l.startswith("error:")]
+    if errors and (p.returncode == 2 or "exitcode  : 2" in p.stderr):   # (torchrun exits 1)
+        verdict, line = "refused", errors[0]
     elif lines:
         verdict, line = lines[-1].split()[0], lines[-1]
     else:
@@ -80,9 +81,13 @@ def main():
                   flush=True)
     print(table(rows))
     if a.out:
+        import torch
+        import transformers
         with open(a.out, "w") as fh:
             json.dump(dict(command="python scripts/families.py --out " + a.out,
-                           machine="CPU, gloo", dtype="float64", rows=rows), fh, indent=1)
+                           machine=f"CPU, gloo, torch {torch.__version__}, transformers "
+                                   f"{transformers.__version__}", dtype="float64", rows=rows),
+                      fh, indent=1)
     sys.exit(0 if all(r["verdict"] in ("PASS", "refused") for r in rows) else 1)
 
 

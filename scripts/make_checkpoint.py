@@ -2,6 +2,7 @@
 
     python scripts/make_checkpoint.py DIR            # Llama: 12 layers, 12 heads / 6 kv, tied
     python scripts/make_checkpoint.py DIR --moe      # a 4-layer Mixtral twin (6 experts, top 2)
+    python scripts/make_checkpoint.py DIR --family qwen3   # a Qwen3 twin (per-head q/k norms)
 
 Random-init models are kind to numerics: activations are O(1), attention is nearly uniform and
 no sum cancels much. Trained checkpoints are not, and a correctness verdict tuned on random
@@ -42,11 +43,15 @@ MASSIVE_SCALE = 30.0
 QK_SCALE = 3.0
 
 
-def build(path: str, moe: bool = False, steps: int = 40, seed: int = 0) -> str:
-    """Write the checkpoint to `path` (config.json + model.safetensors); returns path."""
+def build(path: str, moe: bool = False, steps: int = 40, seed: int = 0,
+          family: str = "llama") -> str:
+    """Write the checkpoint to `path` (config.json + model.safetensors); returns path.
+    `family`: another HF decoder of the same shape (qwen3: its per-head q/k norms trained too)."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
     kw = dict(CONFIG, **(MOE if moe else {}))
-    config = CONFIG_MAPPING["mixtral" if moe else "llama"](**kw)
+    if family == "qwen3":
+        kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
+    config = CONFIG_MAPPING["mixtral" if moe else family](**kw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, **harness.model_kwargs(config, "sdpa"))
     model = model.float().train()
@@ -76,7 +81,8 @@ def build(path: str, moe: bool = False, steps: int = 40, seed: int = 0) -> str:
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     with open(os.path.join(path, "TRAINING.txt"), "w") as f:
-        f.write(f"scripts/make_checkpoint.py seed={seed} steps={steps} moe={moe}: "
+        f.write(f"scripts/make_checkpoint.py seed={seed} steps={steps} moe={moe} "
+                f"family={family}: "
                 f"loss {first:.3f} -> {last:.3f}\n")
     return path
 
@@ -85,10 +91,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("path")
     ap.add_argument("--moe", action="store_true", help="a Mixtral of the same shape")
+    ap.add_argument("--family", default="llama", choices=["llama", "qwen3"])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    build(a.path, a.moe, a.steps, a.seed)
+    build(a.path, a.moe, a.steps, a.seed, a.family)
     print(open(os.path.join(a.path, "TRAINING.txt")).read().strip())
 
 

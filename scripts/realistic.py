@@ -47,14 +47,17 @@ def command(label: str, world: int, model: str, dtypes: str = "float64,float32")
 
 
 def checkpoints(root: str) -> dict:
+    return {kind: checkpoint(root, kind) for kind in ("llama", "moe")}
+
+
+def checkpoint(root: str, kind: str) -> str:
+    """make_checkpoint's `kind` (llama, moe, qwen3) under root, built the first time."""
     import make_checkpoint
-    out = {}
-    for kind in ("llama", "moe"):
-        path = os.path.join(root, kind)
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            make_checkpoint.build(path, moe=kind == "moe")
-        out[kind] = path
-    return out
+    path = os.path.join(root, kind)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        make_checkpoint.build(path, moe=kind == "moe", family="qwen3" if kind == "qwen3"
+                              else "llama")
+    return path
 
 
 def main():

@@ -129,12 +129,18 @@ def hf(base):
     return os.path.join(base, "hf")
 
 
+def ck_keep(base):
+    return os.path.join(base, "ck-keep")
+
+
 # One launch per batch: the start-up (~10 s a process) paid once. Runs go in order, so a
 # resumed run follows the run that saved its checkpoint.
 W2 = Runs("compose4d.py", 2, {
     "learning": ["--pp", "2", "--mode", "learning", "--steps", "40", "--lr", "1e-2",
                  "--log-every", "20", "--grad-accum", "2"],
-    "saved": [*TRAIN, "--pp", "2", "--stop-at", "2", "--save", ck],
+    "saved": [*TRAIN, "--pp", "2", "--stop-at", "2", "--save-every", "1", "--save", ck],
+    "kept": [*TRAIN, "--pp", "2", "--steps", "4", "--save-every", "1", "--keep", "2", "--save",
+             ck_keep],
 })
 W4 = Runs("compose4d.py", 4, {
     "dp-tp": PAIRS["dp-tp"],
@@ -151,6 +157,20 @@ SLOW_W4 = Runs("compose4d.py", 4, tier="slow", runs={
     "full": [*TRAIN, "--tp", "2", "--pp", "2"],
     "first": [*TRAIN, "--tp", "2", "--pp", "2", "--stop-at", "3", "--save", ck],
     "second": [*TRAIN, "--dp", "2", "--cp", "2", "--resume", ck, "--save", ck, "--export-hf", hf],
+})
+# bf16 resume on the same layout: fp32 masters and AdamW moments restored in their own dtype
+BF16 = ["--mode", "train", "--dtype", "bfloat16", "--steps", "8", "--log-every", "1",
+        "--dp", "2", "--lr-schedule", "cosine", "--lr-warmup", "2"]
+
+
+def ck16(base):
+    return os.path.join(base, "ck16")
+
+
+SLOW_W2 = Runs("compose4d.py", 2, tier="slow", runs={
+    "bf16-full": BF16,
+    "bf16-first": [*BF16, "--stop-at", "4", "--save", ck16],
+    "bf16-second": [*BF16, "--resume", ck16, "--save", ck16],
 })
 # 5 layers over 3 stages, tied embeddings (a copy on the last stage), vocabulary 250
 SLOW_W3 = Runs("compose4d.py", 3, tier="slow", runs={"uneven-tied": [
@@ -231,6 +251,18 @@ def test_resume_across_layouts_is_exact_and_export_round_trips(runs):
     assert torch.equal(model(x).logits, ref(x).logits)
 
 
+@pytest.mark.slow
+def test_bf16_resume_is_bitwise(runs):
+    """4 steps, save, resume, 4 more in bf16 give the 8 uninterrupted steps' losses bit for bit
+    (a resume that rounded the fp32 masters or moments to bf16 moved them by ~1e-4)."""
+    full, _ = _train(runs, SLOW_W2, "bf16-full")
+    first, _ = _train(runs, SLOW_W2, "bf16-first")
+    second, r = _train(runs, SLOW_W2, "bf16-second")
+    assert "at step 4" in r.stdout and sorted(first) == [0, 1, 2, 3], r
+    assert sorted(second) == [4, 5, 6, 7], r
+    assert [first.get(s, second.get(s)) for s in range(8)] == [full[s] for s in range(8)]
+
+
 def test_checkpoint_is_atomic(runs):
     """A save interrupted before its rename leaves only .tmp-step-N: `latest` still names the
     last complete step, and loading it works."""
@@ -242,6 +274,66 @@ def test_checkpoint_is_atomic(runs):
     meta, tensors = checkpoint.load_checkpoint(path)
     assert meta["step"] == 2 and len(tensors["param"]) == N_TENSORS
     assert set(tensors) == {"param", "exp_avg", "exp_avg_sq"}
+
+
+def _damaged_copy(runs, tmp_path, damage) -> str:
+    """A copy of the W2 "saved" run's checkpoint (step-1 and step-2, latest = step-2) with
+    `damage(root)` applied."""
+    import shutil
+    _, r = _train(runs, W2, "saved")
+    root = str(tmp_path / "ck")
+    shutil.copytree(ck(os.path.dirname(r.out)), root)
+    damage(root)
+    return root
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def _flip_a_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage,why", [
+    (lambda root: _truncate(os.path.join(root, "step-2", "pp1-tp0.pt")),
+     "step-2/pp1-tp0.pt has {} bytes, meta.json recorded"),
+    (lambda root: _flip_a_byte(os.path.join(root, "step-2", "pp0-tp0.pt")),
+     "step-2/pp0-tp0.pt does not match its checksum"),
+    (lambda root: os.remove(os.path.join(root, "step-2", "pp0-tp0.pt")),
+     "step-2/pp0-tp0.pt is missing"),
+    (lambda root: os.rename(os.path.join(root, "step-2"), os.path.join(root, "gone")),
+     "latest names step-2, which does not exist"),
+], ids=["truncated", "altered", "missing", "latest-dangling"])
+def test_a_damaged_checkpoint_falls_back(runs, tmp_path, damage, why):
+    """A resume verifies each file's size and checksum (meta.json) and takes the newest intact
+    step, saying which file was bad; with none intact, one line and exit 2."""
+    root = _damaged_copy(runs, tmp_path, damage)
+    d, problems = checkpoint.find_checkpoint(root)
+    assert os.path.basename(d) == "step-1", (d, problems)
+    assert len(problems) == 1 and problems[0].startswith(why.split("{}")[0]), problems
+    meta, tensors = checkpoint.load_checkpoint(root, d)
+    assert meta["step"] == 1 and len(tensors["param"]) == N_TENSORS
+    # the same damage to step-1 too: nothing to resume from, refused before any process group
+    _flip_a_byte(os.path.join(root, "step-1", "pp1-tp0.pt"))
+    assert checkpoint.find_checkpoint(root)[0] is None
+    from conftest import launch
+    r = launch("compose4d.py", 2, "--mode", "train", "--pp", "2", "--resume", root,
+               as_rank0=True)
+    assert_config_error(r, f"--resume {root}: no complete, intact checkpoint (", torchrun=False)
+
+
+def test_keep_retains_the_newest(runs):
+    """--keep 2 with a save every step of 4: steps 3 and 4 remain, no .tmp left behind."""
+    _, r = _train(runs, W2, "kept")
+    root = ck_keep(os.path.dirname(r.out))
+    assert sorted(os.listdir(root)) == ["latest", "step-3", "step-4"], os.listdir(root)
+    assert checkpoint.find_checkpoint(root) == (os.path.join(root, "step-4"), [])
 
 
 def test_bad_layout_under_torchrun(run):

@@ -6,7 +6,7 @@ import torch
 
 import harness.recompute as rc
 from conftest import Runs, assert_config_error, launch
-from harness.models import load_config, model_kwargs, promote_norms
+from harness.models import load_config, model_kwargs, keep_float64
 
 
 def tiny(attn, dtype=torch.float64, layers=None, seed=0, preset="tiny"):
@@ -16,7 +16,7 @@ def tiny(attn, dtype=torch.float64, layers=None, seed=0, preset="tiny"):
         cfg.num_hidden_layers = layers
     torch.manual_seed(seed)
     m = AutoModelForCausalLM.from_config(cfg, **model_kwargs(cfg, attn))
-    return promote_norms(m.to(dtype)).train()
+    return keep_float64(m.to(dtype)).train()
 
 
 def grads(model, ids):

@@ -8,21 +8,29 @@ samples consumed (`samples`; sample i is a pure function of the seed and i), rec
 data's fingerprint and the sequence length.
 Atomic: everything is written into DIR/.tmp-step-N, renamed to DIR/step-N, and only then does
 DIR/latest (replaced with os.replace) name it, so a crash never leaves a half-written "latest".
+Checked: meta.json records each file's size and BLAKE2b digest, taken by its writer from the bytes
+it wrote; a resume verifies them (`find_checkpoint`) and falls back, with one warning line naming
+the bad file, to the newest step that is complete and intact; with none, one line and exit 2.
+Leftover .tmp-step-N directories (a crash mid-save) are ignored and removed by the next save.
+Retention: `keep` newest complete steps, older ones deleted only after a newer one is named.
 `export_hf` writes the full model with save_pretrained; AutoModelForCausalLM.from_pretrained
 loads it and gives the same logits. `strat` below is a compose4d.Compose4D (passed in by the train
 mode; this module does not import the trainer, so the trainer can import it).
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import re
 import shutil
 import time
 
 import torch
 import torch.distributed as dist
 
-from harness import DTYPES, METER
+from harness import DTYPES, METER, resolve_attn
 import tp
 
 
@@ -38,9 +46,10 @@ def _write_synced(path: str, text: str):
 
 
 def save_checkpoint(strat, root: str, step: int, extra: dict | None = None,
-                    grads: bool = False) -> str:
+                    grads: bool = False, keep: int | None = None) -> str:
     """Collective. Returns the step directory. `extra` goes into meta.json (data position,
-    restarts, a cut step's position); `grads`: also the reduced gradients of a cut step."""
+    restarts, a cut step's position); `grads`: also the reduced gradients of a cut step; `keep`:
+    how many complete steps to keep (None: all)."""
     env, z, opt = strat.env, strat.zero, strat.optimizer
     t0 = time.time()
     kinds = {k: opt.shard_state(k) for k in ("param", "exp_avg", "exp_avg_sq")}
@@ -64,38 +73,122 @@ def save_checkpoint(strat, root: str, step: int, extra: dict | None = None,
                "tensors": {k: {n: t.detach().cpu().clone() for n, t in v.items() if n != drop}
                            for k, v in local.items()}}
         path = os.path.join(tmp, f"pp{strat.me['pp']}-tp{strat.me['tp']}.pt")
-        torch.save(rec, path)
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
+        written = _write_checked(path, rec)
+    else:
+        written = None
     if strat.args.test_crash_in_save:      # test hook: die mid-save, before anything is renamed
         os._exit(1)
     with METER.paused():
         dist.barrier()
+    with METER.paused():
+        files = [None] * env.world
+        dist.all_gather_object(files, written)     # each writer's (name, size, digest)
     if env.is_main:
         meta = dict(step=step, adam_t=opt.steps_taken, layout=strat.grid.size, model=strat.args.model,
                     dtype=strat.args.dtype, vocab=strat.model.config.vocab_size,
-                    seconds=time.time() - t0, **(extra or {}))
+                    seconds=time.time() - t0, **(extra or {}),
+                    files={n: dict(size=s, blake2b=d) for n, s, d in filter(None, files)})
         _write_synced(os.path.join(tmp, "meta.json"), json.dumps(meta))
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)                               # the step is complete ...
         _write_synced(os.path.join(root, "latest.tmp"), os.path.basename(final))
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))  # ... named
+        prune(root, keep)
     with METER.paused():
         dist.barrier()
     return final
 
 
+def _write_checked(path: str, rec: dict) -> tuple[str, int, str]:
+    """torch.save `rec` to `path`, synced; (file name, size, BLAKE2b digest of the bytes)."""
+    buf = io.BytesIO()
+    torch.save(rec, buf)
+    data = buf.getbuffer()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return os.path.basename(path), len(data), hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _steps(root: str) -> list[int]:
+    """The complete step directories under root (renamed from .tmp), newest first."""
+    found = [re.fullmatch(r"step-(\d+)", n) for n in (os.listdir(root) if os.path.isdir(root)
+                                                       else [])]
+    return sorted((int(m.group(1)) for m in found if m), reverse=True)
+
+
+def prune(root: str, keep: int | None):
+    """Delete leftover .tmp-step-N directories, and all but the `keep` newest complete steps
+    (None: keep all). Called by rank 0 once `latest` names the newest."""
+    for n in os.listdir(root):
+        if n.startswith(".tmp-step-"):
+            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+    if keep:
+        for s in _steps(root)[keep:]:
+            shutil.rmtree(os.path.join(root, f"step-{s}"), ignore_errors=True)
+
+
+def verify(d: str) -> str | None:
+    """None when step directory `d` is complete and intact, else why not (one line)."""
+    name = os.path.basename(d)
+    try:
+        with open(os.path.join(d, "meta.json")) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        return f"{name}/meta.json is missing"
+    except ValueError:
+        return f"{name}/meta.json is not valid JSON"
+    for fn, want in meta.get("files", {}).items():
+        path = os.path.join(d, fn)
+        if not os.path.isfile(path):
+            return f"{name}/{fn} is missing"
+        size = os.path.getsize(path)
+        if size != want["size"]:
+            return f"{name}/{fn} has {size:,} bytes, meta.json recorded {want['size']:,}"
+        h = hashlib.blake2b(digest_size=16)
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        if h.hexdigest() != want["blake2b"]:
+            return f"{name}/{fn} does not match its checksum (altered after it was written)"
+    if not meta.get("files"):
+        return f"{name}/meta.json records no files"
+    return None
+
+
+def find_checkpoint(root: str | None) -> tuple[str | None, list[str]]:
+    """(the step directory to resume from, the problems found on the way): the one `latest`
+    names when it is intact, otherwise the newest intact complete step. (None, [...]) when a
+    checkpoint exists but none is intact; (None, []) when there is none. Every rank reads the
+    same files, so every rank decides the same."""
+    if not root or not os.path.isdir(root):
+        return None, []
+    named = None
+    if os.path.isfile(os.path.join(root, "latest")):
+        with open(os.path.join(root, "latest")) as f:
+            named = f.read().strip()
+    order = ([named] if named else []) + [f"step-{s}" for s in _steps(root)
+                                          if f"step-{s}" != named]
+    problems = []
+    for n in order:
+        d = os.path.join(root, n)
+        why = verify(d) if os.path.isdir(d) else f"latest names {n}, which does not exist"
+        if why is None:
+            return d, problems
+        problems.append(why)
+    return None, problems
+
+
 def latest_dir(root: str | None) -> str | None:
-    """The step directory DIR/latest names, or None when there is no checkpoint yet."""
-    if not root or not os.path.isfile(os.path.join(root, "latest")):
-        return None
-    with open(os.path.join(root, "latest")) as f:
-        return os.path.join(root, f.read().strip())
+    """The step directory to resume from (find_checkpoint), or None when there is none."""
+    return find_checkpoint(root)[0]
 
 
-def load_checkpoint(root: str) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
-    """(meta, {kind: {name: full tensor}}) from DIR/latest, whatever layout wrote it."""
-    d = latest_dir(root)
+def load_checkpoint(root: str, d: str | None = None) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """(meta, {kind: {name: full tensor}}) from the step directory `d` (default: the one
+    find_checkpoint picks under root), whatever layout wrote it."""
+    d = d or latest_dir(root)
     with open(os.path.join(d, "meta.json")) as f:
         meta = json.load(f)
     by_stage: dict[str, list] = {}
@@ -130,11 +223,14 @@ def restore(strat, meta: dict, full: dict):
                 out[n] = strat.tp.local(n, t) if strat.tp is not None else t
         return out
     with torch.no_grad():
-        for shard, new in zip([u.shard for u in z.units], z.flat_shards(local("param"))):
+        # "param" holds the fp32 masters in a mixed-precision run: restored as they were saved,
+        # and the parameter shards rounded from them as the optimizer step rounds them
+        saved = z.flat_shards(local("param"))
+        for shard, new in zip([u.shard for u in z.units], saved):
             shard.copy_(new)
         if opt.mixed:
-            for m, s in zip(opt.masters, [u.shard for u in z.units]):
-                m.copy_(s.float())
+            for m, new in zip(opt.masters, saved):
+                m.copy_(new)
         for kind in ("exp_avg", "exp_avg_sq"):
             opt.load_shard_state(kind, z.flat_shards(local(kind)))
     with METER.paused():
@@ -146,8 +242,9 @@ def hf_model(strat, full: dict[str, torch.Tensor]):
     """A plain HF model (CPU, the run's dtype, HF's own modules) holding the full tensors."""
     from transformers import AutoModelForCausalLM
     cfg = strat.model.config
+    attn, _ = resolve_attn(cfg, "auto")           # (not the strategy's own attention)
     model = AutoModelForCausalLM.from_config(
-        type(cfg).from_dict({**cfg.to_dict(), "_attn_implementation": "sdpa"}))
+        type(cfg).from_dict({**cfg.to_dict(), "_attn_implementation": attn}))
     model.to(DTYPES[strat.args.dtype])            # saved in the run's dtype
     missing, unexpected = model.load_state_dict({n: t.cpu() for n, t in full.items()},
                                                 strict=False)

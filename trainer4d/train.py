@@ -40,8 +40,8 @@ from harness.trainlog import TrainLog, memory_now
 from harness import train_data
 
 from . import elastic
-from .checkpoint import (export_hf, hf_model, latest_dir, load_checkpoint, restore,
-                         save_checkpoint)
+from .checkpoint import (export_hf, find_checkpoint, hf_model, latest_dir, load_checkpoint,
+                         restore, save_checkpoint)
 
 
 class Preemption:
@@ -229,7 +229,10 @@ def run_train(run: Run, cls) -> bool:
     with --elastic the batch is re-planned for the world size the run (re)starts on; --data
     trains on text, --eval-every evaluates on held-out documents, --prompt samples at the end."""
     args, env = run.args, run.env
-    meta, full = load_checkpoint(args.resume) if latest_dir(args.resume) else (None, None)
+    d, problems = find_checkpoint(args.resume)
+    if problems and d:   # (none intact at all: refused before the group, compose_constraints)
+        run.print(f"warning: {'; '.join(problems)}; resuming from {os.path.basename(d)}")
+    meta, full = load_checkpoint(args.resume, d) if d else (None, None)
     target = meta.get("global_batch", args.batch) if meta else args.batch
     if args.elastic:     # feasible: checked in compose_constraints
         plan = elastic.replan(env.world, run.config, args, target)
@@ -293,7 +296,8 @@ def run_train(run: Run, cls) -> bool:
             done, loss_sum = stopped
             t1 = time.time()
             d = save_checkpoint(strat, args.save, s, extra(offset, cut=dict(
-                rows_done=done, loss_sum=loss_sum, global_batch=G)), grads=True)
+                rows_done=done, loss_sum=loss_sum, global_batch=G)), grads=True,
+                keep=args.keep)
             run.print(f"SIGTERM: saved {d} after {len(done)} of {G} sequences of step {s} in "
                       f"{time.time() - t1:.2f} s (grace {args.grace_s:g} s)")
             break
@@ -323,17 +327,17 @@ def run_train(run: Run, cls) -> bool:
         s += 1
         if args.save and stopping:     # SIGTERM seen by some rank before this step's loss
             t1 = time.time()
-            d = save_checkpoint(strat, args.save, s, extra(offset))
+            d = save_checkpoint(strat, args.save, s, extra(offset), keep=args.keep)
             since = "" if pre.at is None else f", {t1 - pre.at:.2f} s after the signal"
             run.print(f"SIGTERM: saved {d} at the end of step {s - 1} in "
                       f"{time.time() - t1:.2f} s{since} (grace {args.grace_s:g} s)")
             break
         if args.save and args.save_every and s % args.save_every == 0 and s < end:
-            save_checkpoint(strat, args.save, s, extra(offset))
+            save_checkpoint(strat, args.save, s, extra(offset), keep=args.keep)
     else:
         if args.save and end > start:
             t1 = time.time()
-            d = save_checkpoint(strat, args.save, end, extra(offset))
+            d = save_checkpoint(strat, args.save, end, extra(offset), keep=args.keep)
             run.print(f"saved {d} in {time.time() - t1:.2f} s")
         finish(run, strat)
     png = log.close(f"{strat.name} W={env.world} {args.dtype}, "

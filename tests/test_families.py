@@ -1,0 +1,222 @@
+"""Models beyond Llama: every strategy on one small random model per HF decoder family passes
+against one device, or refuses the model in one line before any collective (exit 2); none
+trains it silently wrong or ends in a traceback. scripts/families.py prints the whole table.
+
+Families (harness.models' tiny-* presets): Mistral (a sliding window on every layer), Qwen2
+(q/k/v biases), Qwen3 (per-head q/k norms), OLMo2 (full-width q/k norms, norms after the
+sublayers), Gemma2 ((1 + w) norms computed in float32, scaled embedding, soft-capping, sliding
+window on alternate layers, eager attention only), Phi3 (fused qkv_proj and gate_up_proj)."""
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+import harness
+import tp
+from conftest import ROOT, Runs, assert_config_error, launch
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import realistic  # noqa: E402  (make_checkpoint's trained twins)
+
+FAMILIES = ["tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-olmo2", "tiny-gemma2", "tiny-phi3"]
+ARGS = ["--mode", "correctness", "--dtype", "float64", "--batch", "4", "--length", "16"]
+# What each strategy runs (the rest of the families it must refuse, tested below): the
+# strategies that split the model's modules (tp, sp, pp, compose4d) on every family; those
+# that only replicate or shard whole tensors on the two that broke them (Gemma2's SDPA and
+# float32 norms, Phi3's fused projections); ring attention and Ulysses on the ones whose
+# attention they implement.
+RUNS_ON = {
+    ("ddp.py", 2, ()): ["tiny-gemma2", "tiny-phi3"],
+    ("zero.py", 2, ("--stage", "3")): ["tiny-gemma2", "tiny-phi3"],
+    ("fsdp.py", 2, ()): ["tiny-gemma2", "tiny-phi3"],
+    ("tp.py", 2, ()): FAMILIES,
+    ("sp.py", 2, ("--variant", "megatron")): FAMILIES,
+    ("sp.py", 2, ("--variant", "ulysses")): ["tiny-qwen3", "tiny-olmo2", "tiny-phi3"],
+    ("pp.py", 2, ()): FAMILIES,
+    ("cp_ring.py", 2, ()): ["tiny-qwen3", "tiny-olmo2", "tiny-phi3"],
+    ("compose4d.py", 4, ("--tp", "2", "--pp", "2")): FAMILIES,
+}
+BATCHES = {key: Runs(key[0], key[1], {f: [*ARGS, "--model", f, *key[2]] for f in fams},
+                     tier="slow") for key, fams in RUNS_ON.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key,family", [pytest.param(k, f, id=f"{k[0][:-3]}{''.join(k[2])}-{f}")
+                                        for k, fams in RUNS_ON.items() for f in fams])
+def test_family_passes(runs, key, family):
+    r = runs(BATCHES[key], family)
+    assert r.rc == 0 and "\nPASS " in "\n" + r.stdout, r
+
+
+# -- refusals: one line naming the constraint, before any process group (in-process) --------
+def constraints(script, cls_name, world, family, *extra):
+    import importlib
+    cls = getattr(importlib.import_module(script), cls_name)
+    p = harness.base_parser(script)
+    cls.add_args(p)
+    args = p.parse_args(["--model", family, "--batch", "4", "--length", "16", *extra])
+    cfg = harness.load_config(family)
+    args.attn = harness.resolve_attn(cfg, args.attn)[0]
+    return harness.common_constraints(args, world, cfg) + cls.constraints(args, world, cfg)
+
+
+REFUSED = [
+    # (script, class, world, family, extra args, the refusal's start)
+    ("cp_ring", "CP", 2, "tiny-gemma2", (), "context parallelism's ring attention does not "
+     "implement attention logit soft-capping"),
+    ("cp_ring", "CP", 2, "tiny-mistral", (), "context parallelism's ring attention does not "
+     "implement a sliding window of 8 tokens, shorter than --length 16"),
+    ("sp", "SP", 2, "tiny-gemma2", ("--variant", "ulysses"), "ulysses attends with SDPA's "
+     "causal mode, which does not implement attention logit soft-capping"),
+    ("sp", "SP", 2, "tiny-mistral", ("--variant", "ulysses"), "ulysses attends with SDPA's "
+     "causal mode, which does not implement a sliding window"),
+    ("tp", "TP", 4, "tiny-olmo2", (), "model.layers.0.self_attn.k_norm.weight (Olmo2RMSNorm): a "
+     "full-width k_norm with more ranks (4) than kv heads (2) is not supported"),
+    ("tp", "TP", 4, "tiny-phi3", (), "model.layers.0.self_attn.qkv_proj.weight (Linear): a fused "
+     "projection with more ranks (4) than kv heads (2) is not supported"),
+    ("compose4d", "Compose4D", 4, "tiny-gemma2", ("--cp", "2", "--length", "16"),
+     "--cp 2: context parallelism's ring attention does not implement attention logit"),
+]
+
+
+@pytest.mark.parametrize("script,cls,world,family,extra,msg", REFUSED,
+                         ids=[f"{r[0]}-W{r[2]}-{r[3]}" for r in REFUSED])
+def test_family_refused(script, cls, world, family, extra, msg):
+    errs = constraints(script, cls, world, family, *extra)
+    assert errs and errs[0].startswith(msg), errs
+
+
+def test_refusal_is_one_line_exit_2():
+    r = launch("cp_ring.py", 2, "--mode", "correctness", "--model", "tiny-gemma2", "--length",
+               "16", as_rank0=True)
+    assert_config_error(r, "context parallelism's ring attention does not implement",
+                        torchrun=False)
+
+
+def test_sdpa_asked_where_there_is_none():
+    with pytest.raises(harness.ConfigError, match="Gemma2ForCausalLM has no SDPA"):
+        harness.resolve_attn(harness.load_config("tiny-gemma2"), "sdpa")
+    assert harness.resolve_attn(harness.load_config("tiny-gemma2"), "auto")[0] == "eager"
+    assert harness.resolve_attn(harness.load_config("tiny-qwen3"), "auto") == ("sdpa", None)
+
+
+# -- the classification itself -------------------------------------------------------------
+@pytest.mark.parametrize("family", ["tiny", *FAMILIES])
+def test_every_parameter_has_a_kind(family):
+    model = tp.meta_model(harness.load_config(family))
+    kinds, errs = tp.classify(model, 2)
+    assert not errs and all(kinds.get(n) for n, _ in model.named_parameters()), (errs, kinds)
+    want = {"tiny-qwen3": ("self_attn.q_norm.weight", "partial"),
+            "tiny-olmo2": ("self_attn.k_norm.weight", "norm-sharded"),
+            "tiny-phi3": ("self_attn.qkv_proj.weight", "fused"),
+            "tiny-gemma2": ("pre_feedforward_layernorm.weight", "replicated")}.get(family)
+    if want:
+        assert kinds["model.layers.1." + want[0]] == want[1], kinds
+
+
+class Gate(nn.Module):
+    """A module the code has never seen: a learned scalar gate on the attention output."""
+    def __init__(self):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1))
+
+
+def test_an_unknown_module_is_refused_by_name(group):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_config(harness.load_config("tiny-qwen3"))
+    model.model.layers[1].self_attn.gate = Gate()
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"^tp.parallelize: model.layers.1.self_attn.gate.alpha "
+                                         r"\(Gate\): not a module tensor parallelism knows how"):
+        tp.parallelize(model)
+    after = dict(model.named_parameters())   # refused before anything was split
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    # and a model that is not an HF decoder at all
+    with pytest.raises(ValueError, match="is not an HF decoder"):
+        tp.parallelize(types.SimpleNamespace(config=model.config, named_modules=lambda: []))
+
+
+def test_float64_runs_keep_float64_inside_the_model():
+    """Gemma2's norms and eager attention compute in float32 by design: in a float64 run they
+    stay float64 (what the float64 verdict needs); in bfloat16 the model is unchanged."""
+    import copy
+    from transformers import AutoModelForCausalLM
+    cfg = harness.load_config("tiny-gemma2")
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    plain = copy.deepcopy(m).double()
+    kept = harness.keep_float64(copy.deepcopy(m).double())
+
+    def float32_ops(model):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Dtypes(TorchDispatchMode):
+            seen, on = set(), True
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                    if self.on and isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                        self.seen.add(str(func))
+                return out
+        mode = Dtypes()
+        # (the rotary table is float32 by design: a function of the positions only, the same
+        # numbers in every run and layout)
+        rot = model.model.rotary_emb
+        hooks = [rot.register_forward_pre_hook(lambda *a: setattr(mode, "on", False)),
+                 rot.register_forward_hook(lambda *a: setattr(mode, "on", True))]
+        with mode:
+            model(input_ids=ids).logits.sum().backward()
+        for h in hooks:
+            h.remove()
+        return mode.seen
+    assert float32_ops(plain)             # HF's own casts: norms, eager softmax
+    assert not float32_ops(kept)          # none left, forward or backward
+    assert (plain(input_ids=ids).logits - kept(input_ids=ids).logits).abs().max() > 1e-8
+    bf = copy.deepcopy(m).bfloat16()
+    a = bf(input_ids=ids).logits
+    assert torch.equal(harness.keep_float64(bf)(input_ids=ids).logits, a)
+
+
+@pytest.mark.slow
+def test_tp_in_a_plain_loop_matches_one_device():
+    """Through the library API, not the harness: tp.parallelize, the vocab-parallel loss,
+    reduce_partial_grads and AdamW, per family; a Qwen3 loop without the partial-gradient sum
+    must FAIL (tests/families_check.py)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "tests", "families_check.py")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                                PYTHONPATH=ROOT))
+    lines = [l for l in p.stdout.splitlines() if l.startswith(("PASS", "FAIL"))]
+    assert [l.split()[:2] for l in lines] == [
+        ["PASS", f] for f in ("tiny-qwen3", "tiny-olmo2", "tiny-phi3", "tiny-gemma2")] + [
+        ["FAIL", "control"]], p.stdout + p.stderr[-3000:]
+
+
+# A Qwen3 twin of the realistic checkpoint (trained, massive activations, sharp attention, 12
+# heads / 6 kv heads, tied, vocabulary 250): its per-head q/k norms are trained weights whose
+# gradients sum over heads with heavy cancellation, the case a random init is kind to.
+def qwen3_checkpoint(base):
+    return realistic.checkpoint(os.path.join(os.path.dirname(str(base)), "ckpt"), "qwen3")
+
+
+QWEN3_REAL = {script: Runs(script, 2, {"qwen3-real": [
+    "--mode", "correctness", "--model", qwen3_checkpoint, "--dtype", "float64,float32",
+    *realistic.DATA, *extra]}, tier="slow")
+    for script, extra in (("tp.py", []), ("sp.py", ["--variant", "megatron"]))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", list(QWEN3_REAL))
+def test_qwen3_realistic_checkpoint(runs, script):
+    r = runs(QWEN3_REAL[script], "qwen3-real")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    results = r.json("correctness.json")
+    assert [x["dtype"] for x in results] == ["float64", "float32"], results
+    assert all(x["ok"] and x["tensors"] == x["grads_compared"] for x in results), results
