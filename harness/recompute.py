@@ -120,6 +120,8 @@ import time
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .models import Float64Kept
+
 MODES = ("none", "full", "selective")
 
 
@@ -207,7 +209,13 @@ def _wrap_attention(model):
                 else ALL_ATTENTION_FUNCTIONS[impl])
 
         def core(q, k, v):
-            return base(module, q, k, v, attention_mask, **kwargs)[0]
+            if q.dtype != torch.float64:
+                return base(module, q, k, v, attention_mask, **kwargs)[0]
+            # a float64 run keeps eager's softmax in float64 (models.Float64Kept); the
+            # recomputation in the backward runs outside the attention module's forward, so
+            # it enters the mode itself: the same numbers as the forward
+            with Float64Kept():
+                return base(module, q, k, v, attention_mask, **kwargs)[0]
         if not torch.is_grad_enabled():
             return core(query, key, value), None
         # (the probabilities eager would return are not kept: that is the point)
