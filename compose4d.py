@@ -343,6 +343,9 @@ class Compose4D(Strategy):
         p.add_argument("--test-sigterm-at", default=None,
                        help="test hook STEP:MB: rank 0 sends SIGTERM to the launcher after "
                             "that micro-batch")
+        p.add_argument("--test-sigkill-at", default=None,
+                       help="test hook STEP:MB: the last rank kills itself (SIGKILL) before "
+                            "that micro-batch's forward, on the launcher's first attempt only")
         p.add_argument("--test-crash-in-save", action="store_true",
                        help="test hook: exit hard in the middle of a save")
         p.add_argument("--load", default="shards", choices=["shards", "full"],

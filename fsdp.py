@@ -64,7 +64,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from harness import Expect, Plant, main, name_group, planted, spread_across_ranks
+from harness import (Expect, Plant, main, name_group, planted, ranks_per_node,
+                     spread_across_ranks)
 from harness.precision import grad_reduce_dtype
 import ddp
 import zero
@@ -215,10 +216,22 @@ def fsdp_constraints(args, world, config) -> list[str]:
     errs = ddp.batch_constraints(args, world)
     if args.prefetch < 0:
         errs.append(f"--prefetch must be >= 0 (got {args.prefetch})")
-    if args.replicate < 1 or world % args.replicate:
+    if args.replicate is not None and (args.replicate < 1 or world % args.replicate):
         errs.append(f"--replicate {args.replicate}: the replicas must divide world size {world} "
                     f"(HSDP shards over W / R ranks)")
     return errs
+
+
+def replicas(args, world: int) -> tuple[int, str | None]:
+    """(R, a line saying where it came from): --replicate, or one replica per node of the
+    launcher's layout (torchrun --nnodes M: R = M, each shard group one node's ranks)."""
+    if args.replicate is not None:
+        return args.replicate, None
+    n = ranks_per_node(world)
+    if n is None:
+        return 1, None
+    return world // n, (f"HSDP: --replicate {world // n} from the launcher's layout ({world // n} "
+                        f"nodes of {n} ranks, LOCAL_WORLD_SIZE)")
 
 
 class FSDP(zero.ZeRO):
@@ -247,8 +260,9 @@ class FSDP(zero.ZeRO):
         p.add_argument("--no-reshard-after-forward", action="store_true",
                        help="keep full parameters from the forward to the backward (ZeRO-2)")
         p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
-        p.add_argument("--replicate", type=int, default=1,
-                       help="HSDP: R replicas, each sharded over W / R ranks")
+        p.add_argument("--replicate", type=int, default=None,
+                       help="HSDP: R replicas, each sharded over W / R ranks (default: one per "
+                            "node of the launcher's layout, so 1 on one node)")
 
     constraints = staticmethod(fsdp_constraints)
 
@@ -256,6 +270,9 @@ class FSDP(zero.ZeRO):
         self.args, self.env, self.model = args, env, model
         args.stage = 3  # zero.ZeRO's reporting: FSDP's model states are stage 3's
         group = replicate = None
+        args.replicate, line = replicas(args, env.world)
+        if line and env.is_main:
+            print(line, flush=True)
         if args.replicate > 1:
             group, replicate = hsdp_groups(args.replicate)
         self.zero = fully_shard(model, group=group, replicate_group=replicate,

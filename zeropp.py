@@ -49,7 +49,8 @@ import copy
 import torch
 import torch.distributed as dist
 
-from harness import METER, Batch, Expect, Plant, Reference, lm_loss_sum, main, name_group, planted
+from harness import (METER, Batch, Expect, Plant, Reference, lm_loss_sum, main, name_group,
+                     planted, ranks_per_node)
 from harness.models import build_model
 from zero import ZeRO, Zero, decoder_units, pad_to, zero_constraints
 
@@ -530,6 +531,11 @@ def parse_tricks(text: str) -> list[str]:
     return [t.strip() for t in text.split(",")]
 
 
+def node_size(args, world: int) -> int:
+    """N: --node-size, or the launcher's ranks per node (torchrun --nnodes M), or 1."""
+    return args.node_size or ranks_per_node(world) or 1
+
+
 def zeropp_constraints(args, world, config) -> list[str]:
     errs = zero_constraints(args, world, config)
     tricks, N = parse_tricks(args.zeropp), args.node_size
@@ -545,7 +551,10 @@ def zeropp_constraints(args, world, config) -> list[str]:
                     f"only)")
     needs_node = [t for t in tricks if t in ("hpz", "qgz")]
     if needs_node and N is None:
-        errs.append(f"--zeropp {needs_node[0]} needs --node-size N (ranks per node)")
+        N = ranks_per_node(world)     # the launcher's layout: torchrun --nnodes M
+    if needs_node and N is None:
+        errs.append(f"--zeropp {needs_node[0]} needs --node-size N (ranks per node; the "
+                    f"launcher gives one node)")
     elif N is not None and not needs_node:
         errs.append(f"--node-size {N} is for ZeRO++'s hpz and qgz (give --zeropp hpz or qgz)")
     elif N is not None and (N < 1 or world % N):
@@ -579,7 +588,8 @@ class ZeroPlusPlus(ZeRO):
                             "all-gather), hpz (secondary partition inside the node), qgz (int8 "
                             "hierarchical all-to-all for the gradients); qwz and hpz: stage 3")
         p.add_argument("--node-size", type=int, default=None,
-                       help="ranks per node (groups of N consecutive ranks): hpz, qgz")
+                       help="ranks per node (groups of N consecutive ranks): hpz, qgz; default: "
+                            "the launcher's (LOCAL_WORLD_SIZE under torchrun --nnodes M)")
         p.set_defaults(stage=3)
 
     constraints = staticmethod(zeropp_constraints)
@@ -590,7 +600,12 @@ class ZeroPlusPlus(ZeRO):
         self.checks = ZeroPPChecks(self.zero) if args.mode == "correctness" else None
 
     def make_engine(self, model, **kw) -> ZeroPP:
-        return ZeroPP(model, parse_tricks(self.args.zeropp), self.args.node_size or 1, **kw)
+        tricks = parse_tricks(self.args.zeropp)
+        N = node_size(self.args, self.env.world)
+        if self.args.node_size is None and N > 1 and self.env.is_main:
+            print(f"ZeRO++: --node-size {N} from the launcher's layout (LOCAL_WORLD_SIZE)",
+                  flush=True)
+        return ZeroPP(model, tricks, N, **kw)
 
     @classmethod
     def lossy_noise(cls, run):
@@ -602,7 +617,7 @@ class ZeroPlusPlus(ZeRO):
         a = copy.copy(run.args)
         a.dtype = "float64"
         model = QuantizationNoise(build_model(a, run.config, run.env.device), a, run.env,
-                                  tricks, run.env.world, run.args.node_size or 1)
+                                  tricks, run.env.world, node_size(run.args, run.env.world))
         return [model, model.mirror]   # the loss both ways: |drift| + sigma_L
 
     def extra_checks(self):

@@ -142,6 +142,14 @@ def env_from_os() -> tuple[int, int, int]:
             int(os.environ.get("LOCAL_RANK", 0)))
 
 
+def ranks_per_node(world: int) -> int | None:
+    """The launcher's node layout: torchrun's LOCAL_WORLD_SIZE (ranks on this node) when it
+    splits `world` into more than one node of equal size, else None (one node, or not
+    launched by torchrun). HSDP's replicas and ZeRO++'s node size default to it."""
+    n = int(os.environ.get("LOCAL_WORLD_SIZE", 0) or 0)
+    return n if 0 < n < world and world % n == 0 else None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -161,6 +169,12 @@ def launch(args) -> Env:
         # torchrun gives each worker one thread; a plain run may use the whole machine.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0) or 0) > 0 and rank == 0
+            and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"):
+        # the workers share the rendezvous store, where a restarted group finds its previous
+        # attempt's addresses and fails to connect (pytorch/pytorch#135712)
+        print("warning: torchrun --max-restarts: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for "
+              "the launcher, or a restarted group may fail to connect", flush=True)
     kw = dict(backend=backend, timeout=datetime.timedelta(seconds=args.timeout))
     if backend == "nccl":
         kw["device_id"] = device

@@ -1,5 +1,6 @@
 """trainer4d/elastic.py's batch planner: the rule, the memory model, infeasible counts, and the CLI."""
 import json
+import os
 import subprocess
 import sys
 
@@ -159,6 +160,53 @@ def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path):
     r = launch("compose4d.py", 2, *base, "--resume", str(ck), out=tmp_path / "c")
     assert r.rc == 0 and "resumed from" in r.stdout and "at step 2" in r.stdout, r
     assert (ck / "latest").read_text() == "step-4"
+
+
+def _torchrun(nproc, args, out, *launcher):
+    """compose4d.py under torchrun with extra launcher flags (--max-restarts); (the finished
+    process, the time it ended). The launcher does not share its rendezvous store with the
+    workers: with it shared, a restarted gloo group reads its previous attempt's addresses
+    (pytorch/pytorch#135712; docs/training.md)."""
+    import time
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", *launcher, os.path.join(ROOT, "compose4d.py"), *args,
+           "--timeout", "60", "--out", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+    return p, time.time()
+
+
+@pytest.mark.slow
+def test_sigkill_mid_step_ends_the_job_and_a_restart_resumes_exactly(tmp_path):
+    """A worker killed with SIGKILL in the middle of a step: the job ends (no hang) and no
+    survivor writes a checkpoint or moves `latest`; `torchrun --max-restarts=1` with --resume
+    (killed again on its first attempt) completes the run with the uninterrupted losses, bit
+    for bit (float64, the same layout)."""
+    import re
+    ck = tmp_path / "ck"
+    base = ["--mode", "train", "--dtype", "float64", "--steps", "5", "--log-every", "1",
+            "--dp", "2", "--grad-accum", "2", "--batch", "4", "--save-every", "1"]
+    p, _ = _torchrun(2, base, tmp_path / "full")
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    full = dict((s, l) for s, l in json.loads((tmp_path / "full" / "train.json").read_text())
+                ["losses"])
+    # killed before micro-batch 1 of step 2: checkpoints step-1 and step-2 exist, nothing after
+    p, end = _torchrun(2, [*base, "--save", str(ck), "--test-sigkill-at", "2:1"], tmp_path / "a")
+    assert p.returncode != 0 and "test hook: SIGKILL at" in p.stdout, p.stdout + p.stderr[-3000:]
+    killed = float(re.search(r"SIGKILL at ([\d.]+)", p.stdout).group(1))
+    assert end - killed < 60, end - killed            # within the process-group timeout
+    assert (ck / "latest").read_text() == "step-2"
+    assert sorted(os.listdir(ck)) == ["latest", "step-1", "step-2"], os.listdir(ck)
+    # one launch, two attempts: killed at step 3, restarted by torchrun, resumed, completed
+    p, _ = _torchrun(2, [*base, "--save", str(ck), "--resume", str(ck), "--test-sigkill-at",
+                         "3:1"], tmp_path / "b", "--max-restarts=1")
+    assert p.returncode == 0 and "test hook: SIGKILL at" in p.stdout, p.stdout + p.stderr[-3000:]
+    assert "at step 3" in p.stdout, p.stdout                   # the second attempt's resume
+    got = dict((s, l) for s, l in json.loads((tmp_path / "b" / "train.json").read_text())
+               ["losses"])
+    assert sorted(got) == [3, 4] and all(got[s] == full[s] for s in got), (got, full)
+    assert (ck / "latest").read_text() == "step-5"
 
 
 def test_infeasible_world_ends_with_one_line():

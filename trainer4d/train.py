@@ -277,6 +277,10 @@ def run_train(run: Run, cls) -> bool:
             rows = [r for r in range(G) if r not in set(cut["rows_done"])]
             partial = full["grad"]
         def sigterm_hook(m, s=s):   # before forward m: micro-batch m - 1 is the last done
+            if (args.test_sigkill_at == f"{s}:{m}" and env.rank == env.world - 1
+                    and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+                print(f"test hook: SIGKILL at {time.time():.3f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)   # test hook: a worker dies mid-step
             if args.test_sigterm_at == f"{s}:{m - 1}" and env.is_main:
                 # under torchrun the launcher passes it on to every rank; alone, to ourselves
                 os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(),
@@ -289,7 +293,8 @@ def run_train(run: Run, cls) -> bool:
         # the step's loss and acted on after the update. Only the test hook looks in (locally).
         mid_step = (args.preempt_at == "micro-batch" and rows is None and args.save
                     and args.schedule == "1f1b")                          # (V = 1)
-        hook = stop if mid_step else (sigterm_hook if args.test_sigterm_at else None)
+        hook = stop if mid_step else (sigterm_hook if args.test_sigterm_at
+                                      or args.test_sigkill_at else None)
         loss, stopped, stopping = step_rows(strat, batch, rows, mb, hook, partial,
                                             flag=lambda: pre.flag, cut=mid_step)
         if stopped:                                  # SIGTERM inside the step: save mid-step
