@@ -47,7 +47,10 @@ def launch(script, nproc, *args, out=None, timeout=300, torchrun=True, as_rank0=
     cmd = [sys.executable]
     if torchrun and not as_rank0:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd += [os.path.join(ROOT, script), *map(str, args), "--timeout", "60"]
+    # the process-group timeout of a strategy script; oom_search's --timeout is its per-trial
+    # wall clock (default 300 s), which a 60 s cap would cut short on a loaded machine
+    timeout_flag = [] if script == "oom_search.py" else ["--timeout", "60"]
+    cmd += [os.path.join(ROOT, script), *map(str, args), *timeout_flag]
     if out is not None:
         cmd += ["--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -55,6 +58,22 @@ def launch(script, nproc, *args, out=None, timeout=300, torchrun=True, as_rank0=
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(nproc))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     return Result(proc, out)
+
+
+class FailedLaunch:
+    """What a pooled launch that raised (a timeout) leaves each of its runs: a failure."""
+    def __init__(self, why: str):
+        self.rc, self.stdout, self.stderr, self.out = 1, "", why, None
+
+    def json(self, name):
+        raise AssertionError(self.stderr)
+
+    @property
+    def last_line(self):
+        return self.stderr
+
+    def __repr__(self):
+        return f"<launch failed: {self.stderr}>"
 
 
 class RunResult(Result):
@@ -129,8 +148,13 @@ def runs(tmp_path_factory):
             pool = [b for b in Runs.ALL if b.pool == batch.pool and id(b) not in done]
             merged = {(i, k): args for i, b in enumerate(pool) for k, args in b.runs.items()}
             base = tmp_path_factory.mktemp(f"{os.path.splitext(batch.script)[0]}-W{batch.nproc}")
-            res = launch_runs(batch.script, batch.nproc, merged, base,
-                              timeout=300 + 120 * len(merged))
+            try:
+                res = launch_runs(batch.script, batch.nproc, merged, base,
+                                  timeout=300 + 120 * len(merged))
+            except (subprocess.SubprocessError, OSError) as e:
+                # recorded once: every test of the pool fails with this, none relaunches it
+                res = {key: FailedLaunch(f"{batch.script} W={batch.nproc}: {e!r}")
+                       for key in merged}
             for i, b in enumerate(pool):
                 done[id(b)] = {k: res[i, k] for k in b.runs}
         return done[id(batch)][key]

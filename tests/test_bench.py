@@ -2,6 +2,7 @@
 tiny model (the schema results/bench-cpu.json is written in, the ratios taken from --paired
 rounds), and a refused configuration recorded as a skipped row with its reason, not a crash."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -26,9 +27,11 @@ def test_ddp_row_against_torch_ddp_and_the_reference(tmp_path):
     for r in rows:
         assert set(r) == KEYS and r["world"] == 2 and r["dtype"] == "float32", r
         assert r["pairs"] == 3 and r["model"] == "tiny", r
-        assert 0 < r["ratio_p10"] <= r["ratio_median"] <= r["ratio_p90"], r
-        assert r["ours_ms"] > 0 and r["theirs_ms"] > 0, r
-        assert 0 <= r["overlap_share"] <= 1, r   # (tiny: one bucket, ~0; tests/test_overlap.py)
+        # the median of the per-round ratios and the ratio of the median times describe the
+        # same rounds: they agree to the rounds' spread (a swapped or stale field does not)
+        assert abs(math.log(r["ratio_median"] * r["theirs_ms"] / r["ours_ms"])) < math.log(1.5), r
+        assert r["ratio_p10"] < r["ratio_p90"], r    # 3 rounds of real timings differ
+        assert r["overlap_share"] < 0.25, r   # tiny: one bucket, nothing to hide it behind
     assert "| ddp | torch-ddp | 2 |" in p.stdout
 
 

@@ -81,7 +81,8 @@ def test_reference_router_losses_are_hf_losses():
     from transformers.models.switch_transformers.modeling_switch_transformers import (
         router_z_loss_func)
     E, k, L, N = 6, 2, 3, 40
-    logits = tuple(3 * torch.randn(N, E, dtype=torch.float64) for _ in range(L))
+    g = torch.Generator().manual_seed(0)
+    logits = tuple(3 * torch.randn(N, E, dtype=torch.float64, generator=g) for _ in range(L))
     aux, z = hf_router_losses(logits, E, k)
     assert aux.dtype == z.dtype == torch.float64
     assert torch.allclose(aux.float(), load_balancing_loss_func(logits, E, k), rtol=1e-6)
@@ -97,7 +98,8 @@ def test_reference_router_losses_are_hf_losses():
 def test_aux_loss_matches_hf_load_balancing_loss():
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
     E, k, L, N = 8, 2, 3, 40
-    logits = [torch.randn(N, E) for _ in range(L)]
+    g = torch.Generator().manual_seed(0)
+    logits = [torch.randn(N, E, generator=g) for _ in range(L)]
     stats = []
     for lg in logits:
         probs = F.softmax(lg, -1)

@@ -288,3 +288,9 @@ def test_ddp_reduction_error_shown_in_bf16(runs, rd):
 def test_zero_fsdp_bf16_benchmark_follows_the_reduce_dtype(runs, key):
     r = runs(REDUCE["fsdp" if key == "bench-bf16" else "zero"], key)
     assert r.rc == 0 and "communication matches the formulas" in r.stdout, r
+    # The bytes themselves, from the model's size and not from the code's buffers (whose
+    # element size would follow a reduce dtype the code ignored): tiny's 180,800 parameters,
+    # every unit even (W=2 pads nothing), 4 bytes per element reduced in float32, 2 in bf16.
+    e = 2 if key.endswith("-param") else 4
+    comm = r.json("benchmark.json")["ours"]["comm"]
+    assert comm["reduce_scatter_tensor|world"]["bytes"] == 180_800 * e, comm

@@ -154,7 +154,6 @@ def test_measure_on_a_model():
     assert not hasattr(m, "_recompute") and m.config._attn_implementation == "eager"
     act = {k: v["activation_bytes"] for k, v in got.items()}
     assert act["full"] < act["selective"] < act["none"], act
-    assert all(v["step_s"] > 0 for v in got.values())
     rc.apply_recompute(m, "full")
     assert rc.measure(m, ids, "full", repeats=0)["activation_bytes"] == act["full"]
     with pytest.raises(ValueError, match="has recompute 'full' installed"):
