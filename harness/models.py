@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import types
 
 import torch
 
@@ -113,40 +114,26 @@ class Float64Kept(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _enter_float64(module, args, kwargs=None):
-    if module._f64_depth == 0:
-        module._f64_mode = Float64Kept()
-        module._f64_mode.__enter__()
-    module._f64_depth += 1
-
-
-def _exit_float64(module, args, out):
-    module._f64_depth -= 1
-    if module._f64_depth == 0:
-        module._f64_mode.__exit__(None, None, None)
+def _kept_forward(self, *args, **kwargs):
+    """The module's own forward, under Float64Kept when its parameters are float64. Only the
+    forward's body runs under the mode: the hooks a strategy registers on the module (a
+    ZeRO-3 unit's gather, ZeRO++'s int8 quantization) run outside it, in their own dtypes."""
+    forward = type(self).forward
+    p = next(self.parameters(), None)
+    if p is None or p.dtype != torch.float64:
+        return forward(self, *args, **kwargs)
+    with Float64Kept():
+        return forward(self, *args, **kwargs)
 
 
 def keep_float64(model: torch.nn.Module) -> torch.nn.Module:
     """In a float64 model, every module that rounds to float32 by design (its norms and
-    attention) runs under Float64Kept. The hooks act only when the module's parameters are
-    float64: a no-op in other dtypes. (A MoE router's float32 softmax is left as it is: the
-    expert-parallel verdicts are measured with it.)"""
+    attention) computes its forward under Float64Kept; a no-op in other dtypes. (A MoE router's
+    float32 softmax is left as it is: the expert-parallel verdicts are measured with it.)"""
     for m in model.modules():
-        if type(m).__name__.endswith(("Norm", "Attention")) and not hasattr(m, "_f64_depth"):
-            m._f64_depth = 0
-            m.register_forward_pre_hook(
-                lambda mod, a: _enter_float64(mod, a) if _is_f64(mod) else None)
-            m.register_forward_hook(
-                lambda mod, a, o: _exit_float64(mod, a, o) if mod._f64_depth else None,
-                always_call=True)
+        if type(m).__name__.endswith(("Norm", "Attention")) and "forward" not in vars(m):
+            m.forward = types.MethodType(_kept_forward, m)
     return model
-
-
-def _is_f64(module) -> bool:
-    p = next(module.parameters(), None)
-    if p is None:   # (an attention module whose projections a strategy replaced still has some)
-        return module._f64_depth > 0
-    return p.dtype == torch.float64
 
 
 def resolve_attn(config, attn: str) -> tuple[str, str | None]:
