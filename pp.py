@@ -199,7 +199,8 @@ class Pipeline:
                else self.positions)[None]
         h = base.embed_tokens(x) if c == 0 else x
         cos_sin = base.rotary_emb(h, pos)
-        masks = attention_masks(self.model.config, pos[0], h.dtype)
+        masks = (None if self.positions is not None    # (context parallel: its own attention)
+                 else attention_masks(self.model.config, S, h.dtype, h.device))
         types = getattr(self.model.config, "layer_types", None)
         for i in self.bounds[c]:
             mask = masks and masks[types[i] if types else "full_attention"]

@@ -43,7 +43,6 @@ Public API
     tpm.clip(max_norm)                global-norm clipping over the shards
     examples/tp_train.py is a complete loop.
 """
-import copy
 
 import torch
 import torch.distributed as dist
@@ -200,8 +199,13 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, emb: nn.Embedding, lo: int, per_rank: int, region: TPRegion):
         super().__init__()
         self.lo, self.per_rank, self.region = lo, per_rank, region
-        # Gemma's scaled embedding multiplies by sqrt(H), rounded to the weight's dtype
-        self.scale = getattr(emb, "scalar_embed_scale", None)
+        # Gemma's scaled embedding multiplies by its embed_scale buffer, sqrt(H) as a float32
+        # (then cast to the weights' dtype), exactly as HF does
+        self.scale = None
+        if hasattr(emb, "scalar_embed_scale"):
+            buf = getattr(emb, "embed_scale", None)
+            self.scale = (buf.item() if buf is not None and not buf.is_meta else
+                          torch.tensor(emb.scalar_embed_scale, dtype=torch.float32).item())
         w = torch.zeros(per_rank, emb.weight.shape[1], dtype=emb.weight.dtype,
                         device=emb.weight.device)
         rows = emb.weight.detach()[lo:lo + per_rank]
@@ -278,6 +282,23 @@ def pad_to(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
+class LocalHeads:
+    """A model config seen with this rank's number of attention heads; every other attribute
+    is the shared config's, read and written through."""
+
+    def __init__(self, config, heads: int):
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "num_attention_heads", heads)
+
+    def __getattr__(self, name):
+        if name == "_config":
+            raise AttributeError(name)
+        return getattr(self._config, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._config, name, value)
+
+
 class TensorParallel:
     """Replaces the Linear/Embedding modules (and full-width q/k norms) of an HF decoder (in
     place) with their T-way sharded versions; HF's own attention code then runs on the local
@@ -323,10 +344,10 @@ class TensorParallel:
                     slice(q_n + kv_n + kv_rows.start, q_n + kv_n + kv_rows.stop)])
                 for kind in ("weight", "bias"):
                     self.segments[p + f"self_attn.qkv_proj.{kind}"] = (q_n, kv_n, kv_n)
-                # Phi3 finds its q rows at config.num_attention_heads * head_dim: a config of
-                # its own, with this rank's heads
-                a.config = copy.copy(a.config)
-                a.config.num_attention_heads = hq
+                # Phi3 finds its q rows at config.num_attention_heads * head_dim: this rank's
+                # heads, the rest read through from the shared config (cp_ring and recompute
+                # change its attention implementation later)
+                a.config = LocalHeads(a.config, hq)
             else:
                 a.q_proj = ColumnParallelLinear(a.q_proj, rows(hq * head_dim))
                 a.k_proj = ColumnParallelLinear(a.k_proj, kv_rows)

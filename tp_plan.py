@@ -30,6 +30,8 @@ import torch.nn as nn
 #                  Gemma3's per-head q/k norms): summed over the group after the backward
 COLUMN, ROW, FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), \
     ("o_proj", "down_proj"), ("qkv_proj", "gate_up_proj")
+# full-width q/k norms whose formula tp.ShardedRMSNorm computes (weight x normalised, in float32)
+FULL_WIDTH_NORMS = ("Olmo2RMSNorm",)
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                "post_feedforward_layernorm")
 
@@ -78,14 +80,15 @@ def classify(model, T: int) -> tuple[dict[str, str], list[str]]:
             heads = hq if leaf == "q_norm" else hkv
             if n == d:
                 kind = "partial"
-            elif n == heads * d and type(module).__name__.endswith("RMSNorm") and len(own) == 1:
+            elif n == heads * d and type(module).__name__ in FULL_WIDTH_NORMS:
                 kind = "norm-sharded"
                 if replicate_kv and leaf == "k_norm":
                     kind, why = None, (f"a full-width k_norm with more ranks ({T}) than kv "
                                        f"heads ({hkv}) is not supported")
             else:
                 kind, why = None, (f"a q/k norm over {n} features (neither one head, {d}, nor "
-                                   f"all heads, {heads * d}, of an RMSNorm)")
+                                   f"all heads, {heads * d}, of a norm whose formula "
+                                   f"tp.ShardedRMSNorm implements: {', '.join(FULL_WIDTH_NORMS)})")
         else:
             kind = None
         for pname, p in own:

@@ -602,7 +602,8 @@ class ZeroPlusPlus(ZeRO):
     def make_engine(self, model, **kw) -> ZeroPP:
         tricks = parse_tricks(self.args.zeropp)
         N = node_size(self.args, self.env.world)
-        if self.args.node_size is None and N > 1 and self.env.is_main:
+        if (self.args.node_size is None and N > 1 and {"hpz", "qgz"} & set(tricks)
+                and self.env.is_main):
             print(f"ZeRO++: --node-size {N} from the launcher's layout (LOCAL_WORLD_SIZE)",
                   flush=True)
         return ZeroPP(model, tricks, N, **kw)

@@ -230,23 +230,34 @@ def attention_features(config, length: int) -> list[str]:
     return out
 
 
-def attention_masks(config, pos: torch.Tensor, dtype) -> dict | None:
-    """The additive masks a decoder layer needs when it is called on its own, by attention
-    type: none with SDPA and no sliding window (its causal mode), otherwise query i sees key j
-    when pos_j <= pos_i (and pos_i - pos_j < the window on sliding layers, HF's convention):
-    eager attention (Gemma2) and sliding windows, as the model's own forward would build them.
-    A composition that installs its own attention (context parallelism) masks by itself."""
-    impl = config._attn_implementation
-    window, every_layer = sliding_window(config, int(pos.max()) + 1)
-    if impl not in ("eager", "sdpa") or (impl == "sdpa" and not window):
+_MASKS: dict = {}
+
+
+def attention_masks(config, length: int, dtype, device) -> dict | None:
+    """The additive masks a decoder layer needs when it is called on its own over positions
+    0..length-1, by attention type: none with SDPA and no sliding window (its causal mode),
+    otherwise query i sees key j when j <= i (and i - j < the window on sliding layers, HF's
+    convention): eager attention (Gemma2) and sliding windows, as the model's own forward would
+    build them. Built once per (length, dtype, device, implementation, window), from shapes
+    only (no host read in the step). A composition that installs its own attention (context
+    parallelism) masks by itself: None."""
+    impl = (config._attn_implementation or "eager").removeprefix("recompute_")   # (recompute.py)
+    if impl not in ("eager", "sdpa"):
         return None
-    d = pos[:, None] - pos[None, :]                      # (S, S): query i minus key j
-    causal = d >= 0
-    slide = causal & (d < window) if window else causal
-    return {kind: torch.zeros(d.shape, dtype=dtype, device=pos.device).masked_fill(
-                ~ok, torch.finfo(dtype).min)[None, None]
-            for kind, ok in (("full_attention", slide if every_layer else causal),
-                             ("sliding_attention", slide))}
+    window, every_layer = sliding_window(config, length)
+    if impl == "sdpa" and not window:
+        return None
+    key = (length, dtype, str(device), impl, window, every_layer)
+    if key not in _MASKS:
+        pos = torch.arange(length, device=device)
+        d = pos[:, None] - pos[None, :]                  # (S, S): query i minus key j
+        causal = d >= 0
+        slide = causal & (d < window) if window else causal
+        _MASKS[key] = {kind: torch.zeros(d.shape, dtype=dtype, device=device).masked_fill(
+                           ~ok, torch.finfo(dtype).min)[None, None]
+                       for kind, ok in (("full_attention", slide if every_layer else causal),
+                                        ("sliding_attention", slide))}
+    return _MASKS[key]
 
 
 def soft_cap(logits: torch.Tensor, config) -> torch.Tensor:

@@ -328,6 +328,17 @@ def test_a_damaged_checkpoint_falls_back(runs, tmp_path, damage, why):
     assert_config_error(r, f"--resume {root}: no complete, intact checkpoint (", torchrun=False)
 
 
+def test_prune_keeps_what_latest_names(tmp_path):
+    """After a fallback resume (step-3 damaged, resumed from step-1, saved step-2), --keep 1
+    keeps step-2, the step just saved that `latest` names, and deletes the abandoned step-3 and
+    the older step-1; leftover .tmp directories go too."""
+    for n in ("step-1", "step-3", "step-2", ".tmp-step-4"):
+        os.makedirs(tmp_path / n)
+    (tmp_path / "latest").write_text("step-2")
+    checkpoint.prune(str(tmp_path), 1, 2)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-2"]
+
+
 def test_keep_retains_the_newest(runs):
     """--keep 2 with a save every step of 4: steps 3 and 4 remain, no .tmp left behind."""
     _, r = _train(runs, W2, "kept")

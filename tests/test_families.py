@@ -39,6 +39,10 @@ RUNS_ON = {
     ("pp.py", 2, ()): FAMILIES,
     ("cp_ring.py", 2, ()): ["tiny-qwen3", "tiny-olmo2", "tiny-phi3"],
     ("compose4d.py", 4, ("--tp", "2", "--pp", "2")): FAMILIES,
+    # Phi3's attention reads a per-rank config view: the ring installed after TP reaches it
+    ("compose4d.py", 4, ("--tp", "2", "--cp", "2")): ["tiny-qwen3", "tiny-phi3"],
+    # selective recompute renames the attention: pp still builds the eager / sliding masks
+    ("pp.py", 2, ("--recompute", "selective")): ["tiny-mistral", "tiny-gemma2"],
 }
 BATCHES = {key: Runs(key[0], key[1], {f: [*ARGS, "--model", f, *key[2]] for f in fams},
                      tier="slow") for key, fams in RUNS_ON.items()}

@@ -93,7 +93,7 @@ def save_checkpoint(strat, root: str, step: int, extra: dict | None = None,
         os.rename(tmp, final)                               # the step is complete ...
         _write_synced(os.path.join(root, "latest.tmp"), os.path.basename(final))
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))  # ... named
-        prune(root, keep)
+        prune(root, keep, step)
     with METER.paused():
         dist.barrier()
     return final
@@ -118,15 +118,20 @@ def _steps(root: str) -> list[int]:
     return sorted((int(m.group(1)) for m in found if m), reverse=True)
 
 
-def prune(root: str, keep: int | None):
-    """Delete leftover .tmp-step-N directories, and all but the `keep` newest complete steps
-    (None: keep all). Called by rank 0 once `latest` names the newest."""
+def prune(root: str, keep: int | None, step: int):
+    """Called by rank 0 once `latest` names step-`step`, the one just saved: delete leftover
+    .tmp-step-N directories and, with `keep`, all but the `keep` newest complete steps up to
+    this one. Steps numbered above it belong to a timeline this run abandoned (it resumed from
+    an older step because they were damaged) and never count as newer; the step `latest` names
+    is never deleted."""
     for n in os.listdir(root):
         if n.startswith(".tmp-step-"):
             shutil.rmtree(os.path.join(root, n), ignore_errors=True)
     if keep:
-        for s in _steps(root)[keep:]:
-            shutil.rmtree(os.path.join(root, f"step-{s}"), ignore_errors=True)
+        ours = [s for s in _steps(root) if s <= step]
+        for s in [s for s in _steps(root) if s > step] + ours[keep:]:
+            if s != step:
+                shutil.rmtree(os.path.join(root, f"step-{s}"), ignore_errors=True)
 
 
 def verify(d: str) -> str | None:
@@ -152,8 +157,6 @@ def verify(d: str) -> str | None:
                 h.update(block)
         if h.hexdigest() != want["blake2b"]:
             return f"{name}/{fn} does not match its checksum (altered after it was written)"
-    if not meta.get("files"):
-        return f"{name}/meta.json records no files"
     return None
 
 
@@ -175,9 +178,16 @@ def find_checkpoint(root: str | None) -> tuple[str | None, list[str]]:
         d = os.path.join(root, n)
         why = verify(d) if os.path.isdir(d) else f"latest names {n}, which does not exist"
         if why is None:
+            if not _meta(d).get("files"):   # written before checksums were recorded
+                problems.append(f"{n} records no checksums (an older checkpoint): not verified")
             return d, problems
         problems.append(why)
     return None, problems
+
+
+def _meta(d: str) -> dict:
+    with open(os.path.join(d, "meta.json")) as f:
+        return json.load(f)
 
 
 def latest_dir(root: str | None) -> str | None:
