@@ -95,7 +95,7 @@ def run_command(command: str, bindir: str, timeout: int = 300) -> str:
     if command not in _OUTPUTS:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                    PATH=bindir + os.pathsep + os.environ.get("PATH", ""))
-        proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", command],
+        proc = subprocess.run(["bash", "-e", "-c", command],
                               capture_output=True, text=True,
                               timeout=timeout, env=env, cwd=ROOT)
         assert proc.returncode == 0, (f"{command}\nexit {proc.returncode}\n"
