@@ -328,7 +328,6 @@ class TensorParallel:
         self.segments: dict[str, tuple[int, ...]] = {}
         # the replicated kv projections (kv_copies of each; rank r holds kv head r // m)
         self.kv_split: set[str] = set()
-        self.partial_grads: list[nn.Parameter] = []  # replicated kv heads' per-rank grads
 
         def rows(n_per_rank):
             return slice(r * n_per_rank, (r + 1) * n_per_rank)
@@ -386,8 +385,10 @@ class TensorParallel:
             elif kind == "kv-copy":
                 self.kv_split.add(name)
         named = dict(model.named_parameters())
-        # each copy's gradient covers its own q heads only: summed over the m copies
-        self.partial_grads = [named[n] for n, k in self.kinds.items() if k == "kv-copy"]
+        # replicated kv heads: each copy's gradient covers its own q heads only, summed over
+        # the m copies
+        self.partial_grads: list[nn.Parameter] = [named[n] for n, k in self.kinds.items()
+                                                  if k == "kv-copy"]
         # Vocabulary: padded to a multiple of T, embedding and head split by rows.
         self.vocab_padded = pad_vocab(cfg.vocab_size, T)
         per = self.vocab_padded // T
@@ -665,8 +666,8 @@ class TP(Strategy):
         nbytes = (4 * L + 2) * N * H * b + 3 * N * b_ce
         if partial:
             nbytes += self.tp.partial_numel() * b
-        calls, nbytes = calls + norm_sharded_comm(self.tp, N, a.dtype)[0], \
-            nbytes + norm_sharded_comm(self.tp, N, a.dtype)[1]
+        norm_calls, norm_bytes = norm_sharded_comm(self.tp, N, a.dtype)
+        calls, nbytes = calls + norm_calls, nbytes + norm_bytes
         if a.clip:
             calls, nbytes = calls + 1, nbytes + 8
         return [Expect("all_reduce", "world", calls, nbytes,
@@ -674,8 +675,7 @@ class TP(Strategy):
                        f"3 x {N * b_ce:,} B (L={L}, N=B*S={N}, H={H})"
                        + (" + kv grads" if self.tp.partial_grads else "")
                        + (" + q/k norm grads" if self.tp.extra_partial else "")
-                       + (" + full-width q/k norms 2 x N*b each" if norm_sharded_comm(
-                           self.tp, N, a.dtype)[0] else "")
+                       + (" + full-width q/k norms 2 x N*b each" if norm_calls else "")
                        + (" + clip" if a.clip else ""))]
 
 
