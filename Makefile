@@ -15,7 +15,7 @@ tour: setup
 	$(PYTHON) tour.py
 
 test: setup
-	$(PYTHON) -m pytest -q -m "not heavy" tests
+	$(PYTHON) -m pytest -q -m "not heavy" --durations=25 tests
 
 test-all: setup
 	$(PYTHON) -m pytest -q tests

@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from .loss import IGNORE_INDEX
 from .models import build_model
 from .run import Run
 from .strategy import Reference, Strategy, full_tensor, reference_class
@@ -82,8 +84,9 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
         return math.inf
     if not ref.numel():
         return 0.0
-    abs_err = (got - ref).abs().max().item()
-    scale = ref.abs().max().item()
+    inf = float("inf")   # (max |x| without an |x| temporary: the embedding's is 200 MB at 135M)
+    abs_err = torch.linalg.vector_norm(got - ref, inf).item()
+    scale = torch.linalg.vector_norm(ref, inf).item()
     return abs_err / scale if scale > 0 else (0.0 if abs_err == 0 else math.inf)
 
 
@@ -151,7 +154,10 @@ class Judged:
 
 class Comparison:
     """Per tensor and kind ("grad", "param"), plus the loss and the gradient norm: the worst
-    step by err / tol."""
+    step by err / tol. The errors (the strategy against the target) and the noise samples (each
+    noise source against the target) are recorded as numbers, so the runs they come from can
+    run one after another and be freed (correctness.py keeps only the target's tensors); `add`
+    records a step whole and judges it at once, `judge` judges every recorded step."""
 
     KINDS = ("grad", "param")
 
@@ -161,6 +167,10 @@ class Comparison:
         self.scalars: dict[str, Judged] = {}     # "loss", "grad norm"
         self.missing: set[str] = set()
         self.extra: list[str] = []
+        self._err: dict = {}     # (kind, step) -> {name: err}, and {name: max |target|}
+        self._noise: dict = {}   # (kind, step) -> {name: noise, or None where a source lacks it}
+        self._floor: dict = {}   # (kind, step) -> the absolute floor (parameters)
+        self._scalar: dict = {}  # (name, step) -> [err, noise, target]
 
     def _judge(self, old: Judged, err: float, noise: float, step: int, kind: str,
                extra: float = 0.0) -> Judged:
@@ -168,13 +178,47 @@ class Comparison:
         key = lambda j: math.inf if math.isnan(j.ratio) else j.ratio  # noqa: E731
         return new if old.step < 0 or key(new) > key(old) else old
 
-    def add(self, kind: str, step: int, got: dict, target: dict, noisy: list,
-            floor_abs: float = 0.0):
-        """noisy: [(tensors of a noise source, the scale of its error)]; the noise of a tensor
-        is the largest scaled error over the sources. floor_abs: an absolute tolerance added
-        (parameters: policy.update_floor), relative to each tensor's max |target|."""
-        noise = {n: max(rel_err(d[n], target[n]) * sc for d, sc in noisy) for n in self.names
-                 if target.get(n) is not None and all(d.get(n) is not None for d, _ in noisy)}
+    def error(self, kind: str, step: int, got: dict, target: dict):
+        """The strategy's tensors at one step against the target's."""
+        errs, scale = {}, {}
+        for n in self.names:
+            t = target.get(n)
+            if t is not None and got.get(n) is not None:
+                errs[n] = rel_err(got[n], t)
+                scale[n] = (torch.linalg.vector_norm(t.detach(), float("inf")).item()
+                            if t.numel() else 0.0)
+        self._err[kind, step] = errs, scale
+        self.extra = sorted(set(got) - set(self.names))
+
+    def noise(self, kind: str, step: int, noisy: dict, target: dict, scale: float):
+        """One noise source's tensors at one step: its distance from the target, times `scale`;
+        a tensor's noise is the largest over the sources."""
+        rec = self._noise.setdefault((kind, step), {})
+        for n in self.names:
+            mine = noisy.get(n)   # (read once: a mapping may compute it on reading)
+            if target.get(n) is None or mine is None:
+                rec[n] = None
+            elif n not in rec or rec[n] is not None:
+                rec[n] = max(rec.get(n) or 0.0, rel_err(mine, target[n]) * scale)
+
+    def floor(self, kind: str, step: int, floor_abs: float):
+        """An absolute tolerance (parameters: policy.update_floor), relative to each tensor's
+        max |target|; the largest recorded counts."""
+        self._floor[kind, step] = max(self._floor.get((kind, step), 0.0), floor_abs)
+
+    def scalar(self, name: str, step: int, target: float, got: float | None = None,
+               noisy: float | None = None, scale: float = 1.0):
+        """The strategy's value (got) or a noise source's (noisy, times scale) of a scalar."""
+        rel = lambda x: abs(x - target) / abs(target) if target else abs(x - target)  # noqa: E731
+        rec = self._scalar.setdefault((name, step), [math.nan, 0.0, target])
+        if got is not None:
+            rec[0] = rel(got)
+        if noisy is not None:
+            rec[1] = max(rec[1], rel(noisy) * scale)
+
+    def _judge_step(self, kind: str, step: int):
+        errs, scale = self._err.get((kind, step), ({}, {}))
+        noise = {n: e for n, e in self._noise.get((kind, step), {}).items() if e is not None}
         # One noise sample per tensor can be unusually small (a lucky rounding on a tensor whose
         # entries are all alike). Tensors of the same role in other layers (every layer's
         # mlp.up_proj.weight) have the same conditioning: a tensor is judged against at least
@@ -182,23 +226,45 @@ class Comparison:
         by_role: dict[str, list[float]] = {}
         for n, e in noise.items():
             by_role.setdefault(role(n), []).append(e)
+        floor_abs = self._floor.get((kind, step), 0.0)
         for n in self.names:
-            if n not in got or got[n] is None or n not in noise:
+            if n not in errs or n not in noise:
                 self.missing.add(f"{kind}:{n}")
                 continue
             level = max(noise[n], float(np.median(by_role[role(n)])))
-            scale = target[n].detach().abs().max().item() if target[n].numel() else 0.0
-            extra = floor_abs / scale if scale > 0 else 0.0
-            self.rows[n][kind] = self._judge(self.rows[n][kind], rel_err(got[n], target[n]),
-                                             level, step, kind, extra)
-        self.extra = sorted(set(got) - set(self.names))
+            extra = floor_abs / scale[n] if scale[n] > 0 else 0.0
+            self.rows[n][kind] = self._judge(self.rows[n][kind], errs[n], level, step, kind, extra)
 
-    def add_scalar(self, name: str, step: int, got: float, target: float, noisy: list):
-        rel = lambda x: abs(x - target) / abs(target) if target else abs(x - target)  # noqa: E731
-        err, noise = rel(got), max(rel(v) * sc for v, sc in noisy)
+    def _judge_scalar(self, name: str, step: int):
+        err, noise, target = self._scalar[name, step]
         self.scalars[name] = self._judge(self.scalars.get(name, Judged()), err, noise, step, name)
         if self.scalars[name].step == step:
             self.scalars[name].value = target
+
+    def judge(self):
+        """Every recorded step, once all its noise sources are in."""
+        self.rows = {n: {k: Judged() for k in self.KINDS} for n in self.names}
+        self.scalars, self.missing = {}, set()
+        for kind, step in sorted(self._err):
+            self._judge_step(kind, step)
+        for name, step in sorted(self._scalar):
+            self._judge_scalar(name, step)
+
+    def add(self, kind: str, step: int, got: dict, target: dict, noisy: list,
+            floor_abs: float = 0.0):
+        """A step whole, judged now. noisy: [(tensors of a noise source, the scale of its
+        error)]."""
+        self.error(kind, step, got, target)
+        for d, sc in noisy:
+            self.noise(kind, step, d, target, sc)
+        self.floor(kind, step, floor_abs)
+        self._judge_step(kind, step)
+
+    def add_scalar(self, name: str, step: int, got: float, target: float, noisy: list):
+        self.scalar(name, step, target, got=got)
+        for v, sc in noisy:
+            self.scalar(name, step, target, noisy=v, scale=sc)
+        self._judge_scalar(name, step)
 
     def all(self):
         """(label, Judged) for everything compared."""
@@ -260,11 +326,15 @@ class NoiseSource:
 
 class PermutedReference:
     """The reference (float64, or the run's low dtype) on an exactly equivalent model, a direct
-    sample of that dtype's own noise on this machine. Hidden units, MLP units and kv-head groups (each with its query
-    heads) are permuted, and so are the batch's sequences: the same function, computed with a
-    different summation order in every matmul (over the hidden size, the heads, the MLP width
-    and the tokens), as a parallel strategy reorders them. `full_grads` / `full_params` map
-    back to the original layout.
+    sample of that dtype's own noise on this machine. Hidden units, MLP units, kv-head groups
+    (each with its query heads) and the vocabulary (the embedding's and the LM head's rows, the
+    batch's token ids and labels renamed to match; the padding row kept) are permuted, and so
+    are the batch's sequences: the same function, computed with a different summation order in
+    every matmul (over the hidden size, the heads, the MLP width, the vocabulary and the
+    tokens), as a parallel strategy reorders them. `full_grads` / `full_params` map back to
+    the original layout. (The vocabulary: a vocab-parallel LM head sums the gradient of the
+    final norm over vocabulary shards; without it a correct tp.py run on a 32000-token tiny
+    model measured err/tol 1.01 in float64.)
 
     Why, beside the scaled float32 noise: scaling by eps64/eps32 assumes both dtypes' kernels
     grow their rounding alike. They need not: MKL on an AMD EPYC (AVX2) grows dgemm's error
@@ -274,7 +344,7 @@ class PermutedReference:
     (e.g. MoE experts): the scaled float32 noise then stands alone."""
 
     RULES = [  # parameter-name suffix -> the permutation of each dim (None: kept)
-        ("embed_tokens.weight", (None, "h")), ("lm_head.weight", (None, "h")),
+        ("embed_tokens.weight", ("v", "h")), ("lm_head.weight", ("v", "h")),
         ("model.norm.weight", ("h",)), (".input_layernorm.weight", ("h",)),
         (".post_attention_layernorm.weight", ("h",)),
         ("q_proj.weight", ("q", "h")), ("q_proj.bias", ("q",)),
@@ -289,6 +359,7 @@ class PermutedReference:
     def __init__(self, ref, perms: dict, rows: torch.Tensor, plan: dict):
         self.ref, self.perms, self.rows, self.plan = ref, perms, rows, plan
         self.model = ref.model
+        self.token = torch.argsort(perms["v"])   # old token id -> its row in the permuted model
 
     @classmethod
     def build(cls, run: Run, strategy_cls, dtype: str = "float64"):
@@ -299,7 +370,7 @@ class PermutedReference:
         H, I = cfg.hidden_size, cfg.intermediate_size
         nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
         d = getattr(cfg, "head_dim", None) or H // nh
-        size = {"h": H, "i": I, "q": nh * d, "kv": nkv * d}
+        size = {"h": H, "i": I, "q": nh * d, "kv": nkv * d, "v": cfg.vocab_size}
         plan = {}
         for n, p in ref.model.named_parameters():   # any other parameter (q_norm, experts, a
             rule = next((dims for suffix, dims in cls.RULES if n.endswith(suffix)), None)
@@ -314,8 +385,13 @@ class PermutedReference:
         rows_of = lambda heads: (heads[:, None] * d + torch.arange(d)).reshape(-1)  # noqa: E731
         perms = {"h": torch.randperm(H, generator=g), "i": torch.randperm(I, generator=g),
                  "q": rows_of(q_heads), "kv": rows_of(groups)}
-        B = run.args.batch
-        self = cls(ref, perms, torch.randperm(B, generator=g), plan)
+        rows = torch.randperm(run.args.batch, generator=g)
+        perms["v"] = torch.randperm(cfg.vocab_size, generator=g)
+        pad = ref.model.get_input_embeddings().padding_idx   # its gradient is zero: kept in place
+        if pad is not None:
+            at = int((perms["v"] == pad).nonzero())
+            perms["v"][[at, pad]] = perms["v"][[pad, at]]
+        self = cls(ref, perms, rows, plan)
         with torch.no_grad():
             for n, p in ref.model.named_parameters():
                 p.copy_(self._apply(p, n, inverse=False))
@@ -331,46 +407,69 @@ class PermutedReference:
         return t
 
     def step(self, batch):
-        rows = self.rows.to(batch.input_ids.device)
-        return self.ref.step(type(batch)(batch.input_ids[rows], batch.labels[rows], batch.index))
+        rows, token = self.rows.to(batch.input_ids.device), self.token.to(batch.input_ids.device)
+        ids, labels = batch.input_ids[rows], batch.labels[rows]
+        labels = torch.where(labels == IGNORE_INDEX, labels, token[labels.clamp(min=0)])
+        return self.ref.step(type(batch)(token[ids], labels, batch.index))
 
     @property
     def grad_norm(self):
         return self.ref.grad_norm
 
     def full_grads(self):
-        return {n: None if p.grad is None else self._apply(p.grad, n, inverse=True)
-                for n, p in self.model.named_parameters()}
+        return _Unpermuted(self, lambda p: p.grad)
 
     def full_params(self):
-        return {n: self._apply(p.detach(), n, inverse=True)
-                for n, p in self.model.named_parameters()}
+        return _Unpermuted(self, lambda p: p.detach())
 
 
-def noise_sources(run: Run, cls, ref, policy) -> tuple:
-    """(target, [NoiseSource]) on rank 0. float32/bfloat16 runs: the reference in that dtype,
-    and the same on a permuted model (PermutedReference in that dtype): one sample of a single
-    summation order can land far closer to the target than another (on an AMD EPYC with AVX512,
-    the realistic checkpoint's float32 o_proj gradient: 1.0e-6 in the reference's order, 7.8e-6
-    in the permuted one, where a correct TP run measured 1.8e-5 and FAILed on the first alone).
-    float64 runs: the float32 reference, its error scaled by eps64/eps32 (rounding propagates
-    linearly in the unit roundoff: forward, backward, everything). What scaling cannot carry,
-    Adam's update error on entries whose gradient is near its eps (a float32 parameter's error
-    is floored by its own rounding, an ulp of |p|), the parameter floor covers
-    (NoisePolicy.update_floor). A strategy that rounds on purpose (zeropp.py's int8
-    communication) supplies `lossy_noise(run)`, a single-device model of that rounding (or a
-    list of them): its distance from the target is one more noise sample (scale 1), so the
-    verdict stays error vs error."""
-    lossy = cls.lossy_noise(run) if hasattr(cls, "lossy_noise") else None
-    lossy = [] if lossy is None else lossy if isinstance(lossy, list) else [lossy]
-    extra = [NoiseSource(m, 1.0, getattr(m, "lr_flip", 0.0))   # rounding on purpose
-             for m in lossy]
-    if policy.dtype != "float64":
-        permuted = PermutedReference.build(run, cls, policy.dtype)
-        return reference_in(run, cls, "float64"), [NoiseSource(ref, 1.0)] + (
-            [] if permuted is None else [NoiseSource(permuted, 1.0)]) + extra
-    sources = [NoiseSource(reference_in(run, cls, policy.noise_dtype), policy.scale)]
-    permuted = PermutedReference.build(run, cls)
-    if permuted is not None:   # float64's own noise, measured (PermutedReference)
-        sources.append(NoiseSource(permuted, 1.0))
-    return ref, sources + extra
+class _Unpermuted(Mapping):
+    """A permuted model's tensors in the original layout, each mapped back when it is read:
+    the comparison reads one tensor at a time, so one mapped copy at a time is alive."""
+
+    def __init__(self, perm: PermutedReference, get):
+        self.perm, self.get_of = perm, get
+        self.params = dict(perm.model.named_parameters())
+
+    def __getitem__(self, name):
+        t = self.get_of(self.params[name])
+        return None if t is None else self.perm._apply(t, name, inverse=True)
+
+    def __iter__(self):
+        return iter(self.params)
+
+    def __len__(self):
+        return len(self.params)
+
+
+def noise_sources(run: Run, cls, policy) -> list:
+    """The noise sources, as functions that build them, for rank 0 to run one after another
+    against the float64 target (each builder returns a list of NoiseSource that step together).
+    float32/bfloat16 runs: the reference in that dtype, and the same on a permuted model
+    (PermutedReference in that dtype): one sample of a single summation order can land far
+    closer to the target than another (on an AMD EPYC with AVX512, the realistic checkpoint's
+    float32 o_proj gradient: 1.0e-6 in the reference's order, 7.8e-6 in the permuted one, where
+    a correct TP run measured 1.8e-5 and FAILed on the first alone). float64 runs: the float32
+    reference, its error scaled by eps64/eps32 (rounding propagates linearly in the unit
+    roundoff: forward, backward, everything), and float64 itself on the permuted model. What
+    scaling cannot carry, Adam's update error on entries whose gradient is near its eps (a
+    float32 parameter's error is floored by its own rounding, an ulp of |p|), the parameter
+    floor covers (NoisePolicy.update_floor). A strategy that rounds on purpose (zeropp.py's
+    int8 communication) supplies `lossy_noise(run)`, a single-device model of that rounding (or
+    a list of them that step together): its distance from the target is one more noise sample
+    (scale 1), so the verdict stays error vs error."""
+    low = policy.dtype if policy.dtype != "float64" else policy.noise_dtype
+    permuted_dtype = policy.dtype if policy.dtype != "float64" else "float64"
+
+    def plain():
+        return [NoiseSource(reference_in(run, cls, low), policy.scale)]
+
+    def permuted():
+        p = PermutedReference.build(run, cls, permuted_dtype)
+        return [] if p is None else [NoiseSource(p, 1.0)]
+
+    def lossy():
+        models = cls.lossy_noise(run) if hasattr(cls, "lossy_noise") else None
+        models = [] if models is None else models if isinstance(models, list) else [models]
+        return [NoiseSource(m, 1.0, getattr(m, "lr_flip", 0.0)) for m in models]
+    return [lossy, permuted, plain]   # the largest first: a smaller model reuses its memory

@@ -1,10 +1,12 @@
 """correctness.py: Modes `correctness` and `plants`.
 
-correctness  rank 0 runs the reference (plain HF model + torch.optim.AdamW on the whole global
-             batch) in float64 (the target) and in the low dtype (the noise) while the strategy
-             runs on every rank, same batches, >= 2 optimizer steps. Every gradient (before
-             clipping), every parameter and the loss at every step, and the pre-clip gradient
-             norm, are judged by compare.py's policy; a per-tensor table; PASS or FAIL last.
+correctness  the strategy runs on every rank, >= 2 optimizer steps, rank 0 keeping what it
+             produced; then rank 0 alone runs the reference (plain HF model +
+             torch.optim.AdamW on the whole global batch, the same batches) in float64 (the
+             target) and the noise sources (compare.noise_sources), one model at a time.
+             Every gradient (before clipping), every parameter and the loss at every step, and
+             the pre-clip gradient norm, are judged by compare.py's policy; a per-tensor table;
+             each rank's peak resident memory; PASS or FAIL last.
 plants       the clean correctness run, then each planted bug (--plants a,b; default: the plants
              declared for this configuration) in one process group: PASS when the clean run
              PASSes and every plant FAILs.
@@ -13,14 +15,17 @@ from __future__ import annotations
 
 import copy
 import os
+from dataclasses import dataclass
 
-from .compare import Comparison, Judged, NoisePolicy, noise_sources, preclip_grads
+from .compare import (Comparison, Judged, NoisePolicy, noise_sources, preclip_grads,
+                      reference_in)
+from .loading import release_memory, rss_peak, rss_reset
 from .launch import base_parser
-from .models import param_count
+from .models import DTYPES, loaded_once, param_count
 from .nccl import nccl_checked
 from .plants import planting
 from .report import write_json
-from .run import Run, broadcast_verdict, make_pair
+from .run import Run, broadcast_verdict, gather_objects, make_pair, wait_for_rank0
 from .strategy import HARNESS_PLANTS, Plant, full_tensor, natives
 
 
@@ -29,8 +34,8 @@ def run_correctness(run: Run, cls) -> bool:
     ok = True
     classes = [cls] + (natives(cls, args) if args.compare_native else [])
     for c in classes:
-        with planting(None if c is not cls else args.plant_bug):   # PyTorch's own: no plant
-            ok &= _correctness_one(run, c)
+        with planting(None if c is not cls else args.plant_bug), loaded_once(run.env.is_main):
+            ok &= _correctness_one(run, c)   # (PyTorch's own above: no plant)
     return ok
 
 
@@ -63,7 +68,7 @@ def run_plants(run: Run, cls) -> bool:
         args.mode, args.plant_bug = "correctness", name
         sub = Run(args, run.env, run.config, run.lang, run.results)
         run.print(f"\n=== plant: {name or '(none: the clean run must PASS)'}")
-        with planting(name):
+        with planting(name), loaded_once(run.env.is_main):
             passed = (nccl_checked(_correctness_one, sub, cls) if args.nccl_semantics
                       else _correctness_one(sub, cls))
         rows.append((name or "(none)", passed, passed == (name is None)))
@@ -83,56 +88,145 @@ def run_plants(run: Run, cls) -> bool:
     return ok
 
 
+@dataclass
+class Outputs:
+    """What one run produced at one step, as the comparison needs it (rank 0)."""
+    loss: float
+    grads: dict
+    params: dict
+    norm: float | None   # the pre-clip gradient norm it reports (with --clip)
+
+
+def _kept(model, loss: float, clip: float) -> Outputs:
+    """The model's outputs as copies of their own (kept across steps: the live parameters and
+    gradients change at the next step), made one at a time so that a gathered temporary is
+    freed as its copy is made."""
+    out = Outputs(loss, dict(preclip_grads(model, model.full_grads(), clip)),
+                  dict(model.full_params()), float(full_tensor(model.grad_norm)) if clip else None)
+    for d in (out.grads, out.params):
+        for n in list(d):
+            d[n] = None if d[n] is None else d[n].detach().clone()
+    return out
+
+
 def _correctness_one(run: Run, cls) -> bool:
+    """Rank 0 runs the float64 target alone first and keeps its per-step outputs; then the
+    strategy runs on every rank, rank 0 comparing each step with the target as it comes; then
+    rank 0 alone runs the noise sources one after another against the kept target. One model
+    with its optimizer is alive at a time, so a real checkpoint fits: the peak is printed last."""
     args, env = run.args, run.env
-    ref, strat, _ = make_pair(run, cls, perturb=True, with_ref=True)
+    start = gather_objects(rss_reset())   # the peak counts from here
     policy = NoisePolicy(args.dtype, k=args.tol_k)
-    target, sources = noise_sources(run, cls, ref, policy) if env.is_main else (None, [])
-    names = [n for n, _ in ref.model.named_parameters()] if ref else []
-    shapes = {n: tuple(p.shape) for n, p in ref.model.named_parameters()} if ref else {}
-    cmp = Comparison(names, shapes, policy)
+    target = _target(run, cls) if env.is_main else None
+    release_memory()   # the reference model rank 0 freed
+    wait_for_rank0(0, args.timeout)   # the others wait while rank 0 runs the target
+    cmp = Comparison(target.names, target.shapes, policy) if target else None
+    _, strat, _ = make_pair(run, cls, perturb=True, with_ref=False)
     run.print(f"correctness: {strat.name} W={env.world} {args.dtype} model={args.model} "
               f"batch={args.batch} length={args.length} steps={args.steps} "
-              f"params={param_count(ref.model) if ref else '?'}"
+              f"params={target.n_params if target else '?'}"
               f"{' clip=%g' % args.clip if args.clip else ''}"
               f"{' PLANTED BUG: ' + args.plant_bug if args.plant_bug else ''}")
     for s in range(args.steps):
-        batch = run.batch(s)
-        loss = strat.step(batch)
+        loss = strat.step(run.batch(s))
         grads = preclip_grads(strat, strat.full_grads(), args.clip)
         params = strat.full_params()
-        if args.plant_bug == "grad" and env.is_main and grads:
-            k = next(iter(grads))
-            grads = dict(grads)
-            grads[k] = grads[k] * (1 + 1e-6) + 1e-6 * grads[k].abs().max()
         if env.is_main:
-            t_loss = target.step(batch)
-            n_loss = [src.ref.step(batch) for src in sources]
-            t_grads = preclip_grads(target, target.full_grads(), args.clip)
-            noisy = [(preclip_grads(x.ref, x.ref.full_grads(), args.clip), x.scale)
-                     for x in sources]
-            cmp.add("grad", s, grads, t_grads, noisy)
-            cmp.add("param", s, params, target.full_params(),
-                    [(x.ref.full_params(), x.scale) for x in sources],
-                    policy.update_floor(args.lr, s + 1)
-                    + max((x.lr_flip for x in sources), default=0.0) * args.lr * (s + 1))
-            cmp.add_scalar("loss", s, loss, t_loss, [(v, x.scale) for v, x in zip(n_loss, sources)])
+            if args.plant_bug == "grad" and grads:
+                k = next(iter(grads))
+                grads = dict(grads)
+                grads[k] = grads[k] * (1 + 1e-6) + 1e-6 * grads[k].abs().max()
+            t = target.steps[s]
+            cmp.error("grad", s, grads, t.grads)
+            cmp.error("param", s, params, t.params)
+            cmp.scalar("loss", s, t.loss, got=loss)
             if args.clip:
-                norm = lambda x: float(full_tensor(x.grad_norm))  # noqa: E731
-                cmp.add_scalar("grad norm", s, norm(strat), norm(target),
-                               [(norm(x.ref), x.scale) for x in sources])
-            j = cmp.scalars["loss"]
-            run.print(f"  step {s}: loss {loss:.12f}  float64 reference {t_loss:.12f}  rel err "
-                      f"{abs(loss - t_loss) / abs(t_loss):.2e}  (noise, worst step so far "
-                      f"{j.noise:.2e})")
+                cmp.scalar("grad norm", s, t.norm, got=float(full_tensor(strat.grad_norm)))
+            run.print(f"  step {s}: loss {loss:.12f}  float64 reference {t.loss:.12f}  rel err "
+                      f"{abs(loss - t.loss) / abs(t.loss):.2e}")
+        del grads, params
     extra = strat.extra_checks()
-    verdict = False
+    name = strat.name
+    del strat
+    release_memory()
+    replica = 0
     if env.is_main:
-        verdict = _report_correctness(run, strat.name, cmp, extra)
+        _measure_noise(run, cls, cmp, target)
+        replica = 4 * target.n_params * DTYPES[args.dtype].itemsize
+        del target
+    wait_for_rank0(0, args.timeout)   # the others wait while rank 0 measures the noise
+    memory = _memory(run, start, gather_objects(rss_peak()), replica)
+    verdict = _report_correctness(run, name, cmp, extra, memory) if env.is_main else False
     return broadcast_verdict(verdict)
 
 
-def _report_correctness(run, name, cmp: Comparison, extra) -> bool:
+def _memory(run: Run, start: list, end: list, replica: int) -> dict:
+    """Each rank's peak resident set during the run (Linux VmHWM, reset at its start) and what
+    it added to the resident set the run started with, against one training replica; printed
+    (before the verdict's last line) and returned for correctness.json."""
+    if None in start or None in end:
+        return {}   # not Linux
+    G = 2 ** 30
+    run.print("peak resident memory per rank (VmHWM; + over the run's start): " + ", ".join(
+        f"rank {r} {p / G:.2f} GiB (+{(p - b) / G:.2f})" for r, (p, b)
+        in enumerate(zip(end, start))) + (
+        f"; one training replica (parameters, gradients, AdamW's two states in "
+        f"{run.args.dtype}) {replica / G:.2f} GiB: rank 0 at {end[0] / replica:.1f}x "
+        f"(+{(end[0] - start[0]) / replica:.1f}x)" if replica else ""))
+    return dict(peak_rss_bytes=end, start_rss_bytes=start, replica_bytes=replica)
+
+
+@dataclass
+class Target:
+    """The float64 reference's outputs at every step, kept on rank 0 for the comparisons."""
+    names: list
+    shapes: dict
+    n_params: int
+    steps: list   # [Outputs]
+
+
+def _target(run: Run, cls) -> Target:
+    """Rank 0: the float64 reference, run alone; the model is freed, its outputs kept."""
+    args = run.args
+    ref = reference_in(run, cls, "float64")
+    target = Target([n for n, _ in ref.model.named_parameters()],
+                    {n: tuple(p.shape) for n, p in ref.model.named_parameters()},
+                    param_count(ref.model), [])
+    for s in range(args.steps):
+        target.steps.append(_kept(ref, ref.step(run.batch(s)), args.clip))
+    return target
+
+
+def _measure_noise(run: Run, cls, cmp: Comparison, target: Target):
+    """Rank 0: each noise source (compare.noise_sources), built, run and compared with the kept
+    target, then freed, one after another; then every step is judged."""
+    args, policy = run.args, cmp.policy
+    for s in range(args.steps):
+        cmp.floor("param", s, policy.update_floor(args.lr, s + 1))
+    for build in noise_sources(run, cls, policy):
+        _run_noise(run, cmp, target, build())   # (its models are freed as it returns)
+        release_memory()
+    cmp.judge()
+
+
+def _run_noise(run: Run, cmp: Comparison, target: Target, sources: list):
+    args, policy = run.args, cmp.policy
+    for s, t in enumerate(target.steps):
+        batch = run.batch(s)
+        losses = [x.ref.step(batch) for x in sources]   # in order: a mirror reads its model
+        for x, loss in zip(sources, losses):   # (one full set of tensors at a time)
+            cmp.noise("grad", s, preclip_grads(x.ref, x.ref.full_grads(), args.clip),
+                      t.grads, x.scale)
+            cmp.noise("param", s, x.ref.full_params(), t.params, x.scale)
+            cmp.floor("param", s, policy.update_floor(args.lr, s + 1)
+                      + x.lr_flip * args.lr * (s + 1))
+            cmp.scalar("loss", s, t.loss, noisy=loss, scale=x.scale)
+            if args.clip:
+                cmp.scalar("grad norm", s, t.norm, scale=x.scale,
+                           noisy=float(full_tensor(x.ref.grad_norm)))
+
+
+def _report_correctness(run, name, cmp: Comparison, extra, memory: dict) -> bool:
     args, env, policy = run.args, run.env, cmp.policy
     w = max([len(n) for n in cmp.names] + [12]) + 2
     run.print(f"{'tensor':<{w}}{'shape':<16}{'grad err':>10}{'noise':>10}"
@@ -185,7 +279,7 @@ def _report_correctness(run, name, cmp: Comparison, extra) -> bool:
         noise_scale=policy.scale, ok=ok, problems=problems,
         scalars={k: vars(v) for k, v in cmp.scalars.items()},
         rows={n: {k: vars(j) for k, j in r.items()} for n, r in cmp.rows.items()},
-        checks=[dict(name=a, ok=b, detail=c) for a, b, c in extra]))
+        checks=[dict(name=a, ok=b, detail=c) for a, b, c in extra], **memory))
     write_json(run, "correctness.json", run.results["correctness"])
     run.print(("PASS " if ok else "FAIL ") + summary + ("" if ok else " -- " + "; ".join(problems)))
     return ok

@@ -7,6 +7,7 @@ import argparse
 import copy
 import datetime
 import gc
+import math
 import os
 import socket
 import sys
@@ -98,8 +99,9 @@ def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
                    help="record every p2p batch and collective and check them under NCCL's "
                         "rules (tags ignored, FIFO per pair, batches progress together, sends "
                         "wait for receives, one collective order); the last line is the verdict")
-    p.add_argument("--clip", type=float, default=0.0,
-                   help="clip gradients to this global L2 norm (0: off)")
+    p.add_argument("--clip", type=float, default=None,
+                   help="clip gradients to this global L2 norm (0: off, the default; the "
+                        "learning mode's default is inf: the norm measured, nothing clipped)")
     p.add_argument("--mem-budget-gb", type=float, default=None,
                    help="peak mode: a simulated OOM as soon as a rank's live tensor bytes "
                         "exceed this (CPU tracker); on CUDA the real allocator decides")
@@ -133,6 +135,8 @@ def resolve_defaults(args, mode: str, device: str, world: int = 1) -> argparse.N
         a.lr = 1e-3 if mode == "correctness" else 3e-3
     if a.tol_k is None:
         a.tol_k = TOL_K
+    if a.clip is None:   # learning compares the norms: every strategy computes it when it clips
+        a.clip = math.inf if mode == "learning" else 0.0   # (coefficient min(1, inf) = 1)
     return a
 
 

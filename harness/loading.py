@@ -211,6 +211,21 @@ def rss_now() -> int | None:
     return None if kb is None else kb * 1024
 
 
+def release_memory():
+    """Free what Python no longer references and hand the C heap's free pages back to the OS
+    (glibc's malloc_trim), so that the next model built does not add to the resident set what
+    the last one freed: CPU tensors below glibc's mmap threshold live on the heap, where a
+    freed float32 model's chunks are too small for the next float64 one's (measured: +0.9 GiB
+    of rank 0's peak in a correctness run of a 46M-parameter model). No-op off glibc."""
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def rss_peak() -> int | None:
     """The peak resident set since the last rss_reset(), in bytes (Linux)."""
     kb = _status_kb("VmHWM")

@@ -3,6 +3,7 @@ planning), HF configs from a preset name, a config.json or a local checkpoint di
 reference model built from them (with weights when the directory has them)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -165,6 +166,25 @@ def model_kwargs(config, attn: str) -> dict:
     return kw
 
 
+_LOADED: dict | None = None   # inside loaded_once(): (checkpoint, attention) -> float32 model
+
+
+@contextlib.contextmanager
+def loaded_once(enabled: bool = True):
+    """Inside the block build_model reads each checkpoint from disk once and copies it from
+    memory after that (rank 0 of the correctness mode builds the reference, the strategy and
+    the noise sources from the same weights): one float32 copy of the model stays resident
+    meanwhile."""
+    global _LOADED
+    outer = _LOADED
+    if enabled and _LOADED is None:
+        _LOADED = {}
+    try:
+        yield
+    finally:
+        _LOADED = outer
+
+
 def build_model(args, config, device) -> torch.nn.Module:
     """The full reference model in args.dtype on `device`: loaded weights when --model is a
     checkpoint directory, otherwise a seeded random init (identical on every rank)."""
@@ -172,7 +192,13 @@ def build_model(args, config, device) -> torch.nn.Module:
     dtype = DTYPES[args.dtype]
     kw = model_kwargs(config, args.attn)
     if has_weights(args.model):
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, **kw)
+        key = (os.path.realpath(args.model), repr(sorted(kw.items())))
+        if _LOADED is not None and key in _LOADED:
+            model = copy.deepcopy(_LOADED[key])
+        else:
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, **kw)
+            if _LOADED is not None:
+                _LOADED[key] = copy.deepcopy(model)
     else:
         torch.manual_seed(args.seed)
         # (a copy: from_config shares the object, and strategies edit their model's config)
@@ -196,7 +222,7 @@ def common_constraints(args, world, config) -> list[str]:
         errs.append(f"--recompute {args.recompute}: the benchmark's communication formulas "
                     f"assume none (a recomputed forward repeats its collectives); measure "
                     f"recompute with python -m harness.recompute")
-    if args.clip < 0:
+    if args.clip is not None and args.clip < 0:
         errs.append(f"--clip must be >= 0 (got {args.clip})")
     if args.branching > config.vocab_size:
         errs.append(f"--branching {args.branching} exceeds vocab_size {config.vocab_size}")

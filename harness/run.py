@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +91,24 @@ def broadcast_verdict(ok: bool) -> bool:
     with METER.paused():
         dist.broadcast(t, 0)
     return bool(t.item())
+
+
+_WAIT_GROUPS: dict = {}
+
+
+def wait_for_rank0(value: int, timeout: float) -> int:
+    """Rank 0's `value` to every rank, the others waiting while rank 0 runs the references alone
+    (correctness): a gloo group whose timeout leaves rank 0 an hour for them (the process
+    group's --timeout is for a peer that died mid-step; a dead rank 0 ends the job through
+    torchrun anyway). The group is made once per process, by every rank together."""
+    key = max(timeout, 3600.0)
+    if key not in _WAIT_GROUPS:
+        _WAIT_GROUPS[key] = dist.new_group(backend="gloo",
+                                           timeout=datetime.timedelta(seconds=key))
+    t = torch.tensor([value], dtype=torch.int64)
+    with METER.paused():
+        dist.broadcast(t, 0, group=_WAIT_GROUPS[key])
+    return int(t.item())
 
 
 def max_over_ranks(x: float) -> float:

@@ -31,6 +31,33 @@ for _s, _w, _a, _names in plant_groups():
         "--mode", "plants", "--plants", ",".join(_names), *_a]
 
 
+# The learning mode's check of the checks: one gradient-scale (or token-mean) plant per strategy,
+# which AdamW's normalised update hides from the loss curve; the pre-clip gradient norm, compared
+# at every step, must not. Each runs a few steps beside the same configuration without the plant
+# (too few steps to pass "learned": the two comparisons are asserted on their own).
+LEARNING_PLANTS = [("ddp.py", "no-average"), ("zero.py", "no-average"), ("fsdp.py", "no-average"),
+                   ("tp.py", "no-f"), ("sp.py", "no-average"),
+                   ("pp.py", "microbatch-scale"), ("cp_ring.py", "no-average"),
+                   ("ep_moe.py", "expert-grad-scale"), ("compose4d.py", "local-token-mean")]
+for _s, _n in LEARNING_PLANTS:
+    _p = strategy(_s).plants[_n]
+    _runs = BATCHES.setdefault((_s, _p.world), Runs(_s, _p.world, {})).runs
+    for _plant in (_n, None):
+        _runs[f"learning {_plant}"] = ["--mode", "learning", *_p.args, "--steps", "6",
+                                       *(["--plant-bug", _plant] if _plant else [])]
+
+
+@pytest.mark.parametrize("script,name", LEARNING_PLANTS)
+def test_learning_mode_fails_a_gradient_scale_bug(runs, script, name):
+    batch = BATCHES[script, strategy(script).plants[name].world]
+    clean = runs(batch, "learning None").json("learning.json")
+    assert clean["losses_agree"] and clean["norms_agree"], clean
+    r = runs(batch, f"learning {name}")
+    planted = r.json("learning.json")
+    assert not planted["norms_agree"] and not planted["ok"], planted
+    assert r.last_line.startswith("FAIL") and "grad norms differ" in r.last_line, r
+
+
 def test_every_strategy_plants_at_least_two_bugs():
     counts = {s: len(strategy(s).plants) for s in STRATEGIES}
     assert all(n >= 2 for n in counts.values()), counts
