@@ -51,8 +51,8 @@ import torch.nn.functional as F
 
 from tp_plan import classify, head_dims, join_shards, meta_model
 from harness import (Batch, DTensorBaseline, Expect, Plant, Reference, Strategy, all_reduce_flat,
-                     DTYPES, IGNORE_INDEX, clip_by_norm, main, make_adamw, phase, planted, scalar,
-                     spread_across_ranks)
+                     DTYPES, IGNORE_INDEX, clip_by_norm, full_tensor, main, make_adamw, phase,
+                     planted, scalar, spread_across_ranks)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -710,6 +710,16 @@ class DTensorTP(DTensorBaseline, Reference):
             plan[p + "self_attn.o_proj"] = RowwiseParallel()
             plan[p + "mlp.down_proj"] = RowwiseParallel()
         super().__init__(parallelize_module(model, mesh, plan), args, env)
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """torch's clip_grad_norm_ refuses a mix of DTensor (the sharded weights) and plain
+        gradients (the norms, which the plan leaves replicated): each DTensor gradient is
+        reassembled whatever its placement (a baseline: the all-gathers are not what it
+        measures), and every gradient counted once."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        sq = sum(full_tensor(g).double().pow(2).sum() for g in grads)
+        return clip_by_norm(sq, [g.to_local() if hasattr(g, "to_local") else g for g in grads],
+                            max_norm)
 
 
 TP.native = DTensorTP

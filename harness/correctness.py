@@ -1,12 +1,13 @@
 """correctness.py: Modes `correctness` and `plants`.
 
-correctness  the strategy runs on every rank, >= 2 optimizer steps, rank 0 keeping what it
-             produced; then rank 0 alone runs the reference (plain HF model +
-             torch.optim.AdamW on the whole global batch, the same batches) in float64 (the
-             target) and the noise sources (compare.noise_sources), one model at a time.
-             Every gradient (before clipping), every parameter and the loss at every step, and
-             the pre-clip gradient norm, are judged by compare.py's policy; a per-tensor table;
-             each rank's peak resident memory; PASS or FAIL last.
+correctness  rank 0 alone runs the reference (plain HF model + torch.optim.AdamW on the
+             whole global batch) in float64, the target, and keeps its outputs; then the
+             strategy runs on every rank, the same batches, >= 2 optimizer steps, compared with
+             the target step by step; then rank 0 runs the noise sources
+             (compare.noise_sources), one model at a time. Every gradient (before clipping),
+             every parameter and the loss at every step, and the pre-clip gradient norm, are
+             judged by compare.py's policy; a per-tensor table; each rank's peak resident
+             memory; PASS or FAIL last.
 plants       the clean correctness run, then each planted bug (--plants a,b; default: the plants
              declared for this configuration) in one process group: PASS when the clean run
              PASSes and every plant FAILs.
@@ -25,7 +26,8 @@ from .models import DTYPES, loaded_once, param_count
 from .nccl import nccl_checked
 from .plants import planting
 from .report import write_json
-from .run import Run, broadcast_verdict, gather_objects, make_pair, wait_for_rank0
+from .run import (Run, broadcast_verdict, gather_objects, make_pair, rank0_group,
+                  wait_for_rank0)
 from .strategy import HARNESS_PLANTS, Plant, full_tensor, natives
 
 
@@ -116,10 +118,11 @@ def _correctness_one(run: Run, cls) -> bool:
     with its optimizer is alive at a time, so a real checkpoint fits: the peak is printed last."""
     args, env = run.args, run.env
     start = gather_objects(rss_reset())   # the peak counts from here
+    rank0_group(args.timeout)   # (made by every rank before rank 0 goes off alone)
     policy = NoisePolicy(args.dtype, k=args.tol_k)
     target = _target(run, cls) if env.is_main else None
     release_memory()   # the reference model rank 0 freed
-    wait_for_rank0(0, args.timeout)   # the others wait while rank 0 runs the target
+    wait_for_rank0(args.timeout)   # the others wait while rank 0 runs the target
     cmp = Comparison(target.names, target.shapes, policy) if target else None
     _, strat, _ = make_pair(run, cls, perturb=True, with_ref=False)
     run.print(f"correctness: {strat.name} W={env.world} {args.dtype} model={args.model} "
@@ -129,6 +132,8 @@ def _correctness_one(run: Run, cls) -> bool:
               f"{' PLANTED BUG: ' + args.plant_bug if args.plant_bug else ''}")
     for s in range(args.steps):
         loss = strat.step(run.batch(s))
+        # (read on every rank: a DTensor baseline's norm may be a collective to read)
+        norm = float(full_tensor(strat.grad_norm)) if args.clip else None
         grads = preclip_grads(strat, strat.full_grads(), args.clip)
         params = strat.full_params()
         if env.is_main:
@@ -141,7 +146,7 @@ def _correctness_one(run: Run, cls) -> bool:
             cmp.error("param", s, params, t.params)
             cmp.scalar("loss", s, t.loss, got=loss)
             if args.clip:
-                cmp.scalar("grad norm", s, t.norm, got=float(full_tensor(strat.grad_norm)))
+                cmp.scalar("grad norm", s, t.norm, got=norm)
             run.print(f"  step {s}: loss {loss:.12f}  float64 reference {t.loss:.12f}  rel err "
                       f"{abs(loss - t.loss) / abs(t.loss):.2e}")
         del grads, params
@@ -154,7 +159,7 @@ def _correctness_one(run: Run, cls) -> bool:
         _measure_noise(run, cls, cmp, target)
         replica = 4 * target.n_params * DTYPES[args.dtype].itemsize
         del target
-    wait_for_rank0(0, args.timeout)   # the others wait while rank 0 measures the noise
+    wait_for_rank0(args.timeout)   # the others wait while rank 0 measures the noise
     memory = _memory(run, start, gather_objects(rss_peak()), replica)
     verdict = _report_correctness(run, name, cmp, extra, memory) if env.is_main else False
     return broadcast_verdict(verdict)

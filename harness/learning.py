@@ -73,8 +73,8 @@ def _report_learning(run, name, rows, norms, floor) -> bool:
     tol = LEARNING_TOL[args.dtype]
     # "well below the initial loss": at least half of the way from the start to the floor
     target = first - (first - floor) / 2
-    agree, learned = max(diffs) <= tol, last <= target
-    norms_agree = max(norm_diffs) <= tol   # False for NaN
+    agree, learned = all(d <= tol for d in diffs), last <= target   # (a NaN is never <=)
+    norms_agree = all(d <= tol for d in norm_diffs)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "learning.csv"), "w", newline="") as f:

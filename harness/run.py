@@ -96,19 +96,23 @@ def broadcast_verdict(ok: bool) -> bool:
 _WAIT_GROUPS: dict = {}
 
 
-def wait_for_rank0(value: int, timeout: float) -> int:
-    """Rank 0's `value` to every rank, the others waiting while rank 0 runs the references alone
-    (correctness): a gloo group whose timeout leaves rank 0 an hour for them (the process
-    group's --timeout is for a peer that died mid-step; a dead rank 0 ends the job through
-    torchrun anyway). The group is made once per process, by every rank together."""
+def rank0_group(timeout: float):
+    """A gloo group whose timeout leaves rank 0 an hour to run the references alone while the
+    others wait (correctness; the process group's --timeout is for a peer that died mid-step, and
+    a dead rank 0 ends the job through torchrun anyway). Made once per process, by every rank
+    together, before rank 0 goes off alone."""
     key = max(timeout, 3600.0)
     if key not in _WAIT_GROUPS:
         _WAIT_GROUPS[key] = dist.new_group(backend="gloo",
                                            timeout=datetime.timedelta(seconds=key))
-    t = torch.tensor([value], dtype=torch.int64)
+    return _WAIT_GROUPS[key]
+
+
+def wait_for_rank0(timeout: float):
+    """Every rank waits here until rank 0 arrives (on rank0_group)."""
+    t = torch.zeros(1, dtype=torch.int64)
     with METER.paused():
-        dist.broadcast(t, 0, group=_WAIT_GROUPS[key])
-    return int(t.item())
+        dist.broadcast(t, 0, group=rank0_group(timeout))
 
 
 def max_over_ranks(x: float) -> float:

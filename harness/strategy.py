@@ -244,11 +244,13 @@ class Reference(Strategy):
             loss.backward()
         with phase("optimizer"):
             if self.args.clip:
-                self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                                self.args.clip)
+                self.grad_norm = self.clip(self.args.clip)
             self.optimizer.step()
         self.after_step()
         return loss.item()
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
 
 def reference_class(cls):
