@@ -89,7 +89,7 @@ from harness import (Batch, Expect, Plant, Reference, Strategy, clip_by_norm, gl
                      lm_loss_sum, main, make_adamw, name_group, phase, planted,
                      spread_across_ranks)
 from harness.precision import grad_reduce_dtype
-from harness.routing import RoutingStats, hf_moe_objective
+from harness.routing import RoutingStats, drop_over_capacity, hf_moe_objective
 from ddp import DataParallel
 
 
@@ -229,8 +229,8 @@ class MoEBlock(nn.Module):
 
 
 class ReferenceMoE(MoEBlock):
-    """Single device, where HF has no equivalent (capacity, aux-free bias): route() and the
-    global batch's drops applied as zero weights, then HF's own experts. A bug planted in
+    """Single device, where HF has no equivalent (the aux-free bias): route() and the global
+    batch's drops applied as zero weights, then HF's own experts. A bug planted in
     route() reaches it too, as a real one would."""
 
     def __init__(self, hf_block, stats, opts):
@@ -451,20 +451,23 @@ def is_expert(name: str) -> bool:
 class MoEReference(Reference):
     """The single-device reference; objective = mean CE + aux_coef aux + z_coef z.
 
-    Dropless and without a selection bias (the default), it shares no code with the strategy:
-    the model is HF's own, untouched (MixtralSparseMoeBlock.forward with HF's router, top-k
-    renormalisation and experts), and the router losses come from the router logits HF records
+    Without a selection bias (the default) it shares no code with the strategy: the model is
+    HF's own (MixtralSparseMoeBlock.forward with HF's router, top-k renormalisation and
+    experts), and the router losses come from the router logits HF records
     (output_router_logits=True), checked against HF's own load_balancing_loss_func
-    (harness.routing.hf_moe_objective). A router bug in route() therefore FAILs.
-    HF has no capacity dropping and no auxiliary-loss-free bias: with --capacity-factor or
-    --aux-free-bias the layers are ReferenceMoE (this file's route() and drops, HF's experts) and
-    the losses this file's router_losses, so those runs check the dispatch, not the router
-    (router-no-renorm PASSes with --capacity-factor: the reason the dropless oracle is HF's)."""
+    (harness.routing.hf_moe_objective). With --capacity-factor, which HF does not have, the
+    drops are applied to HF's blocks from outside (harness.routing.drop_over_capacity: a loop
+    written from the stated priority, not capacity_keep). A router bug in route() therefore
+    FAILs, with capacity or without. HF has no auxiliary-loss-free bias: with --aux-free-bias the
+    layers are ReferenceMoE (this file's route() and drops, HF's experts) and the losses this
+    file's router_losses, so those runs check the dispatch, not the router."""
 
     def __init__(self, ref_model, args, env):
         super().__init__(ref_model, args, env)
-        self.hf_block = not (args.capacity_factor or args.aux_free_bias)
+        self.hf_block = not args.aux_free_bias
         self.stats, self.blocks = [], []
+        if self.hf_block and args.capacity_factor:
+            drop_over_capacity(ref_model, args.capacity_factor)
         if not self.hf_block:
             # route() is shared here: its planted bug (router-no-renorm) is shared too
             self.blocks = install(ref_model, lambda b: ReferenceMoE(b, self.stats, args))

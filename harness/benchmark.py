@@ -24,7 +24,7 @@ from .meter import METER, RING_FACTOR, mark, seconds_between
 from .models import DTYPES, build_model
 from .report import jsonable, fmt_bytes, write_json
 from .run import Run, gather_objects, max_over_ranks, broadcast_verdict, make_pair
-from .overlap import plot as plot_overlap, profile_step
+from .overlap import PROFILED_STEPS, plot as plot_overlap, profile_steps
 from .plants import planting
 from .strategy import natives, reference_class
 from .timing import sync, timed_steps
@@ -43,10 +43,12 @@ def bench_strategy(run: Run, strat) -> dict:
     comm = METER.snapshot(per=args.bench_iters)
     raw_counts = {k: tuple(v) for k, v in METER.counts.items()}
     METER.reset()
-    # one more step under torch.profiler: the share of communication hidden behind compute
+    # more steps under torch.profiler, the median one kept: the share of communication hidden
+    # behind compute
+    after = args.warmup + args.bench_iters
     with METER.paused():
-        ov, spans = profile_step(strat, run.batch(args.warmup + args.bench_iters),
-                                 run.env.device)
+        ov, spans = profile_steps(strat, [run.batch(after + i) for i in range(PROFILED_STEPS)],
+                                  run.env.device)
     mem = measure_memory(run, strat)
     step_t, fwd_t = max_over_ranks(step_t), max_over_ranks(fwd_t)
     comm_sum = {}
@@ -220,7 +222,7 @@ def _report_benchmark(run, name, cls, n_params, ours, native, ref, expected, set
         run.print(f"overlap {label}: " + ("no communication in the step" if share is None else
                   f"{share:.0%} of communication time hidden behind compute (all ranks; rank 0: "
                   f"comm {o['comm_s'] * 1e3:.1f} ms, exposed {o['exposed_s'] * 1e3:.1f} ms; "
-                  f"one profiled step)"))
+                  f"the median of {PROFILED_STEPS} profiled steps)"))
     if args.out:
         path = plot_overlap([(label.split()[0], r["spans"]) for label, r in rows[1:]],
                             os.path.join(args.out, "overlap.png"),

@@ -1,5 +1,7 @@
 """overlap.py: the share of a step's communication time hidden behind compute, measured from a
-timeline of one step under torch.profiler (benchmark mode prints it; `make bench` tabulates it).
+timeline of a step under torch.profiler (benchmark mode prints it; `make bench` tabulates it):
+each rank profiles PROFILED_STEPS steps, one at a time, and reports the median one (one step's
+share varies from run to run: ddp's was 72% in one `make bench` and 51% in the next).
 
     comm      the union of the collectives' and point-to-point transfers' busy intervals:
               on CPU the `gloo:*` spans (an async collective runs on a gloo worker thread, its span
@@ -108,6 +110,20 @@ def profile_step(strat, batch, device) -> tuple[dict, tuple[list, list]]:
     t0 = min([s for s, _ in comm + compute], default=0.0)
     rel = lambda ivs: [((s - t0) * 1e-6, (e - t0) * 1e-6) for s, e in ivs]  # noqa: E731
     return measure(comm, compute), (rel(comm), rel(compute))
+
+
+PROFILED_STEPS = 3
+
+
+def profile_steps(strat, batches, device) -> tuple[dict, tuple[list, list]]:
+    """Each batch's step profiled on its own (profile_step): the median step by its share (its
+    measure and its timeline), with every step's share in `shares`. A step without
+    communication (share None) sorts first."""
+    runs = [profile_step(strat, b, device) for b in batches]
+    order = sorted(range(len(runs)), key=lambda i: (runs[i][0]["share"] is not None,
+                                                    runs[i][0]["share"] or 0.0))
+    m, spans = runs[order[len(runs) // 2]]
+    return dict(m, shares=[r[0]["share"] for r in runs]), spans
 
 
 def plot(rows, path: str, title: str):

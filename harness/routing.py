@@ -15,9 +15,13 @@ scalars until a report converts them, after the steps.
 `hf_moe_objective`: the single-device oracle where HF implements the feature: HF's own model,
 its loss plus the router losses from the router logits it records (`hf_router_losses`:
 transformers' load_balancing_loss_func and router_z_loss_func), so that the reference shares no
-routing code with the strategy.
+routing code with the strategy. `drop_over_capacity` adds capacity dropping, which HF does not
+have, to HF's own blocks from outside: HF routes, and a loop written from the stated priority
+(not ep_moe's vectorised capacity_keep) zeroes the weights of the choices that do not fit.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -161,6 +165,37 @@ def hf_router_losses(out, n_experts: int, top_k: int):
             raise RuntimeError(f"reference aux loss {aux.item()} disagrees with HF's "
                                f"load_balancing_loss_func {hf.item()}")
     return aux, z
+
+
+def kept_in_queue_order(idx: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
+    """idx (N, k): each token's chosen experts, the rows of the global batch in order. An
+    expert takes choices in its queue order, first choices of every token before any second
+    choice, then token order, until it holds `capacity`; the rest are dropped. (N, k) bool."""
+    filled = [0] * n_experts
+    keep = [[False] * idx.shape[1] for _ in range(idx.shape[0])]
+    choices = idx.tolist()
+    for j in range(idx.shape[1]):
+        for t, row in enumerate(choices):
+            if filled[row[j]] < capacity:
+                filled[row[j]] += 1
+                keep[t][j] = True
+    return torch.tensor(keep, device=idx.device)
+
+
+def drop_over_capacity(model, factor: float):
+    """HF's MixtralSparseMoeBlocks with capacity ceil(factor k N / E) rows per expert: each
+    block's experts get HF's routing weights with the dropped choices' weights zeroed (a dropped
+    choice then adds nothing to its token's output, and no gradient to its expert)."""
+    for block in model.modules():
+        if type(block).__name__ != "MixtralSparseMoeBlock":
+            continue
+        k, E = block.top_k, block.gate.num_experts
+
+        def forward(x, idx, w, inner=block.experts.forward, k=k, E=E):
+            capacity = math.ceil(factor * k * x.shape[0] / E)
+            return inner(x, idx, w * kept_in_queue_order(idx, E, capacity).to(w.dtype))
+        block.experts.forward = forward
+    return model
 
 
 def hf_moe_objective(model, batch, aux_coef: float, z_coef: float) -> torch.Tensor:

@@ -19,7 +19,7 @@ state of that moment. Written per (strategy, baseline, W):
 
 ours_ms and theirs_ms are the median step times of the same rounds (max over ranks).
 
-overlap_share is ours, from one profiled step (harness/overlap.py); null when the step has no
+overlap_share is ours, from the median of 3 profiled steps per rank (harness/overlap.py); null when the step has no
 communication. The baselines (each strategy's `native`): ddp.py torch DDP; zero.py stages 1, 2
 ZeroRedundancyOptimizer over torch DDP, stage 3 FSDP2; fsdp.py FSDP2 (`fully_shard`) and our DDP;
 tp.py DTensor TP; sp.py our TP (no DTensor SP baseline); pp.py torch.distributed.pipelining's

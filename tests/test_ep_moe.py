@@ -20,6 +20,9 @@ DROPLESS = ["--aux-coef", "0.01", "--z-coef", "0.001"]
 W2 = Runs("ep_moe.py", 2, {  # one launch per batch: the start-up (~10 s a process) paid once
     "dropless": DROPLESS,
     "capacity": ["--capacity-factor", "1.0"],
+    # a router bug with capacity: the reference is HF's router, drops applied from outside
+    "capacity-no-renorm": ["--capacity-factor", "1.0", "--dtype", "float32", "--clip", "0.5",
+                           "--plant-bug", "router-no-renorm"],
     "learning": ["--mode", "learning", "--steps", "40", "--lr", "1e-2", "--log-every", "20"],
     "bench": ["--mode", "benchmark", "--bench-iters", "3", "--warmup", "1"],
     "bench-capacity": ["--mode", "benchmark", "--bench-iters", "3", "--warmup", "1",
@@ -60,17 +63,37 @@ def test_route_is_hf_router_math(dtype):
 
 
 def test_reference_is_hf_block_where_hf_has_one():
-    """Dropless without a bias, the reference model keeps HF's MixtralSparseMoeBlock (none of
-    ep_moe's code); with capacity or the aux-free bias it needs ep_moe's ReferenceMoE."""
+    """Without the aux-free bias the reference model keeps HF's MixtralSparseMoeBlock (none of
+    ep_moe's code; capacity drops applied from outside, harness.routing); with the bias it
+    needs ep_moe's ReferenceMoE."""
     from types import SimpleNamespace
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
     base = dict(lr=1e-3, weight_decay=0.1, aux_coef=0.01, z_coef=0.0, capacity_factor=None,
                 aux_free_bias=False, bias_rate=1e-3, clip=0.0, plant_bug=None)
     ref = ep_moe.MoEReference(tiny_moe(), SimpleNamespace(**base), None)
     assert all(type(l.mlp) is MixtralSparseMoeBlock for l in ref.model.model.layers)
-    for extra in (dict(capacity_factor=1.0), dict(aux_free_bias=True, aux_coef=0.0)):
-        ref = ep_moe.MoEReference(tiny_moe(), SimpleNamespace(**{**base, **extra}), None)
-        assert all(isinstance(l.mlp, ep_moe.ReferenceMoE) for l in ref.model.model.layers)
+    ref = ep_moe.MoEReference(tiny_moe(), SimpleNamespace(**{**base, "capacity_factor": 1.0}),
+                              None)
+    assert all(type(l.mlp) is MixtralSparseMoeBlock for l in ref.model.model.layers)
+    extra = dict(aux_free_bias=True, aux_coef=0.0)
+    ref = ep_moe.MoEReference(tiny_moe(), SimpleNamespace(**{**base, **extra}), None)
+    assert all(isinstance(l.mlp, ep_moe.ReferenceMoE) for l in ref.model.model.layers)
+
+
+def test_capacity_drops_from_outside_match_capacity_keep():
+    """The reference's drops (harness.routing: a loop from the stated priority) and the
+    strategy's (ep_moe.capacity_keep, vectorised) on skewed routing, and on a hand example."""
+    from harness.routing import kept_in_queue_order
+    idx = torch.tensor([[0, 1], [0, 1], [0, 1], [1, 0]])     # capacity 3: first choices first
+    assert kept_in_queue_order(idx, 2, 3).tolist() == [[True, True], [True, True],
+                                                       [True, False], [True, False]]
+    g = torch.Generator().manual_seed(3)
+    E, k = 8, 2
+    scores = torch.rand(200, E, generator=g) + torch.linspace(0, 1, E)   # skewed to high e
+    idx = scores.topk(k, dim=-1).indices
+    for cap in (10, 25, 50, 200):
+        keep, _ = ep_moe.capacity_keep(idx, F.one_hot(idx, E).sum(0)[None], 0, cap)
+        assert torch.equal(kept_in_queue_order(idx, E, cap), keep), cap
 
 
 def test_reference_router_losses_are_hf_losses():
@@ -354,6 +377,14 @@ def test_correctness_capacity_drops_like_the_reference(runs, batch, world):
     res = assert_pass(runs(batch, "capacity"), world)
     drop = float(capacity_detail(res).split("dropped choices ")[1].split("%")[0])
     assert drop > 1.0, res   # tokens really were dropped, identically on both sides
+
+
+def test_capacity_reference_is_independent_of_the_router(runs):
+    """With --capacity-factor the reference used to share ep_moe's route() (a router bug
+    reached both sides and PASSed); now it is HF's router with the drops applied from outside:
+    the top-k weights left unrenormalised FAIL."""
+    r = runs(W2, "capacity-no-renorm")
+    assert r.last_line.startswith("FAIL") and "PLANTED BUG: router-no-renorm" in r.stdout, r
 
 
 @pytest.mark.slow
