@@ -47,9 +47,10 @@ class TrainLog:
                 self.rows = [json.loads(line) for line in f if line.strip()]
         try:
             from torch.utils.tensorboard import SummaryWriter
+        except ImportError:        # tensorboard not installed: the JSONL is the log
+            SummaryWriter = None
+        if SummaryWriter is not None:   # (any other error is a real one: raised)
             self.tb = SummaryWriter(os.path.join(out, "tensorboard"))
-        except Exception:          # tensorboard not installed: the JSONL is the log
-            self.tb = None
 
     def write(self, row: dict):
         if not self.enabled:

@@ -39,7 +39,8 @@ def assert_config_error(r, msg, torchrun=True):
         assert r.rc == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r
 
 
-def launch(script, nproc, *args, out=None, timeout=300, torchrun=True, as_rank0=False):
+def launch(script, nproc, *args, out=None, timeout=300, torchrun=True, as_rank0=False,
+           pg_timeout=60):
     """Run ROOT/script with `nproc` workers (torchrun) or as a plain python process.
     as_rank0: one plain process that believes it is rank 0 of `nproc` (torchrun's variables),
     for configuration errors, which end before any process group exists (3 s instead of 3 s
@@ -49,7 +50,7 @@ def launch(script, nproc, *args, out=None, timeout=300, torchrun=True, as_rank0=
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     # the process-group timeout of a strategy script; oom_search's --timeout is its per-trial
     # wall clock (default 300 s), which a 60 s cap would cut short on a loaded machine
-    timeout_flag = [] if script == "oom_search.py" else ["--timeout", "60"]
+    timeout_flag = [] if script == "oom_search.py" else ["--timeout", str(pg_timeout)]
     cmd += [os.path.join(ROOT, script), *map(str, args), *timeout_flag]
     if out is not None:
         cmd += ["--out", str(out)]

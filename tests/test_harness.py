@@ -385,3 +385,22 @@ def test_clipping_reads_nothing_from_the_device(group):
         assert isinstance(norm, torch.Tensor) and torch.allclose(norm, want, rtol=1e-14)
         for p, g in zip(params, grads):
             assert torch.allclose(p.grad, g, rtol=1e-14, atol=0)
+
+
+def test_train_log_writes_tensorboard_events(tmp_path):
+    """harness.TrainLog: train.jsonl and, with tensorboard installed (the test extra), event
+    files holding every numeric field of every row, read back with TensorBoard's own reader."""
+    pytest.importorskip("tensorboard",
+                        reason="tensorboard is in the test extra: pip install -e .[test]")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from harness.trainlog import TrainLog
+    log = TrainLog(str(tmp_path), enabled=True)
+    assert log.tb is not None
+    for step, loss in enumerate((3.0, 2.5, 2.25)):
+        log.write(dict(step=step, loss=loss, lr=1e-3, mfu=None))
+    log.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == {"loss", "lr"}          # mfu None: not logged
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(0, 3.0), (1, 2.5), (2, 2.25)]
+    assert len((tmp_path / "train.jsonl").read_text().splitlines()) == 3
