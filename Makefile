@@ -15,13 +15,13 @@ tour: setup
 	$(PYTHON) tour.py
 
 test: setup
-	$(PYTHON) -m pytest -q -m "not heavy" --durations=25 tests
+	$(PYTHON) -m pytest -q -ra -m "not heavy" --durations=25 tests
 
 test-all: setup
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -ra tests
 
 quick:
-	$(PYTHON) -m pytest -q -m "not slow and not heavy" tests
+	$(PYTHON) -m pytest -q -ra -m "not slow and not heavy" tests
 
 bench: setup
 	$(PYTHON) scripts/bench.py --world 2 --pairs 6

@@ -68,6 +68,19 @@ def build(seed, unused=True):
     return Net(unused).double()
 
 
+class TwoDtypes(Net):
+    """Net in float64 with one float32 parameter (a per-feature gain on the logits): two
+    dtypes, so DataParallel keeps a bucket per dtype, each all-reduced in its own."""
+
+    def __init__(self):
+        super().__init__(unused=False)
+        self.double()
+        self.gain = nn.Parameter(torch.linspace(0.9, 1.1, V, dtype=torch.float32))
+
+    def forward(self, x):
+        return super().forward(x) * self.gain.double()
+
+
 def tokens(rank, step, k=0):
     g = torch.Generator().manual_seed(1000 * step + 10 * rank + k)
     return torch.randint(0, V, (B, S), generator=g)
@@ -166,6 +179,22 @@ def check_ddp(rank):
             report("ddp with reentrant activation checkpointing, summing: DataParallel vs "
                    f"itself without, {STEPS} steps",
                    max(rel_diff(g, w) for g, w in zip(runs[1], runs[0])))
+        if kind == "sgd":   # parameters of two dtypes: a bucket per dtype
+            torch.manual_seed(200 + rank)
+            mixed = TwoDtypes()
+            theirs = TorchDDP(copy.deepcopy(mixed))
+            ours = ddp.DataParallel(copy.deepcopy(mixed), bucket_mb=0.0005)
+            dtypes = {b.buffer.dtype for b in ours.buckets}
+            assert dtypes == {torch.float32, torch.float64}, dtypes
+            want = train(theirs, make_opt(theirs.module), rank, accum, to_none)
+            got = train(ours, make_opt(ours.module), rank, accum, to_none)
+            # each tensor's difference in its own dtype's units (float32: x eps64/eps32), as
+            # the ranks' sums may associate differently per element (W=3: 1 float32 ulp)
+            scale = torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
+            err = max(rel_diff([x], [y]) * (scale if x.dtype == torch.float32 else 1.0)
+                      for g, w in zip(got, want) for x, y in zip(g, w))
+            report(f"ddp float64 and float32 parameters: DataParallel vs torch DDP, {STEPS} "
+                   "steps", err)
         if kind == "adamw":   # the comparison sees a missing broadcast and a missing sync
             bad = ddp.DataParallel(copy.deepcopy(base), broadcast=False)
             got = train(bad, make_opt(bad.module), rank, accum, to_none, bad.no_sync)

@@ -208,14 +208,23 @@ def test_grouped_experts_equal_the_loop(counts):
     for a, b in zip(bmm, loop):
         assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-12, atol=1e-12), \
             (a - b).abs().max()
+    float32_equals_loop("bmm", counts)
+
+
+@pytest.mark.skipif(not ep_moe.grouped_mm_works("cpu", torch.float32, (16, 48, 24)),
+                    reason="torch._grouped_mm does not run on this CPU build")
+@pytest.mark.parametrize("counts", [[5, 0, 9], [0, 0, 7], [1, 12, 3], [0, 0, 0]])
+def test_grouped_mm_experts_equal_the_loop(counts):
+    float32_equals_loop("grouped_mm", counts)
+
+
+def float32_equals_loop(impl, counts):
     hf32 = moe_experts(dtype=torch.float32)
     _, loop32 = experts_run("loop", hf32, counts, torch.float32)
-    impls = ["bmm"] + (["grouped_mm"] if ep_moe.grouped_mm_works("cpu", torch.float32,
-                                                                  (16, 48, 24)) else [])
-    for impl in impls:
-        _, out = experts_run(impl, hf32, counts, torch.float32)
-        for a, b in zip(out, loop32):
-            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (impl, (a - b).abs().max())
+    which, out = experts_run(impl, hf32, counts, torch.float32)
+    assert which == impl
+    for a, b in zip(out, loop32):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (impl, (a - b).abs().max())
 
 
 def test_grouped_mm_probe_refuses_what_it_cannot_run():

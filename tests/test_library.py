@@ -16,7 +16,8 @@ EXPECTED = {
             "control ddp without the gradient all-reduce",
             "ddp sgd momentum, zero in place, unused param: DataParallel vs torch DDP",
             "ddp with reentrant activation checkpointing, summing: DataParallel vs itself "
-            "without"],
+            "without",
+            "ddp float64 and float32 parameters: DataParallel vs torch DDP"],
     "zero": [f"zero stage {s} sgd, accum 2, one bucket, model.zero_grad(): ZeroOptimizer vs "
              f"torch.optim" for s in (2, 1)]
     + [f"zero stage {s} {k}{extra}: {what}"

@@ -2,7 +2,7 @@
 each test checks that the option changed what it says it changes, not only that the run ends."""
 import pytest
 
-from conftest import Runs
+from conftest import Runs, config_file
 
 TP = Runs("tp.py", 2, {
     # the verdict's own knob: at 1/1000 of the noise the same correct run must FAIL
@@ -16,6 +16,13 @@ ZERO = Runs("zero.py", 2, {
     "prefetch2": ["--stage", "3", "--prefetch", "2"],
 })
 DDP = Runs("ddp.py", 2, {"all": ["--mode", "all"]})
+# three chunks per rank: 6 layers over 2 stages x 3 virtual stages
+PP = Runs("pp.py", 2, {"v3": ["--schedule", "interleaved", "--virtual-stages", "3",
+                              "--microbatches", "2",
+                              "--model", config_file("layers6", num_hidden_layers=6)]})
+# the cosine floor at half the peak: the reference takes it from torch's CosineAnnealingLR
+C4D = Runs("compose4d.py", 2, {"lr-floor": ["--pp", "2", "--lr-schedule", "cosine",
+                                            "--lr-min-ratio", "0.5", "--steps", "3"]})
 
 
 def passed(r):
@@ -55,6 +62,19 @@ def test_zero_gather_options(runs, key):
     the next forward) and --prefetch 2 (ZeRO-3 gathers two units ahead) give the same result."""
     res = passed(runs(ZERO, key))
     assert res["strategy"] == ("zero1" if key == "sync-gather" else "zero3")
+
+
+def test_three_virtual_stages(runs):
+    """pp.py --virtual-stages 3 (every other test uses 2): interleaved 1F1B over 6 chunks."""
+    res = passed(runs(PP, "v3"))
+    assert res["strategy"] == "pp-interleaved", res["strategy"]
+    assert res["tensors"] == res["grads_compared"] == 3 + 6 * 9   # every layer's 9 tensors
+
+
+def test_cosine_floor_matches_torchs_scheduler(runs):
+    """compose4d --lr-min-ratio 0.5: its lr_at against torch.optim.lr_scheduler's cosine with
+    eta_min = 0.5 lr in the reference (an oracle that shares no code with it)."""
+    passed(runs(C4D, "lr-floor"))
 
 
 def test_mode_all_runs_every_mode(runs):
