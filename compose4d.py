@@ -331,7 +331,8 @@ class Compose4D(Strategy):
         p.add_argument("--mem-gib", type=float, default=80.0,
                        help="--elastic: memory budget per GPU for the planner's memory model")
         p.add_argument("--grace-s", type=float, default=30.0,
-                       help="seconds between SIGTERM and the forced kill (reported)")
+                       help="seconds the batch system waits between SIGTERM and SIGKILL: a save "
+                            "that ends later than that after the signal is warned about")
         p.add_argument("--preempt-at", default="step", choices=["step", "micro-batch"],
                        help="train mode with --save: where a SIGTERM stops the run. step: the "
                             "ranks agree on it once per step, inside the step's loss all-reduce "

@@ -1,4 +1,5 @@
 """Helpers: launch a strategy script under torchrun (real gloo process groups on CPU)."""
+import atexit
 import json
 import os
 import subprocess
@@ -8,6 +9,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 class Result:
@@ -39,12 +41,25 @@ def assert_config_error(r, msg, torchrun=True):
         assert r.rc == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r
 
 
+_FORK = {}
+
+
+def fork_server(env):
+    """The session's forkserver (tests/forkserver.py), started on first use."""
+    if "server" not in _FORK:
+        from forkserver import ForkServer
+        _FORK["server"] = ForkServer(env)
+        atexit.register(_FORK["server"].close)
+    return _FORK["server"]
+
+
 def launch(script, nproc, *args, out=None, timeout=300, torchrun=True, as_rank0=False,
-           pg_timeout=60):
+           pg_timeout=60, fork=False):
     """Run ROOT/script with `nproc` workers (torchrun) or as a plain python process.
     as_rank0: one plain process that believes it is rank 0 of `nproc` (torchrun's variables),
     for configuration errors, which end before any process group exists (3 s instead of 3 s
-    per process)."""
+    per process). fork: the workers forked from the session's forkserver instead of started
+    by torchrun (the shared launches; TEST_LAUNCHER=torchrun turns it off)."""
     cmd = [sys.executable]
     if torchrun and not as_rank0:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
@@ -57,8 +72,36 @@ def launch(script, nproc, *args, out=None, timeout=300, torchrun=True, as_rank0=
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     if as_rank0:
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(nproc))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    import time
+    t0 = time.time()
+    if (fork or as_rank0) and torchrun and os.environ.get("TEST_LAUNCHER") != "torchrun":
+        argv = cmd[cmd.index(os.path.join(ROOT, script)) + 1:]
+        rc, stdout, stderr = fork_server(env).run(os.path.join(ROOT, script), nproc, argv,
+                                                  timeout, env, as_rank0=as_rank0)
+        proc = subprocess.CompletedProcess(cmd, rc, stdout, stderr)
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                              cwd=ROOT)
+    if os.environ.get("LAUNCH_LOG"):
+        with open(os.environ["LAUNCH_LOG"], "a") as f:
+            f.write(json.dumps(dict(test=os.environ.get("PYTEST_CURRENT_TEST", ""), script=script,
+                                    nproc=nproc, torchrun=torchrun and not as_rank0,
+                                    s=round(time.time() - t0, 2), args=[str(a) for a in args][:12])) + "\n")
     return Result(proc, out)
+
+
+def torchrun(path, nproc, *args, timeout=600, env=None) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run --standalone --nproc_per_node=N path args...` for a
+    test's own multi-process script or an example: forked from the session's forkserver
+    (TEST_LAUNCHER=torchrun: real torchrun). env: variables added to the tests' own."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", path, *map(str, args)]
+    if os.environ.get("TEST_LAUNCHER") == "torchrun":
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                              cwd=ROOT)
+    rc, out, err = fork_server(env).run(path, nproc, list(map(str, args)), timeout, env)
+    return subprocess.CompletedProcess(cmd, rc, out, err)
 
 
 class FailedLaunch:
@@ -99,7 +142,7 @@ def launch_runs(script, nproc, runs: dict, base, timeout=900) -> dict:
     spec = os.path.join(str(base), "runs.json")
     with open(spec, "w") as f:
         json.dump(argvs, f)
-    whole = launch(script, nproc, "--runs", spec, timeout=timeout)
+    whole = launch(script, nproc, "--runs", spec, timeout=timeout, fork=True)
     parts, cur = {}, None
     for line in whole.stdout.splitlines(keepends=True):
         if line.startswith(harness.RUN_MARK):

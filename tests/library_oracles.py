@@ -210,6 +210,10 @@ def check_ddp(rank):
 # ------------------------------------------------------------------------------------------
 # zero.ZeroOptimizer vs the unsharded torch optimizer on the global batch
 # ------------------------------------------------------------------------------------------
+OTHER_ELEMENTWISE = (torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+                     torch.optim.Adagrad)
+
+
 def reference_run(W, kind, accum, clip, steps=STEPS):
     """One process, the whole global batch: the mean over ranks of each rank's mean loss."""
     model = build(seed=7, unused=False)
@@ -270,6 +274,27 @@ def check_zero(rank, W):
         ref_more = reference_steps(ref_model, ref_opt, W, accum, clip, start=STEPS)
         report(f"{name}: load_state_dict(torch's) then 2 more steps",
                max(rel_diff(g, w) for g, w in zip(got, ref_more)))
+    # the other elementwise optimizers, each under an LR schedule (the scheduler drives
+    # ZeroOptimizer's param_groups, which step() hands to the inner optimizer)
+    for cls in OTHER_ELEMENTWISE:
+        def opt_and_sched(model, **wrap):
+            opt = (zero.ZeroOptimizer(model.parameters(), cls, **wrap, lr=1e-2) if wrap
+                   else cls(model.parameters(), lr=1e-2))
+            return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        ref_model = build(seed=7, unused=False)
+        ref_opt, ref_sched = opt_and_sched(ref_model)
+        want = []
+        for step in range(STEPS):
+            want += reference_steps(ref_model, ref_opt, W, 1, None, start=step, steps=1)
+            ref_sched.step()
+        model = build(seed=7, unused=False)
+        opt, sched = opt_and_sched(model, stage=2, bucket_mb=0.0005)
+        got = []
+        for step in range(STEPS):
+            got += train(model, opt, rank, steps=1, start=step, buffers=False)
+            sched.step()
+        report(f"zero stage 2 {cls.__name__.lower()}, StepLR: ZeroOptimizer vs torch.optim, "
+               f"{STEPS} steps", max(rel_diff(g, w) for g, w in zip(got, want)))
     # stage 1 reduce-scattering during the last backward (overlapped), small buckets
     ref_model, ref_opt, want = reference_run(W, "adamw", 2, 0.05)
     model = build(seed=7, unused=False)

@@ -2,8 +2,6 @@
 over a real group, then the full model, under torchrun on CPU (planted bugs: test_plants.py)."""
 import argparse
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -11,7 +9,7 @@ import torch
 
 import cp_attention_check
 import cp_ring
-from conftest import ROOT, Runs, assert_config_error
+from conftest import ROOT, Runs, assert_config_error, torchrun
 
 
 def test_kernel_as_accurate_as_sdpa():
@@ -60,11 +58,8 @@ def test_kernel_dispatch_and_fallback(monkeypatch):
 
 
 def attention_check(world, seq, dtype, tol):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world}", os.path.join(ROOT, "tests", "cp_attention_check.py"),
-           "--seq", str(seq), "--dtype", dtype, "--tol", str(tol)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = torchrun(os.path.join(ROOT, "tests", "cp_attention_check.py"), world, "--seq", seq,
+                 "--dtype", dtype, "--tol", tol, timeout=300)
     lines = [l for l in p.stdout.splitlines() if l.startswith(("PASS", "FAIL"))]
     assert p.returncode == 0 and len(lines) == 3 and all(l.startswith("PASS") for l in lines), \
         p.stdout + p.stderr[-3000:]

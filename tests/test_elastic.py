@@ -125,6 +125,8 @@ def test_sigterm_mid_step_restarts_at_2_then_4_equal_uninterrupted(tmp_path, uni
     # cut there (--preempt-at micro-batch; the default finishes the step, see below)
     r1, l1 = train(4, "a", "--test-sigterm-at", "1:0", "--preempt-at", "micro-batch")
     assert "SIGTERM: saved" in r1.stdout and "after 4 of 8 sequences of step 1" in r1.stdout, r1
+    assert "s after the signal (grace 30 s)" in r1.stdout, r1
+    assert "past --grace-s" not in r1.stdout, r1
     assert (ck / "latest").read_text() == "step-1"
     meta = json.loads((ck / "step-1" / "meta.json").read_text())
     assert meta["cut"]["rows_done"] == [0, 2, 4, 6] and meta["layout"]["dp"] == 4
@@ -246,8 +248,10 @@ def test_sigterm_mid_step_by_default_finishes_the_step_and_resumes_exactly(tmp_p
     ck = tmp_path / "ck"
     train = _trainer(tmp_path, ck, ["--pp", "2"])
     full = uninterrupted
-    r1, l1 = train(4, "a", "--test-sigterm-at", "2:0", "--nccl-semantics")
+    # --grace-s: a save that ends past it after the signal is warned about
+    r1, l1 = train(4, "a", "--test-sigterm-at", "2:0", "--nccl-semantics", "--grace-s", "0.001")
     assert "SIGTERM: saved" in r1.stdout and "step-3 at the end of step 2" in r1.stdout, r1
+    assert "past --grace-s 0.001" in r1.stdout, r1
     assert (ck / "latest").read_text() == "step-3"
     meta = json.loads((ck / "step-3" / "meta.json").read_text())
     assert "cut" not in meta and meta["samples"] == 24 and meta["layout"]["dp"] == 2

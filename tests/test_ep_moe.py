@@ -2,7 +2,6 @@
 priority, the all-to-all round trip, then the full model against the single-device reference
 (HF's own MoE block where HF has one) under torchrun on CPU."""
 import os
-import subprocess
 import sys
 import types
 
@@ -13,7 +12,7 @@ import torch.nn.functional as F
 import harness
 import ep_moe
 from harness.routing import hf_router_losses
-from conftest import ROOT, Runs, assert_config_error, config_file
+from conftest import ROOT, Runs, assert_config_error, config_file, torchrun
 
 N_TENSORS = 21  # tiny-moe: embed, head, final norm + 2 layers x (4 attn, 2 norms, gate, 2 experts)
 DROPLESS = ["--aux-coef", "0.01", "--z-coef", "0.001"]
@@ -27,6 +26,12 @@ W2 = Runs("ep_moe.py", 2, {  # one launch per batch: the start-up (~10 s a proce
     "bench": ["--mode", "benchmark", "--bench-iters", "3", "--warmup", "1"],
     "bench-capacity": ["--mode", "benchmark", "--bench-iters", "3", "--warmup", "1",
                        "--capacity-factor", "1.0"],
+    # aux-free balancing at two bias rates (0: the bias never moves)
+    **{f"bias{rate}": ["--aux-free-bias", "--aux-coef", "0", "--bias-rate", rate, "--steps", "3"]
+       for rate in ("0", "0.05")},
+    # buckets of 10 KB for the replicated gradients: more all-reduces, the same bytes
+    "bench-buckets": ["--mode", "benchmark", "--bench-iters", "3", "--warmup", "1",
+                      "--bucket-mb", "0.01"],
     # float32: the local experts run as torch._grouped_mm (float64 runs take the padded bmm)
     "grouped-f32": DROPLESS + ["--dtype", "float32", "--experts-impl", "grouped_mm"],
 })
@@ -169,10 +174,7 @@ def test_capacity_split_over_ranks_equals_single_device(world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_dispatch_combine_round_trip(world):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world}", os.path.join(ROOT, "tests", "ep_roundtrip_check.py")]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = torchrun(os.path.join(ROOT, "tests", "ep_roundtrip_check.py"), world, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     assert p.stdout.count("PASS rank") == 3 * world and "FAIL" not in p.stdout, p.stdout
 
@@ -456,3 +458,29 @@ def test_not_a_moe_model():
     from conftest import launch
     r = launch("ep_moe.py", 1, "--model", "tiny", torchrun=False)
     assert_config_error(r, "--model tiny is not a Mixture-of-Experts config", torchrun=False)
+
+
+def test_bias_rate_moves_the_routing(runs):
+    """--bias-rate: at 0.05 the selection bias moves after every step (the reference applies
+    the same rule to HF-shaped blocks) and the later losses leave the rate-0 run's; at 0 the
+    bias never moves. Both PASS against the float64 reference."""
+    def losses(key):
+        r = runs(W2, key)
+        assert_pass(r, 2)
+        return [float(r.stdout.split(f"step {s}: loss ")[1].split()[0]) for s in range(3)]
+    still, moving = losses("bias0"), losses("bias0.05")
+    assert still[0] == moving[0] and still[2] != moving[2], (still, moving)
+
+
+def test_bucket_mb_splits_the_replicated_gradients(runs):
+    """--bucket-mb 0.01: the dense gradients' all-reduce comes in as many calls as DDP's bucket
+    plan makes of them at 10 KB (plus the router counts' one), with the same bytes as the
+    default single bucket."""
+    import ddp
+    one, small = runs(W2, "bench"), runs(W2, "bench-buckets")
+    for r in (one, small):
+        assert r.rc == 0 and r.last_line.startswith("PASS") and r.json("benchmark.json")["comm_ok"], r
+    a, b = (r.json("benchmark.json")["ours"]["comm"]["all_reduce|dp"] for r in (one, small))
+    dense = [p for n, p in tiny_moe().named_parameters() if ".experts." not in n]
+    n_buckets = len(ddp.plan_buckets(dense, int(0.01 * 2**20)))
+    assert a["calls"] == 2 and b["calls"] == n_buckets + 1 > 3 and a["bytes"] == b["bytes"], (a, b)

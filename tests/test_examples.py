@@ -5,26 +5,23 @@ import importlib.util
 import math
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, torchrun
 
 EXAMPLES = os.path.join(ROOT, "examples")
 
 
 def run_example(name, nproc, *args, timeout=600):
-    """torchrun the example as a user would. The suite's modules come from the installed
+    """torchrun the example as a user would (forked: conftest.torchrun). The suite's modules come from the installed
     package; PYTHONPATH=ROOT as well, so a checkout whose editable install predates a newly
     added module still runs. The examples themselves never edit sys.path."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", os.path.join(EXAMPLES, name), *map(str, args)]
     path = os.pathsep.join(x for x in (ROOT, os.environ.get("PYTHONPATH")) if x)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=path)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    p = torchrun(os.path.join(EXAMPLES, name), nproc, *args, timeout=timeout,
+                 env=dict(PYTHONPATH=path))
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     return p.stdout
 

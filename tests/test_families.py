@@ -7,7 +7,6 @@ Families (harness.models' tiny-* presets): Mistral (a sliding window on every la
 sublayers), Gemma2 ((1 + w) norms computed in float32, scaled embedding, soft-capping, sliding
 window on alternate layers, eager attention only), Phi3 (fused qkv_proj and gate_up_proj)."""
 import os
-import subprocess
 import sys
 import types
 
@@ -17,7 +16,7 @@ import torch.nn as nn
 
 import harness
 import tp
-from conftest import ROOT, Runs, assert_config_error, launch
+from conftest import ROOT, Runs, assert_config_error, launch, torchrun
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import realistic  # noqa: E402  (make_checkpoint's trained twins)
@@ -192,11 +191,8 @@ def test_tp_in_a_plain_loop_matches_one_device():
     """Through the library API, not the harness: tp.parallelize, the vocab-parallel loss,
     reduce_partial_grads and AdamW, per family; a Qwen3 loop without the partial-gradient sum
     must FAIL (tests/families_check.py)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "tests", "families_check.py")]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                                PYTHONPATH=ROOT))
+    p = torchrun(os.path.join(ROOT, "tests", "families_check.py"), 2,
+                 env=dict(PYTHONPATH=ROOT))
     lines = [l for l in p.stdout.splitlines() if l.startswith(("PASS", "FAIL"))]
     assert [l.split()[:2] for l in lines] == [
         ["PASS", f] for f in ("tiny-qwen3", "tiny-olmo2", "tiny-phi3", "tiny-gemma2")] + [

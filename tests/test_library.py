@@ -2,12 +2,10 @@
 torch DDP, zero.ZeroOptimizer against the unsharded torch optimizer, fsdp.fully_shard against
 FSDP2, each with a negative control the comparison must see, and bad input."""
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, torchrun
 
 # the verdict lines library_oracles.py prints, by check
 EXPECTED = {
@@ -26,6 +24,8 @@ EXPECTED = {
              for what in ("ZeroOptimizer vs torch.optim on the global batch",
                           "state_dict() vs the torch optimizer's",
                           "load_state_dict(torch's) then 2 more steps")]
+    + [f"zero stage 2 {k}, StepLR: ZeroOptimizer vs torch.optim"
+       for k in ("adamax", "nadam", "radam", "rmsprop", "adagrad")]
     + ["zero stage 1 adamw, accum 2, clip 0.05, last backward in reduce_in_backward(): "
        "ZeroOptimizer vs torch.optim",
        "control zero stage 1: a backward after reduce_in_backward's is refused",
@@ -41,11 +41,8 @@ EXPECTED = {
 
 
 def oracles(world, only):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world}", os.path.join(ROOT, "tests", "library_oracles.py"),
-           "--only", ",".join(only)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    p = torchrun(os.path.join(ROOT, "tests", "library_oracles.py"), world, "--only",
+                 ",".join(only))
     lines = [l for l in p.stdout.splitlines() if l.startswith(("PASS", "FAIL"))]
     return p, lines
 

@@ -94,6 +94,36 @@ def test_real_cpu_search_two_strategies(tmp_path):
     assert "simulated" in r.stderr and "peak" in r.stderr          # progress on stderr
 
 
+def test_cli_simulated_micro_batch_search():
+    """--simulate --search micro-batch: no process starts; the largest micro-batch at length 256
+    whose FakeTensorMode peak fits 20 MiB, each side of the boundary checked in this process."""
+    budget = 0.02
+    r = launch("oom_search.py", 1, "--strategy", "ddp", "--nproc", "2", "--simulate",
+               "--search", "micro-batch", "--length", "256", "--hi", "16",
+               "--mem-budget-gb", budget, "--json", torchrun=False)
+    assert r.rc == 0, r
+    doc = json.loads(r.stdout)
+    assert doc["search"] == "micro-batch" and doc["oom"].startswith("simulated: FakeTensorMode")
+    (res,) = doc["results"]
+    assert 1 < res["max"] < 16 and res["failed_at"] == res["max"] + 1, res
+    for b, fits in ((res["max"], True), (res["failed_at"], False)):
+        peak = oom.simulate_peak("ddp", 2, 256, b, "tiny")["peak"]
+        assert (peak <= budget * 2**30) == fits, (b, peak)
+    assert res["peak_at_max"] == oom.simulate_peak("ddp", 2, 256, res["max"], "tiny")["peak"]
+
+
+def test_cli_retries_a_timed_out_trial():
+    """--retries 2 and a per-trial --timeout no start-up can meet: the trial is run three
+    times, each killed as a timeout (never an OOM), and the search stops there."""
+    r = launch("oom_search.py", 1, "--strategy", "ddp", "--nproc", "2", "--lo", "256", "--hi",
+               "256", "--timeout", "0.5", "--retries", "2", "--mem-budget-gb", "1", "--json",
+               torchrun=False)
+    assert r.rc == 0, r
+    (res,) = json.loads(r.stdout)["results"]
+    assert [k for _, k, _, _ in res["trials"]] == ["timeout"] * 3, res
+    assert res["max"] is None and res["stopped"].startswith("timeout at 256"), res
+
+
 _MEASURED: dict = {}
 
 
@@ -125,3 +155,17 @@ def test_simulation_matches_measured_peak(strategy):
     peak = measured_peak(strategy)
     sim = oom.simulate_peak(strategy, 2, 1024, 1, "tiny")
     assert abs(sim["peak"] / peak - 1) <= 0.05, (sim["peak"], peak)
+
+
+def test_cli_compare_measured_predicted_simulated():
+    """--compare: one real trial at --length beside the formula's and the simulation's peak
+    (the tolerances of the two tests above), no search."""
+    r = launch("oom_search.py", 1, "--strategy", "ddp", "--nproc", "2", "--compare",
+               "--length", "512", "--json", torchrun=False, timeout=600)
+    assert r.rc == 0, r
+    doc = json.loads(r.stdout)
+    (row,) = doc["results"]
+    assert doc["length"] == 512 and row["measured_kind"] == "OK", row
+    assert abs(row["predicted"] / row["measured"] - 1) <= 0.15, row
+    assert abs(row["simulated"] / row["measured"] - 1) <= 0.05, row
+    assert row["simulated"] == oom.simulate_peak("ddp", 2, 512, 1, "tiny")["peak"], row

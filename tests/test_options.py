@@ -14,6 +14,9 @@ TP = Runs("tp.py", 2, {
 ZERO = Runs("zero.py", 2, {
     "sync-gather": ["--stage", "1", "--sync-param-gather"],
     "prefetch2": ["--stage", "3", "--prefetch", "2"],
+    # bf16 gradients reduce-scattered in fp32 (the default) and in bf16 (--reduce-dtype param)
+    **{f"reduce-{rd}": ["--stage", "2", "--dtype", "bfloat16", "--reduce-dtype", rd]
+       for rd in ("float32", "param")},
 })
 DDP = Runs("ddp.py", 2, {"all": ["--mode", "all"]})
 # three chunks per rank: 6 layers over 2 stages x 3 virtual stages
@@ -85,3 +88,12 @@ def test_mode_all_runs_every_mode(runs):
     assert r.json("correctness.json")[0]["ok"] and r.json("learning.json")["ok"]
     assert r.json("benchmark.json")["comm_ok"]
     assert sum(1 for line in r.stdout.splitlines() if line.startswith("PASS ")) >= 3, r
+
+
+def test_reduce_dtype_param_in_correctness_mode(runs):
+    """--reduce-dtype param in a bf16 correctness run: the reduce-scatter sums in bf16 and the
+    run still PASSes against the float64 target, with gradient errors of its own (the same run
+    reducing in fp32 lands elsewhere: the option reached the reduction)."""
+    f32, param = passed(runs(ZERO, "reduce-float32")), passed(runs(ZERO, "reduce-param"))
+    assert f32["dtype"] == param["dtype"] == "bfloat16", (f32, param)
+    assert f32["max_grad_err"] != param["max_grad_err"], (f32, param)

@@ -39,6 +39,24 @@ def hf(base):
     return os.path.join(str(base), "hf-text")
 
 
+def bin32(base):
+    """The corpus as the text path tokenizes it (doc0 EOS doc1 EOS ...), written as raw uint32
+    ids (a .bin that read as nanoGPT's default uint16 would be another stream)."""
+    import numpy as np
+    from harness.corpus import TextCorpus
+    p = fixtures(base)
+    out = os.path.join(str(base), "text", "corpus32.bin")
+    if not os.path.exists(out):
+        c = TextCorpus.open(p["corpus"], p["tok"], 320, seed=0, progress=False,
+                            cache_dir=os.path.join(str(base), "text", "scratch"))
+        np.asarray(c.stream("train"), dtype=np.uint32).tofile(out)
+    return out
+
+
+def cache32(base):
+    return os.path.join(str(base), "cache32")
+
+
 TRAIN = ["--mode", "train", "--batch", "4", "--length", "32", "--log-every", "1"]
 TEXT = [*TRAIN, "--model", path("llama"), "--data", path("corpus"), "--val-fraction", "0.1"]
 PROMPT = "The old man"
@@ -49,6 +67,9 @@ W2 = Runs("compose4d.py", 2, {
                "--steps", "2", "--data", path("corpus")],
     "full": [*TRAIN, "--model", path("tied"), "--tp", "2", "--dtype", "float64",
              "--steps", "2", "--data", path("corpus"), "--load", "full"],
+    # the same tokens pre-tokenized as uint32, their cache entry in a directory of our choosing
+    "bin32": [*TRAIN, "--model", path("tied"), "--tp", "2", "--dtype", "float64",
+              "--steps", "2", "--data", bin32, "--data-dtype", "uint32", "--data-cache", cache32],
     # fine-tuning on text lowers the held-out loss; the greedy sample and the export
     "finetune": [*TEXT, "--pp", "2", "--dtype", "float32", "--steps", "40", "--batch", "8",
                  "--eval-every", "20", "--eval-batches", "2", "--lr", "3e-3",
@@ -90,6 +111,17 @@ def test_each_rank_reads_its_shard_and_trains_as_the_whole_model_would(runs):
     # under tp 2 each rank holds about half the model (the norms are replicated)
     load = [l for l in shards.stdout.splitlines() if l.startswith("load rank")]
     assert len(load) == 2, shards.stdout
+
+
+def test_uint32_tokens_and_the_cache_directory(runs):
+    """--data-dtype uint32 reads a raw .bin of 32-bit ids (the text run's own token stream, so
+    the same samples and bitwise the same losses); --data-cache puts the entry where it says,
+    nothing beside the data."""
+    shards, b32 = _ok(runs, "shards"), _ok(runs, "bin32")
+    assert [x["loss"] for x in train_rows(b32)] == [x["loss"] for x in train_rows(shards)]
+    base = os.path.dirname(b32.out)     # the pool's directory: the fixtures, the cache
+    assert any(f.endswith(".json") for f in os.listdir(cache32(base))), os.listdir(cache32(base))
+    assert not os.path.exists(os.path.join(base, "text", ".corpus32.bin.tokens"))
 
 
 def test_finetuning_lowers_the_held_out_loss_and_logs_every_step(runs):

@@ -57,6 +57,22 @@ class Preemption:
     def _on_signal(self, signum, frame):
         self.flag, self.at = True, self.at or time.time()
 
+    def report(self, what: str, t_save: float, grace_s: float) -> str:
+        """The save's line: its own time, the time since the signal (on the rank that got it),
+        and a warning when that passes --grace-s (the batch system's SIGTERM-to-SIGKILL wait: a
+        real one would have killed the job mid-save, leaving the previous checkpoint)."""
+        now = time.time()
+        line = f"SIGTERM: saved {what} in {now - t_save:.2f} s"
+        if self.at is None:
+            return line + f" (grace {grace_s:g} s)"
+        since = now - self.at
+        line += f", {since:.2f} s after the signal (grace {grace_s:g} s)"
+        if since > grace_s:
+            line += (f"\nwarning: the save ended {since:.2f} s after SIGTERM, past --grace-s "
+                     f"{grace_s:g}: a batch system would have killed the job first (the previous "
+                     f"checkpoint stays the one to resume)")
+        return line
+
     def agreed(self, device) -> bool:
         t = torch.tensor([int(self.flag)], dtype=torch.int32, device=device)
         with METER.paused():
@@ -303,8 +319,8 @@ def run_train(run: Run, cls) -> bool:
             d = save_checkpoint(strat, args.save, s, extra(offset, cut=dict(
                 rows_done=done, loss_sum=loss_sum, global_batch=G)), grads=True,
                 keep=args.keep)
-            run.print(f"SIGTERM: saved {d} after {len(done)} of {G} sequences of step {s} in "
-                      f"{time.time() - t1:.2f} s (grace {args.grace_s:g} s)")
+            run.print(pre.report(f"{d} after {len(done)} of {G} sequences of step {s}", t1,
+                                 args.grace_s))
             break
         if cut:
             loss += cut["loss_sum"] / batch.n_tokens
@@ -333,9 +349,7 @@ def run_train(run: Run, cls) -> bool:
         if args.save and stopping:     # SIGTERM seen by some rank before this step's loss
             t1 = time.time()
             d = save_checkpoint(strat, args.save, s, extra(offset), keep=args.keep)
-            since = "" if pre.at is None else f", {t1 - pre.at:.2f} s after the signal"
-            run.print(f"SIGTERM: saved {d} at the end of step {s - 1} in "
-                      f"{time.time() - t1:.2f} s{since} (grace {args.grace_s:g} s)")
+            run.print(pre.report(f"{d} at the end of step {s - 1}", t1, args.grace_s))
             break
         if args.save and args.save_every and s % args.save_every == 0 and s < end:
             save_checkpoint(strat, args.save, s, extra(offset), keep=args.keep)
