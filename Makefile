@@ -1,13 +1,14 @@
 # make tour   set up, then run every strategy's correctness check under torchrun and summarise
 # make test   set up, then run the test suite but the heavy tests (CPU, gloo; CI runs this)
-# make quick  the quick subset of the tests (no setup, skips tests marked slow)
-# make test-all  everything, also the tests marked heavy (W=3 on the realistic checkpoint)
+# make quick  the quick subset of the tests (no setup, skips tests marked slow or heavy)
+# make test-heavy  only the tests marked heavy (CI runs them after make test)
+# make test-all  everything: make test and make test-heavy in one run
 # make bench  every strategy against PyTorch's own and the single device, timed interleaved:
 #             results/bench-cpu.json (W=2 at 6 rounds, W=4 at 4; about 35 minutes on 2 cores)
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: setup tour test test-all quick bench
+.PHONY: setup tour test test-heavy test-all quick bench
 setup:
 	bash scripts/setup.sh
 
@@ -16,6 +17,9 @@ tour: setup
 
 test: setup
 	$(PYTHON) -m pytest -q -ra -m "not heavy" --durations=25 tests
+
+test-heavy: setup
+	$(PYTHON) -m pytest -q -ra -m heavy --durations=10 tests
 
 test-all: setup
 	$(PYTHON) -m pytest -q -ra tests

@@ -203,6 +203,9 @@ def serve():
         getattr(transformers, name)
     for name in ["harness", *PRELOAD]:
         importlib.import_module(name)
+    import gc
+    gc.collect()
+    gc.freeze()          # the workers' collections skip what the server imported
     reply.write("ready\n")
     reply.flush()
     for line in sys.stdin:

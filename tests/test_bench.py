@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 KEYS = {"strategy", "baseline", "world", "dtype", "ratio_median", "ratio_p10", "ratio_p90",
@@ -20,6 +22,7 @@ def bench(tmp_path, *args):
     return p, (json.loads(out.read_text()) if out.exists() else None)
 
 
+@pytest.mark.slow
 def test_ddp_row_against_torch_ddp_and_the_reference(tmp_path):
     p, rows = bench(tmp_path, "--world", "2", "--only", "ddp", "--pairs", "3", "--model", "tiny")
     assert p.returncode == 0, p.stdout + p.stderr

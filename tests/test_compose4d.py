@@ -135,24 +135,20 @@ def ck_keep(base):
     return os.path.join(base, "ck-keep")
 
 
-# One launch per batch: the start-up (~10 s a process) paid once. Runs go in order, so a
+# One launch per batch: the start-up paid once. Runs go in order, so a
 # resumed run follows the run that saved its checkpoint.
 W2 = Runs("compose4d.py", 2, {
-    "learning": ["--pp", "2", "--mode", "learning", "--steps", "40", "--lr", "1e-2",
-                 "--log-every", "20", "--grad-accum", "2"],
     "saved": [*TRAIN, "--pp", "2", "--stop-at", "2", "--save-every", "1", "--save", ck],
     "kept": [*TRAIN, "--pp", "2", "--steps", "4", "--save-every", "1", "--keep", "2", "--save",
              ck_keep],
 })
-W4 = Runs("compose4d.py", 4, {
-    "dp-tp": PAIRS["dp-tp"],
+W4 = Runs("compose4d.py", 4, {"dp-tp": PAIRS["dp-tp"]})
+SLOW_W4 = Runs("compose4d.py", 4, tier="slow", runs={
+    **{k: v for k, v in PAIRS.items() if k != "dp-tp"},
     "bench-tp-pp": ["--tp", "2", "--pp", "2", "--grad-accum", "2", "--mode", "benchmark",
                     "--bench-iters", "2", "--warmup", "1"],
     "bench-sp-cp": ["--tp", "2", "--cp", "2", "--sp", "--grad-accum", "2", "--mode",
                     "benchmark", "--bench-iters", "1", "--warmup", "1"],
-})
-SLOW_W4 = Runs("compose4d.py", 4, tier="slow", runs={
-    **{k: v for k, v in PAIRS.items() if k != "dp-tp"},
     # T = 4 does not divide the vocabulary (250): padded rows, exactly zero gradient
     "tp4-padded": ["--tp", "4", "--sp", "--model", "configs/tiny-gqa8.json"],
     # resume across layouts: uninterrupted, stopped at 3 on tp x pp, resumed on dp x cp
@@ -170,6 +166,8 @@ def ck16(base):
 
 
 SLOW_W2 = Runs("compose4d.py", 2, tier="slow", runs={
+    "learning": ["--pp", "2", "--mode", "learning", "--steps", "40", "--lr", "1e-2",
+                 "--log-every", "20", "--grad-accum", "2"],
     "bf16-full": BF16,
     "bf16-first": [*BF16, "--stop-at", "4", "--save", ck16],
     "bf16-second": [*BF16, "--resume", ck16, "--save", ck16],
@@ -194,13 +192,15 @@ def test_correctness_uneven_tied_and_padded(runs):
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
 
 
+@pytest.mark.slow
 def test_learning(runs):
-    r = runs(W2, "learning")
+    r = runs(SLOW_W2, "learning")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
 
 
+@pytest.mark.slow
 def test_benchmark_comm_per_group(runs):
-    r = runs(W4, "bench-tp-pp")
+    r = runs(SLOW_W4, "bench-tp-pp")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     b = r.json("benchmark.json")
     assert b["comm_ok"]
@@ -215,8 +215,9 @@ def test_benchmark_comm_per_group(runs):
     assert comm["reduce_scatter_tensor|dpcp"]["calls"] == 3     # embed + 2 layers
 
 
+@pytest.mark.slow
 def test_benchmark_sp_with_cp_comm(runs):
-    r = runs(W4, "bench-sp-cp")
+    r = runs(SLOW_W4, "bench-sp-cp")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     comm = r.json("benchmark.json")["ours"]["comm"]
     # SP on one stage holding all 4 layers and the head: M (6L + 2 + 1) all-gathers

@@ -65,7 +65,8 @@ def attention_check(world, seq, dtype, tol):
         p.stdout + p.stderr[-3000:]
 
 
-@pytest.mark.parametrize("world,seq", [(2, 4), (4, 8), (4, 24)])   # S = 2W: one-token chunks
+@pytest.mark.parametrize("world,seq", [(2, 4), pytest.param(4, 8, marks=pytest.mark.slow),
+                                       (4, 24)])   # S = 2W: one-token chunks
 def test_attention_float64(world, seq):
     attention_check(world, seq, "float64", 1e-12)
 
@@ -76,8 +77,9 @@ def test_attention_float32():
 
 
 VARIANTS = ["zigzag", "ring", "allgather"]
-W2 = Runs("cp_ring.py", 2, {  # one launch per batch: the start-up (~10 s a process) paid once
-    **{v: ["--variant", v, "--clip", "0.5"] for v in VARIANTS},
+W2 = Runs("cp_ring.py", 2, {  # one launch per batch: the start-up paid once
+    **{v: ["--variant", v, "--clip", "0.5"] for v in VARIANTS}})
+SLOW_W2 = Runs("cp_ring.py", 2, tier="slow", runs={
     "learning": ["--mode", "learning", "--steps", "40"],
     **{f"bench-{v}": ["--variant", v, "--mode", "benchmark", "--warmup", "1", "--bench-iters", "2"]
        for v in VARIANTS},
@@ -99,15 +101,17 @@ def test_correctness(runs, variant, batch):
     assert res["ok"] and res["params_compared"] == 39 and res["worst_ratio"] <= 1
 
 
+@pytest.mark.slow
 def test_learning(runs):
-    r = runs(W2, "learning")
+    r = runs(SLOW_W2, "learning")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_benchmark_comm_and_balance(runs, variant):
     W, B, S, L, KV = 2, 8, 64, 4, 32
-    r = runs(W2, f"bench-{variant}")
+    r = runs(SLOW_W2, f"bench-{variant}")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     b = r.json("benchmark.json")
     blk = B * (S // W) * 2 * KV * 4          # one rank's K and V, float32
@@ -128,11 +132,12 @@ def test_benchmark_comm_and_balance(runs, variant):
     assert ratio == (2.0 if variant == "ring" else 1.0)
 
 
+@pytest.mark.slow
 def test_benchmark_bf16_charges_fp32_dkv(runs):
     """In bf16, K/V hop in bf16 and dK/dV (accumulated over the hops) in fp32: the formula
     charges exactly that, so the comm check passes (it used to charge bf16 for both)."""
     W, B, S, L, KV = 2, 8, 64, 4, 32
-    r = runs(W2, "bench-bf16")
+    r = runs(SLOW_W2, "bench-bf16")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     kv, dkv = B * (S // W) * 2 * KV * 2, B * (S // W) * 2 * KV * 4    # bf16 K,V; fp32 dK,dV
     per_layer = (W - 1) * kv + (W - 1) * (kv + dkv) + dkv
@@ -141,10 +146,11 @@ def test_benchmark_bf16_charges_fp32_dkv(runs):
         assert c[f"{op}|world"] == {"calls": L * (3 * (W - 1) + 1), "bytes": L * per_layer}
 
 
+@pytest.mark.slow
 def test_fused_kernel_model_correctness(runs):
     """The whole model at W=2 through the fused-kernel path (CPU flash kernel), float32,
     clipped: PASS against the reference, and the choice printed."""
-    r = runs(W2, "sdpa-kernel")
+    r = runs(SLOW_W2, "sdpa-kernel")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     assert "attention block kernel: sdpa-cpu-flash (fused, log-sum-exp; self-test passed)" \
         in r.stdout

@@ -10,15 +10,16 @@ import ddp
 from conftest import Runs, assert_config_error
 
 BENCH = ["--mode", "benchmark", "--bucket-mb", "0.25", "--warmup", "1", "--bench-iters", "3"]
-W2 = Runs("ddp.py", 2, {  # one launch: the start-up (~10 s a process) paid once
+W2 = Runs("ddp.py", 2, {  # one launch: the start-up paid once
     "correctness": ["--dtype", "float64"],
     "plant-grad": ["--plant-bug", "grad"],
+})
+SLOW_W2 = Runs("ddp.py", 2, tier="slow", runs={
+    "native": ["--compare-native", "--grad-accum", "2"],
     "learning": ["--mode", "learning", "--steps", "40"],
     "bench-accum1": BENCH + ["--grad-accum", "1"],
     "bench-accum2": BENCH + ["--grad-accum", "2"],
 })
-SLOW_W2 = Runs("ddp.py", 2, tier="slow",
-               runs={"native": ["--compare-native", "--grad-accum", "2"]})
 SLOW_W3 = Runs("ddp.py", 3, tier="slow", runs={
     "float64": ["--dtype", "float64", "--batch", "6", "--grad-accum", "2"],
     "float32": ["--dtype", "float32", "--batch", "6"],
@@ -70,8 +71,9 @@ def test_compare_native_correctness(runs):
     assert [x["strategy"] for x in res] == ["ddp", "torch-ddp"] and all(x["ok"] for x in res)
 
 
+@pytest.mark.slow
 def test_learning(runs):
-    r = runs(W2, "learning")
+    r = runs(SLOW_W2, "learning")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     rows = open(os.path.join(r.out, "learning.csv")).read().splitlines()
     assert len(rows) == 41 and rows[0].startswith("step,reference,ddp")
@@ -91,9 +93,10 @@ def expected_buckets(model, cap_bytes):
     return n + (cur > 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum", [1, 2])
 def test_benchmark_comm_and_memory(runs, accum):
-    r = runs(W2, f"bench-accum{accum}")
+    r = runs(SLOW_W2, f"bench-accum{accum}")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     b = r.json("benchmark.json")
     cfg = harness.load_config("tiny")

@@ -144,14 +144,15 @@ def test_sigterm_mid_step_restarts_at_2_then_4_equal_uninterrupted(tmp_path, uni
         assert abs(got[s] - full[s]) <= 1e-9 * full[s], (s, got[s], full[s])
 
 
+@pytest.mark.slow
 def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path):
     from conftest import launch
     ck = tmp_path / "ck"
     base = ["--mode", "train", "--steps", "4", "--save", str(ck)]
-    r = launch("compose4d.py", 2, *base, "--stop-at", "2", out=tmp_path / "a")
+    r = launch("compose4d.py", 2, *base, "--stop-at", "2", out=tmp_path / "a", fork=True)
     assert r.rc == 0 and (ck / "latest").read_text() == "step-2", r
     r = launch("compose4d.py", 2, *base, "--resume", str(ck), "--test-crash-in-save",
-               out=tmp_path / "b")
+               out=tmp_path / "b", fork=True)
     assert r.rc != 0                                  # died inside the step-4 save
     assert (ck / ".tmp-step-4").is_dir() and not (ck / "step-4").exists()
     assert (ck / "latest").read_text() == "step-2"
@@ -159,7 +160,7 @@ def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path):
     meta, tensors = checkpoint.load_checkpoint(str(ck))
     assert meta["step"] == 2 and len(tensors["param"]) == 39
     # and a restart resumes from it
-    r = launch("compose4d.py", 2, *base, "--resume", str(ck), out=tmp_path / "c")
+    r = launch("compose4d.py", 2, *base, "--resume", str(ck), out=tmp_path / "c", fork=True)
     assert r.rc == 0 and "resumed from" in r.stdout and "at step 2" in r.stdout, r
     assert (ck / "latest").read_text() == "step-4"
 
@@ -265,6 +266,7 @@ def test_sigterm_mid_step_by_default_finishes_the_step_and_resumes_exactly(tmp_p
         assert abs(got[s] - full[s]) <= 1e-9 * full[s], (s, got[s], full[s])
 
 
+@pytest.mark.slow
 def test_save_costs_no_collective_or_host_read_per_micro_batch(tmp_path):
     """The preemption check of --save, counted (tests/count_calls.py wraps every
     torch.distributed call and Tensor.item/tolist, per step): pp 2, M = 4 micro-batches, with

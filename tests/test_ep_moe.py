@@ -16,12 +16,14 @@ from conftest import ROOT, Runs, assert_config_error, config_file, torchrun
 
 N_TENSORS = 21  # tiny-moe: embed, head, final norm + 2 layers x (4 attn, 2 norms, gate, 2 experts)
 DROPLESS = ["--aux-coef", "0.01", "--z-coef", "0.001"]
-W2 = Runs("ep_moe.py", 2, {  # one launch per batch: the start-up (~10 s a process) paid once
+W2 = Runs("ep_moe.py", 2, {  # one launch per batch: the start-up paid once
     "dropless": DROPLESS,
     "capacity": ["--capacity-factor", "1.0"],
     # a router bug with capacity: the reference is HF's router, drops applied from outside
     "capacity-no-renorm": ["--capacity-factor", "1.0", "--dtype", "float32", "--clip", "0.5",
                            "--plant-bug", "router-no-renorm"],
+})
+SLOW_W2 = Runs("ep_moe.py", 2, tier="slow", runs={
     "learning": ["--mode", "learning", "--steps", "40", "--lr", "1e-2", "--log-every", "20"],
     "bench": ["--mode", "benchmark", "--bench-iters", "3", "--warmup", "1"],
     "bench-capacity": ["--mode", "benchmark", "--bench-iters", "3", "--warmup", "1",
@@ -172,7 +174,7 @@ def test_capacity_split_over_ranks_equals_single_device(world):
     assert (~keep1).any() and int(kept1.sum()) == int(keep1.sum())
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_dispatch_combine_round_trip(world):
     p = torchrun(os.path.join(ROOT, "tests", "ep_roundtrip_check.py"), world, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
@@ -403,14 +405,16 @@ def test_correctness_aux_free_bias_and_uneven_expert_count(runs):
     assert_pass(runs(SLOW_W3, "aux-free"), 3)
 
 
+@pytest.mark.slow
 def test_learning(runs):
-    r = runs(W2, "learning")
+    r = runs(SLOW_W2, "learning")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     assert "imbalance max/mean per layer" in r.stdout
 
 
+@pytest.mark.slow
 def test_benchmark_comm_matches_formulas(runs):
-    r = runs(W2, "bench")
+    r = runs(SLOW_W2, "bench")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     b = r.json("benchmark.json")
     assert b["comm_ok"]
@@ -430,10 +434,11 @@ def test_benchmark_comm_matches_formulas(runs):
     assert "tokens per expert per step" in r.stdout and "2 k T H b (W-1)/W" in r.stdout
 
 
+@pytest.mark.slow
 def test_benchmark_comm_with_capacity_matches_formulas(runs):
     """With capacity the token all-to-alls carry the kept rows only: 4 x kept x H b summed over
     ranks, kept read from the router's device counts after the steps (not inside them)."""
-    r = runs(W2, "bench-capacity")
+    r = runs(SLOW_W2, "bench-capacity")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     b = r.json("benchmark.json")
     assert b["comm_ok"], r.stdout
@@ -445,8 +450,9 @@ def test_benchmark_comm_with_capacity_matches_formulas(runs):
 
 @pytest.mark.skipif(not ep_moe.grouped_mm_works("cpu", torch.float32, (64, 128, 64)),
                     reason="torch._grouped_mm does not run on this CPU build")
+@pytest.mark.slow
 def test_correctness_float32_grouped_mm(runs):
-    assert_pass(runs(W2, "grouped-f32"), 2)
+    assert_pass(runs(SLOW_W2, "grouped-f32"), 2)
 
 
 def test_bad_world_size_for_experts(run):
@@ -460,24 +466,26 @@ def test_not_a_moe_model():
     assert_config_error(r, "--model tiny is not a Mixture-of-Experts config", torchrun=False)
 
 
+@pytest.mark.slow
 def test_bias_rate_moves_the_routing(runs):
     """--bias-rate: at 0.05 the selection bias moves after every step (the reference applies
     the same rule to HF-shaped blocks) and the later losses leave the rate-0 run's; at 0 the
     bias never moves. Both PASS against the float64 reference."""
     def losses(key):
-        r = runs(W2, key)
+        r = runs(SLOW_W2, key)
         assert_pass(r, 2)
         return [float(r.stdout.split(f"step {s}: loss ")[1].split()[0]) for s in range(3)]
     still, moving = losses("bias0"), losses("bias0.05")
     assert still[0] == moving[0] and still[2] != moving[2], (still, moving)
 
 
+@pytest.mark.slow
 def test_bucket_mb_splits_the_replicated_gradients(runs):
     """--bucket-mb 0.01: the dense gradients' all-reduce comes in as many calls as DDP's bucket
     plan makes of them at 10 KB (plus the router counts' one), with the same bytes as the
     default single bucket."""
     import ddp
-    one, small = runs(W2, "bench"), runs(W2, "bench-buckets")
+    one, small = runs(SLOW_W2, "bench"), runs(SLOW_W2, "bench-buckets")
     for r in (one, small):
         assert r.rc == 0 and r.last_line.startswith("PASS") and r.json("benchmark.json")["comm_ok"], r
     a, b = (r.json("benchmark.json")["ours"]["comm"]["all_reduce|dp"] for r in (one, small))

@@ -33,6 +33,7 @@ def test_schedules_and_zigzag(tmp_path):
         assert {"pp-schedules.png", "cp-zigzag.png"} <= set(os.listdir(tmp_path))
 
 
+@pytest.mark.slow
 def test_comm_and_memory_from_real_benchmarks(tmp_path):
     """Two real W=2 benchmarks (tiny): the bars are the measured bytes, which are the formulas:
     DDP's all-reduce moves 2(W-1)/W Psi b per rank, ZeRO-3 3 (W-1)/W Psi b, and ZeRO-3 keeps

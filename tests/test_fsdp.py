@@ -13,23 +13,23 @@ def padded(n, w):
 
 
 BENCH = ["--mode", "benchmark", "--batch", "6", "--warmup", "1", "--bench-iters", "2"]
-# one launch per batch: the start-up (~10 s a process) paid once
-W2 = Runs("fsdp.py", 2, {"clip": ["--clip", "0.5"],
-                         "learning": ["--mode", "learning", "--steps", "40"]})
-W3 = Runs("fsdp.py", 3, {"clip": ["--clip", "0.5", "--batch", "6"],   # uneven shards
+# one launch per batch: the start-up paid once
+W2 = Runs("fsdp.py", 2, {"clip": ["--clip", "0.5"]})
+W3 = Runs("fsdp.py", 3, tier="slow", runs={"clip": ["--clip", "0.5", "--batch", "6"],   # uneven shards
                          "bench-reshard": BENCH,
                          "bench-keep": BENCH + ["--no-reshard-after-forward"]})
 # HSDP: 2 replicas x shard groups of 2 (correctness with accumulation and clipping, comm)
-W4 = Runs("fsdp.py", 4, {"hsdp": ["--replicate", "2", "--clip", "0.5", "--grad-accum", "2"],
+W4 = Runs("fsdp.py", 4, tier="slow", runs={"hsdp": ["--replicate", "2", "--clip", "0.5", "--grad-accum", "2"],
                          "bench-hsdp": BENCH[:3] + ["8"] + BENCH[4:] + ["--replicate", "2"]})
 SLOW_W2 = Runs("fsdp.py", 2, tier="slow", runs={
     "keep-prefetch2": ["--clip", "0.5", "--no-reshard-after-forward", "--prefetch", "2"],
-    "native": ["--compare-native", "--clip", "0.5"]})
+    "native": ["--compare-native", "--clip", "0.5"],
+    "learning": ["--mode", "learning", "--steps", "40"]})
 
 
 # (float32 with accumulation and clipping: the clean run of test_plants.py's fsdp group)
 @pytest.mark.parametrize("batch,key", [
-    (W2, "clip"), (W3, "clip"), pytest.param(SLOW_W2, "keep-prefetch2", marks=pytest.mark.slow)])
+    (W2, "clip"), pytest.param(W3, "clip", marks=pytest.mark.slow), pytest.param(SLOW_W2, "keep-prefetch2", marks=pytest.mark.slow)])
 def test_correctness_with_clipping(runs, batch, key):
     r = runs(batch, key)
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
@@ -46,11 +46,13 @@ def test_matches_fsdp2_and_ddp(runs):
     assert all(x["ok"] and x["worst_ratio"] <= 1 for x in res), res
 
 
+@pytest.mark.slow
 def test_learning(runs):
-    r = runs(W2, "learning")
+    r = runs(SLOW_W2, "learning")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reshard", [True, False])
 def test_benchmark_comm_and_memory(runs, reshard):
     W = 3
@@ -77,12 +79,14 @@ def test_bad_config(run):
     assert r.rc == 2 and r.stderr.strip() == "error: --prefetch must be >= 0 (got -1)", r
 
 
+@pytest.mark.slow
 def test_hsdp_correct_with_identical_replicas(runs):
     r = runs(W4, "hsdp")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     assert "HSDP replicas hold identical shards" in r.stdout, r
 
 
+@pytest.mark.slow
 def test_hsdp_comm_inside_shard_groups_and_across_replicas(runs):
     """W = 4, R = 2, S = 2: gathers and reduce-scatters inside the shard group (Psi padded to
     a multiple of S), one all_reduce of each reduced shard (Psi / S) over the replicas."""

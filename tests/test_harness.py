@@ -83,7 +83,9 @@ def test_correctness_data_has_uneven_ignored_labels(lang):
 
 def test_verdict_is_error_against_noise():
     policy = harness.NoisePolicy("float32")
-    ref = {"a": torch.randn(4, 4, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float64)}
+    g = torch.Generator().manual_seed(0)
+    ref = {"a": torch.randn(4, 4, dtype=torch.float64, generator=g),
+           "b": torch.randn(3, dtype=torch.float64, generator=g)}
     noisy = {k: v * (1 + 1e-6) for k, v in ref.items()}                 # noise 1e-6
     c = harness.Comparison(["a", "b"], {"a": (4, 4), "b": (3,)}, policy)
     c.add("grad", 0, {k: v.clone() for k, v in ref.items()}, ref, [(noisy, 1.0)])
@@ -135,7 +137,7 @@ def test_rmsnorm_is_float64_in_float64_runs():
     args = harness.resolve_defaults(harness.base_parser("t").parse_args([]), "correctness", "cpu")
     m = harness.build_model(args, harness.load_config("tiny"), "cpu")
     norm = m.model.norm
-    x = torch.randn(3, 64, dtype=torch.float64)
+    x = torch.randn(3, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     exact = norm.weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
     assert (norm(x) - exact).abs().max() < 1e-14   # HF's own cast to float32 gives ~1e-7
 

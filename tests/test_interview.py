@@ -200,7 +200,7 @@ def test_a_drifted_figure_fails(page):
     assert checked >= QUESTIONS - 2
 
 
-@pytest.mark.slow
+@pytest.mark.heavy   # each runs the page's command as a reader would (CI: make test-heavy)
 @pytest.mark.parametrize("n", range(1, QUESTIONS + 1))
 def test_question(n, page, bindir):
     q = page[n]

@@ -14,6 +14,11 @@ W2 = ("0", (0, 1))          # communicators: (torch's group name, global ranks)
 OTHER = ("1", (0, 1))
 
 
+def slow(script, world, runs):
+    """A batch of this file's runs, in the slow tier (conftest.Runs)."""
+    return Runs(script, world, runs, tier="slow")
+
+
 def p2p(comm, *ops, wait=True, i=0):
     """A trace entry: ops (is_send, peer, bytes, dtype, tag); waited right away or never."""
     return ["p2p", comm, f"test:{i}", None, list(ops)], wait
@@ -193,25 +198,25 @@ def pp_runs(P):
     return runs
 
 
-RUNS = {
-    "pp-2": Runs("pp.py", 2, pp_runs(2)),
-    "pp-3": Runs("pp.py", 3, pp_runs(3), tier="slow"),
-    "pp-4": Runs("pp.py", 4, pp_runs(4), tier="slow"),
-    "cp": Runs("cp_ring.py", 2, {v: [*NCCL, "--variant", v]
+RUNS = {   # every run in the slow tier: the checker replays each collective and p2p op
+    "pp-2": slow("pp.py", 2, pp_runs(2)),
+    "pp-3": slow("pp.py", 3, pp_runs(3)),
+    "pp-4": slow("pp.py", 4, pp_runs(4)),
+    "cp": slow("cp_ring.py", 2, {v: [*NCCL, "--variant", v]
                                  for v in ("zigzag", "ring", "allgather")}),
-    "ep": Runs("ep_moe.py", 2, {"ep": NCCL}),
-    "ddp": Runs("ddp.py", 2, {"ddp": [*NCCL, "--grad-accum", "2"]}),
-    "zero": Runs("zero.py", 2, {f"zero{s}": [*NCCL, "--stage", s, "--clip", "0.5"]
+    "ep": slow("ep_moe.py", 2, {"ep": NCCL}),
+    "ddp": slow("ddp.py", 2, {"ddp": [*NCCL, "--grad-accum", "2"]}),
+    "zero": slow("zero.py", 2, {f"zero{s}": [*NCCL, "--stage", s, "--clip", "0.5"]
                                 for s in ("1", "2", "3")}),
-    "fsdp": Runs("fsdp.py", 2, {"fsdp": [*NCCL, "--clip", "0.5"]}),
-    "tp": Runs("tp.py", 2, {"tp": NCCL}),
-    "sp": Runs("sp.py", 2, {v: [*NCCL, "--variant", v] for v in ("megatron", "ulysses")}),
+    "fsdp": slow("fsdp.py", 2, {"fsdp": [*NCCL, "--clip", "0.5"]}),
+    "tp": slow("tp.py", 2, {"tp": NCCL}),
+    "sp": slow("sp.py", 2, {v: [*NCCL, "--variant", v] for v in ("megatron", "ulysses")}),
 }
-CHECKS = [pytest.param(k, run, marks=[pytest.mark.slow] if b.tier == "slow" else [],
-                       id=f"{b.script[:-3]}-W{b.nproc}-{run}")
+CHECKS = [pytest.param(k, run, id=f"{b.script[:-3]}-W{b.nproc}-{run}")
           for k, b in RUNS.items() for run in b.runs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch,key", CHECKS)
 def test_real_runs_pass_nccl_rules(runs, batch, key):
     r = runs(RUNS[batch], key)
@@ -229,21 +234,22 @@ def test_real_runs_pass_nccl_rules(runs, batch, key):
 # ----------------------------------------------------------------------------------------------
 BF16 = ["--dtype", "bfloat16"]
 BF16_RUNS = {
-    "ddp": Runs("ddp.py", 2, {"bf16": BF16, "bf16-no-average": [*BF16, "--plant-bug",
+    "ddp": slow("ddp.py", 2, {"bf16": BF16, "bf16-no-average": [*BF16, "--plant-bug",
                                                                 "no-average"]}),
-    "zero": Runs("zero.py", 2, {f"bf16-zero{s}": [*BF16, "--stage", s] for s in "123"}),
-    "fsdp": Runs("fsdp.py", 2, {"bf16": BF16}),
-    "tp": Runs("tp.py", 2, {"bf16": BF16}),
-    "sp": Runs("sp.py", 2, {f"bf16-{v}": [*BF16, "--variant", v]
+    "zero": slow("zero.py", 2, {f"bf16-zero{s}": [*BF16, "--stage", s] for s in "123"}),
+    "fsdp": slow("fsdp.py", 2, {"bf16": BF16}),
+    "tp": slow("tp.py", 2, {"bf16": BF16}),
+    "sp": slow("sp.py", 2, {f"bf16-{v}": [*BF16, "--variant", v]
                             for v in ("megatron", "ulysses")}),
-    "pp": Runs("pp.py", 2, {f"bf16-{s}": [*BF16, "--schedule", s] for s in ("1f1b", "zb")}),
-    "cp": Runs("cp_ring.py", 2, {"bf16": BF16}),
-    "ep": Runs("ep_moe.py", 2, {"bf16": BF16}),
-    "compose4d": Runs("compose4d.py", 2, {"bf16-tp": [*BF16, "--tp", "2"],
+    "pp": slow("pp.py", 2, {f"bf16-{s}": [*BF16, "--schedule", s] for s in ("1f1b", "zb")}),
+    "cp": slow("cp_ring.py", 2, {"bf16": BF16}),
+    "ep": slow("ep_moe.py", 2, {"bf16": BF16}),
+    "compose4d": slow("compose4d.py", 2, {"bf16-tp": [*BF16, "--tp", "2"],
                                           "bf16-pp": [*BF16, "--pp", "2"]}),
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch,key", [(b, k) for b, r in BF16_RUNS.items() for k in r.runs])
 def test_bf16_correctness_on_cpu(runs, batch, key):
     r = runs(BF16_RUNS[batch], key)
@@ -262,12 +268,12 @@ def test_bf16_correctness_on_cpu(runs, batch, key):
 # benchmark's formulas follow the reduce dtype's bytes (4 vs 2 per element).
 BENCH_BF16 = [*BF16, "--mode", "benchmark", "--warmup", "1", "--bench-iters", "1"]
 REDUCE = {
-    "ddp": Runs("ddp.py", 3, tier="slow", runs={
-        rd: [*BENCH_BF16, "--reduce-dtype", rd, "--batch", "6"] for rd in ("float32", "param")}),
-    "zero": Runs("zero.py", 2, {f"bench-bf16-{s}-{rd}": [*BENCH_BF16, "--stage", s,
+    "ddp": slow("ddp.py", 3, {rd: [*BENCH_BF16, "--reduce-dtype", rd, "--batch", "6"]
+                              for rd in ("float32", "param")}),
+    "zero": slow("zero.py", 2, {f"bench-bf16-{s}-{rd}": [*BENCH_BF16, "--stage", s,
                                                          "--reduce-dtype", rd]
                                 for s in "123" for rd in ("float32", "param")}),
-    "fsdp": Runs("fsdp.py", 2, {"bench-bf16": BENCH_BF16}),
+    "fsdp": slow("fsdp.py", 2, {"bench-bf16": BENCH_BF16}),
 }
 
 
@@ -284,6 +290,7 @@ def test_ddp_reduction_error_shown_in_bf16(runs, rd):
         assert line.startswith("gradient all-reduce in bfloat16") and differ > 0.10, line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", [k for r in (REDUCE["zero"], REDUCE["fsdp"]) for k in r.runs])
 def test_zero_fsdp_bf16_benchmark_follows_the_reduce_dtype(runs, key):
     r = runs(REDUCE["fsdp" if key == "bench-bf16" else "zero"], key)

@@ -72,6 +72,7 @@ def test_cli_rejects_bad_input():
     assert r.rc == 2 and "--mem-budget-gb is required" in r.stderr, r
 
 
+@pytest.mark.slow
 def test_real_cpu_search_two_strategies(tmp_path):
     # ~20 MiB of live tensors per rank: tiny fits somewhere between 256 and 1280 tokens
     r = launch("oom_search.py", 1, "--strategy", "ddp,sp", "--nproc", "2", "--lo", "256",
@@ -147,9 +148,8 @@ def test_prediction_within_tolerance_of_measured_peak(strategy):
     assert abs(pred / peak - 1) <= 0.15, (strategy, pred, peak)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3", "sp", "pp",
-                                      *[pytest.param(s, marks=pytest.mark.slow)
-                                        for s in ("tp", "ulysses", "cp")]])
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "sp", "pp", "tp", "ulysses", "cp"])
 def test_simulation_matches_measured_peak(strategy):
     """The real step under FakeTensorMode (rank 0 of a fake world of 2) against a real CPU run."""
     peak = measured_peak(strategy)
@@ -157,6 +157,7 @@ def test_simulation_matches_measured_peak(strategy):
     assert abs(sim["peak"] / peak - 1) <= 0.05, (sim["peak"], peak)
 
 
+@pytest.mark.slow
 def test_cli_compare_measured_predicted_simulated():
     """--compare: one real trial at --length beside the formula's and the simulation's peak
     (the tolerances of the two tests above), no search."""

@@ -1,31 +1,33 @@
-"""Options no other test exercised: each run joins its script's shared launch (conftest.Runs), and
+"""Options no other test exercised: each run joins its script's slow launch (conftest.Runs), and
 each test checks that the option changed what it says it changes, not only that the run ends."""
 import pytest
 
 from conftest import Runs, config_file
 
-TP = Runs("tp.py", 2, {
+pytestmark = pytest.mark.slow
+
+TP = Runs("tp.py", 2, tier="slow", runs={
     # the verdict's own knob: at 1/1000 of the noise the same correct run must FAIL
     "tol-k": ["--tol-k", "0.001"],
     "seed": ["--seed", "7"],
     "branching": ["--branching", "2"],
     "no-weight-decay": ["--weight-decay", "0"],
 })
-ZERO = Runs("zero.py", 2, {
+ZERO = Runs("zero.py", 2, tier="slow", runs={
     "sync-gather": ["--stage", "1", "--sync-param-gather"],
     "prefetch2": ["--stage", "3", "--prefetch", "2"],
     # bf16 gradients reduce-scattered in fp32 (the default) and in bf16 (--reduce-dtype param)
     **{f"reduce-{rd}": ["--stage", "2", "--dtype", "bfloat16", "--reduce-dtype", rd]
        for rd in ("float32", "param")},
 })
-DDP = Runs("ddp.py", 2, {"all": ["--mode", "all"]})
+DDP = Runs("ddp.py", 2, tier="slow", runs={"all": ["--mode", "all"]})
 # three chunks per rank: 6 layers over 2 stages x 3 virtual stages
-PP = Runs("pp.py", 2, {"v3": ["--schedule", "interleaved", "--virtual-stages", "3",
-                              "--microbatches", "2",
-                              "--model", config_file("layers6", num_hidden_layers=6)]})
+PP = Runs("pp.py", 2, tier="slow", runs={
+    "v3": ["--schedule", "interleaved", "--virtual-stages", "3", "--microbatches", "2",
+           "--model", config_file("layers6", num_hidden_layers=6)]})
 # the cosine floor at half the peak: the reference takes it from torch's CosineAnnealingLR
-C4D = Runs("compose4d.py", 2, {"lr-floor": ["--pp", "2", "--lr-schedule", "cosine",
-                                            "--lr-min-ratio", "0.5", "--steps", "3"]})
+C4D = Runs("compose4d.py", 2, tier="slow", runs={
+    "lr-floor": ["--pp", "2", "--lr-schedule", "cosine", "--lr-min-ratio", "0.5", "--steps", "3"]})
 
 
 def passed(r):

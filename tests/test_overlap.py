@@ -14,15 +14,16 @@ from conftest import Runs
 from harness import overlap
 
 BENCH = ["--mode", "benchmark", "--warmup", "1", "--bench-iters", "1"]
-DDP = Runs("ddp.py", 2, {"overlap-buckets": BENCH + ["--bucket-mb", "0.05"],
-                         "overlap-one-bucket": BENCH})
-ZERO = Runs("zero.py", 2, {"overlap-zero2": BENCH + ["--stage", "2"],
-                           "overlap-zero1": BENCH + ["--stage", "1"],
-                           "overlap-zero3": BENCH + ["--stage", "3"]})
-FSDP = Runs("fsdp.py", 2, {"overlap-fsdp": BENCH})
-CP = Runs("cp_ring.py", 2, {"overlap-cp": BENCH + ["--variant", "zigzag"]})
-PP = Runs("pp.py", 2, {"overlap-pp": BENCH + ["--microbatches", "4"]})
-TP = Runs("tp.py", 2, {"overlap-tp": BENCH})
+# the profiled benchmark runs are in the slow tier (each joins its script's slow launch)
+DDP = Runs("ddp.py", 2, tier="slow", runs={"overlap-buckets": BENCH + ["--bucket-mb", "0.05"],
+                                          "overlap-one-bucket": BENCH})
+ZERO = Runs("zero.py", 2, tier="slow", runs={"overlap-zero2": BENCH + ["--stage", "2"],
+                                            "overlap-zero1": BENCH + ["--stage", "1"],
+                                            "overlap-zero3": BENCH + ["--stage", "3"]})
+FSDP = Runs("fsdp.py", 2, tier="slow", runs={"overlap-fsdp": BENCH})
+CP = Runs("cp_ring.py", 2, tier="slow", runs={"overlap-cp": BENCH + ["--variant", "zigzag"]})
+PP = Runs("pp.py", 2, tier="slow", runs={"overlap-pp": BENCH + ["--microbatches", "4"]})
+TP = Runs("tp.py", 2, tier="slow", runs={"overlap-tp": BENCH})
 
 
 def test_interval_arithmetic():
@@ -56,6 +57,7 @@ def share(r) -> float:
     return b["overlap_share"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch,key", [(DDP, "overlap-buckets"), (ZERO, "overlap-zero2"),
                                        (ZERO, "overlap-zero1"), (ZERO, "overlap-zero3"),
                                        (FSDP, "overlap-fsdp"), (CP, "overlap-cp"),
@@ -65,6 +67,7 @@ def test_overlap_is_measured_where_claimed(runs, batch, key):
     assert s is not None and s > 0.02, (key, s)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch,key", [(DDP, "overlap-one-bucket"), (TP, "overlap-tp")])
 def test_no_overlap_where_communication_blocks(runs, batch, key):
     s = share(runs(batch, key))

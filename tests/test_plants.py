@@ -24,10 +24,10 @@ def groups():
 
 
 # One `--mode plants` run per (script, configuration); each joins the launch of its script's
-# other runs at that world size (conftest.Runs).
+# other slow runs at that world size (conftest.Runs).
 BATCHES = {}
 for _s, _w, _a, _names in plant_groups():
-    BATCHES.setdefault((_s, _w), Runs(_s, _w, {})).runs[" ".join(_a)] = [
+    BATCHES.setdefault((_s, _w), Runs(_s, _w, {}, tier="slow")).runs[" ".join(_a)] = [
         "--mode", "plants", "--plants", ",".join(_names), *_a]
 
 
@@ -41,12 +41,13 @@ LEARNING_PLANTS = [("ddp.py", "no-average"), ("zero.py", "no-average"), ("fsdp.p
                    ("ep_moe.py", "expert-grad-scale"), ("compose4d.py", "local-token-mean")]
 for _s, _n in LEARNING_PLANTS:
     _p = strategy(_s).plants[_n]
-    _runs = BATCHES.setdefault((_s, _p.world), Runs(_s, _p.world, {})).runs
+    _runs = BATCHES.setdefault((_s, _p.world), Runs(_s, _p.world, {}, tier="slow")).runs
     for _plant in (_n, None):
         _runs[f"learning {_plant}"] = ["--mode", "learning", *_p.args, "--steps", "6",
                                        *(["--plant-bug", _plant] if _plant else [])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,name", LEARNING_PLANTS)
 def test_learning_mode_fails_a_gradient_scale_bug(runs, script, name):
     batch = BATCHES[script, strategy(script).plants[name].world]
@@ -76,6 +77,7 @@ def test_scale_bugs_are_checked_with_clipping_in_float32():
         assert "--clip" in args and "float32" in args, (s, n, args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,world,args,names", groups())
 def test_planted_bugs_fail_and_the_clean_run_passes(runs, script, world, args, names):
     r = runs(BATCHES[script, world], " ".join(args))

@@ -272,8 +272,9 @@ def test_schedules_plan_without_torch():
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb", "dualpipev"]
 CORRECT = ["--microbatches", "4", "--clip", "0.5"]
-W2 = Runs("pp.py", 2, {  # one launch per batch: the start-up (~10 s a process) paid once
-    **{s: ["--schedule", s, *CORRECT] for s in SCHEDULES},
+W2 = Runs("pp.py", 2, {  # one launch per batch: the start-up paid once
+    **{s: ["--schedule", s, *CORRECT] for s in SCHEDULES}})
+SLOW_W2 = Runs("pp.py", 2, tier="slow", runs={
     "learning": ["--mode", "learning", "--steps", "40"],
     "bench-v": ["--mode", "benchmark", "--schedule", "dualpipev", "--microbatches", "4",
                 "--warmup", "1", "--bench-iters", "2"],
@@ -331,12 +332,13 @@ def test_tied_embeddings_and_fewer_microbatches_than_stages(runs):
     assert r.json("correctness.json")[0]["tensors"] == 38
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "zb"])
 def test_torch_pipelining_baseline(runs, schedule):
     """PyTorch's own schedule (Schedule1F1B; ScheduleInterleavedZeroBubble, ZB1P, with one
     stage per rank) on the same cut, micro-batches and loss scaling passes the same correctness
     check as ours: every gradient, parameter and loss against the float64 reference."""
-    r = runs(W2, f"native-{schedule}")
+    r = runs(SLOW_W2, f"native-{schedule}")
     assert r.rc == 0 and r.last_line.startswith("PASS torch-pp-" + schedule), r
     res = r.json("correctness.json")
     assert [x["strategy"] for x in res] == [f"pp-{schedule}", f"torch-pp-{schedule}"]
@@ -344,14 +346,16 @@ def test_torch_pipelining_baseline(runs, schedule):
     assert all(x["ok"] and x["tensors"] == x["grads_compared"] == n for x in res), res
 
 
+@pytest.mark.slow
 def test_learning(runs):
-    r = runs(W2, "learning")
+    r = runs(SLOW_W2, "learning")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
 
 
+@pytest.mark.slow
 def test_benchmark_comm_bubble_timeline(runs):
     M, B, S, H = 4, 8, 64, 64
-    r = runs(W2, "bench")
+    r = runs(SLOW_W2, "bench")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     act = B // M * S * H * 4
     c = r.json("benchmark.json")["ours"]["comm"]
@@ -359,11 +363,12 @@ def test_benchmark_comm_bubble_timeline(runs):
     assert "formula 0.200" in r.stdout and "rank 1 |" in r.stdout
 
 
+@pytest.mark.slow
 def test_dualpipev_benchmark_comm_and_bubble(runs):
     """Rank 0 holds chunks 0 and 3 of 4: M activations out of chunk 0 and M gradients out of
     chunk 3 (rank 1's chunks 1 and 2 meet at the V's turn, in memory)."""
     M, B, S, H = 4, 8, 64, 64
-    r = runs(W2, "bench-v")
+    r = runs(SLOW_W2, "bench-v")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     act = B // M * S * H * 4
     c = r.json("benchmark.json")["ours"]["comm"]

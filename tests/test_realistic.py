@@ -22,7 +22,7 @@ def checkpoint_dir(kind):
 # One run per label and world size, both dtypes in one process group; each joins the launch of
 # its script's other runs at that world size (conftest.Runs).
 BATCHES = {}
-for _w, _tier in ((2, "quick"), (3, "heavy")):
+for _w, _tier in ((2, "slow"), (3, "heavy")):
     for _label, (_script, _) in realistic.RUNS.items():
         _kind = "moe" if _label == "ep-moe" else "llama"
         _cmd = realistic.command(_label, _w, "MODEL")
@@ -51,7 +51,8 @@ def test_checkpoint_is_realistic(checkpoints):
     assert "loss" in open(os.path.join(checkpoints["llama"], "TRAINING.txt")).read()
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=[pytest.mark.slow, pytest.mark.heavy])])
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.heavy)])
 @pytest.mark.parametrize("label", list(realistic.RUNS))
 def test_passes_on_a_realistic_checkpoint(runs, checkpoints, label, world):
     model = checkpoints["moe" if label == "ep-moe" else "llama"]

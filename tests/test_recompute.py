@@ -199,13 +199,12 @@ def test_the_command_prints_the_table(capsys):
 
 
 # -- the strategies with recompute, under torchrun --------------------------------------------
-# quick: shares compose4d's and pp's W=2 launches
-W2 = Runs("compose4d.py", 2, {
+# (the slow tier: each joins its script's slow W=2 launch)
+W2 = Runs("compose4d.py", 2, tier="slow", runs={
     "cp-full": ["--cp", "2", "--recompute", "full"],
     "tp-sp-selective": ["--tp", "2", "--sp", "--recompute", "selective", "--attn", "sdpa"],
 })
-PP = Runs("pp.py", 2, {"zb-full": ["--schedule", "zb", "--recompute", "full"]})
-# slow: joins the slow W=2 launches of test_tp_sp.py, test_fsdp.py, test_zero.py
+PP = Runs("pp.py", 2, tier="slow", runs={"zb-full": ["--schedule", "zb", "--recompute", "full"]})
 SLOW_TP = Runs("tp.py", 2, tier="slow", runs={
     "tp-full": ["--recompute", "full"],
     "tp-selective-eager": ["--recompute", "selective", "--attn", "eager"]})
@@ -217,10 +216,10 @@ SLOW_CP = Runs("cp_ring.py", 2, tier="slow", runs={  # wraps "ring_cp"
     "cp-selective": ["--recompute", "selective"]})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch,key", [
-    *[pytest.param(b, k, id=k) for b in (W2, PP) for k in b.runs],
-    *[pytest.param(b, k, marks=pytest.mark.slow, id=k)
-      for b in (SLOW_TP, SLOW_FSDP, SLOW_ZERO, SLOW_CP) for k in b.runs]])
+    pytest.param(b, k, id=k)
+    for b in (W2, PP, SLOW_TP, SLOW_FSDP, SLOW_ZERO, SLOW_CP) for k in b.runs])
 def test_strategies_stay_correct_with_recompute(runs, batch, key):
     r = runs(batch, key)
     assert r.rc == 0 and r.last_line.startswith("PASS"), r

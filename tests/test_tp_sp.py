@@ -35,18 +35,15 @@ BENCH = [*GQA, "--mode", "benchmark", "--warmup", "1", "--bench-iters", "2"]
 LEARN = [*GQA, "--mode", "learning", "--steps", "40"]
 CORRECT = [*GQA, "--clip", "0.5"]
 MEGATRON, ULYSSES = ["--variant", "megatron"], ["--variant", "ulysses"]
-# One launch per (script, world, speed): the start-up (~10 s a process) paid once.
+# One launch per (script, world, speed): the start-up paid once.
 # the embeddings hold 4.1M of its 4.3M parameters: rank 0's memory is the model's, not Python's
 WIDE = ["--model", config_file("wide-vocab", vocab_size=32000), "--batch", "2", "--length", "16"]
-TP2 = Runs("tp.py", 2, {"correct": CORRECT, "learning": LEARN, "bench": BENCH, "memory": WIDE})
+TP2 = Runs("tp.py", 2, {"correct": CORRECT, "memory": WIDE})
 SP2 = Runs("sp.py", 2, {"correct-megatron": CORRECT + MEGATRON,
-                        "learning-megatron": LEARN + MEGATRON,
-                        "correct-ulysses": CORRECT + ULYSSES,
-                        "bench-megatron": BENCH + MEGATRON + ["--compare-native"],
-                        "bench-ulysses": BENCH + ULYSSES})
-TP4 = Runs("tp.py", 4, {"correct": CORRECT})
-SP4 = Runs("sp.py", 4, {"correct-megatron": CORRECT + MEGATRON,
                         "correct-ulysses": CORRECT + ULYSSES})
+TP4 = Runs("tp.py", 4, tier="slow", runs={"correct": CORRECT})
+SP4 = Runs("sp.py", 4, tier="slow", runs={"correct-megatron": CORRECT + MEGATRON,
+                                          "correct-ulysses": CORRECT + ULYSSES})
 # tiny: 2 kv heads on 4 ranks, each replicated on 2 (Megatron's GQA with T > kv heads)
 KVREP4 = Runs("tp.py", 4, tier="slow", runs={
     "kv-replicated": ["--clip", "0.5"],
@@ -55,11 +52,14 @@ SP_KVREP4 = Runs("sp.py", 4, tier="slow",
                  runs={"kv-replicated-megatron": ["--clip", "0.5", *MEGATRON]})
 SLOW_TP2 = Runs("tp.py", 2, tier="slow", runs={
     **{c: ["--model", cfg_file(c)] for c in ("bias", "tied", "mqa")},
-    "dtensor": [*GQA, "--dtensor", "--clip", "0.5"]})
+    "dtensor": [*GQA, "--dtensor", "--clip", "0.5"], "learning": LEARN, "bench": BENCH})
 SLOW_SP2 = Runs("sp.py", 2, tier="slow", runs={
-    f"{c}-{v}": ["--model", cfg_file(c), "--variant", v]
-    for c in ("bias", "tied", "mqa") for v in ("megatron", "ulysses")
-    if not (c == "mqa" and v == "ulysses")})  # see test_bad_config
+    **{f"{c}-{v}": ["--model", cfg_file(c), "--variant", v]
+       for c in ("bias", "tied", "mqa") for v in ("megatron", "ulysses")
+       if not (c == "mqa" and v == "ulysses")},  # see test_bad_config
+    "learning-megatron": LEARN + MEGATRON,
+    "bench-megatron": BENCH + MEGATRON + ["--compare-native"],
+    "bench-ulysses": BENCH + ULYSSES})
 BATCHES = {("tp.py", 2): TP2, ("sp.py", 2): SP2, ("tp.py", 4): TP4, ("sp.py", 4): SP4}
 
 
@@ -75,7 +75,7 @@ def check(r, name, world, n_tensors):
     return res
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("script,variant,name", [
     ("tp.py", None, "tp"), ("sp.py", "megatron", "sp-megatron"),
     ("sp.py", "ulysses", "sp-ulysses")])
@@ -160,9 +160,10 @@ def test_dtensor_baseline_matches(runs):
     assert res[1]["scalars"]["grad norm"]["err"] <= res[1]["scalars"]["grad norm"]["tol"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,variant", [("tp.py", None), ("sp.py", "megatron")])
 def test_learning(runs, script, variant):
-    r = runs(BATCHES[script, 2], key("learning", variant))
+    r = runs({"tp.py": SLOW_TP2, "sp.py": SLOW_SP2}[script], key("learning", variant))
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
 
 
@@ -176,15 +177,17 @@ B, S, H, L, KV = 8, 64, 64, 4, 32   # defaults and the gqa config (head_dim 8, 4
 N, E = B * S, 4                     # tokens, float32 bytes
 
 
+@pytest.mark.slow
 def test_benchmark_tp_comm(runs):
-    b = bench(runs, TP2, "bench")
+    b = bench(runs, SLOW_TP2, "bench")
     # 2 all-reduces per layer forward, 2 backward, embedding, LM-head f, 3 loss statistics
     assert b["ours"]["comm"] == {"all_reduce|world": {
         "calls": 4 * L + 2 + 3, "bytes": (4 * L + 2) * N * H * E + 3 * N * E}}
 
 
+@pytest.mark.slow
 def test_benchmark_sp_comm_and_memory(runs):
-    b = bench(runs, SP2, "bench-megatron")
+    b = bench(runs, SLOW_SP2, "bench-megatron")
     c = b["ours"]["comm"]
     norms = (2 * L + 1) * H
     assert c["all_gather_into_tensor|world"] == {"calls": 6 * L + 3, "bytes": (6 * L + 3) * N * H * E}
@@ -196,8 +199,9 @@ def test_benchmark_sp_comm_and_memory(runs):
     assert sp_act < 0.9 * tp_act, (sp_act, tp_act)
 
 
+@pytest.mark.slow
 def test_benchmark_ulysses_comm(runs):
-    b = bench(runs, SP2, "bench-ulysses")
+    b = bench(runs, SLOW_SP2, "bench-ulysses")
     c = b["ours"]["comm"]
     per_layer = 2 * (2 * H + 2 * KV) * N // 2 * E   # q, k, v in and out back, fwd and bwd
     assert c["all_to_all_single|world"] == {"calls": 8 * L, "bytes": L * per_layer}

@@ -12,6 +12,8 @@ import pytest
 from conftest import Runs, assert_config_error, launch
 import textdata
 
+pytestmark = pytest.mark.slow
+
 
 def fixtures(base) -> dict:
     """base/text: corpus.txt (300 documents), tok/ (BPE, 320 tokens), llama/ (4 layers, untied)
@@ -61,7 +63,7 @@ TRAIN = ["--mode", "train", "--batch", "4", "--length", "32", "--log-every", "1"
 TEXT = [*TRAIN, "--model", path("llama"), "--data", path("corpus"), "--val-fraction", "0.1"]
 PROMPT = "The old man"
 EVAL3 = ["--eval-every", "3", "--eval-batches", "1"]
-W2 = Runs("compose4d.py", 2, {
+W2 = Runs("compose4d.py", 2, tier="slow", runs={
     # the same two steps from the shards each rank reads and from the whole model, sliced
     "shards": [*TRAIN, "--model", path("tied"), "--tp", "2", "--dtype", "float64",
                "--steps", "2", "--data", path("corpus")],

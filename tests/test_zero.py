@@ -24,16 +24,12 @@ def tied_config(base):
     return path
 
 
-W2 = Runs("zero.py", 2, {  # one launch per batch: the start-up (~10 s a process) paid once
-    **{f"clip{s}": ["--stage", s, *CLIP] for s in (1, 2, 3)},
+W2 = Runs("zero.py", 2, {  # one launch per batch: the start-up paid once
+    **{f"clip{s}": ["--stage", s, *CLIP] for s in (1, 2, 3)}})
+SLOW_W2 = Runs("zero.py", 2, tier="slow", runs={
     "learning": ["--stage", "3", "--mode", "learning", "--steps", "40"],
     # the baseline: PyTorch's ZeroRedundancyOptimizer over torch DDP (ours, then theirs)
     **{f"native{s}": ["--stage", s, "--compare-native", *CLIP] for s in ("1", "2")},
-})
-W3 = Runs("zero.py", 3, {  # 3 does not divide the units' sizes, so the buffers are padded
-    f"bench{s}": [*BENCH, "--stage", s, "--clip", "1.0", "--batch", "6", "--bench-iters", "2"]
-    for s in (1, 2, 3)})
-SLOW_W2 = Runs("zero.py", 2, tier="slow", runs={
     "tied": ["--stage", "3", "--model", tied_config],
     **{f"bf16-bench{s}": [*BENCH, "--stage", s, "--dtype", "bfloat16", "--bench-iters", "1"]
        for s in (1, 2, 3)},
@@ -42,8 +38,11 @@ SLOW_W2 = Runs("zero.py", 2, tier="slow", runs={
     **{f"f32-accum{s}": ["--stage", s, *CLIP, "--dtype", "float32", "--grad-accum", "2"]
        for s in (1, 3)},
 })
-SLOW_W3 = Runs("zero.py", 3, tier="slow", runs={f"clip{s}": ["--stage", s, *CLIP, "--batch", "6"]
-                              for s in (1, 2, 3)})   # uneven shards
+SLOW_W3 = Runs("zero.py", 3, tier="slow", runs={
+    **{f"clip{s}": ["--stage", s, *CLIP, "--batch", "6"] for s in (1, 2, 3)},   # uneven shards
+    # 3 does not divide the units' sizes, so the buffers are padded
+    **{f"bench{s}": [*BENCH, "--stage", s, "--clip", "1.0", "--batch", "6", "--bench-iters", "2"]
+       for s in (1, 2, 3)}})
 
 
 def assert_pass(r, name, world):
@@ -73,27 +72,30 @@ def test_stage3_tied_embeddings(runs):
     assert r.json("correctness.json")[0]["tensors"] == 38  # lm_head is the embedding
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["1", "2"])
 def test_torch_zero_redundancy_optimizer_baseline(runs, stage):
     """PyTorch's own ZeRO-1 (ZeroRedundancyOptimizer over torch DDP), run by --compare-native
     after ours on the same data, passes the same check against the float64 reference; it is
     also stage 2's baseline (torch has no gradient-sharding analogue of its own)."""
-    r = runs(W2, f"native{stage}")
+    r = runs(SLOW_W2, f"native{stage}")
     assert r.rc == 0 and r.last_line.startswith("PASS torch-zero1"), r
     res = r.json("correctness.json")
     assert [x["strategy"] for x in res] == [f"zero{stage}", "torch-zero1"], res
     assert all(x["ok"] and x["tensors"] == x["grads_compared"] == 39 for x in res), res
 
 
+@pytest.mark.slow
 def test_learning(runs):
-    r = runs(W2, "learning")
+    r = runs(SLOW_W2, "learning")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_benchmark_comm_and_memory(runs, stage):
     W = 3
-    r = runs(W3, f"bench{stage}")
+    r = runs(SLOW_W3, f"bench{stage}")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     b = r.json("benchmark.json")
     # Independent padded size: each unit padded up to a multiple of W.
@@ -214,7 +216,7 @@ def test_bf16_mixed_precision_memory_and_correctness(runs, stage, psi_units):
 # ZeRO++ (zeropp.py --zeropp qwz,hpz,qgz --node-size N): W=4 in two nodes of 2, W=2 in two of 1
 # ---------------------------------------------------------------------------------------------
 ZPP = ["--stage", "3", "--zeropp", "qwz,hpz,qgz", "--node-size", "2"]
-W4 = Runs("zeropp.py", 4, {
+W4 = Runs("zeropp.py", 4, tier="slow", runs={
     "zpp-all": ZPP,                                   # float64, the error-vs-error rule
     "zpp-qwz-hpz": ["--stage", "3", "--zeropp", "qwz,hpz", "--node-size", "2",
                     "--dtype", "float32"],
@@ -238,14 +240,15 @@ def assert_zpp_pass(r, name, world, checks):
 
 
 @pytest.mark.parametrize("batch,key,world,name,checks", [
-    (W4, "zpp-all", 4, "zero3+qwz+hpz+qgz", 3),
-    (W4, "zpp-qwz-hpz", 4, "zero3+qwz+hpz", 2),
+    pytest.param(W4, "zpp-all", 4, "zero3+qwz+hpz+qgz", 3, marks=pytest.mark.slow),
+    pytest.param(W4, "zpp-qwz-hpz", 4, "zero3+qwz+hpz", 2, marks=pytest.mark.slow),
     (W2_ZPP, "zpp-n1", 2, "zero3+qwz+hpz+qgz", 3),
     (W2_ZPP, "zpp-qgz-stage2", 2, "zero2+qgz", 1)])
 def test_zeropp_correctness(runs, batch, key, world, name, checks):
     assert_zpp_pass(runs(batch, key), name, world, checks)
 
 
+@pytest.mark.slow
 def test_zeropp_bytes_equal_the_formula(runs):
     """W=4, N=2 (M=2 nodes), tiny float32: bytes per op and group, exactly."""
     r = runs(W4, "zpp-bench")
@@ -279,10 +282,12 @@ def test_zeropp_bytes_equal_the_formula(runs):
 
 
 ZPP_PLANTS = " ".join(zeropp.ZeroPlusPlus._ZEROPP)   # test_plants.py's run once tour lists it
-PLANTS = test_plants.BATCHES.get(("zeropp.py", 4)) or Runs("zeropp.py", 4, {ZPP_PLANTS: [
+PLANTS = test_plants.BATCHES.get(("zeropp.py", 4)) or Runs("zeropp.py", 4, tier="slow", runs={
+    ZPP_PLANTS: [
     "--mode", "plants", "--plants", ",".join(zeropp.ZeroPlusPlus.plants), *ZPP_PLANTS.split()]})
 
 
+@pytest.mark.slow
 def test_zeropp_plants_fail(runs):
     """The clean W=4 run PASSes and each ZeRO++ plant FAILs."""
     r = runs(PLANTS, ZPP_PLANTS)
