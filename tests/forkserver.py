@@ -10,8 +10,11 @@ the launch's timeout. The workers are real processes in a real gloo group, as un
 torch's own MultiProcessTestCase forks its gloo workers the same way.
 
 What it is not: torchrun. The tests of the launcher's behaviour (restarts, SIGTERM through the
-agent, the root cause's exit code, the multi-node rendezvous) and every single `launch()` keep
-starting real torchrun; `TEST_LAUNCHER=torchrun` sends the shared launches there too.
+agent, the root cause's exit code, the multi-node rendezvous) keep starting real torchrun;
+`TEST_LAUNCHER=torchrun` sends every launch there. Forked workers also share the server's
+string-hash seed (a set ordered differently per rank would not show here) and end with
+os._exit after the atexit functions (no interpreter finalisation: the harness's own teardown
+destroys the process groups before). A worker dies with the server (PR_SET_PDEATHSIG).
 
 Safe to fork because the server never computes: no torch thread pool, CUDA context or process
 group exists when it forks. Python's and numpy's global generators are reseeded in each worker,
@@ -29,6 +32,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 REPLY_FD = None     # the server's protocol channel (closed in the workers)
+SERVER_PID = None
 MODELS = ["AutoModelForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
           "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM",
           "Phi3ForCausalLM"]
@@ -72,7 +76,8 @@ class ForkServer:
             reply = self.proc.stdout.readline()
             if not reply:
                 self.proc = None
-                raise OSError("forkserver died")
+                self.log.seek(0)
+                raise OSError(f"forkserver died: {self.log.read()[-2000:]}")
             reply = json.loads(reply)
             stdout, stderr = (open(p).read() if os.path.exists(p) else "" for p in (out, err))
         if reply["timed_out"]:
@@ -105,15 +110,24 @@ def _worker(req: dict, rank: int, port: int) -> int:
     import runpy
     import traceback
     os.setpgid(0, 0)                       # its own group: the server can kill what it starts
+    _die_with_the_server()
     os.close(REPLY_FD)
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
     os.dup2(os.open(req["out"], flags, 0o644), 1)
     os.dup2(os.open(req["err"], flags, 0o644), 2)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.environ.clear()
-    os.environ.update(req["env"], RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
-                      WORLD_SIZE=str(req["nproc"]), LOCAL_WORLD_SIZE=str(req["nproc"]),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # torchrun's variables; none of its agent's (TORCHELASTIC_*: no agent to signal or wait
+    # for); rank 0 alone (a configuration error) gets no rendezvous address, so a check that
+    # let a bad configuration through fails at once, as a plain process does, not at the timeout
+    os.environ.update({k: v for k, v in req["env"].items() if not k.startswith("TORCHELASTIC")})
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
+                      WORLD_SIZE=str(req["nproc"]), LOCAL_WORLD_SIZE=str(req["nproc"]))
+    if req["ranks"] == req["nproc"]:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    else:
+        for k in ("MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(k, None)
     random.seed()
     try:
         import numpy as np
@@ -146,6 +160,18 @@ def _worker(req: dict, rank: int, port: int) -> int:
     return code
 
 
+def _die_with_the_server():
+    """Linux: the kernel SIGKILLs this worker when the server exits (pytest interrupted, CI
+    timed out), so no orphaned group runs on; gone already, exit now."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != SERVER_PID:
+        os._exit(1)
+
+
 def _kill(pids, sig):
     for pid in pids:
         try:
@@ -163,7 +189,18 @@ def _launch(req: dict) -> dict:
         pid = os.fork()
         if pid == 0:
             os._exit(_worker(req, rank, port))
+        try:
+            os.setpgid(pid, pid)             # (as the child does: no race with a kill)
+        except OSError:
+            pass
         pids.append(pid)
+    try:
+        return _wait(req, pids)
+    finally:                                 # whatever happened here, nothing is left running
+        _kill(pids, signal.SIGKILL)
+
+
+def _wait(req: dict, pids: list) -> dict:
     codes = {pid: None for pid in pids}
     deadline = time.time() + req["timeout"]
     failed_at = stopped = None
@@ -182,17 +219,20 @@ def _launch(req: dict) -> dict:
             _kill(live, signal.SIGKILL)
         elif failed_at is not None and now - failed_at > 5:
             # as torchrun: once a worker failed, the others are stopped (after a grace for
-            # the ones already on their way out, e.g. rank 0 printing a configuration error)
-            _kill(live, signal.SIGTERM if stopped is None else signal.SIGKILL)
-            stopped = stopped or now
-            if now - stopped > 5:
+            # the ones already on their way out, e.g. rank 0 printing a configuration error):
+            # SIGTERM, then SIGKILL for what is still there 5 s later
+            if stopped is None:
+                _kill(live, signal.SIGTERM)
+                stopped = now
+            elif now - stopped > 5:
                 _kill(live, signal.SIGKILL)
         time.sleep(0.02)
     return dict(codes=[codes[p] for p in pids], timed_out=timed_out)
 
 
 def serve():
-    global REPLY_FD
+    global REPLY_FD, SERVER_PID
+    SERVER_PID = os.getpid()
     REPLY_FD = os.dup(1)
     reply = os.fdopen(REPLY_FD, "w")        # the protocol's channel, apart from fd 1
     os.dup2(2, 1)                          # anything the server itself prints: stderr

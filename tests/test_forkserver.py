@@ -25,8 +25,8 @@ def test_forked_workers_give_torchruns_results(tmp_path):
     assert b.last_line == a.last_line and losses(a) == losses(b) and len(losses(a)) == 2, (a, b)
 
 
-def _script(tmp_path, body):
-    path = tmp_path / "w.py"
+def _script(tmp_path, body, name="w.py"):
+    path = tmp_path / name
     path.write_text("import os, sys, time\nrank = int(os.environ['RANK'])\n" + body)
     return str(path)
 
@@ -43,8 +43,21 @@ def test_a_failed_worker_stops_the_others(tmp_path):
     assert "rank 1 exitcode  : 3" in err and "rank 0 exitcode  : -15" in err, err
 
 
+def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
+    """SIGTERM first (5 s after the failure), SIGKILL 5 s later for a worker that ignores it."""
+    script = _script(tmp_path, "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                               "sys.exit(3) if rank == 1 else time.sleep(60)\n")
+    server = fork_server(ENV)
+    server.run(_script(tmp_path, "pass\n", "start.py"), 1, [], timeout=60)   # (not timed)
+    t0 = time.time()
+    rc, out, err = server.run(script, 2, [], timeout=120)
+    assert 9 < time.time() - t0 < 30 and rc == 1, (out, err)
+    assert "rank 1 exitcode  : 3" in err and "rank 0 exitcode  : -9" in err, err
+
+
 def test_the_timeout_kills_every_worker(tmp_path):
     script = _script(tmp_path, "time.sleep(60)\n")
+    fork_server(ENV).run(_script(tmp_path, "pass\n", "start.py"), 1, [], timeout=60)
     t0 = time.time()
     with pytest.raises(subprocess.TimeoutExpired):
         fork_server(ENV).run(script, 2, [], timeout=2)

@@ -95,6 +95,7 @@ def test_real_cpu_search_two_strategies(tmp_path):
     assert "simulated" in r.stderr and "peak" in r.stderr          # progress on stderr
 
 
+@pytest.mark.slow
 def test_cli_simulated_micro_batch_search():
     """--simulate --search micro-batch: no process starts; the largest micro-batch at length 256
     whose FakeTensorMode peak fits 20 MiB, each side of the boundary checked in this process."""

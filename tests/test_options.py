@@ -22,12 +22,14 @@ ZERO = Runs("zero.py", 2, tier="slow", runs={
 })
 DDP = Runs("ddp.py", 2, tier="slow", runs={"all": ["--mode", "all"]})
 # three chunks per rank: 6 layers over 2 stages x 3 virtual stages
+V3 = ["--schedule", "interleaved", "--virtual-stages", "3", "--microbatches", "2",
+      "--model", config_file("layers6", num_hidden_layers=6)]
 PP = Runs("pp.py", 2, tier="slow", runs={
-    "v3": ["--schedule", "interleaved", "--virtual-stages", "3", "--microbatches", "2",
-           "--model", config_file("layers6", num_hidden_layers=6)]})
+    "v3": V3, "v3-bench": [*V3, "--mode", "benchmark", "--warmup", "1", "--bench-iters", "1"]})
 # the cosine floor at half the peak: the reference takes it from torch's CosineAnnealingLR
 C4D = Runs("compose4d.py", 2, tier="slow", runs={
-    "lr-floor": ["--pp", "2", "--lr-schedule", "cosine", "--lr-min-ratio", "0.5", "--steps", "3"]})
+    f"lr-floor{r}": ["--pp", "2", "--lr-schedule", "cosine", "--lr-min-ratio", r, "--steps", "3"]
+    for r in ("0.5", "0.1")})
 
 
 def passed(r):
@@ -70,16 +72,30 @@ def test_zero_gather_options(runs, key):
 
 
 def test_three_virtual_stages(runs):
-    """pp.py --virtual-stages 3 (every other test uses 2): interleaved 1F1B over 6 chunks."""
+    """pp.py --virtual-stages 3 (every other test uses 2): interleaved 1F1B over 6 chunks, which
+    the sends show: rank 0 holds chunks 0, 2, 4, so each micro-batch leaves it V = 3 times
+    forward and V - 1 = 2 times backward (V = 2 would be 2 + 1)."""
     res = passed(runs(PP, "v3"))
     assert res["strategy"] == "pp-interleaved", res["strategy"]
     assert res["tensors"] == res["grads_compared"] == 3 + 6 * 9   # every layer's 9 tensors
+    r = runs(PP, "v3-bench")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    M, V, B, S, H = 2, 3, 8, 64, 64
+    act = B // M * S * H * 4
+    sends = r.json("benchmark.json")["ours"]["comm"]["isend|world"]
+    assert sends == {"calls": M * (2 * V - 1), "bytes": M * (2 * V - 1) * act}, sends
 
 
 def test_cosine_floor_matches_torchs_scheduler(runs):
     """compose4d --lr-min-ratio 0.5: its lr_at against torch.optim.lr_scheduler's cosine with
-    eta_min = 0.5 lr in the reference (an oracle that shares no code with it)."""
-    passed(runs(C4D, "lr-floor"))
+    eta_min = 0.5 lr in the reference (an oracle that shares no code with it); the floor moves
+    step 1's learning rate, so step 2's loss differs from the run at the default 0.1."""
+    def losses(key):
+        r = runs(C4D, key)
+        passed(r)
+        return [float(r.stdout.split(f"step {s}: loss ")[1].split()[0]) for s in range(3)]
+    half, tenth = losses("lr-floor0.5"), losses("lr-floor0.1")
+    assert half[:2] == tenth[:2] and half[2] != tenth[2], (half, tenth)
 
 
 def test_mode_all_runs_every_mode(runs):

@@ -12,8 +12,6 @@ import pytest
 from conftest import Runs, assert_config_error, launch
 import textdata
 
-pytestmark = pytest.mark.slow
-
 
 def fixtures(base) -> dict:
     """base/text: corpus.txt (300 documents), tok/ (BPE, 320 tokens), llama/ (4 layers, untied)
@@ -102,6 +100,7 @@ def _ok(runs, key):
     return r
 
 
+@pytest.mark.slow
 def test_each_rank_reads_its_shard_and_trains_as_the_whole_model_would(runs):
     shards, full = _ok(runs, "shards"), _ok(runs, "full")
     a, b = rows(shards), rows(full)
@@ -115,6 +114,7 @@ def test_each_rank_reads_its_shard_and_trains_as_the_whole_model_would(runs):
     assert len(load) == 2, shards.stdout
 
 
+@pytest.mark.slow
 def test_uint32_tokens_and_the_cache_directory(runs):
     """--data-dtype uint32 reads a raw .bin of 32-bit ids (the text run's own token stream, so
     the same samples and bitwise the same losses); --data-cache puts the entry where it says,
@@ -126,6 +126,7 @@ def test_uint32_tokens_and_the_cache_directory(runs):
     assert not os.path.exists(os.path.join(base, "text", ".corpus32.bin.tokens"))
 
 
+@pytest.mark.slow
 def test_finetuning_lowers_the_held_out_loss_and_logs_every_step(runs):
     r = _ok(runs, "finetune")
     log = rows(r)
@@ -145,6 +146,7 @@ def test_finetuning_lowers_the_held_out_loss_and_logs_every_step(runs):
     assert "held-out loss" in r.stdout and "data: " in r.stdout
 
 
+@pytest.mark.slow
 def test_the_export_gives_the_printed_greedy_continuation(runs):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -176,6 +178,7 @@ def test_the_export_gives_the_printed_greedy_continuation(runs):
     assert abs(ce / n - last) <= 1e-5 * last, (ce / n, last)
 
 
+@pytest.mark.slow
 def test_resume_across_layouts_is_exact_with_the_data_position(runs):
     whole, first, second = (train_rows(_ok(runs, k)) for k in ("whole", "first", "second"))
     assert [x["step"] for x in first] == [0, 1, 2]
@@ -223,6 +226,7 @@ def test_bad_text_inputs_end_with_one_line(tmp_path, args, msg):
     assert_config_error(r, msg, torchrun=False)
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_checkpoint_of_other_data(tmp_path, runs):
     first = runs(W2, "first")
     p = fixtures(os.path.dirname(first.out))
