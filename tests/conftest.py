@@ -53,13 +53,24 @@ def fork_server(env):
     return _FORK["server"]
 
 
+def launch_env(**extra) -> dict:
+    """The environment every launch gets: one thread per rank, no warnings, and `extra`."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
+
+
+def step_losses(stdout: str) -> list[float]:
+    """The correctness mode's per-step losses ("  step N: loss X ..."), in the order printed."""
+    return [float(line.split()[3]) for line in stdout.splitlines()
+            if line.startswith("  step ") and line.split()[2] == "loss"]
+
+
 def launch(script, nproc, *args, out=None, timeout=300, torchrun=True, as_rank0=False,
            pg_timeout=60, fork=False):
     """Run ROOT/script with `nproc` workers (torchrun) or as a plain python process.
-    as_rank0: one plain process that believes it is rank 0 of `nproc` (torchrun's variables),
-    for configuration errors, which end before any process group exists (3 s instead of 3 s
-    per process). fork: the workers forked from the session's forkserver instead of started
-    by torchrun (the shared launches; TEST_LAUNCHER=torchrun turns it off)."""
+    as_rank0: only rank 0 of `nproc` (torchrun's variables), forked from the session's
+    forkserver, for configuration errors, which end before any process group exists (0.1 s
+    instead of 4 s of imports). fork: the workers forked from the forkserver instead of started
+    by torchrun (the shared launches). TEST_LAUNCHER=torchrun turns both off."""
     cmd = [sys.executable]
     if torchrun and not as_rank0:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
@@ -69,11 +80,9 @@ def launch(script, nproc, *args, out=None, timeout=300, torchrun=True, as_rank0=
     cmd += [os.path.join(ROOT, script), *map(str, args), *timeout_flag]
     if out is not None:
         cmd += ["--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = launch_env()
     if as_rank0:
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(nproc))
-    import time
-    t0 = time.time()
     if (fork or as_rank0) and torchrun and os.environ.get("TEST_LAUNCHER") != "torchrun":
         argv = cmd[cmd.index(os.path.join(ROOT, script)) + 1:]
         rc, stdout, stderr = fork_server(env).run(os.path.join(ROOT, script), nproc, argv,
@@ -82,11 +91,6 @@ def launch(script, nproc, *args, out=None, timeout=300, torchrun=True, as_rank0=
     else:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
                               cwd=ROOT)
-    if os.environ.get("LAUNCH_LOG"):
-        with open(os.environ["LAUNCH_LOG"], "a") as f:
-            f.write(json.dumps(dict(test=os.environ.get("PYTEST_CURRENT_TEST", ""), script=script,
-                                    nproc=nproc, torchrun=torchrun and not as_rank0,
-                                    s=round(time.time() - t0, 2), args=[str(a) for a in args][:12])) + "\n")
     return Result(proc, out)
 
 
@@ -94,7 +98,7 @@ def torchrun(path, nproc, *args, timeout=600, env=None) -> subprocess.CompletedP
     """`python -m torch.distributed.run --standalone --nproc_per_node=N path args...` for a
     test's own multi-process script or an example: forked from the session's forkserver
     (TEST_LAUNCHER=torchrun: real torchrun). env: variables added to the tests' own."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
+    env = launch_env(**(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", path, *map(str, args)]
     if os.environ.get("TEST_LAUNCHER") == "torchrun":

@@ -97,13 +97,6 @@ class ForkServer:
 # ----------------------------------------------------------------------------------------------
 # server
 # ----------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(req: dict, rank: int, port: int) -> int:
     """In the forked child: torchrun's variables, the script's stdout/stderr, then the script."""
     import random
@@ -181,6 +174,7 @@ def _kill(pids, sig):
 
 
 def _launch(req: dict) -> dict:
+    from harness.launch import _free_port
     port = _free_port()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import harness
 import ep_moe
 from harness.routing import hf_router_losses
-from conftest import ROOT, Runs, assert_config_error, config_file, torchrun
+from conftest import ROOT, Runs, assert_config_error, config_file, step_losses, torchrun
 
 N_TENSORS = 21  # tiny-moe: embed, head, final norm + 2 layers x (4 attn, 2 norms, gate, 2 experts)
 DROPLESS = ["--aux-coef", "0.01", "--z-coef", "0.001"]
@@ -474,7 +474,7 @@ def test_bias_rate_moves_the_routing(runs):
     def losses(key):
         r = runs(SLOW_W2, key)
         assert_pass(r, 2)
-        return [float(r.stdout.split(f"step {s}: loss ")[1].split()[0]) for s in range(3)]
+        return step_losses(r.stdout)
     still, moving = losses("bias0"), losses("bias0.05")
     assert still[0] == moving[0] and still[2] != moving[2], (still, moving)
 

@@ -1,18 +1,13 @@
 """The tests' forkserver (tests/forkserver.py), which starts every shared launch: the same
 results as torchrun, torchrun's handling of a failed worker, and the timeout."""
-import os
 import subprocess
 import time
 
 import pytest
 
-from conftest import fork_server, launch
+from conftest import fork_server, launch, launch_env, step_losses
 
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-
-
-def losses(r):
-    return [line.split()[3] for line in r.stdout.splitlines() if line.startswith("  step ")]
+ENV = launch_env()
 
 
 def test_forked_workers_give_torchruns_results(tmp_path):
@@ -22,7 +17,9 @@ def test_forked_workers_give_torchruns_results(tmp_path):
     a = launch(*args, out=tmp_path / "torchrun")
     b = launch(*args, out=tmp_path / "fork", fork=True)
     assert a.rc == b.rc == 0 and a.last_line.startswith("PASS"), (a, b)
-    assert b.last_line == a.last_line and losses(a) == losses(b) and len(losses(a)) == 2, (a, b)
+    losses = step_losses(a.stdout)
+    assert b.last_line == a.last_line and step_losses(b.stdout) == losses and len(losses) == 2, \
+        (a, b)
 
 
 def _script(tmp_path, body, name="w.py"):

@@ -2,7 +2,7 @@
 each test checks that the option changed what it says it changes, not only that the run ends."""
 import pytest
 
-from conftest import Runs, config_file
+from conftest import Runs, config_file, step_losses
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def test_seed_and_branching_change_the_data(runs):
     def first_loss(key):   # step 0's loss: before any update, so weight decay plays no part
         r = runs(TP, key)
         passed(r)
-        return float(r.stdout.split("step 0: loss ")[1].split()[0])
+        return step_losses(r.stdout)[0]
     base, seed, branching = (first_loss(k) for k in ("no-weight-decay", "seed", "branching"))
     assert base != seed and base != branching, (base, seed, branching)
 
@@ -93,7 +93,7 @@ def test_cosine_floor_matches_torchs_scheduler(runs):
     def losses(key):
         r = runs(C4D, key)
         passed(r)
-        return [float(r.stdout.split(f"step {s}: loss ")[1].split()[0]) for s in range(3)]
+        return step_losses(r.stdout)
     half, tenth = losses("lr-floor0.5"), losses("lr-floor0.1")
     assert half[:2] == tenth[:2] and half[2] != tenth[2], (half, tenth)
 
