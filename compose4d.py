@@ -74,11 +74,11 @@ import torch
 import torch.distributed as dist
 
 from harness import (DTYPES, METER, Batch, Expect, Plant, Reference, Strategy, all_reduce_flat,
-                     attention_features, clip_by_norm, global_loss, main, name_group, phase,
+                     clip_by_norm, global_loss, main, name_group, phase,
                      planted, spread_across_ranks)
 from harness.flops import mfu_line
 from harness.precision import grad_reduce_dtype
-from harness import loading, train_data
+from harness import dropout, loading, train_data
 import cp_ring
 import pp
 import sp
@@ -238,7 +238,7 @@ def compose_constraints(args, world, config) -> list[str]:
         return [f"--sp: the {args.length // C} tokens per cp rank are not divisible by tp = {T}"]
     if args.zero not in (1, 2):
         return [f"--zero must be 1 or 2 (got {args.zero})"]
-    feats = attention_features(config, args.length) + (
+    feats = cp_ring.ring_refusals(config, args.length) + (
         [f"{args.attn} attention (the ring installs its own)"] if args.attn != "sdpa" else [])
     if C > 1 and feats:
         return [f"--cp {C}: context parallelism's ring attention does not implement {feats[0]}"]
@@ -273,6 +273,8 @@ class Compose4D(Strategy):
     _TP = ("--tp", "2", "--sp", "--model", TIED_MODEL)
     _PP = ("--pp", "2", "--dtype", "float32", "--clip", "0.5", "--model", TIED_MODEL)
     plants = {
+        "dropout-rank-local": Plant(dropout.PLANT_DOC, dropout.PLANT_ARGS + (
+            "--tp", "2", "--pp", "2"), world=4),
         "lr-one-step-ahead": Plant(
             "step k runs at the schedule's learning rate for step k + 1", _CP),
         "grad-sum-misses-cp": Plant(
@@ -400,6 +402,9 @@ class Compose4D(Strategy):
                                 tie_group=g["tied"])
         self.pipe.positions = None if planted("cp-local-positions") else self.pos   # plant
         self.pipe.seq_shards = T if args.sp else 1
+        if args.sp:   # this rank's contiguous share of its tokens in the residual stream
+            s = args.length // self.grid.size["cp"] // T
+            self.pipe.hidden_columns = slice(self.me["tp"] * s, (self.me["tp"] + 1) * s)
         if self.tp is not None:
             self.pipe.loss_sum = self.tp.loss_sum
         self.first, self.last = 0 in self.pipe.mine, self.pipe.C - 1 in self.pipe.mine
@@ -479,7 +484,7 @@ class Compose4D(Strategy):
         """This rank's zig-zag tokens of every sequence (all of them without CP)."""
         if self.pos is None:
             return b
-        return Batch(b.input_ids[:, self.pos], b.labels[:, self.pos], b.index)
+        return b.cols(self.pos)
 
     def step(self, batch: Batch) -> float:
         """One optimizer step: this rank's dp share of the sequences and cp share of their
@@ -511,7 +516,11 @@ class Compose4D(Strategy):
 
     def eval_sum(self, batch: Batch) -> float:
         """The global CE sum of a held-out batch: forwards only, through the same split."""
-        ce = self.pipe.evaluate(self.local_batch(batch), self.args.grad_accum)
+        self.model.eval()   # (no dropout in a held-out loss)
+        try:
+            ce = self.pipe.evaluate(self.local_batch(batch), self.args.grad_accum)
+        finally:
+            self.model.train()
         return self.loss_once(ce)
 
     def loss_once(self, loss_sum: torch.Tensor) -> float:

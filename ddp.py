@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from harness import (Batch, Expect, Plant, Strategy, global_loss, lm_loss_sum, main, make_adamw,
                      phase, planted, spread_across_ranks)
+from harness import dropout
 from harness.precision import LOW_PRECISION, grad_reduce_dtype
 from harness.reduce_probe import ReductionProbe
 
@@ -339,7 +340,7 @@ def forward_backward(model, batch: Batch, rank: int, world: int, accum: int,
     for k, mb in enumerate(batch.shard(rank, world).split(accum)):
         last = 0 if planted("sync-first-microbatch") else accum - 1   # plant: syncs the first
         set_sync(k == last)
-        with phase("forward"):
+        with phase("forward"), dropout.at(mb):
             ce = lm_loss_sum(model(input_ids=mb.input_ids).logits, mb.labels)
         with phase("backward"):
             if planted("mean-of-means"):   # plant: each micro-batch's own mean, averaged
@@ -357,7 +358,7 @@ def token_sharded_step(strat, batch: Batch, pos: torch.Tensor) -> float:
     clip, step. Returns the global loss."""
     W, B = strat.env.world, batch.input_ids.shape[0]
     strat.optimizer.zero_grad(set_to_none=False)   # in place: .grad stays a view of its bucket
-    with phase("forward"):
+    with phase("forward"), dropout.at(batch, hidden=pos):   # (all columns in attention)
         logits = strat.dp(input_ids=batch.input_ids[:, pos],
                              position_ids=pos[None].expand(B, -1)).logits
         ce = lm_loss_sum(logits, batch.labels[:, pos])
@@ -400,6 +401,7 @@ class DDP(Strategy):
     # --plant-bug NAME: known bugs the correctness check must catch (tests/test_plants.py)
     PLANT_CONFIG = ("--grad-accum", "2", "--dtype", "float32", "--clip", "0.5")
     plants = {
+        "dropout-rank-local": Plant(dropout.PLANT_DOC, dropout.PLANT_ARGS),
         "no-average": Plant("all_reduce sums the gradients instead of averaging them "
                                    "(2x at W=2; clipping would hide it)", PLANT_CONFIG),
         "mean-of-means": Plant("each micro-batch's own mean loss, averaged, instead of "

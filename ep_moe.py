@@ -88,6 +88,7 @@ import torch.nn.functional as F
 from harness import (Batch, Expect, Plant, Reference, Strategy, clip_by_norm, global_loss,
                      lm_loss_sum, main, make_adamw, name_group, phase, planted,
                      spread_across_ranks)
+from harness import dropout
 from harness.precision import grad_reduce_dtype
 from harness.routing import RoutingStats, drop_over_capacity, hf_moe_objective
 from ddp import DataParallel
@@ -597,7 +598,9 @@ class ExpertParallel(Strategy):
         self.routing.start_step()
         mb = batch.shard(self.env.rank, self.env.world)
         with phase("forward"):
-            ce = lm_loss_sum(self.model(input_ids=mb.input_ids).logits, mb.labels)
+            with dropout.at(mb):
+                logits = self.model(input_ids=mb.input_ids).logits
+            ce = lm_loss_sum(logits, mb.labels)
             obj = ce / batch.n_tokens
             counts, aux, z = router_losses(self.stats, batch.input_ids.numel(),
                                            self.blocks[0].num_experts,

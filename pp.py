@@ -68,6 +68,7 @@ import torch.nn as nn
 from harness import (Batch, Expect, Plant, Strategy, DTYPES, attention_masks, clip_by_norm,
                      global_loss, lm_loss_sum, main, make_adamw, METER, name_group, phase,
                      planted, soft_cap)
+from harness import dropout
 from harness.timeline import ascii_timeline, measured_bubble, plot_timeline
 from harness.timing import ActionTimeline
 # the pure plan (re-exported: pp.schedule, pp.simulate, pp.Grid, ... keep working)
@@ -143,7 +144,9 @@ class Pipeline:
     and last stage when the embeddings are tied (created by the caller, on every rank, in the
     same order). A composition (compose4d.py) may set `positions` (the global position ids of
     this rank's tokens, for context parallelism), `seq_shards` (the residual stream is split
-    that many ways along the sequence, for Megatron SP) and `loss_sum` (the vocab-parallel loss).
+    that many ways along the sequence, for Megatron SP), `hidden_columns` (which of a
+    micro-batch's columns that residual stream holds on this rank, for dropout.py's masks) and
+    `loss_sum` (the vocab-parallel loss).
     `forward` and `backward` do an action's compute and nothing else (run() receives and sends
     around them), so a caller may wrap them: the benchmark times them that way (PP below)."""
 
@@ -153,6 +156,7 @@ class Pipeline:
         self.model, self.P, self.V, self.rank, self.group = model, P, V, rank, group
         self.schedule_name, self.C = schedule_name, P * V
         self.positions, self.seq_shards, self.loss_sum = None, 1, lm_loss_sum
+        self.hidden_columns = None
         self.stop_check = None   # the preemption point, stop_check(m) (see _stop_before())
         self.completed = 0       # micro-batches run to the end in the last run()
         self._grids = {}         # (M, schedule) -> Grid
@@ -267,7 +271,8 @@ class Pipeline:
         activations). The last chunk returns the loss the micro-batch backpropagates, its CE
         sum / n_tokens (so the sum over micro-batches is the global mean), and the CE sum to
         report; the other chunks return their output activations and None."""
-        out = self.run_chunk(c, x, mbs[m].input_ids.shape[1])
+        with dropout.at(mbs[m], hidden=self.hidden_columns):
+            out = self.run_chunk(c, x, mbs[m].input_ids.shape[1])
         if c < self.C - 1:
             return out, None
         ce = self.loss_sum(out, mbs[m].labels)

@@ -63,6 +63,7 @@ import torch.nn as nn
 
 from harness import (Expect, Plant, Strategy, DTYPES, attention_features, main, make_adamw,
                      phase, planted, scalar)
+from harness import dropout as harness_dropout
 from harness.precision import grad_reduce_dtype
 import ddp
 import tp
@@ -208,10 +209,17 @@ class MegatronSP(tp.TP):
         self.seq_partial = self.tp.extra_partial
         self.optimizer = make_adamw(model.parameters(), args)
 
+    def my_tokens(self, batch) -> slice:
+        """This rank's contiguous share of the sequence in the residual stream."""
+        s = batch.input_ids.shape[1] // self.env.world
+        return slice(self.env.rank * s, (self.env.rank + 1) * s)
+
     def step(self, batch):
         self.optimizer.zero_grad(set_to_none=True)
         with phase("forward"):
-            ce = self.tp.loss_sum(self.model(input_ids=batch.input_ids).logits, batch.labels)
+            with harness_dropout.at(batch, hidden=self.my_tokens(batch)):
+                logits = self.model(input_ids=batch.input_ids).logits
+            ce = self.tp.loss_sum(logits, batch.labels)
         with phase("backward"):
             (ce / batch.n_tokens).backward()
             if planted("norm-grads-unreduced"):   # plant: the norms treated as TP's
@@ -333,8 +341,15 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
     group = module.sp_group
     q, k, v = (SeqToHeads.apply(t, group) for t in (query, key, value))
     # All tokens of the sequence are here now: plain causal attention over them.
-    out, _ = sdpa_attention_forward(module, q, k, v, None, scaling=scaling, dropout=dropout,
-                                    is_causal=True)
+    if dropout > 0 and module.training:   # (dropout.py: masks keyed by global heads)
+        h, r = q.shape[1], dist.get_rank(group)
+        heads = getattr(module, "dropout_heads", None)
+        heads = (torch.arange(h * dist.get_world_size(group)) if heads is None else heads)
+        out, _ = harness_dropout.attention(module, q, k, v, None, scaling, dropout,
+                                           heads=heads[r * h:(r + 1) * h])
+    else:
+        out, _ = sdpa_attention_forward(module, q, k, v, None, scaling=scaling, dropout=dropout,
+                                        is_causal=True)
     out = HeadsToSeq.apply(out.transpose(1, 2).contiguous(), group)      # (B, h, s, d)
     return out.transpose(1, 2).contiguous(), None
 

@@ -50,6 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tp_plan import classify, head_dims, join_shards, meta_model
+from harness import dropout
 from harness import (Batch, DTensorBaseline, Expect, Plant, Reference, Strategy, all_reduce_flat,
                      DTYPES, IGNORE_INDEX, clip_by_norm, full_tensor, main, make_adamw, phase,
                      planted, scalar, spread_across_ranks)
@@ -352,6 +353,7 @@ class TensorParallel:
                 a.k_proj = ColumnParallelLinear(a.k_proj, kv_rows)
                 a.v_proj = ColumnParallelLinear(a.v_proj, kv_rows)
             a.o_proj = RowParallelLinear(a.o_proj, rows(hq * head_dim), self.region)
+            a.dropout_heads = torch.arange(r * hq, (r + 1) * hq)   # (dropout.py's mask key)
             a.num_key_value_groups = hq // hkv_local
             for attr, n in (("num_heads", hq), ("num_key_value_heads", hkv_local)):
                 if hasattr(a, attr):
@@ -596,6 +598,7 @@ PLANT_ARGS = ("--model", "configs/tiny-gqa8.json", "--dtype", "float32", "--clip
 class TP(Strategy):
     name = "tp"
     plants = {
+        "dropout-rank-local": Plant(dropout.PLANT_DOC, dropout.PLANT_ARGS),
         "no-f": Plant("a region's input enters without f: the backward misses the "
                              "all-reduce of d(input) over the ranks' branches", PLANT_ARGS),
         "embed-unmasked": Plant("the vocab-parallel embedding does not zero the ids "
@@ -632,7 +635,9 @@ class TP(Strategy):
     def step(self, batch: Batch) -> float:
         self.optimizer.zero_grad(set_to_none=True)
         with phase("forward"):
-            ce = self.tp.loss_sum(self.model(input_ids=batch.input_ids).logits, batch.labels)
+            with dropout.at(batch):
+                logits = self.model(input_ids=batch.input_ids).logits
+            ce = self.tp.loss_sum(logits, batch.labels)
         with phase("backward"):
             (ce / batch.n_tokens).backward()
             self.tp.reduce_partial_grads()

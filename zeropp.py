@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from harness import (METER, Batch, Expect, Plant, Reference, lm_loss_sum, main, name_group,
                      planted, ranks_per_node)
+from harness import dropout
 from harness.models import build_model
 from zero import ZeRO, Zero, decoder_units, pad_to, zero_constraints
 
@@ -475,7 +476,9 @@ class QuantizationNoise(Reference):
                 for r in range(self.W):
                     mb = batch.shard(r, self.W).split(K)[k]
                     self.optimizer.zero_grad(set_to_none=True)
-                    ce = lm_loss_sum(self.model(input_ids=mb.input_ids).logits, mb.labels)
+                    with dropout.at(mb):
+                        logits = self.model(input_ids=mb.input_ids).logits
+                    ce = lm_loss_sum(logits, mb.labels)
                     (ce / batch.n_tokens).backward()
                     ce_sum += ce.item()
                     per_rank.append([self._flat([p.grad if p.grad is not None

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .dropout import HiddenDropout
 from .loss import IGNORE_INDEX
 from .models import build_model
 from .run import Run
@@ -392,6 +393,11 @@ class PermutedReference:
             at = int((perms["v"] == pad).nonzero())
             perms["v"][[at, pad]] = perms["v"][[pad, at]]
         self = cls(ref, perms, rows, plan)
+        for m in ref.model.modules():   # dropout (dropout.py) keyed by the original heads, units
+            if hasattr(m, "dropout_layer"):
+                m.dropout_heads = q_heads
+            if isinstance(m, HiddenDropout):
+                m.features = perms["h"]
         with torch.no_grad():
             for n, p in ref.model.named_parameters():
                 p.copy_(self._apply(p, n, inverse=False))
@@ -410,7 +416,8 @@ class PermutedReference:
         rows, token = self.rows.to(batch.input_ids.device), self.token.to(batch.input_ids.device)
         ids, labels = batch.input_ids[rows], batch.labels[rows]
         labels = torch.where(labels == IGNORE_INDEX, labels, token[labels.clamp(min=0)])
-        return self.ref.step(type(batch)(token[ids], labels, batch.index))
+        return self.ref.step(type(batch)(token[ids], labels, batch.index,
+                                         batch.row_ids()[self.rows], batch.positions))
 
     @property
     def grad_norm(self):

@@ -60,13 +60,35 @@ class Batch:
     input_ids: torch.Tensor   # (B, S)
     labels: torch.Tensor      # (B, S), IGNORE_INDEX where there is no target
     index: int                # step index s: samples [s*B, (s+1)*B)
+    # where the rows and columns sit in the step's global batch (None: rows 0..B-1, columns
+    # 0..S-1): a rank's share keeps them, so dropout.py can key its masks by them
+    sample_ids: torch.Tensor | None = None   # (B,)
+    positions: torch.Tensor | None = None    # (S,)
+
+    def row_ids(self) -> torch.Tensor:
+        return (torch.arange(self.input_ids.shape[0]) if self.sample_ids is None
+                else self.sample_ids)
+
+    def column_positions(self) -> torch.Tensor:
+        return (torch.arange(self.input_ids.shape[1]) if self.positions is None
+                else self.positions)
+
+    def take(self, rows) -> "Batch":
+        """The rows `rows` (a slice, a list or an index tensor), their ids kept."""
+        return Batch(self.input_ids[rows], self.labels[rows], self.index,
+                     self.row_ids()[rows], self.positions)
+
+    def cols(self, idx: torch.Tensor) -> "Batch":
+        """The columns `idx` of every row (a context-parallel rank's tokens), positions kept."""
+        return Batch(self.input_ids[:, idx], self.labels[:, idx], self.index, self.sample_ids,
+                     self.column_positions().to(idx.device)[idx])
 
     @functools.cached_property
     def n_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
 
     def rows(self, start: int, stop: int) -> "Batch":
-        return Batch(self.input_ids[start:stop], self.labels[start:stop], self.index)
+        return self.take(slice(start, stop))
 
     def shard(self, rank: int, world: int) -> "Batch":
         """This rank's contiguous share of the sequences (world must divide the batch)."""

@@ -64,6 +64,10 @@ def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
                         "full keeps each decoder layer's input, selective recomputes the "
                         "attention core; correctness and learning modes (the benchmark's comm "
                         "formulas assume none)")
+    p.add_argument("--dropout", type=float, default=None,
+                   help="set the model's dropout (attention, and hidden where the family has "
+                        "it, e.g. Phi3's residual dropout) to P; the masks are the same at every "
+                        "layout (harness/dropout.py). Default: the model config's own")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     p.add_argument("--length", type=int, default=64, help="sequence length")
     p.add_argument("--steps", type=int, default=None,

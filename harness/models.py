@@ -11,6 +11,9 @@ import types
 
 import torch
 
+from .dropout import IMPL as DROPOUT_IMPL, install as install_dropout
+from .dropout import rates, set_rates as set_dropout, set_seed as dropout_seed
+
 
 
 
@@ -192,17 +195,20 @@ def build_model(args, config, device) -> torch.nn.Module:
     dtype = DTYPES[args.dtype]
     kw = model_kwargs(config, args.attn)
     if has_weights(args.model):
-        key = (os.path.realpath(args.model), repr(sorted(kw.items())))
+        key = (os.path.realpath(args.model), repr(sorted(kw.items())), repr(getattr(args, "dropout", None)))
         if _LOADED is not None and key in _LOADED:
             model = copy.deepcopy(_LOADED[key])
-        else:
-            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, **kw)
+        else:   # (the run's config: --dropout may have changed the checkpoint's)
+            model = AutoModelForCausalLM.from_pretrained(
+                args.model, config=copy.deepcopy(config), dtype=torch.float32, **kw)
             if _LOADED is not None:
                 _LOADED[key] = copy.deepcopy(model)
     else:
         torch.manual_seed(args.seed)
         # (a copy: from_config shares the object, and strategies edit their model's config)
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **kw)
+    install_dropout(model, model.model.layers)
+    dropout_seed(getattr(args, "seed", 0))
     return keep_float64(model.to(device=device, dtype=dtype)).train()
 
 
@@ -214,10 +220,14 @@ def common_constraints(args, world, config) -> list[str]:
     errs = []
     if args.batch < 1 or args.length < 2:
         errs.append(f"--batch ({args.batch}) must be >= 1 and --length ({args.length}) >= 2")
-    drop = getattr(config, "attention_dropout", 0.0) or 0.0
-    if drop > 0:
-        errs.append(f"attention_dropout={drop}: dropout is not reproducible across layouts; "
-                    "set it to 0")
+    if getattr(args, "dropout", None) is not None:
+        if not 0 <= args.dropout < 1:
+            errs.append(f"--dropout must be in [0, 1) (got {args.dropout})")
+        else:
+            set_dropout(config, args.dropout)
+    if rates(config) and getattr(args, "compare_native", False):
+        errs.append(f"--compare-native with dropout ({rates(config)}): PyTorch's own "
+                    f"implementations draw torch's masks, not the layout-independent ones")
     if getattr(args, "recompute", "none") != "none" and args.mode in ("benchmark", "peak"):
         errs.append(f"--recompute {args.recompute}: the benchmark's communication formulas "
                     f"assume none (a recomputed forward repeats its collectives); measure "
@@ -268,6 +278,7 @@ def attention_masks(config, length: int, dtype, device) -> dict | None:
     only (no host read in the step). A composition that installs its own attention (context
     parallelism) masks by itself: None."""
     impl = (config._attn_implementation or "eager").removeprefix("recompute_")   # (recompute.py)
+    impl = "eager" if impl == DROPOUT_IMPL else impl   # (dropout.py: eager with its masks)
     if impl not in ("eager", "sdpa"):
         return None
     window, every_layer = sliding_window(config, length)

@@ -120,6 +120,7 @@ import time
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from . import dropout
 from .models import Float64Kept
 
 MODES = ("none", "full", "selective")
@@ -182,7 +183,9 @@ def _checkpointed(forward, *args, **kwargs):
     for key in CACHE_KWARGS:
         if kwargs.get(key) is not None:
             kwargs = dict(kwargs, **{key: None}, use_cache=False)
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    # (context_fn: a dropout mask recomputed in the backward keyed as in the forward)
+    return checkpoint(forward, *args, use_reentrant=False,
+                      context_fn=dropout.checkpoint_contexts, **kwargs)
 
 
 def _wrap_attention(model):
@@ -219,7 +222,8 @@ def _wrap_attention(model):
         if not torch.is_grad_enabled():
             return core(query, key, value), None
         # (the probabilities eager would return are not kept: that is the point)
-        return checkpoint(core, query, key, value, use_reentrant=False), None
+        return checkpoint(core, query, key, value, use_reentrant=False,
+                          context_fn=dropout.checkpoint_contexts), None
 
     name = f"recompute_{impl}"
     AttentionInterface.register(name, attention)

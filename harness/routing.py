@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import dropout
 from .loss import lm_loss_sum
 from .meter import METER
 
@@ -202,7 +203,8 @@ def hf_moe_objective(model, batch, aux_coef: float, z_coef: float) -> torch.Tens
     """HF's own MoE model (MixtralSparseMoeBlock: HF's router, top-k renormalisation and
     experts) on the whole batch: mean token CE + aux_coef aux + z_coef z (hf_router_losses)."""
     cfg = model.config
-    out = model(input_ids=batch.input_ids, output_router_logits=True)
+    with dropout.at(batch):
+        out = model(input_ids=batch.input_ids, output_router_logits=True)
     loss = lm_loss_sum(out.logits, batch.labels) / batch.n_tokens
     aux, z = hf_router_losses(out, cfg.num_local_experts, cfg.num_experts_per_tok)
     if aux_coef:

@@ -77,6 +77,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import dropout
 from .data import Batch
 from .loss import lm_loss_sum
 from .meter import Expect, METER, phase
@@ -230,8 +231,9 @@ class Reference(Strategy):
 
     def objective(self, batch: Batch) -> torch.Tensor:
         """The loss to minimise: mean token cross-entropy (subclasses add terms)."""
-        return lm_loss_sum(self.model(input_ids=batch.input_ids).logits,
-                           batch.labels) / batch.n_tokens
+        with dropout.at(batch):
+            logits = self.model(input_ids=batch.input_ids).logits
+        return lm_loss_sum(logits, batch.labels) / batch.n_tokens
 
     def after_step(self):
         """Non-gradient state updates after the optimizer step (none here)."""

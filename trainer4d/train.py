@@ -120,8 +120,7 @@ def step_rows(strat, batch: Batch, rows=None, mb=None, stop=None, partial=None,
         local, mbs, M = strat.local_batch(batch), None, strat.args.grad_accum
     else:
         my_rows = [list(r) for r in split_even(rows, D)][dp]
-        local = strat._cp_tokens(Batch(batch.input_ids[my_rows], batch.labels[my_rows],
-                                       batch.index))
+        local = strat._cp_tokens(batch.take(my_rows))
         mbs = [local.rows(i, min(i + mb, len(my_rows))) for i in range(0, len(my_rows), mb)]
         M = len(mbs)
     strat.pipe.stop_check = stop
