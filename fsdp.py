@@ -64,7 +64,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from harness import (Expect, Plant, main, name_group, planted, ranks_per_node,
+from harness import (Expect, Plant, main, name_group, planted, ranks_per_node, uneven_nodes,
                      spread_across_ranks)
 from harness.precision import grad_reduce_dtype
 import ddp
@@ -219,6 +219,9 @@ def fsdp_constraints(args, world, config) -> list[str]:
     if args.replicate is not None and (args.replicate < 1 or world % args.replicate):
         errs.append(f"--replicate {args.replicate}: the replicas must divide world size {world} "
                     f"(HSDP shards over W / R ranks)")
+    if args.replicate is None and uneven_nodes(world):
+        errs.append(f"HSDP's default --replicate (one per node): {uneven_nodes(world)}; give "
+                    f"--replicate R")
     return errs
 
 

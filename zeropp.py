@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from harness import (METER, Batch, Expect, Plant, Reference, lm_loss_sum, main, name_group,
-                     planted, ranks_per_node)
+                     planted, ranks_per_node, uneven_nodes)
 from harness import dropout
 from harness.models import build_model
 from zero import ZeRO, Zero, decoder_units, pad_to, zero_constraints
@@ -557,7 +557,7 @@ def zeropp_constraints(args, world, config) -> list[str]:
         N = ranks_per_node(world)     # the launcher's layout: torchrun --nnodes M
     if needs_node and N is None:
         errs.append(f"--zeropp {needs_node[0]} needs --node-size N (ranks per node; the "
-                    f"launcher gives one node)")
+                    f"launcher gives {uneven_nodes(world) or 'one node'})")
     elif N is not None and not needs_node:
         errs.append(f"--node-size {N} is for ZeRO++'s hpz and qgz (give --zeropp hpz or qgz)")
     elif N is not None and (N < 1 or world % N):

@@ -58,7 +58,7 @@ from .compare import (TOL_K, Comparison, NoisePolicy, clip_coef, preclip_grads, 
                       role)
 from .correctness import run_correctness, run_plants  # noqa: F401
 from .data import PAD_ID, Batch, MarkovLanguage, ignore_spans, make_batch  # noqa: F401
-from .launch import (base_parser, fail_config, launch, ranks_per_node,  # noqa: F401
+from .launch import (base_parser, fail_config, launch, ranks_per_node, uneven_nodes,  # noqa: F401
                      resolve_defaults, teardown)
 from .learning import run_learning  # noqa: F401
 from .loss import IGNORE_INDEX, global_loss, lm_loss_sum, scalar  # noqa: F401

@@ -155,7 +155,21 @@ def ranks_per_node(world: int) -> int | None:
     splits `world` into more than one node of equal size, else None (one node, or not
     launched by torchrun). HSDP's replicas and ZeRO++'s node size default to it."""
     n = int(os.environ.get("LOCAL_WORLD_SIZE", 0) or 0)
-    return n if 0 < n < world and world % n == 0 else None
+    return n if 0 < n < world and world % n == 0 and not uneven_nodes(world) else None
+
+
+def uneven_nodes(world: int) -> str | None:
+    """Why the launcher's nodes cannot give a node layout, or None: with nodes of different
+    sizes (torchrun --nproc_per_node differing per node) each node would derive other groups
+    from its own LOCAL_WORLD_SIZE, and the collectives would not match. Every rank sees
+    WORLD_SIZE and the node count GROUP_WORLD_SIZE; a node whose size is not their ratio
+    says so (and torchrun stops the others when it exits)."""
+    n = int(os.environ.get("LOCAL_WORLD_SIZE", 0) or 0)
+    g = int(os.environ.get("GROUP_WORLD_SIZE", 0) or 0)
+    if n and g and n * g != world:
+        return (f"the launcher's nodes differ in size (this one has {n} ranks, {g} nodes, "
+                f"{world} ranks in all)")
+    return None
 
 
 def _free_port() -> int:

@@ -301,6 +301,10 @@ def _flip_a_byte(path):
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0xFF]))
+    # a second later, as an alteration after the save would be (file times are coarse: one
+    # written within the same few ms as its verification could keep its time)
+    t = os.stat(path).st_mtime_ns + 10 ** 9
+    os.utime(path, ns=(t, t))
 
 
 @pytest.mark.parametrize("damage,why", [
@@ -329,6 +333,21 @@ def test_a_damaged_checkpoint_falls_back(runs, tmp_path, damage, why):
     r = launch("compose4d.py", 2, "--mode", "train", "--pp", "2", "--resume", root,
                as_rank0=True)
     assert_config_error(r, f"--resume {root}: no complete, intact checkpoint (", torchrun=False)
+
+
+def test_a_resume_hashes_each_step_once(runs, tmp_path, monkeypatch):
+    """The configuration check, the elastic planner and the load all ask find_checkpoint: one
+    process hashes a step directory once, and again only when a file changed."""
+    root = _damaged_copy(runs, tmp_path, lambda root: None)
+    hashed = []
+    real = checkpoint._verify
+    monkeypatch.setattr(checkpoint, "_verify", lambda d: hashed.append(d) or real(d))
+    for _ in range(3):
+        assert os.path.basename(checkpoint.find_checkpoint(root)[0]) == "step-2"
+    assert len(hashed) == 1, hashed
+    _flip_a_byte(os.path.join(root, "step-2", "pp0-tp0.pt"))
+    d, problems = checkpoint.find_checkpoint(root)
+    assert os.path.basename(d) == "step-1" and "checksum" in problems[0], problems
 
 
 def test_prune_keeps_what_latest_names(tmp_path):

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+import harness
+
 from conftest import ROOT
 from harness.launch import _free_port
 
@@ -52,6 +54,13 @@ def test_node_layout_from_the_launcher(monkeypatch):
     assert ranks_per_node(4) is None                 # one node
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert ranks_per_node(4) == 2                    # two nodes of two
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    assert ranks_per_node(4) == 2 and not harness.uneven_nodes(4)
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "3")      # nodes of 2 and 1 (and 1): not a layout
+    assert ranks_per_node(4) is None and "differ in size" in harness.uneven_nodes(4)
+    a = type("A", (), {"replicate": None, "prefetch": 1, "batch": 8, "grad_accum": 1})()
+    assert any("give --replicate R" in e for e in fsdp.fsdp_constraints(a, 4, None)), a
+    monkeypatch.delenv("GROUP_WORLD_SIZE")
     args = type("A", (), {"replicate": None, "node_size": None})()
     assert fsdp.replicas(args, 4)[0] == 2 and zeropp.node_size(args, 4) == 2
     args.replicate, args.node_size = 1, 4            # what the user says wins

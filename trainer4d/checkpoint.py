@@ -9,8 +9,9 @@ data's fingerprint and the sequence length.
 Atomic: everything is written into DIR/.tmp-step-N, renamed to DIR/step-N, and only then does
 DIR/latest (replaced with os.replace) name it, so a crash never leaves a half-written "latest".
 Checked: meta.json records each file's size and BLAKE2b digest, taken by its writer from the bytes
-it wrote; a resume verifies them (`find_checkpoint`) and falls back, with one warning line naming
-the bad file, to the newest step that is complete and intact; with none, one line and exit 2.
+on their way to the file (no second copy in memory); a resume verifies them (`find_checkpoint`,
+each directory hashed once per process) and falls back, with one warning line naming the bad
+file, to the newest step that is complete and intact; with none, one line and exit 2.
 Leftover .tmp-step-N directories (a crash mid-save) are ignored and removed by the next save.
 Retention: `keep` newest complete steps, older ones deleted only after a newer one is named.
 `export_hf` writes the full model with save_pretrained; AutoModelForCausalLM.from_pretrained
@@ -99,16 +100,30 @@ def save_checkpoint(strat, root: str, step: int, extra: dict | None = None,
     return final
 
 
+class _Hashing(io.RawIOBase):
+    """A write-only file that hashes and counts the bytes on their way to the real one (no
+    second copy of a shard in memory)."""
+
+    def __init__(self, f):
+        self.f, self.size, self.h = f, 0, hashlib.blake2b(digest_size=16)
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        self.h.update(b)
+        self.size += len(b)
+        return self.f.write(b)
+
+
 def _write_checked(path: str, rec: dict) -> tuple[str, int, str]:
     """torch.save `rec` to `path`, synced; (file name, size, BLAKE2b digest of the bytes)."""
-    buf = io.BytesIO()
-    torch.save(rec, buf)
-    data = buf.getbuffer()
     with open(path, "wb") as f:
-        f.write(data)
+        out = _Hashing(f)
+        torch.save(rec, out)
         f.flush()
         os.fsync(f.fileno())
-    return os.path.basename(path), len(data), hashlib.blake2b(data, digest_size=16).hexdigest()
+    return os.path.basename(path), out.size, out.h.hexdigest()
 
 
 def _steps(root: str) -> list[int]:
@@ -134,8 +149,27 @@ def prune(root: str, keep: int | None, step: int):
                 shutil.rmtree(os.path.join(root, f"step-{s}"), ignore_errors=True)
 
 
+_VERIFIED: dict = {}   # (directory, its files' sizes and times) -> verify's answer
+
+
 def verify(d: str) -> str | None:
-    """None when step directory `d` is complete and intact, else why not (one line)."""
+    """None when step directory `d` is complete and intact, else why not (one line). Each
+    process hashes a directory once (the configuration check, the load and the elastic planner
+    all ask); a file changed since is a new question."""
+    try:
+        key = (os.path.realpath(d), tuple(sorted(
+            (e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(d))))
+    except FileNotFoundError:
+        key = None
+    if key is None or key not in _VERIFIED:
+        why = _verify(d)
+        if key is None:
+            return why
+        _VERIFIED[key] = why
+    return _VERIFIED[key]
+
+
+def _verify(d: str) -> str | None:
     name = os.path.basename(d)
     try:
         with open(os.path.join(d, "meta.json")) as f:
