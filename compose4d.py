@@ -249,6 +249,10 @@ def compose_constraints(args, world, config) -> list[str]:
         found, problems = train.find_checkpoint(args.resume)
         if found is None and problems:
             return [f"--resume {args.resume}: no complete, intact checkpoint ({problems[0]})"]
+        saved, now = train.dropout_of(found), dropout.recorded(config, args.seed)
+        if found and saved != now:   # other masks from here on: not the run it continues
+            return [f"--resume {args.resume}: saved with dropout {saved or 'off'}, this run has "
+                    f"{now or 'none'} (give the same --dropout and --seed)"]
     if args.keep is not None and args.keep < 1:
         return [f"--keep must be >= 1 (got {args.keep})"]
     return train_data.constraints(args, config)

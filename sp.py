@@ -193,6 +193,8 @@ ULYSSES_ARGS = ("--variant", "ulysses", *tp.PLANT_ARGS)
 class MegatronSP(tp.TP):
     name = "sp-megatron"
     plants = {
+        "dropout-rank-local": Plant(harness_dropout.PLANT_DOC, ("--variant", "megatron")
+                                    + harness_dropout.PLANT_ARGS),
         "norm-grads-unreduced": Plant("the norms' gradients (each rank saw its own tokens "
                                              "only) are not all-reduced", MEGATRON_ARGS),
         "enter-grad-unreduced": Plant("the region entry's backward keeps its own chunk of "
@@ -357,7 +359,9 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
 def parallelize_ulysses(model, group=None, **dp_kwargs):
     """DeepSpeed-Ulysses for an HF Llama-family model over the ranks of `group`, in place:
     attention runs through HF's attention registry with an all-to-all from sequence shards to
-    head shards and back. Returns the model wrapped in ddp.DataParallel over the same group
+    head shards and back. With attention dropout (a model built by harness.build_model) each
+    forward must run inside harness.dropout.at(batch, hidden=pos), whose masks it keys by the
+    global heads. Returns the model wrapped in ddp.DataParallel over the same group
     (the weights are replicated; `dp_kwargs` go to it). Each rank feeds its contiguous 1/W of
     every sequence with its global position ids (ddp.token_sharded_step shows the loop)."""
     from transformers import AttentionInterface

@@ -18,6 +18,7 @@ from .correctness import run_correctness, run_plants
 from .data import MarkovLanguage
 from .launch import Env, base_parser, env_from_os, fail_config, launch, resolve_defaults, teardown
 from .learning import run_learning
+from .dropout import rates
 from .models import ConfigError, common_constraints, load_config, resolve_attn
 from .nccl import nccl_checked
 from .plants import planting
@@ -35,7 +36,7 @@ def _validate(cls, args, world: int, rank: int):
     if args.device == "cuda" and not torch.cuda.is_available():
         fail_config("--device cuda: CUDA is not available", rank)
     try:
-        config = load_config(args.model)
+        config = load_config(args.model, getattr(args, "dropout", None))
         args.attn, line = resolve_attn(config, args.attn)
     except ConfigError as e:
         fail_config(str(e), rank)
@@ -52,6 +53,11 @@ def _validate(cls, args, world: int, rank: int):
         errs.append("--runs: a run in the list cannot name another --runs file")
     if errs:
         fail_config(errs[0], rank)
+    if rates(config) and rank == 0:
+        eager = ("; attention: eager, with the masks" if getattr(config, "attention_dropout", 0)
+                 else "")
+        line = (f"dropout {rates(config)}: masks keyed by global coordinates "
+                f"(harness/dropout.py){eager}" + (f"; {line}" if line else ""))
     if line and rank == 0:
         print(line, flush=True)   # which attention --attn auto chose, and why
     return config, dtypes

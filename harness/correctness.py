@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from .compare import (Comparison, Judged, NoisePolicy, noise_sources, preclip_grads,
                       reference_in)
 from .loading import release_memory, rss_peak, rss_reset
+from .dropout import rates
 from .launch import base_parser
 from .models import DTYPES, loaded_once, param_count
 from .nccl import nccl_checked
@@ -129,6 +130,7 @@ def _correctness_one(run: Run, cls) -> bool:
               f"batch={args.batch} length={args.length} steps={args.steps} "
               f"params={target.n_params if target else '?'}"
               f"{' clip=%g' % args.clip if args.clip else ''}"
+              f"{' dropout=%s' % rates(run.config) if rates(run.config) else ''}"
               f"{' PLANTED BUG: ' + args.plant_bug if args.plant_bug else ''}")
     for s in range(args.steps):
         loss = strat.step(run.batch(s))

@@ -59,17 +59,25 @@ ATTENTION_SITE = 0
 
 
 def _mix(x):
-    """A 32-bit integer mixer on Python ints or int64 tensors with values in [0, 2^32)."""
-    x = x ^ (x >> 16)
-    x = (x * _MUL) & M32
-    x = x ^ (x >> 16)
-    x = (x * _MUL) & M32
-    return x ^ (x >> 16)
+    """A 32-bit integer mixer on Python ints, or in place on an int64 tensor, values in
+    [0, 2^32)."""
+    if isinstance(x, int):
+        x = x ^ (x >> 16)
+        x = (x * _MUL) & M32
+        x = x ^ (x >> 16)
+        x = (x * _MUL) & M32
+        return x ^ (x >> 16)
+    for _ in range(2):
+        x.bitwise_xor_(x >> 16).mul_(_MUL).bitwise_and_(M32)
+    return x.bitwise_xor_(x >> 16)
 
 
 def _absorb(h, c):
-    """h (a mixed 32-bit state) with one more coordinate c (>= 0, < 2^31) folded in."""
-    return _mix((h + c * _GOLDEN) & M32)
+    """h (a mixed 32-bit state) with one more coordinate c (>= 0, < 2^31) folded in: a new
+    tensor of their broadcast shape (or an int)."""
+    if isinstance(h, int) and isinstance(c, int):
+        return _mix((h + c * _GOLDEN) & M32)
+    return _mix(torch.add(h, c * _GOLDEN).bitwise_and_(M32))
 
 
 def site_key(seed: int, step: int, layer: int, site: int) -> int:
@@ -86,7 +94,7 @@ def keep_mask(p: float, key: int, *coords: torch.Tensor) -> torch.Tensor:
     hash in turn, so the earlier, smaller coordinates are hashed on their own small shapes."""
     h = torch.tensor(key, dtype=torch.int64, device=coords[0].device)
     for c in coords:
-        h = _absorb(h, c.to(torch.int64))
+        h = _absorb(h, c.to(torch.int64))   # (at most two int64 grids alive at the end)
     return h >= int(round(p * 2 ** 32))
 
 
@@ -101,7 +109,6 @@ class Tokens:
     """The coordinates of one forward's tokens. samples (b,): global rows in the step's batch;
     positions (s,): global positions of the columns the attention sees; hidden (s_h,): those
     of the residual stream (a subset under sequence parallelism)."""
-    seed: int
     step: int
     samples: torch.Tensor
     positions: torch.Tensor
@@ -109,23 +116,23 @@ class Tokens:
 
 
 _NOW: Tokens | None = None
-_SEED = 0
 
 
-def set_seed(seed: int):
-    """The run's dropout seed (harness: --seed)."""
-    global _SEED
-    _SEED = int(seed)
+class _Using:
+    """Sets the current tokens for a block; re-enterable (torch.utils.checkpoint enters one
+    recompute context for every recomputation of a frame, e.g. a second backward)."""
 
+    def __init__(self, tokens: Tokens | None):
+        self.tokens, self.outer = tokens, []
 
-@contextlib.contextmanager
-def _using(tokens: Tokens | None):
-    global _NOW
-    outer, _NOW = _NOW, tokens
-    try:
-        yield
-    finally:
-        _NOW = outer
+    def __enter__(self):
+        global _NOW
+        self.outer.append(_NOW)
+        _NOW = self.tokens
+
+    def __exit__(self, *exc):
+        global _NOW
+        _NOW = self.outer.pop()
 
 
 def at(batch, hidden=None):
@@ -134,10 +141,10 @@ def at(batch, hidden=None):
     index tensor) when the strategy shards the sequence outside attention; None: all of them."""
     dev = batch.input_ids.device
     pos, rows = batch.column_positions().to(dev), batch.row_ids().to(dev)
+    mine = pos if hidden is None else pos[hidden]
     if planted("dropout-rank-local"):   # plant: the local rows and columns, not the global ones
-        pos, rows = torch.arange(pos.numel(), device=dev), torch.arange(rows.numel(), device=dev)
-    return _using(Tokens(_SEED, int(batch.index), rows, pos,
-                         pos if hidden is None else pos[hidden]))
+        pos, rows, mine = (torch.arange(t.numel(), device=dev) for t in (pos, rows, mine))
+    return _Using(Tokens(int(batch.index), rows, pos, mine))
 
 
 def current() -> Tokens:
@@ -150,7 +157,7 @@ def current() -> Tokens:
 def checkpoint_contexts():
     """context_fn for torch.utils.checkpoint: the recomputation in the backward sees the
     coordinates its forward saw."""
-    return contextlib.nullcontext(), _using(_NOW)
+    return contextlib.nullcontext(), _Using(_NOW)
 
 
 # -- the two sites --
@@ -158,9 +165,9 @@ class HiddenDropout(nn.Module):
     """nn.Dropout on a (b, s, features) residual-stream tensor, its mask keyed by (sample,
     position, feature). `features`: the global feature ids (None: 0..f-1)."""
 
-    def __init__(self, p: float, layer: int, site: int):
+    def __init__(self, p: float, seed: int, layer: int, site: int):
         super().__init__()
-        self.p, self.layer, self.site = p, layer, site
+        self.p, self.seed, self.layer, self.site = p, seed, layer, site
         self.features = None
 
     def forward(self, x):
@@ -172,12 +179,12 @@ class HiddenDropout(nn.Module):
                                f"tokens {t.hidden.numel()}, features), got {tuple(x.shape)}")
         f = (torch.arange(x.shape[2], device=x.device) if self.features is None
              else self.features.to(x.device))
-        key = site_key(t.seed, t.step, self.layer, self.site)
+        key = site_key(self.seed, t.step, self.layer, self.site)
         return apply(x, self.p, key, t.samples[:, None, None], t.hidden[None, :, None],
                      f[None, None, :])
 
     def extra_repr(self):
-        return f"p={self.p}, layer={self.layer}, site={self.site}"
+        return f"p={self.p}, seed={self.seed}, layer={self.layer}, site={self.site}"
 
 
 def attention_dropout(probs: torch.Tensor, p: float, module, heads=None) -> torch.Tensor:
@@ -193,7 +200,7 @@ def attention_dropout(probs: torch.Tensor, p: float, module, heads=None) -> torc
     if heads is None or planted("dropout-rank-local"):   # plant: the local heads
         heads = torch.arange(h)
     pos = t.positions
-    key = site_key(t.seed, t.step, module.dropout_layer, ATTENTION_SITE)
+    key = site_key(module.dropout_seed, t.step, module.dropout_layer, ATTENTION_SITE)
     return apply(probs, p, key, t.samples[:, None, None, None],
                  heads.to(probs.device)[None, :, None, None], pos[None, None, :, None],
                  pos[None, None, None, :])
@@ -235,34 +242,41 @@ PLANT_ARGS = ("--model", "tiny-phi3", "--dropout", "0.1")
 # -- installing it in a model --
 def rates(config) -> dict[str, float]:
     """The model's dropout probabilities that are not zero, by config name."""
-    names = ("attention_dropout", "resid_pdrop", "embd_pdrop", "hidden_dropout",
-             "hidden_dropout_prob", "attention_probs_dropout_prob")
+    names = ("attention_dropout", "resid_pdrop", "hidden_dropout", "hidden_dropout_prob",
+             "attention_probs_dropout_prob")   # (Phi3's embd_pdrop: its model applies none)
     return {n: float(getattr(config, n)) for n in names if getattr(config, n, 0) or 0}
+
+
+def recorded(config, seed: int) -> dict:
+    """What a checkpoint records of the dropout (a resume must match it): the rates and the
+    seed that keys the masks; {} without dropout."""
+    r = rates(config)
+    return dict(rates=r, seed=int(seed)) if r else {}
 
 
 def set_rates(config, p: float):
     """--dropout P: the model's attention dropout, and its hidden dropout where it has one."""
     config.attention_dropout = p
-    for n in ("resid_pdrop", "embd_pdrop"):
-        if hasattr(config, n):
-            setattr(config, n, p)
+    if hasattr(config, "resid_pdrop"):   # Phi3's two residual dropouts per layer
+        config.resid_pdrop = p
 
 
-def install(model, layers) -> bool:
-    """In place: each decoder layer's nn.Dropout modules become HiddenDropout (keyed by layer
-    and site), its attention module learns its layer, and the model's attention runs through
-    `attention` when the config has attention dropout. Returns whether anything drops."""
+def install(model, layers, seed: int) -> bool:
+    """In place (also on the meta device): each decoder layer's nn.Dropout modules become
+    HiddenDropout (keyed by the seed, layer and site), its attention module learns its layer
+    and the seed, and the model's attention runs through `attention` when the config has
+    attention dropout. Returns whether anything drops."""
     cfg = model.config
     if not rates(cfg):
         return False
     for i, layer in enumerate(layers):
-        layer.self_attn.dropout_layer = i
+        layer.self_attn.dropout_layer, layer.self_attn.dropout_seed = i, int(seed)
         site = ATTENTION_SITE
         for name, m in list(layer.named_modules()):
             if isinstance(m, nn.Dropout):
                 site += 1
                 owner, _, attr = name.rpartition(".")
-                setattr(layer.get_submodule(owner), attr, HiddenDropout(m.p, i, site))
+                setattr(layer.get_submodule(owner), attr, HiddenDropout(m.p, int(seed), i, site))
     for name, m in model.named_modules():   # what is left sits outside the layers
         if isinstance(m, nn.Dropout) and m.p > 0:
             raise ValueError(f"dropout: {name} (p={m.p}) sits outside the decoder layers")

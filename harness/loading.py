@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from .models import ConfigError, DTYPES, model_kwargs, keep_float64
+from .models import ConfigError, DTYPES, finish_model, model_kwargs
 
 TIED_SOURCE = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -38,7 +38,7 @@ def meta_model(config, args) -> torch.nn.Module:
     config = copy.deepcopy(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, **model_kwargs(config, args.attn))
-    return keep_float64(model.to(DTYPES[args.dtype])).train()
+    return finish_model(model.to(DTYPES[args.dtype]), args)
 
 
 def checkpoint_files(directory: str) -> dict[str, str]:
@@ -134,7 +134,9 @@ def load_shards(model: torch.nn.Module, directory: str, device,
                 ranges=lambda name, shape: None) -> dict:
     """Allocate the parameters `model` (on the meta device) still has on `device` and fill each
     with its range of the checkpoint tensor of the same name (the tied head from the embedding
-    when the file has no head), one tensor at a time. Returns counts for the log."""
+    when the file has no head), one tensor at a time. `ranges(name, shape)`: None (all of it),
+    (dim, start, stop), or a list of those to concatenate (tp.TensorParallel.local_range).
+    Returns counts for the log."""
     files = checkpoint_files(directory)
     materialize(model, device)
     opened: dict[str, SafetensorsFile] = {}
@@ -145,7 +147,11 @@ def load_shards(model: torch.nn.Module, directory: str, device,
             if src not in files:
                 raise ConfigError(f"--model {directory}: the checkpoint has no tensor {name}")
             st = opened.setdefault(files[src], SafetensorsFile(files[src]))
-            t = st.read(src, ranges(name, st.shape(src)))
+            r = ranges(name, st.shape(src))
+            if isinstance(r, list):   # a fused projection (Phi3's qkv_proj): each segment's
+                t = torch.cat([st.read(src, x) for x in r], dim=r[0][0])   # range, joined
+            else:
+                t = st.read(src, r)
             if tuple(t.shape) != tuple(p.shape):
                 raise ConfigError(f"--model {directory}: {name} has shape {st.shape(src)} in "
                                   f"the checkpoint; this layout expects a {tuple(p.shape)} shard")

@@ -12,7 +12,7 @@ import types
 import torch
 
 from .dropout import IMPL as DROPOUT_IMPL, install as install_dropout
-from .dropout import rates, set_rates as set_dropout, set_seed as dropout_seed
+from .dropout import rates, set_rates as set_dropout
 
 
 
@@ -73,8 +73,16 @@ class ConfigError(Exception):
     """A violated configuration constraint: one line, exit code 2, before any collective."""
 
 
-def load_config(spec: str):
-    """The HF config for `--model`: preset name, model directory, or config.json path."""
+def load_config(spec: str, dropout: float | None = None):
+    """The HF config for `--model`: preset name, model directory, or config.json path;
+    `dropout` (--dropout P) replaces its dropout probabilities (dropout.set_rates)."""
+    config = _load_config(spec)
+    if dropout is not None and 0 <= dropout < 1:
+        set_dropout(config, dropout)
+    return config
+
+
+def _load_config(spec: str):
     from transformers import AutoConfig, CONFIG_MAPPING
     if spec in PRESETS:
         kw = dict(PRESETS[spec])
@@ -207,9 +215,15 @@ def build_model(args, config, device) -> torch.nn.Module:
         torch.manual_seed(args.seed)
         # (a copy: from_config shares the object, and strategies edit their model's config)
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **kw)
-    install_dropout(model, model.model.layers)
-    dropout_seed(getattr(args, "seed", 0))
-    return keep_float64(model.to(device=device, dtype=dtype)).train()
+    return finish_model(model.to(device=device, dtype=dtype), args)
+
+
+def finish_model(model, args):
+    """What every built model gets (build_model, loading.meta_model): layout-independent
+    dropout where its config drops (dropout.install, keyed by --seed), float64 kept inside
+    its norms and attention, training mode."""
+    install_dropout(model, model.model.layers, getattr(args, "seed", 0))
+    return keep_float64(model).train()
 
 
 def param_count(model) -> int:
@@ -220,14 +234,15 @@ def common_constraints(args, world, config) -> list[str]:
     errs = []
     if args.batch < 1 or args.length < 2:
         errs.append(f"--batch ({args.batch}) must be >= 1 and --length ({args.length}) >= 2")
-    if getattr(args, "dropout", None) is not None:
-        if not 0 <= args.dropout < 1:
-            errs.append(f"--dropout must be in [0, 1) (got {args.dropout})")
-        else:
-            set_dropout(config, args.dropout)
-    if rates(config) and getattr(args, "compare_native", False):
-        errs.append(f"--compare-native with dropout ({rates(config)}): PyTorch's own "
-                    f"implementations draw torch's masks, not the layout-independent ones")
+    if getattr(args, "dropout", None) is not None and not 0 <= args.dropout < 1:
+        errs.append(f"--dropout must be in [0, 1) (got {args.dropout})")
+    if rates(config) and (getattr(args, "compare_native", False) or getattr(args, "paired", 0)):
+        errs.append(f"--compare-native / --paired with dropout ({rates(config)}): PyTorch's "
+                    f"own implementations draw torch's masks, not the layout-independent ones")
+    if rates(config) and getattr(args, "mode", None) in ("benchmark", "peak", "all"):
+        errs.append(f"--mode {args.mode} with dropout ({rates(config)}): the benchmark and "
+                    f"memory formulas are for the model without it (measure dropout's cost "
+                    f"with the learning mode's step times)")
     if getattr(args, "recompute", "none") != "none" and args.mode in ("benchmark", "peak"):
         errs.append(f"--recompute {args.recompute}: the benchmark's communication formulas "
                     f"assume none (a recomputed forward repeats its collectives); measure "

@@ -28,9 +28,9 @@ def test_a_mask_is_the_same_whichever_shard_computes_it():
     assert torch.equal(grid(b[2:4], h[1:3], s[8:16], s), whole[2:4, 1:3, 8:16])
     assert torch.equal(grid(b[[5, 0]], h[[3]], s[[7, 31, 2]], s[:9]),
                        whole[[5, 0]][:, [3]][:, :, [7, 31, 2]][..., :9])
-    # about p of the entries drop (6144 entries: 4 sigma is 0.015)
-    assert abs((~whole).float().mean().item() - P) < 0.015
-    # another step, layer or site draws another mask (independent: ~p^2 drop together)
+    # about p of the entries drop (24,576 entries: 4 sigma is 0.0077)
+    assert abs((~whole).float().mean().item() - P) < 0.008
+    # another step, layer or site draws another mask (uncorrelated: ~p^2 drop together)
     for other in (dropout.site_key(3, 6, 1, 0), dropout.site_key(3, 5, 2, 0),
                   dropout.site_key(3, 5, 1, 1), dropout.site_key(4, 5, 1, 0)):
         m = dropout.keep_mask(P, other, b[:, None, None, None], h[None, :, None, None],
@@ -54,7 +54,7 @@ def _attention_inputs(nh=4, nkv=2, s=12, d=8):
     q, k, v = (torch.randn(2, n, s, d, generator=g, dtype=torch.float64)
                for n in (nh, nkv, nkv))
     module = types.SimpleNamespace(num_key_value_groups=nh // nkv, training=True, scaling=d ** -0.5,
-                                   dropout_layer=0)
+                                   dropout_layer=0, dropout_seed=0)
     return module, q, k, v
 
 
@@ -94,8 +94,8 @@ def _phi3(p=P):
     args = harness.resolve_defaults(harness.base_parser("t").parse_args(
         ["--model", "tiny-phi3", "--dropout", str(p), "--dtype", "float64"]), "correctness",
         "cpu", 1)
-    cfg = harness.load_config("tiny-phi3")
-    assert not harness.common_constraints(args, 1, cfg)   # (applies --dropout to the config)
+    cfg = harness.load_config("tiny-phi3", dropout=p)
+    assert not harness.common_constraints(args, 1, cfg)
     return harness.build_model(args, cfg, "cpu")
 
 
@@ -128,10 +128,13 @@ HIDDEN_ONLY = config_file("phi3-hidden-dropout", preset="tiny-phi3", resid_pdrop
 QUICK = Runs("tp.py", 2, {"tp": ["--mode", "correctness", *DROP]})
 SLOW = {
     ("tp.py", 2): {"tp-llama": ["--mode", "correctness", "--model", "tiny", "--dropout", str(P)]},
+    ("tp.py", 4): {"tp-kv-copies": ["--mode", "correctness", "--model", "tiny", "--dropout",
+                                    str(P)]},                           # 2 kv heads, 4 ranks
     ("ddp.py", 2): {"ddp": ["--mode", "correctness", *DROP, "--grad-accum", "2"],
                     "ddp-learning": ["--mode", "learning", *DROP, "--steps", "30"]},
     ("ddp.py", 3): {"ddp": ["--mode", "correctness", *DROP, "--batch", "6"]},
-    ("zero.py", 2): {"zero2": ["--mode", "correctness", *DROP, "--stage", "2"],
+    ("zero.py", 2): {"zero1": ["--mode", "correctness", *DROP, "--stage", "1"],
+                     "zero2": ["--mode", "correctness", *DROP, "--stage", "2"],
                      "zero3": ["--mode", "correctness", *DROP, "--stage", "3"]},
     ("fsdp.py", 2): {"fsdp": ["--mode", "correctness", *DROP]},
     ("sp.py", 2): {"megatron": ["--mode", "correctness", *DROP, "--variant", "megatron"],
@@ -141,7 +144,11 @@ SLOW = {
                                     "--schedule", "zb"]},
     ("cp_ring.py", 2): {"cp-hidden": ["--mode", "correctness", "--model", HIDDEN_ONLY]},
     ("ep_moe.py", 2): {"ep": ["--mode", "correctness", "--dropout", str(P)]},
-    ("zeropp.py", 2): {"qwz": ["--mode", "correctness", *DROP, "--zeropp", "qwz"]},
+    ("zeropp.py", 2): {"qwz": ["--mode", "correctness", *DROP, "--zeropp", "qwz"],
+                       # (tiny: on tiny-phi3 the int8 noise model's one loss sample at step 1
+                       # came out 13x below its usual size, 2.0e-6, and the verdict failed 1.85)
+                       "qgz": ["--mode", "correctness", "--model", "tiny", "--dropout", str(P),
+                               "--zeropp", "qgz", "--node-size", "1"]},
     ("compose4d.py", 4): {"tp-pp": ["--mode", "correctness", *DROP, "--tp", "2", "--pp", "2"],
                           "dp-tp-sp": ["--mode", "correctness", *DROP, "--dp", "2", "--tp", "2",
                                        "--sp", "--grad-accum", "2"]},
@@ -149,9 +156,10 @@ SLOW = {
 SLOW_RUNS = {k: Runs(s, w, runs, tier="slow") for (s, w), runs in SLOW.items() for k in [(s, w)]}
 
 
-def _passes(r):
+def _passes(r, rates="{'attention_dropout': 0.1, 'resid_pdrop': 0.1}"):
+    """PASS, with the dropout on (the run's header names it)."""
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
-    assert "dropout" not in r.stderr.lower(), r
+    assert f" dropout={rates}" in r.stdout, r
 
 
 def test_tp_with_attention_and_hidden_dropout_passes(runs):
@@ -162,7 +170,11 @@ def test_tp_with_attention_and_hidden_dropout_passes(runs):
 @pytest.mark.parametrize("script,world,key", [(s, w, k) for (s, w), rs in SLOW.items()
                                               for k in rs if "learning" not in k])
 def test_every_strategy_with_dropout_passes(runs, script, world, key):
-    _passes(runs(SLOW_RUNS[script, world], key))
+    rates = {"cp-hidden": "{'resid_pdrop': 0.1}", "tp-llama": "{'attention_dropout': 0.1}",
+             "tp-kv-copies": "{'attention_dropout': 0.1}", "qgz": "{'attention_dropout': 0.1}",
+             "ep": "{'attention_dropout': 0.1}"}
+    kw = {"rates": rates[key]} if key in rates else {}
+    _passes(runs(SLOW_RUNS[script, world], key), **kw)
 
 
 @pytest.mark.slow
@@ -178,7 +190,9 @@ def test_dropout_learns_and_agrees_with_one_device(runs):
     ("compose4d.py", [*DROP, "--cp", "2"], "--cp 2: context parallelism's ring attention does "
                                            "not implement attention dropout"),
     ("ddp.py", ["--dropout", "1.5"], "--dropout must be in [0, 1) (got 1.5)"),
-    ("ddp.py", [*DROP, "--compare-native"], "--compare-native with dropout"),
+    ("ddp.py", [*DROP, "--compare-native"], "--compare-native / --paired with dropout"),
+    ("pp.py", [*DROP, "--mode", "benchmark", "--paired", "3"], "--compare-native / --paired"),
+    ("tp.py", [*DROP, "--mode", "benchmark"], "--mode benchmark with dropout"),
 ])
 def test_what_cannot_drop_the_same_everywhere_is_refused(script, args, msg):
     r = launch(script, 2, "--mode", "correctness", *args, as_rank0=True)
@@ -186,7 +200,18 @@ def test_what_cannot_drop_the_same_everywhere_is_refused(script, args, msg):
 
 
 # -- resume: a mask is a function of the step, so 2 + save + 2 equals 4 uninterrupted --
-TRAIN = ["--mode", "train", "--dtype", "float64", "--steps", "4", "--log-every", "1", *DROP]
+# (from a local HF directory: the model is built on the meta device and read shard by shard)
+def _hf_dir(base):
+    from transformers import AutoModelForCausalLM
+    path = os.path.join(str(base), "phi3-hf")
+    if not os.path.isdir(path):
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(harness.load_config("tiny-phi3")).save_pretrained(path)
+    return path
+
+
+TRAIN = ["--mode", "train", "--dtype", "float64", "--steps", "4", "--log-every", "1",
+         "--model", _hf_dir, "--dropout", str(P)]
 
 
 def _ck(base):
@@ -211,3 +236,35 @@ def test_dropout_resumes_exactly_on_another_layout(runs):
     for s in range(4):
         got = first.get(s, second.get(s))
         assert abs(got - full[s]) <= 1e-12 * full[s], (s, got, full[s])
+    # the checkpoint records the dropout; a resume with another rate or seed (other masks from
+    # there on: not the run it continues) is refused
+    from trainer4d import checkpoint
+    base = os.path.dirname(runs(RESUME, "first").out)
+    ck = _ck(base)
+    assert checkpoint.dropout_of(checkpoint.latest_dir(ck)) == dict(
+        rates={"attention_dropout": P, "resid_pdrop": P}, seed=0)
+    for other in (["--dropout", "0.2"], ["--seed", "1"]):
+        bad = launch("compose4d.py", 2, *TRAIN[:-4], "--model", _hf_dir(base), "--dropout",
+                     str(P), "--resume", ck, *other, as_rank0=True)
+        assert_config_error(bad, f"--resume {ck}: saved with dropout", torchrun=False)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_draws_the_forwards_masks(mode):
+    """A recomputed layer in the backward (outside dropout.at by then) draws the masks its
+    forward drew: the gradients equal the plain model's, also for a second backward of the
+    same graph (torch re-enters one recompute context per frame)."""
+    from harness.recompute import apply_recompute
+    plain, checkpointed = _phi3(), apply_recompute(_phi3(), mode)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for m in (plain, checkpointed):
+        with dropout.at(harness.Batch(ids, ids, 3)):
+            loss = m(input_ids=ids).logits.logsumexp(-1).mean()
+        loss.backward(retain_graph=True)
+        grads.append([p.grad.clone() for p in m.parameters()])
+        m.zero_grad()
+        loss.backward()
+        assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), grads[-1]))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)

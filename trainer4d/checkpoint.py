@@ -31,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from harness import DTYPES, METER, resolve_attn
+from harness import DTYPES, METER, dropout, resolve_attn
 import tp
 
 
@@ -88,6 +88,7 @@ def save_checkpoint(strat, root: str, step: int, extra: dict | None = None,
         meta = dict(step=step, adam_t=opt.steps_taken, layout=strat.grid.size, model=strat.args.model,
                     dtype=strat.args.dtype, vocab=strat.model.config.vocab_size,
                     seconds=time.time() - t0, **(extra or {}),
+                    dropout=dropout.recorded(strat.model.config, strat.args.seed),
                     files={n: dict(size=s, blake2b=d) for n, s, d in filter(None, files)})
         _write_synced(os.path.join(tmp, "meta.json"), json.dumps(meta))
         shutil.rmtree(final, ignore_errors=True)
@@ -217,6 +218,12 @@ def find_checkpoint(root: str | None) -> tuple[str | None, list[str]]:
             return d, problems
         problems.append(why)
     return None, problems
+
+
+def dropout_of(d: str | None) -> dict:
+    """The dropout a step directory was trained with (dropout.recorded; {}: none, or a
+    checkpoint from before it was recorded)."""
+    return _meta(d).get("dropout", {}) if d else {}
 
 
 def _meta(d: str) -> dict:

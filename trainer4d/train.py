@@ -40,8 +40,8 @@ from harness.trainlog import TrainLog, memory_now
 from harness import train_data
 
 from . import elastic
-from .checkpoint import (export_hf, find_checkpoint, hf_model, latest_dir, load_checkpoint,
-                         restore, save_checkpoint)
+from .checkpoint import (dropout_of, export_hf, find_checkpoint, hf_model,  # noqa: F401
+                         latest_dir, load_checkpoint, restore, save_checkpoint)
 
 
 class Preemption:
