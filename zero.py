@@ -59,7 +59,7 @@ from torch.utils._pytree import tree_flatten
 
 from harness import (Batch, DTensorBaseline, Expect, Plant, Strategy, clip_by_norm, full_tensor,
                      global_loss, main, make_adamw, phase, planted)
-from harness.precision import LOW_PRECISION, grad_reduce_dtype
+from harness.precision import LOW_PRECISION, adamw_kwargs, grad_reduce_dtype
 import ddp
 from zero_state import FlatTensors, ShardedState
 
@@ -591,9 +591,9 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         self.inner.step()
         for v in self.views:
             v.grad = None
-        for u, m in zip(self.engine.units, self.masters):
-            if m is not u.shard:
-                u.shard.copy_(m)
+        low = [(u.shard, m) for u, m in zip(self.engine.units, self.masters) if m is not u.shard]
+        if low:   # the low-precision shards from the updated masters, in one pass
+            torch._foreach_copy_([s for s, _ in low], [m for _, m in low])
         if self.engine.stage < 3:
             self.engine.all_gather_params(overlap=True)
         # Consumed: the next backward starts the reduced shards from zero even without
@@ -608,8 +608,9 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
 # ----------------------------------------------------------------------------------------------
 def adamw_on_shards(model, engine: Zero, args) -> ZeroOptimizer:
     """The harness's AdamW (the reference's hyperparameters) on an engine's shards."""
-    return ZeroOptimizer(model.parameters(), torch.optim.AdamW, engine=engine, lr=args.lr,
-                         weight_decay=args.weight_decay, betas=(0.9, 0.95), eps=1e-8)
+    params = list(model.parameters())
+    return ZeroOptimizer(params, torch.optim.AdamW, engine=engine,
+                         **adamw_kwargs([u.shard for u in engine.units] or params, args))
 
 
 def zero_constraints(args, world, config) -> list[str]:

@@ -105,7 +105,9 @@ class ShardedState:
     @steps_taken.setter
     def steps_taken(self, t: int):
         for v in self.views:
-            self.inner.state[v]["step"] = torch.tensor(float(t), dtype=torch.float32)
+            # (on the shard's device: the fused kernel reads it there)
+            self.inner.state[v]["step"] = torch.tensor(float(t), dtype=torch.float32,
+                                                       device=v.device)
 
     def _layout(self):
         """{unit: {key: dtype}} of the elementwise states and {group: {key: value}} of the

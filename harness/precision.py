@@ -31,6 +31,7 @@ class MasterAdamW(torch.optim.AdamW):
         self.masters = [p.detach().float().clone() if p.dtype in LOW_PRECISION else p
                         for p in self.model_params]
         super().__init__(self.masters, **kw)
+        self.low = [(p, m) for p, m in zip(self.model_params, self.masters) if m is not p]
 
     def zero_grad(self, set_to_none: bool = True):
         super().zero_grad(set_to_none)
@@ -42,14 +43,13 @@ class MasterAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        for p, m in zip(self.model_params, self.masters):
-            if m is not p:
-                m.grad = None if p.grad is None else p.grad.float()
+        for p, m in self.low:
+            m.grad = None if p.grad is None else p.grad.float()
         loss = super().step(closure)
-        for p, m in zip(self.model_params, self.masters):
-            if m is not p:
-                p.copy_(m)
-                m.grad = None
+        if self.low:   # the bf16 copies of the updated masters, in one pass
+            torch._foreach_copy_([p for p, _ in self.low], [m for _, m in self.low])
+        for _, m in self.low:
+            m.grad = None
         return loss
 
     def master_tensors(self) -> list[torch.Tensor]:
@@ -70,10 +70,28 @@ def grad_reduce_dtype(dtype: torch.dtype, args=None) -> torch.dtype:
     return dtype
 
 
+def fused_kwargs(params) -> dict:
+    """{"fused": True} where torch has the fused AdamW kernel for these tensors (floating point,
+    on CPU or CUDA, all on one device type): one kernel per device and dtype instead of a loop
+    of elementwise ops (scripts/optimizer_step.py measures it against foreach=True:
+    results/optimizer-cpu.json)."""
+    params = list(params)
+    kinds = {p.device.type for p in params}
+    ok = params and len(kinds) == 1 and kinds <= {"cpu", "cuda"} and all(
+        p.is_floating_point() for p in params)
+    return {"fused": True} if ok else {}
+
+
+def adamw_kwargs(params, args) -> dict:
+    """The reference's AdamW hyperparameters, on the fused kernel where there is one."""
+    return dict(lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95), eps=1e-8,
+                **fused_kwargs(params))
+
+
 def make_adamw(params, args) -> torch.optim.AdamW:
     """The AdamW every strategy and the reference use: fp32 masters for bf16 parameters."""
     params = list(params)
-    kw = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95), eps=1e-8)
+    kw = adamw_kwargs(params, args)
     if any(p.dtype in LOW_PRECISION for p in params):
         return MasterAdamW(params, **kw)
     return torch.optim.AdamW(params, **kw)

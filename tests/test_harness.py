@@ -276,7 +276,8 @@ def test_bf16_parameters_get_fp32_masters():
     # the masters are exactly fp32 AdamW on the bf16-rounded gradients (the same here:
     # torch.randn values rounded to bf16 only in the plain run's and master's .grad)
     ref = torch.nn.Parameter(w0.clone())
-    ref_opt = torch.optim.AdamW([ref], lr=1e-4, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8)
+    ref_opt = torch.optim.AdamW([ref], lr=1e-4, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8,
+                                fused=True)   # (the kernel make_adamw picks on CPU)
     for g in grads:
         ref.grad = g.to(torch.bfloat16).float()
         ref_opt.step()
@@ -307,6 +308,39 @@ def test_master_adamw_is_a_torch_optimizer_and_counted_in_states():
     # float32 parameters are their own masters: a plain torch AdamW
     assert type(harness.make_adamw(torch.nn.Linear(2, 2).parameters(), _adamw_args(1e-3))) \
         is torch.optim.AdamW
+
+
+def test_the_optimizer_step_runs_on_the_fused_kernel():
+    """make_adamw takes torch's fused AdamW on CPU (masters included), and its updates are
+    torch's loop implementation's to rounding; the bf16 parameters are their masters rounded
+    (the one foreach copy-back); the timing script runs (a smoke test, not a timed claim)."""
+    import os
+    import subprocess
+    import sys
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = [torch.randn(64, 32, dtype=dtype) for _ in range(3)]
+        ours = [x.clone() for x in w]
+        loop = [x.float().clone() for x in w]
+        opt = harness.make_adamw(ours, _adamw_args(1e-2))
+        ref = torch.optim.AdamW(loop, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8,
+                                foreach=False)
+        assert opt.defaults["fused"] and not ref.defaults["fused"]
+        for step in range(3):
+            g = [torch.randn(64, 32) for _ in w]
+            for p, q, x in zip(ours, loop, g):
+                p.grad, q.grad = x.to(dtype), x.to(dtype).float()
+            opt.step()
+            ref.step()
+        masters = opt.masters if dtype == torch.bfloat16 else ours
+        for m, q in zip(masters, loop):
+            torch.testing.assert_close(m, q, rtol=1e-6, atol=1e-7)
+        for p, m in zip(ours, masters):
+            assert torch.equal(p, m.to(dtype))
+    r = subprocess.run([sys.executable, "scripts/optimizer_step.py", "--model", "tiny",
+                        "--layers", "1", "--rounds", "2"], capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0 and "bf16-masters" in r.stdout, r.stderr
 
 
 def test_call_timer_counts_time_and_work_from_outside():
