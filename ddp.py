@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from harness import (Batch, Expect, Plant, Strategy, global_loss, lm_loss_sum, main, make_adamw,
                      phase, planted, spread_across_ranks)
 from harness import dropout
+from harness.loss import chunked_loss_sum
 from harness.precision import LOW_PRECISION, grad_reduce_dtype
 from harness.reduce_probe import ReductionProbe
 
@@ -332,16 +333,18 @@ class DataParallel(torch.nn.Module):
 
 
 def forward_backward(model, batch: Batch, rank: int, world: int, accum: int,
-                     set_sync=lambda sync: None) -> torch.Tensor:
+                     set_sync=lambda sync: None, ce_chunk: int = 0) -> torch.Tensor:
     """The data-parallel micro-step loop: this rank's 1/W of the batch in `accum` micro-batches,
     each backpropagating W * CE_sum / N (see "Loss scaling" above). set_sync(k == accum-1) tells
-    the gradient machinery which backward is the last. Returns the local CE sum (float64)."""
+    the gradient machinery which backward is the last. ce_chunk: the loss ce_chunk tokens of
+    logits at a time (harness.loss.chunked_loss_sum). Returns the local CE sum (float64)."""
     local_sum = torch.zeros((), dtype=torch.float64, device=batch.input_ids.device)
     for k, mb in enumerate(batch.shard(rank, world).split(accum)):
         last = 0 if planted("sync-first-microbatch") else accum - 1   # plant: syncs the first
         set_sync(k == last)
         with phase("forward"), dropout.at(mb):
-            ce = lm_loss_sum(model(input_ids=mb.input_ids).logits, mb.labels)
+            ce = (chunked_loss_sum(model, mb.input_ids, mb.labels, ce_chunk) if ce_chunk else
+                  lm_loss_sum(model(input_ids=mb.input_ids).logits, mb.labels))
         with phase("backward"):
             if planted("mean-of-means"):   # plant: each micro-batch's own mean, averaged
                 (ce / mb.n_tokens / accum).backward()
@@ -396,6 +399,7 @@ def ddp_constraints(args, world, config) -> list[str]:
 
 
 class DDP(Strategy):
+    chunked_ce = True
     name = "ddp"
     syncs_initial_params = True
     # --plant-bug NAME: known bugs the correctness check must catch (tests/test_plants.py)
@@ -441,7 +445,7 @@ class DDP(Strategy):
     def step(self, batch: Batch) -> float:
         self.optimizer.zero_grad(set_to_none=False)
         local_sum = forward_backward(self.dp, batch, self.env.rank, self.env.world,
-                                     self.args.grad_accum, self.dp.set_sync)
+                                     self.args.grad_accum, self.dp.set_sync, self.args.ce_chunk)
         with phase("optimizer"):
             if self.args.clip:
                 self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),

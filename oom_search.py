@@ -101,14 +101,18 @@ STRATEGIES = {
     "pp": ("pp.py", "PP", ["--schedule", "1f1b"]),
 }
 DATA_PARALLEL = {"ddp", "zero1", "zero2", "zero3", "fsdp"}
+CHUNKED_CE = {"ddp", "tp"}   # the strategies that take --ce-chunk (harness/loss.py)
 
 
-def trial_args(strategy: str, nproc: int, length: int, batch: int) -> list[str]:
+def trial_args(strategy: str, nproc: int, length: int, batch: int,
+               ce_chunk: int = 0) -> list[str]:
     """The strategy's command-line arguments for one trial (--batch = sequences per replica)."""
     script, _, extra = STRATEGIES[strategy]
     glob = batch * nproc if strategy in DATA_PARALLEL or strategy == "pp" else batch
     if strategy == "pp":
         extra = extra + ["--microbatches", str(nproc)]
+    if ce_chunk:
+        extra = extra + ["--ce-chunk", str(ce_chunk)]
     return [script, *extra, "--length", str(length), "--batch", str(glob)]
 
 
@@ -127,7 +131,7 @@ def run_trial(strategy, nproc, length, batch, args) -> Outcome:
     cmd = [sys.executable]
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    script, *rest = trial_args(strategy, nproc, length, batch)
+    script, *rest = trial_args(strategy, nproc, length, batch, getattr(args, "ce_chunk", 0))
     cmd += [os.path.join(HERE, script), *rest, "--mode", "peak", "--model", args.model,
             "--timeout", str(args.timeout)]
     if args.dtype:
@@ -250,7 +254,7 @@ def search(trial, lo: int, hi: int | None, step: int, retries: int = 1,
 # Prediction
 # ----------------------------------------------------------------------------------------------
 def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
-                 eager: bool = False) -> dict:
+                 eager: bool = False, ce_chunk: int = 0) -> dict:
     """Predicted peak bytes per rank (the largest rank), by category (see the docstring)."""
     h, I, V, Ly = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
     a = cfg.num_attention_heads
@@ -317,14 +321,21 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
     # --- logits and loss (vocab-parallel under TP/SP; a sequence shard under Ulysses/CP)
     vocab = V / T if strategy in ("tp", "sp") else V
     tok_logits = tokens / (W if strategy in ("ulysses", "cp") else 1)
-    logits = tok_logits * vocab * (2 * elem + 4)
+    per_logit = 2 * elem + 4 + (4 if elem < 4 else 0)   # + the float32 copy of half logits
+    logits = tok_logits * vocab * per_logit
+    if ce_chunk and strategy in CHUNKED_CE:   # one chunk's logits, the float32 (float64)
+        acc = max(elem, 4)                     # gradients of the hidden states and the head,
+        logits = (min(ce_chunk, tok_logits) * vocab * per_logit   # a chunk's head gradient
+                  + acc * (tok_logits + vocab) * h + elem * vocab * h)
     return dict(states=states, activations=acts, attention_blocks=blocks, logits=logits,
                 peak=states + acts + blocks + logits)
 
 
-def predict_max(strategy, W, b, cfg, budget, lo, hi, step, elem, eager) -> int | None:
+def predict_max(strategy, W, b, cfg, budget, lo, hi, step, elem, eager,
+                ce_chunk: int = 0) -> int | None:
     """The largest grid length whose predicted peak fits the budget (the formula is monotone)."""
-    ok = lambda L: predict_peak(strategy, W, L, b, cfg, elem, eager)["peak"] <= budget  # noqa
+    ok = lambda L: predict_peak(strategy, W, L, b, cfg, elem, eager,  # noqa: E731
+                                ce_chunk)["peak"] <= budget
     r = search(lambda x: Outcome("OK" if ok(x) else "OOM"), lo, hi or (1 << 22), step)
     return r.best
 
@@ -333,7 +344,8 @@ def predict_max(strategy, W, b, cfg, budget, lo, hi, step, elem, eager) -> int |
 # Simulation: the real training step under FakeTensorMode, as rank 0 of a fake process group
 # ----------------------------------------------------------------------------------------------
 def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
-                  dtype: str = "float32", attn: str = "sdpa", rank: int = 0) -> dict:
+                  dtype: str = "float32", attn: str = "sdpa", rank: int = 0,
+                  ce_chunk: int = 0) -> dict:
     """Peak bytes of rank 0 of a world of W for one full step, without allocating: the model is
     built on the meta device and materialised as FakeTensors, the process group is torch's fake
     backend (collectives return at once), and the harness's live-tensor tracker counts the fake
@@ -351,7 +363,7 @@ def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
     strat_cls = getattr(importlib.import_module(script[:-3]), cls_name)
     parser = base_parser(script)
     strat_cls.add_args(parser)
-    argv = trial_args(strategy, W, length, batch)[1:] + ["--mode", "peak", "--model", model,
+    argv = trial_args(strategy, W, length, batch, ce_chunk)[1:] + ["--mode", "peak", "--model", model,
                                                          "--dtype", dtype, "--device", "cpu",
                                                          "--attn", attn]
     args = resolve_defaults(parser.parse_args(argv), "peak", "cpu", W)
@@ -406,7 +418,8 @@ def simulated_trial(strategy, W, length, batch, args, budget) -> Outcome:
         ranks = sorted({0, W - 1, big})
     try:
         peak = max(simulate_peak(strategy, W, length, batch, args.model,
-                                 args.dtype or "float32", args.attn, rank=r)["peak"]
+                                 args.dtype or "float32", args.attn, rank=r,
+                                 ce_chunk=getattr(args, "ce_chunk", 0))["peak"]
                    for r in ranks)
     except Exception as e:  # a strategy whose step needs real values (reported, never an OOM)
         return Outcome("crash", None, time.time() - t0,
@@ -445,6 +458,9 @@ def parse(argv=None):
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per trial")
     p.add_argument("--retries", type=int, default=1, help="re-runs of a crashed/timed-out trial")
     p.add_argument("--predict", action="store_true", help="print the analytic estimate beside it")
+    p.add_argument("--ce-chunk", type=int, default=0,
+                   help="the trials' --ce-chunk (ddp and tp): the loss N tokens of logits at a "
+                        "time, and the prediction's logits term follows it")
     p.add_argument("--simulate", action="store_true",
                    help="no real trials: each one is the real step under FakeTensorMode as rank 0 "
                         "of a fake world of N (any model size, on a laptop)")
@@ -458,6 +474,9 @@ def parse(argv=None):
     if bad:
         p.exit(2, f"error: unknown strategy {bad[0]} (choose from {', '.join(STRATEGIES)})\n")
     a.strategies = names
+    if a.ce_chunk < 0 or (a.ce_chunk and set(names) - CHUNKED_CE):
+        p.exit(2, f"error: --ce-chunk {a.ce_chunk}: >= 0, and for the strategies that chunk "
+                  f"their loss ({', '.join(sorted(CHUNKED_CE))})\n")
     a.worlds = [int(x) for x in a.nproc.split(",")]
     if a.step is None:
         a.step = 256 if a.search == "length" else 1
@@ -478,7 +497,7 @@ def compare(args, cfg, elem, log) -> int:
         for W in args.worlds:
             o = run_trial(name, W, args.length, args.batch, args)
             pred = predict_peak(name, W, args.length, args.batch, cfg, elem,
-                                args.attn == "eager")["peak"]
+                                args.attn == "eager", args.ce_chunk)["peak"]
             sim = simulated_trial(name, W, args.length, args.batch, args, float("inf"))
             rows.append(dict(strategy=name, world=W, measured=o.peak, measured_kind=o.kind,
                              predicted=pred, simulated=sim.peak, simulated_note=sim.detail))
@@ -545,11 +564,12 @@ def main(argv=None):
                 if what == "length":
                     row["predicted_max"] = predict_max(name, W, args.batch, cfg, budget, args.lo,
                                                        args.hi, args.step, elem,
-                                                       args.attn == "eager")
+                                                       args.attn == "eager", args.ce_chunk)
                 if r.best:
                     L, b = (r.best, args.batch) if what == "length" else (args.length, r.best)
                     row["predicted_peak_at_max"] = predict_peak(name, W, L, b, cfg, elem,
-                                                                args.attn == "eager")["peak"]
+                                                                args.attn == "eager",
+                                                                args.ce_chunk)["peak"]
             rows.append(row)
     if args.json:
         print(json.dumps(dict(model=args.model, search=what, budget_gb=args.mem_budget_gb,

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from tp_plan import classify, head_dims, join_shards, meta_model
 from harness import dropout
+from harness.loss import chunked_loss_sum
 from harness import (Batch, DTensorBaseline, Expect, Plant, Reference, Strategy, all_reduce_flat,
                      DTYPES, IGNORE_INDEX, clip_by_norm, full_tensor, main, make_adamw, phase,
                      planted, scalar, spread_across_ranks)
@@ -597,6 +598,7 @@ PLANT_ARGS = ("--model", "configs/tiny-gqa8.json", "--dtype", "float32", "--clip
 
 class TP(Strategy):
     name = "tp"
+    chunked_ce = True
     plants = {
         "dropout-rank-local": Plant(dropout.PLANT_DOC, dropout.PLANT_ARGS),
         "no-f": Plant("a region's input enters without f: the backward misses the "
@@ -636,8 +638,12 @@ class TP(Strategy):
         self.optimizer.zero_grad(set_to_none=True)
         with phase("forward"):
             with dropout.at(batch):
-                logits = self.model(input_ids=batch.input_ids).logits
-            ce = self.tp.loss_sum(logits, batch.labels)
+                if self.args.ce_chunk:   # the vocab-parallel loss, ce_chunk tokens at a time
+                    ce = chunked_loss_sum(self.model, batch.input_ids, batch.labels,
+                                          self.args.ce_chunk, self.tp.loss_sum)
+                else:
+                    ce = self.tp.loss_sum(self.model(input_ids=batch.input_ids).logits,
+                                          batch.labels)
         with phase("backward"):
             (ce / batch.n_tokens).backward()
             self.tp.reduce_partial_grads()
@@ -667,7 +673,8 @@ class TP(Strategy):
         b = DTYPES[a.dtype].itemsize
         b_ce = 4 if a.dtype == "bfloat16" else b
         partial = self.tp.partial_grads or self.tp.extra_partial
-        calls = 4 * L + 2 + 3 + (1 if partial else 0)
+        K = -(-N // a.ce_chunk) if a.ce_chunk else 1   # the loss's chunks, 3 all-reduces each
+        calls = 4 * L + 2 + 3 * K + (1 if partial else 0)
         nbytes = (4 * L + 2) * N * H * b + 3 * N * b_ce
         if partial:
             nbytes += self.tp.partial_numel() * b
@@ -678,6 +685,8 @@ class TP(Strategy):
         return [Expect("all_reduce", "world", calls, nbytes,
                        f"(4L+2) x N*H*b + 3 x N*b_ce = {4 * L + 2} x {N * H * b:,} + "
                        f"3 x {N * b_ce:,} B (L={L}, N=B*S={N}, H={H})"
+                       + (f"; the loss in {K} chunks of --ce-chunk tokens, 3 calls each"
+                          if a.ce_chunk else "")
                        + (" + kv grads" if self.tp.partial_grads else "")
                        + (" + q/k norm grads" if self.tp.extra_partial else "")
                        + (" + full-width q/k norms 2 x N*b each" if norm_calls else "")

@@ -64,6 +64,10 @@ def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
                         "full keeps each decoder layer's input, selective recomputes the "
                         "attention core; correctness and learning modes (the benchmark's comm "
                         "formulas assume none)")
+    p.add_argument("--ce-chunk", type=int, default=0,
+                   help="cross-entropy N tokens of logits at a time, the gradients formed in "
+                        "the same pass (harness/loss.py; ddp.py's plain head and tp.py's "
+                        "vocab-parallel one); 0: the full logits")
     p.add_argument("--dropout", type=float, default=None,
                    help="set the model's dropout (attention, and hidden where the family has "
                         "it, e.g. Phi3's residual dropout) to P; the masks are the same at every "

@@ -106,6 +106,7 @@ class Strategy:
     cpu_dtype: dict = {}  # mode -> default dtype on CPU where the strategy needs another one
     modes: dict = {}      # extra --mode name -> function(run, cls) -> bool (compose4d's "train")
     plants: dict = {}     # --plant-bug NAME -> what the planted bug does (correctness must FAIL)
+    chunked_ce = False    # takes --ce-chunk N (loss.chunked_loss_sum)
 
     @staticmethod
     def add_args(parser):
