@@ -75,11 +75,12 @@ def fused_kwargs(params) -> dict:
     on CPU or CUDA, all on one device type): one kernel per device and dtype instead of a loop
     of elementwise ops (scripts/optimizer_step.py measures it against foreach=True:
     results/optimizer-cpu.json)."""
+    from torch.distributed.tensor import DTensor
     params = list(params)
     kinds = {p.device.type for p in params}
     ok = params and len(kinds) == 1 and kinds <= {"cpu", "cuda"} and all(
-        p.is_floating_point() for p in params)
-    return {"fused": True} if ok else {}
+        p.is_floating_point() and not isinstance(p, DTensor) for p in params)
+    return {"fused": True} if ok else {}   # (DTensor parameters, the baselines': foreach)
 
 
 def adamw_kwargs(params, args) -> dict:

@@ -1,19 +1,29 @@
 """gpu_cp_kernels.py: ring attention's block loop on one device, pure vs fused block kernels,
-against fused SDPA on the whole sequence.
+against fused SDPA on the whole sequence, and against the same kernel called once on the whole
+sequence (the loop's own overhead).
 
     python scripts/gpu_cp_kernels.py OUT [--seq 4096] [--ranks 2,4,8]
+    python scripts/gpu_cp_kernels.py OUT --device cpu --seq 1024 --dtypes float32
 
 C virtual ranks in one process (tests/cp_attention_check.py's ring_local: cp_ring's zig-zag
 block loop and merge, every rank played in turn, no communication), forward and backward, with
 cp_ring's pure torch block kernel and with its fused SDPA kernel (FlashAttention-2 for bf16,
-memory-efficient for fp32). Errors of (out, dq, dk, dv), max relative, against float64 attention
-of the whole sequence; times are CUDA-event medians of 5 calls after 2 warm-ups, forward +
-backward. Shapes: Llama 3.2 1B's attention (32 heads, 8 kv heads, d 64), batch 1.
+memory-efficient for fp32; the CPU flash kernel on CPU). Errors of (out, dq, dk, dv), max
+relative, against float64 attention of the whole sequence; times are medians of 5 calls after
+2 warm-ups (CUDA events; wall clock on CPU), forward + backward. Shapes: Llama 3.2 1B's
+attention (32 heads, 8 kv heads, d 64), batch 1.
+
+The loop's overhead: each kernel is also called once on the whole sequence (C = 1: one causal
+block, the kernel's own forward, merge-free finish and backward), and each loop row records
+`over_whole`, its time over that call's. The loop computes only the blocks with causal work
+(under zig-zag 2C(2C+1)/2 of the (2C)^2 chunk pairs, about half), the whole call all of them
+for the pure kernel (it masks the upper half) and half for the fused ones (they skip it).
 """
 import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -24,6 +34,7 @@ import cp_ring  # noqa: E402
 from cp_attention_check import ring_local  # noqa: E402
 
 H, HKV, D = 32, 8, 64
+DEVICE = torch.device("cuda")
 
 
 def timed(fn, reps=5):
@@ -31,6 +42,11 @@ def timed(fn, reps=5):
         res = fn()
     ts = []
     for _ in range(reps):
+        if not torch.cuda.is_available() or DEVICE.type != "cuda":
+            t = time.perf_counter()
+            res = fn()
+            ts.append(time.perf_counter() - t)
+            continue
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         res = fn()
@@ -38,6 +54,20 @@ def timed(fn, reps=5):
         torch.cuda.synchronize()
         ts.append(s.elapsed_time(e) / 1e3)
     return res, sorted(ts)[len(ts) // 2]
+
+
+def whole(q, k, v, do, scale, kernel):
+    """(out, dq, dk, dv) of one call of `kernel` on the whole sequence: one causal block."""
+    n_rep, S = q.shape[1] // k.shape[1], q.shape[2]
+    acc = cp_ring._acc_dtype(q)
+    ke, ve = cp_ring._expand(k, n_rep), cp_ring._expand(v, n_rep)
+    a, l, m = kernel.forward(q, ke, ve, scale, "mask", (0, S), (0, S), acc)
+    out, lse = a / l[..., None], m + torch.log(l)
+    do_ = do.to(acc)
+    dq, dk, dv = kernel.backward(q, ke, ve, do_, out, lse, (do_ * out).sum(-1), scale, "mask",
+                                 (0, S), (0, S))
+    return (out.to(q.dtype), dq.to(q.dtype), cp_ring._reduce_rep(dk, n_rep).to(k.dtype),
+            cp_ring._reduce_rep(dv, n_rep).to(v.dtype))
 
 
 def sdpa_full(q, k, v, do, scale):
@@ -52,20 +82,24 @@ def err(got, ref):
 
 
 def main():
+    global DEVICE
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--ranks", default="2,4,8")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtypes", default="bfloat16,float32")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    dev, S, scale = torch.device("cuda"), a.seq, D ** -0.5
+    DEVICE = dev = torch.device(a.device)
+    S, scale = a.seq, D ** -0.5
     g = torch.Generator(device=dev).manual_seed(0)
     x64 = [torch.randn(1, h, S, D, generator=g, device=dev, dtype=torch.float64)
            for h in (H, HKV, HKV, H)]
     x64[0] = x64[0] * 2.0                        # logits of a few units, as in a trained model
     ref = sdpa_full(*x64, scale)
     rows = []
-    for dt in (torch.bfloat16, torch.float32):
+    for dt in (getattr(torch, n) for n in a.dtypes.split(",")):
         x = [t.to(dt) for t in x64]
         res, t = timed(lambda: sdpa_full(*x, scale))
         rows.append(dict(kernel="fused SDPA, whole sequence", dtype=str(dt)[6:], C=1,
@@ -74,16 +108,30 @@ def main():
               f"{t * 1e3:8.2f} ms", flush=True)
         sdpa_kernel, why = cp_ring.pick_kernel("sdpa", dev, dt)
         print(f"          {why}", flush=True)
+        kernels = (("pure torch", cp_ring.TorchKernel()), ("fused", sdpa_kernel))
+        once = {}
+        for label, kern in kernels:
+            res, t = timed(lambda: whole(*x, scale, kern))
+            once[label] = t
+            rows.append(dict(kernel=f"one call on the whole sequence, {label} ({kern.name})",
+                             dtype=str(dt)[6:], C=1, err=err(res, ref), ms=t * 1e3))
+            print(f"{str(dt)[6:]:9s} one call  {label:10s} {kern.name:15s} err "
+                  f"{rows[-1]['err']:.1e}  {t * 1e3:8.2f} ms", flush=True)
         for C in map(int, a.ranks.split(",")):
-            for label, kern in (("pure torch", cp_ring.TorchKernel()), ("fused", sdpa_kernel)):
+            for label, kern in kernels:
                 res, t = timed(lambda: ring_local(*x, scale, "zigzag", C, kern))
                 rows.append(dict(kernel=f"ring block loop, {label} ({kern.name})",
-                                 dtype=str(dt)[6:], C=C, err=err(res, ref), ms=t * 1e3))
+                                 dtype=str(dt)[6:], C=C, err=err(res, ref), ms=t * 1e3,
+                                 over_whole=t / once[label]))
                 print(f"{str(dt)[6:]:9s} ring C={C} {label:10s} {kern.name:15s} err "
-                      f"{rows[-1]['err']:.1e}  {t * 1e3:8.2f} ms", flush=True)
+                      f"{rows[-1]['err']:.1e}  {t * 1e3:8.2f} ms  x{t / once[label]:.2f} of "
+                      f"one call", flush=True)
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else \
+        f"CPU, {torch.get_num_threads()} threads"
     with open(os.path.join(a.out, "cp_kernels.json"), "w") as f:
-        json.dump(dict(seq=S, heads=H, kv_heads=HKV, head_dim=D, batch=1,
-                       device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+        json.dump(dict(seq=S, heads=H, kv_heads=HKV, head_dim=D, batch=1, device=name,
+                       command="python scripts/gpu_cp_kernels.py " + " ".join(sys.argv[1:]),
+                       rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
