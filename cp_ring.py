@@ -136,10 +136,26 @@ def _reduce_rep(x, n_rep):
     return x.view(B, H // n_rep, n_rep, n, d).sum(2)
 
 
-def _scores(q, k, scale, rel, qr, kr):
+def _group(x, n_rep):
+    """(B, H, n, ...) -> (B, H / n_rep, n_rep * n, ...): each kv head's n_rep query heads as
+    one block of rows, so that GQA is a matmul against the kv head itself (no repeated K/V)."""
+    if n_rep == 1:
+        return x
+    return x.reshape(x.shape[0], x.shape[1] // n_rep, n_rep * x.shape[2], *x.shape[3:])
+
+
+def _ungroup(x, n_rep):
+    """The inverse of _group."""
+    if n_rep == 1:
+        return x
+    return x.reshape(x.shape[0], x.shape[1] * n_rep, x.shape[2] // n_rep, *x.shape[3:])
+
+
+def _scores(q, k, scale, rel, qr, kr, n_rep=1):
+    """Scores of grouped queries (rows: n_rep heads x the positions qr) against k."""
     s = (q @ k.transpose(-1, -2)) * scale
     if rel == "mask":
-        qpos = torch.arange(*qr, device=q.device)
+        qpos = torch.arange(*qr, device=q.device).repeat(n_rep)
         kpos = torch.arange(*kr, device=q.device)
         s = s.masked_fill(kpos[None, :] > qpos[:, None], NEG_INF)
     return s
@@ -152,13 +168,14 @@ def _finite(m):
 
 
 def block_forward(q, k, v, scale, rel, qr, kr):
-    """(acc, l, m) of q attending to one K/V block: the row max m of the scores, the row sum
-    l = sum exp(s - m) and the unnormalised output acc = exp(s - m) @ v. A fully masked row
-    gives acc 0, l 0, m -inf."""
-    s = _scores(q, k, scale, rel, qr, kr)
+    """(acc, l, m) of q (B, H, n, d) attending to one K/V block (B, Hkv, m, d): the row max m of
+    the scores, the row sum l = sum exp(s - m) and the unnormalised output acc = exp(s - m) @ v.
+    A fully masked row gives acc 0, l 0, m -inf."""
+    n_rep = q.shape[1] // k.shape[1]
+    s = _scores(_group(q, n_rep), k, scale, rel, qr, kr, n_rep)
     m = s.amax(-1)
     p = torch.exp(s - _finite(m)[..., None])
-    return p @ v, p.sum(-1), m
+    return _ungroup(p @ v, n_rep), _ungroup(p.sum(-1), n_rep), _ungroup(m, n_rep)
 
 
 def merge(state, block):
@@ -175,12 +192,15 @@ def merge(state, block):
 
 
 def block_backward(q, k, v, do, lse, delta, scale, rel, qr, kr):
-    """(dq, dk, dv) of one block from the final lse and delta = rowsum(dO * O)."""
-    s = _scores(q, k, scale, rel, qr, kr)
+    """(dq, dk, dv) of one block from the final lse and delta = rowsum(dO * O); dk and dv at
+    the kv heads (each summed over its query heads by the grouped matmuls)."""
+    n_rep = q.shape[1] // k.shape[1]
+    q, do, lse, delta = (_group(t, n_rep) for t in (q, do, lse, delta))
+    s = _scores(q, k, scale, rel, qr, kr, n_rep)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     dv = p.transpose(-1, -2) @ do
     ds = p * (do @ v.transpose(-1, -2) - delta[..., None])
-    return (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, dv
+    return _ungroup(ds @ k, n_rep) * scale, (ds.transpose(-1, -2) @ q) * scale, dv
 
 
 class TorchKernel:
@@ -193,7 +213,8 @@ class TorchKernel:
         backward(q, k, v, do, out, lse, delta, scale, rel, qr, kr) -> (dq, dk, dv) of the
             block, from the final out, lse and delta = rowsum(dO * out) of the whole row
 
-    q is (B, H, n, d), k and v (B, H, m, d) with the kv heads already repeated."""
+    q is (B, H, n, d), k and v (B, Hkv, m, d): GQA by the kernel's own grouped heads (no
+    repeated K/V), dk and dv returned at the kv heads."""
     name = "torch"
 
     def forward(self, q, k, v, scale, rel, qr, kr, acc_dtype):
@@ -258,11 +279,17 @@ class SDPAKernel(TorchKernel):
             do, q, k, v, None, out, lse, seed, off, 0.0, [True, True, True, False], causal,
             scale=scale)[:3]
 
+    def _kv(self, q, k, v):
+        """K/V for the fused op: the CPU flash kernel takes the kv heads as they are (GQA);
+        the CUDA ops get them repeated (not verified on a GPU with fewer kv heads)."""
+        n = 1 if self.op == "cpu" else q.shape[1] // k.shape[1]
+        return _expand(k, n).contiguous(), _expand(v, n).contiguous(), n
+
     def forward(self, q, k, v, scale, rel, qr, kr, acc_dtype):
         if not self.fused(rel, qr, kr):
             return super().forward(q, k, v, scale, rel, qr, kr, acc_dtype)
-        out, lse = self._fwd(q.contiguous(), k.contiguous(), v.contiguous(), scale,
-                             rel == "mask")
+        k, v, _ = self._kv(q, k, v)
+        out, lse = self._fwd(q.contiguous(), k, v, scale, rel == "mask")
         lse = lse.to(acc_dtype)
         return out.to(acc_dtype), torch.ones_like(lse), lse
 
@@ -270,10 +297,11 @@ class SDPAKernel(TorchKernel):
         if not self.fused(rel, qr, kr):
             return super().backward(q, k, v, do, out, lse, delta, scale, rel, qr, kr)
         dt = q.dtype
-        g = self._bwd(do.to(dt).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
-                      out.to(dt).contiguous(), lse.to(_acc_dtype(q)).contiguous(), scale,
-                      rel == "mask")
-        return tuple(x.to(do.dtype) for x in g)
+        k, v, n = self._kv(q, k, v)
+        dq, dk, dv = self._bwd(do.to(dt).contiguous(), q.contiguous(), k, v,
+                               out.to(dt).contiguous(), lse.to(_acc_dtype(q)).contiguous(),
+                               scale, rel == "mask")
+        return dq.to(do.dtype), _reduce_rep(dk, n).to(do.dtype), _reduce_rep(dv, n).to(do.dtype)
 
 
 def self_test(kernel, device, dtype) -> str | None:
@@ -348,25 +376,23 @@ def _pairs(cp, src):
                 yield (qa, qb, qr), (ka, kb, kr), rel
 
 
-def _attend(q, k, v, cp, src, scale, n_rep, acc):
+def _attend(q, k, v, cp, src, scale, acc):
     """Accumulate q's attention to rank src's K/V block into acc[(q chunk)] = (acc, l, m)."""
     for (qa, qb, qr), (ka, kb, kr), rel in _pairs(cp, src):
-        block = cp.kernel.forward(q[:, :, qa:qb], _expand(k[:, :, ka:kb], n_rep),
-                                  _expand(v[:, :, ka:kb], n_rep), scale, rel, qr, kr,
-                                  acc["dtype"])
+        block = cp.kernel.forward(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], scale, rel,
+                                  qr, kr, acc["dtype"])
         acc[qa] = merge(acc.get(qa), block)
 
 
-def _grad(q, k, v, do, out, lse, delta, cp, src, scale, n_rep, dq, dkv):
+def _grad(q, k, v, do, out, lse, delta, cp, src, scale, dq, dkv):
     """Accumulate the block's contributions into dq (local) and dkv (src's block)."""
     for (qa, qb, qr), (ka, kb, kr), rel in _pairs(cp, src):
         dq_b, dk_b, dv_b = cp.kernel.backward(
-            q[:, :, qa:qb], _expand(k[:, :, ka:kb], n_rep), _expand(v[:, :, ka:kb], n_rep),
-            do[:, :, qa:qb], out[:, :, qa:qb], lse[:, :, qa:qb], delta[:, :, qa:qb], scale,
-            rel, qr, kr)
+            q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], do[:, :, qa:qb], out[:, :, qa:qb],
+            lse[:, :, qa:qb], delta[:, :, qa:qb], scale, rel, qr, kr)
         dq[:, :, qa:qb] += dq_b
-        dkv[0][:, :, ka:kb] += _reduce_rep(dk_b, n_rep)
-        dkv[1][:, :, ka:kb] += _reduce_rep(dv_b, n_rep)
+        dkv[0][:, :, ka:kb] += dk_b     # (at the kv heads: the kernel groups the query heads)
+        dkv[1][:, :, ka:kb] += dv_b
 
 
 def _finish(acc):
@@ -382,8 +408,8 @@ def _backward_setup(ctx, dout):
     delta = rowsum(dO * O) of the softmax backward, and a zero dQ."""
     q, k, v, out, lse = ctx.saved_tensors
     do = dout.to(out.dtype)
-    return (q, k, v, out, lse, ctx.cp, ctx.scale, q.shape[1] // k.shape[1], do,
-            (do * out).sum(-1), torch.zeros_like(q, dtype=out.dtype))
+    return (q, k, v, out, lse, ctx.cp, ctx.scale, do, (do * out).sum(-1),
+            torch.zeros_like(q, dtype=out.dtype))
 
 
 class RingAttention(torch.autograd.Function):
@@ -392,14 +418,13 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cp, scale):
-        n_rep = q.shape[1] // k.shape[1]
         acc = {"dtype": _acc_dtype(q)}
         kv = torch.stack([k, v]).contiguous()          # only kv heads travel
         for step in range(cp.W):
             src = (cp.rank - step) % cp.W
             if step < cp.W - 1:
                 nxt, reqs = _hop([kv], cp)             # overlaps the block below
-            _attend(q, kv[0], kv[1], cp, src, scale, n_rep, acc)
+            _attend(q, kv[0], kv[1], cp, src, scale, acc)
             if step < cp.W - 1:
                 _wait(reqs)
                 kv = nxt[0]
@@ -410,7 +435,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, cp, scale, n_rep, do, delta, dq = _backward_setup(ctx, dout)
+        q, k, v, out, lse, cp, scale, do, delta, dq = _backward_setup(ctx, dout)
         dt = dq.dtype
         kv = torch.stack([k, v]).contiguous()
         # Both transfers hide behind a block's compute (as ring-flash-attention does): the next
@@ -423,7 +448,7 @@ class RingAttention(torch.autograd.Function):
             if step < cp.W - 1:
                 nxt, kv_reqs = _hop([kv], cp)
             dkv = torch.zeros_like(kv, dtype=dt)       # this rank's part for block src
-            _grad(q, kv[0], kv[1], do, out, lse, delta, cp, src, scale, n_rep, dq, dkv)
+            _grad(q, kv[0], kv[1], do, out, lse, delta, cp, src, scale, dq, dkv)
             if cp.W == 1:
                 break
             if dkv_reqs is not None:                   # the earlier ranks' parts for block src
@@ -454,11 +479,10 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cp, scale):
-        n_rep = q.shape[1] // k.shape[1]
         full = _gather_kv(k, v, cp)
         acc = {"dtype": _acc_dtype(q)}
         for src in range(cp.W):
-            _attend(q, full[src][:, 0], full[src][:, 1], cp, src, scale, n_rep, acc)
+            _attend(q, full[src][:, 0], full[src][:, 1], cp, src, scale, acc)
         out, lse = _finish(acc)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.scale = cp, scale
@@ -466,14 +490,14 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, cp, scale, n_rep, do, delta, dq = _backward_setup(ctx, dout)
+        q, k, v, out, lse, cp, scale, do, delta, dq = _backward_setup(ctx, dout)
         dt = dq.dtype
         full = _gather_kv(k, v, cp)                      # K/V were not kept: gather again
         dfull = torch.zeros(full.shape, dtype=dt, device=q.device)
         for src in range(cp.W):
             blk = [dfull[src][:, 0], dfull[src][:, 1]]
             _grad(q, full[src][:, 0], full[src][:, 1], do, out, lse, delta, cp, src, scale,
-                  n_rep, dq, blk)
+                  dq, blk)
         mine = torch.empty(full.shape[1:], dtype=full.dtype, device=full.device)
         if planted("no-reduce-scatter"):   # plant: only our own queries' dK/dV
             mine = dfull[cp.rank].to(full.dtype)

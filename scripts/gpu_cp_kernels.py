@@ -58,16 +58,13 @@ def timed(fn, reps=5):
 
 def whole(q, k, v, do, scale, kernel):
     """(out, dq, dk, dv) of one call of `kernel` on the whole sequence: one causal block."""
-    n_rep, S = q.shape[1] // k.shape[1], q.shape[2]
-    acc = cp_ring._acc_dtype(q)
-    ke, ve = cp_ring._expand(k, n_rep), cp_ring._expand(v, n_rep)
-    a, l, m = kernel.forward(q, ke, ve, scale, "mask", (0, S), (0, S), acc)
+    S, acc = q.shape[2], cp_ring._acc_dtype(q)
+    a, l, m = kernel.forward(q, k, v, scale, "mask", (0, S), (0, S), acc)
     out, lse = a / l[..., None], m + torch.log(l)
     do_ = do.to(acc)
-    dq, dk, dv = kernel.backward(q, ke, ve, do_, out, lse, (do_ * out).sum(-1), scale, "mask",
+    dq, dk, dv = kernel.backward(q, k, v, do_, out, lse, (do_ * out).sum(-1), scale, "mask",
                                  (0, S), (0, S))
-    return (out.to(q.dtype), dq.to(q.dtype), cp_ring._reduce_rep(dk, n_rep).to(k.dtype),
-            cp_ring._reduce_rep(dv, n_rep).to(v.dtype))
+    return out.to(q.dtype), dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def sdpa_full(q, k, v, do, scale):

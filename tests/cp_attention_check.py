@@ -63,7 +63,6 @@ def ring_local(q, k, v, do, scale, variant, W, kernel=None):
     """(out, dq, dk, dv) from cp_ring's block loop (_attend, _finish, _grad), every rank
     played in turn with every K/V block at hand: the arithmetic of the ring without its
     transport. kernel: a cp_ring block kernel (default the pure one)."""
-    n_rep = q.shape[1] // k.shape[1]
     out, dq = torch.empty_like(q), torch.empty_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     cps = [cp_ring.CPContext(variant, None, q.shape[2], world=W, rank=r, kernel=kernel)
@@ -73,7 +72,7 @@ def ring_local(q, k, v, do, scale, variant, W, kernel=None):
         acc = {"dtype": cp_ring._acc_dtype(q)}
         for src in range(W):
             cp_ring._attend(q[:, :, pos[r]], k[:, :, pos[src]], v[:, :, pos[src]], cp, src,
-                            scale, n_rep, acc)
+                            scale, acc)
         o, lse = cp_ring._finish(acc)
         out[:, :, pos[r]] = o.to(q.dtype)
         do_r = do[:, :, pos[r]].to(o.dtype)
@@ -82,7 +81,7 @@ def ring_local(q, k, v, do, scale, variant, W, kernel=None):
         for src in range(W):
             dkv = torch.zeros((2,) + k[:, :, pos[src]].shape, dtype=o.dtype, device=o.device)
             cp_ring._grad(q[:, :, pos[r]], k[:, :, pos[src]], v[:, :, pos[src]], do_r, o,
-                          lse, delta, cp, src, scale, n_rep, dq_r, dkv)
+                          lse, delta, cp, src, scale, dq_r, dkv)
             dk[:, :, pos[src]] += dkv[0].to(k.dtype)
             dv[:, :, pos[src]] += dkv[1].to(v.dtype)
         dq[:, :, pos[r]] = dq_r.to(q.dtype)

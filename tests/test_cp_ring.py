@@ -168,3 +168,21 @@ def test_bad_config(run):
     r = run("cp_ring.py", 2, "--length", "66", as_rank0=True)
     assert_config_error(r, "sequence length 66 is not divisible by 2W = 4 (zigzag layout "
                            "over 2 ranks)", torchrun=False)
+
+
+def test_the_block_loop_overhead_measurement_runs(tmp_path):
+    """scripts/gpu_cp_kernels.py on CPU (a smoke test, not a timed claim): every kernel once on
+    the whole sequence and its ring loop, with errors at float32 rounding and each loop's time
+    over its kernel's single call recorded."""
+    import json
+    import subprocess
+    import sys
+    from conftest import ROOT
+    r = subprocess.run([sys.executable, "scripts/gpu_cp_kernels.py", str(tmp_path), "--device",
+                        "cpu", "--seq", "64", "--ranks", "2", "--dtypes", "float32"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = json.load(open(tmp_path / "cp_kernels.json"))["rows"]
+    loops = [x for x in rows if x["kernel"].startswith("ring block loop")]
+    assert len(loops) == 2 and all(x["over_whole"] > 0 for x in loops), rows
+    assert all(x["err"] < 1e-5 for x in rows), rows
