@@ -307,8 +307,8 @@ class SDPAKernel(TorchKernel):
 def self_test(kernel, device, dtype) -> str | None:
     """A fused kernel's forward and backward on one small causal block against the pure one
     (errors within 8x bf16/fp32 rounding): None when it agrees, else why not."""
-    g = torch.Generator().manual_seed(0)
-    q, k, v, do = (torch.randn(1, 2, 64, 64, generator=g).to(device, dtype) for _ in range(4))
+    g = torch.Generator().manual_seed(0)   # (2 query heads on 1 kv head: the GQA path too)
+    q, k, v, do = (torch.randn(1, h, 64, 64, generator=g).to(device, dtype) for h in (2, 1, 1, 2))
     acc = _acc_dtype(q)
     try:
         res = []

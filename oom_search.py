@@ -321,12 +321,18 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
     # --- logits and loss (vocab-parallel under TP/SP; a sequence shard under Ulysses/CP)
     vocab = V / T if strategy in ("tp", "sp") else V
     tok_logits = tokens / (W if strategy in ("ulysses", "cp") else 1)
-    per_logit = 2 * elem + 4 + (4 if elem < 4 else 0)   # + the float32 copy of half logits
+    # the logits e, the fp32 log-softmax 4, the gradient e; lm_loss_sum also upcasts half
+    # logits to an fp32 copy (+4; measured 12 B per bf16 logit); tp's vocab-parallel CE works
+    # in its own fp32 copy, which becomes the gradient (its measured peak fits 2e + 4)
+    per_logit = 2 * elem + 4 + (4 if elem < 4 and strategy not in ("tp", "sp") else 0)
     logits = tok_logits * vocab * per_logit
-    if ce_chunk and strategy in CHUNKED_CE:   # one chunk's logits, the float32 (float64)
-        acc = max(elem, 4)                     # gradients of the hidden states and the head,
-        logits = (min(ce_chunk, tok_logits) * vocab * per_logit   # a chunk's head gradient
-                  + acc * (tok_logits + vocab) * h + elem * vocab * h)
+    if ce_chunk and strategy in CHUNKED_CE:
+        # forward: one chunk's logits beside the fp32 (fp64) gradients of the hidden states
+        # and the head kept for the backward; backward: those and their scaled copies in e
+        # (harness/loss.py)
+        acc, n = max(elem, 4), tok_logits
+        logits = max(min(ce_chunk, n) * vocab * per_logit + acc * (n + vocab) * h,
+                     (acc + elem) * (n + vocab) * h)
     return dict(states=states, activations=acts, attention_blocks=blocks, logits=logits,
                 peak=states + acts + blocks + logits)
 

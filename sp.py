@@ -192,6 +192,7 @@ ULYSSES_ARGS = ("--variant", "ulysses", *tp.PLANT_ARGS)
 
 class MegatronSP(tp.TP):
     name = "sp-megatron"
+    chunked_ce = False   # (its step computes the loss on the full logits)
     plants = {
         "dropout-rank-local": Plant(harness_dropout.PLANT_DOC, ("--variant", "megatron")
                                     + harness_dropout.PLANT_ARGS),

@@ -117,8 +117,9 @@ class ShardedState:
             for k, x in self.inner.state.get(v, {}).items():
                 if torch.is_tensor(x) and x.dim() == 1:
                     elem.setdefault(ui, {})[k] = x.dtype
-                else:
-                    scalar.setdefault(gi, {})[k] = x
+                else:   # (on the CPU: a fused kernel's step lives on the device, and a
+                    # pickled CUDA tensor would come back on the sender's GPU)
+                    scalar.setdefault(gi, {})[k] = x.detach().cpu() if torch.is_tensor(x) else x
         every = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(every, (elem, scalar), group=self.group)
         elem, scalar = {}, {}

@@ -46,15 +46,9 @@ def _validate(cls, args, world: int, rank: int):
         a = copy.copy(args)
         a.dtype = d
         errs += common_constraints(a, world, config) + cls.constraints(a, world, config)
-    if getattr(args, "ce_chunk", 0):
-        if args.ce_chunk < 0:
-            errs.append(f"--ce-chunk must be >= 0 (got {args.ce_chunk})")
-        elif not cls.chunked_ce:
-            errs.append(f"--ce-chunk: {cls.name} computes its loss on the full logits (chunked: "
-                        f"ddp.py's plain head and tp.py's vocab-parallel head)")
-        elif getattr(config, "final_logit_softcapping", None):
-            errs.append(f"--ce-chunk: the chunked loss does not soft-cap the logits "
-                        f"(final_logit_softcapping={config.final_logit_softcapping})")
+    if getattr(args, "ce_chunk", 0) > 0 and not cls.chunked_ce:
+        errs.append(f"--ce-chunk: {cls.name} computes its loss on the full logits (chunked: "
+                    f"ddp.py's plain head and tp.py's vocab-parallel head)")
     known = {**HARNESS_PLANTS, **cls.plants}
     errs += [f"--plants: {n!r} is not a plant of {cls.name} ({', '.join(known)})"
              for n in (args.plants or "").split(",") if n and n not in known]

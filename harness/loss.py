@@ -7,16 +7,20 @@ The full (tokens, vocabulary) logits are the largest activation of a small model
 sequence: at S = 16,384 and V = 128,256 the bf16 logits, their float32 upcast, the
 log-softmax kept for the backward and the gradient are 12 bytes per entry, 23.5 GiB.
 ChunkedCrossEntropy forms each chunk's logits from the final hidden states and the head's
-weight, reduces them to the chunk's loss and, in the same pass,
-to its gradients with respect to the hidden states and the weight (autograd on the chunk: the
-very loss function and rounding of the plain path), then frees them; its backward only scales
-the accumulated gradients by the incoming one. Peak: one chunk's logits (12 bytes per entry in
-bf16), the float32 gradients of the hidden states (4 N H) and of the weight (4 V H), kept from
-the forward to the backward, and one chunk's weight gradient on its way into that sum (2 V H;
-scripts/chunked_ce.py measures it: results/chunked-ce-cpu.json). The head's flops are the plain path's (one matmul forward, two for
-the gradients), so the step time is unchanged up to the chunk loop (Liger-Kernel's fused linear
-cross-entropy does the same in a fused kernel). The loss function is a parameter: tp.py passes
-its vocab-parallel one (three all-reduces per chunk instead of three in all, the same bytes).
+weight, reduces them to the chunk's loss and, in the same pass, to its gradients with respect
+to the hidden states and the weight (autograd on the chunk: the plain path's own loss
+function; in float64 the same numbers to rounding, in bf16 the weight gradient is rounded once
+per chunk and scaled after, so the two paths differ by bf16 noise), then frees them; its
+backward only scales the accumulated gradients by the incoming one (so the head's gradient
+matmuls run, and are timed, in the forward phase). Peak: in the forward one chunk's logits (12
+bytes per entry in bf16) beside the float32 gradients of the hidden states (4 N H) and of the
+weight (4 V H) kept for the backward; in the backward those and their scaled bf16 copies,
+6 (N + V) H (scripts/chunked_ce.py measures both: results/chunked-ce-cpu.json). The head's
+flops are the plain path's (one matmul forward, two for the gradients), so the step time is
+unchanged up to the chunk loop (Liger-Kernel's fused linear cross-entropy does the same in a
+fused kernel). The loss function is a parameter: tp.py passes its vocab-parallel one (three
+all-reduces per chunk instead of three in all, the same bytes). Under no_grad (evaluation) the
+chunks' losses are summed and no gradient is formed.
 """
 from __future__ import annotations
 
@@ -81,28 +85,47 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                     gh[i:i + chunk] = grads[0]
                 if need_w:
                     gw += grads[-1]
+                del grads   # (before the next chunk's: one chunk's head gradient at a time)
             del loss
         ctx.save_for_backward(gh, gw)
-        ctx.meta = hidden.shape, hidden.dtype, weight.dtype
+        ctx.meta, ctx.chunk = (hidden.shape, hidden.dtype, weight.dtype), chunk
         return total
 
     @staticmethod
     def backward(ctx, g):
         gh, gw = ctx.saved_tensors
         shape, h_dtype, w_dtype = ctx.meta
-        return (None if gh is None else (gh * g).to(h_dtype).reshape(shape),
-                None if gw is None else (gw * g).to(w_dtype), None, None, None)
+        return (None if gh is None else _scaled(gh, g, h_dtype, ctx.chunk).reshape(shape),
+                None if gw is None else _scaled(gw, g, w_dtype, ctx.chunk), None, None, None)
+
+
+def _scaled(acc: torch.Tensor, g: torch.Tensor, dtype, rows: int) -> torch.Tensor:
+    """(acc * g).to(dtype), `rows` rows at a time: one new tensor in dtype and a chunk-sized
+    temporary, not a full float32 copy (the saved acc stays as it is: a second backward of
+    the same graph scales it again from the start)."""
+    out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
+    for i in range(0, acc.shape[0], rows):
+        out[i:i + rows] = acc[i:i + rows] * g
+    return out
 
 
 @contextlib.contextmanager
 def head_deferred(head: torch.nn.Module):
     """Inside, the LM head module returns its input: the model's .logits are the final hidden
-    states, as the head receives them (after its hooks: a tensor-parallel region's entry)."""
+    states, as the head receives them (after its hooks: a tensor-parallel region's entry). A
+    forward already set on the instance is put back after."""
+    if getattr(head, "bias", None) is not None or getattr(head, "weight", None) is None:
+        raise ValueError(f"chunked cross-entropy: the LM head ({type(head).__name__}) must be "
+                         f"a linear map without a bias")
+    before = head.__dict__.get("forward")
     head.forward = lambda x: x
     try:
         yield head
     finally:
-        del head.forward
+        if before is None:
+            del head.forward
+        else:
+            head.forward = before
 
 
 def chunked_loss_sum(model, input_ids, labels, chunk: int, loss_sum=lm_loss_sum,
@@ -114,4 +137,8 @@ def chunked_loss_sum(model, input_ids, labels, chunk: int, loss_sum=lm_loss_sum,
     head = getattr(model, "module", model).lm_head
     with head_deferred(head):
         hidden = model(input_ids=input_ids, **kwargs).logits
+    if not torch.is_grad_enabled():   # evaluation: the chunks' losses, no gradients formed
+        h, y, w = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), head.weight
+        return sum(loss_sum(h[i:i + chunk] @ w.t(), y[i:i + chunk])
+                   for i in range(0, h.shape[0], chunk))
     return ChunkedCrossEntropy.apply(hidden, head.weight, labels, chunk, loss_sum)

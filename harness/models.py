@@ -234,6 +234,12 @@ def common_constraints(args, world, config) -> list[str]:
     errs = []
     if args.batch < 1 or args.length < 2:
         errs.append(f"--batch ({args.batch}) must be >= 1 and --length ({args.length}) >= 2")
+    chunk = getattr(args, "ce_chunk", 0)
+    if chunk < 0:
+        errs.append(f"--ce-chunk must be >= 0 (got {chunk})")
+    elif chunk and getattr(config, "final_logit_softcapping", None):
+        errs.append(f"--ce-chunk: the chunked loss does not soft-cap the logits "
+                    f"(final_logit_softcapping={config.final_logit_softcapping})")
     if getattr(args, "dropout", None) is not None and not 0 <= args.dropout < 1:
         errs.append(f"--dropout must be in [0, 1) (got {args.dropout})")
     if rates(config) and (getattr(args, "compare_native", False) or getattr(args, "paired", 0)):

@@ -8,9 +8,10 @@ states and the head's weight) at S = 16,384 tokens, V = 128,256, H = 2,048 (Llam
 head), bf16, on FakeTensors (shapes without storage, so a CPU runs it) under harness/memory.py's
 live-storage tracker: the peak of the storages the loss creates, beside the formula
 (oom_search.py's: full, 12 bytes per logit in bf16: the logits, their float32 upcast, the
-log-softmax kept for the backward and the gradient; chunked: one chunk's 12 bytes per logit,
-the float32 gradients of the hidden states and of the weight, 4 (S + V) H, and a chunk's
-gradient of the weight in bf16 on its way into the float32 sum, 2 V H).
+log-softmax kept for the backward and the gradient; chunked, the larger of the forward's, one
+chunk's logits at 12 bytes each beside the float32 gradients of the hidden states and of the
+weight, 4 (S + V) H, and the backward's, those gradients with their scaled bf16 copies,
+6 (S + V) H).
 Time: a single-device training step (forward, backward, AdamW) of --model on --batch x
 --length tokens, full against chunked, one step of each per round, the order reversed every
 other round, median and [min, max] of --rounds rounds.
@@ -107,7 +108,7 @@ def main():
     mem = dict(seq=S, vocab=V, hidden=H, chunk=C, dtype="bfloat16",
                full_peak_bytes=full, chunked_peak_bytes=chunked, ratio=chunked / full,
                full_formula_bytes=12 * S * V,
-               chunked_formula_bytes=12 * C * V + 4 * (S + V) * H + 2 * V * H)
+               chunked_formula_bytes=max(12 * C * V + 4 * (S + V) * H, 6 * (S + V) * H))
     print(f"loss peak, S={S} V={V} H={H} bf16: full {full / 2**30:.2f} GiB (formula "
           f"{mem['full_formula_bytes'] / 2**30:.2f}), chunks of {C}: {chunked / 2**30:.2f} GiB "
           f"(formula {mem['chunked_formula_bytes'] / 2**30:.2f}): {mem['ratio']:.3f} of full")

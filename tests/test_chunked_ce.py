@@ -1,6 +1,7 @@
 """The chunked cross-entropy (harness/loss.py, --ce-chunk): the same loss and gradients as the
 full logits, for the plain head (ddp.py) and tp.py's vocab-parallel one, the comm formula with
 chunks, the refusals, oom_search's prediction, and the measurement script as a smoke test."""
+import os
 import subprocess
 import sys
 
@@ -54,6 +55,49 @@ def test_a_model_chunked_equals_the_model_whole():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.parametrize("model", ["tiny", "configs/tiny-tied.json"])
+def test_bf16_tied_and_evaluation(model):
+    """bf16: the chunked loss is the full one's to bf16 noise (same values, gradients within a
+    few bf16 ulps of the scale); tied embeddings (the head's weight is the embedding's: both
+    gradients land in one tensor) in float64 to rounding; under no_grad the chunks' losses are
+    summed and the head is itself again, also with a forward of its own set before."""
+    from transformers import AutoModelForCausalLM
+    cfg = harness.load_config(os.path.join(ROOT, model) if model.endswith(".json") else model)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    for dtype, tol in ((torch.float64, 1e-12), (torch.bfloat16, 0.05)):
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_config(cfg).to(dtype)
+        grads, losses = [], []
+        for chunk in (0, 10):
+            m.zero_grad()
+            loss = (chunked_loss_sum(m, ids, ids, chunk) if chunk else
+                    lm_loss_sum(m(input_ids=ids).logits, ids))
+            (loss / ids.numel()).backward()
+            losses.append(loss.item())
+            grads.append([p.grad.double() for p in m.parameters()])
+        assert abs(losses[0] - losses[1]) <= tol * abs(losses[0]), (dtype, losses)
+        for a, b in zip(*grads):
+            assert (a - b).abs().max() <= tol * a.abs().max(), dtype
+    own = lambda x: x  # noqa: E731
+    m.lm_head.forward = own
+    with torch.no_grad():
+        ev = chunked_loss_sum(m, ids, ids, 7)
+    assert m.lm_head.forward is own and abs(ev.item() - losses[0]) <= 0.05 * losses[0]
+
+
+def test_the_loss_peak_follows_its_formula():
+    """The chunked loss's live storages (FakeTensors, the tracker) against the formula, from a
+    chunk where the forward's logits dominate to one where the backward's copies do."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import chunked_ce
+    S, V, H = 2048, 8192, 256
+    for C in (1024, 256, 16):
+        got = chunked_ce.loss_peak(S, V, H, C)
+        want = max(12 * C * V + 4 * (S + V) * H, 6 * (S + V) * H)
+        assert abs(got - want) <= 0.02 * want, (C, got, want)
+    assert abs(chunked_ce.loss_peak(S, V, H, 0) - 12 * S * V) <= 0.02 * 12 * S * V
+
+
 RUNS = Runs("tp.py", 2, {
     "tp": ["--mode", "correctness", "--ce-chunk", "100"],
     "tp-bench": ["--mode", "benchmark", "--ce-chunk", "100", "--steps", "2", "--warmup", "1",
@@ -74,7 +118,8 @@ def test_the_vocab_parallel_loss_makes_three_all_reduces_per_chunk(runs):
     instead of 3, the same bytes (the benchmark fails on any other count)."""
     r = runs(RUNS, "tp-bench")
     assert r.rc == 0 and "communication matches the formulas" in r.stdout, r
-    assert "the loss in 6 chunks" in r.stdout and " 36 " in r.stdout, r
+    line = next(x for x in r.stdout.splitlines() if x.strip().startswith("all_reduce"))
+    assert line.split()[2] == "36" and "the loss in 6 chunks" in line, line
 
 
 @pytest.mark.parametrize("script,args,msg", [
