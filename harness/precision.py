@@ -52,6 +52,29 @@ class MasterAdamW(torch.optim.AdamW):
             m.grad = None
         return loss
 
+    def state_dict(self) -> dict:
+        """torch's state dict, plus the fp32 masters of the low-precision parameters (without
+        them a resume would rebuild the masters from the rounded bf16 weights)."""
+        sd = super().state_dict()
+        sd["fp32_masters"] = [m.detach().clone() for _, m in self.low]
+        return sd
+
+    def load_state_dict(self, state_dict: dict):
+        """The inverse of state_dict: the masters restored in fp32, the module's parameters
+        set to their rounding. A state dict without masters (torch.optim.AdamW's) keeps the
+        masters copied from the parameters."""
+        state_dict = dict(state_dict)
+        masters = state_dict.pop("fp32_masters", None)
+        super().load_state_dict(state_dict)
+        if masters is not None:
+            if len(masters) != len(self.low):
+                raise ValueError(f"MasterAdamW.load_state_dict: {len(masters)} fp32 masters "
+                                 f"for {len(self.low)} low-precision parameters")
+            with torch.no_grad():
+                for (p, m), saved in zip(self.low, masters):
+                    m.copy_(saved)
+                    p.copy_(m)
+
     def master_tensors(self) -> list[torch.Tensor]:
         """The fp32 copies (optimizer-side memory: 4 bytes per low-precision parameter)."""
         return [m for m, p in zip(self.masters, self.model_params) if m is not p]
