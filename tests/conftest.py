@@ -64,6 +64,21 @@ def step_losses(stdout: str) -> list[float]:
             if line.startswith("  step ") and line.split()[2] == "loss"]
 
 
+def assert_resume_continues(runs, batch, full: str, first: str, second: str, cut: int,
+                            steps: int, rel: float = 1e-12):
+    """Train-mode runs of `batch`: `first` stopped after `cut` steps and saved, `second` resumed
+    from it; together their losses equal the uninterrupted `full` run's to `rel`."""
+    def losses(key):
+        r = runs(batch, key)
+        assert r.rc == 0, r
+        return dict((s, l) for s, l in r.json("train.json")["losses"])
+    want, a, b = losses(full), losses(first), losses(second)
+    assert sorted(a) == list(range(cut)) and sorted(b) == list(range(cut, steps)), (a, b)
+    for s in range(steps):
+        got = a.get(s, b.get(s))
+        assert abs(got - want[s]) <= rel * want[s], (s, got, want[s])
+
+
 def launch(script, nproc, *args, out=None, timeout=300, torchrun=True, as_rank0=False,
            pg_timeout=60, fork=False):
     """Run ROOT/script with `nproc` workers (torchrun) or as a plain python process.

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import harness
-from conftest import Runs, assert_config_error, config_file, launch
+from conftest import Runs, assert_config_error, assert_resume_continues, config_file, launch
 from harness import dropout
 
 P = 0.1
@@ -227,15 +227,7 @@ RESUME = Runs("compose4d.py", 2, tier="slow", runs={
 
 @pytest.mark.slow
 def test_dropout_resumes_exactly_on_another_layout(runs):
-    def losses(key):
-        r = runs(RESUME, key)
-        assert r.rc == 0, r
-        return dict((s, l) for s, l in r.json("train.json")["losses"])
-    full, first, second = losses("full"), losses("first"), losses("second")
-    assert sorted(first) == [0, 1] and sorted(second) == [2, 3], (first, second)
-    for s in range(4):
-        got = first.get(s, second.get(s))
-        assert abs(got - full[s]) <= 1e-12 * full[s], (s, got, full[s])
+    assert_resume_continues(runs, RESUME, "full", "first", "second", cut=2, steps=4)
     # the checkpoint records the dropout; a resume with another rate or seed (other masks from
     # there on: not the run it continues) is refused
     from trainer4d import checkpoint
