@@ -226,8 +226,8 @@ def compose_constraints(args, world, config) -> list[str]:
     if args.schedule == "interleaved" and (P < 2 or M % P):
         return [f"the interleaved schedule needs --pp >= 2 and --grad-accum ({M}) a multiple of "
                 f"--pp ({P})"]
-    if args.schedule == "interleaved" and args.zero == 2:
-        return ["--zero 2 reduce-scatters per micro-batch and needs each micro-batch's backward "
+    if args.schedule == "interleaved" and args.zero >= 2:
+        return [f"--zero {args.zero} reduce-scatters per micro-batch and needs each micro-batch's backward "
                 "of a stage in one piece: use --schedule 1f1b"]
     if args.batch % (D * M):
         return [f"global batch {args.batch} is not divisible by dp x grad-accum = {D} x {M}"]
@@ -236,8 +236,8 @@ def compose_constraints(args, world, config) -> list[str]:
                 f"chunks)"]
     if args.sp and (args.length // C) % T:
         return [f"--sp: the {args.length // C} tokens per cp rank are not divisible by tp = {T}"]
-    if args.zero not in (1, 2):
-        return [f"--zero must be 1 or 2 (got {args.zero})"]
+    if args.zero not in (1, 2, 3):
+        return [f"--zero must be 1, 2 or 3 (got {args.zero})"]
     feats = cp_ring.ring_refusals(config, args.length) + (
         [f"{args.attn} attention (the ring installs its own)"] if args.attn != "sdpa" else [])
     if C > 1 and feats:
@@ -295,6 +295,10 @@ class Compose4D(Strategy):
         "clip-norm-misses-pp": Plant(
             "the global gradient norm summed over the ZeRO shards (dp x cp) only, not over "
             "the pp stages (and tp ranks): each stage clips by its own part", _PP),
+        "reshard-before-backward": Plant(
+            "ZeRO-3: a unit freed after its forward is re-allocated for its backward but not "
+            "all-gathered again: the backward computes with zeros", ("--zero", "3", "--tp", "2",
+                                                                     "--pp", "2"), world=4),
         "tied-sync-skipped": Plant(
             "the first stage's embedding and the last stage's head copy of the tied weight "
             "are not summed: each updates with its own part of the gradient", _PP),
@@ -420,7 +424,7 @@ class Compose4D(Strategy):
         # ZeRO over dp x cp, on this stage's (TP-sharded) parameters; gradients summed.
         zgroup = g["dp"] if planted("grad-sum-misses-cp") else g["dpcp"]   # plant
         self.zero = zero.Zero(model, group=zgroup, stage=args.zero, average=False,
-                              units=self._units(),
+                              units=self._units(), prefetch=int(args.zero == 3),
                               reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
         self.optimizer = zero.adamw_on_shards(model, self.zero, args)
         self._plan_shard_slices()
@@ -456,6 +460,9 @@ class Compose4D(Strategy):
             units.append(("norm", [base.norm]))
             if not (self.tied and self.first):
                 units.append(("head", [self.model.lm_head]))
+            elif self.args.zero == 3:   # the head reads the embedding's unit: gathered for it
+                units[0] = ("embed", [base.embed_tokens.weight],
+                            [base.embed_tokens, self.model.lm_head])
         return units
 
     def _plan_shard_slices(self):
@@ -589,14 +596,19 @@ class Compose4D(Strategy):
 
     def model_states(self):
         z = self.zero
-        return {"params": [u.full for u in z.units], "grads": z.grad_tensors(),
-                "optimizer": self.optimizer.state_tensors()}
+        return {"params": [u.shard if z.stage == 3 else u.full for u in z.units],
+                "grads": z.grad_tensors(), "optimizer": self.optimizer.state_tensors()}
+
+    def memory_formula(self):
+        """ZeRO's formula on this rank's units: its stage's layers, TP-local, over dp x cp."""
+        return zero.state_bytes(self.zero, self.optimizer)
 
     def extra_checks(self):
         rows = []
         if self.tp is not None:   # replicated parameters must stay identical across tp ranks
             rep = [p for n, p in self.model.named_parameters() if n not in self.tp.split_dim]
-            spread = spread_across_ranks(rep, self.groups["tp"]) if rep else 0.0
+            with self.zero.gathered():
+                spread = spread_across_ranks(rep, self.groups["tp"]) if rep else 0.0
             rows.append(("tp-replicated parameters identical", spread == 0.0,
                          f"max spread {spread:.1e}"))
         return rows
@@ -613,13 +625,15 @@ class Compose4D(Strategy):
         z = self.zero
         padded = sum(u.padded for u in z.units)
         rows = []
-        rs = M if a.zero == 2 else 1   # (over a group of one as well: zero.py does not skip)
+        rs = M if a.zero >= 2 else 1   # (over a group of one as well: zero.py does not skip)
         rb = z.units[0].grad_shard.element_size()   # the reduce dtype's (fp32 for bf16)
+        ag = 2 * M if a.zero == 3 else 1   # stage 3: before each forward and each backward
         rows += [Expect("reduce_scatter_tensor", "dpcp", len(z.units) * rs, padded * rb * rs,
                         f"ZeRO-{a.zero}: Psi_r*b_reduce = {padded * rb:,} B, one per unit"
                         + (f", x{M} micro-batches" if rs > 1 else "")),
-                 Expect("all_gather_into_tensor", "dpcp", len(z.units), padded * b,
-                        "updated parameters, one per unit")]
+                 Expect("all_gather_into_tensor", "dpcp", len(z.units) * ag, padded * b * ag,
+                        f"parameters per unit, forward and backward x{M} micro-batches"
+                        if a.zero == 3 else "updated parameters, one per unit")]
         rows.append(Expect("all_reduce", "world", 1, 8, "global gradient norm (fp64)"))
         if P > 1:
             act = (a.batch // D // M) * (a.length // C // (T if a.sp else 1)) * H * b

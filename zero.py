@@ -299,6 +299,10 @@ class Zero(FlatTensors):
             t.register_hook(lambda grad, u=u: self._pre_backward(u))
 
     def _pre_backward(self, u: FlatUnit):
+        if planted("reshard-before-backward"):   # plant: re-allocated, never re-gathered
+            u.full.untyped_storage().resize_(u.padded * u.full.element_size())
+            u.full.zero_()
+            u.gathered = True
         u.wait()
         i = self.unit_index[u]
         self._prefetch_units(self.units[max(0, i - self.prefetch):i][::-1])
@@ -421,6 +425,22 @@ class Zero(FlatTensors):
             for u in self.units:
                 if u.gathered:
                     self._post_backward(u)
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every unit's full parameters readable for the duration (stage 3 gathers them and
+        frees them after: checks or generation outside the forward; stages 1 and 2 hold them)."""
+        if self.stage < 3:
+            self.wait_params()
+            yield
+            return
+        for u in self.units:
+            u.wait()
+        try:
+            yield
+        finally:
+            for u in self.units:
+                u.free_params()
 
     def all_gather_params(self, overlap: bool = False):
         """After the update (stages 1, 2): every rank's full buffer gets every updated shard;
@@ -724,18 +744,22 @@ class ZeRO(Strategy):
         return rows
 
     def memory_formula(self) -> dict[str, float]:
-        """ZeRO's resident model-state bytes per rank for this stage and precision."""
-        _, padded = self.psi()
-        b = self.zero.units[0].full.element_size()
-        rb = self.zero.units[0].grad_shard.element_size()   # the reduce dtype's
-        # over the shard group: the world, or HSDP's S = W / R ranks (fsdp.py --replicate)
-        opt = (12 if self.optimizer.mixed else 2 * b) * padded / self.zero.W   # (master +) m + v
-        shard = padded / self.zero.W
-        params = padded * b if self.args.stage < 3 else shard * b
-        grads = (padded * b + (shard * rb if rb != b else 0) if self.args.stage == 1
-                 else shard * rb)
-        return {"params": params, "grads": grads, "optimizer": opt,
-                "model_states": params + grads + opt}
+        return state_bytes(self.zero, self.optimizer)
+
+
+def state_bytes(engine: Zero, optimizer: ZeroOptimizer) -> dict[str, float]:
+    """ZeRO's resident model-state bytes per rank for the engine's stage and precision (the
+    docstring's table, with the padding): params, grads, optimizer, model_states."""
+    padded = sum(u.padded for u in engine.units)
+    b = engine.units[0].full.element_size()
+    rb = engine.units[0].grad_shard.element_size()   # the reduce dtype's
+    # over the shard group: the world, or HSDP's S = W / R ranks (fsdp.py --replicate)
+    opt = (12 if optimizer.mixed else 2 * b) * padded / engine.W   # (master +) m + v
+    shard = padded / engine.W
+    params = padded * b if engine.stage < 3 else shard * b
+    grads = (padded * b + (shard * rb if rb != b else 0) if engine.stage == 1 else shard * rb)
+    return {"params": params, "grads": grads, "optimizer": opt,
+            "model_states": params + grads + opt}
 
 
 # the baselines (--compare-native): PyTorch's own ZeRO-1 and FSDP2

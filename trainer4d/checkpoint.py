@@ -284,8 +284,9 @@ def restore(strat, meta: dict, full: dict):
                 m.copy_(new)
         for kind in ("exp_avg", "exp_avg_sq"):
             opt.load_shard_state(kind, z.flat_shards(local(kind)))
-    with METER.paused():
-        z.all_gather_params()
+    if z.stage < 3:   # (stage 3 gathers the shards where they are used)
+        with METER.paused():
+            z.all_gather_params()
     opt.steps_taken, strat.t = meta["adam_t"], meta["step"]
 
 

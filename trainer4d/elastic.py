@@ -156,7 +156,8 @@ def replan(world: int, config, args, target: int) -> Plan:
         world, target, params=params, hidden=config.hidden_size,
         layers=config.num_hidden_layers, seq=args.length, mem_bytes=args.mem_gib * 2**30,
         tolerance=args.batch_tolerance, max_micro_batch=args.max_micro_batch,
-        min_zero=args.zero, max_zero=2, tp=args.tp, pp=args.pp, cp=args.cp)
+        min_zero=args.zero, max_zero=1 if args.schedule == "interleaved" else 3,
+        tp=args.tp, pp=args.pp, cp=args.cp)
 
 
 def plan_parser() -> argparse.ArgumentParser:
