@@ -67,24 +67,26 @@ micro-batch, elastic restarts). A model built on the meta device (train mode, --
 materialised here, once it is cut: each rank reads only its shard.
 """
 import copy
-import math
 import os
 
 import torch
 import torch.distributed as dist
 
-from harness import (DTYPES, METER, Batch, Expect, Plant, Reference, Strategy, all_reduce_flat,
+from harness import (DTYPES, METER, Batch, Expect, Plant, Strategy, all_reduce_flat,
                      clip_by_norm, global_loss, main, name_group, phase,
                      planted, spread_across_ranks)
 from harness.flops import mfu_line
 from harness.precision import grad_reduce_dtype
 from harness import dropout, loading, train_data
+import compose_moe
 import cp_ring
+import ep_moe
 import pp
 import sp
 import tp
 import zero
 from trainer4d import elastic, train   # the train mode (checkpoints, preemption, elastic)
+from trainer4d.schedule import ScheduledReference, lr_at, torch_schedule  # noqa: F401 (tests)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,57 +140,6 @@ def make_groups(grid: Grid, rank: int, tied: bool) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# Learning-rate schedule
-# ----------------------------------------------------------------------------------------------
-def lr_at(step: int, args) -> float:
-    """Linear warm-up over --lr-warmup steps, then constant or cosine down to --lr-min-ratio x lr
-    at --steps."""
-    if step < args.lr_warmup:
-        return args.lr * (step + 1) / args.lr_warmup
-    if args.lr_schedule == "constant":
-        return args.lr
-    span = max(1, args.steps - args.lr_warmup)
-    t = min(1.0, (step - args.lr_warmup) / span)
-    lo = args.lr * args.lr_min_ratio
-    return lo + (args.lr - lo) * 0.5 * (1 + math.cos(math.pi * t))
-
-
-def torch_schedule(optimizer, args):
-    """The same schedule from torch.optim.lr_scheduler, for the reference: an oracle that shares
-    no code with lr_at (a bug there, e.g. the schedule one step ahead, cannot hide by appearing on
-    both sides). Stepped once per optimizer step, after it, so step k runs at factor:
-        warm-up   LinearLR from 1/W to 1 over W - 1 steps: (k + 1) / W for k < W
-        cosine    CosineAnnealingLR from lr at step W to lr_min_ratio x lr at step --steps
-        constant  LinearLR stays at its end factor 1 (no scheduler at all without warm-up)
-    None when the learning rate is constant throughout."""
-    from torch.optim import lr_scheduler as S
-    W, phases = args.lr_warmup, []
-    if W > 0:
-        phases.append(S.LinearLR(optimizer, start_factor=1.0 / W, end_factor=1.0,
-                                 total_iters=max(1, W - 1)))
-    if args.lr_schedule == "cosine":
-        phases.append(S.CosineAnnealingLR(optimizer, T_max=max(1, args.steps - W),
-                                          eta_min=args.lr * args.lr_min_ratio))
-    if len(phases) == 2:
-        return S.SequentialLR(optimizer, phases, milestones=[W])
-    return phases[0] if phases else None
-
-
-class ScheduledReference(Reference):
-    """The single-device reference, its learning rate scheduled by torch (torch_schedule)."""
-
-    def __init__(self, ref_model, args, env):
-        super().__init__(ref_model, args, env)
-        self.scheduler = torch_schedule(self.optimizer, args)
-
-    def step(self, batch):
-        loss = super().step(batch)
-        if self.scheduler is not None:
-            self.scheduler.step()
-        return loss
-
-
-# ----------------------------------------------------------------------------------------------
 # Constraints
 # ----------------------------------------------------------------------------------------------
 def compose_constraints(args, world, config) -> list[str]:
@@ -209,8 +160,9 @@ def compose_constraints(args, world, config) -> list[str]:
     if args.dp is not None and args.dp != D:
         return [f"world size {world} is not dp x tp x pp x cp = {args.dp} x {T} x {P} x {C} = "
                 f"{args.dp * T * P * C}"]
-    if getattr(config, "num_local_experts", None):
-        return ["compose4d composes dense Llama models; MoE (--ep) is not implemented"]
+    errs = compose_moe.constraints(args, config, D, C)
+    if errs:
+        return errs
     errs = tp.tp_constraints(args, T, config) if T > 1 else []
     kv = config.num_key_value_heads
     if T > 1 and not errs and kv % T and kv != 1:
@@ -264,9 +216,15 @@ def compose_constraints(args, world, config) -> list[str]:
 TIED_MODEL = "configs/tiny-tied.json"     # the tiny preset with tied embeddings (planted bugs)
 
 
+def reference(ref_model, args, env):
+    """The single-device reference, scheduled by torch: compose_moe's for a MoE model."""
+    moe = compose_moe.is_moe(ref_model.config)
+    return (compose_moe.MoEReference if moe else ScheduledReference)(ref_model, args, env)
+
+
 class Compose4D(Strategy):
     name = "4d"
-    reference = ScheduledReference
+    reference = staticmethod(reference)
     # Realistic one-line bugs, each beside the line it breaks (grep the name), and the
     # configuration in which correctness mode must FAIL with it (tests/test_plants.py). Scale
     # and norm bugs are judged in float32 with clipping (clipping must not hide them); the cp
@@ -276,7 +234,15 @@ class Compose4D(Strategy):
            "--lr-schedule", "cosine", "--lr-warmup", "2", "--steps", "3")
     _TP = ("--tp", "2", "--sp", "--model", TIED_MODEL)
     _PP = ("--pp", "2", "--dtype", "float32", "--clip", "0.5", "--model", TIED_MODEL)
+    _MOE = ("--model", "tiny-moe", "--ep", "2", "--pp", "2", "--dtype", "float32", "--clip", "0.5")
     plants = {
+        "expert-grads-over-dpcp": Plant(
+            "the experts' gradients reduced (and sharded) over dp x cp, like the dense ones, "
+            "instead of over the ranks that hold the same experts: other experts' gradients "
+            "are added in", _MOE, world=4),
+        "aux-per-stage": Plant(
+            "each stage normalises its MoE layers' auxiliary loss by its own layer count, not "
+            "the model's: the aux term counted once per stage", _MOE, world=4),
         "dropout-rank-local": Plant(dropout.PLANT_DOC, dropout.PLANT_ARGS + (
             "--tp", "2", "--pp", "2"), world=4),
         "lr-one-step-ahead": Plant(
@@ -313,11 +279,14 @@ class Compose4D(Strategy):
         p.add_argument("--pp", type=int, default=1, help="pipeline stages P")
         p.add_argument("--cp", type=int, default=1, help="context-parallel size C (zig-zag ring)")
         p.add_argument("--sp", action="store_true", help="Megatron sequence parallelism in TP")
+        p.add_argument("--ep", type=int, default=1,
+                       help="expert-parallel size E for a MoE model, out of the dp x cp ranks "
+                            "(compose_moe.py)")
         p.add_argument("--pipeline-first", action="store_true",
                        help="PP inside DP in the rank grid (default: PP outermost)")
         p.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved"])
         p.add_argument("--virtual-stages", type=int, default=2, help="V for --schedule interleaved")
-        p.add_argument("--zero", type=int, default=1, help="ZeRO stage over dp x cp: 1 or 2")
+        p.add_argument("--zero", type=int, default=1, help="ZeRO stage over dp x cp: 1, 2 or 3")
         p.add_argument("--grad-accum", type=int, default=1,
                        help="micro-batches per step per replica (the pipeline's M)")
         p.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"])
@@ -379,6 +348,7 @@ class Compose4D(Strategy):
                        help="steps between held-out evaluations (0: none; also at the end)")
         p.add_argument("--eval-batches", type=int, default=2,
                        help="global batches of held-out sequences per evaluation")
+        ep_moe.add_moe_args(p)   # (used with a MoE --model)
         p.add_argument("--prompt", default=None,
                        help="train mode: print a greedy continuation of this text at the end")
         p.add_argument("--gen-tokens", type=int, default=24,
@@ -392,9 +362,15 @@ class Compose4D(Strategy):
         self.grid = Grid(env.world, T, P, C, args.pipeline_first)
         self.me = self.grid.coords(env.rank)
         self.name = (f"4d-dp{self.grid.size['dp']}-tp{T}{'sp' if args.sp else ''}-pp{P}-cp{C}"
-                     f"-zero{args.zero}")
+                     f"{f'-ep{args.ep}' if args.ep > 1 else ''}-zero{args.zero}")
         self.tied = model.lm_head.weight is model.model.embed_tokens.weight
         g = self.groups = make_groups(self.grid, env.rank, self.tied)
+        # Experts (a MoE model): ep groups out of dp x cp, ep_moe's all-to-all in every layer.
+        self.moe = compose_moe.is_moe(model.config)
+        blocks = []
+        if self.moe:
+            g.update(compose_moe.make_ep_groups(self.grid.groups_over(("dp", "cp")), args.ep))
+            blocks = compose_moe.parallelize(model, args, g["ep"], g["dpcp"])
         # Tensor (and sequence) parallelism: split the linear layers, the vocabulary, the loss.
         self.tp, self.partial = None, []
         if T > 1:
@@ -416,32 +392,49 @@ class Compose4D(Strategy):
         if self.tp is not None:
             self.pipe.loss_sum = self.tp.loss_sum
         self.first, self.last = 0 in self.pipe.mine, self.pipe.C - 1 in self.pipe.mine
+        kept = {id(m) for m in model.modules()}
+        self.blocks = [b for b in blocks if id(b) in kept]   # this stage's MoE layers
+        for b in self.blocks:
+            b.stage_layers = len(self.blocks)
         # A model built on the meta device (train mode, --model a checkpoint directory) gets
         # its storage now that it is cut: each rank reads only the ranges it holds.
         self.load_report = None
         if any(p.is_meta for p in model.parameters()):
             self.load_report = self._load_shards()
         # ZeRO over dp x cp, on this stage's (TP-sharded) parameters; gradients summed.
+        # Experts: over the ranks that hold the same experts (edp).
         zgroup = g["dp"] if planted("grad-sum-misses-cp") else g["dpcp"]   # plant
+        egroup = zgroup if planted("expert-grads-over-dpcp") else g.get("edp")   # plant
+        units = self._units()
         self.zero = zero.Zero(model, group=zgroup, stage=args.zero, average=False,
-                              units=self._units(), prefetch=int(args.zero == 3),
+                              units=units, prefetch=int(args.zero == 3),
+                              unit_groups={u[0]: egroup for u in units if u[0].endswith("experts")},
                               reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
         self.optimizer = zero.adamw_on_shards(model, self.zero, args)
         self._plan_shard_slices()
         self.t = 0              # optimizer steps taken (the schedule's position)
         self.last_norm = float("nan")
         coords = [None] * env.world          # every rank's coordinates, printed once at start
+        shown = dict(self.me, **({"ep": dist.get_rank(g["ep"]), "edp": dist.get_rank(g["edp"])}
+                                 if self.moe else {}))
         with METER.paused():
-            dist.all_gather_object(coords, self.me)
+            dist.all_gather_object(coords, shown)
         if env.is_main:
-            print(f"rank grid {self.grid.size}, innermost first {self.grid.order}:", flush=True)
+            print(f"rank grid {self.grid.size}, innermost first {self.grid.order}"
+                  + (f"; ep {args.ep} out of dp x cp (edp {self.grid.size['dp'] * C // args.ep})"
+                     if self.moe else "") + ":", flush=True)
             for r, c in enumerate(coords):
-                print(f"  rank {r}: " + " ".join(f"{d}={c[d]}" for d in self.grid.order),
-                      flush=True)
+                print(f"  rank {r}: " + " ".join(f"{d}={v}" for d, v in c.items()), flush=True)
 
     def _load_shards(self) -> dict:
         """This rank's shard of --model's safetensors (harness/loading.py)."""
-        ranges = self.tp.local_range if self.tp is not None else (lambda name, shape: None)
+        tp_range = self.tp.local_range if self.tp is not None else (lambda name, shape: None)
+
+        def ranges(name, shape):    # an expert tensor: this ep rank's experts (whole over tp)
+            if self.moe and ep_moe.is_expert(name):
+                n, r = shape[0] // self.args.ep, dist.get_rank(self.groups["ep"])
+                return 0, r * n, (r + 1) * n
+            return tp_range(name, shape)
         before = loading.rss_now()
         rep = loading.load_shards(self.model, self.args.model, self.env.device, ranges)
         peak = loading.rss_peak()     # (VmHWM: the caller resets it before the build)
@@ -454,8 +447,17 @@ class Compose4D(Strategy):
         base, units = self.model.model, []
         if self.first:
             units.append(("embed", [base.embed_tokens]))
-        units += [(f"layers.{i}", [base.layers[i]]) for c in self.pipe.mine
-                  for i in self.pipe.bounds[c]]
+        for i in (i for c in self.pipe.mine for i in self.pipe.bounds[c]):
+            layer = base.layers[i]
+            if not self.moe:
+                units.append((f"layers.{i}", [layer]))
+                continue
+            # a MoE layer: its experts a unit of their own (sharded over edp, not dp x cp)
+            experts = list(layer.mlp.experts.parameters())
+            ids = {id(p) for p in experts}
+            units += [(f"layers.{i}", [p for p in layer.parameters() if id(p) not in ids],
+                       [layer]),
+                      (f"layers.{i}.experts", experts, [layer.mlp.experts])]
         if self.last:
             units.append(("norm", [base.norm]))
             if not (self.tied and self.first):
@@ -504,7 +506,8 @@ class Compose4D(Strategy):
         self.optimizer.zero_grad(set_to_none=False)
         local = self.local_batch(batch)
         n_tokens = local.n_tokens if planted("local-token-mean") else batch.n_tokens   # plant
-        loss_sum = self.pipe.run(local, self.args.grad_accum, n_tokens)
+        loss_sum = self.with_router_terms(self.pipe.run(local, self.args.grad_accum, n_tokens),
+                                          batch)
         grads = self.reduce_grads()
         loss = self.loss_once(loss_sum)
         self.update(grads)
@@ -534,6 +537,11 @@ class Compose4D(Strategy):
             self.model.train()
         return self.loss_once(ce)
 
+    def with_router_terms(self, loss_sum, batch: Batch):
+        """The step's CE sum plus this rank's share of the MoE router losses (scaled to a sum
+        over the batch's tokens), for the logged objective; the CE sum alone without MoE."""
+        return loss_sum + compose_moe.logged_terms(self.blocks) * batch.n_tokens
+
     def loss_once(self, loss_sum: torch.Tensor) -> float:
         """The global CE sum (logging): every tp rank computed the same one, so count it once."""
         return global_loss(loss_sum if self.me["tp"] == 0 else loss_sum * 0, 1)
@@ -549,6 +557,7 @@ class Compose4D(Strategy):
             t = self.t + 1 if planted("lr-one-step-ahead") else self.t   # plant
             self.optimizer.param_groups[0]["lr"] = lr_at(t, self.args)
             self.optimizer.step()     # AdamW on the edited shards, then the all-gather
+        compose_moe.after_step(self.blocks, self.args)   # (the aux-free bias)
         self.t += 1
 
     @staticmethod
@@ -571,6 +580,8 @@ class Compose4D(Strategy):
     # -- full tensors (collective) --
     def _full(self, stage_tensors: dict) -> dict[str, torch.Tensor]:
         """This stage's TP-local tensors -> full tensors of the whole model on every rank."""
+        if self.moe:
+            stage_tensors = compose_moe.gather_experts(stage_tensors, self.groups["ep"])
         if self.tp is not None:
             stage_tensors = self.tp.full(stage_tensors)
         parts = [None] * self.grid.size["pp"]
@@ -583,6 +594,12 @@ class Compose4D(Strategy):
         if self.tied:
             out.pop("lm_head.weight", None)   # the reference holds one tied tensor
         return {n: t.to(self.env.device) for n, t in out.items()}
+
+    def local(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full tensor: its experts, its TP shard."""
+        if self.moe:
+            t = compose_moe.expert_local(name, t, self.args.ep, dist.get_rank(self.groups["ep"]))
+        return self.tp.local(name, t) if self.tp is not None else t
 
     def _stage_tensors(self, shards) -> dict[str, torch.Tensor]:
         with METER.paused():
@@ -623,18 +640,23 @@ class Compose4D(Strategy):
         n_tok = a.batch // D * a.length // C          # tokens per rank per step
         L_st = sum(len(self.pipe.bounds[c]) for c in self.pipe.mine)
         z = self.zero
-        padded = sum(u.padded for u in z.units)
         rows = []
         rs = M if a.zero >= 2 else 1   # (over a group of one as well: zero.py does not skip)
         rb = z.units[0].grad_shard.element_size()   # the reduce dtype's (fp32 for bf16)
         ag = 2 * M if a.zero == 3 else 1   # stage 3: before each forward and each backward
-        rows += [Expect("reduce_scatter_tensor", "dpcp", len(z.units) * rs, padded * rb * rs,
-                        f"ZeRO-{a.zero}: Psi_r*b_reduce = {padded * rb:,} B, one per unit"
-                        + (f", x{M} micro-batches" if rs > 1 else "")),
-                 Expect("all_gather_into_tensor", "dpcp", len(z.units) * ag, padded * b * ag,
-                        f"parameters per unit, forward and backward x{M} micro-batches"
-                        if a.zero == 3 else "updated parameters, one per unit")]
+        for group, what in (("dpcp", "Psi_r"), ("edp", "experts' Psi_e,r")):   # (edp: MoE)
+            units = [u for u in z.units if (u.group is z.group) == (group == "dpcp")]
+            if not units:
+                continue
+            padded = sum(u.padded for u in units)
+            rows += [Expect("reduce_scatter_tensor", group, len(units) * rs, padded * rb * rs,
+                            f"ZeRO-{a.zero}: {what}*b_reduce = {padded * rb:,} B, one per unit"
+                            + (f", x{M} micro-batches" if rs > 1 else "")),
+                     Expect("all_gather_into_tensor", group, len(units) * ag, padded * b * ag,
+                            f"parameters per unit, forward and backward x{M} micro-batches"
+                            if a.zero == 3 else "updated parameters, one per unit")]
         rows.append(Expect("all_reduce", "world", 1, 8, "global gradient norm (fp64)"))
+        rows += compose_moe.expected_comm(self, self.blocks)
         if P > 1:
             act = (a.batch // D // M) * (a.length // C // (T if a.sp else 1)) * H * b
             n = sum(1 for c in self.pipe.mine if c < self.pipe.C - 1) * M \
@@ -676,15 +698,17 @@ class Compose4D(Strategy):
         if self.last:
             calls, nbytes = calls + 3 * M, nbytes + 3 * M * n_tok // M * b_ce   # loss
         if not a.sp:
-            calls += M * (4 * L_st + int(self.last))
-            nbytes += M * (4 * L_st + int(self.last)) * nhb_mb
+            per_layer = 2 if self.moe else 4    # f and g of attention (and of a dense MLP)
+            calls += M * (per_layer * L_st + int(self.last))
+            nbytes += M * (per_layer * L_st + int(self.last)) * nhb_mb
         psl = sum(b_ - a_ for sl in self.partial_slices for a_, b_ in sl)
         if psl:   # slices of the gradient shards: the reduce dtype's bytes
             rb = self.zero.units[0].grad_shard.element_size()
             calls, nbytes = calls + 1, nbytes + psl * rb
         return [Expect("all_reduce", "tp", calls, nbytes,
                        "TP: embedding + loss (3 x N b) per micro-batch"
-                       + ("" if a.sp else " + 2 f and 2 g per layer (+ the head's f)")
+                       + ("" if a.sp else " + f and g per attention and dense MLP (+ the "
+                                          "head's f)")
                        + (" + partial (norm) gradient shards" if psl else ""))]
 
     def report_lines(self):

@@ -515,6 +515,22 @@ def ep_constraints(args, world, config) -> list[str]:
     return errs
 
 
+def add_moe_args(p):
+    """The routing flags (ep_moe.py's and compose4d's)."""
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="expert capacity ceil(c k N / E) rows per layer; default dropless")
+    p.add_argument("--aux-coef", type=float, default=0.01,
+                   help="Switch/HF load-balancing loss coefficient")
+    p.add_argument("--z-coef", type=float, default=0.0, help="router z-loss coefficient")
+    p.add_argument("--aux-free-bias", action="store_true",
+                   help="DeepSeek-V3 style selection bias instead of the auxiliary loss")
+    p.add_argument("--bias-rate", type=float, default=1e-3,
+                   help="aux-free bias update per step")
+    p.add_argument("--experts-impl", default="auto", choices=LocalExperts.IMPLS,
+                   help="local experts: torch._grouped_mm, padded bmm, per-expert loop; "
+                        "auto = grouped_mm where it runs (not float64), else bmm")
+
+
 class ExpertParallel(Strategy):
     name = "ep"
     reference = MoEReference
@@ -545,18 +561,7 @@ class ExpertParallel(Strategy):
     @staticmethod
     def add_args(p):
         p.set_defaults(model="tiny-moe")
-        p.add_argument("--capacity-factor", type=float, default=None,
-                       help="expert capacity ceil(c k N / E) rows per layer; default dropless")
-        p.add_argument("--aux-coef", type=float, default=0.01,
-                       help="Switch/HF load-balancing loss coefficient")
-        p.add_argument("--z-coef", type=float, default=0.0, help="router z-loss coefficient")
-        p.add_argument("--aux-free-bias", action="store_true",
-                       help="DeepSeek-V3 style selection bias instead of the auxiliary loss")
-        p.add_argument("--bias-rate", type=float, default=1e-3,
-                       help="aux-free bias update per step")
-        p.add_argument("--experts-impl", default="auto", choices=LocalExperts.IMPLS,
-                       help="local experts: torch._grouped_mm, padded bmm, per-expert loop; "
-                            "auto = grouped_mm where it runs (not float64), else bmm")
+        add_moe_args(p)
         p.add_argument("--bucket-mb", type=float, default=25.0,
                        help="gradient bucket size for the replicated parameters")
 

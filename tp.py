@@ -362,6 +362,10 @@ class TensorParallel:
             for n, heads, sl in (("q_norm", hq_full, rows(hq * head_dim)), ("k_norm", hkv, kv_rows)):
                 if self.kinds.get(p + f"self_attn.{n}.weight") == "norm-sharded":
                     setattr(a, n, ShardedRMSNorm(getattr(a, n), sl, heads * head_dim, group))
+            if hasattr(m, "experts"):        # a MoE block: whole on every rank, no region
+                a.register_forward_pre_hook(self._enter_kwargs, with_kwargs=True)
+                a.register_forward_hook(self._leave)
+                continue
             if hasattr(m, "gate_up_proj"):   # Phi3: [gate; up] rows, each split
                 inter = m.gate_up_proj.weight.shape[0] // 2
                 m.gate_up_proj = ColumnParallelLinear(

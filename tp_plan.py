@@ -89,6 +89,11 @@ def classify(model, T: int) -> tuple[dict[str, str], list[str]]:
                 kind, why = None, (f"a q/k norm over {n} features (neither one head, {d}, nor "
                                    f"all heads, {heads * d}, of a norm whose formula "
                                    f"tp.ShardedRMSNorm implements: {', '.join(FULL_WIDTH_NORMS)})")
+        elif in_layer and len(parts) == 5 and parts[3] == "mlp" and leaf in ("gate", "experts") \
+                and hasattr(model.get_submodule(".".join(parts[:4])), "experts"):
+            # a Mixture-of-Experts block: router and experts whole on every rank, computing the
+            # same tokens (compose4d --ep shards the experts over data ranks instead)
+            kind = "replicated"
         else:
             kind = None
         for pname, p in own:

@@ -209,7 +209,8 @@ class Zero(FlatTensors):
 
     def __init__(self, model, group=None, stage: int = 1, average: bool = True, units=None,
                  reduce_dtype: torch.dtype | None = None, names: dict | None = None,
-                 prefetch: int = 0, overlap_param_gather: bool = False):
+                 prefetch: int = 0, overlap_param_gather: bool = False,
+                 unit_groups: dict | None = None):
         """units: [(name, modules)] (default decoder_units(model)), [(name, parameters,
         hook modules)], or [(name, parameters)] for stages 1 and 2 with model=None (the
         optimizer wrapper's buckets; `names` maps id(parameter) to a name). reduce_dtype: the
@@ -218,7 +219,9 @@ class Zero(FlatTensors):
         previous ones in the backward. overlap_param_gather (stages 1, 2; units as modules):
         the all-gather of the updated parameters is launched async after each step, and each
         module waits for its own units' in a forward pre-hook (Megatron's), so the later units'
-        gathers run behind the earlier units' forward."""
+        gathers run behind the earlier units' forward. unit_groups: {unit name: group} for units
+        sharded over a group other than `group` (compose4d's experts, over the ranks that hold
+        the same experts); every collective of a unit runs on its own group."""
         self.model, self.group, self.stage, self.prefetch = model, group, stage, prefetch
         self.average = average and not planted("no-average")   # plant: summed, not averaged
         self.overlap_param_gather = overlap_param_gather and stage < 3
@@ -241,7 +244,8 @@ class Zero(FlatTensors):
                         claimed.add(id(p))
                         params.append(p)
             claimed.update(id(p) for p in params)
-            self.units.append(FlatUnit(n, params, group, names, shard_params=stage == 3,
+            self.units.append(FlatUnit(n, params, (unit_groups or {}).get(n, group), names,
+                                       shard_params=stage == 3,
                                        stage=stage, reduce_dtype=reduce_dtype, modules=modules))
         if model is not None:
             covered = sum(len(u.params) for u in self.units)
@@ -372,17 +376,20 @@ class Zero(FlatTensors):
         src = (u.grad_full if u.grad_full.dtype == u.grad_shard.dtype
                else u.grad_full.to(u.grad_shard.dtype))   # bf16 gradients summed in fp32
         if self.average:  # pre-divide: the sum over ranks is then the average
-            src.div_(self.W)
-        out, handle = self.reduce_scatter(src, u.grad_shard)
+            src.div_(u.W)
+        out, handle = (self.reduce_scatter(src, u.grad_shard) if u.group is self.group
+                       else self.reduce_scatter(src, u.grad_shard, u.group))
         self.pending.append((u, out, handle))
         u.ready = set()
         u.launched = True
 
-    def reduce_scatter(self, src: torch.Tensor, like: torch.Tensor):
-        """Start summing src [W s] over the group into a new shard shaped like `like`:
-        (shard, handle). zeropp.ZeroPP replaces it with qgZ's quantized all-to-alls."""
+    def reduce_scatter(self, src: torch.Tensor, like: torch.Tensor, group=None):
+        """Start summing src [W s] over the group (default the engine's) into a new shard shaped
+        like `like`: (shard, handle). zeropp.ZeroPP replaces it with qgZ's quantized
+        all-to-alls."""
         out = torch.empty_like(like)
-        return out, dist.reduce_scatter_tensor(out, src, group=self.group, async_op=True)
+        return out, dist.reduce_scatter_tensor(out, src, group=group or self.group,
+                                               async_op=True)
 
     def _complete(self, keep: int = 0):
         """Wait for the oldest reductions until `keep` are left in flight."""
@@ -451,7 +458,7 @@ class Zero(FlatTensors):
             return
         for u in self.units:
             later = overlap and self.overlap_param_gather and bool(u.modules)
-            u.handle = dist.all_gather_into_tensor(u.full, u.shard.clone(), group=self.group,
+            u.handle = dist.all_gather_into_tensor(u.full, u.shard.clone(), group=u.group,
                                                    async_op=later)
 
     def wait_params(self, units=None):
@@ -753,9 +760,10 @@ def state_bytes(engine: Zero, optimizer: ZeroOptimizer) -> dict[str, float]:
     padded = sum(u.padded for u in engine.units)
     b = engine.units[0].full.element_size()
     rb = engine.units[0].grad_shard.element_size()   # the reduce dtype's
-    # over the shard group: the world, or HSDP's S = W / R ranks (fsdp.py --replicate)
-    opt = (12 if optimizer.mixed else 2 * b) * padded / engine.W   # (master +) m + v
-    shard = padded / engine.W
+    # over each unit's shard group: the world, HSDP's S = W / R ranks (fsdp.py --replicate),
+    # compose4d's dp x cp (or, for experts, the ranks that hold the same experts)
+    shard = sum(u.shard_numel for u in engine.units)
+    opt = (12 if optimizer.mixed else 2 * b) * shard   # (master +) m + v
     params = padded * b if engine.stage < 3 else shard * b
     grads = (padded * b + (shard * rb if rb != b else 0) if engine.stage == 1 else shard * rb)
     return {"params": params, "grads": grads, "optimizer": opt,

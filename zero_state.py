@@ -49,7 +49,7 @@ class FlatTensors:
         out = {}
         for u, src in zip(self.units, shards):
             flat = torch.empty(u.padded, dtype=src.dtype, device=src.device)
-            dist.all_gather_into_tensor(flat, src.contiguous(), group=self.group)
+            dist.all_gather_into_tensor(flat, src.contiguous(), group=u.group)
             for n, p, off in zip(u.names, u.params, u.offsets):
                 out[n] = flat[off:off + p.numel()].view(p.shape)
         return out

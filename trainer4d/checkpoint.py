@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from harness import DTYPES, METER, dropout, resolve_attn
+import compose_moe
 import tp
 
 
@@ -58,6 +59,8 @@ def save_checkpoint(strat, root: str, step: int, extra: dict | None = None,
         kinds["grad"] = [u.grad_shard for u in z.units]
     with METER.paused():
         local = {k: z.gather_flat(v) for k, v in kinds.items()}    # this stage, TP-local
+        if strat.moe:   # every expert on the writer (each ep rank holds its own)
+            local = {k: compose_moe.gather_experts(v, strat.groups["ep"]) for k, v in local.items()}
     tmp, final = os.path.join(root, f".tmp-step-{step}"), os.path.join(root, f"step-{step}")
     if env.is_main:
         os.makedirs(root, exist_ok=True)
@@ -270,8 +273,7 @@ def restore(strat, meta: dict, full: dict):
         for u in z.units:
             for n in u.names:
                 src = "model.embed_tokens.weight" if (strat.tied and n == "lm_head.weight") else n
-                t = full[kind][src].to(u.full.device)
-                out[n] = strat.tp.local(n, t) if strat.tp is not None else t
+                out[n] = strat.local(n, full[kind][src].to(u.full.device))
         return out
     with torch.no_grad():
         # "param" holds the fp32 masters in a mixed-precision run: restored as they were saved,

@@ -126,7 +126,8 @@ def step_rows(strat, batch: Batch, rows=None, mb=None, stop=None, partial=None,
     strat.pipe.stop_check = stop
     try:
         if M:
-            loss_sum = strat.pipe.run(local, M, batch.n_tokens, mbs=mbs)
+            loss_sum = strat.with_router_terms(strat.pipe.run(local, M, batch.n_tokens, mbs=mbs),
+                                               batch)
         else:   # nothing left for this dp rank (a resumed step): reductions only
             loss_sum = torch.zeros((), dtype=torch.float64, device=strat.env.device)
     finally:
@@ -166,9 +167,7 @@ def add_partial(strat, full: dict[str, torch.Tensor]):
             if (id(p) in partial and strat.me["tp"] != 0) or \
                     (strat.tied and n == "lm_head.weight"):
                 continue
-            t = full[n].to(flat.device, flat.dtype)
-            if strat.tp is not None:
-                t = strat.tp.local(n, t)
+            t = strat.local(n, full[n].to(flat.device, flat.dtype))
             flat[off:off + p.numel()] = t.reshape(-1)
         if strat.args.zero == 1:
             u.grad_full.add_(flat)      # reduce-scattered (summed) with this step's own

@@ -1,0 +1,304 @@
+"""compose_moe.py: expert parallelism inside compose4d (--ep E), the fifth dimension.
+
+    torchrun --nproc_per_node=8 compose4d.py --model tiny-moe --ep 2 --tp 2 --pp 2
+    torchrun --nproc_per_node=4 compose4d.py --model tiny-moe --ep 4 --cp 2 --mode benchmark
+
+ep_moe.py's blocks (route, the uneven all-to-all, the grouped local experts) installed in a model
+that compose4d also splits by TP, PP and CP; what is here is the part that only exists once they
+are composed: the groups, the router losses across stages and micro-batches, the reference.
+
+Groups (Megatron-core's "parallel folding", with expert-TP 1)
+    EP is carved out of the dp x cp ranks of each (pp, tp) slice: listed in rank order, blocks of
+    E consecutive ranks form an ep group (the all-to-all), and the ranks at the same place in
+    their blocks form an edp group of D C / E (the ranks that hold the same experts).
+        dense parameters    sharded and summed over dp x cp (ZeRO), as in compose4d
+        expert parameters   experts [e E_l, (e+1) E_l) on ep rank e, E_l = n_experts / E;
+                            sharded and summed over edp (zero.Zero's unit_groups)
+    TP: attention is split, a MoE block is not: each tp rank routes the same tokens through the
+    same experts (expert-TP 1, redundant across tp; the router and experts are replicated
+    parameters, checked identical across tp). PP: each stage's MoE layers only. CP: a cp rank's
+    tokens route like any others (the ep group spans dp x cp).
+
+The router losses, per layer and micro-batch
+    ep_moe.py takes the Switch auxiliary loss over the global batch and all layers at once:
+    f_e (the share of choices) must be known before any backward, which a pipeline cannot do (a
+    1F1B stage runs backwards before the later micro-batches' forwards) and which couples the
+    stages. Here, as in Megatron-core, each MoE layer l adds its own term for each micro-batch m
+    at its own forward, from the global counts of that micro-batch (one all_reduce of E int64
+    over dp x cp per layer and micro-batch):
+        aux = 1/(L M) sum_{l,m} E sum_e f_{l,m,e} P_{l,m,e},   f, P over micro-batch m's
+        N_m = B S / M tokens (m = every dp rank's m-th micro-batch, all their cp chunks)
+    The term enters the backward through the layer's output (AddLoss: identity forward, its
+    backward also seeds the term with gradient 1, Megatron's MoEAuxLossAutoScaler), so a stage
+    adds exactly its layers' terms, each micro-batch once, and nothing crosses stages. With M = 1
+    and L = 1 it is HF's load_balancing_loss_func; with M = 1 it depends on no layout choice
+    (resumable on any layout); with M > 1 on which rows share a micro-batch. The z loss (mean
+    logsumexp^2 over layers and tokens) is a plain sum, identical to ep_moe.py's. The reference
+    (MoEReference) is HF's model and HF's load_balancing_loss_func on each layer's router logits
+    of each micro-batch's rows, which shares no routing code with the strategy.
+    --aux-free-bias: the per-layer global loads summed over the step's micro-batches (the same
+    counts), each stage updating its own layers' biases. --capacity-factor: ep_moe.py's global
+    priority needs the whole batch in one ep group and one micro-batch: E = dp, cp = 1, M = 1.
+
+Communication per step, added to compose4d's (T_r = tokens per rank per micro-batch, k top-k,
+H hidden, b bytes, L_r this stage's MoE layers, M micro-batches)
+    ep group     per layer and micro-batch: 4 token all-to-alls (dispatch + combine, forward and
+                 backward), summed over the ep ranks 4 k E T_r H b, and one count exchange of
+                 E E_l... = E x 8 bytes per rank
+    dp x cp      per layer and micro-batch, one all_reduce of the E counts (E x 8 B) when the aux
+                 loss or the bias needs them
+    edp          the experts' ZeRO reduce-scatter and all-gather (their units), as compose4d's
+                 dense units over dp x cp
+Model states per rank: dense Psi_d / (T P) over dp x cp as compose4d's ZeRO stage says; experts
+Psi_e / (E P) (whole across tp), their ZeRO shard over edp = D C / E.
+"""
+import torch
+import torch.distributed as dist
+
+from harness import Expect, name_group, planted
+from harness.routing import hf_router_losses
+import ep_moe
+from trainer4d.schedule import Scheduled
+
+
+def is_moe(config) -> bool:
+    return bool(getattr(config, "num_local_experts", None))
+
+
+# ----------------------------------------------------------------------------------------------
+# Groups
+# ----------------------------------------------------------------------------------------------
+def ep_groups(dpcp_groups: list[list[int]], E: int) -> tuple[list, list]:
+    """(ep groups, edp groups): blocks of E consecutive ranks of each dp x cp group, and the
+    ranks at the same place in their blocks."""
+    ep = [g[i:i + E] for g in dpcp_groups for i in range(0, len(g), E)]
+    edp = [g[j::E] for g in dpcp_groups for j in range(E)]
+    return ep, edp
+
+
+def make_ep_groups(dpcp_groups, E: int) -> dict:
+    ep, edp = ep_groups(dpcp_groups, E)
+    mine_ep, _ = dist.new_subgroups_by_enumeration(ep)
+    mine_edp, _ = dist.new_subgroups_by_enumeration(edp)
+    return {"ep": name_group(mine_ep, "ep"), "edp": name_group(mine_edp, "edp")}
+
+
+# ----------------------------------------------------------------------------------------------
+# A loss term added inside a layer
+# ----------------------------------------------------------------------------------------------
+class AddLoss(torch.autograd.Function):
+    """x -> x; the backward also hands `loss` the gradient 1: a loss term computed inside a
+    layer joins the objective through the layer's output, once per forward (Megatron's
+    MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, x, loss):
+        ctx.loss_like = (loss.shape, loss.dtype, loss.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.loss_like
+        return grad, torch.ones(shape, dtype=dtype, device=device)
+
+
+class ComposedMoE(ep_moe.ExpertParallelMoE):
+    """ep_moe's block over the ep group, adding this layer's router-loss terms for the
+    micro-batch it runs (the docstring's per-layer, per-micro-batch aux and the z loss)."""
+
+    def __init__(self, hf_block, opts, ep_group, count_group, layers: int, micro_batches: int):
+        super().__init__(hf_block, [], opts, ep_group)
+        self.count_group, self.L, self.M = count_group, layers, micro_batches
+        self.logged = []        # this rank's share of each term (detached), for the loss line
+        self.step_counts = None  # the global loads of this step (aux-free bias)
+
+    def forward(self, hidden):
+        out = super().forward(hidden)
+        rec = self.stats.pop()
+        if not torch.is_grad_enabled():     # evaluation: no router losses, no collective
+            return out
+        o = self.opts
+        term = None
+        if o.aux_coef or o.aux_free_bias:
+            counts = rec["counts"].clone()
+            dist.all_reduce(counts, group=self.count_group)
+            self.step_counts = counts if self.step_counts is None else self.step_counts + counts
+            if o.aux_coef:
+                n = hidden.shape[0] * hidden.shape[1] * dist.get_world_size(self.count_group)
+                f = counts.to(rec["prob_sum"].dtype) / n
+                layers = self.L
+                if planted("aux-per-stage"):   # plant: normalised by this stage's layers
+                    layers = self.stage_layers
+                term = o.aux_coef * self.num_experts * (f * rec["prob_sum"] / n).sum() \
+                    / (layers * self.M)
+        if o.z_coef:
+            n_all = hidden.shape[0] * hidden.shape[1] * dist.get_world_size(self.count_group)
+            z = o.z_coef * rec["z_sum"] / (self.L * self.M * n_all)
+            term = z if term is None else term + z
+        if term is None:
+            return out
+        self.logged.append(term.detach())
+        return AddLoss.apply(out, term)
+
+
+def parallelize(model, args, ep_group, count_group) -> list[ComposedMoE]:
+    """Every decoder layer's MoE block replaced by a ComposedMoE (before the pipeline cut)."""
+    L = model.config.num_hidden_layers
+    return ep_moe.install(model, lambda b: ComposedMoE(b, args, ep_group, count_group, L,
+                                                       args.grad_accum))
+
+
+def expert_local(name: str, t: torch.Tensor, E: int, rank: int) -> torch.Tensor:
+    """This ep rank's experts of a full (n_experts, ...) tensor (other tensors unchanged)."""
+    if not ep_moe.is_expert(name):
+        return t
+    n = t.shape[0] // E
+    return t[rank * n:(rank + 1) * n]
+
+
+def gather_experts(tensors: dict, group) -> dict:
+    """Full (n_experts, ...) expert tensors from every ep rank's slice (collective)."""
+    W = dist.get_world_size(group)
+    out = {}
+    for n, t in tensors.items():
+        if ep_moe.is_expert(n) and W > 1:
+            full = t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
+            dist.all_gather_into_tensor(full, t.contiguous(), group=group)
+            t = full
+        out[n] = t
+    return out
+
+
+def after_step(blocks: list[ComposedMoE], args):
+    """The aux-free bias from the step's global loads (each stage its own layers); reset."""
+    if args.aux_free_bias and blocks:
+        ep_moe.update_bias(blocks, torch.stack([b.step_counts for b in blocks]), args.bias_rate)
+    for b in blocks:
+        b.step_counts = None
+
+
+def logged_terms(blocks: list[ComposedMoE]) -> torch.Tensor | float:
+    """This rank's share of the router losses of the step (device scalar), then cleared."""
+    terms = [t for b in blocks for t in b.logged]
+    for b in blocks:
+        b.logged = []
+    return sum(terms) if terms else 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Constraints and formulas
+# ----------------------------------------------------------------------------------------------
+def constraints(args, config, D: int, C: int) -> list[str]:
+    E, M = args.ep, args.grad_accum
+    if not is_moe(config):
+        return ([f"--ep {E}: --model {args.model} is not a Mixture-of-Experts config (no "
+                 f"num_local_experts); use --model tiny-moe or a Mixtral config"] if E > 1 else [])
+    if config.model_type != "mixtral":
+        return [f"--model {args.model}: compose4d's MoE layers are HF Mixtral's "
+                f"(MixtralSparseMoeBlock); {config.model_type} (a shared expert, another "
+                f"router) is not implemented"]
+    n = config.num_local_experts
+    errs = []
+    if E < 1 or (D * C) % E:
+        errs.append(f"--ep {E} does not divide dp x cp = {D} x {C} = {D * C} (the ep groups "
+                    f"are carved out of the data ranks)")
+    elif n % E:
+        errs.append(f"--ep {E} does not divide num_local_experts {n}")
+    if getattr(config, "router_jitter_noise", 0.0):
+        errs.append(f"router_jitter_noise={config.router_jitter_noise} is random per layout; "
+                    "set it to 0")
+    if args.sp:
+        errs.append("--sp with a MoE model: each tp rank would route its own tokens; not "
+                    "implemented (use TP without --sp)")
+    if args.capacity_factor is not None and (E != D or C != 1 or M != 1):
+        errs.append(f"--capacity-factor: the global drop priority needs the whole batch in one "
+                    f"ep group and one micro-batch: --ep = dp ({D}), --cp 1, --grad-accum 1 "
+                    f"(got --ep {E}, --cp {C}, --grad-accum {M})")
+    if args.capacity_factor is not None and args.mode == "benchmark":
+        errs.append("--capacity-factor in benchmark mode: the all-to-all bytes are the kept "
+                    "rows of every stage, which this rank does not see (ep_moe.py meters them)")
+    if args.capacity_factor is not None and args.capacity_factor <= 0:
+        errs.append(f"--capacity-factor must be > 0 (got {args.capacity_factor})")
+    if args.aux_free_bias and args.aux_coef:
+        errs.append("--aux-free-bias replaces the auxiliary loss: set --aux-coef 0")
+    if args.aux_coef < 0 or args.z_coef < 0:
+        errs.append("--aux-coef and --z-coef must be >= 0")
+    if getattr(args, "recompute", "none") == "full":
+        errs.append("--recompute full: a recomputed MoE layer would add its router losses and "
+                    "exchange its counts twice; use selective")
+    if args.mode == "train" and args.preempt_at == "micro-batch":
+        errs.append("--preempt-at micro-batch: a cut step resumes in other micro-batches, and "
+                    "the auxiliary loss is per micro-batch")
+    if args.mode == "train" and args.elastic:
+        errs.append("--elastic with a MoE model: the planner does not know the expert "
+                    "parameters yet")
+    return errs[:1]
+
+
+def expected_comm(strat, blocks: list[ComposedMoE]) -> list[Expect]:
+    """The ep and count rows for this rank's stage (the edp ZeRO rows are compose4d's)."""
+    a, cfg = strat.args, strat.model.config
+    if not blocks:
+        return []
+    L_r, M, W = len(blocks), a.grad_accum, strat.env.world
+    L, n, k, H = cfg.num_hidden_layers, cfg.num_local_experts, cfg.num_experts_per_tok, \
+        cfg.hidden_size
+    b = blocks[0].gate.weight.element_size()
+    D, C, P = strat.grid.size["dp"], strat.grid.size["cp"], strat.grid.size["pp"]
+    T_r = a.batch // D // M * (a.length // C)      # tokens per rank per micro-batch
+    rows = []
+    if a.capacity_factor:
+        rows.append(Expect("all_gather_into_tensor", "ep", L_r * M, L_r * M * a.ep * k * n * 8,
+                           "L_r M x E k n_experts x 8: every rank's (slot, expert) counts"))
+    else:   # summed over the world: each layer on the W / P ranks of its stage
+        per = 4 * k * T_r * H * b + n * 8
+        rows.append(Expect("all_to_all_single", "ep", 5 * L * M * W // P, L * M * W // P * per,
+                           f"per layer, micro-batch and rank 4 k T_r H b (dispatch + combine, fwd "
+                           f"+ bwd) + n_experts x 8 (counts) = {per:,} B, 5 calls; L M W / P = "
+                           f"{L} x {M} x {W} / {P}", ranks="sum"))
+    if a.aux_coef or a.aux_free_bias:
+        rows.append(Expect("all_reduce", "dpcp", L_r * M, L_r * M * n * 8,
+                           "the layer's global expert counts, per layer and micro-batch"))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# The reference: HF's own MoE model, the aux loss per layer and micro-batch
+# ----------------------------------------------------------------------------------------------
+def micro_batch_rows(B: int, S: int, D: int, M: int, device) -> list[torch.Tensor]:
+    """The flattened (row, position) indices of each micro-batch m: dp rank d's contiguous
+    share of the sequences, its m-th of M contiguous pieces, for every d (compose4d's split)."""
+    per, mb = B // D, B // D // M
+    out = []
+    for m in range(M):
+        rows = torch.cat([torch.arange(d * per + m * mb, d * per + (m + 1) * mb) for d in range(D)])
+        out.append((rows[:, None] * S + torch.arange(S)).reshape(-1).to(device))
+    return out
+
+
+class MoEReference(Scheduled, ep_moe.MoEReference):
+    """ep_moe's reference (HF's own model and blocks, capacity drops from outside, or route()
+    with the aux-free bias), scheduled by torch, with the auxiliary loss of the docstring: HF's
+    load_balancing_loss_func formula (harness.routing.hf_router_losses) on each layer's router
+    logits of each micro-batch's rows, averaged."""
+
+    def __init__(self, ref_model, args, env):
+        super().__init__(ref_model, args, env)
+        self.D = env.world // (args.tp * args.pp * args.cp)
+
+    def objective(self, batch):
+        if not (self.hf_block and self.args.aux_coef):   # no per-micro-batch term: ep_moe's
+            return super().objective(batch)
+        from harness import dropout, lm_loss_sum
+        cfg = self.model.config
+        with dropout.at(batch):
+            out = self.model(input_ids=batch.input_ids, output_router_logits=True)
+        loss = lm_loss_sum(out.logits, batch.labels) / batch.n_tokens
+        B, S = batch.input_ids.shape
+        parts = micro_batch_rows(B, S, self.D, self.args.grad_accum, out.logits.device)
+        E, k = cfg.num_local_experts, cfg.num_experts_per_tok
+        aux = [hf_router_losses((lg[rows],), E, k)[0] for lg in out.router_logits for rows in parts]
+        loss = loss + self.args.aux_coef * sum(aux) / len(aux)
+        if self.args.z_coef:
+            loss = loss + self.args.z_coef * hf_router_losses(out.router_logits, E, k)[1]
+        return loss
