@@ -86,7 +86,7 @@ import sp
 import tp
 import zero
 from trainer4d import elastic, train   # the train mode (checkpoints, preemption, elastic)
-from trainer4d.schedule import ScheduledReference, lr_at, torch_schedule  # noqa: F401 (tests)
+from trainer4d.schedule import Scheduled, ScheduledReference, lr_at
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,10 +216,14 @@ def compose_constraints(args, world, config) -> list[str]:
 TIED_MODEL = "configs/tiny-tied.json"     # the tiny preset with tied embeddings (planted bugs)
 
 
+class ScheduledMoEReference(Scheduled, compose_moe.MoEReference):
+    """compose_moe's reference (HF's MoE model, the router losses per layer and micro-batch)."""
+
+
 def reference(ref_model, args, env):
     """The single-device reference, scheduled by torch: compose_moe's for a MoE model."""
     moe = compose_moe.is_moe(ref_model.config)
-    return (compose_moe.MoEReference if moe else ScheduledReference)(ref_model, args, env)
+    return (ScheduledMoEReference if moe else ScheduledReference)(ref_model, args, env)
 
 
 class Compose4D(Strategy):

@@ -58,7 +58,6 @@ import torch.distributed as dist
 from harness import Expect, name_group, planted
 from harness.routing import hf_router_losses
 import ep_moe
-from trainer4d.schedule import Scheduled
 
 
 def is_moe(config) -> bool:
@@ -229,9 +228,6 @@ def constraints(args, config, D: int, C: int) -> list[str]:
     if args.mode == "train" and args.preempt_at == "micro-batch":
         errs.append("--preempt-at micro-batch: a cut step resumes in other micro-batches, and "
                     "the auxiliary loss is per micro-batch")
-    if args.mode == "train" and args.elastic:
-        errs.append("--elastic with a MoE model: the planner does not know the expert "
-                    "parameters yet")
     return errs[:1]
 
 
@@ -276,9 +272,9 @@ def micro_batch_rows(B: int, S: int, D: int, M: int, device) -> list[torch.Tenso
     return out
 
 
-class MoEReference(Scheduled, ep_moe.MoEReference):
+class MoEReference(ep_moe.MoEReference):
     """ep_moe's reference (HF's own model and blocks, capacity drops from outside, or route()
-    with the aux-free bias), scheduled by torch, with the auxiliary loss of the docstring: HF's
+    with the aux-free bias), with the auxiliary loss of the docstring: HF's
     load_balancing_loss_func formula (harness.routing.hf_router_losses) on each layer's router
     logits of each micro-batch's rows, averaged."""
 

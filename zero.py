@@ -57,11 +57,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from harness import (Batch, DTensorBaseline, Expect, Plant, Strategy, clip_by_norm, full_tensor,
+from harness import (Batch, DTensorBaseline, Expect, Plant, Strategy, full_tensor,
                      global_loss, main, make_adamw, phase, planted)
 from harness.precision import LOW_PRECISION, adamw_kwargs, grad_reduce_dtype
 import ddp
-from zero_state import FlatTensors, ShardedState
+from zero_state import FlatTensors, ShardedState, clip_shard_grads, state_bytes  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,17 +186,6 @@ class FlatUnit:
             p.grad = None  # the next backward hands us fresh gradients again
         self.grad_full.untyped_storage().resize_(0)
         self.grads_alive = False
-
-
-def clip_shard_grads(grads: list[torch.Tensor], max_norm: float, group=None) -> torch.Tensor:
-    """Global-norm clipping from shard norms: one scalar all_reduce, no host read (the norm is
-    returned as a device scalar). Padding is zero."""
-    sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device)
-    for g in grads:
-        sq += g.double().pow(2).sum()
-    if not planted("clip-local-norm"):   # plant: each rank clips by its own shard's norm
-        dist.all_reduce(sq, group=group)
-    return clip_by_norm(sq, grads, max_norm)   # torch.nn.utils.clip_grad_norm_'s formula
 
 
 # ----------------------------------------------------------------------------------------------
@@ -435,8 +424,7 @@ class Zero(FlatTensors):
 
     @contextlib.contextmanager
     def gathered(self):
-        """Every unit's full parameters readable for the duration (stage 3 gathers them and
-        frees them after: checks or generation outside the forward; stages 1 and 2 hold them)."""
+        """Every unit's full parameters readable for the duration (stage 3: gathered, then freed)."""
         if self.stage < 3:
             self.wait_params()
             yield
@@ -752,22 +740,6 @@ class ZeRO(Strategy):
 
     def memory_formula(self) -> dict[str, float]:
         return state_bytes(self.zero, self.optimizer)
-
-
-def state_bytes(engine: Zero, optimizer: ZeroOptimizer) -> dict[str, float]:
-    """ZeRO's resident model-state bytes per rank for the engine's stage and precision (the
-    docstring's table, with the padding): params, grads, optimizer, model_states."""
-    padded = sum(u.padded for u in engine.units)
-    b = engine.units[0].full.element_size()
-    rb = engine.units[0].grad_shard.element_size()   # the reduce dtype's
-    # over each unit's shard group: the world, HSDP's S = W / R ranks (fsdp.py --replicate),
-    # compose4d's dp x cp (or, for experts, the ranks that hold the same experts)
-    shard = sum(u.shard_numel for u in engine.units)
-    opt = (12 if optimizer.mixed else 2 * b) * shard   # (master +) m + v
-    params = padded * b if engine.stage < 3 else shard * b
-    grads = (padded * b + (shard * rb if rb != b else 0) if engine.stage == 1 else shard * rb)
-    return {"params": params, "grads": grads, "optimizer": opt,
-            "model_states": params + grads + opt}
 
 
 # the baselines (--compare-native): PyTorch's own ZeRO-1 and FSDP2

@@ -19,9 +19,13 @@ into its two classes:
         state_dict(), load_state_dict(sd)        torch's unsharded format (collective): a plain
                                                  torch optimizer over the same groups reads it
         state_tensors()                          the resident optimizer state
+    clip_shard_grads(grads, max_norm, group)     global-norm clipping from the shards' norms
+    state_bytes(engine, optimizer)               the model-state bytes per rank, by formula
 """
 import torch
 import torch.distributed as dist
+
+from harness import clip_by_norm, planted
 
 
 class FlatTensors:
@@ -199,3 +203,30 @@ class ShardedState:
                                      params=list(range(j, j + len(ig["params"])))))
             j += len(ig["params"])
         self.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+
+
+def clip_shard_grads(grads: list[torch.Tensor], max_norm: float, group=None) -> torch.Tensor:
+    """Global-norm clipping from shard norms: one scalar all_reduce, no host read (the norm is
+    returned as a device scalar). Padding is zero."""
+    sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device)
+    for g in grads:
+        sq += g.double().pow(2).sum()
+    if not planted("clip-local-norm"):   # plant: each rank clips by its own shard's norm
+        dist.all_reduce(sq, group=group)
+    return clip_by_norm(sq, grads, max_norm)   # torch.nn.utils.clip_grad_norm_'s formula
+
+
+def state_bytes(engine, optimizer) -> dict[str, float]:
+    """ZeRO's resident model-state bytes per rank for the engine's stage and precision (the
+    docstring's table, with the padding): params, grads, optimizer, model_states."""
+    padded = sum(u.padded for u in engine.units)
+    b = engine.units[0].full.element_size()
+    rb = engine.units[0].grad_shard.element_size()   # the reduce dtype's
+    # over each unit's shard group: the world, HSDP's S = W / R ranks (fsdp.py --replicate),
+    # compose4d's dp x cp (or, for experts, the ranks that hold the same experts)
+    shard = sum(u.shard_numel for u in engine.units)
+    opt = (12 if optimizer.mixed else 2 * b) * shard   # (master +) m + v
+    params = padded * b if engine.stage < 3 else shard * b
+    grads = (padded * b + (shard * rb if rb != b else 0) if engine.stage == 1 else shard * rb)
+    return {"params": params, "grads": grads, "optimizer": opt,
+            "model_states": params + grads + opt}

@@ -12,6 +12,7 @@ import harness
 import harness.flops
 from conftest import Runs, assert_config_error, config_file
 from trainer4d import checkpoint
+from trainer4d.schedule import torch_schedule
 
 N_TENSORS = 2 + 4 * 9 + 1      # tiny: embed + head + 4 layers x 9 + final norm
 
@@ -53,7 +54,7 @@ def test_lr_schedule_matches_torch_schedulers(schedule):
                                    lr_min_ratio=0.1))
             p = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
             opt = torch.optim.AdamW([p], lr=a.lr)
-            sched = compose4d.torch_schedule(opt, a)
+            sched = torch_schedule(opt, a)
             got = []
             for _ in range(steps):
                 got.append(opt.param_groups[0]["lr"])

@@ -19,6 +19,10 @@ Memory model per GPU (every coefficient is a flag):
     parameters   --bytes-param (2, bf16) x Psi / (tp pp), / dp at ZeRO-3
     gradients    --bytes-grad  (4, fp32) x Psi / (tp pp), / dp from ZeRO-2
     optimizer    --bytes-adam  (8: Adam's two fp32 moments) x Psi / (tp pp), / dp from ZeRO-1
+    experts      (--expert-params Psi_e of Psi, with --ep E) the same three terms for Psi_e with
+                 ep in place of tp and dp cp / ep in place of dp (compose_moe.py's layout: the
+                 experts whole across tp, sharded over the ranks that hold the same experts);
+                 a world whose dp cp E does not divide is infeasible
     activations  --act-coef (16) x b x (seq / cp) x hidden x layers x --act-bytes (2) / tp
                  (under 1F1B the first stage holds P micro-batches of L/P layers: all L)
 """
@@ -72,7 +76,8 @@ class Plan:
 
 def plan_world(world: int, target: int, *, params, hidden, layers, seq, mem_bytes, tolerance,
                max_micro_batch, min_zero=0, max_zero=3, tp=1, pp=1, cp=1,
-               model: MemoryModel | None = None, gpus_per_node=1) -> Plan:
+               model: MemoryModel | None = None, gpus_per_node=1, expert_params=0,
+               ep=1) -> Plan:
     """The planning rule for one world size (see the docstring)."""
     model = model or MemoryModel()
     out = Plan(world // gpus_per_node, world)
@@ -80,10 +85,14 @@ def plan_world(world: int, target: int, *, params, hidden, layers, seq, mem_byte
         out.why = f"{world} GPUs are not a multiple of tp pp cp = {tp * pp * cp}"
         return out
     dp = world // (tp * pp * cp)
+    if (dp * cp) % ep:
+        out.why = f"ep {ep} does not divide dp x cp = {dp} x {cp} at {world} GPUs"
+        return out
     lo, hi = target * (1 - tolerance), target * (1 + tolerance)
     best = None
     for z in range(min_zero, max_zero + 1):
-        states = model.states(params, z, dp, tp, pp)
+        states = model.states(params - expert_params, z, dp, tp, pp) + (
+            model.states(expert_params, z, dp * cp // ep, ep, pp) if expert_params else 0)
         for b in range(1, max_micro_batch + 1):
             acts = model.activations(b, seq, hidden, layers, tp, cp)
             if states + acts > mem_bytes:
@@ -118,7 +127,8 @@ def plan_table(args) -> tuple[int, list[Plan]]:
                        layers=args.layers, seq=args.seq, mem_bytes=args.mem_gib * 2**30,
                        tolerance=args.tolerance, max_micro_batch=args.max_micro_batch,
                        min_zero=args.zero, tp=args.tp, pp=args.pp, cp=args.cp, model=model,
-                       gpus_per_node=args.gpus_per_node)
+                       gpus_per_node=args.gpus_per_node, expert_params=args.expert_params,
+                       ep=args.ep)
             for n in range(lo, hi + 1)]
     return target, rows
 
@@ -151,13 +161,15 @@ def replan(world: int, config, args, target: int) -> Plan:
     from transformers import AutoModelForCausalLM
     from harness import param_count
     with torch.device("meta"):
-        params = param_count(AutoModelForCausalLM.from_config(config))
+        model = AutoModelForCausalLM.from_config(config)
+    params = param_count(model)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     return plan_world(
         world, target, params=params, hidden=config.hidden_size,
         layers=config.num_hidden_layers, seq=args.length, mem_bytes=args.mem_gib * 2**30,
         tolerance=args.batch_tolerance, max_micro_batch=args.max_micro_batch,
         min_zero=args.zero, max_zero=1 if args.schedule == "interleaved" else 3,
-        tp=args.tp, pp=args.pp, cp=args.cp)
+        tp=args.tp, pp=args.pp, cp=args.cp, expert_params=experts, ep=getattr(args, "ep", 1))
 
 
 def plan_parser() -> argparse.ArgumentParser:
@@ -174,6 +186,9 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (a MoE model)")
+    p.add_argument("--expert-params", type=float, default=0.0,
+                   help="the routed experts' share of --params (a MoE model)")
     p.add_argument("--nodes", default="1:8", help="MIN:MAX node counts")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--mem-gib", type=float, default=80.0, help="memory budget per GPU")

@@ -100,8 +100,8 @@ def parse_layout(text: str) -> dict:
         lay[key] = val if key in ("schedule", "recompute") else int(val)
     if lay["m"] is None:   # enough micro-batches to fill the pipeline once
         lay["m"] = lay["pp"]
-    if lay["dp"] % lay["ep"]:
-        raise SystemExit(f"error: ep={lay['ep']} must divide dp={lay['dp']}")
+    if (lay["dp"] * lay["cp"]) % lay["ep"]:
+        raise SystemExit(f"error: ep={lay['ep']} must divide dp x cp = {lay['dp'] * lay['cp']}")
     return lay
 
 
