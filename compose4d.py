@@ -1,6 +1,7 @@
-"""compose4d.py: DP x TP(+SP) x PP x CP training of an HF Llama, composed from the strategy files.
+"""compose4d.py: DP x TP(+SP) x PP x CP (x EP) training of an HF model, composed from the strategies.
 
     torchrun --nproc_per_node=8 compose4d.py --tp 2 --pp 2 --cp 2                # correctness
+    torchrun --nproc_per_node=8 compose4d.py --model tiny-moe --ep 2 --tp 2 --pp 2 --zero 3
     torchrun --nproc_per_node=8 compose4d.py --tp 2 --pp 2 --cp 2 --sp --mode benchmark
     torchrun --nproc_per_node=4 compose4d.py --tp 2 --pp 2 --mode train --steps 200 \\
         --lr-schedule cosine --lr-warmup 20 --save ckpt --export-hf hf_out
@@ -13,7 +14,11 @@ Nothing here re-implements a parallelism; the blocks come from their own files:
     cp_ring.CPContext      zig-zag ring attention over the cp group, through HF's attention registry
     pp.Pipeline            the stage split and the 1F1B / interleaved executor, over the pp group;
                            with P = 1 it is plain gradient accumulation over the micro-batches
-    zero.Zero, ZeroOptimizer  ZeRO-1 (default) or ZeRO-2 over the dp x cp group
+    zero.Zero, ZeroOptimizer  ZeRO-1 (default), 2 or 3 over the dp x cp group (--zero 3: each
+                           unit gathered before its forward and its backward, one unit prefetched)
+    compose_moe            a MoE model's fifth dimension (--ep): ep_moe's all-to-all blocks over
+                           ep groups carved out of dp x cp, the experts sharded over the ranks
+                           that hold the same experts, the router losses per layer and micro-batch
 What is here: the rank grid and its groups, the step that strings the blocks together, and
 gradient clipping across all four dimensions. examples/train_4d.py composes tp, cp_ring, pp and
 zero the same way in a short user loop (no SP, checkpoints or correctness mode).
@@ -55,7 +60,10 @@ Psi_r = parameters held per rank = about Psi / (T P))
     pp group     2 M (activation + gradient) sends of N_r H b / (M T_sp) per stage boundary (pp.py)
     dp x cp      ZeRO-1: one reduce-scatter of Psi_r b_r and one all-gather of Psi_r b, one call
                  per unit each (b_r: the reduce dtype's bytes, 4 for bf16); ZeRO-2 reduce-scatters
-                 every micro-batch (M Psi_r b_r) (zero.py)
+                 every micro-batch (M Psi_r b_r); ZeRO-3 also all-gathers every unit before each
+                 micro-batch's forward and backward (2 M Psi_r b) and none after the step
+                 (zero.py). With a MoE model (--ep) the experts' units take these rows over edp
+                 (compose_moe.py, which adds the ep group's all-to-alls and the counts)
     tied pair    with tied embeddings and P > 1, one all-reduce of the embedding's gradient shard
                  on the first and last stages
     world        one 8-byte all-reduce of the squared gradient norm
