@@ -29,8 +29,10 @@ that the correctness mode catches what a one-line slip in this file would break.
 Rank grid (Fast-LLM's arithmetic)
     rank = tp + T * (cp + C * (dp + D * pp)): TP innermost (inside a node), then CP, then DP, PP
     outermost; --pipeline-first swaps PP inside DP (rank = tp + T * (cp + C * (pp + P * dp))).
-    D = W / (T P C). Groups, created on every rank in this order: tp, cp, dp, pp, dp x cp, and the
-    tied-embedding pairs (first and last stage of each pipeline) when the embeddings are tied.
+    D = W / (T P C). Groups, created on every rank in this order: tp, cp, dp, pp, dp x cp, with
+    --replicate R HSDP's shard groups (D C / R consecutive dp x cp ranks) and replicate groups
+    (the same place in each), the tied-embedding pairs (first and last stage of each pipeline)
+    when the embeddings are tied, and for a MoE model compose_moe's ep and edp groups.
     Gradients are summed and ZeRO's shards live over dp x cp: CP ranks hold the same weights and
     see different tokens of the same sequences, exactly as DP ranks see different sequences.
 
@@ -131,13 +133,22 @@ class Grid:
         return list(seen.values())
 
 
-def make_groups(grid: Grid, rank: int, tied: bool) -> dict:
-    """tp, cp, dp, pp, dp x cp (and the tied pairs): every rank creates every group, same order."""
+def make_groups(grid: Grid, rank: int, tied: bool, replicas: int = 1) -> dict:
+    """tp, cp, dp, pp, dp x cp (and the tied pairs; with replicas R > 1 HSDP's shard groups of
+    S = D C / R consecutive dp x cp ranks and replicate groups across them): every rank creates
+    every group, same order."""
     out = {}
     for name, dims in (("tp", ("tp",)), ("cp", ("cp",)), ("dp", ("dp",)), ("pp", ("pp",)),
                        ("dpcp", ("dp", "cp"))):
         mine, _ = dist.new_subgroups_by_enumeration(grid.groups_over(dims))
         out[name] = name_group(mine, name)
+    if replicas > 1:
+        dpcp = grid.groups_over(("dp", "cp"))
+        S = len(dpcp[0]) // replicas
+        for name, groups in (("shard", [g[i:i + S] for g in dpcp for i in range(0, len(g), S)]),
+                             ("replicate", [g[j::S] for g in dpcp for j in range(S)])):
+            mine, _ = dist.new_subgroups_by_enumeration(groups)
+            out[name] = name_group(mine, name)
     out["tied"] = None
     P = grid.size["pp"]
     if tied and P > 1:
@@ -198,6 +209,9 @@ def compose_constraints(args, world, config) -> list[str]:
         return [f"--sp: the {args.length // C} tokens per cp rank are not divisible by tp = {T}"]
     if args.zero not in (1, 2, 3):
         return [f"--zero must be 1, 2 or 3 (got {args.zero})"]
+    if args.replicate < 1 or (D * C) % args.replicate:
+        return [f"--replicate {args.replicate} does not divide dp x cp = {D} x {C} = {D * C} "
+                f"(HSDP shards over dp x cp / R ranks)"]
     feats = cp_ring.ring_refusals(config, args.length) + (
         [f"{args.attn} attention (the ring installs its own)"] if args.attn != "sdpa" else [])
     if C > 1 and feats:
@@ -277,6 +291,10 @@ class Compose4D(Strategy):
             "ZeRO-3: a unit freed after its forward is re-allocated for its backward but not "
             "all-gathered again: the backward computes with zeros", ("--zero", "3", "--tp", "2",
                                                                      "--pp", "2"), world=4),
+        "replicas-not-summed": Plant(
+            "HSDP: the dense gradient shards are reduced inside each replica's shard group but "
+            "not summed across the replicas", ("--zero", "3", "--replicate", "2", "--pp", "2"),
+            world=4),
         "tied-sync-skipped": Plant(
             "the first stage's embedding and the last stage's head copy of the tied weight "
             "are not summed: each updates with its own part of the gradient", _PP),
@@ -299,6 +317,9 @@ class Compose4D(Strategy):
         p.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved"])
         p.add_argument("--virtual-stages", type=int, default=2, help="V for --schedule interleaved")
         p.add_argument("--zero", type=int, default=1, help="ZeRO stage over dp x cp: 1, 2 or 3")
+        p.add_argument("--replicate", type=int, default=1,
+                       help="HSDP: R replicas, each ZeRO-sharded over dp x cp / R consecutive "
+                            "ranks (a node), gradients summed across them once per step")
         p.add_argument("--grad-accum", type=int, default=1,
                        help="micro-batches per step per replica (the pipeline's M)")
         p.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"])
@@ -374,9 +395,10 @@ class Compose4D(Strategy):
         self.grid = Grid(env.world, T, P, C, args.pipeline_first)
         self.me = self.grid.coords(env.rank)
         self.name = (f"4d-dp{self.grid.size['dp']}-tp{T}{'sp' if args.sp else ''}-pp{P}-cp{C}"
-                     f"{f'-ep{args.ep}' if args.ep > 1 else ''}-zero{args.zero}")
+                     f"{f'-ep{args.ep}' if args.ep > 1 else ''}-zero{args.zero}"
+                     f"{f'-rep{args.replicate}' if args.replicate > 1 else ''}")
         self.tied = model.lm_head.weight is model.model.embed_tokens.weight
-        g = self.groups = make_groups(self.grid, env.rank, self.tied)
+        g = self.groups = make_groups(self.grid, env.rank, self.tied, args.replicate)
         # Experts (a MoE model): ep groups out of dp x cp, ep_moe's all-to-all in every layer.
         self.moe = compose_moe.is_moe(model.config)
         blocks = []
@@ -415,7 +437,7 @@ class Compose4D(Strategy):
             self.load_report = self._load_shards()
         # ZeRO over dp x cp, on this stage's (TP-sharded) parameters; gradients summed.
         # Experts: over the ranks that hold the same experts (edp).
-        zgroup = g["dp"] if planted("grad-sum-misses-cp") else g["dpcp"]   # plant
+        zgroup = g["dp"] if planted("grad-sum-misses-cp") else g.get("shard", g["dpcp"])  # plant
         egroup = zgroup if planted("expert-grads-over-dpcp") else g.get("edp")   # plant
         units = self._units()
         self.zero = zero.Zero(model, group=zgroup, stage=args.zero, average=False,
@@ -428,7 +450,8 @@ class Compose4D(Strategy):
         self.last_norm = float("nan")
         coords = [None] * env.world          # every rank's coordinates, printed once at start
         shown = dict(self.me, **({"ep": dist.get_rank(g["ep"]), "edp": dist.get_rank(g["edp"])}
-                                 if self.moe else {}))
+                                 if self.moe else {}),
+                     **({"replica": dist.get_rank(g["replicate"])} if "replicate" in g else {}))
         with METER.paused():
             dist.all_gather_object(coords, shown)
         if env.is_main:
@@ -496,7 +519,9 @@ class Compose4D(Strategy):
                     ps.append((a - lo, b - lo))
                 split = self.tp is not None and n in self.tp.split_dim
                 head_copy = self.tied and n == "lm_head.weight"
-                if (split or tp_rank == 0) and not head_copy:
+                other_replica = u.group is self.zero.group and "replicate" in self.groups and \
+                    dist.get_rank(self.groups["replicate"]) > 0   # HSDP: replica 0 counts it
+                if (split or tp_rank == 0) and not head_copy and not other_replica:
                     ns.append((a - lo, b - lo))
             self.partial_slices.append(ps)
             self.norm_slices.append(ns)
@@ -527,8 +552,9 @@ class Compose4D(Strategy):
 
     def reduce_grads(self) -> list[torch.Tensor]:
         """The gradient sums after the micro-batches: over dp x cp (ZeRO's reduce-scatter, which
-        also shards them), over tp for the partial gradients (norms under SP, replicated kv
-        heads), over the tied pair (first stage's embedding, last stage's head copy)."""
+        also shards them; with HSDP over the shard group, then the shards over the replicas),
+        over tp for the partial gradients (norms under SP, replicated kv heads), over the tied
+        pair (first stage's embedding, last stage's head copy)."""
         g = self.groups
         with phase("backward"):
             self.optimizer.reduce_gradients()
@@ -538,6 +564,9 @@ class Compose4D(Strategy):
             if g["tied"] is not None and (self.first or self.last) \
                     and not planted("tied-sync-skipped"):   # plant: the tie forgotten
                 dist.all_reduce(grads[0] if self.first else grads[-1], group=g["tied"])
+            if "replicate" in g and not planted("replicas-not-summed"):   # plant: HSDP's sum
+                all_reduce_flat([gr for gr, u in zip(grads, self.zero.units)
+                                 if u.group is self.zero.group], g["replicate"])
         return grads
 
     def eval_sum(self, batch: Batch) -> float:
@@ -656,8 +685,9 @@ class Compose4D(Strategy):
         rs = M if a.zero >= 2 else 1   # (over a group of one as well: zero.py does not skip)
         rb = z.units[0].grad_shard.element_size()   # the reduce dtype's (fp32 for bf16)
         ag = 2 * M if a.zero == 3 else 1   # stage 3: before each forward and each backward
-        for group, what in (("dpcp", "Psi_r"), ("edp", "experts' Psi_e,r")):   # (edp: MoE)
-            units = [u for u in z.units if (u.group is z.group) == (group == "dpcp")]
+        dense = "shard" if a.replicate > 1 else "dpcp"    # (HSDP: dp x cp / R ranks)
+        for group, what in ((dense, "Psi_r"), ("edp", "experts' Psi_e,r")):   # (edp: MoE)
+            units = [u for u in z.units if (u.group is z.group) == (group == dense)]
             if not units:
                 continue
             padded = sum(u.padded for u in units)
@@ -667,6 +697,11 @@ class Compose4D(Strategy):
                      Expect("all_gather_into_tensor", group, len(units) * ag, padded * b * ag,
                             f"parameters per unit, forward and backward x{M} micro-batches"
                             if a.zero == 3 else "updated parameters, one per unit")]
+        if a.replicate > 1:
+            shard = sum(u.shard_numel for u in z.units if u.group is z.group)
+            rows.append(Expect("all_reduce", "replicate", 1, shard * rb,
+                               "HSDP: the dense gradient shards summed over the R replicas, once "
+                               "per step"))
         rows.append(Expect("all_reduce", "world", 1, 8, "global gradient norm (fp64)"))
         rows += compose_moe.expected_comm(self, self.blocks)
         if P > 1:

@@ -51,13 +51,21 @@ W4 = Runs("compose4d.py", 4, tier="slow", runs={
     "zero3-tp-pp": ["--zero", "3", "--tp", "2", "--pp", "2", "--grad-accum", "2"],
     "zero3-tied": ["--zero", "3", "--dp", "4", "--grad-accum", "2", "--model",
                    config_file("tied-z3", tie_word_embeddings=True)],
+    # HSDP: 2 replicas, each sharded over dp x cp / 2 (clipping counts each element once)
+    "hsdp-cp": ["--zero", "3", "--replicate", "2", "--cp", "2", "--dtype", "float32",
+                "--clip", "0.5"],
+    "hsdp-ep": [*MOE, "--ep", "2", "--zero", "3", "--replicate", "2"],
+    "bench-hsdp": ["--zero", "3", "--replicate", "2", "--cp", "2", "--grad-accum", "2",
+                   "--dtype", "float32", "--mode", "benchmark", "--bench-iters", "1",
+                   "--warmup", "1"],
     "bench-ep": [*MOE, "--ep", "2", "--pp", "2", "--grad-accum", "2", "--zero", "3",
                  "--dtype", "float32", "--mode", "benchmark", "--bench-iters", "1",
                  "--warmup", "1"],
     # a checkpoint at ep2 x pp2 (dp 2), resumed at ep4 (dp 4), exported for HF
     "full": [*TRAIN, "--ep", "2", "--pp", "2"],
     "first": [*TRAIN, "--ep", "2", "--pp", "2", "--stop-at", "2", "--save", ck],
-    "second": [*TRAIN, "--ep", "4", "--resume", ck, "--save", ck, "--export-hf", hf],
+    "second": [*TRAIN, "--ep", "4", "--zero", "3", "--replicate", "2", "--resume", ck,
+               "--save", ck, "--export-hf", hf],
     # on text (a tokenizer trained here, vocabulary 320): ep 2 x pp 2 x ZeRO-3 over dp 2
     "text": ["--model", config_file("moe320", preset="tiny-moe", vocab_size=320),
              "--tokenizer", lambda b: text(b)["tok"], "--data", lambda b: text(b)["corpus"],
@@ -74,7 +82,8 @@ def ok(r):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("key", ["ep-pp-zero3", "ep-tp", "ep-cp-zero2", "ep4-capacity",
-                                 "bias-tp-zero3", "zero3-tp-pp", "zero3-tied"])
+                                 "bias-tp-zero3", "zero3-tp-pp", "zero3-tied", "hsdp-cp",
+                                 "hsdp-ep"])
 def test_correctness(runs, key):
     r = ok(runs(W4, key))
     if "ep" in key:   # every expert tensor compared whole (gathered over the ep group)
@@ -130,7 +139,21 @@ def test_benchmark_comm_and_model_states(runs):
 
 
 @pytest.mark.slow
+def test_hsdp_comm(runs):
+    """dp 2 x cp 2 = 4 data ranks in 2 replicas of 2: gathers and reduce-scatters inside a shard
+    group, and one all-reduce of the reduced shards (1/S of the buffers) across the replicas."""
+    r = ok(runs(W4, "bench-hsdp"))
+    b = r.json("benchmark.json")
+    comm, M, S = b["ours"]["comm"], 2, 2
+    assert b["comm_ok"] and b["group_sizes"]["shard"] == S and b["group_sizes"]["replicate"] == 2
+    rs = comm["reduce_scatter_tensor|shard"]
+    assert comm["all_reduce|replicate"] == {"calls": 1, "bytes": rs["bytes"] // (M * S)}
+    assert "reduce_scatter_tensor|dpcp" not in comm
+
+
+@pytest.mark.slow
 def test_resume_at_another_expert_layout_is_exact_and_exports(runs):
+    """Saved at ep 2 x pp 2 (ZeRO-1), resumed at ep 4 with ZeRO-3 in 2 HSDP replicas."""
     assert_resume_continues(runs, W4, "full", "first", "second", cut=2, steps=5)
     base = os.path.dirname(runs(W4, "first").out)
     from transformers import AutoModelForCausalLM
@@ -197,6 +220,7 @@ def test_micro_batch_rows_follow_the_dp_split():
     (2, ["--zero", "3", "--pp", "2", "--schedule", "interleaved", "--grad-accum", "2"],
      "--zero 3 reduce-scatters per micro-batch"),
     (2, ["--zero", "4"], "--zero must be 1, 2 or 3 (got 4)"),
+    (4, ["--zero", "3", "--replicate", "3"], "--replicate 3 does not divide dp x cp = 4 x 1 = 4"),
 ])
 def test_bad_layouts(tmp_path, nproc, args, msg):
     """Refused in one line before any process group (one process that believes it is rank 0)."""
