@@ -45,7 +45,7 @@ One step
     (each gradient element counted once: tp-replicated ones on tp rank 0 only, the tied head copy
     on the first stage only), AdamW on the shards, all-gather of the updated parameters.
 
-Communication per step and rank (Compose4D.expected_comm; N_r = tokens per rank per step =
+Communication per step and rank (trainer4d/comm.py; N_r = tokens per rank per step =
 B S / (D C), H hidden, b bytes, M micro-batches, L_r = the layers this rank's stage holds,
 f = 1 on the stage that holds the embedding, l = 1 on the stage that holds the LM head, else 0;
 Psi_r = parameters held per rank = about Psi / (T P))
@@ -82,7 +82,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from harness import (DTYPES, METER, Batch, Expect, Plant, Strategy, all_reduce_flat,
+from harness import (DTYPES, METER, Batch, Plant, Strategy, all_reduce_flat,
                      clip_by_norm, global_loss, main, name_group, phase,
                      planted, spread_across_ranks)
 from harness.flops import mfu_line
@@ -95,7 +95,7 @@ import pp
 import sp
 import tp
 import zero
-from trainer4d import elastic, train   # the train mode (checkpoints, preemption, elastic)
+from trainer4d import comm, elastic, train   # the train mode, the comm formulas
 from trainer4d.schedule import Scheduled, ScheduledReference, lr_at
 
 
@@ -671,92 +671,9 @@ class Compose4D(Strategy):
                          f"max spread {spread:.1e}"))
         return rows
 
-    # -- benchmark: communication formulas per group --
+    # -- benchmark: communication formulas per group (trainer4d/comm.py) --
     def expected_comm(self):
-        a, cfg = self.args, self.model.config
-        T, P, C, M = a.tp, a.pp, a.cp, a.grad_accum
-        D = self.grid.size["dp"]
-        b = DTYPES[a.dtype].itemsize
-        H = cfg.hidden_size
-        n_tok = a.batch // D * a.length // C          # tokens per rank per step
-        L_st = sum(len(self.pipe.bounds[c]) for c in self.pipe.mine)
-        z = self.zero
-        rows = []
-        rs = M if a.zero >= 2 else 1   # (over a group of one as well: zero.py does not skip)
-        rb = z.units[0].grad_shard.element_size()   # the reduce dtype's (fp32 for bf16)
-        ag = 2 * M if a.zero == 3 else 1   # stage 3: before each forward and each backward
-        dense = "shard" if a.replicate > 1 else "dpcp"    # (HSDP: dp x cp / R ranks)
-        for group, what in ((dense, "Psi_r"), ("edp", "experts' Psi_e,r")):   # (edp: MoE)
-            units = [u for u in z.units if (u.group is z.group) == (group == dense)]
-            if not units:
-                continue
-            padded = sum(u.padded for u in units)
-            rows += [Expect("reduce_scatter_tensor", group, len(units) * rs, padded * rb * rs,
-                            f"ZeRO-{a.zero}: {what}*b_reduce = {padded * rb:,} B, one per unit"
-                            + (f", x{M} micro-batches" if rs > 1 else "")),
-                     Expect("all_gather_into_tensor", group, len(units) * ag, padded * b * ag,
-                            f"parameters per unit, forward and backward x{M} micro-batches"
-                            if a.zero == 3 else "updated parameters, one per unit")]
-        if a.replicate > 1:
-            shard = sum(u.shard_numel for u in z.units if u.group is z.group)
-            rows.append(Expect("all_reduce", "replicate", 1, shard * rb,
-                               "HSDP: the dense gradient shards summed over the R replicas, once "
-                               "per step"))
-        rows.append(Expect("all_reduce", "world", 1, 8, "global gradient norm (fp64)"))
-        rows += compose_moe.expected_comm(self, self.blocks)
-        if P > 1:
-            act = (a.batch // D // M) * (a.length // C // (T if a.sp else 1)) * H * b
-            n = sum(1 for c in self.pipe.mine if c < self.pipe.C - 1) * M \
-                + sum(1 for c in self.pipe.mine if c > 0) * M
-            rows += [Expect("isend", "pp", n, n * act, f"M activations out + gradients back per "
-                            f"boundary, {act:,} B each"),
-                     Expect("irecv", "pp", n, n * act, "the mirror of the sends")]
-            if self.groups["tied"] is not None and (self.first or self.last):
-                rows.append(Expect("all_reduce", "tied", 1, z.units[0 if self.first else -1]
-                                   .shard_numel * rb, "tied embedding gradient shard"))
-        if C > 1:
-            hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
-            blk = (a.batch // D // M) * (a.length // C) * 2 * (cfg.num_key_value_heads // T) * hd * b
-            per = (C - 1) * blk + (C - 1) * 2 * blk + blk
-            rows += [Expect(op, "cp", M * L_st * (3 * (C - 1) + 1), M * L_st * per,
-                            "ring attention per layer and micro-batch: (C-1) K,V hops forward, "
-                            "(C-1) K,V,dK,dV hops backward, dK,dV home") for op in ("isend", "irecv")]
-        if T > 1:
-            nhb = n_tok * H * b
-            head = int(self.last)
-            if a.sp:
-                ag = M * (6 * L_st + 2 * head + int(self.first))   # sp.py: 6L+3 per model
-                rs_ = M * (4 * L_st + head)
-                rows += [Expect("all_gather_into_tensor", "tp", ag, ag * nhb // M,
-                                "SP: region entries (fwd), re-gathers and row exits (bwd)"),
-                         Expect("reduce_scatter_tensor", "tp", rs_, rs_ * nhb // M,
-                                "SP: row exits (fwd), region entries (bwd)")]
-        return rows + (self._tp_allreduce_rows(M, b, n_tok) if T > 1 else [])
-
-    def _tp_allreduce_rows(self, M, b, n_tok):
-        a, cfg = self.args, self.model.config
-        H = cfg.hidden_size
-        L_st = sum(len(self.pipe.bounds[c]) for c in self.pipe.mine)
-        nhb_mb = n_tok // M * H * b
-        b_ce = 4 if a.dtype == "bfloat16" else b
-        calls = nbytes = 0
-        if self.first:
-            calls, nbytes = calls + M, nbytes + M * nhb_mb            # embedding
-        if self.last:
-            calls, nbytes = calls + 3 * M, nbytes + 3 * M * n_tok // M * b_ce   # loss
-        if not a.sp:
-            per_layer = 2 if self.moe else 4    # f and g of attention (and of a dense MLP)
-            calls += M * (per_layer * L_st + int(self.last))
-            nbytes += M * (per_layer * L_st + int(self.last)) * nhb_mb
-        psl = sum(b_ - a_ for sl in self.partial_slices for a_, b_ in sl)
-        if psl:   # slices of the gradient shards: the reduce dtype's bytes
-            rb = self.zero.units[0].grad_shard.element_size()
-            calls, nbytes = calls + 1, nbytes + psl * rb
-        return [Expect("all_reduce", "tp", calls, nbytes,
-                       "TP: embedding + loss (3 x N b) per micro-batch"
-                       + ("" if a.sp else " + f and g per attention and dense MLP (+ the "
-                                          "head's f)")
-                       + (" + partial (norm) gradient shards" if psl else ""))]
+        return comm.expected_comm(self)
 
     def report_lines(self):
         lines = [f"rank grid {self.grid.size}, order {self.grid.order} (innermost first); "

@@ -4,7 +4,7 @@
 
 For each layout, one `compose4d.py --mode benchmark` run (float32, tiny-moe or tiny, W=4): every
 communication row of rank 0 (or summed over the ranks, the all-to-all) beside the formula's
-count and bytes (compose4d.Compose4D.expected_comm, compose_moe.expected_comm), and each rank's
+count and bytes (trainer4d/comm.py, compose_moe.expected_comm), and each rank's
 model-state bytes measured by the live-tensor tracker beside zero.state_bytes' formula. The
 docs quote the rows from the JSON (docs/training.md, "Expert parallelism and ZeRO-3").
 """

@@ -4,6 +4,7 @@
                     preemption (also mid-step), elastic restarts, real text, held-out evaluation
     checkpoint.py   layout-independent, atomic checkpoints and the HF export
     elastic.py      the batch re-planner for a changed world size (`compose4d.py plan`)
+    comm.py         compose4d's communication per step by group: the benchmark's formula rows
     plan.py         `python -m trainer4d.plan`: one GPU's model states, activations, bubble and
                     communication for a cluster layout, from the strategies' formulas
 
