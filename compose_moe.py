@@ -61,7 +61,10 @@ import ep_moe
 
 
 def is_moe(config) -> bool:
-    return bool(getattr(config, "num_local_experts", None))
+    """A Mixture-of-Experts config: Mixtral's num_local_experts, Qwen-MoE's and OLMoE's
+    num_experts, DeepSeek's n_routed_experts."""
+    return any(getattr(config, k, None) for k in ("num_local_experts", "num_experts",
+                                                   "n_routed_experts"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,9 +196,11 @@ def constraints(args, config, D: int, C: int) -> list[str]:
         return ([f"--ep {E}: --model {args.model} is not a Mixture-of-Experts config (no "
                  f"num_local_experts); use --model tiny-moe or a Mixtral config"] if E > 1 else [])
     if config.model_type != "mixtral":
-        return [f"--model {args.model}: compose4d's MoE layers are HF Mixtral's "
-                f"(MixtralSparseMoeBlock); {config.model_type} (a shared expert, another "
-                f"router) is not implemented"]
+        shared = any(getattr(config, k, None) for k in ("shared_expert_intermediate_size",
+                                                        "n_shared_experts"))
+        return [f"{config.model_type}'s MoE block" + (" (with a shared expert)" if shared else "")
+                + " is not implemented; compose4d's expert parallelism installs ep_moe.py's "
+                  f"blocks for HF Mixtral's MixtralSparseMoeBlock only (--model {args.model})"]
     n = config.num_local_experts
     errs = []
     if E < 1 or (D * C) % E:

@@ -217,6 +217,9 @@ def test_micro_batch_rows_follow_the_dp_split():
     (4, [*MOE, "--ep", "2", "--capacity-factor", "1.0"],
      "--capacity-factor: the global drop priority needs the whole batch in one ep group"),
     (2, [*MOE, "--ep", "2", "--recompute", "full"], "--recompute full: a recomputed MoE layer"),
+    (2, ["--model", "QWEN3MOE"], "qwen3_moe's MoE block is not implemented; compose4d's expert"),
+    (2, ["--model", "QWEN2MOE", "--ep", "2"], "qwen2_moe's MoE block (with a shared expert) is "
+                                              "not implemented"),
     (2, ["--zero", "3", "--pp", "2", "--schedule", "interleaved", "--grad-accum", "2"],
      "--zero 3 reduce-scatters per micro-batch"),
     (2, ["--zero", "4"], "--zero must be 1, 2 or 3 (got 4)"),
@@ -228,7 +231,14 @@ def test_bad_layouts(tmp_path, nproc, args, msg):
     path = tmp_path / "moe3.json"
     path.write_text(json.dumps(dict(harness.PRESETS["tiny-moe"], num_local_experts=3,
                                     num_experts_per_tok=1)))
-    args = [str(path) if a == "MOE6" else a for a in args]
+    other = {}
+    for key, extra in (("QWEN3MOE", dict(model_type="qwen3_moe", num_experts=4)),
+                       ("QWEN2MOE", dict(model_type="qwen2_moe", num_experts=4,
+                                         shared_expert_intermediate_size=32))):
+        other[key] = tmp_path / f"{key}.json"
+        other[key].write_text(json.dumps(dict(harness.PRESETS["tiny"], moe_intermediate_size=32,
+                                              num_experts_per_tok=2, **extra)))
+    args = [str(path) if a == "MOE6" else str(other[a]) if a in other else a for a in args]
     assert_config_error(launch("compose4d.py", nproc, *args, as_rank0=True), msg,
                         torchrun=False)
 
