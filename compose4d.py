@@ -1,4 +1,4 @@
-"""compose4d.py: DP x TP(+SP) x PP x CP (x EP) training of an HF model, composed from the strategies.
+"""compose4d.py: DP x TP(+SP) x PP x CP (x EP) training of an HF model, from the strategy files.
 
     torchrun --nproc_per_node=8 compose4d.py --tp 2 --pp 2 --cp 2                # correctness
     torchrun --nproc_per_node=8 compose4d.py --model tiny-moe --ep 2 --tp 2 --pp 2 --zero 3
@@ -441,7 +441,7 @@ class Compose4D(Strategy):
         egroup = zgroup if planted("expert-grads-over-dpcp") else g.get("edp")   # plant
         units = self._units()
         self.zero = zero.Zero(model, group=zgroup, stage=args.zero, average=False,
-                              units=units, prefetch=int(args.zero == 3),
+                              units=units, prefetch=int(args.zero == 3 and not self.moe),
                               unit_groups={u[0]: egroup for u in units if u[0].endswith("experts")},
                               reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
         self.optimizer = zero.adamw_on_shards(model, self.zero, args)

@@ -43,8 +43,8 @@ The router losses, per layer and micro-batch
 Communication per step, added to compose4d's (T_r = tokens per rank per micro-batch, k top-k,
 H hidden, b bytes, L_r this stage's MoE layers, M micro-batches)
     ep group     per layer and micro-batch: 4 token all-to-alls (dispatch + combine, forward and
-                 backward), summed over the ep ranks 4 k E T_r H b, and one count exchange of
-                 E E_l... = E x 8 bytes per rank
+                 backward), 4 k T_r H b per rank (summed over the ranks, as they depend on the
+                 routing), and one all-to-all of the n expert counts, n x 8 bytes per rank
     dp x cp      per layer and micro-batch, one all_reduce of the E counts (E x 8 B) when the aux
                  loss or the bias needs them
     edp          the experts' ZeRO reduce-scatter and all-gather (their units), as compose4d's
@@ -158,15 +158,23 @@ def expert_local(name: str, t: torch.Tensor, E: int, rank: int) -> torch.Tensor:
     return t[rank * n:(rank + 1) * n]
 
 
-def gather_experts(tensors: dict, group) -> dict:
-    """Full (n_experts, ...) expert tensors from every ep rank's slice (collective)."""
-    W = dist.get_world_size(group)
+def gather_experts(tensors: dict, group, to_first: bool = False) -> dict:
+    """Full (n_experts, ...) expert tensors from every ep rank's slice (collective over the ep
+    group); to_first: on the group's first rank only (a checkpoint's writer: the others keep
+    their slices, and no rank holds E times its experts' state but the one that writes)."""
+    W, me = dist.get_world_size(group), dist.get_rank(group)
     out = {}
     for n, t in tensors.items():
         if ep_moe.is_expert(n) and W > 1:
-            full = t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
-            dist.all_gather_into_tensor(full, t.contiguous(), group=group)
-            t = full
+            t = t.contiguous()
+            if to_first:
+                parts = [torch.empty_like(t) for _ in range(W)] if me == 0 else None
+                dist.gather(t, parts, group_dst=0, group=group)
+                t = torch.cat(parts) if me == 0 else t
+            else:
+                full = t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
+                dist.all_gather_into_tensor(full, t, group=group)
+                t = full
         out[n] = t
     return out
 
@@ -230,6 +238,10 @@ def constraints(args, config, D: int, C: int) -> list[str]:
     if getattr(args, "recompute", "none") == "full":
         errs.append("--recompute full: a recomputed MoE layer would add its router losses and "
                     "exchange its counts twice; use selective")
+    if args.mode == "train" and args.aux_free_bias and (args.export_hf or args.prompt):
+        errs.append("--export-hf or --prompt with --aux-free-bias: HF's Mixtral (the export, and "
+                    "the model the sample is drawn from) has no selection bias, so it would route "
+                    "differently from the trained model")
     if args.mode == "train" and args.preempt_at == "micro-batch":
         errs.append("--preempt-at micro-batch: a cut step resumes in other micro-batches, and "
                     "the auxiliary loss is per micro-batch")
@@ -279,9 +291,10 @@ def micro_batch_rows(B: int, S: int, D: int, M: int, device) -> list[torch.Tenso
 
 class MoEReference(ep_moe.MoEReference):
     """ep_moe's reference (HF's own model and blocks, capacity drops from outside, or route()
-    with the aux-free bias), with the auxiliary loss of the docstring: HF's
-    load_balancing_loss_func formula (harness.routing.hf_router_losses) on each layer's router
-    logits of each micro-batch's rows, averaged."""
+    with the aux-free bias), with the auxiliary loss of the docstring: on each layer's router
+    logits of each micro-batch's rows, harness.routing.hf_router_losses (HF's formula summed in
+    the logits' dtype: HF's function rounds to float32, which would cap a float64 comparison),
+    checked against transformers' load_balancing_loss_func itself at every call, averaged."""
 
     def __init__(self, ref_model, args, env):
         super().__init__(ref_model, args, env)
@@ -291,6 +304,7 @@ class MoEReference(ep_moe.MoEReference):
         if not (self.hf_block and self.args.aux_coef):   # no per-micro-batch term: ep_moe's
             return super().objective(batch)
         from harness import dropout, lm_loss_sum
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
         cfg = self.model.config
         with dropout.at(batch):
             out = self.model(input_ids=batch.input_ids, output_router_logits=True)
@@ -298,7 +312,16 @@ class MoEReference(ep_moe.MoEReference):
         B, S = batch.input_ids.shape
         parts = micro_batch_rows(B, S, self.D, self.args.grad_accum, out.logits.device)
         E, k = cfg.num_local_experts, cfg.num_experts_per_tok
-        aux = [hf_router_losses((lg[rows],), E, k)[0] for lg in out.router_logits for rows in parts]
+        aux = []
+        for lg in out.router_logits:
+            for rows in parts:
+                mine = hf_router_losses((lg[rows],), E, k)[0]   # (in the logits' dtype)
+                theirs = load_balancing_loss_func((lg[rows],), E, k)   # HF's own, float32
+                rtol = 3e-2 if lg.dtype == torch.bfloat16 else 1e-4
+                if abs(mine.item() - theirs.item()) > rtol * abs(theirs.item()):
+                    raise RuntimeError(f"reference aux loss {mine.item()} disagrees with HF's "
+                                       f"load_balancing_loss_func {theirs.item()}")
+                aux.append(mine)
         loss = loss + self.args.aux_coef * sum(aux) / len(aux)
         if self.args.z_coef:
             loss = loss + self.args.z_coef * hf_router_losses(out.router_logits, E, k)[1]

@@ -18,7 +18,9 @@ Who talks to whom, per MoE layer (Lepikhin et al. "GShard" 2020; Fedus et al. "S
     5. the local experts run on contiguous row groups (rows re-sorted expert-major), as one
        grouped computation: torch._grouped_mm over the ragged groups, or (float64, or where it
        does not run) a padded torch.bmm over (E/W, max rows, H); LocalExperts.
-    6. combine: the reverse all_to_all_single, then out[t] += w[t, j] * y[t, j] in token order.
+    6. combine: the reverse all_to_all_single, then out[t] = sum_j w[t, j] y[t, j]: each row
+       written to its own (token, choice) slot, the k slots summed (no atomic adds: the same bits
+       on every run and every tp copy).
     The all-to-all is an autograd Function whose backward is the same exchange with the splits
     swapped, so the backward mirrors the forward: 4 token all-to-alls per layer per step.
 
@@ -401,9 +403,12 @@ class ExpertParallelMoE(MoEBlock):
         inv[perm] = torch.arange(perm.numel(), device=x.device)
         if planted("combine-wrong-order"):   # plant: un-sorts with perm, not its inverse
             inv = perm
-        # 6. combine: back to the senders, weighted, summed per token
+        # 6. combine: back to the senders, weighted, each row to its (token, choice) slot (the
+        # slots are distinct: no atomic adds, the same bits on every run), summed over the k
         yb = self.exchange(y[inv], send_splits, recv_splits)
-        return torch.zeros_like(x).index_add(0, t_s, (yb * w_s[:, None]).to(x.dtype))
+        slots = x.new_zeros(N * k, x.shape[-1]).index_copy(0, order[:n_sent],
+                                                           (yb * w_s[:, None]).to(x.dtype))
+        return slots.view(N, k, -1).sum(1)
 
     def exchange(self, rows, out_splits: list[int], in_splits: list[int]):
         """The all-to-all of rows: in_splits[r] of `rows` go to rank r, out_splits[r] come

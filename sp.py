@@ -440,7 +440,7 @@ def sp_constraints(args, world, config) -> list[str]:
         return [f"sequence length {args.length} is not divisible by the sequence-parallel "
                 f"size {world}"]
     if args.variant == "megatron":
-        return tp.tp_constraints(args, world, config)
+        return tp.standalone_constraints(args, world, config)
     feats = attention_features(config, args.length)
     if feats:
         return [f"ulysses attends with SDPA's causal mode, which does not implement {feats[0]}"]

@@ -582,6 +582,15 @@ def tp_constraints(args, world, config) -> list[str]:
     return shape_constraints(world, config) or classify(meta_model(config), world)[1]
 
 
+def standalone_constraints(args, world, config) -> list[str]:
+    """tp.py (and sp.py's Megatron variant) on their own refuse a MoE model: its blocks would
+    run whole on every rank, which only compose4d.py (--ep, compose_moe.py) accounts for."""
+    if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
+        return [f"--model {args.model} is a Mixture-of-Experts model: tp.py splits attention and "
+                f"dense MLPs, not experts; use compose4d.py --ep (or ep_moe.py)"]
+    return tp_constraints(args, world, config)
+
+
 def shape_constraints(T: int, config) -> list[str]:
     _, h, kv = head_dims(config)
     if h % T:
@@ -631,7 +640,7 @@ class TP(Strategy):
                        help="same as --compare-native: also run PyTorch DTensor's "
                             "parallelize_module with the same plan")
 
-    constraints = staticmethod(tp_constraints)
+    constraints = staticmethod(standalone_constraints)
 
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
@@ -710,7 +719,7 @@ class DTensorTP(DTensorBaseline, Reference):
     q/k/v/gate/up, rowwise o/down, vocab-sharded embedding) and a full-vocabulary LM head.
     The step is the reference's: DTensor makes the plain training code parallel."""
     name = "dtensor-tp"
-    constraints = staticmethod(tp_constraints)
+    constraints = staticmethod(standalone_constraints)
 
     def __init__(self, model, args, env):
         from torch.distributed.device_mesh import init_device_mesh

@@ -249,7 +249,8 @@ class Zero(FlatTensors):
         if stage == 3:
             for u in self.units:
                 for m in u.modules:
-                    m.register_forward_pre_hook(lambda mod, args, u=u: self._pre_forward(u))
+                    m.register_forward_pre_hook(   # (the unit's first module prefetches)
+                        lambda mod, args, u=u: self._pre_forward(u) if mod is u.modules[0] else u.wait())
                 u.modules[-1].register_forward_hook(
                     lambda mod, args, out, u=u: self._post_forward(u, out))
                 u.free_params()
@@ -277,8 +278,7 @@ class Zero(FlatTensors):
     # -- stage 3: gather before use, free after --
     def _pre_forward(self, u: FlatUnit):
         u.wait()
-        i = self.unit_index[u]   # prefetch the next units
-        self._prefetch_units(self.units[i + 1:i + 1 + self.prefetch])
+        self._prefetch_units(self.units[self.unit_index[u] + 1:][:self.prefetch])
 
     def _post_forward(self, u: FlatUnit, out):
         u.free_params()

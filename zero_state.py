@@ -147,7 +147,7 @@ class ShardedState:
                     if vi == ui and key in self.inner.state.get(v, {}):
                         local[a:a + n] = self.inner.state[v][key]
                 full = torch.empty(u.padded, dtype=local.dtype, device=local.device)
-                dist.all_gather_into_tensor(full, local, group=self.group)
+                dist.all_gather_into_tensor(full, local, group=u.group)
                 for p, off in zip(u.params, u.offsets):
                     if p.requires_grad:
                         state.setdefault(self.index[p], {})[key] = \

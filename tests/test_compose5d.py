@@ -24,6 +24,14 @@ def ck(base):
     return os.path.join(str(base), "ck-moe")
 
 
+def ck_bias(base):
+    return os.path.join(str(base), "ck-moe-bias")
+
+
+BIAS = [*MOE, "--mode", "train", "--dtype", "float64", "--steps", "6", "--log-every", "1",
+        "--aux-coef", "0", "--aux-free-bias", "--bias-rate", "0.05"]
+
+
 def hf(base):
     return os.path.join(str(base), "hf-moe")
 
@@ -66,12 +74,17 @@ W4 = Runs("compose4d.py", 4, tier="slow", runs={
     "first": [*TRAIN, "--ep", "2", "--pp", "2", "--stop-at", "2", "--save", ck],
     "second": [*TRAIN, "--ep", "4", "--zero", "3", "--replicate", "2", "--resume", ck,
                "--save", ck, "--export-hf", hf],
+    # the aux-free biases are state: saved, and restored on another layout
+    "bias-full": [*BIAS, "--ep", "2", "--tp", "2"],
+    "bias-first": [*BIAS, "--ep", "2", "--tp", "2", "--stop-at", "3", "--save", ck_bias],
+    "bias-second": [*BIAS, "--ep", "4", "--resume", ck_bias, "--save", ck_bias],
     # on text (a tokenizer trained here, vocabulary 320): ep 2 x pp 2 x ZeRO-3 over dp 2
     "text": ["--model", config_file("moe320", preset="tiny-moe", vocab_size=320),
              "--tokenizer", lambda b: text(b)["tok"], "--data", lambda b: text(b)["corpus"],
              "--val-fraction", "0.1", "--mode", "train", "--batch", "8", "--length", "32",
              "--steps", "30", "--lr", "3e-3", "--eval-every", "15", "--eval-batches", "2",
-             "--ep", "2", "--pp", "2", "--zero", "3", "--dtype", "float32", "--log-every", "5"],
+             "--ep", "2", "--pp", "2", "--zero", "3", "--dtype", "float32", "--log-every", "5",
+             "--prompt", "The old man", "--gen-tokens", "6"],
 })
 
 
@@ -171,9 +184,16 @@ def test_resume_at_another_expert_layout_is_exact_and_exports(runs):
 
 
 @pytest.mark.slow
+def test_aux_free_biases_resume_on_another_layout(runs):
+    assert_resume_continues(runs, W4, "bias-full", "bias-first", "bias-second", cut=3, steps=6)
+
+
+@pytest.mark.slow
 def test_training_on_text_lowers_the_held_out_loss(runs):
+    """ep 2 x pp 2 x ZeRO-3 on text; the greedy sample generates through the sharded model."""
     r = runs(W4, "text")
     assert r.rc == 0, r
+    assert "The old man" in r.stdout
     with open(os.path.join(r.out, "train.jsonl")) as f:
         evals = [x["eval_loss"] for x in map(json.loads, f) if "eval_loss" in x]
     assert len(evals) == 3 and evals[-1] < evals[0] - 0.5, evals
@@ -190,8 +210,7 @@ def test_the_elastic_planner_counts_the_experts_by_their_own_split():
     assert p.feasible and p.states == m.states(200, 1, 4, 2, 2) + m.states(800, 1, 2, 2, 2)
     p4 = plan_world(16, 4, **dict(kw, ep=4))   # experts over 4 ep ranks, one replica each
     assert p4.states == m.states(200, 1, 4, 2, 2) + m.states(800, 1, 1, 4, 2)
-    bad = plan_world(24, 6, **kw)   # dp 6, ep 2: fine; ep 4 does not divide dp 6 x cp 1
-    assert bad.feasible
+    assert plan_world(24, 6, **kw).feasible   # dp 6, ep 2; ep 4 does not divide dp 6 x cp 1
     bad = plan_world(24, 6, **dict(kw, ep=4))
     assert not bad.feasible and bad.why == "ep 4 does not divide dp x cp = 6 x 1 at 24 GPUs"
 
@@ -217,6 +236,8 @@ def test_micro_batch_rows_follow_the_dp_split():
     (4, [*MOE, "--ep", "2", "--capacity-factor", "1.0"],
      "--capacity-factor: the global drop priority needs the whole batch in one ep group"),
     (2, [*MOE, "--ep", "2", "--recompute", "full"], "--recompute full: a recomputed MoE layer"),
+    (2, [*MOE, "--mode", "train", "--aux-coef", "0", "--aux-free-bias", "--export-hf", "x"],
+     "--export-hf or --prompt with --aux-free-bias: HF's Mixtral"),
     (2, ["--model", "QWEN3MOE"], "qwen3_moe's MoE block is not implemented; compose4d's expert"),
     (2, ["--model", "QWEN2MOE", "--ep", "2"], "qwen2_moe's MoE block (with a shared expert) is "
                                               "not implemented"),
@@ -253,3 +274,32 @@ def test_eight_processes_under_nccl_rules(run, args):
     r = run("compose4d.py", 8, *args, "--nccl-semantics", timeout=900, pg_timeout=300)
     assert r.last_line.startswith("NCCL semantics: PASS (") and " on 8 ranks" in r.last_line, r
     assert "\nPASS 4d-dp2-tp2-pp2" in r.stdout, r
+
+
+@pytest.mark.heavy
+def test_training_on_text_at_a_four_degree_layout(run, tmp_path):
+    """dp 2 x tp 2 x pp 2 with ep 2 over the data ranks and ZeRO-3, on text: the held-out loss
+    falls, the sample generates, and the export reloads in HF with the checkpoint's logits."""
+    p = text(tmp_path)
+    model = config_file("moe320-8", preset="tiny-moe", vocab_size=320)(tmp_path)
+    out_hf, out_ck = str(tmp_path / "hf"), str(tmp_path / "ck")
+    r = run("compose4d.py", 8, "--model", model, "--tokenizer", p["tok"], "--data", p["corpus"],
+            "--val-fraction", "0.1", "--mode", "train", "--batch", "8", "--length", "32",
+            "--steps", "24", "--lr", "3e-3", "--eval-every", "12", "--eval-batches", "1",
+            "--ep", "2", "--tp", "2", "--pp", "2", "--zero", "3", "--dtype", "float32",
+            "--prompt", "The old man", "--gen-tokens", "6", "--save", out_ck,
+            "--export-hf", out_hf, timeout=900, pg_timeout=300)
+    assert r.rc == 0, r
+    with open(os.path.join(r.out, "train.jsonl")) as f:
+        evals = [x["eval_loss"] for x in map(json.loads, f) if "eval_loss" in x]
+    assert len(evals) == 3 and evals[-1] < evals[0] - 0.5, evals
+    from transformers import AutoModelForCausalLM
+    from trainer4d import checkpoint
+    hf_model = AutoModelForCausalLM.from_pretrained(out_hf, experts_implementation="eager")
+    meta, tensors = checkpoint.load_checkpoint(out_ck)
+    assert meta["layout"] == {"tp": 2, "cp": 1, "dp": 2, "pp": 2}
+    ref = AutoModelForCausalLM.from_config(hf_model.config, experts_implementation="eager")
+    ref.load_state_dict(tensors["param"])
+    x = torch.randint(0, 320, (2, 16))
+    assert torch.equal(hf_model(x).logits, ref(x).logits)
+

@@ -59,8 +59,9 @@ def save_checkpoint(strat, root: str, step: int, extra: dict | None = None,
         kinds["grad"] = [u.grad_shard for u in z.units]
     with METER.paused():
         local = {k: z.gather_flat(v) for k, v in kinds.items()}    # this stage, TP-local
-        if strat.moe:   # every expert on the writer (each ep rank holds its own)
-            local = {k: compose_moe.gather_experts(v, strat.groups["ep"]) for k, v in local.items()}
+        if strat.moe and dist.get_rank(strat.groups["edp"]) == 0:   # the writer's ep group:
+            local = {k: compose_moe.gather_experts(v, strat.groups["ep"], to_first=True)
+                     for k, v in local.items()}   # every expert on the writer, only there
     tmp, final = os.path.join(root, f".tmp-step-{step}"), os.path.join(root, f"step-{step}")
     if env.is_main:
         os.makedirs(root, exist_ok=True)
@@ -75,7 +76,10 @@ def save_checkpoint(strat, root: str, step: int, extra: dict | None = None,
                "segments": ({} if strat.tp is None else   # fused projections (Phi3)
                             {n: list(s) for n, s in strat.tp.segments.items() if n in local["param"]}),
                "tensors": {k: {n: t.detach().cpu().clone() for n, t in v.items() if n != drop}
-                           for k, v in local.items()}}
+                           for k, v in local.items()},
+               # the MoE routers' selection biases (--aux-free-bias: state, not parameters)
+               "buffers": {n: b.detach().cpu().clone() for n, b in strat.model.named_buffers()
+                           if n.endswith(".mlp.bias")}}
         path = os.path.join(tmp, f"pp{strat.me['pp']}-tp{strat.me['tp']}.pt")
         written = _write_checked(path, rec)
     else:
@@ -261,6 +265,7 @@ def load_checkpoint(root: str, d: str | None = None) -> tuple[dict, dict[str, di
                 if n in ("model.embed_tokens.weight", "lm_head.weight"):
                     t = t[:meta["vocab"]]             # drop the TP vocabulary padding
                 full.setdefault(kind, {})[n] = t
+        full.setdefault("buffers", {}).update(recs[0].get("buffers", {}))
     return meta, full
 
 
@@ -286,6 +291,9 @@ def restore(strat, meta: dict, full: dict):
                 m.copy_(new)
         for kind in ("exp_avg", "exp_avg_sq"):
             opt.load_shard_state(kind, z.flat_shards(local(kind)))
+        for n, b in strat.model.named_buffers():   # (the MoE routers' selection biases)
+            if n in full.get("buffers", {}):
+                b.copy_(full["buffers"][n])
     if z.stage < 3:   # (stage 3 gathers the shards where they are used)
         with METER.paused():
             z.all_gather_params()

@@ -16,9 +16,10 @@ then the larger micro-batch (fewer, larger kernels). A node count with no such c
 infeasible ('-' in the table).
 
 Memory model per GPU (every coefficient is a flag):
-    parameters   --bytes-param (2, bf16) x Psi / (tp pp), / dp at ZeRO-3
-    gradients    --bytes-grad  (4, fp32) x Psi / (tp pp), / dp from ZeRO-2
-    optimizer    --bytes-adam  (8: Adam's two fp32 moments) x Psi / (tp pp), / dp from ZeRO-1
+    parameters   --bytes-param (2, bf16) x Psi / (tp pp), / dp cp at ZeRO-3
+    gradients    --bytes-grad  (4, fp32) x Psi / (tp pp), / dp cp from ZeRO-2
+    optimizer    --bytes-adam  (8: Adam's two fp32 moments) x Psi / (tp pp), / dp cp from
+                 ZeRO-1 (compose4d shards over dp x cp: CP ranks hold the same weights)
     experts      (--expert-params Psi_e of Psi, with --ep E) the same three terms for Psi_e with
                  ep in place of tp and dp cp / ep in place of dp (compose_moe.py's layout: the
                  experts whole across tp, sharded over the ranks that hold the same experts);
@@ -91,7 +92,7 @@ def plan_world(world: int, target: int, *, params, hidden, layers, seq, mem_byte
     lo, hi = target * (1 - tolerance), target * (1 + tolerance)
     best = None
     for z in range(min_zero, max_zero + 1):
-        states = model.states(params - expert_params, z, dp, tp, pp) + (
+        states = model.states(params - expert_params, z, dp * cp, tp, pp) + (
             model.states(expert_params, z, dp * cp // ep, ep, pp) if expert_params else 0)
         for b in range(1, max_micro_batch + 1):
             acts = model.activations(b, seq, hidden, layers, tp, cp)

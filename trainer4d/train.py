@@ -39,6 +39,7 @@ from harness.run import gather_objects
 from harness.trainlog import TrainLog, memory_now
 from harness import train_data
 
+from compose_moe import is_moe
 from . import elastic
 from .checkpoint import (dropout_of, export_hf, find_checkpoint, hf_model,  # noqa: F401
                          latest_dir, load_checkpoint, restore, save_checkpoint)
@@ -210,7 +211,8 @@ def build(run: Run, cls):
     size (Linux)."""
     args, env = run.args, run.env
     before = loading.rss_reset()
-    if args.load == "shards" and has_safetensors(args.model):
+    # (a MoE directory stores experts one by one, not as the fused tensors a shard is cut from)
+    if args.load == "shards" and has_safetensors(args.model) and not is_moe(run.config):
         strat, how = cls(meta_model(run.config, args), args, env), "read its shard"
         load = strat.load_report["grow"]
     else:
