@@ -205,6 +205,8 @@ def compose_constraints(args, world, config) -> list[str]:
     if args.length % (2 * C):
         return [f"sequence length {args.length} is not divisible by 2 x cp = {2 * C} (zig-zag "
                 f"chunks)"]
+    if args.async_tp and not (args.sp and T > 1):
+        return ["--async-tp decomposes sequence-parallel regions: give --tp > 1 with --sp"]
     if args.sp and (args.length // C) % T:
         return [f"--sp: the {args.length // C} tokens per cp rank are not divisible by tp = {T}"]
     if args.zero not in (1, 2, 3):
@@ -309,6 +311,9 @@ class Compose4D(Strategy):
         p.add_argument("--pp", type=int, default=1, help="pipeline stages P")
         p.add_argument("--cp", type=int, default=1, help="context-parallel size C (zig-zag ring)")
         p.add_argument("--sp", action="store_true", help="Megatron sequence parallelism in TP")
+        p.add_argument("--async-tp", action="store_true",
+                       help="with --sp: each region's collectives as rings of chunked matmuls "
+                            "that overlap them (async_tp.py)")
         p.add_argument("--ep", type=int, default=1,
                        help="expert-parallel size E for a MoE model, out of the dp x cp ranks "
                             "(compose_moe.py)")
@@ -394,7 +399,8 @@ class Compose4D(Strategy):
         T, P, C = args.tp, args.pp, args.cp
         self.grid = Grid(env.world, T, P, C, args.pipeline_first)
         self.me = self.grid.coords(env.rank)
-        self.name = (f"4d-dp{self.grid.size['dp']}-tp{T}{'sp' if args.sp else ''}-pp{P}-cp{C}"
+        self.name = (f"4d-dp{self.grid.size['dp']}-tp{T}{'sp' if args.sp else ''}"
+                     f"{'-async' if args.async_tp else ''}-pp{P}-cp{C}"
                      f"{f'-ep{args.ep}' if args.ep > 1 else ''}-zero{args.zero}"
                      f"{f'-rep{args.replicate}' if args.replicate > 1 else ''}")
         self.tied = model.lm_head.weight is model.model.embed_tokens.weight
@@ -408,7 +414,8 @@ class Compose4D(Strategy):
         # Tensor (and sequence) parallelism: split the linear layers, the vocabulary, the loss.
         self.tp, self.partial = None, []
         if T > 1:
-            self.tp = (sp.parallelize if args.sp else tp.parallelize)(model, g["tp"])
+            self.tp = (sp.parallelize(model, g["tp"], async_tp=args.async_tp) if args.sp
+                       else tp.parallelize(model, g["tp"]))
             self.partial = list(self.tp.partial_grads) + list(self.tp.extra_partial)
         # Context parallelism: ring attention over the cp group, this rank's zig-zag tokens.
         self.pos = None

@@ -57,6 +57,8 @@ Public API
         model returned under ddp.DataParallel; each rank feeds its 1/W of every sequence
     Complete loops: examples/tp_train.py --sp, examples/ulysses_train.py.
 """
+import copy
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -65,6 +67,7 @@ from harness import (Expect, Plant, Strategy, DTYPES, attention_features, main, 
                      phase, planted, scalar)
 from harness import dropout as harness_dropout
 from harness.precision import grad_reduce_dtype
+import async_tp as async_tp_
 import ddp
 import tp
 
@@ -204,11 +207,14 @@ class MegatronSP(tp.TP):
         "split-strided": Plant("the first layer keeps tokens r, r+W, ... while the "
                                       "all-gathers lay the shards out as contiguous chunks",
                                       MEGATRON_ARGS),
+        "async-chunk-rows": Plant("--async-tp: the all-gather ring's matmul writes each chunk's "
+                                  "output into the next rank's rows", MEGATRON_ARGS
+                                  + ("--async-tp",)),
     }
 
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
-        self.tp = parallelize(model)
+        self.tp = parallelize(model, async_tp=args.async_tp)
         self.seq_partial = self.tp.extra_partial
         self.optimizer = make_adamw(model.parameters(), args)
 
@@ -245,6 +251,17 @@ class MegatronSP(tp.TP):
         norm_calls, norm_bytes = tp.norm_sharded_comm(self.tp, N, a.dtype)
         ar_calls = 1 + 3 + 1 + (1 if a.clip else 0) + norm_calls
         ar_bytes = nhb + 3 * N * b_ce + partial * b + (8 if a.clip else 0) + norm_bytes
+        if a.async_tp:    # every region collective a ring of T-1 hops (async_tp.py)
+            rings, W = 10 * L + 3, self.env.world
+            return [
+                Expect("all_gather_into_tensor", "world", 1, nhb,
+                       "N*H*b: the first layer's split (bwd)"),
+                *[Expect(op, "world", rings * (W - 1), rings * (W - 1) * nhb // W,
+                         "(10L+3) rings x (T-1) hops of N*H*b/T: the 6L+2 region all-gathers "
+                         "and 4L+1 reduce-scatters") for op in ("isend", "irecv")],
+                Expect("all_reduce", "world", ar_calls, ar_bytes,
+                       "embedding N*H*b + loss 3 x N*b + norm/bias grads"
+                       + (" + clip" if a.clip else ""))]
         return [
             Expect("all_gather_into_tensor", "world", 6 * L + 3, (6 * L + 3) * nhb,
                    "(6L+3) x N*H*b: 2 region entries per layer + LM head (fwd); the same "
@@ -262,11 +279,18 @@ class MegatronSP(tp.TP):
         return _per_layer_lines(self.model.config, self.args, self.env.world)
 
 
-def parallelize(model, group=None) -> tp.TensorParallel:
+def parallelize(model, group=None, async_tp: bool = False) -> tp.TensorParallel:
     """Megatron sequence parallelism: tp.parallelize with all-gather / reduce-scatter regions,
     and the residual stream sequence-sharded between them. The loop is tp's (the norms'
-    gradients join tpm.reduce_partial_grads()); each rank still feeds the whole sequence."""
-    tpm = tp.parallelize(model, group, region=SPRegion(group))
+    gradients join tpm.reduce_partial_grads()); each rank still feeds the whole sequence.
+    async_tp: each region's all-gather + matmul and matmul + reduce-scatter decomposed into
+    rings of chunked matmuls that overlap the transfers (async_tp.py)."""
+    region = SPRegion(group)
+    if async_tp:
+        region = async_tp_.AsyncSPRegion(group, region)
+    tpm = tp.parallelize(model, group, region=region)
+    if async_tp:
+        async_tp_.fuse_columns(model, region)
     tpm.extra_partial = shard_residual_stream(model, group, tpm.kinds)
     return tpm
 
@@ -441,6 +465,8 @@ def sp_constraints(args, world, config) -> list[str]:
                 f"size {world}"]
     if args.variant == "megatron":
         return tp.standalone_constraints(args, world, config)
+    if args.async_tp:
+        return ["--async-tp decomposes Megatron SP's regions: use --variant megatron"]
     feats = attention_features(config, args.length)
     if feats:
         return [f"ulysses attends with SDPA's causal mode, which does not implement {feats[0]}"]
@@ -451,15 +477,31 @@ def sp_constraints(args, world, config) -> list[str]:
     return []
 
 
+class SyncMegatronSP(MegatronSP):
+    """--async-tp's baseline (--compare-native, --paired): the same regions, their collectives
+    whole."""
+    name = "sp-megatron-sync"
+
+    def __init__(self, model, args, env):
+        args = copy.copy(args)
+        args.async_tp = False
+        super().__init__(model, args, env)
+
+
 class SP(Strategy):
     """Dispatches to the variant chosen by --variant (the harness builds one class)."""
     name = "sp"
-    native = [tp.TP]   # --compare-native: tensor parallelism alone, for activation memory
+    # --compare-native: tensor parallelism alone, for activation memory; with --async-tp the
+    # synchronous regions
+    native = staticmethod(lambda args: [SyncMegatronSP] if args.async_tp else [tp.TP])
     plants = {**MegatronSP.plants, **Ulysses.plants}   # each names its --variant in its args
 
     @staticmethod
     def add_args(p):
         p.add_argument("--variant", default="megatron", choices=["megatron", "ulysses"])
+        p.add_argument("--async-tp", action="store_true",
+                       help="megatron: decompose each region's all-gather + matmul and matmul + "
+                            "reduce-scatter into rings that overlap them (async_tp.py)")
 
     constraints = staticmethod(sp_constraints)
 

@@ -116,6 +116,10 @@ class TPRegion:
         """After the vocab-parallel lookup: the partial embeddings are summed."""
         return ReduceFromTP.apply(x, self.group)
 
+    def row(self, x, weight):
+        """A row-parallel layer's partial product, reduced (async_tp.py fuses the two)."""
+        return self.exit(F.linear(x, weight))
+
     def leave(self):
         """Called after the region's module has run (sp.py ends its saved-tensor hooks)."""
 
@@ -191,7 +195,7 @@ class RowParallelLinear(nn.Module):
                      if linear.bias is not None else None)
 
     def forward(self, x):
-        y = self.region.exit(F.linear(x, self.weight))
+        y = self.region.row(x, self.weight)
         return y + self.bias if self.bias is not None else y
 
 

@@ -59,7 +59,16 @@ def expected_comm(self) -> list[Expect]:
     if T > 1:
         nhb = n_tok * H * b
         head = int(self.last)
-        if a.sp:
+        if a.sp and a.async_tp:   # async_tp.py: every region collective a ring of T-1 hops
+            rings = M * (10 * L_st + 3 * head)
+            hop = nhb // M // T
+            if self.first:
+                rows.append(Expect("all_gather_into_tensor", "tp", M, nhb,
+                                   "SP: the first layer's split (bwd)"))
+            rows += [Expect(op, "tp", rings * (T - 1), rings * (T - 1) * hop,
+                            f"async TP: M (10 L_r + 3 l) rings x (T-1) hops of {hop:,} B")
+                     for op in ("isend", "irecv")]
+        elif a.sp:
             ag = M * (6 * L_st + 2 * head + int(self.first))   # sp.py: 6L+3 per model
             rs_ = M * (4 * L_st + head)
             rows += [Expect("all_gather_into_tensor", "tp", ag, ag * nhb // M,
@@ -67,6 +76,7 @@ def expected_comm(self) -> list[Expect]:
                      Expect("reduce_scatter_tensor", "tp", rs_, rs_ * nhb // M,
                             "SP: row exits (fwd), region entries (bwd)")]
     return rows + (_tp_allreduce_rows(self, M, b, n_tok) if T > 1 else [])
+
 
 def _tp_allreduce_rows(self, M, b, n_tok) -> list[Expect]:
     a, cfg = self.args, self.model.config

@@ -1,0 +1,234 @@
+"""async_tp.py: asynchronous tensor parallelism: sp.py's regions as rings of chunked matmuls.
+
+    torchrun --nproc_per_node=2 sp.py --variant megatron --async-tp
+    torchrun --nproc_per_node=4 compose4d.py --tp 2 --sp --async-tp --pp 2
+
+The idea (Wang et al., "Overlap Communication with Dependent Computation via Decomposition in
+Large Deep Learning Models", ASPLOS 2023; Megatron-core's --tp-comm-overlap; torchtitan's async
+TP)
+    A Megatron sequence-parallel region (sp.py) opens with an all-gather of the sequence feeding
+    column-parallel matmuls, and closes with a row-parallel matmul feeding a reduce-scatter. In
+    each pair one side waits for the other. Cut along the sequence into the T ranks' chunks,
+    each pair becomes T ring steps whose matmul runs on the chunk that is here while the next
+    chunk travels:
+      all-gather + matmul      step j holds the chunk of rank r - j: out[its rows] = chunk W^T,
+                               while the chunk goes on to rank r + 1 and the next arrives from
+                               rank r - 1 (AllGatherMatmul: q, k and v, or gate and up, share
+                               one ring: each chunk is multiplied by every weight of the region)
+      matmul + reduce-scatter  step j computes this rank's partial sum of chunk r - j - 1, adds
+                               the accumulator arriving from rank r - 1 for that chunk and sends
+                               it on to rank r + 1; after T - 1 hops each chunk's sum is at its
+                               owner (MatmulReduceScatter)
+    Every hop is one batch_isend_irecv of the send to r + 1 and the receive from r - 1 (the two
+    must progress together on NCCL). The backwards mirror the forwards: all-gather + matmul's is
+    a matmul + reduce-scatter ring for the input gradient and a re-gather ring for the weight
+    gradient (the region input is kept as this rank's chunk only, as sp.py's re-gather does);
+    matmul + reduce-scatter's is an all-gather + matmul ring (the gradient's chunks).
+
+How it plugs in: AsyncSPRegion replaces sp.SPRegion. Its entry hands the region a stand-in of
+the gathered input's shape (a zero-stride view: no storage, never read; HF's attention takes
+its shapes from it) and keeps this rank's chunk; the region's column-parallel layers are bound
+to one FusedColumns, which runs the ring on the chunk when the first of them is called and hands
+each its output. The row-parallel layers call region.row(x, W), which is the ring above.
+
+Communication: the bytes of the collectives they replace: per ring and rank T - 1 sends and
+T - 1 receives of one chunk, B (S/T) H b. Per step sp.py's 6L+3 all-gathers and 4L+1
+reduce-scatters become 10L+3 rings (all but the first layer's split, whose backward stays an
+all-gather): (10L+3)(T-1) isend and as many irecv of N H b / T (sp.MegatronSP.expected_comm).
+
+Public API
+    sp.parallelize(model, group, async_tp=True)   the regions of tp.parallelize, sequence
+        sharded, their collectives decomposed; the training loop is unchanged
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from harness import planted
+
+
+# ----------------------------------------------------------------------------------------------
+# The two rings
+# ----------------------------------------------------------------------------------------------
+def _hop(send: torch.Tensor, recv: torch.Tensor, group) -> list:
+    """Start one ring hop: `send` to the next rank, `recv` from the previous, one batch."""
+    W, r = dist.get_world_size(group), dist.get_rank(group)
+    return dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, send, group=group, group_peer=(r + 1) % W),
+        dist.P2POp(dist.irecv, recv, group=group, group_peer=(r - 1) % W)])
+
+
+def ring_gather(chunk: torch.Tensor, group, use) -> None:
+    """Every rank's chunk, one at a time: use(source rank, chunk) runs on each while the next one
+    travels (this rank's own first)."""
+    W, r = dist.get_world_size(group), dist.get_rank(group)
+    cur = chunk.contiguous()
+    for j in range(W):
+        works = None
+        if j < W - 1:
+            nxt = torch.empty_like(cur)
+            works = _hop(cur, nxt, group)
+        use((r - j) % W, cur)
+        if works is not None:
+            for w in works:
+                w.wait()
+            cur = nxt
+
+
+def ring_reduce_scatter(partial, group) -> torch.Tensor:
+    """The sum over the ranks of partial(c) for this rank's chunk c = r: partial(c) is this
+    rank's share of chunk c, computed while the accumulator of the previous chunk travels."""
+    W, r = dist.get_world_size(group), dist.get_rank(group)
+    works, sending, arrived = None, None, None
+    for j in range(W):
+        c = (r - j - 1) % W
+        acc = partial(c)
+        if works is not None:
+            for w in works:
+                w.wait()
+            acc = acc + arrived       # the other ranks' shares of chunk c, so far
+        if j == W - 1:
+            return acc                # c == r: every rank's share of my chunk
+        sending, arrived = acc.contiguous(), torch.empty_like(acc)
+        works = _hop(sending, arrived, group)
+
+
+def _rows(t: torch.Tensor, c: int, s: int) -> torch.Tensor:
+    return t[:, c * s:(c + 1) * s]
+
+
+# ----------------------------------------------------------------------------------------------
+# The decomposed region edges as autograd Functions (each backward mirrors its forward)
+# ----------------------------------------------------------------------------------------------
+class AllGatherMatmul(torch.autograd.Function):
+    """(B, s, H) chunk -> [(B, T s, out_i)]: the gathered sequence through n weights (and
+    biases, None allowed), gathered and multiplied one chunk at a time."""
+
+    @staticmethod
+    def forward(ctx, x, group, n, *wb):
+        weights, biases = wb[:n], wb[n:]
+        ctx.save_for_backward(x, *weights)
+        ctx.group, ctx.has_bias = group, [b is not None for b in biases]
+        W, (B, s) = dist.get_world_size(group), x.shape[:2]
+        outs = [x.new_empty((B, W * s, w.shape[0])) for w in weights]
+
+        def use(src, chunk):
+            dst = src
+            if planted("async-chunk-rows"):   # plant: the chunk lands in the next rank's rows
+                dst = (src + 1) % W
+            for o, w, b in zip(outs, weights, biases):
+                _rows(o, dst, s).copy_(F.linear(chunk, w, b))
+        ring_gather(x, group, use)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        group, s, H = ctx.group, x.shape[1], x.shape[2]
+        # d(input): each chunk's rows of sum_i g_i W_i, summed over the ranks, lands on its owner
+        gx = ring_reduce_scatter(
+            lambda c: sum(_rows(g, c, s) @ w for g, w in zip(grads, weights)), group)
+        # d(weights): sum over the chunks of g_i[chunk]^T x[chunk], the input re-gathered
+        gw = [torch.zeros_like(w) for w in weights]
+
+        def use(src, chunk):
+            xc = chunk.reshape(-1, H)
+            for acc, g in zip(gw, grads):
+                acc += _rows(g, src, s).reshape(-1, g.shape[-1]).T @ xc
+        ring_gather(x, group, use)
+        gb = [g.sum((0, 1)) if has else None for g, has in zip(grads, ctx.has_bias)]
+        return (gx, None, None, *gw, *gb)
+
+
+class MatmulReduceScatter(torch.autograd.Function):
+    """(B, T s, in) -> this rank's (B, s, out) chunk of the sum over the ranks of x W^T, the
+    partial sums formed one chunk at a time."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group = group
+        s = x.shape[1] // dist.get_world_size(group)
+        return ring_reduce_scatter(lambda c: F.linear(_rows(x, c, s), weight), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        s = grad.shape[1]
+        gx, gw = torch.empty_like(x), torch.zeros_like(weight)
+
+        def use(src, chunk):       # chunk: rank src's rows of the output gradient
+            _rows(gx, src, s).copy_(chunk @ weight)
+            gw.add_(chunk.reshape(-1, chunk.shape[-1]).T @ _rows(x, src, s).reshape(-1, x.shape[-1]))
+        ring_gather(grad, ctx.group, use)
+        return gx, gw, None
+
+
+# ----------------------------------------------------------------------------------------------
+# The region and its fused column layers
+# ----------------------------------------------------------------------------------------------
+class FusedColumns:
+    """The column-parallel layers that read one region's input (q, k, v; gate, up; the LM
+    head): bound to it, the first one called runs AllGatherMatmul for all of them."""
+
+    def __init__(self, region, modules):
+        self.region, self.modules, self.outs = region, list(modules), None
+        region.fused.append(self)
+        for i, m in enumerate(self.modules):
+            m.forward = (lambda x, i=i: self.output(i, x))
+
+    def output(self, i: int, x):
+        stand_in, chunk = self.region.current
+        if x is not stand_in:
+            raise RuntimeError("async TP: a column-parallel layer was called on something other "
+                               "than its region's input")
+        if self.outs is None:
+            ms = self.modules
+            self.outs = AllGatherMatmul.apply(chunk, self.region.group, len(ms),
+                                              *[m.weight for m in ms], *[m.bias for m in ms])
+        return self.outs[i]
+
+
+class AsyncSPRegion:
+    """sp.SPRegion's interface (enter, exit, row, embed_exit, leave) with the decomposed
+    collectives; built by sp.parallelize(..., async_tp=True)."""
+
+    def __init__(self, group, base):
+        self.group, self.base = group, base   # base: sp.SPRegion, for the embedding's exit
+        self.fused: list[FusedColumns] = []
+        self.current = None
+
+    def enter(self, x):
+        """x: this rank's (B, s, H) chunk. Returns a stand-in of the gathered (B, T s, H) shape
+        with no storage; the region's FusedColumns read the chunk from self.current."""
+        stand_in = x.new_empty(1).expand(x.shape[0], x.shape[1] * dist.get_world_size(self.group),
+                                         x.shape[2])
+        self.current = (stand_in, x)
+        return stand_in
+
+    def leave(self):
+        self.current = None
+        for f in self.fused:
+            f.outs = None
+
+    def row(self, x, weight):
+        return MatmulReduceScatter.apply(x, weight, self.group)
+
+    def exit(self, x):
+        raise RuntimeError("async TP: a row-parallel layer must call region.row(x, weight)")
+
+    def embed_exit(self, x):
+        return self.base.embed_exit(x)
+
+
+def fuse_columns(model, region: AsyncSPRegion):
+    """Bind every region's column-parallel layers (attention, dense MLP, LM head) to one
+    FusedColumns each (after tp.parallelize)."""
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        FusedColumns(region, [a.qkv_proj] if hasattr(a, "qkv_proj") else
+                     [a.q_proj, a.k_proj, a.v_proj])
+        if not hasattr(m, "experts"):
+            FusedColumns(region, [m.gate_up_proj] if hasattr(m, "gate_up_proj") else
+                         [m.gate_proj, m.up_proj])
+    FusedColumns(region, [model.lm_head])

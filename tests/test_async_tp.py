@@ -1,0 +1,116 @@
+"""async_tp.py: Megatron SP's regions as rings of chunked matmuls (sp.py --async-tp, compose4d
+--sp --async-tp). The rings on their own against the collectives they replace (gloo, two and
+three ranks); correctness against the float64 reference at W=2 and W=4 under NCCL's rules, with
+GQA and biases; the communication counted against the ring formula; the hidden share above the
+synchronous regions' (profiled, CPU); compose4d with tp x pp and tp x cp; bad configurations.
+The planted bug (a chunk multiplied into the wrong rows) FAILs in tests/test_plants.py."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import async_tp
+from conftest import Runs, assert_config_error, launch
+
+MEGA = ["--variant", "megatron", "--async-tp"]
+BENCH = ["--mode", "benchmark", "--warmup", "1", "--bench-iters", "1"]
+SP2 = Runs("sp.py", 2, tier="slow", runs={
+    "async": [*MEGA, "--nccl-semantics", "--clip", "0.5"],
+    "async-bench": [*MEGA, *BENCH],
+    "sync-bench": ["--variant", "megatron", *BENCH],
+})
+SP4 = Runs("sp.py", 4, tier="slow", runs={
+    "async-gqa": [*MEGA, "--model", "configs/tiny-gqa8.json", "--nccl-semantics"],
+})
+C4 = Runs("compose4d.py", 4, tier="slow", runs={
+    "tp-pp": ["--tp", "2", "--sp", "--async-tp", "--pp", "2", "--grad-accum", "2"],
+    "tp-cp": ["--tp", "2", "--sp", "--async-tp", "--cp", "2", "--zero", "3"],
+    "bench": ["--tp", "2", "--sp", "--async-tp", "--pp", "2", "--grad-accum", "2", *BENCH],
+})
+
+
+def ok(r):
+    assert r.rc == 0 and r.last_line.startswith(("PASS", "NCCL semantics: PASS")), r
+    return r
+
+
+def _rings(rank, world, port):
+    """Each ring against the collective it replaces, in float64 (same sums, other order)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(2, 3, 5, dtype=torch.float64, generator=g)
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x)
+        seen = {}
+        async_tp.ring_gather(x, None, lambda src, c: seen.setdefault(src, c.clone()))
+        assert sorted(seen) == list(range(world))
+        assert all(torch.equal(seen[s], parts[s]) for s in range(world))
+        full = torch.randn(2, 3 * world, 5, dtype=torch.float64, generator=g)
+        want = full.clone()
+        dist.all_reduce(want)
+        got = async_tp.ring_reduce_scatter(lambda c: full[:, 3 * c:3 * (c + 1)], None)
+        assert torch.allclose(got, want[:, 3 * rank:3 * (rank + 1)], rtol=0, atol=1e-13)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_rings_equal_the_collectives(world):
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rings, args=(world, port), nprocs=world)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch,key,world", [(SP2, "async", 2), (SP4, "async-gqa", 4)])
+def test_correctness_under_nccl_rules(runs, batch, key, world):
+    r = ok(runs(batch, key))
+    assert r.last_line.startswith("NCCL semantics: PASS") and f" on {world} ranks" in r.last_line
+    assert f"\nPASS sp-megatron W={world}" in r.stdout, r
+
+
+@pytest.mark.slow
+def test_comm_is_rings_and_hides_more_than_the_collectives(runs):
+    """tiny (L 4, H 64, B 8 x S 64, float32) at W=2: 10L+3 = 43 rings of one hop each, N H b / 2
+    per hop; the first layer's split stays an all-gather. The hidden share (an upper bound for
+    point-to-point, harness/overlap.py) above the synchronous regions', which hide none."""
+    r = ok(runs(SP2, "async-bench"))
+    b = r.json("benchmark.json")
+    comm, nhb = b["ours"]["comm"], 8 * 64 * 64 * 4
+    assert comm["isend|world"] == comm["irecv|world"] == {"calls": 43, "bytes": 43 * nhb // 2}
+    assert comm["all_gather_into_tensor|world"] == {"calls": 1, "bytes": nhb}
+    assert "reduce_scatter_tensor|world" not in comm
+    sync = ok(runs(SP2, "sync-bench")).json("benchmark.json")
+    assert sync["ours"]["comm"]["all_gather_into_tensor|world"]["calls"] == 6 * 4 + 3
+    assert b["overlap_share"] > sync["overlap_share"] + 0.02, (b["overlap_share"],
+                                                                sync["overlap_share"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["tp-pp", "tp-cp"])
+def test_compose4d(runs, key):
+    ok(runs(C4, key))
+
+
+@pytest.mark.slow
+def test_compose4d_comm(runs):
+    """Rank 0: the first of 2 stages (2 layers), tp 2, M 2: M (10 L_r) rings of one hop of
+    N_r H b / (M T), and the first layer's split gathered once per micro-batch."""
+    r = ok(runs(C4, "bench"))
+    b = r.json("benchmark.json")
+    assert b["comm_ok"]
+    comm, hop = b["ours"]["comm"], 4 * 64 * 64 * 4 // 2
+    assert comm["isend|tp"] == {"calls": 2 * 10 * 2, "bytes": 2 * 10 * 2 * hop}
+    assert comm["all_gather_into_tensor|tp"]["calls"] == 2
+
+
+@pytest.mark.parametrize("script,nproc,args,msg", [
+    ("sp.py", 2, ["--variant", "ulysses", "--async-tp"], "--async-tp decomposes Megatron SP's"),
+    ("compose4d.py", 2, ["--tp", "2", "--async-tp"], "--async-tp decomposes sequence-parallel"),
+])
+def test_bad_config(script, nproc, args, msg):
+    assert_config_error(launch(script, nproc, *args, as_rank0=True), msg, torchrun=False)
