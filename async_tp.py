@@ -159,7 +159,8 @@ class MatmulReduceScatter(torch.autograd.Function):
 
         def use(src, chunk):       # chunk: rank src's rows of the output gradient
             _rows(gx, src, s).copy_(chunk @ weight)
-            gw.add_(chunk.reshape(-1, chunk.shape[-1]).T @ _rows(x, src, s).reshape(-1, x.shape[-1]))
+            gw.add_(chunk.reshape(-1, chunk.shape[-1]).T
+                    @ _rows(x, src, s).reshape(-1, x.shape[-1]))
         ring_gather(grad, ctx.group, use)
         return gx, gw, None
 

@@ -10,7 +10,8 @@
 Nothing here re-implements a parallelism; the blocks come from their own files:
     tp.TensorParallel      Megatron column/row-parallel layers, vocab-parallel embedding and loss
     sp.SPRegion            Megatron sequence parallelism (--sp): all-gather / reduce-scatter at the
-                           region edges; sp.shard_residual_stream splits the residual stream
+                           region edges (--async-tp: async_tp.py's rings); sp.shard_residual_stream
+                           splits the residual stream
     cp_ring.CPContext      zig-zag ring attention over the cp group, through HF's attention registry
     pp.Pipeline            the stage split and the 1F1B / interleaved executor, over the pp group;
                            with P = 1 it is plain gradient accumulation over the micro-batches

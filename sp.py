@@ -50,8 +50,13 @@ all_gather / reduce_scatter / all_to_all (W-1)/W)
                                     less with it;
               plus the data-parallel all_reduce of the gradients (Psi*b).
 
+--async-tp (megatron): each region's all-gather + column matmuls and row matmul + reduce-scatter
+    run as rings of chunked matmuls whose transfers overlap them (async_tp.py; the same bytes in
+    (10L+3)(T-1) point-to-point hops); SyncMegatronSP is its --compare-native / --paired baseline.
+
 Public API
-    tpm = parallelize(model, group)   Megatron SP: tp.parallelize with sequence-sharded regions
+    tpm = parallelize(model, group, async_tp=False)   Megatron SP: tp.parallelize with
+        sequence-sharded regions
         (the loop is tp.py's; the norms' gradients join tpm.reduce_partial_grads())
     dp = parallelize_ulysses(model, group)   Ulysses: the all-to-all attention installed, the
         model returned under ddp.DataParallel; each rank feeds its 1/W of every sequence

@@ -1,0 +1,77 @@
+"""async_tp.py (script): asynchronous TP against the synchronous SP regions, on this machine.
+
+    python scripts/async_tp.py          # results/async-tp-cpu.json (about 4 minutes on 2 cores)
+
+For W = 2 (the `small` preset: 8 layers, H 384, 6 heads) and W = 4 (configs/small-gqa8.json, the
+same with 8 heads so that 4 divides them), float32, batch 4 x 512 tokens: one
+`sp.py --variant megatron --async-tp --mode benchmark --compare-native --paired N` run, which
+builds the asynchronous regions and the synchronous ones (sp.SyncMegatronSP) side by side and
+records
+    overlap   the share of each side's communication time hidden behind compute, the median
+              of three profiled steps (harness/overlap.py; for point-to-point an upper bound:
+              a hop's span runs from its post to the wait that completes it)
+    paired    the step-time ratio async / sync over N interleaved rounds (median, p10, p90)
+    comm      whether both sides' traffic matches their formulas (the rings: 10L+3 of T-1 hops)
+docs/benchmarks.md quotes the JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from harness.benchmark import overlap_share  # noqa: E402
+RUNS = {2: ["--model", "small", "--paired", "8"],
+        4: ["--model", "configs/small-gqa8.json", "--paired", "6"]}
+COMMON = ["--variant", "megatron", "--async-tp", "--mode", "benchmark", "--compare-native",
+          "--dtype", "float32", "--batch", "4", "--length", "512", "--bench-iters", "2",
+          "--warmup", "1"]
+
+
+def run(world: int) -> dict:
+    out = tempfile.mkdtemp(prefix=f"async-tp-{world}-")
+    argv = ["sp.py", *COMMON, *RUNS[world], "--out", out]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc_per_node={world}", *argv], capture_output=True, text=True,
+                       cwd=ROOT)
+    path = os.path.join(out, "benchmark.json")
+    if r.returncode != 0 or not os.path.exists(path):
+        raise SystemExit(f"{' '.join(argv)} failed (exit {r.returncode}):\n{r.stdout[-3000:]}")
+    b = json.load(open(path))
+    sync = b["native"]["sp-megatron-sync"]
+    pair = b["paired"]["sp-megatron-sync"]
+    return dict(world=world, command=f"torchrun --nproc_per_node={world} " + " ".join(argv[:-2]),
+                async_overlap_share=b["overlap_share"],
+                sync_overlap_share=overlap_share(sync),
+                async_exposed_ms=1e3 * b["ours"]["overlap"][0]["exposed_s"],
+                sync_exposed_ms=1e3 * sync["overlap"][0]["exposed_s"],
+                paired_ratio_median=pair["median"], paired_ratio_p10=pair["p10"],
+                paired_ratio_p90=pair["p90"], rounds=pair["n"],
+                async_tokens_per_s=b["ours"]["tokens_per_s"],
+                sync_tokens_per_s=sync["tokens_per_s"], comm_ok=b["comm_ok"])
+
+
+def main():
+    rows = []
+    for world in RUNS:
+        row = run(world)
+        print(f"W={world}: hidden {row['async_overlap_share']:.0%} async vs "
+              f"{row['sync_overlap_share'] or 0:.0%} sync; step ratio async/sync median "
+              f"{row['paired_ratio_median']:.3f} [{row['paired_ratio_p10']:.3f}, "
+              f"{row['paired_ratio_p90']:.3f}] over {row['rounds']} rounds")
+        rows.append(row)
+    res = dict(machine=f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
+               ", gloo, float32", rows=rows)
+    path = os.path.join(ROOT, "results", "async-tp-cpu.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
