@@ -41,6 +41,7 @@ Public API
         either way), no_sync(), find_unused_parameters=; examples/ddp_train.py
 """
 import contextlib
+import copy
 import warnings
 
 import torch
@@ -501,7 +502,18 @@ class TorchDDP(Strategy):
         return global_loss(local_sum, batch.n_tokens)
 
 
-DDP.native = TorchDDP
+class FullLogitsDDP(DDP):
+    """--ce-chunk's baseline (--compare-native, --paired): the same DDP, its loss on the full
+    logits."""
+    name = "ddp-full-logits"
+
+    def __init__(self, model, args, env):
+        args = copy.copy(args)
+        args.ce_chunk = 0
+        super().__init__(model, args, env)
+
+
+DDP.native = staticmethod(lambda args: [FullLogitsDDP] if args.ce_chunk else [TorchDDP])
 
 if __name__ == "__main__":
     main(DDP)

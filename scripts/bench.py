@@ -22,7 +22,9 @@ ours_ms and theirs_ms are the median step times of the same rounds (max over ran
 overlap_share is ours, from the median of 3 profiled steps per rank (harness/overlap.py); null when the step has no
 communication. The baselines (each strategy's `native`): ddp.py torch DDP; zero.py stages 1, 2
 ZeroRedundancyOptimizer over torch DDP, stage 3 FSDP2; fsdp.py FSDP2 (`fully_shard`) and our DDP;
-tp.py DTensor TP; sp.py our TP (no DTensor SP baseline); pp.py torch.distributed.pipelining's
+tp.py DTensor TP; sp.py our TP (no DTensor SP baseline); sp.py --async-tp the same regions
+synchronous (sp.SyncMegatronSP); ddp.py --ce-chunk the same DDP with the loss on the full logits
+(ddp.FullLogitsDDP); pp.py torch.distributed.pipelining's
 class for each schedule (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
 ScheduleInterleavedZeroBubble, ScheduleDualPipeV); cp_ring.py only the reference (torch's
 context_parallel has no CPU sharding rule for SDPA in torch 2.13). A configuration a strategy
@@ -51,6 +53,8 @@ ROWS = [
     ("tp", "tp.py", GQA8),
     ("sp megatron", "sp.py", ["--variant", "megatron", *GQA8]),
     ("sp ulysses", "sp.py", ["--variant", "ulysses", *GQA8]),
+    ("sp async-tp", "sp.py", ["--variant", "megatron", "--async-tp", *GQA8]),
+    ("ddp ce-chunk", "ddp.py", ["--ce-chunk", "256"]),
     ("cp zigzag", "cp_ring.py", ["--variant", "zigzag"]),
     ("pp gpipe", "pp.py", ["--schedule", "gpipe", *PP]),
     ("pp 1f1b", "pp.py", ["--schedule", "1f1b", *PP]),

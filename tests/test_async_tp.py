@@ -20,6 +20,8 @@ SP2 = Runs("sp.py", 2, tier="slow", runs={
 })
 SP4 = Runs("sp.py", 4, tier="slow", runs={
     "async-gqa": [*MEGA, "--model", "configs/tiny-gqa8.json", "--nccl-semantics"],
+    "plant": [*MEGA, "--model", "configs/tiny-gqa8.json", "--dtype", "float32", "--clip", "0.5",
+              "--mode", "plants", "--plants", "async-chunk-rows", "--nccl-semantics"],
 })
 C4 = Runs("compose4d.py", 4, tier="slow", runs={
     "tp-pp": ["--tp", "2", "--sp", "--async-tp", "--pp", "2", "--grad-accum", "2"],
@@ -71,6 +73,15 @@ def test_correctness_under_nccl_rules(runs, batch, key, world):
     r = ok(runs(batch, key))
     assert r.last_line.startswith("NCCL semantics: PASS") and f" on {world} ranks" in r.last_line
     assert f"\nPASS sp-megatron W={world}" in r.stdout, r
+
+
+@pytest.mark.slow
+def test_the_plant_fails_at_four_under_nccl_rules(runs):
+    """(W=2: tests/test_plants.py.) The clean run PASSes and the chunk written into the next
+    rank's rows FAILs, both under NCCL's matching rules."""
+    r = runs(SP4, "plant")
+    assert r.rc == 0 and "PASS plants sp W=4: clean run PASS, 1/1 planted bugs caught" in r.stdout, r
+    assert "NCCL semantics: FAIL" not in r.stdout
 
 
 @pytest.mark.slow
