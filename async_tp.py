@@ -26,8 +26,8 @@ TP)
     matmul + reduce-scatter's is an all-gather + matmul ring (the gradient's chunks).
 
 How it plugs in: AsyncSPRegion replaces sp.SPRegion. Its entry hands the region a stand-in of
-the gathered input's shape (a zero-stride view: no storage, never read; HF's attention takes
-its shapes from it) and keeps this rank's chunk; the region's column-parallel layers are bound
+the gathered input's shape (one NaN, expanded: no storage of that size, never read; HF's
+attention takes its shapes from it) and keeps this rank's chunk; the region's column-parallel layers are bound
 to one FusedColumns, which runs the ring on the chunk when the first of them is called and hands
 each its output. The row-parallel layers call region.row(x, W), which is the ring above.
 
@@ -89,12 +89,19 @@ def ring_reduce_scatter(partial, group) -> torch.Tensor:
             acc = acc + arrived       # the other ranks' shares of chunk c, so far
         if j == W - 1:
             return acc                # c == r: every rank's share of my chunk
-        sending, arrived = acc.contiguous(), torch.empty_like(acc)
+        sending = acc.contiguous()
+        arrived = torch.empty_like(sending)
         works = _hop(sending, arrived, group)
 
 
 def _rows(t: torch.Tensor, c: int, s: int) -> torch.Tensor:
     return t[:, c * s:(c + 1) * s]
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """A weight gradient summed over T chunk products accumulates in at least float32 (one
+    GEMM over the whole sequence would accumulate there too, and round once)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,15 +136,15 @@ class AllGatherMatmul(torch.autograd.Function):
         gx = ring_reduce_scatter(
             lambda c: sum(_rows(g, c, s) @ w for g, w in zip(grads, weights)), group)
         # d(weights): sum over the chunks of g_i[chunk]^T x[chunk], the input re-gathered
-        gw = [torch.zeros_like(w) for w in weights]
+        gw = [_wide(torch.zeros_like(w)) for w in weights]
 
         def use(src, chunk):
-            xc = chunk.reshape(-1, H)
+            xc = _wide(chunk.reshape(-1, H))
             for acc, g in zip(gw, grads):
-                acc += _rows(g, src, s).reshape(-1, g.shape[-1]).T @ xc
+                acc += _wide(_rows(g, src, s).reshape(-1, g.shape[-1])).T @ xc
         ring_gather(x, group, use)
         gb = [g.sum((0, 1)) if has else None for g, has in zip(grads, ctx.has_bias)]
-        return (gx, None, None, *gw, *gb)
+        return (gx, None, None, *[a.to(w.dtype) for a, w in zip(gw, weights)], *gb)
 
 
 class MatmulReduceScatter(torch.autograd.Function):
@@ -155,14 +162,14 @@ class MatmulReduceScatter(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         s = grad.shape[1]
-        gx, gw = torch.empty_like(x), torch.zeros_like(weight)
+        gx, gw = torch.empty_like(x), _wide(torch.zeros_like(weight))
 
         def use(src, chunk):       # chunk: rank src's rows of the output gradient
             _rows(gx, src, s).copy_(chunk @ weight)
-            gw.add_(chunk.reshape(-1, chunk.shape[-1]).T
-                    @ _rows(x, src, s).reshape(-1, x.shape[-1]))
+            gw.add_(_wide(chunk.reshape(-1, chunk.shape[-1])).T
+                    @ _wide(_rows(x, src, s).reshape(-1, x.shape[-1])))
         ring_gather(grad, ctx.group, use)
-        return gx, gw, None
+        return gx, gw.to(weight.dtype), None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,23 +177,27 @@ class MatmulReduceScatter(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 class FusedColumns:
     """The column-parallel layers that read one region's input (q, k, v; gate, up; the LM
-    head): bound to it, the first one called runs AllGatherMatmul for all of them."""
+    head): bound to it, the first one called runs AllGatherMatmul for all of them, and the
+    others take their outputs of that ring. (Every weight is read at the first call: a
+    sharding that gathers k_proj's weight in k_proj's own pre-hook would be too late.)"""
 
     def __init__(self, region, modules):
-        self.region, self.modules, self.outs = region, list(modules), None
-        region.fused.append(self)
+        self.region, self.modules = region, list(modules)
+        self.key, self.outs = None, None     # the stand-in the outputs belong to
         for i, m in enumerate(self.modules):
             m.forward = (lambda x, i=i: self.output(i, x))
 
     def output(self, i: int, x):
-        stand_in, chunk = self.region.current
+        stand_in, chunk = self.region.current or (None, None)
         if x is not stand_in:
             raise RuntimeError("async TP: a column-parallel layer was called on something other "
                                "than its region's input")
-        if self.outs is None:
+        if self.key is not stand_in:    # a new region input (or a recomputed forward)
             ms = self.modules
             self.outs = AllGatherMatmul.apply(chunk, self.region.group, len(ms),
                                               *[m.weight for m in ms], *[m.bias for m in ms])
+            self.key = stand_in
+            self.region.active.append(self)
         return self.outs[i]
 
 
@@ -196,21 +207,23 @@ class AsyncSPRegion:
 
     def __init__(self, group, base):
         self.group, self.base = group, base   # base: sp.SPRegion, for the embedding's exit
-        self.fused: list[FusedColumns] = []
+        self.active: list[FusedColumns] = []  # those whose ring ran in the current region
         self.current = None
 
     def enter(self, x):
-        """x: this rank's (B, s, H) chunk. Returns a stand-in of the gathered (B, T s, H) shape
-        with no storage; the region's FusedColumns read the chunk from self.current."""
-        stand_in = x.new_empty(1).expand(x.shape[0], x.shape[1] * dist.get_world_size(self.group),
-                                         x.shape[2])
+        """x: this rank's (B, s, H) chunk. Returns a stand-in of the gathered (B, T s, H) shape:
+        one NaN expanded (anything that reads it instead of the fused layers gets NaN); the
+        region's FusedColumns read the chunk from self.current."""
+        stand_in = x.new_full((1,), float("nan")).expand(
+            x.shape[0], x.shape[1] * dist.get_world_size(self.group), x.shape[2])
         self.current = (stand_in, x)
         return stand_in
 
     def leave(self):
         self.current = None
-        for f in self.fused:
-            f.outs = None
+        for f in self.active:
+            f.key = f.outs = None
+        self.active.clear()
 
     def row(self, x, weight):
         return MatmulReduceScatter.apply(x, weight, self.group)

@@ -56,8 +56,9 @@ Psi_r = parameters held per rank = about Psi / (T P))
                  of P > 1 stages, 4 L_r in between; the last stage adds 3 per micro-batch of
                  N_r b_ce / M for the loss (b_ce = 4 for bf16). With SP (sp.py), per micro-batch
                  6 L_r + 2 l + f all-gathers and 4 L_r + l reduce-scatters of N_r H b / M, and
-                 the embedding's all-reduce stays. Plus one all-reduce of the partial gradients'
-                 shards (norms under SP, replicated kv heads) when there are any
+                 the embedding's all-reduce stays; --async-tp makes all of these but f's
+                 (T-1)-hop rings, M (10 L_r + 3 l) per step. Plus one all-reduce of the partial
+                 gradients' shards (norms under SP, replicated kv heads) when there are any
     cp group     per layer and micro-batch (C-1) forward hops of K,V and (C-1) backward hops of
                  K,V,dK,dV, then dK,dV home (cp_ring)
     pp group     2 M (activation + gradient) sends of N_r H b / (M T_sp) per stage boundary (pp.py)

@@ -220,6 +220,8 @@ class MegatronSP(tp.TP):
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
         self.tp = parallelize(model, async_tp=args.async_tp)
+        if args.async_tp:
+            self.name = "sp-megatron-async"
         self.seq_partial = self.tp.extra_partial
         self.optimizer = make_adamw(model.parameters(), args)
 

@@ -1,9 +1,12 @@
 """async_tp.py: Megatron SP's regions as rings of chunked matmuls (sp.py --async-tp, compose4d
---sp --async-tp). The rings on their own against the collectives they replace (gloo, two and
-three ranks); correctness against the float64 reference at W=2 and W=4 under NCCL's rules, with
-GQA and biases; the communication counted against the ring formula; the hidden share above the
-synchronous regions' (profiled, CPU); compose4d with tp x pp and tp x cp; bad configurations.
-The planted bug (a chunk multiplied into the wrong rows) FAILs in tests/test_plants.py."""
+--sp --async-tp). The rings, and both autograd Functions (biases, three weights with one output
+unused, a non-contiguous upstream gradient), against the collectives and matmuls they replace
+(gloo, two and three ranks, float64); correctness against the float64 reference at W=2 and W=4
+(GQA) under NCCL's rules, and for Qwen2 (biases), Phi3 (fused qkv / gate_up) and Gemma2
+(soft-capped, tied, GQA); the traffic counted against the ring formula; compose4d with tp x pp and
+tp x cp; bad configurations. The planted bug (a chunk multiplied into the wrong rows) FAILs at
+W=2 (tests/test_plants.py) and W=4. (The hidden share is reported by the benchmark, not asserted
+here: for point-to-point it is an upper bound, harness/overlap.py.)"""
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,6 +20,7 @@ SP2 = Runs("sp.py", 2, tier="slow", runs={
     "async": [*MEGA, "--nccl-semantics", "--clip", "0.5"],
     "async-bench": [*MEGA, *BENCH],
     "sync-bench": ["--variant", "megatron", *BENCH],
+    **{f"family-{f}": [*MEGA, "--model", f"tiny-{f}"] for f in ("qwen2", "phi3", "gemma2")},
 })
 SP4 = Runs("sp.py", 4, tier="slow", runs={
     "async-gqa": [*MEGA, "--model", "configs/tiny-gqa8.json", "--nccl-semantics"],
@@ -57,14 +61,64 @@ def _rings(rank, world, port):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_the_rings_equal_the_collectives(world):
+def _functions(rank, world, port):
+    """Both Functions against sp.py's collectives around plain matmuls, outputs and every
+    gradient, float64: biases, three weights with the second output unused, a non-contiguous
+    upstream gradient."""
+    import sp
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        g = torch.Generator().manual_seed(7 + rank)
+        x = torch.randn(2, 3, 5, dtype=torch.float64, generator=g, requires_grad=True)
+        ws = [torch.randn(o, 5, dtype=torch.float64, generator=g, requires_grad=True)
+              for o in (4, 6, 2)]
+        bs = [torch.randn(4, dtype=torch.float64, generator=g, requires_grad=True), None,
+              torch.randn(2, dtype=torch.float64, generator=g, requires_grad=True)]
+        ups = [torch.randn(2, 4, 3 * world, dtype=torch.float64, generator=g).transpose(1, 2),
+               None, torch.randn(2, 3 * world, 2, dtype=torch.float64, generator=g)]
+
+        def grads(outs):
+            loss = sum((o * u).sum() for o, u in zip(outs, ups) if u is not None)
+            return torch.autograd.grad(loss, [x, *ws, bs[0], bs[2]], allow_unused=True)
+        mine = async_tp.AllGatherMatmul.apply(x, None, 3, *ws, *bs)
+        full = sp.GatherFromSP.apply(x, None)
+        want = [torch.nn.functional.linear(full, w, b) for w, b in zip(ws, bs)]
+        for a, b in zip(mine, want):
+            assert torch.allclose(a, b, rtol=0, atol=1e-12)
+        for a, b in zip(grads(mine), grads(want)):   # (the unused output's weight: zeros)
+            b = torch.zeros_like(a) if b is None else b
+            assert torch.allclose(a, b, rtol=0, atol=1e-12)
+        h = torch.randn(2, 3 * world, 4, dtype=torch.float64, generator=g, requires_grad=True)
+        w = torch.randn(5, 4, dtype=torch.float64, generator=g, requires_grad=True)
+        up = torch.randn(2, 5, 3, dtype=torch.float64, generator=g).transpose(1, 2)
+        mine = async_tp.MatmulReduceScatter.apply(h, w, None)
+        want = sp.ReduceScatterToSP.apply(torch.nn.functional.linear(h, w), None)
+        assert torch.allclose(mine, want, rtol=0, atol=1e-12)
+        for a, b in zip(torch.autograd.grad((mine * up).sum(), [h, w]),
+                        torch.autograd.grad((want * up).sum(), [h, w])):
+            assert torch.allclose(a, b, rtol=0, atol=1e-12)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(fn, world):
     import socket
     import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_rings, args=(world, port), nprocs=world)
+    mp.spawn(fn, args=(world, port), nprocs=world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_functions_equal_collectives_around_matmuls(world):
+    _spawn(_functions, world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_rings_equal_the_collectives(world):
+    _spawn(_rings, world)
 
 
 @pytest.mark.slow
@@ -72,7 +126,7 @@ def test_the_rings_equal_the_collectives(world):
 def test_correctness_under_nccl_rules(runs, batch, key, world):
     r = ok(runs(batch, key))
     assert r.last_line.startswith("NCCL semantics: PASS") and f" on {world} ranks" in r.last_line
-    assert f"\nPASS sp-megatron W={world}" in r.stdout, r
+    assert f"\nPASS sp-megatron-async W={world}" in r.stdout, r
 
 
 @pytest.mark.slow
@@ -85,10 +139,16 @@ def test_the_plant_fails_at_four_under_nccl_rules(runs):
 
 
 @pytest.mark.slow
-def test_comm_is_rings_and_hides_more_than_the_collectives(runs):
+@pytest.mark.parametrize("family", ["qwen2", "phi3", "gemma2"])
+def test_correctness_model_families(runs, family):
+    ok(runs(SP2, f"family-{family}"))
+
+
+@pytest.mark.slow
+def test_comm_is_rings(runs):
     """tiny (L 4, H 64, B 8 x S 64, float32) at W=2: 10L+3 = 43 rings of one hop each, N H b / 2
-    per hop; the first layer's split stays an all-gather. The hidden share (an upper bound for
-    point-to-point, harness/overlap.py) above the synchronous regions', which hide none."""
+    per hop; the first layer's split stays an all-gather, against the synchronous regions' 6L+3
+    all-gathers."""
     r = ok(runs(SP2, "async-bench"))
     b = r.json("benchmark.json")
     comm, nhb = b["ours"]["comm"], 8 * 64 * 64 * 4
@@ -97,8 +157,6 @@ def test_comm_is_rings_and_hides_more_than_the_collectives(runs):
     assert "reduce_scatter_tensor|world" not in comm
     sync = ok(runs(SP2, "sync-bench")).json("benchmark.json")
     assert sync["ours"]["comm"]["all_gather_into_tensor|world"]["calls"] == 6 * 4 + 3
-    assert b["overlap_share"] > sync["overlap_share"] + 0.02, (b["overlap_share"],
-                                                                sync["overlap_share"])
 
 
 @pytest.mark.slow

@@ -265,7 +265,8 @@ def load_checkpoint(root: str, d: str | None = None) -> tuple[dict, dict[str, di
                 if n in ("model.embed_tokens.weight", "lm_head.weight"):
                     t = t[:meta["vocab"]]             # drop the TP vocabulary padding
                 full.setdefault(kind, {})[n] = t
-        full.setdefault("buffers", {}).update(recs[0].get("buffers", {}))
+        if recs[0].get("buffers"):   # (a MoE model's aux-free biases)
+            full.setdefault("buffers", {}).update(recs[0]["buffers"])
     return meta, full
 
 

@@ -1,6 +1,6 @@
-"""async_tp.py (script): asynchronous TP against the synchronous SP regions, on this machine.
+"""async_tp_bench.py: asynchronous TP against the synchronous SP regions, on this machine.
 
-    python scripts/async_tp.py          # results/async-tp-cpu.json (about 4 minutes on 2 cores)
+    python scripts/async_tp_bench.py    # results/async-tp-cpu.json (about 4 minutes on 2 cores)
 
 For W = 2 (the `small` preset: 8 layers, H 384, 6 heads) and W = 4 (configs/small-gqa8.json, the
 same with 8 heads so that 4 divides them), float32, batch 4 x 512 tokens: one
