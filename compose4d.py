@@ -85,7 +85,7 @@ import torch
 import torch.distributed as dist
 
 from harness import (DTYPES, METER, Batch, Plant, Strategy, all_reduce_flat,
-                     clip_by_norm, global_loss, main, name_group, phase,
+                     clip_by_norm, global_loss, is_moe, main, name_group, phase,
                      planted, spread_across_ranks)
 from harness.flops import mfu_line
 from harness.precision import grad_reduce_dtype
@@ -93,6 +93,7 @@ from harness import dropout, loading, train_data
 import compose_moe
 import cp_ring
 import ep_moe
+import fsdp
 import pp
 import sp
 import tp
@@ -146,11 +147,7 @@ def make_groups(grid: Grid, rank: int, tied: bool, replicas: int = 1) -> dict:
         out[name] = name_group(mine, name)
     if replicas > 1:
         dpcp = grid.groups_over(("dp", "cp"))
-        S = len(dpcp[0]) // replicas
-        for name, groups in (("shard", [g[i:i + S] for g in dpcp for i in range(0, len(g), S)]),
-                             ("replicate", [g[j::S] for g in dpcp for j in range(S)])):
-            mine, _ = dist.new_subgroups_by_enumeration(groups)
-            out[name] = name_group(mine, name)
+        out["shard"], out["replicate"] = fsdp.new_block_groups(dpcp, len(dpcp[0]) // replicas)
     out["tied"] = None
     P = grid.size["pp"]
     if tied and P > 1:
@@ -248,7 +245,7 @@ class ScheduledMoEReference(Scheduled, compose_moe.MoEReference):
 
 def reference(ref_model, args, env):
     """The single-device reference, scheduled by torch: compose_moe's for a MoE model."""
-    moe = compose_moe.is_moe(ref_model.config)
+    moe = is_moe(ref_model.config)
     return (ScheduledMoEReference if moe else ScheduledReference)(ref_model, args, env)
 
 
@@ -408,7 +405,7 @@ class Compose4D(Strategy):
         self.tied = model.lm_head.weight is model.model.embed_tokens.weight
         g = self.groups = make_groups(self.grid, env.rank, self.tied, args.replicate)
         # Experts (a MoE model): ep groups out of dp x cp, ep_moe's all-to-all in every layer.
-        self.moe = compose_moe.is_moe(model.config)
+        self.moe = is_moe(model.config)
         blocks = []
         if self.moe:
             g.update(compose_moe.make_ep_groups(self.grid.groups_over(("dp", "cp")), args.ep))
@@ -631,7 +628,7 @@ class Compose4D(Strategy):
     def _full(self, stage_tensors: dict) -> dict[str, torch.Tensor]:
         """This stage's TP-local tensors -> full tensors of the whole model on every rank."""
         if self.moe:
-            stage_tensors = compose_moe.gather_experts(stage_tensors, self.groups["ep"])
+            stage_tensors = ep_moe.gather_experts(stage_tensors, self.groups["ep"])
         if self.tp is not None:
             stage_tensors = self.tp.full(stage_tensors)
         parts = [None] * self.grid.size["pp"]

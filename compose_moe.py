@@ -55,34 +55,20 @@ Psi_e / (E P) (whole across tp), their ZeRO shard over edp = D C / E.
 import torch
 import torch.distributed as dist
 
-from harness import Expect, name_group, planted
+from harness import Expect, is_moe, planted
 from harness.routing import hf_router_losses
 import ep_moe
-
-
-def is_moe(config) -> bool:
-    """A Mixture-of-Experts config: Mixtral's num_local_experts, Qwen-MoE's and OLMoE's
-    num_experts, DeepSeek's n_routed_experts."""
-    return any(getattr(config, k, None) for k in ("num_local_experts", "num_experts",
-                                                   "n_routed_experts"))
+import fsdp
 
 
 # ----------------------------------------------------------------------------------------------
 # Groups
 # ----------------------------------------------------------------------------------------------
-def ep_groups(dpcp_groups: list[list[int]], E: int) -> tuple[list, list]:
-    """(ep groups, edp groups): blocks of E consecutive ranks of each dp x cp group, and the
-    ranks at the same place in their blocks."""
-    ep = [g[i:i + E] for g in dpcp_groups for i in range(0, len(g), E)]
-    edp = [g[j::E] for g in dpcp_groups for j in range(E)]
-    return ep, edp
-
-
 def make_ep_groups(dpcp_groups, E: int) -> dict:
-    ep, edp = ep_groups(dpcp_groups, E)
-    mine_ep, _ = dist.new_subgroups_by_enumeration(ep)
-    mine_edp, _ = dist.new_subgroups_by_enumeration(edp)
-    return {"ep": name_group(mine_ep, "ep"), "edp": name_group(mine_edp, "edp")}
+    """The ep groups (blocks of E consecutive ranks of each dp x cp group) and the edp groups
+    (the ranks at the same place in their blocks)."""
+    ep, edp = fsdp.new_block_groups(dpcp_groups, E, ("ep", "edp"))
+    return {"ep": ep, "edp": edp}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,12 +107,12 @@ class ComposedMoE(ep_moe.ExpertParallelMoE):
             return out
         o = self.opts
         term = None
+        n = hidden.shape[0] * hidden.shape[1] * dist.get_world_size(self.count_group)  # N_m
         if o.aux_coef or o.aux_free_bias:
             counts = rec["counts"].clone()
             dist.all_reduce(counts, group=self.count_group)
             self.step_counts = counts if self.step_counts is None else self.step_counts + counts
             if o.aux_coef:
-                n = hidden.shape[0] * hidden.shape[1] * dist.get_world_size(self.count_group)
                 f = counts.to(rec["prob_sum"].dtype) / n
                 layers = self.L
                 if planted("aux-per-stage"):   # plant: normalised by this stage's layers
@@ -134,8 +120,7 @@ class ComposedMoE(ep_moe.ExpertParallelMoE):
                 term = o.aux_coef * self.num_experts * (f * rec["prob_sum"] / n).sum() \
                     / (layers * self.M)
         if o.z_coef:
-            n_all = hidden.shape[0] * hidden.shape[1] * dist.get_world_size(self.count_group)
-            z = o.z_coef * rec["z_sum"] / (self.L * self.M * n_all)
+            z = o.z_coef * rec["z_sum"] / (self.L * self.M * n)
             term = z if term is None else term + z
         if term is None:
             return out
@@ -156,27 +141,6 @@ def expert_local(name: str, t: torch.Tensor, E: int, rank: int) -> torch.Tensor:
         return t
     n = t.shape[0] // E
     return t[rank * n:(rank + 1) * n]
-
-
-def gather_experts(tensors: dict, group, to_first: bool = False) -> dict:
-    """Full (n_experts, ...) expert tensors from every ep rank's slice (collective over the ep
-    group); to_first: on the group's first rank only (a checkpoint's writer: the others keep
-    their slices, and no rank holds E times its experts' state but the one that writes)."""
-    W, me = dist.get_world_size(group), dist.get_rank(group)
-    out = {}
-    for n, t in tensors.items():
-        if ep_moe.is_expert(n) and W > 1:
-            t = t.contiguous()
-            if to_first:
-                parts = [torch.empty_like(t) for _ in range(W)] if me == 0 else None
-                dist.gather(t, parts, group_dst=0, group=group)
-                t = torch.cat(parts) if me == 0 else t
-            else:
-                full = t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
-                dist.all_gather_into_tensor(full, t, group=group)
-                t = full
-        out[n] = t
-    return out
 
 
 def after_step(blocks: list[ComposedMoE], args):
@@ -216,9 +180,7 @@ def constraints(args, config, D: int, C: int) -> list[str]:
                     f"are carved out of the data ranks)")
     elif n % E:
         errs.append(f"--ep {E} does not divide num_local_experts {n}")
-    if getattr(config, "router_jitter_noise", 0.0):
-        errs.append(f"router_jitter_noise={config.router_jitter_noise} is random per layout; "
-                    "set it to 0")
+    errs += ep_moe.routing_constraints(args, config)
     if args.sp:
         errs.append("--sp with a MoE model: each tp rank would route its own tokens; not "
                     "implemented (use TP without --sp)")
@@ -229,12 +191,6 @@ def constraints(args, config, D: int, C: int) -> list[str]:
     if args.capacity_factor is not None and args.mode == "benchmark":
         errs.append("--capacity-factor in benchmark mode: the all-to-all bytes are the kept "
                     "rows of every stage, which this rank does not see (ep_moe.py meters them)")
-    if args.capacity_factor is not None and args.capacity_factor <= 0:
-        errs.append(f"--capacity-factor must be > 0 (got {args.capacity_factor})")
-    if args.aux_free_bias and args.aux_coef:
-        errs.append("--aux-free-bias replaces the auxiliary loss: set --aux-coef 0")
-    if args.aux_coef < 0 or args.z_coef < 0:
-        errs.append("--aux-coef and --z-coef must be >= 0")
     if getattr(args, "recompute", "none") == "full":
         errs.append("--recompute full: a recomputed MoE layer would add its router losses and "
                     "exchange its counts twice; use selective")

@@ -451,6 +451,28 @@ def is_expert(name: str) -> bool:
     return ".experts." in name
 
 
+def gather_experts(tensors: dict, group, to_first: bool = False) -> dict:
+    """Full (n_experts, ...) expert tensors from every ep rank's slice (collective over the ep
+    group; the other tensors as they are); to_first: on the group's first rank only (a
+    checkpoint's writer: the others keep their slices, and no other rank holds E times its
+    experts' state)."""
+    W, me = dist.get_world_size(group), dist.get_rank(group)
+    out = {}
+    for n, t in tensors.items():
+        if is_expert(n) and W > 1:
+            t = t.contiguous()
+            if to_first:
+                parts = [torch.empty_like(t) for _ in range(W)] if me == 0 else None
+                dist.gather(t, parts, group_dst=0, group=group)
+                t = torch.cat(parts) if me == 0 else t
+            else:
+                full = t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
+                dist.all_gather_into_tensor(full, t, group=group)
+                t = full
+        out[n] = t
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # The single-device reference: HF's own MoE block where HF has one, else HF's experts + route()
 # ----------------------------------------------------------------------------------------------
@@ -495,6 +517,21 @@ class MoEReference(Reference):
 # ----------------------------------------------------------------------------------------------
 # Harness adapter
 # ----------------------------------------------------------------------------------------------
+def routing_constraints(args, config) -> list[str]:
+    """The routing flags' own checks (add_moe_args; ep_moe.py's and compose4d's)."""
+    errs = []
+    if getattr(config, "router_jitter_noise", 0.0):
+        errs.append(f"router_jitter_noise={config.router_jitter_noise} is random per layout; "
+                    "set it to 0")
+    if args.capacity_factor is not None and args.capacity_factor <= 0:
+        errs.append(f"--capacity-factor must be > 0 (got {args.capacity_factor})")
+    if args.aux_free_bias and args.aux_coef:
+        errs.append("--aux-free-bias replaces the auxiliary loss: set --aux-coef 0")
+    if args.aux_coef < 0 or args.z_coef < 0:
+        errs.append("--aux-coef and --z-coef must be >= 0")
+    return errs
+
+
 def ep_constraints(args, world, config) -> list[str]:
     E = getattr(config, "num_local_experts", None)
     if not E:
@@ -505,15 +542,7 @@ def ep_constraints(args, world, config) -> list[str]:
         errs.append(f"world size {world} does not divide num_local_experts {E}")
     if args.batch % world:
         errs.append(f"global batch {args.batch} is not divisible by world size {world}")
-    if getattr(config, "router_jitter_noise", 0.0):
-        errs.append(f"router_jitter_noise={config.router_jitter_noise} is random per layout; "
-                    "set it to 0")
-    if args.capacity_factor is not None and args.capacity_factor <= 0:
-        errs.append(f"--capacity-factor must be > 0 (got {args.capacity_factor})")
-    if args.aux_free_bias and args.aux_coef:
-        errs.append("--aux-free-bias replaces the auxiliary loss: set --aux-coef 0")
-    if args.aux_coef < 0 or args.z_coef < 0:
-        errs.append("--aux-coef and --z-coef must be >= 0")
+    errs += routing_constraints(args, config)
     if getattr(args, "recompute", "none") == "full":   # (harness/recompute.py)
         errs.append("--recompute full: the routing statistics are recorded in each MoE layer's "
                     "forward and a recomputed layer would record them twice; use selective")
@@ -647,21 +676,12 @@ class ExpertParallel(Strategy):
                             max_norm)
 
     # ---- reassembly ------------------------------------------------------------------------
-    def _gather_experts(self, tensors: dict) -> dict:
-        out = {}
-        for n, t in tensors.items():
-            if is_expert(n):
-                full = t.new_empty((self.env.world * t.shape[0],) + tuple(t.shape[1:]))
-                dist.all_gather_into_tensor(full, t.contiguous(), group=self.group)
-                t = full
-            out[n] = t
-        return out
-
     def full_grads(self):
-        return self._gather_experts({n: p.grad for n, p in self.model.named_parameters()})
+        return gather_experts({n: p.grad for n, p in self.model.named_parameters()}, self.group)
 
     def full_params(self):
-        return self._gather_experts({n: p.detach() for n, p in self.model.named_parameters()})
+        return gather_experts({n: p.detach() for n, p in self.model.named_parameters()},
+                              self.group)
 
     # ---- reports ---------------------------------------------------------------------------
     def expected_comm(self):

@@ -194,19 +194,33 @@ def fully_shard(module: torch.nn.Module, units=None, group=None, prefetch: int =
                       reduce_dtype, replicate_group)
 
 
+def block_groups(groups: list[list[int]], size: int) -> tuple[list, list]:
+    """(blocks, strided): each of `groups` cut into blocks of `size` consecutive ranks, and the
+    ranks at the same place in every block of a group. HSDP's shard and replicate groups here
+    and in compose4d; compose4d's ep and edp groups (compose_moe.py)."""
+    blocks = [g[i:i + size] for g in groups for i in range(0, len(g), size)]
+    strided = [g[j::size] for g in groups for j in range(size)]
+    return blocks, strided
+
+
+def new_block_groups(groups: list[list[int]], size: int, names=("shard", "replicate")):
+    """This rank's two groups of block_groups (collective: every rank creates every group, in
+    one order), named for the meter."""
+    blocks, strided = block_groups(groups, size)
+    mine_b, _ = dist.new_subgroups_by_enumeration(blocks)
+    mine_s, _ = dist.new_subgroups_by_enumeration(strided)
+    return name_group(mine_b, names[0]), name_group(mine_s, names[1])
+
+
 def hsdp_groups(replicas: int):
-    """HSDP's two groups for this rank (collective: every rank creates every group, in one
-    order). Shard groups are S = W / R consecutive ranks (a node's GPUs when S is the GPUs per
-    node); replicate groups are the ranks with the same index in each shard group:
+    """HSDP's two groups for this rank (collective). Shard groups are S = W / R consecutive
+    ranks (a node's GPUs when S is the GPUs per node); replicate groups are the ranks with the
+    same index in each shard group:
         shard      [0 .. S-1], [S .. 2S-1], ...     reduce-scatter and all-gather inside
         replicate  [i, S + i, 2S + i, ...]          one all-reduce of each reduced shard
     Returns (shard group, replicate group), named "shard" and "replicate" for the meter."""
     W = dist.get_world_size()
-    S = W // replicas
-    shard, _ = dist.new_subgroups_by_enumeration([list(range(r * S, (r + 1) * S))
-                                                  for r in range(replicas)])
-    rep, _ = dist.new_subgroups_by_enumeration([list(range(i, W, S)) for i in range(S)])
-    return name_group(shard, "shard"), name_group(rep, "replicate")
+    return new_block_groups([list(range(W))], W // replicas)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ from tp_plan import classify, head_dims, join_shards, meta_model
 from harness import dropout
 from harness.loss import chunked_loss_sum
 from harness import (Batch, DTensorBaseline, Expect, Plant, Reference, Strategy, all_reduce_flat,
-                     DTYPES, IGNORE_INDEX, clip_by_norm, full_tensor, main, make_adamw, phase,
+                     DTYPES, IGNORE_INDEX, clip_by_norm, full_tensor, is_moe, main, make_adamw, phase,
                      planted, scalar, spread_across_ranks)
 
 
@@ -589,7 +589,7 @@ def tp_constraints(args, world, config) -> list[str]:
 def standalone_constraints(args, world, config) -> list[str]:
     """tp.py (and sp.py's Megatron variant) on their own refuse a MoE model: its blocks would
     run whole on every rank, which only compose4d.py (--ep, compose_moe.py) accounts for."""
-    if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
+    if is_moe(config):
         return [f"--model {args.model} is a Mixture-of-Experts model: tp.py splits attention and "
                 f"dense MLPs, not experts; use compose4d.py --ep (or ep_moe.py)"]
     return tp_constraints(args, world, config)

@@ -366,19 +366,16 @@ class Zero(FlatTensors):
                else u.grad_full.to(u.grad_shard.dtype))   # bf16 gradients summed in fp32
         if self.average:  # pre-divide: the sum over ranks is then the average
             src.div_(u.W)
-        out, handle = (self.reduce_scatter(src, u.grad_shard) if u.group is self.group
-                       else self.reduce_scatter(src, u.grad_shard, u.group))
+        out, handle = self.reduce_scatter(src, u.grad_shard, u.group)
         self.pending.append((u, out, handle))
         u.ready = set()
         u.launched = True
 
-    def reduce_scatter(self, src: torch.Tensor, like: torch.Tensor, group=None):
-        """Start summing src [W s] over the group (default the engine's) into a new shard shaped
-        like `like`: (shard, handle). zeropp.ZeroPP replaces it with qgZ's quantized
-        all-to-alls."""
+    def reduce_scatter(self, src: torch.Tensor, like: torch.Tensor, group):
+        """Start summing src [W s] over `group` (the unit's) into a new shard shaped like
+        `like`: (shard, handle). zeropp.ZeroPP replaces it with qgZ's quantized all-to-alls."""
         out = torch.empty_like(like)
-        return out, dist.reduce_scatter_tensor(out, src, group=group or self.group,
-                                               async_op=True)
+        return out, dist.reduce_scatter_tensor(out, src, group=group, async_op=True)
 
     def _complete(self, keep: int = 0):
         """Wait for the oldest reductions until `keep` are left in flight."""

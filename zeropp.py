@@ -211,9 +211,9 @@ class ZeroPP(Zero):
             fill(u, lambda full: full.copy_(quantized_all_gather(u)))
 
     # -- qgZ: the gradient reduce-scatter --
-    def reduce_scatter(self, src, like):
+    def reduce_scatter(self, src, like, group):
         if not self.qgz:
-            return super().reduce_scatter(src, like)
+            return super().reduce_scatter(src, like, group)
         return self.quantized_reduce_scatter(src), DONE   # synchronous all-to-alls
 
     exchange = staticmethod(quantized_all_to_all)   # one hop (ZeroPPChecks observes it)

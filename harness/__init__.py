@@ -67,7 +67,7 @@ from .meter import METER, CommMeter, Expect, group_name, name_group, phase  # no
 from .models import (DTYPES, PRESETS, ConfigError, attention_features, attention_masks,  # noqa: F401
                      build_model,
                      common_constraints, soft_cap, resolve_attn,
-                     has_weights, load_config, model_kwargs, param_count, keep_float64)
+                     has_weights, is_moe, load_config, model_kwargs, param_count, keep_float64)
 from .plants import planted, planting  # noqa: F401
 from .precision import MasterAdamW  # noqa: F401
 from .run import Env, Run  # noqa: F401

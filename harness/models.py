@@ -168,6 +168,13 @@ def resolve_attn(config, attn: str) -> tuple[str, str | None]:
     return attn, None
 
 
+def is_moe(config) -> bool:
+    """A Mixture-of-Experts config: Mixtral's num_local_experts, Qwen-MoE's and OLMoE's
+    num_experts, DeepSeek's n_routed_experts."""
+    return any(getattr(config, k, None) for k in ("num_local_experts", "num_experts",
+                                                   "n_routed_experts"))
+
+
 def model_kwargs(config, attn: str) -> dict:
     """The implementation choices every model build makes (from_config / from_pretrained)."""
     kw = dict(attn_implementation=resolve_attn(config, attn)[0] if attn == "auto" else attn)

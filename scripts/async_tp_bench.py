@@ -16,15 +16,11 @@ docs/benchmarks.md quotes the JSON.
 """
 from __future__ import annotations
 
-import json
 import os
-import platform
-import subprocess
 import sys
-import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from bench import cpu_machine, torchrun_json, write_results
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness.benchmark import overlap_share  # noqa: E402
 RUNS = {2: ["--model", "small", "--paired", "8"],
         4: ["--model", "configs/small-gqa8.json", "--paired", "6"]}
@@ -34,18 +30,10 @@ COMMON = ["--variant", "megatron", "--async-tp", "--mode", "benchmark", "--compa
 
 
 def run(world: int) -> dict:
-    out = tempfile.mkdtemp(prefix=f"async-tp-{world}-")
-    argv = ["sp.py", *COMMON, *RUNS[world], "--out", out]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc_per_node={world}", *argv], capture_output=True, text=True,
-                       cwd=ROOT)
-    path = os.path.join(out, "benchmark.json")
-    if r.returncode != 0 or not os.path.exists(path):
-        raise SystemExit(f"{' '.join(argv)} failed (exit {r.returncode}):\n{r.stdout[-3000:]}")
-    b = json.load(open(path))
+    b, command = torchrun_json(world, ["sp.py", *COMMON, *RUNS[world]], prefix="async-tp-")
     sync = b["native"]["sp-megatron-sync"]
     pair = b["paired"]["sp-megatron-sync"]
-    return dict(world=world, command=f"torchrun --nproc_per_node={world} " + " ".join(argv[:-2]),
+    return dict(world=world, command=command,
                 async_overlap_share=b["overlap_share"],
                 sync_overlap_share=overlap_share(sync),
                 async_exposed_ms=1e3 * b["ours"]["overlap"][0]["exposed_s"],
@@ -65,12 +53,7 @@ def main():
               f"{row['paired_ratio_median']:.3f} [{row['paired_ratio_p10']:.3f}, "
               f"{row['paired_ratio_p90']:.3f}] over {row['rounds']} rounds")
         rows.append(row)
-    res = dict(machine=f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
-               ", gloo, float32", rows=rows)
-    path = os.path.join(ROOT, "results", "async-tp-cpu.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {path}")
+    write_results("async-tp-cpu.json", dict(machine=cpu_machine() + ", float32", rows=rows))
 
 
 if __name__ == "__main__":

@@ -70,6 +70,35 @@ def machine() -> str:
     return f"{platform.machine()} CPU, {os.cpu_count()} cores, gloo"
 
 
+def cpu_machine() -> str:
+    """The `machine` of the measurement scripts' results files: 'CPU (N cores, processor), gloo'."""
+    return f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()}), gloo"
+
+
+def torchrun_json(world: int, argv: list[str], result: str = "benchmark.json",
+                  prefix: str = "run-") -> tuple[dict, str]:
+    """`torchrun --nproc_per_node=world argv --out DIR` in the repository: (DIR/result parsed,
+    the command without --out). A failed run ends the script with its output."""
+    out = tempfile.mkdtemp(prefix=prefix)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc_per_node={world}", *argv, "--out", out], capture_output=True,
+                       text=True, cwd=HERE)
+    path = os.path.join(out, result)
+    if r.returncode != 0 or not os.path.exists(path):
+        raise SystemExit(f"{' '.join(argv)} failed (exit {r.returncode}):\n{r.stdout[-3000:]}")
+    with open(path) as f:
+        return json.load(f), f"torchrun --nproc_per_node={world} " + " ".join(argv)
+
+
+def write_results(name: str, res: dict) -> str:
+    """results/NAME, indented JSON; returns its path (printed)."""
+    path = os.path.join(HERE, "results", name)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {path}")
+    return path
+
+
 def run_one(label, script, extra, world, pairs, model, verbose=False) -> list[dict]:
     """The rows of one launch; a launch the strategy refuses (exit 2: the configuration does not
     fit this world size) or that fails gives one row with `skipped`, the reason, instead."""

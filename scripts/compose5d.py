@@ -10,14 +10,8 @@ docs quote the rows from the JSON (docs/training.md, "Expert parallelism and ZeR
 """
 from __future__ import annotations
 
-import json
-import os
-import platform
-import subprocess
-import sys
-import tempfile
+from bench import cpu_machine, torchrun_json, write_results
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = {
     "ep2-pp2-zero3": ["--model", "tiny-moe", "--ep", "2", "--pp", "2", "--zero", "3"],
     "ep2-tp2": ["--model", "tiny-moe", "--ep", "2", "--tp", "2"],
@@ -29,14 +23,7 @@ COMMON = ["--mode", "benchmark", "--dtype", "float32", "--grad-accum", "2", "--b
 
 
 def run(name: str, args: list[str]) -> dict:
-    out = tempfile.mkdtemp(prefix=f"compose5d-{name}-")
-    argv = ["compose4d.py", *args, *COMMON, "--out", out]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node=4", *argv], capture_output=True, text=True, cwd=ROOT)
-    path = os.path.join(out, "benchmark.json")
-    if r.returncode != 0 or not os.path.exists(path):
-        raise SystemExit(f"{' '.join(argv)} failed (exit {r.returncode}):\n{r.stdout[-3000:]}")
-    b = json.load(open(path))
+    b, command = torchrun_json(4, ["compose4d.py", *args, *COMMON], prefix=f"compose5d-{name}-")
     comm = []
     for e in b["expected"]:
         key = f"{e['op']}|{e['group']}"
@@ -47,7 +34,7 @@ def run(name: str, args: list[str]) -> dict:
                          formula=e["formula"]))
     mem = [{k: m[k] for k in ("params", "grads", "optimizer", "model_states")}
            for m in b["ours"]["memory"]]
-    return dict(layout=name, command="torchrun --nproc_per_node=4 " + " ".join(argv[:-2]),
+    return dict(layout=name, command=command,
                 strategy=b["strategy"], comm_ok=b["comm_ok"], comm=comm, memory=mem,
                 memory_formula_rank0=b["memory_formula"], tokens_per_s=b["ours"]["tokens_per_s"])
 
@@ -60,12 +47,8 @@ def main():
         print(f"{name}: comm {'matches' if row['comm_ok'] else 'DIFFERS FROM'} the formulas; "
               f"rank 0 model states {m0['model_states']:,} B (formula {f0['model_states']:,.0f})")
         rows.append(row)
-    res = dict(machine=f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
-               ", gloo, float32, world 4", rows=rows)
-    path = os.path.join(ROOT, "results", "compose5d-cpu.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {path}")
+    write_results("compose5d-cpu.json", dict(machine=cpu_machine() + ", float32, world 4",
+                                             rows=rows))
     if not all(r["comm_ok"] and r["memory"][0]["model_states"] ==
                r["memory_formula_rank0"]["model_states"] for r in rows):
         raise SystemExit(1)

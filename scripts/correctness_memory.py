@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import bench  # noqa: E402
 import load_memory  # noqa: E402
 
 
@@ -52,8 +52,7 @@ def main():
     res = json.load(open(path))[0]
     G = 2 ** 30
     peak = [b / G for b in res["peak_rss_bytes"]]
-    row = dict(machine=f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
-               ", gloo", command=f"torchrun --nproc_per_node={a.world} " + " ".join(argv[:-2]),
+    row = dict(machine=bench.cpu_machine(), command=f"torchrun --nproc_per_node={a.world} " + " ".join(argv[:-2]),
                strategy=res["strategy"], world=res["world"], dtype=res["dtype"],
                ok=res["ok"], worst_ratio=res["worst_ratio"], wall_s=round(wall, 1),
                replica_gib=res["replica_bytes"] / G, peak_gib=peak,

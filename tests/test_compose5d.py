@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import compose_moe
+import fsdp
 from conftest import Runs, assert_config_error, assert_resume_continues, config_file, launch
 import textdata
 
@@ -217,7 +218,7 @@ def test_the_elastic_planner_counts_the_experts_by_their_own_split():
 
 # the plain-python checks of the ep grid
 def test_ep_groups_are_blocks_of_the_data_ranks():
-    ep, edp = compose_moe.ep_groups([[0, 2, 4, 6], [1, 3, 5, 7]], 2)
+    ep, edp = fsdp.block_groups([[0, 2, 4, 6], [1, 3, 5, 7]], 2)
     assert ep == [[0, 2], [4, 6], [1, 3], [5, 7]]
     assert edp == [[0, 4], [2, 6], [1, 5], [3, 7]]
 

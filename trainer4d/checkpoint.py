@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from harness import DTYPES, METER, dropout, resolve_attn
-import compose_moe
+import ep_moe
 import tp
 
 
@@ -60,7 +60,7 @@ def save_checkpoint(strat, root: str, step: int, extra: dict | None = None,
     with METER.paused():
         local = {k: z.gather_flat(v) for k, v in kinds.items()}    # this stage, TP-local
         if strat.moe and dist.get_rank(strat.groups["edp"]) == 0:   # the writer's ep group:
-            local = {k: compose_moe.gather_experts(v, strat.groups["ep"], to_first=True)
+            local = {k: ep_moe.gather_experts(v, strat.groups["ep"], to_first=True)
                      for k, v in local.items()}   # every expert on the writer, only there
     tmp, final = os.path.join(root, f".tmp-step-{step}"), os.path.join(root, f"step-{step}")
     if env.is_main:

@@ -31,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from harness import DTYPES, METER, Batch, Run, build_model, loading
+from harness import DTYPES, METER, Batch, Run, build_model, is_moe, loading
 from harness.flops import mfu
 from harness.loading import has_safetensors, meta_model
 from harness.recompute import apply_recompute, recompute_what
@@ -39,7 +39,6 @@ from harness.run import gather_objects
 from harness.trainlog import TrainLog, memory_now
 from harness import train_data
 
-from compose_moe import is_moe
 from . import elastic
 from .checkpoint import (dropout_of, export_hf, find_checkpoint, hf_model,  # noqa: F401
                          latest_dir, load_checkpoint, restore, save_checkpoint)
