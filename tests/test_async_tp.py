@@ -103,12 +103,9 @@ def _functions(rank, world, port):
 
 
 def _spawn(fn, world):
-    import socket
     import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(fn, args=(world, port), nprocs=world)
+    from harness.launch import _free_port
+    mp.spawn(fn, args=(world, _free_port()), nprocs=world)
 
 
 @pytest.mark.parametrize("world", [2, 3])

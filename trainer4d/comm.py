@@ -75,13 +75,12 @@ def expected_comm(self) -> list[Expect]:
                             "SP: region entries (fwd), re-gathers and row exits (bwd)"),
                      Expect("reduce_scatter_tensor", "tp", rs_, rs_ * nhb // M,
                             "SP: row exits (fwd), region entries (bwd)")]
-    return rows + (_tp_allreduce_rows(self, M, b, n_tok) if T > 1 else [])
+    return rows + (_tp_allreduce_rows(self, M, b, n_tok, L_st) if T > 1 else [])
 
 
-def _tp_allreduce_rows(self, M, b, n_tok) -> list[Expect]:
+def _tp_allreduce_rows(self, M, b, n_tok, L_st) -> list[Expect]:
     a, cfg = self.args, self.model.config
     H = cfg.hidden_size
-    L_st = sum(len(self.pipe.bounds[c]) for c in self.pipe.mine)
     nhb_mb = n_tok // M * H * b
     b_ce = 4 if a.dtype == "bfloat16" else b
     calls = nbytes = 0

@@ -150,6 +150,20 @@ def format_table(target: int, rows: list[Plan]) -> list[str]:
     return lines
 
 
+def count_params(config) -> dict:
+    """Parameters of the HF model built on the meta device (nothing allocated): total, routed
+    experts (`.experts.` in the name), and the rest (dense). replan's and plan.py's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = experts = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        experts += p.numel() if ".experts." in name else 0
+    return dict(total=total, experts=experts, dense=total - experts)
+
+
 # ----------------------------------------------------------------------------------------------
 # Re-planning a run (compose4d.py --mode train --elastic): before the process group exists
 # ----------------------------------------------------------------------------------------------
@@ -157,20 +171,16 @@ def replan(world: int, config, args, target: int) -> Plan:
     """plan_world for this world size: TP, PP, CP as given, DP absorbs the change, the global
     batch kept near `target` (the caller's: the checkpoint's, or --batch for a fresh run). Runs
     in compose4d's constraints, before the process group exists, so an infeasible world ends at
-    once. (torch and transformers are imported here: the planner's CLI does not need them.)"""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from harness import param_count
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    params = param_count(model)
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    once. (torch and transformers are imported in count_params: the planner's CLI does not need
+    them.)"""
+    params = count_params(config)
     return plan_world(
-        world, target, params=params, hidden=config.hidden_size,
+        world, target, params=params["total"], hidden=config.hidden_size,
         layers=config.num_hidden_layers, seq=args.length, mem_bytes=args.mem_gib * 2**30,
         tolerance=args.batch_tolerance, max_micro_batch=args.max_micro_batch,
         min_zero=args.zero, max_zero=1 if args.schedule == "interleaved" else 3,
-        tp=args.tp, pp=args.pp, cp=args.cp, expert_params=experts, ep=getattr(args, "ep", 1))
+        tp=args.tp, pp=args.pp, cp=args.cp, expert_params=params["experts"],
+        ep=getattr(args, "ep", 1))
 
 
 def plan_parser() -> argparse.ArgumentParser:

@@ -41,6 +41,8 @@ import argparse
 import math
 import sys
 
+from .elastic import count_params
+
 GiB = 2 ** 30
 
 # Shapes for planning (public configs). Anything else: a preset of harness/models.py, an HF
@@ -68,20 +70,6 @@ def load(name: str):
         return CONFIG_MAPPING[kind](**kw)
     from harness.models import load_config
     return load_config(name)
-
-
-def count_params(config) -> dict:
-    """Parameters of the HF model built on the meta device (nothing allocated): total, routed
-    experts (`.experts.` in the name), and the rest (dense)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    total = experts = 0
-    for name, p in model.named_parameters():
-        total += p.numel()
-        experts += p.numel() if ".experts." in name else 0
-    return dict(total=total, experts=experts, dense=total - experts)
 
 
 # ----------------------------------------------------------------------------------------------
