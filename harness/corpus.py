@@ -527,4 +527,4 @@ class TextCorpus:
         target; across a document boundary the target is EOS, then the next document)."""
         start = step * batch if offset is None else offset
         x = torch.from_numpy(self.sample(split, start, batch, length))
-        return Batch(x[:, :-1].contiguous().to(device), x[:, 1:].contiguous().to(device), step)
+        return Batch.on_device(x[:, :-1], x[:, 1:], step, device)

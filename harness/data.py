@@ -66,11 +66,13 @@ class Batch:
     positions: torch.Tensor | None = None    # (S,)
 
     def row_ids(self) -> torch.Tensor:
-        return (torch.arange(self.input_ids.shape[0]) if self.sample_ids is None
+        return (torch.arange(self.input_ids.shape[0], device=self.input_ids.device)
+                if self.sample_ids is None
                 else self.sample_ids)
 
     def column_positions(self) -> torch.Tensor:
-        return (torch.arange(self.input_ids.shape[1]) if self.positions is None
+        return (torch.arange(self.input_ids.shape[1], device=self.input_ids.device)
+                if self.positions is None
                 else self.positions)
 
     def take(self, rows) -> "Batch":
@@ -85,7 +87,17 @@ class Batch:
 
     @functools.cached_property
     def n_tokens(self) -> int:
+        """Targets that count (a host int). A batch made by `on_device` counted them on the
+        host before the copy; counting device labels here is a host read."""
         return int((self.labels != IGNORE_INDEX).sum())
+
+    @classmethod
+    def on_device(cls, inputs, labels, index: int, device) -> "Batch":
+        """The batch of host tensors `inputs`, `labels` on `device`, its target count taken on
+        the host first: a step that reads `n_tokens` then makes no host read for it."""
+        b = cls(inputs.to(device).contiguous(), labels.to(device).contiguous(), index)
+        b.__dict__["n_tokens"] = int((labels != IGNORE_INDEX).sum())   # (the cached property)
+        return b
 
     def rows(self, start: int, stop: int) -> "Batch":
         return self.take(slice(start, stop))
@@ -137,4 +149,4 @@ def make_batch(lang: MarkovLanguage, step: int, batch: int, length: int, device,
         pad[:, 1:] = m[:, :-1] & m[:, -1:]
         pad &= torch.flip(torch.cummin(torch.flip(m.int(), [1]), 1).values.bool(), [1])
         inputs[pad] = PAD_ID
-    return Batch(inputs.to(device).contiguous(), labels.to(device).contiguous(), step)
+    return Batch.on_device(inputs, labels, step, device)

@@ -221,15 +221,30 @@ def build_model(args, config, device) -> torch.nn.Module:
     else:
         torch.manual_seed(args.seed)
         # (a copy: from_config shares the object, and strategies edit their model's config)
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **kw)
+        # On CUDA the random init runs on the device: a 1B model's init takes seconds there
+        # and about a minute on the host (its values differ from a CPU build's: same seed,
+        # another generator).
+        with (torch.device(device) if torch.device(device).type == "cuda"
+              else contextlib.nullcontext()):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **kw)
     return finish_model(model.to(device=device, dtype=dtype), args)
+
+
+def _no_kv_cache(module, args, kwargs):
+    """A training forward builds no KV cache: HF's forward makes a DynamicCache whenever
+    use_cache is on (the config's default), from host data, every step. An explicit use_cache
+    (generate's) is kept, and the config is left alone (an exported model keeps use_cache)."""
+    if kwargs.get("use_cache") is None:
+        kwargs["use_cache"] = False
+    return args, kwargs
 
 
 def finish_model(model, args):
     """What every built model gets (build_model, loading.meta_model): layout-independent
     dropout where its config drops (dropout.install, keyed by --seed), float64 kept inside
-    its norms and attention, training mode."""
+    its norms and attention, no KV cache in its forward, training mode."""
     install_dropout(model, model.model.layers, getattr(args, "seed", 0))
+    model.register_forward_pre_hook(_no_kv_cache, with_kwargs=True)
     return keep_float64(model).train()
 
 

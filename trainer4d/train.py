@@ -91,7 +91,7 @@ def loss_and_flag(strat, loss_sum: torch.Tensor, flag: bool,
     t = torch.zeros(3, dtype=torch.float64, device=loss_sum.device)
     if strat.me["tp"] == 0:
         t[0] = loss_sum.detach()
-    t[1] = float(flag)
+    t[1].fill_(float(flag))    # (a kernel argument: `t[1] = flag` would copy a host tensor)
     if norm is not None and dist.get_rank() == 0:
         t[2] = norm
     with METER.paused():

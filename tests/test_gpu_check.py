@@ -1,0 +1,86 @@
+"""scripts/gpu_check.py rehearsed on CPU (--device cpu --smoke), and the host-sync detector it
+uses (harness/hostsync.py) shown to catch a host read and a host-built tensor in a step."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness.hostsync import HostSyncs
+from harness.loss import scalar
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.py")
+
+
+class Clean:
+    def step(self, x):
+        return scalar((x * 2).sum())          # the logged loss: the one allowed read
+
+
+class Reads(Clean):
+    def step(self, x):
+        n = int((x > 0).sum())                # plant: a host read inside the step
+        return super().step(x) + n
+
+
+class Builds(Clean):
+    def step(self, x):
+        w = torch.tensor([1.0, 2.0, 3.0], device=x.device)   # plant: a tensor from host data
+        return super().step(x * w)
+
+
+@pytest.mark.parametrize("cls, unexpected", [(Clean, 0), (Reads, 1), (Builds, 1)])
+def test_hostsync_counts_per_step(cls, unexpected):
+    hs = HostSyncs("cpu")
+    with hs.watching(cls):
+        for _ in range(3):
+            cls().step(torch.ones(3))
+    r = hs.report()
+    assert r["steps"] == 3                    # a subclass's super().step is one step, not two
+    assert r["allowed_per_step"] == 1.0, r["sites"]
+    assert r["unexpected_per_step"] == unexpected, r["sites"]
+    bad = [k for k, v in r["sites"].items() if not v["allowed"]]
+    assert all("tests/test_gpu_check.py" in k for k in bad), bad
+    assert not hasattr(cls, "_watched") and cls.step.__qualname__.startswith(cls.__name__)
+
+
+def _run(out, *extra):
+    return subprocess.run([sys.executable, SCRIPT, str(out), "--device", "cpu", "--smoke",
+                           *extra], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_smoke_every_section(tmp_path):
+    """The whole driver on tiny shapes: every section passes, one JSON each plus the log (at
+    most 8 files, one folder deep), each naming the machine and what ran."""
+    p = _run(tmp_path, "--budget-s", "300")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    files = sorted(os.listdir(tmp_path))
+    assert files == ["cp.json", "device.json", "gpu_check.log", "memory.json", "speed.json"]
+    docs = {f[:-5]: json.load(open(tmp_path / f)) for f in files if f.endswith(".json")}
+    for name, d in docs.items():
+        assert d["ok"] is True and d["rc"] == 0 and d["torch"] and d["device"], (name, d)
+    dev = docs["device"]
+    labels = [(i["label"], i.get("mode")) for i in dev["items"]]
+    assert ("ddp", "correctness") in labels and ("zero3", "learning") in labels
+    assert [lab for lab, _ in labels][-3:] == ["train-save", "train-resume", "hf-reload"]
+    steps = [i["host_syncs"]["steps"] for i in dev["items"] if i.get("mode") == "correctness"]
+    assert steps and all(s >= 2 for s in steps)        # the steps were watched
+    assert dev["host_syncs_unexpected"] == 0, dev
+    assert [r["run"] for r in docs["speed"]["items"]][-1].startswith("compose4d")
+    trials = docs["memory"]["strategies"]["tp"]["trials"]
+    assert trials and trials[0]["length"] == docs["memory"]["strategies"]["tp"]["predicted_max"]
+    assert {t["kind"] for t in trials} <= {"OK", "OOM"}
+    assert docs["cp"]["rows"] and all(r["accurate"] for r in docs["cp"]["rows"] if r["C"] > 1)
+
+
+def test_failures_are_loud(tmp_path):
+    """A section that breaks fails the whole command; an unknown section is refused (exit 2)."""
+    p = _run(tmp_path, "--sections", "device", "--strategies", "no-such-strategy")
+    assert p.returncode == 1
+    assert json.load(open(tmp_path / "device.json"))["ok"] is False
+    p = _run(tmp_path, "--sections", "gpu")
+    assert p.returncode == 2 and "'gpu' is not one of" in p.stderr
