@@ -439,6 +439,73 @@ def _gpu_cp_kernels():
     return "\n".join(lines)
 
 
+# the run of 2026-11-26 (scripts/gpu_check.py): one file per section
+GPU_CHECK = "results/gpu/2026-11-26-h100"
+
+
+def _gpu_check_device():
+    d = load(f"{GPU_CHECK}/device.json")
+    lines = ["| run | verdict | seconds | host syncs per step: allowed / other (dispatch, cuda) |",
+             "|---|---|---|---|"]
+    for i in d["items"]:
+        verdict = "PASS" if i.get("ok") else f"FAIL {i.get('error', '')}"
+        hs, syncs = i.get("host_syncs"), "-"
+        if hs and hs["steps"]:
+            b, n = hs["by_detector"], hs["steps"]
+            syncs = (f"{b['dispatch']['allowed'] / n:g} / {b['dispatch']['unexpected'] / n:g}, "
+                     f"{b['cuda']['allowed'] / n:g} / {b['cuda']['unexpected'] / n:g}")
+        mode = i.get("mode") or "reload"
+        lines.append(f"| {i['label']} {mode} | {verdict} | {i.get('seconds', '-')} | {syncs} |")
+    return "\n".join(lines)
+
+
+def _gpu_check_speed():
+    d = load(f"{GPU_CHECK}/speed.json")
+    lines = ["| run | tokens/step (B x S) | step ms | tokens/s | MFU | peak memory |",
+             "|---|---|---|---|---|---|"]
+    for r in d["items"]:
+        ratio = (f" ({r['over_reference']:.2f}x the reference's step)"
+                 if r.get("over_reference") else "")
+        lines.append(f"| {r['run']}{ratio} | {r['tokens']:,} ({r['batch']} x {r['length']}) | "
+                     f"{r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
+                     f"{r['peak_memory_gib']:.1f} GiB |")
+    return "\n".join(lines)
+
+
+def _gpu_check_memory():
+    d = load(f"{GPU_CHECK}/memory.json")
+    seed = {"tp": "19k", "sp": "19k", "pp": "15k"}
+    lines = ["| strategy | predicted max (grid 1,024) | longest that fit | shortest that ran out | "
+             "measured peak at the longest | predicted there | seed's table |",
+             "|---|---|---|---|---|---|---|"]
+    for s, st in d["strategies"].items():
+        best = max((t for t in st["trials"] if t["kind"] == "OK"), key=lambda t: t["length"],
+                   default=None)
+        oom = min((t["length"] for t in st["trials"] if t["kind"] == "OOM"), default=None)
+        lines.append(f"| {s} | {st['predicted_max']:,} | {best['length']:,} | "
+                     f"{oom:,} | {best['peak'] / 2**20:,.0f} MiB | "
+                     f"{best['predicted_peak'] / 2**20:,.0f} MiB | {seed[s]} |")
+    lines.append("")
+    lines.append(f"The card: {d['card_bytes'] / 2**30:.2f} GiB as torch reports it "
+                 f"({d['device']}), batch 1, bf16, fresh process per trial.")
+    return "\n".join(lines)
+
+
+def _gpu_check_cp():
+    d = load(f"{GPU_CHECK}/cp.json")
+    lines = ["| dtype | C | fused loop ms | one fused call ms | loop / one call | "
+             "max rel. error (whole-sequence SDPA's) |", "|---|---|---|---|---|---|"]
+    whole = {r["dtype"]: r for r in d["rows"] if r["C"] == 1 and "SDPA" in r["kernel"]}
+    once = {r["dtype"]: r for r in d["rows"] if r["C"] == 1 and "one call" in r["kernel"]
+            and "fused" in r["kernel"]}
+    for r in d["rows"]:
+        if r["C"] > 1 and "fused" in r["kernel"]:
+            lines.append(f"| {r['dtype']} | {r['C']} | {r['ms']:.2f} | {once[r['dtype']]['ms']:.2f}"
+                         f" | {r['over_whole']:.2f} | {r['err']:.1e} "
+                         f"({whole[r['dtype']]['err']:.1e}) |")
+    return "\n".join(lines)
+
+
 def _oom_predict():
     oom_search, load_config = _predict()
     budget, worlds = 80 * 2**30, (1, 2, 8)
@@ -467,7 +534,9 @@ TABLES.update({"families": _families})
 TABLES.update({"strategies-comm": _strategies_comm, "strategies-memory": _strategies_memory,
                "gpu-w1": _gpu_w1, "gpu-perf": _gpu_perf, "gpu-kernels": _gpu_kernels,
                "gpu-oom-tp": _gpu_oom_tp, "gpu-cp-kernels": _gpu_cp_kernels,
-               "oom-predict": _oom_predict})
+               "oom-predict": _oom_predict, "gpu-check-device": _gpu_check_device,
+               "gpu-check-speed": _gpu_check_speed, "gpu-check-memory": _gpu_check_memory,
+               "gpu-check-cp": _gpu_check_cp})
 
 
 # -- check and write ------------------------------------------------------------------------------
