@@ -7,11 +7,14 @@ which undoes every overlap a strategy builds. gloo on CPU hides the cost, so the
 for them directly, by two detectors:
 
     dispatch   a TorchDispatchMode over every aten op of the step: `_local_scalar_dense` (a
-               device value read on the host) and `lift_fresh` (a tensor made from host data).
-               Runs on any device, so the CPU tests see what a GPU would pay for.
-    cuda       on CUDA, torch's own `torch.cuda.set_sync_debug_mode("warn")`: every synchronising
-               CUDA call (device-to-host copies, `.tolist()`, `nonzero`, boolean-mask indexing,
-               pageable host-to-device copies), each warning recorded where it was raised.
+               device value read on the host: .item(), int(t), bool(t)) and `lift_fresh` (a
+               tensor made from host data). Runs on any device, so the CPU tests see much of
+               what a GPU would pay for; not `.tolist()`, `.cpu()` or ops whose output shape
+               depends on values (nonzero, boolean masks), which only the cuda detector sees.
+    cuda       on CUDA, torch's own `torch.cuda.set_sync_debug_mode("warn")`: the synchronising
+               CUDA calls it knows of (by its own warning, not yet all of them): device-to-host
+               copies, `.tolist()`, `nonzero`, boolean-mask indexing, pageable host-to-device
+               copies; each warning recorded where it was raised.
 
 A site is the innermost frame in this repository (and, when it differs, the innermost frame
 outside torch, e.g. a transformers model's forward). Allowed sites, each with its reason:
@@ -56,7 +59,8 @@ _THIS = os.path.abspath(__file__)
 
 def _site(stack) -> tuple[str, str, bool]:
     """(site text, allowed key text, allowed?) for a stack (outermost first)."""
-    repo = [f for f in stack if f.filename.startswith(ROOT) and os.path.abspath(f.filename) != _THIS]
+    repo = [f for f in stack if f.filename.startswith(ROOT + os.sep) and "-packages/" not in
+            f.filename and os.path.abspath(f.filename) != _THIS]   # (not a venv inside it)
     # a library's frames (transformers'), not torch's own nor Python's (warnings.py)
     outside = [f for f in stack if "site-packages/" in f.filename
                and not f.filename.split("site-packages/")[-1].startswith("torch/")]
@@ -135,13 +139,14 @@ class HostSyncs:
                 warnings.simplefilter("always")
                 warnings.showwarning = show
                 if cuda:
+                    before = torch.cuda.get_sync_debug_mode()
                     torch.cuda.set_sync_debug_mode("warn")
                 try:
                     with _Dispatch(self.record, self.device):
                         yield
                 finally:
                     if cuda:
-                        torch.cuda.set_sync_debug_mode("default")
+                        torch.cuda.set_sync_debug_mode(before)   # (a user's "error" kept)
         finally:
             warnings.showwarning = old_show
             self._depth -= 1

@@ -14,7 +14,8 @@ OUT/gpu_check.log. The exit code is 0 only if every section that ran passed.
   device  every strategy's adapter at W=1 in bf16 correctness, all in one process (one NCCL
           group of one; the issue's order: ddp, zero3, fsdp, tp, pp, cp, ep, compose4d first),
           each strategy's training steps watched for host synchronisations
-          (harness/hostsync.py: torch.cuda.set_sync_debug_mode plus a dispatch mode); ZeRO-2/3
+          (harness/hostsync.py: torch.cuda.set_sync_debug_mode plus a dispatch mode; a sync
+          outside its ALLOWED table fails the run); ZeRO-2/3
           bf16 learning; compose4d train: save, resume from the checkpoint, export to HF, reload.
   speed   the reference step (the HF model, SDPA, fused AdamW with fp32 masters) on llama3.2-1b
           in bf16, on the full logits and with the chunked cross-entropy: tokens/s, MFU
@@ -231,9 +232,10 @@ def device_section(a, rec: Recorder) -> bool:
         item = dict(label=label, mode=mode[1], dtype="bfloat16",
                     command=f"python {module}.py {' '.join(argv)}", ok=run_ok, error=err,
                     seconds=round(time.time() - t0, 1), verdicts=verdict_lines(text))
-        if watch is not None:
+        if watch is not None:   # a host sync outside harness/hostsync.py's ALLOWED fails it
             item["host_syncs"] = watch.report()
             syncs_total += item["host_syncs"]["unexpected"]
+            item["ok"] = run_ok = run_ok and item["host_syncs"]["unexpected"] == 0
         ok &= run_ok
         print(f"--- {label} {mode[1]}: {'PASS' if run_ok else 'FAIL'} {err} "
               f"({item['seconds']} s)" + (f"; host syncs beyond the allowed: "
@@ -265,10 +267,11 @@ def train_items(a, rec, ip, tmp) -> bool:
         t0 = time.time()
         print(f"=== {label} {' '.join(argv)}", flush=True)
         run_ok, text, err = ip.run("compose4d", "Compose4D", argv, watch)
+        hs = watch.report()
+        run_ok = run_ok and hs["unexpected"] == 0
         rec.add(dict(label=label, mode="train", command=f"python compose4d.py {' '.join(argv)}",
                      ok=run_ok, error=err, seconds=round(time.time() - t0, 1),
-                     last=[ln for ln in text.splitlines() if ln.strip()][-4:],
-                     host_syncs=watch.report()))
+                     last=[ln for ln in text.splitlines() if ln.strip()][-4:], host_syncs=hs))
         ok &= run_ok
         if not run_ok:
             return False
