@@ -53,6 +53,11 @@ class MarkovLanguage:
         return x
 
 
+def targets(labels: torch.Tensor) -> int:
+    """How many labels count (are not IGNORE_INDEX): a host read when labels are on a GPU."""
+    return int((labels != IGNORE_INDEX).sum())
+
+
 @dataclass
 class Batch:
     """A global batch. labels are already shifted (labels[:, t] is the token after
@@ -89,14 +94,14 @@ class Batch:
     def n_tokens(self) -> int:
         """Targets that count (a host int). A batch made by `on_device` counted them on the
         host before the copy; counting device labels here is a host read."""
-        return int((self.labels != IGNORE_INDEX).sum())
+        return targets(self.labels)
 
     @classmethod
     def on_device(cls, inputs, labels, index: int, device) -> "Batch":
         """The batch of host tensors `inputs`, `labels` on `device`, its target count taken on
         the host first: a step that reads `n_tokens` then makes no host read for it."""
         b = cls(inputs.to(device).contiguous(), labels.to(device).contiguous(), index)
-        b.__dict__["n_tokens"] = int((labels != IGNORE_INDEX).sum())   # (the cached property)
+        b.__dict__["n_tokens"] = targets(labels)   # (the cached property, from host labels)
         return b
 
     def rows(self, start: int, stop: int) -> "Batch":

@@ -57,29 +57,25 @@ ALLOWED_LIBRARY = {   # (file under site-packages, function): a library's own re
 _THIS = os.path.abspath(__file__)
 
 
-def _site(stack) -> tuple[str, str, bool]:
-    """(site text, allowed key text, allowed?) for a stack (outermost first)."""
+def _site(stack) -> tuple[str, str]:
+    """(site text, why it is allowed or "") for a stack (outermost first)."""
     repo = [f for f in stack if f.filename.startswith(ROOT + os.sep) and "-packages/" not in
             f.filename and os.path.abspath(f.filename) != _THIS]   # (not a venv inside it)
-    # a library's frames (transformers'), not torch's own nor Python's (warnings.py)
-    outside = [f for f in stack if "site-packages/" in f.filename
-               and not f.filename.split("site-packages/")[-1].startswith("torch/")]
     if not repo:
         f = stack[-1]
-        return f"(outside the repository) {os.path.basename(f.filename)}:{f.lineno} {f.name}", "", False
+        return f"(outside the repository) {os.path.basename(f.filename)}:{f.lineno} {f.name}", ""
     r = repo[-1]
     rel = os.path.relpath(r.filename, ROOT)
     text = f"{rel}:{r.lineno} {r.name}"
-    # the innermost non-torch frame below the repository's (a library's forward, e.g. HF's)
-    inner = [f for f in outside if stack.index(f) > stack.index(r)]
+    # the innermost library frame below the repository's (HF's forward), not torch's own nor
+    # Python's (warnings.py): the site is then that library's, and so is the allowance
+    inner = [f for f in stack[stack.index(r) + 1:] if "site-packages/" in f.filename
+             and not f.filename.split("site-packages/")[-1].startswith("torch/")]
     if inner:
-        f = inner[-1]
-        path = f.filename.split("site-packages/")[-1]
-        text += f" > {path}:{f.lineno} {f.name}"
-    if inner:
-        lib = (inner[-1].filename.split("site-packages/")[-1], inner[-1].name)
-        return text, ":".join(lib), lib in ALLOWED_LIBRARY
-    return text, f"{rel}:{r.name}", (rel, r.name) in ALLOWED
+        path = inner[-1].filename.split("site-packages/")[-1]
+        return (f"{text} > {path}:{inner[-1].lineno} {inner[-1].name}",
+                ALLOWED_LIBRARY.get((path, inner[-1].name), ""))
+    return text, ALLOWED.get((rel, r.name), "")
 
 
 class _Dispatch(TorchDispatchMode):
@@ -109,13 +105,12 @@ class HostSyncs:
 
     def record(self, kind: str, what: str, stack=None):
         stack = stack if stack is not None else traceback.extract_stack()[:-2]
-        text, key, allowed = _site(stack)
+        text, why = _site(stack)
         detector = "cuda" if kind == "cuda sync" else "dispatch"
         text = f"{detector}: {text}"   # (on a GPU both detectors see most syncs: kept apart)
         with self._lock:
-            why = {**ALLOWED, **ALLOWED_LIBRARY}.get(tuple(key.split(":")), "")
-            s = self.sites.setdefault(text, dict(count=0, kind=kind, op=what, allowed=allowed,
-                                                 why=why if allowed else ""))
+            s = self.sites.setdefault(text, dict(count=0, kind=kind, op=what, allowed=bool(why),
+                                                 why=why))
             s["count"] += 1
 
     @contextlib.contextmanager

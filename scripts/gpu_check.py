@@ -204,6 +204,26 @@ class InProcess:
         return ok and not err, tee.buf.getvalue(), err
 
 
+def watched_run(ip, label, mode, module, cls_name, argv, watch) -> dict:
+    """One run as a JSON item; with `watch` (a HostSyncs), a host sync outside its ALLOWED
+    table fails it."""
+    t0 = time.time()
+    print(f"=== {label} {' '.join(argv)}", flush=True)
+    run_ok, text, err = ip.run(module, cls_name, argv, watch)
+    item = dict(label=label, mode=mode, command=f"python {module}.py {' '.join(argv)}",
+                ok=run_ok, error=err, seconds=round(time.time() - t0, 1),
+                verdicts=verdict_lines(text),
+                last=[ln for ln in text.splitlines() if ln.strip()][-4:])
+    if watch is not None:
+        item["host_syncs"] = watch.report()
+        item["ok"] = item["ok"] and item["host_syncs"]["unexpected"] == 0
+    print(f"--- {label} {mode}: {'PASS' if item['ok'] else 'FAIL'} {err} "
+          f"({item['seconds']} s)" + (f"; host syncs beyond the allowed: "
+                                     f"{item['host_syncs']['unexpected_per_step']:g} per step"
+                                     if watch else ""), flush=True)
+    return item
+
+
 def device_section(a, rec: Recorder) -> bool:
     from harness.hostsync import HostSyncs
     tmp = tempfile.mkdtemp(prefix="gpu_check_")
@@ -226,21 +246,9 @@ def device_section(a, rec: Recorder) -> bool:
             continue
         argv = mode + extra + ["--out", os.path.join(tmp, label + mode[1])]
         watch = HostSyncs(a.device) if mode[1] == "correctness" else None
-        t0 = time.time()
-        print(f"=== {label} {' '.join(argv)}", flush=True)
-        run_ok, text, err = ip.run(module, cls_name, argv, watch)
-        item = dict(label=label, mode=mode[1], dtype="bfloat16",
-                    command=f"python {module}.py {' '.join(argv)}", ok=run_ok, error=err,
-                    seconds=round(time.time() - t0, 1), verdicts=verdict_lines(text))
-        if watch is not None:   # a host sync outside harness/hostsync.py's ALLOWED fails it
-            item["host_syncs"] = watch.report()
-            syncs_total += item["host_syncs"]["unexpected"]
-            item["ok"] = run_ok = run_ok and item["host_syncs"]["unexpected"] == 0
-        ok &= run_ok
-        print(f"--- {label} {mode[1]}: {'PASS' if run_ok else 'FAIL'} {err} "
-              f"({item['seconds']} s)" + (f"; host syncs beyond the allowed: "
-                                         f"{item['host_syncs']['unexpected_per_step']:g} per step"
-                                         if watch else ""), flush=True)
+        item = watched_run(ip, label, mode[1], module, cls_name, argv, watch)
+        syncs_total += item["host_syncs"]["unexpected"] if watch else 0
+        ok &= item["ok"]
         rec.add(item)
     rec.doc["host_syncs_unexpected"] = syncs_total
     ok &= train_items(a, rec, ip, tmp)
@@ -256,24 +264,16 @@ def train_items(a, rec, ip, tmp) -> bool:
             "--save", ck, "--log-every", "10"]
     if a.smoke:
         base += ["--batch", "4", "--length", "32"]
-    ok = True
     for label, argv in (("train-save", base + ["--steps", "20", "--save-every", "10"]),
                         ("train-resume", base + ["--steps", "30", "--resume", ck,
                                                  "--export-hf", hf])):
         if rec.left() < 10:
             rec.add(dict(label=label, skipped="the section's budget"))
-            return ok
-        watch = HostSyncs(a.device)
-        t0 = time.time()
-        print(f"=== {label} {' '.join(argv)}", flush=True)
-        run_ok, text, err = ip.run("compose4d", "Compose4D", argv, watch)
-        hs = watch.report()
-        run_ok = run_ok and hs["unexpected"] == 0
-        rec.add(dict(label=label, mode="train", command=f"python compose4d.py {' '.join(argv)}",
-                     ok=run_ok, error=err, seconds=round(time.time() - t0, 1),
-                     last=[ln for ln in text.splitlines() if ln.strip()][-4:], host_syncs=hs))
-        ok &= run_ok
-        if not run_ok:
+            return True
+        item = watched_run(ip, label, "train", "compose4d", "Compose4D", argv,
+                           HostSyncs(a.device))
+        rec.add(item)
+        if not item["ok"]:
             return False
     import torch
     from transformers import AutoModelForCausalLM
@@ -291,31 +291,29 @@ def train_items(a, rec, ip, tmp) -> bool:
     except Exception as e:              # noqa: BLE001
         good = False
         rec.add(dict(label="hf-reload", ok=False, error=f"{type(e).__name__}: {e}"[:300]))
-    return ok and good
+    return good
 
 
 # ----------------------------------------------------------------------------------------------
 # Section 2: speed of the reference step and compose4d at W=1
 # ----------------------------------------------------------------------------------------------
 def cuda_timed(fn, warmup, iters, device):
-    """Median seconds of fn() (CUDA events on GPU, the clock on CPU)."""
+    """Median seconds of fn(): the harness's marks (CUDA events on GPU, the clock on CPU)."""
+    from harness.meter import mark, seconds_between
     import torch
+    cuda = device == "cuda"
     for _ in range(warmup):
         fn()
     ts = []
     for _ in range(iters):
-        if device == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if cuda:
             torch.cuda.synchronize()
-            s.record()
-            fn()
-            e.record()
+        start = mark(cuda)
+        fn()
+        end = mark(cuda)
+        if cuda:
             torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
+        ts.append(seconds_between(start, end))
     return sorted(ts)[len(ts) // 2]
 
 
