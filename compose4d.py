@@ -217,8 +217,10 @@ def compose_constraints(args, world, config) -> list[str]:
         [f"{args.attn} attention (the ring installs its own)"] if args.attn != "sdpa" else [])
     if C > 1 and feats:
         return [f"--cp {C}: context parallelism's ring attention does not implement {feats[0]}"]
-    if args.resume and not os.path.isdir(args.resume) and args.resume != args.save:
-        # (--save D --resume D is the restart idiom: the first launch finds no D yet)
+    if args.resume and not os.path.isdir(args.resume) and args.resume not in (
+            args.save, *getattr(args, "saved_by_earlier_runs", ())):
+        # (--save D --resume D is the restart idiom: the first launch finds no D yet; in a
+        # --runs list an earlier run may save D)
         return [f"--resume {args.resume}: no such directory"]
     if args.resume:
         found, problems = train.find_checkpoint(args.resume)
@@ -508,11 +510,45 @@ class Compose4D(Strategy):
                             [base.embed_tokens, self.model.lm_head])
         return units
 
+    def shared_over(self, u, name: str, p):
+        """The one rule that counts each gradient element once. For parameter `name` in ZeRO
+        unit u: (summed, copies), the groups whose ranks each hold a partial sum of this rank's
+        elements that a later reduction adds up, and those whose ranks hold identical copies
+        of them once the reductions are done; None for the tied head's copy (its gradient is
+        the embedding's, counted on the first stage). Used by
+          the global norm (clip)      an element counts on rank 0 of every `copies` group;
+          a restored partial gradient (trainer4d.train.add_partial) is added on rank 0 of
+                                      every `summed` group, so the reduction counts it once.
+        summed: ZeRO-1's full buffers (reduce-scattered over the unit's group: the shards are
+        this rank's own after it), tp for a tp-partial gradient (SP's norms, replicated kv
+        heads), the replicas for a dense unit under HSDP. copies: tp for a gradient that is
+        not split over tp (replicated norms; the tp-partial ones once summed), the replicas
+        under HSDP once all-reduced."""
+        if self.tied and name == "lm_head.weight":
+            return None
+        g = self.groups
+        summed, copies = [], []
+        if self.args.zero == 1:
+            summed.append(u.group)
+        if self.tp is not None:
+            if id(p) in self.partial_ids:
+                summed.append(g["tp"])
+            if name not in self.tp.split_dim:
+                copies.append(g["tp"])
+        if u.group is self.zero.group and "replicate" in g:   # HSDP (experts: edp spans them)
+            summed.append(g["replicate"])
+            copies.append(g["replicate"])
+        return summed, copies
+
+    @staticmethod
+    def first_in(groups) -> bool:
+        """Whether this rank is rank 0 of every group in `groups`."""
+        return all(dist.get_rank(grp) == 0 for grp in groups)
+
     def _plan_shard_slices(self):
         """Per unit, which (start, end) ranges of this rank's gradient shard are (a) partial over
-        tp (summed there), and (b) counted in the global norm."""
-        partial = {id(p) for p in self.partial}
-        tp_rank = self.me["tp"]
+        tp (summed there), and (b) counted in the global norm (shared_over's rule)."""
+        self.partial_ids = {id(p) for p in self.partial}
         self.partial_slices, self.norm_slices = [], []
         for u in self.zero.units:
             lo, s = u.rank * u.shard_numel, u.shard_numel
@@ -521,13 +557,10 @@ class Compose4D(Strategy):
                 a, b = max(off, lo), min(off + p.numel(), lo + s)
                 if a >= b:
                     continue
-                if id(p) in partial:
+                if id(p) in self.partial_ids:
                     ps.append((a - lo, b - lo))
-                split = self.tp is not None and n in self.tp.split_dim
-                head_copy = self.tied and n == "lm_head.weight"
-                other_replica = u.group is self.zero.group and "replicate" in self.groups and \
-                    dist.get_rank(self.groups["replicate"]) > 0   # HSDP: replica 0 counts it
-                if (split or tp_rank == 0) and not head_copy and not other_replica:
+                shared = self.shared_over(u, n, p)
+                if shared is not None and self.first_in(shared[1]):
                     ns.append((a - lo, b - lo))
             self.partial_slices.append(ps)
             self.norm_slices.append(ns)
@@ -591,7 +624,7 @@ class Compose4D(Strategy):
 
     def loss_once(self, loss_sum: torch.Tensor) -> float:
         """The global CE sum (logging): every tp rank computed the same one, so count it once."""
-        return global_loss(loss_sum if self.me["tp"] == 0 else loss_sum * 0, 1)
+        return global_loss(loss_sum if self.first_in([self.groups["tp"]]) else loss_sum * 0, 1)
 
     def learning_rate(self, step: int) -> float:
         return lr_at(step, self.args)

@@ -198,9 +198,11 @@ def constraints(args, config, D: int, C: int) -> list[str]:
         errs.append("--export-hf or --prompt with --aux-free-bias: HF's Mixtral (the export, and "
                     "the model the sample is drawn from) has no selection bias, so it would route "
                     "differently from the trained model")
-    if args.mode == "train" and args.preempt_at == "micro-batch":
-        errs.append("--preempt-at micro-batch: a cut step resumes in other micro-batches, and "
-                    "the auxiliary loss is per micro-batch")
+    if args.mode == "train" and args.preempt_at == "micro-batch" and (
+            args.aux_coef or args.z_coef or args.aux_free_bias):
+        errs.append("--preempt-at micro-batch with a router loss or selection bias: a cut step "
+                    "resumes in other micro-batches, and those terms are per micro-batch "
+                    "(give --aux-coef 0 --z-coef 0 without --aux-free-bias, or --preempt-at step)")
     return errs[:1]
 
 

@@ -94,6 +94,10 @@ def plant_groups(only=None):
         cls = getattr(importlib.import_module(script[:-3]), cls_name)
         for name, plant in cls.plants.items():
             out.setdefault((script, plant.world, tuple(plant.args)), []).append(name)
+    from harness import HARNESS_PLANTS   # the shared optimizer's (MasterAdamW), under ddp.py
+    for name, plant in HARNESS_PLANTS.items():
+        if plant.args and (not only or "ddp.py".startswith(only)):
+            out.setdefault(("ddp.py", plant.world, tuple(plant.args)), []).append(name)
     return [(s, w, list(a), names) for (s, w, a), names in out.items()]
 
 

@@ -105,6 +105,9 @@ def _run_list(parser, args) -> list[argparse.Namespace]:
         if not a.out:
             raise ConfigError(f"--runs: each run needs its own --out ({' '.join(argv)})")
         a.runs_nested, a.runs = bool(a.runs), None
+        # a directory an earlier run of the list saves (compose4d's --save): a later run may
+        # resume from it although it does not exist yet when the list is validated
+        a.saved_by_earlier_runs = [r.save for r in runs if getattr(r, "save", None)]
         runs.append(a)
     return runs
 

@@ -71,10 +71,20 @@ PARAM_K_FACTOR = 4.0
 PARAM_LR_FLOOR = 0.05
 
 
-ADAM_EPS = 1e-8   # make_adamw's eps
+ADAM_EPS = 1e-8   # make_adamw's eps and betas (OracleAdamW uses them too)
+ADAM_BETAS = (0.9, 0.95)
 
 
 TOL_FLOOR_ULPS = 4.0
+
+
+# A noise sample is the distance of a correct single-device run from the float64 target; it
+# cannot be a large fraction of the tensor it is measured on (plain bf16 rounds each operation
+# by 2^-9; the bf16 runs of the tiny model measure at most ~0.05 of a tensor's scale, float32
+# ~1e-4). A larger one means the noise source itself is broken (the permuted bf16 reference
+# whose masters were built before its weights were permuted measured 1.4-1.6), and a tolerance
+# of 8 x garbage accepts anything: the verdict is then FAIL, naming the tensor, never PASS.
+NOISE_MAX = 0.25
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -167,6 +177,7 @@ class Comparison:
         self.rows = {n: {k: Judged() for k in self.KINDS} for n in names}
         self.scalars: dict[str, Judged] = {}     # "loss", "grad norm"
         self.missing: set[str] = set()
+        self.implausible: dict[str, float] = {}   # label -> a noise sample > NOISE_MAX
         self.extra: list[str] = []
         self._err: dict = {}     # (kind, step) -> {name: err}, and {name: max |target|}
         self._noise: dict = {}   # (kind, step) -> {name: noise, or None where a source lacks it}
@@ -233,11 +244,16 @@ class Comparison:
                 self.missing.add(f"{kind}:{n}")
                 continue
             level = max(noise[n], float(np.median(by_role[role(n)])))
+            if noise[n] > NOISE_MAX:
+                self.implausible[f"{kind}:{n}"] = max(noise[n],
+                                                      self.implausible.get(f"{kind}:{n}", 0.0))
             extra = floor_abs / scale[n] if scale[n] > 0 else 0.0
             self.rows[n][kind] = self._judge(self.rows[n][kind], errs[n], level, step, kind, extra)
 
     def _judge_scalar(self, name: str, step: int):
         err, noise, target = self._scalar[name, step]
+        if noise > NOISE_MAX:
+            self.implausible[name] = max(noise, self.implausible.get(name, 0.0))
         self.scalars[name] = self._judge(self.scalars.get(name, Judged()), err, noise, step, name)
         if self.scalars[name].step == step:
             self.scalars[name].value = target
@@ -245,7 +261,7 @@ class Comparison:
     def judge(self):
         """Every recorded step, once all its noise sources are in."""
         self.rows = {n: {k: Judged() for k in self.KINDS} for n in self.names}
-        self.scalars, self.missing = {}, set()
+        self.scalars, self.missing, self.implausible = {}, set(), {}
         for kind, step in sorted(self._err):
             self._judge_step(kind, step)
         for name, step in sorted(self._scalar):
@@ -306,11 +322,47 @@ def preclip_grads(strat, grads: dict, max_norm: float) -> dict:
     return {n: (g / coef if g is not None else None) for n, g in grads.items()}
 
 
-def reference_in(run: Run, cls, dtype: str):
-    """The single-device reference in another dtype, from the same weights."""
+def reference_in(run: Run, cls, dtype: str, prepare=None):
+    """The single-device reference in another dtype, from the same weights, stepped by
+    OracleAdamW. `prepare(model)` edits the model before the reference (and with it its
+    optimizer's fp32 masters) is built."""
     a = copy.copy(run.args)
     a.dtype = dtype
-    return reference_class(cls)(build_model(a, run.config, run.env.device), a, run.env)
+    model = build_model(a, run.config, run.env.device)
+    if prepare is not None:
+        prepare(model)
+    a.reference_optimizer = OracleAdamW   # (harness.Reference builds it)
+    return reference_class(cls)(model, a, run.env)
+
+
+class OracleAdamW(torch.optim.AdamW):
+    """The optimizer of every reference the correctness mode runs (the float64 target and the
+    noise sources): torch.optim.AdamW's for-loop kernel over fp32 masters kept here, sharing no
+    code with harness/precision.py's MasterAdamW, which the strategies use. A noise source
+    that shared the optimizer under test would share its bugs: a MasterAdamW that never copied
+    its masters back froze the bf16 noise sources as it froze the strategy, so the measured
+    noise equalled the error and the run PASSed. A torch optimizer (lr schedulers drive it)."""
+
+    def __init__(self, params, args):
+        self.model_params = list(params)
+        self.masters = [p.detach().float().clone() if p.dtype in (torch.bfloat16, torch.float16)
+                        else p for p in self.model_params]
+        super().__init__(self.masters, lr=args.lr, weight_decay=args.weight_decay,
+                         betas=ADAM_BETAS, eps=ADAM_EPS, foreach=False)
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p in self.model_params + self.masters:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        pairs = [(p, m) for p, m in zip(self.model_params, self.masters) if m is not p]
+        for p, m in pairs:
+            m.grad = None if p.grad is None else p.grad.float()
+        super().step()
+        for p, m in pairs:
+            p.copy_(m)
+            m.grad = None
 
 
 @dataclass
@@ -364,16 +416,32 @@ class PermutedReference:
 
     @classmethod
     def build(cls, run: Run, strategy_cls, dtype: str = "float64"):
-        ref = reference_in(run, strategy_cls, dtype)
+        """The permuted reference, or None where a parameter has no rule. The weights are
+        permuted before the reference and its optimizer exist: MasterAdamW copies its fp32
+        masters from them when it is built, and masters of the unpermuted weights (the bug
+        this order fixes) made every bf16 parameter's noise sample 1.4-1.6 of the tensor's
+        scale after one step, a tolerance that accepted anything."""
+        built = {}
+
+        def permute(model):
+            built["perm"] = cls._permute(model, run)
+        ref = reference_in(run, strategy_cls, dtype, prepare=permute)
+        if built["perm"] is None or type(ref).objective is not Reference.objective:
+            return None   # (an objective beyond the LM loss, MoE's: its terms are not mapped)
+        perms, rows, plan = built["perm"]
+        return cls(ref, perms, rows, plan)
+
+    @classmethod
+    def _permute(cls, model, run: Run):
+        """Permute `model` in place; (perms, rows, plan), or None (and the model untouched)
+        where a parameter has no rule."""
         cfg = run.config
-        if type(ref).objective is not Reference.objective:
-            return None   # an objective beyond the LM loss (MoE): its terms are not mapped
         H, I = cfg.hidden_size, cfg.intermediate_size
         nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
         d = getattr(cfg, "head_dim", None) or H // nh
         size = {"h": H, "i": I, "q": nh * d, "kv": nkv * d, "v": cfg.vocab_size}
         plan = {}
-        for n, p in ref.model.named_parameters():   # any other parameter (q_norm, experts, a
+        for n, p in model.named_parameters():   # any other parameter (q_norm, experts, a
             rule = next((dims for suffix, dims in cls.RULES if n.endswith(suffix)), None)
             if rule is None or len(rule) != p.dim() or any(   # size that does not fit): none
                     k is not None and p.shape[i] != size[k] for i, k in enumerate(rule)):
@@ -388,29 +456,32 @@ class PermutedReference:
                  "q": rows_of(q_heads), "kv": rows_of(groups)}
         rows = torch.randperm(run.args.batch, generator=g)
         perms["v"] = torch.randperm(cfg.vocab_size, generator=g)
-        pad = ref.model.get_input_embeddings().padding_idx   # its gradient is zero: kept in place
+        pad = model.get_input_embeddings().padding_idx   # its gradient is zero: kept in place
         if pad is not None:
             at = int((perms["v"] == pad).nonzero())
             perms["v"][[at, pad]] = perms["v"][[pad, at]]
-        self = cls(ref, perms, rows, plan)
-        for m in ref.model.modules():   # dropout (dropout.py) keyed by the original heads, units
+        for m in model.modules():   # dropout (dropout.py) keyed by the original heads, units
             if hasattr(m, "dropout_layer"):
                 m.dropout_heads = q_heads
             if isinstance(m, HiddenDropout):
                 m.features = perms["h"]
         with torch.no_grad():
-            for n, p in ref.model.named_parameters():
-                p.copy_(self._apply(p, n, inverse=False))
-        return self
+            for n, p in model.named_parameters():
+                p.copy_(cls._apply_to(perms, plan, p, n, inverse=False))
+        return perms, rows, plan
 
-    def _apply(self, t, name, inverse):
-        for dim, key in enumerate(self.plan[name]):
+    @staticmethod
+    def _apply_to(perms, plan, t, name, inverse):
+        for dim, key in enumerate(plan[name]):
             if key is not None:
-                idx = self.perms[key].to(t.device)
+                idx = perms[key].to(t.device)
                 if inverse:
                     idx = torch.argsort(idx)
                 t = t.index_select(dim, idx)
         return t
+
+    def _apply(self, t, name, inverse):
+        return self._apply_to(self.perms, self.plan, t, name, inverse)
 
     def step(self, batch):
         rows, token = self.rows.to(batch.input_ids.device), self.token.to(batch.input_ids.device)

@@ -18,8 +18,8 @@ import copy
 import os
 from dataclasses import dataclass
 
-from .compare import (Comparison, Judged, NoisePolicy, noise_sources, preclip_grads,
-                      reference_in)
+from .compare import (NOISE_MAX, Comparison, Judged, NoisePolicy, noise_sources,
+                      preclip_grads, reference_in)
 from .loading import release_memory, rss_peak, rss_reset
 from .dropout import rates
 from .launch import base_parser
@@ -260,6 +260,11 @@ def _report_correctness(run, name, cmp: Comparison, extra, memory: dict) -> bool
         problems.append(f"{len(bad)} tensors over tolerance (first: {bad[0]})")
     if cmp.missing:
         problems.append(f"{len(cmp.missing)} tensors missing (first: {sorted(cmp.missing)[0]})")
+    if cmp.implausible:
+        label, worst_noise = max(cmp.implausible.items(), key=lambda x: x[1])
+        problems.append(f"a noise sample that is not noise: {len(cmp.implausible)} tensors' "
+                        f"(first: {label} {worst_noise:.2f}) > {NOISE_MAX} of the tensor's own "
+                        f"scale; a noise source is broken, its tolerance would accept anything")
     if cmp.extra:
         problems.append(f"unexpected tensors {cmp.extra[:3]}")
     problems += [f"{label} err {j.err:.2e} > tol {j.tol:.1e} (noise {j.noise:.1e})"

@@ -15,6 +15,7 @@ fp32 by default (`grad_reduce_dtype`).
 from __future__ import annotations
 
 import torch
+from .plants import planted
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -38,7 +39,7 @@ class MasterAdamW(torch.optim.AdamW):
         for p in self.model_params:
             if set_to_none:
                 p.grad = None
-            elif p.grad is not None:
+            elif p.grad is not None and not planted("master-keeps-grads"):   # plant: kept
                 p.grad.zero_()
 
     @torch.no_grad()
@@ -46,7 +47,8 @@ class MasterAdamW(torch.optim.AdamW):
         for p, m in self.low:
             m.grad = None if p.grad is None else p.grad.float()
         loss = super().step(closure)
-        if self.low:   # the bf16 copies of the updated masters, in one pass
+        if self.low and not planted("master-no-copy"):   # plant: the bf16 weights never move
+            # the bf16 copies of the updated masters, in one pass
             torch._foreach_copy_([p for p, _ in self.low], [m for _, m in self.low])
         for _, m in self.low:
             m.grad = None

@@ -94,8 +94,18 @@ class Plant:
     world: int = 2
 
 
-HARNESS_PLANTS = {"grad": Plant("the harness perturbs one reported gradient by 1e-6 of its "
-                                "scale (float64 only: below float32 noise)")}
+HARNESS_PLANTS = {
+    "grad": Plant("the harness perturbs one reported gradient by 1e-6 of its scale (float64 "
+                  "only: below float32 noise)"),
+    # MasterAdamW's (precision.py), under every strategy that steps with make_adamw; they show
+    # in a low-precision run only (fp32/fp64 parameters are their own masters)
+    "master-keeps-grads": Plant("MasterAdamW.zero_grad(set_to_none=False) leaves the bf16 "
+                                "gradients in place: the next step accumulates onto them",
+                                ("--dtype", "bfloat16")),
+    "master-no-copy": Plant("MasterAdamW.step does not copy the updated fp32 masters back into "
+                            "the bf16 weights: the model never changes",
+                            ("--dtype", "bfloat16")),
+}
 
 
 class Strategy:
@@ -228,7 +238,10 @@ class Reference(Strategy):
 
     def __init__(self, ref_model, args, env):
         self.model, self.args = ref_model, args
-        self.optimizer = make_adamw(self.model.parameters(), args)
+        # (the correctness mode's references step with compare.OracleAdamW, which shares no
+        # code with the strategies' optimizer)
+        make = getattr(args, "reference_optimizer", None) or make_adamw
+        self.optimizer = make(self.model.parameters(), args)
 
     def objective(self, batch: Batch) -> torch.Tensor:
         """The loss to minimise: mean token cross-entropy (subclasses add terms)."""

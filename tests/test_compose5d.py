@@ -304,3 +304,65 @@ def test_training_on_text_at_a_four_degree_layout(run, tmp_path):
     x = torch.randint(0, 320, (2, 16))
     assert torch.equal(hf_model(x).logits, ref(x).logits)
 
+
+
+# A step cut mid-way (SIGTERM after micro-batch 0 of step 1, --preempt-at micro-batch) on a plain
+# dp 2 layout, resumed on each ZeRO stage with and without HSDP replicas (--replicate 2): the
+# restored partial gradient must be counted once by the resumed step's reductions
+# (Compose4D.shared_over). Steps 1 and 2 (their grad norms and losses) equal the uninterrupted
+# run's. Before that rule was shared, --replicate 2 --zero 2 summed the saved gradient R times
+# (step 1's grad norm 2.4473 against 1.6986).
+MID = ["--mode", "train", "--dtype", "float64", "--steps", "3", "--batch", "8", "--grad-accum",
+       "2", "--log-every", "1"]
+
+
+def ck_mid(base):
+    return os.path.join(str(base), "ck-mid")
+
+
+def ck_mid_moe(base):
+    return os.path.join(str(base), "ck-mid-moe")
+
+
+def _midstep(model, ck_of, stages, tier):
+    runs = {"full": [*model, *MID],
+            "cut": [*model, *MID, "--save", ck_of, "--preempt-at", "micro-batch",
+                    "--test-sigterm-at", "1:0"]}
+    for z in stages:
+        for r in (1, 2):
+            runs[f"zero{z}-rep{r}"] = [*model, *MID, "--zero", str(z), "--replicate", str(r),
+                                       "--resume", ck_of]
+    return Runs("compose4d.py", 2, tier=tier, runs=runs)
+
+
+MID_DENSE = _midstep([], ck_mid, (1, 2, 3), "quick")
+MID_MOE = _midstep([*MOE, "--ep", "2", "--aux-coef", "0"], ck_mid_moe, (1, 3), "slow")
+
+
+def _steps(r) -> dict:
+    assert r.rc == 0, r
+    with open(os.path.join(r.out, "train.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return {row["step"]: (row["loss"], row["grad_norm"]) for row in rows if "grad_norm" in row}
+
+
+def _assert_midstep_resumes(runs, batch):
+    full = _steps(runs(batch, "full"))
+    cut = runs(batch, "cut")
+    assert "after 4 of 8 sequences of step 1" in cut.stdout, cut
+    for key in batch.runs:
+        if key.startswith("zero"):
+            got = _steps(runs(batch, key))
+            assert sorted(got) == [1, 2], (key, got)
+            for s, (loss, norm) in got.items():
+                assert abs(loss - full[s][0]) <= 1e-12 * full[s][0], (key, s, loss, full[s])
+                assert abs(norm - full[s][1]) <= 1e-10 * full[s][1], (key, s, norm, full[s])
+
+
+def test_mid_step_resume_counts_the_saved_gradient_once(runs):
+    _assert_midstep_resumes(runs, MID_DENSE)
+
+
+@pytest.mark.slow
+def test_mid_step_resume_counts_the_saved_gradient_once_moe(runs):
+    _assert_midstep_resumes(runs, MID_MOE)

@@ -402,6 +402,47 @@ def test_permuted_reference_is_the_same_function_in_another_order():
     assert match("model.layers.0.input_layernorm.weight") == ("h",)
 
 
+def test_permuted_bf16_noise_source_is_noise():
+    """The permuted reference in bfloat16 (a noise source of every bf16 correctness run) is
+    the reference's function in another order: two AdamW steps later its parameters, mapped
+    back, sit within bf16 rounding and Adam's near-zero-gradient flips of the plain bf16
+    reference's (measured 0.03 of a tensor's scale). Its fp32 masters are copied after the
+    permutation: built before it (the old order), every weight matrix measured 1.4-1.6."""
+    from types import SimpleNamespace
+    from harness.compare import NOISE_MAX, PermutedReference, reference_in, rel_err
+    import ddp
+    args = harness.resolve_defaults(harness.base_parser("t").parse_args(["--batch", "4"]),
+                                    "correctness", "cpu")
+    cfg = harness.load_config("tiny")
+    run = SimpleNamespace(args=args, config=cfg, env=SimpleNamespace(device=torch.device("cpu")))
+    ref = reference_in(run, ddp.DDP, "bfloat16")
+    perm = PermutedReference.build(run, ddp.DDP, "bfloat16")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        ids = torch.randint(0, cfg.vocab_size, (4, 32), generator=g)
+        batch = harness.Batch(ids, torch.roll(ids, -1, 1), 0)
+        ref.step(batch), perm.step(batch)
+    got, want = perm.full_params(), ref.full_params()
+    worst = max(rel_err(got[n], t) for n, t in want.items())
+    assert 0 < worst < NOISE_MAX / 2, worst
+
+
+def test_a_noise_sample_that_is_not_noise_fails_the_run():
+    """compare.NOISE_MAX: a noise source whose distance from the target is a large fraction of
+    the tensor itself is broken; the comparison names it (correctness.py then FAILs) instead
+    of judging against 8 x garbage, which would accept anything."""
+    from harness.compare import Comparison, NoisePolicy
+    target = {"w": torch.linspace(-1, 1, 64, dtype=torch.float64)}
+    for scale, bad in ((1e-3, False), (1.5, True)):   # 1.5: the old permuted bf16 masters
+        cmp = Comparison(["w"], {"w": (64,)}, NoisePolicy("bfloat16"))
+        noisy = {"w": target["w"] * (1 + scale)}
+        cmp.add("param", 0, {"w": target["w"] * (1 + 1e-3)}, target, [(noisy, 1.0)])
+        cmp.add_scalar("loss", 0, 2.0, 2.0, [(2.0 * (1 + scale), 1.0)])
+        assert cmp.rows["w"]["param"].ok   # (the tolerance itself accepts it)
+        assert bool(cmp.implausible) == bad, cmp.implausible
+        assert set(cmp.implausible) == ({"param:w", "loss"} if bad else set())
+
+
 def test_clipping_reads_nothing_from_the_device(group):
     """Global-norm clipping (harness.clip_by_norm, zero's shard clipping that all the sharded
     strategies share the shape of) scales on the device: no item()/tolist()/float() of the norm

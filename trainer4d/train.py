@@ -89,7 +89,7 @@ def loss_and_flag(strat, loss_sum: torch.Tensor, flag: bool,
     step makes anyway, so agreeing on preemption and logging the norm cost no collective and no
     synchronisation of their own."""
     t = torch.zeros(3, dtype=torch.float64, device=loss_sum.device)
-    if strat.me["tp"] == 0:
+    if strat.first_in([strat.groups["tp"]]):   # (every tp rank holds the same sum)
         t[0] = loss_sum.detach()
     t[1].fill_(float(flag))    # (a kernel argument: `t[1] = flag` would copy a host tensor)
     if norm is not None and dist.get_rank() == 0:
@@ -151,21 +151,19 @@ def processed(strat, batch: Batch, k: int) -> list[int]:
 
 
 def add_partial(strat, full: dict[str, torch.Tensor]):
-    """Put a restored partial gradient where this layout's reductions count it exactly once:
-    on dp x cp rank 0 (ZeRO-1's full buffers; ZeRO-2: each rank's own shard of it); for
-    tp-partial (SP norm) gradients on tp rank 0 only; for the tied head copy on the first
-    stage only."""
+    """Put a restored partial gradient (the reduced sum over the rows already done) where this
+    layout's reductions count it exactly once: on rank 0 of every group that will sum it
+    (Compose4D.shared_over, the rule the global norm counts by): ZeRO-1 adds the full buffers
+    on one rank of the unit's group, ZeRO-2/3 each rank its own shard; a tp-partial gradient
+    on tp rank 0, a dense unit under HSDP on replica 0; the tied head's copy nowhere."""
     z = strat.zero
-    if strat.args.zero == 1 and dist.get_rank(strat.groups["dpcp"]) != 0:
-        return            # ZeRO-1 sums full buffers over dp x cp: add it on one rank
-    partial = {id(p) for p in strat.partial}
     for u in z.units:
         # in the dtype it is added to: bf16 full gradients (ZeRO-1), fp32 shards (ZeRO-2, bf16)
         flat = torch.zeros(u.padded, device=u.full.device,
                            dtype=u.full.dtype if strat.args.zero == 1 else u.grad_shard.dtype)
         for n, p, off in zip(u.names, u.params, u.offsets):
-            if (id(p) in partial and strat.me["tp"] != 0) or \
-                    (strat.tied and n == "lm_head.weight"):
+            shared = strat.shared_over(u, n, p)
+            if shared is None or not strat.first_in(shared[0]):
                 continue
             t = strat.local(n, full[n].to(flat.device, flat.dtype))
             flat[off:off + p.numel()] = t.reshape(-1)
