@@ -309,6 +309,8 @@ class LocalExperts(nn.Module):
         self.down_proj = nn.Parameter(hf_experts.down_proj.detach()[first:first + n].clone())
         self.act_fn = hf_experts.act_fn
         self.impl = impl
+        if impl == "auto" and not self.down_proj.is_meta:
+            self.which(self.down_proj)   # grouped_mm_works's probe now, not inside a step
 
     def which(self, x) -> str:
         if self.impl != "auto":
@@ -317,12 +319,17 @@ class LocalExperts(nn.Module):
         return ("grouped_mm" if grouped_mm_works(x.device, x.dtype, (h, two_i, two_i // 2))
                 else "bmm")
 
-    def forward(self, x, counts: list[int]):
+    def forward(self, x, counts: list[int], device_counts: torch.Tensor | None = None):
+        """counts: rows per local expert as host ints (the shapes); device_counts: the same on
+        x's device, where the caller has them (the grouped paths' offsets and slots are then
+        computed there: a tensor built from the host list is a host-to-device copy per layer)."""
         if not sum(counts):                      # no rows at all: keep the weights in the graph
             return self._loop(x, counts)
-        return getattr(self, "_" + self.which(x))(x, counts)
+        if device_counts is None:
+            device_counts = torch.tensor(counts, device=x.device)
+        return getattr(self, "_" + self.which(x))(x, counts, device_counts)
 
-    def _loop(self, x, counts):
+    def _loop(self, x, counts, device_counts=None):
         outs, off = [], 0
         for e, n in enumerate(counts):          # x: rows grouped by local expert, counts[e] each
             gate, up = F.linear(x[off:off + n], self.gate_up_proj[e]).chunk(2, dim=-1)
@@ -330,18 +337,18 @@ class LocalExperts(nn.Module):
             off += n
         return torch.cat(outs)
 
-    def _grouped_mm(self, x, counts):
+    def _grouped_mm(self, x, counts, device_counts):
         # (R, H) x (n, H, 2I) -> (R, 2I), row block e through expert e (offs: block ends)
-        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        offs = device_counts.cumsum(0).to(torch.int32)
         gu = torch._grouped_mm(x.contiguous(), self.gate_up_proj.transpose(1, 2), offs=offs)
         gate, up = _ContiguousGrad.apply(gu).chunk(2, dim=-1)
         y = torch._grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
         return _ContiguousGrad.apply(y)
 
-    def _bmm(self, x, counts):
+    def _bmm(self, x, counts, device_counts):
         n, C, H = len(counts), max(counts), x.shape[-1]
         # row r of expert e -> slot e C + r of the padded buffer
-        cnt = torch.tensor(counts, device=x.device)
+        cnt = device_counts
         e_of_row = torch.repeat_interleave(torch.arange(n, device=x.device), cnt,
                                            output_size=x.shape[0])
         slot = (torch.arange(x.shape[0], device=x.device) + e_of_row * C
@@ -398,7 +405,7 @@ class ExpertParallelMoE(MoEBlock):
         expert_of_row = torch.arange(El, device=x.device).repeat(W).repeat_interleave(
             recv.reshape(-1), output_size=sum(recv_splits))
         perm = torch.argsort(expert_of_row, stable=True)
-        y = self.experts(xr[perm], per_expert)
+        y = self.experts(xr[perm], per_expert, recv.sum(0))   # (El,) on the device too
         inv = torch.empty_like(perm)
         inv[perm] = torch.arange(perm.numel(), device=x.device)
         if planted("combine-wrong-order"):   # plant: un-sorts with perm, not its inverse

@@ -210,8 +210,11 @@ class VocabParallelEmbedding(nn.Module):
         self.scale = None
         if hasattr(emb, "scalar_embed_scale"):
             buf = getattr(emb, "embed_scale", None)
-            self.scale = (buf.item() if buf is not None and not buf.is_meta else
-                          torch.tensor(emb.scalar_embed_scale, dtype=torch.float32).item())
+            scale = (buf.item() if buf is not None and not buf.is_meta else
+                     torch.tensor(emb.scalar_embed_scale, dtype=torch.float32).item())
+            # rounded to the weights' dtype once, here: a Python scalar that is exact in that
+            # dtype multiplies as the dtype's tensor would, without a tensor made per forward
+            self.scale = torch.tensor(scale, dtype=emb.weight.dtype).item()
         w = torch.zeros(per_rank, emb.weight.shape[1], dtype=emb.weight.dtype,
                         device=emb.weight.device)
         rows = emb.weight.detach()[lo:lo + per_rank]
@@ -226,7 +229,7 @@ class VocabParallelEmbedding(nn.Module):
             out = F.embedding(local, self.weight)
         out = self.region.embed_exit(out)
         if self.scale is not None:
-            out = out * torch.tensor(self.scale, dtype=self.weight.dtype, device=out.device)
+            out = out * self.scale
         return out
 
 

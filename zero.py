@@ -582,7 +582,7 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
     def grad_shards(self) -> list[torch.Tensor]:   # this rank's reduced gradients, per unit
         return [u.grad_shard for u in self.engine.units]
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the averaged gradients by their global norm (one scalar all_reduce); returns
         the norm before clipping, like torch.nn.utils.clip_grad_norm_."""
         self.reduce_gradients()

@@ -69,6 +69,13 @@ PARAM_K_FACTOR = 4.0
 # far below Adam's eps. A learning-rate, optimizer-state or stale-parameter bug moves every entry
 # by a large fraction of lr; float64 runs still see a missing weight decay (1e-4 lr).
 PARAM_LR_FLOOR = 0.05
+# In bfloat16 / float16 a gradient's own rounding (~1e-2 of its scale) exceeds many of its
+# entries, and Adam's first update of an entry is lr * sign(g) whatever |g|: a sign flipped on
+# rounding alone moves it by 2 lr, in any tensor, at every step (an all-or-nothing event a
+# per-tensor noise sample need not contain; measured: Gemma2's zero-initialised norm weights
+# under tp/sp in bf16, err 2.0 of the tensor's 2 lr scale where the single-device samples
+# flipped none). Low-precision parameters therefore get LOW_PRECISION_LR_FLIP lr per step.
+LOW_PRECISION_LR_FLIP = 2.0
 
 
 ADAM_EPS = 1e-8   # make_adamw's eps and betas (OracleAdamW uses them too)
@@ -134,14 +141,20 @@ class NoisePolicy:
 
     def update_floor(self, lr: float, steps: int) -> float:
         """The absolute parameter floor after `steps` AdamW steps (see PARAM_LR_FLOOR)."""
-        return PARAM_LR_FLOOR * lr * steps * min(1.0, EPS[self.dtype] / ADAM_EPS)
+        return self.lr_floor_per_step * lr * steps
+
+    @property
+    def lr_floor_per_step(self) -> float:
+        if self.dtype in ("bfloat16", "float16"):
+            return LOW_PRECISION_LR_FLIP
+        return PARAM_LR_FLOOR * min(1.0, EPS[self.dtype] / ADAM_EPS)
 
     def describe(self) -> str:
         src = (f"single-device {self.noise_dtype} vs float64"
                + (f" x eps ratio {self.scale:.1e}, and float64 on a permuted model"
                   if self.scale != 1 else f", and {self.dtype} on a permuted model"))
         return (f"err <= {self.k:g} x noise + {self.floor_ulps:g} ulp, params "
-                f"{self.factor('param'):g} x + {PARAM_LR_FLOOR * min(1, EPS[self.dtype] / ADAM_EPS):.0e}"
+                f"{self.factor('param'):g} x + {self.lr_floor_per_step:.0e}"
                 f" lr/step ({src})")
 
 

@@ -14,6 +14,7 @@ plants       the clean correctness run, then each planted bug (--plants a,b; def
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from .compare import (NOISE_MAX, Comparison, Judged, NoisePolicy, noise_sources,
                       preclip_grads, reference_in)
 from .loading import release_memory, rss_peak, rss_reset
 from .dropout import rates
+from .hostsync import HostSyncs, host_sync_check
 from .launch import base_parser
 from .models import DTYPES, loaded_once, param_count
 from .nccl import nccl_checked
@@ -132,8 +134,11 @@ def _correctness_one(run: Run, cls) -> bool:
               f"{' clip=%g' % args.clip if args.clip else ''}"
               f"{' dropout=%s' % rates(run.config) if rates(run.config) else ''}"
               f"{' PLANTED BUG: ' + args.plant_bug if args.plant_bug else ''}")
+    watch = HostSyncs(env.device) if args.host_syncs else None
     for s in range(args.steps):
-        loss = strat.step(run.batch(s))
+        batch = run.batch(s)
+        with watch.region() if watch else contextlib.nullcontext():
+            loss = strat.step(batch)
         # (read on every rank: a DTensor baseline's norm may be a collective to read)
         norm = float(full_tensor(strat.grad_norm)) if args.clip else None
         grads = preclip_grads(strat, strat.full_grads(), args.clip)
@@ -152,7 +157,7 @@ def _correctness_one(run: Run, cls) -> bool:
             run.print(f"  step {s}: loss {loss:.12f}  float64 reference {t.loss:.12f}  rel err "
                       f"{abs(loss - t.loss) / abs(t.loss):.2e}")
         del grads, params
-    extra = strat.extra_checks()
+    extra = strat.extra_checks() + ([host_sync_check(watch)] if watch else [])
     name = strat.name
     del strat
     release_memory()

@@ -92,7 +92,11 @@ def keep_mask(p: float, key: int, *coords: torch.Tensor) -> torch.Tensor:
     """The keep bits (bool) at the broadcast of `coords` (int64 tensors of global indices, one
     per dimension, shaped to broadcast against each other): each coordinate is folded into the
     hash in turn, so the earlier, smaller coordinates are hashed on their own small shapes."""
-    h = torch.tensor(key, dtype=torch.int64, device=coords[0].device)
+    # (a fill with the key as its argument: torch.tensor(key, device=...) would copy a host
+    # tensor to the device at every dropout site of every forward)
+    h = torch.full((), key, dtype=torch.int64, device=coords[0].device)
+    if planted("dropout-host-key"):   # plant: the key copied from the host at every site
+        h = torch.tensor(key, dtype=torch.int64, device=coords[0].device)
     for c in coords:
         h = _absorb(h, c.to(torch.int64))   # (at most two int64 grids alive at the end)
     return h >= int(round(p * 2 ** 32))

@@ -55,12 +55,16 @@ ALLOWED_LIBRARY = {   # (file under site-packages, function): a library's own re
         "sequences (one read per forward of an HF model without a KV cache or attention mask)",
 }
 _THIS = os.path.abspath(__file__)
+# the repository's torch function / dispatch modes (models.Float64Kept) pass every call on: the
+# site is the code that made the call, not the mode's frame
+PASS_THROUGH = {"__torch_function__", "__torch_dispatch__"}
 
 
 def _site(stack) -> tuple[str, str]:
     """(site text, why it is allowed or "") for a stack (outermost first)."""
     repo = [f for f in stack if f.filename.startswith(ROOT + os.sep) and "-packages/" not in
-            f.filename and os.path.abspath(f.filename) != _THIS]   # (not a venv inside it)
+            f.filename and os.path.abspath(f.filename) != _THIS   # (not a venv inside it)
+            and f.name not in PASS_THROUGH]
     if not repo:
         f = stack[-1]
         return f"(outside the repository) {os.path.basename(f.filename)}:{f.lineno} {f.name}", ""
@@ -190,3 +194,23 @@ class HostSyncs:
                     unexpected_per_step=bad / n, allowed_per_step=ok / n,
                     by_detector={d: dict(unexpected=count(d, False), allowed=count(d, True))
                                  for d in ("dispatch", "cuda")})
+
+
+def host_sync_check(watch: HostSyncs) -> tuple[str, bool, str]:
+    """The correctness mode's check row (--host-syncs): no host sync outside ALLOWED in any
+    watched step, on any rank (collective: every rank's sites are gathered)."""
+    import torch.distributed as dist
+    r = watch.report()
+    mine = {k: v["count"] for k, v in r["sites"].items() if not v["allowed"]}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    bad: dict = {}
+    for d in every:
+        for k, n in d.items():
+            bad[k] = max(bad.get(k, 0), n)
+    allowed = sorted({k for k, v in r["sites"].items() if v["allowed"]})
+    detail = (f"{r['steps']} steps watched; " + (
+        f"{sum(bad.values())} outside ALLOWED: " + "; ".join(
+            f"{k} x{n}" for k, n in sorted(bad.items(), key=lambda x: -x[1])[:4])
+        if bad else "none outside ALLOWED") + (f"; allowed: {', '.join(allowed)}" if allowed else ""))
+    return "no host sync inside the step", not bad, detail

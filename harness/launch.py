@@ -107,6 +107,10 @@ def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
                    help="record every p2p batch and collective and check them under NCCL's "
                         "rules (tags ignored, FIFO per pair, batches progress together, sends "
                         "wait for receives, one collective order); the last line is the verdict")
+    p.add_argument("--host-syncs", action="store_true",
+                   help="correctness: watch every training step for host synchronisations (a "
+                        "device value read on the host, a tensor built from host data; "
+                        "harness/hostsync.py) and FAIL on one outside its ALLOWED table")
     p.add_argument("--clip", type=float, default=None,
                    help="clip gradients to this global L2 norm (0: off, the default; the "
                         "learning mode's default is inf: the norm measured, nothing clipped)")

@@ -43,9 +43,9 @@ class RoutingStats:
             blk.exchange = self._observe_exchange(blk.exchange, blk.rank)
 
     def _observe_load(self, fn):
-        def experts_forward(x, counts):
+        def experts_forward(x, counts, *device_counts):
             self.observed["load"].append(torch.tensor(counts))
-            return fn(x, counts)
+            return fn(x, counts, *device_counts)
         return experts_forward
 
     def _observe_exchange(self, fn, rank: int):

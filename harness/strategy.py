@@ -102,6 +102,10 @@ HARNESS_PLANTS = {
     "master-keeps-grads": Plant("MasterAdamW.zero_grad(set_to_none=False) leaves the bf16 "
                                 "gradients in place: the next step accumulates onto them",
                                 ("--dtype", "bfloat16")),
+    # the correctness mode's --host-syncs check (hostsync.py), on dropout.py's keep_mask
+    "dropout-host-key": Plant("dropout's keep_mask builds its key tensor from the host at every "
+                              "dropout site (torch.tensor(key, device=...)): a host-to-device "
+                              "copy inside the step", ("--dropout", "0.1", "--host-syncs")),
     "master-no-copy": Plant("MasterAdamW.step does not copy the updated fp32 masters back into "
                             "the bf16 weights: the model never changes",
                             ("--dtype", "bfloat16")),

@@ -36,7 +36,7 @@ class Scale(torch.nn.Module):
         super().__init__()
         self.first = first
 
-    def forward(self, rows, counts):
+    def forward(self, rows, counts, device_counts=None):
         if self.first is None:
             return rows * 1.0
         f = torch.cat([torch.full((n,), float(self.first + e + 1), dtype=rows.dtype)

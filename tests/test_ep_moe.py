@@ -268,7 +268,7 @@ def test_grouped_block_equals_the_loop_block(group):
         y.backward(torch.randn(y.shape, generator=g, dtype=torch.float64))
         outs[impl] = [y, x.grad] + [p.grad for p in blk.parameters()]
         loads = []
-        blk.experts.forward = (lambda f: lambda r, c: loads.append(c) or f(r, c))(
+        blk.experts.forward = (lambda f: lambda r, c, *d: loads.append(c) or f(r, c, *d))(
             blk.experts.forward)
         blk(x)
     assert 0 in loads[0] and len(set(loads[0])) > 2, loads      # empty and uneven experts
