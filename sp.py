@@ -71,6 +71,7 @@ import torch.nn as nn
 from harness import (Expect, Plant, Strategy, DTYPES, attention_features, main, make_adamw,
                      phase, planted, scalar)
 from harness import dropout as harness_dropout
+from harness import recompute
 from harness.precision import grad_reduce_dtype
 import async_tp as async_tp_
 import ddp
@@ -178,7 +179,9 @@ class SPRegion(tp.TPRegion):
 
     def enter(self, x):
         full = GatherFromSP.apply(x, self.group)
-        if torch.is_grad_enabled():
+        # (inside a fully recomputed layer the checkpoint keeps the layer's input, this rank's
+        # chunk, and nothing else: the re-gather hooks would keep what it drops)
+        if torch.is_grad_enabled() and not recompute.inside_checkpoint():
             r = _Regather(full, x.detach(), self.group)
             ctx = torch.autograd.graph.saved_tensors_hooks(r.pack, _Regather.unpack)
             ctx.__enter__()

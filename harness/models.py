@@ -271,7 +271,7 @@ def common_constraints(args, world, config) -> list[str]:
         errs.append(f"--mode {args.mode} with dropout ({rates(config)}): the benchmark and "
                     f"memory formulas are for the model without it (measure dropout's cost "
                     f"with the learning mode's step times)")
-    if getattr(args, "recompute", "none") != "none" and args.mode in ("benchmark", "peak"):
+    if getattr(args, "recompute", "none") != "none" and args.mode == "benchmark":
         errs.append(f"--recompute {args.recompute}: the benchmark's communication formulas "
                     f"assume none (a recomputed forward repeats its collectives); measure "
                     f"recompute with python -m harness.recompute")

@@ -172,6 +172,27 @@ CACHE_KWARGS = ("past_key_values", "cache")   # the layer's KV-cache argument: t
 # 5.24 renamed past_key_values to cache (and still accepts the old name with a warning)
 
 
+_INSIDE = 0   # how many checkpointed layer forwards are running (the forward or its recompute)
+
+
+def inside_checkpoint() -> bool:
+    """Whether a full-recompute layer's forward is running now, the first time or recomputed
+    in the backward: code that would install its own saved-tensor hooks (sp.py's re-gather)
+    must not, or its hooks, innermost, win over the checkpoint's and keep what it drops."""
+    return _INSIDE > 0
+
+
+def _counted(forward):
+    def run(*args, **kwargs):
+        global _INSIDE
+        _INSIDE += 1
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            _INSIDE -= 1
+    return run
+
+
 def _checkpointed(forward, *args, **kwargs):
     """A decoder layer's forward that keeps only its inputs (the hooks on the layer itself,
     e.g. FSDP's gathers, stay outside and run once). A KV cache is not passed on: each
@@ -184,7 +205,7 @@ def _checkpointed(forward, *args, **kwargs):
         if kwargs.get(key) is not None:
             kwargs = dict(kwargs, **{key: None}, use_cache=False)
     # (context_fn: a dropout mask recomputed in the backward keyed as in the forward)
-    return checkpoint(forward, *args, use_reentrant=False,
+    return checkpoint(_counted(forward), *args, use_reentrant=False,
                       context_fn=dropout.checkpoint_contexts, **kwargs)
 
 

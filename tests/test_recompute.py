@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import harness.recompute as rc
-from conftest import Runs, assert_config_error, launch
+from conftest import Runs, assert_config_error, config_file, launch
 from harness.models import load_config, model_kwargs, keep_float64
 
 
@@ -237,3 +237,35 @@ def test_benchmark_refuses_recompute():
 def test_ep_refuses_full_recompute():
     r = launch("ep_moe.py", 2, "--recompute", "full", as_rank0=True)
     assert_config_error(r, "--recompute full: the routing statistics", torchrun=False)
+
+
+# Sequence parallelism with full recompute keeps each layer's input chunk, 1/T of it, and
+# nothing else: the re-gather hooks SP installs on entering a region must stay out of a
+# checkpointed layer (harness.recompute.inside_checkpoint), or, innermost, they win over the
+# checkpoint's and keep what it drops. Measured per layer as the difference between a 4- and a
+# 2-layer model (the peak mode's live-tensor tracker, float32, W = T = 2, B 2, S 256): before
+# the fix 921,600 B per layer under compose4d --sp, against the 65,536 of the prediction.
+PEAK = ["--mode", "peak", "--recompute", "full", "--batch", "2", "--length", "256",
+        "--dtype", "float32"]
+LAYERS = {4: "tiny", 2: config_file("tiny-2layers", num_hidden_layers=2)}
+SP_PEAK = {"sp.py": Runs("sp.py", 2, tier="slow", runs={
+               f"peak {n}": [*PEAK, "--model", m] for n, m in LAYERS.items()}),
+           "compose4d.py": Runs("compose4d.py", 2, tier="slow", runs={
+               f"peak {n}": [*PEAK, "--tp", "2", "--sp", "--model", m]
+               for n, m in LAYERS.items()})}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", list(SP_PEAK))
+def test_sp_with_full_recompute_keeps_only_the_layer_input_chunks(runs, script):
+    import json
+    act = {}
+    for n in LAYERS:
+        r = runs(SP_PEAK[script], f"peak {n}")
+        assert r.rc == 0, r
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith("TRIAL OK"))
+        act[n] = [x["activations"] for x in json.loads(line[len("TRIAL OK"):])["ranks"]]
+    per_layer = [(a - b) / 2 for a, b in zip(act[4], act[2])]
+    want = rc.activation_bytes(load_config("tiny"), 2, 256 // 2, 4, "full")["per_layer"]
+    assert want == 4 * 2 * 128 * 64
+    assert per_layer == [want, want], (per_layer, want)
