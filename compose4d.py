@@ -230,6 +230,10 @@ def compose_constraints(args, world, config) -> list[str]:
         if found and saved != now:   # other masks from here on: not the run it continues
             return [f"--resume {args.resume}: saved with dropout {saved or 'off'}, this run has "
                     f"{now or 'none'} (give the same --dropout and --seed)"]
+        if found and args.mode == "train":
+            why = train.objective_changes(train.saved_meta(args), config, args, args.batch, D, M)
+            if why:
+                return [f"--resume {args.resume}: {why}"]
     if args.keep is not None and args.keep < 1:
         return [f"--keep must be >= 1 (got {args.keep})"]
     return train_data.constraints(args, config)

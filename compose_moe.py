@@ -236,15 +236,24 @@ def expected_comm(strat, blocks: list[ComposedMoE]) -> list[Expect]:
 # ----------------------------------------------------------------------------------------------
 # The reference: HF's own MoE model, the aux loss per layer and micro-batch
 # ----------------------------------------------------------------------------------------------
-def micro_batch_rows(B: int, S: int, D: int, M: int, device) -> list[torch.Tensor]:
-    """The flattened (row, position) indices of each micro-batch m: dp rank d's contiguous
-    share of the sequences, its m-th of M contiguous pieces, for every d (compose4d's split)."""
+def micro_batch_sets(B: int, D: int, M: int) -> list[list[int]]:
+    """The global rows of each micro-batch m: dp rank d's contiguous share of the sequences,
+    its m-th of M contiguous pieces, for every d (compose4d's split). The auxiliary loss is a
+    function of these sets: a resume or re-plan that changes them changes the objective."""
     per, mb = B // D, B // D // M
-    out = []
-    for m in range(M):
-        rows = torch.cat([torch.arange(d * per + m * mb, d * per + (m + 1) * mb) for d in range(D)])
-        out.append((rows[:, None] * S + torch.arange(S)).reshape(-1).to(device))
-    return out
+    return [[d * per + m * mb + i for d in range(D) for i in range(mb)] for m in range(M)]
+
+
+def objective_per_micro_batch(config, args) -> bool:
+    """Whether the objective depends on which rows share a micro-batch: a MoE model with the
+    auxiliary loss (the z loss is a plain sum; --aux-free-bias sums the step's loads)."""
+    return is_moe(config) and bool(getattr(args, "aux_coef", 0))
+
+
+def micro_batch_rows(B: int, S: int, D: int, M: int, device) -> list[torch.Tensor]:
+    """The flattened (row, position) indices of each micro-batch (micro_batch_sets)."""
+    return [(torch.tensor(rows)[:, None] * S + torch.arange(S)).reshape(-1).to(device)
+            for rows in micro_batch_sets(B, D, M)]
 
 
 class MoEReference(ep_moe.MoEReference):

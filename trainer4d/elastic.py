@@ -78,8 +78,10 @@ class Plan:
 def plan_world(world: int, target: int, *, params, hidden, layers, seq, mem_bytes, tolerance,
                max_micro_batch, min_zero=0, max_zero=3, tp=1, pp=1, cp=1,
                model: MemoryModel | None = None, gpus_per_node=1, expert_params=0,
-               ep=1) -> Plan:
-    """The planning rule for one world size (see the docstring)."""
+               ep=1, keep=None) -> Plan:
+    """The planning rule for one world size (see the docstring). keep(dp, global batch,
+    grad-accum) -> bool, where given, admits only the plans it accepts (a MoE run's
+    micro-batch composition: trainer4d.train.replan)."""
     model = model or MemoryModel()
     out = Plan(world // gpus_per_node, world)
     if world % (tp * pp * cp):
@@ -101,14 +103,16 @@ def plan_world(world: int, target: int, *, params, hidden, layers, seq, mem_byte
             exact = target / (dp * b)
             for a in {max(1, math.floor(exact)), max(1, math.ceil(exact))}:
                 g = dp * b * a
-                if not lo <= g <= hi:
+                if not lo <= g <= hi or (keep is not None and not keep(dp, g, a)):
                     continue
                 key = (abs(g - target), z, -b, a)
                 if best is None or key < best[0]:
                     best = (key, z, b, a, g, states, acts)
     if best is None:
         out.why = (f"no (zero, micro-batch, grad-accum) keeps the global batch within "
-                   f"{tolerance:.0%} of {target} under {mem_bytes / 2**30:g} GiB at dp={dp}")
+                   f"{tolerance:.0%} of {target} under {mem_bytes / 2**30:g} GiB at dp={dp}"
+                   + (" with every micro-batch's rows kept (the MoE auxiliary loss is per "
+                      "micro-batch)" if keep is not None else ""))
         return out
     _, out.zero, out.micro_batch, out.grad_accum, out.global_batch, out.states, \
         out.activations = best
@@ -167,7 +171,7 @@ def count_params(config) -> dict:
 # ----------------------------------------------------------------------------------------------
 # Re-planning a run (compose4d.py --mode train --elastic): before the process group exists
 # ----------------------------------------------------------------------------------------------
-def replan(world: int, config, args, target: int) -> Plan:
+def replan(world: int, config, args, target: int, keep=None) -> Plan:
     """plan_world for this world size: TP, PP, CP as given, DP absorbs the change, the global
     batch kept near `target` (the caller's: the checkpoint's, or --batch for a fresh run). Runs
     in compose4d's constraints, before the process group exists, so an infeasible world ends at
@@ -180,7 +184,7 @@ def replan(world: int, config, args, target: int) -> Plan:
         tolerance=args.batch_tolerance, max_micro_batch=args.max_micro_batch,
         min_zero=args.zero, max_zero=1 if args.schedule == "interleaved" else 3,
         tp=args.tp, pp=args.pp, cp=args.cp, expert_params=params["experts"],
-        ep=getattr(args, "ep", 1))
+        ep=getattr(args, "ep", 1), keep=keep)
 
 
 def plan_parser() -> argparse.ArgumentParser:

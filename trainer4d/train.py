@@ -13,7 +13,10 @@ stop_check: a MAX all-reduce and a host read per micro-batch, a global barrier t
 pipeline), so a 1F1B step can be cut mid-way: the checkpoint then keeps the step's reduced
 gradients and records which rows are done (`cut`), and the resumed run finishes that step from the
 saved gradient sum (`step_rows`), on whatever layout it restarts with, so the result equals the
-uninterrupted run. Either way the resumed run equals the uninterrupted one.
+uninterrupted run. Either way the resumed run equals the uninterrupted one, with one condition: a
+MoE model's auxiliary loss is per micro-batch, so a resume or re-plan must keep the rows of every
+micro-batch (objective_changes; the elastic planner only takes plans that do), or it is refused
+in one line before training.
 Elastic (--elastic): each (re)start re-plans micro-batch, grad-accum and ZeRO stage for the world
 size it finds (elastic.plan_world), keeping the checkpoint's global batch within a tolerance.
 Checkpoints: checkpoint.py (layout-independent, atomic; with the data position).
@@ -39,6 +42,7 @@ from harness.run import gather_objects
 from harness.trainlog import TrainLog, memory_now
 from harness import train_data
 
+import compose_moe
 from . import elastic
 from .checkpoint import (dropout_of, export_hf, find_checkpoint, hf_model,  # noqa: F401
                          latest_dir, load_checkpoint, restore, save_checkpoint)
@@ -185,19 +189,50 @@ def split_even(rows, parts):
 
 
 
-def target_batch(args) -> int:
-    """The global batch an elastic run keeps: the checkpoint's, or --batch for a fresh run."""
+def saved_meta(args) -> dict | None:
+    """The meta.json of the checkpoint --resume would continue (None: a fresh run)."""
     d = latest_dir(args.resume)
     if d is None:
-        return args.batch
+        return None
     with open(os.path.join(d, "meta.json")) as f:
-        return json.load(f).get("global_batch", args.batch)
+        return json.load(f)
+
+
+def target_batch(args) -> int:
+    """The global batch an elastic run keeps: the checkpoint's, or --batch for a fresh run."""
+    meta = saved_meta(args)
+    return args.batch if meta is None else meta.get("global_batch", args.batch)
+
+
+def objective_changes(meta: dict | None, config, args, B: int, D: int, M: int) -> str | None:
+    """Why resuming `meta` with global batch B on dp D in M micro-batches would optimise another
+    objective than the run it continues (None: it would not). A MoE model's auxiliary loss is
+    per micro-batch (compose_moe), so the rows that share each micro-batch must stay the same
+    (compose_moe.micro_batch_sets; with one micro-batch any dp keeps them)."""
+    if meta is None or not compose_moe.objective_per_micro_batch(config, args):
+        return None
+    if "grad_accum" not in meta:
+        return "the checkpoint does not record its micro-batches"
+    was = (meta.get("global_batch", B), meta["layout"]["dp"], meta["grad_accum"])
+    if compose_moe.micro_batch_sets(*was) == compose_moe.micro_batch_sets(B, D, M):
+        return None
+    return (f"the MoE auxiliary loss is per micro-batch, and global batch {B} on dp {D} in {M} "
+            f"micro-batches groups the rows otherwise than the saved run's (batch {was[0]}, dp "
+            f"{was[1]}, grad-accum {was[2]}): another objective; keep its split, or resume with "
+            f"--aux-coef 0")
 
 
 def replan(world: int, config, args) -> elastic.Plan:
     """--elastic: the batch, grad-accum and ZeRO stage for the world size this run (re)starts
-    on (compose4d's constraints call it before the process group exists)."""
-    return elastic.replan(world, config, args, target_batch(args))
+    on (compose4d's constraints call it before the process group exists). A MoE run with the
+    auxiliary loss keeps only plans whose micro-batches hold the same rows (objective_changes):
+    the resume is then exact, and without one the re-plan is refused."""
+    meta = saved_meta(args)
+    target = args.batch if meta is None else meta.get("global_batch", args.batch)
+    keep = None
+    if meta is not None and compose_moe.objective_per_micro_batch(config, args):
+        keep = lambda dp, g, a: objective_changes(meta, config, args, g, dp, a) is None  # noqa
+    return elastic.replan(world, config, args, target, keep=keep)
 
 
 def build(run: Run, cls):
@@ -248,7 +283,7 @@ def run_train(run: Run, cls) -> bool:
     meta, full = load_checkpoint(args.resume, d) if d else (None, None)
     target = meta.get("global_batch", args.batch) if meta else args.batch
     if args.elastic:     # feasible: checked in compose_constraints
-        plan = elastic.replan(env.world, run.config, args, target)
+        plan = replan(env.world, run.config, args)
         args.batch, args.grad_accum, args.zero = plan.global_batch, plan.grad_accum, plan.zero
     strat = build(run, cls)
     data = train_data.DataSource(train_data.open_corpus(args, run.config), run.lang, args,
@@ -273,7 +308,8 @@ def run_train(run: Run, cls) -> bool:
     log = TrainLog(args.out, env.is_main, resume=bool(meta))
     pre = Preemption()
     extra = lambda off, **kw: dict(samples=off, global_batch=target, restarts=restarts,  # noqa
-                                   data=data.fingerprint, length=args.length, **kw)
+                                   grad_accum=args.grad_accum, data=data.fingerprint,
+                                   length=args.length, **kw)
     t0, tok = time.time(), 0
     end = min(args.steps, args.stop_at or args.steps)
     s = start
