@@ -23,7 +23,9 @@ TP)
     must progress together on NCCL). The backwards mirror the forwards: all-gather + matmul's is
     a matmul + reduce-scatter ring for the input gradient and a re-gather ring for the weight
     gradient (the region input is kept as this rank's chunk only, as sp.py's re-gather does);
-    matmul + reduce-scatter's is an all-gather + matmul ring (the gradient's chunks).
+    matmul + reduce-scatter's is an all-gather + matmul ring (the gradient's chunks). A weight
+    gradient sums its T chunk products in fp32 (_wgrad_mm): bf16 GEMMs with fp32 accumulation
+    and output on CUDA (torch.mm's out_dtype), operands upcast to fp32 on the CPU.
 
 How it plugs in: AsyncSPRegion replaces sp.SPRegion. Its entry hands the region a stand-in of
 the gathered input's shape (one NaN, expanded: no storage of that size, never read; HF's
@@ -104,6 +106,55 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+_MM_OUT_DTYPE_OK: dict = {}
+
+
+def mm_out_dtype_works(device, dtype) -> bool:
+    """Whether torch.mm(a, b, out_dtype=torch.float32) runs for `dtype` operands on `device`:
+    only CUDA is asked (torch 2.13 registers aten::mm.dtype for CUDA and Meta, not the CPU), and
+    only bfloat16 / float16 (the op's fp32 output is for those). Probed once per (device type,
+    dtype) on a 1 x 1 product, outside the step (fuse_columns): no host read either way."""
+    key = (torch.device(device).type, dtype)
+    if key not in _MM_OUT_DTYPE_OK:
+        ok = key[0] == "cuda" and dtype in (torch.bfloat16, torch.float16)
+        if ok:
+            try:
+                one = torch.ones(1, 1, dtype=dtype, device=device)
+                ok = torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
+            except (RuntimeError, NotImplementedError, TypeError):   # (TypeError: no kwarg)
+                ok = False
+        _MM_OUT_DTYPE_OK[key] = ok
+    return _MM_OUT_DTYPE_OK[key]
+
+
+def _wgrad_path(a: torch.Tensor, b: torch.Tensor) -> str:
+    """Which GEMM _wgrad_mm runs for these operands (see there)."""
+    if a.dtype in (torch.float32, torch.float64) and b.dtype == a.dtype:
+        return "plain"
+    if a.dtype == b.dtype and mm_out_dtype_works(a.device, a.dtype):
+        return "out_dtype"
+    return "upcast"
+
+
+def _wgrad_mm(a: torch.Tensor, b: torch.Tensor, path: str | None = None) -> torch.Tensor:
+    """One chunk's weight-gradient product a @ b, in at least float32 (the sum over the T
+    chunks accumulates there, as one GEMM over the whole sequence would, rounding once):
+      out_dtype  CUDA, bfloat16/float16 operands: torch.mm(a, b, out_dtype=torch.float32), the
+                 tensor cores' bf16 GEMM accumulating and writing fp32: no fp32 copies of the
+                 operands, at the bf16 rate (an H100's datasheet: ~15x fp32's without TF32);
+      upcast     elsewhere (the CPU: torch 2.13 has no CPU kernel for aten::mm.dtype; a CUDA
+                 build without it): both operands copied to float32, one fp32 GEMM. The same
+                 sum: bf16 products are exact in fp32, only the accumulation order differs;
+      plain      float32 / float64 operands: a @ b, already wide enough.
+    path: force one (the tests); None picks by the operands' device and dtype."""
+    path = path or _wgrad_path(a, b)
+    if path == "out_dtype":
+        return torch.mm(a, b, out_dtype=torch.float32)
+    if path == "upcast":
+        return _wide(a) @ _wide(b)
+    return a @ b
+
+
 # ----------------------------------------------------------------------------------------------
 # The decomposed region edges as autograd Functions (each backward mirrors its forward)
 # ----------------------------------------------------------------------------------------------
@@ -139,9 +190,11 @@ class AllGatherMatmul(torch.autograd.Function):
         gw = [_wide(torch.zeros_like(w)) for w in weights]
 
         def use(src, chunk):
-            xc = _wide(chunk.reshape(-1, H))
-            for acc, g in zip(gw, grads):
-                acc += _wide(_rows(g, src, s).reshape(-1, g.shape[-1])).T @ xc
+            xc = chunk.reshape(-1, H)                                        # (B s, H)
+            if _wgrad_path(grads[0], xc) == "upcast":
+                xc = _wide(xc)      # (copied to fp32 once for every weight it multiplies)
+            for acc, g in zip(gw, grads):   # (out_i, B s) @ (B s, H) -> (out_i, H), fp32
+                acc += _wgrad_mm(_rows(g, src, s).reshape(-1, g.shape[-1]).T, xc)
         ring_gather(x, group, use)
         gb = [g.sum((0, 1)) if has else None for g, has in zip(grads, ctx.has_bias)]
         return (gx, None, None, *[a.to(w.dtype) for a, w in zip(gw, weights)], *gb)
@@ -166,8 +219,8 @@ class MatmulReduceScatter(torch.autograd.Function):
 
         def use(src, chunk):       # chunk: rank src's rows of the output gradient
             _rows(gx, src, s).copy_(chunk @ weight)
-            gw.add_(_wide(chunk.reshape(-1, chunk.shape[-1])).T
-                    @ _wide(_rows(x, src, s).reshape(-1, x.shape[-1])))
+            gw.add_(_wgrad_mm(chunk.reshape(-1, chunk.shape[-1]).T,       # (out, B s)
+                              _rows(x, src, s).reshape(-1, x.shape[-1])))  # (B s, in)
         ring_gather(grad, ctx.group, use)
         return gx, gw.to(weight.dtype), None
 
@@ -246,3 +299,6 @@ def fuse_columns(model, region: AsyncSPRegion):
             FusedColumns(region, [m.gate_up_proj] if hasattr(m, "gate_up_proj") else
                          [m.gate_proj, m.up_proj])
     FusedColumns(region, [model.lm_head])
+    w = model.lm_head.weight
+    if not w.is_meta:
+        mm_out_dtype_works(w.device, w.dtype)   # the weight gradients' probe now, not in a step

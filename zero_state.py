@@ -17,7 +17,8 @@ into its two classes:
                                                  an elementwise state, one flat shard per unit
                                                  (compose4d's checkpoints: any layout reads them)
         state_dict(), load_state_dict(sd)        torch's unsharded format (collective): a plain
-                                                 torch optimizer over the same groups reads it
+                                                 torch optimizer over the same groups reads it;
+                                                 plus "fp32_masters" (MasterAdamW's convention)
         state_tensors()                          the resident optimizer state
     clip_shard_grads(grads, max_norm, group)     global-norm clipping from the shards' norms
     state_bytes(engine, optimizer)               the model-state bytes per rank, by formula
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from harness import clip_by_norm, planted
+from harness.precision import LOW_PRECISION
 
 
 class FlatTensors:
@@ -159,12 +161,79 @@ class ShardedState:
                 state[i][k] = x.clone() if torch.is_tensor(x) else x
         groups = [dict({k: v for k, v in g.items() if k != "params"},
                        params=[self.index[p] for p in g["params"]]) for g in self.param_groups]
-        return {"state": dict(sorted(state.items())), "param_groups": groups}
+        return {"state": dict(sorted(state.items())), "param_groups": groups,
+                "fp32_masters": self._gather_masters()}
+
+    def _low_params(self) -> list[torch.Tensor]:
+        """The low-precision parameters, in torch's numbering: whose fp32 masters the state dict
+        carries (harness.precision.MasterAdamW's convention, a list in this order)."""
+        return [p for p in self.index if p.dtype in LOW_PRECISION]
+
+    def _master_units(self):
+        """{parameter: (unit index, offset)} for the parameters of units with fp32 masters."""
+        return {p: (ui, off) for ui, (u, m) in enumerate(zip(self.engine.units, self.masters))
+                if m is not u.shard for p, off in zip(u.params, u.offsets)}
+
+    def _gather_masters(self) -> list[torch.Tensor]:
+        """Every low-precision parameter's fp32 master at full shape (collective: each unit's
+        master shard all-gathered over its group); a parameter outside every unit (frozen,
+        stages 1, 2) is its own master, widened."""
+        where, full = self._master_units(), {}
+        for ui, (u, m) in enumerate(zip(self.engine.units, self.masters)):
+            if m is not u.shard:   # flat [W * s] fp32 <- this rank's [s]
+                full[ui] = torch.empty(u.padded, dtype=m.dtype, device=m.device)
+                dist.all_gather_into_tensor(full[ui], m.contiguous(), group=u.group)
+        out = []
+        for p in self._low_params():
+            if p in where:
+                ui, off = where[p]
+                out.append(full[ui][off:off + p.numel()].view(p.shape).clone())
+            else:
+                out.append(p.detach().float().clone())
+        return out
+
+    def _load_masters(self, masters: list[torch.Tensor]):
+        """The inverse of _gather_masters: this rank's slice of each unit's fp32 master shard
+        from the full masters, and the low-precision parameters set to their rounding (the
+        full buffers where they are allocated: stages 1, 2, or a gathered stage-3 unit; the
+        shards)."""
+        where = self._master_units()
+        if self.engine.stage < 3:
+            self.engine.wait_params()   # an in-flight gather would overwrite the buffers
+        for p, saved in zip(self._low_params(), masters):
+            saved = saved.detach().reshape(-1)
+            if p not in where:
+                p.detach().copy_(saved.view(p.shape))
+                continue
+            ui, off = where[p]
+            u, m = self.engine.units[ui], self.masters[ui]
+            x0, x1 = max(off, u.lo), min(off + p.numel(), u.lo + u.shard_numel)
+            if x0 < x1:   # this rank's part of p: flat [x0, x1) of the unit
+                m[x0 - u.lo:x1 - u.lo] = saved[x0 - off:x1 - off]
+            if u.gathered:
+                u.full[off:off + p.numel()] = saved
+        for u, m in zip(self.engine.units, self.masters):
+            if m is not u.shard:
+                u.shard.copy_(m)   # (stages 1, 2: a view of the full buffer, written above too)
 
     def load_state_dict(self, state_dict: dict):
         """Load an unsharded state dict (this optimizer's, or a plain torch optimizer's over the
-        same parameter groups): every rank keeps its slices."""
+        same parameter groups): every rank keeps its slices. Its fp32 masters, where it has them
+        (this optimizer's, harness.precision.MasterAdamW's), are restored in fp32 and the bf16
+        parameters set to their rounding; without them (a plain torch optimizer's) the masters
+        stay those copied from the parameters."""
         groups, state = state_dict["param_groups"], state_dict["state"]
+        masters = state_dict.get("fp32_masters")
+        if masters is not None:
+            low = self._low_params()
+            if len(masters) != len(low):
+                raise ValueError(f"ZeroOptimizer.load_state_dict: {len(masters)} fp32 masters "
+                                 f"for {len(low)} low-precision parameters")
+            for p, m in zip(low, masters):
+                if m.shape != p.shape:
+                    raise ValueError(f"ZeroOptimizer.load_state_dict: the fp32 master of "
+                                     f"parameter {self.index[p]} has shape {tuple(m.shape)}, "
+                                     f"the parameter {tuple(p.shape)}")
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("ZeroOptimizer.load_state_dict: the parameter groups' sizes "
                              f"{[len(g['params']) for g in groups]} differ from this "
@@ -203,6 +272,9 @@ class ShardedState:
                                      params=list(range(j, j + len(ig["params"])))))
             j += len(ig["params"])
         self.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+        if masters is not None:
+            with torch.no_grad():
+                self._load_masters(masters)
 
 
 def clip_shard_grads(grads: list[torch.Tensor], max_norm: float, group=None) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 from .dropout import HiddenDropout
 from .loss import IGNORE_INDEX
 from .models import build_model
+from .precision import adamw_kwargs
 from .run import Run
 from .strategy import Reference, Strategy, full_tensor, reference_class
 
@@ -78,8 +79,7 @@ PARAM_LR_FLOOR = 0.05
 LOW_PRECISION_LR_FLIP = 2.0
 
 
-ADAM_EPS = 1e-8   # make_adamw's eps and betas (OracleAdamW uses them too)
-ADAM_BETAS = (0.9, 0.95)
+ADAM_EPS = 1e-8   # make_adamw's eps
 
 
 TOL_FLOOR_ULPS = 4.0
@@ -350,7 +350,7 @@ def reference_in(run: Run, cls, dtype: str, prepare=None):
 
 class OracleAdamW(torch.optim.AdamW):
     """The optimizer of every reference the correctness mode runs (the float64 target and the
-    noise sources): torch.optim.AdamW's for-loop kernel over fp32 masters kept here, sharing no
+    noise sources): torch.optim.AdamW over fp32 masters kept here, sharing no
     code with harness/precision.py's MasterAdamW, which the strategies use. A noise source
     that shared the optimizer under test would share its bugs: a MasterAdamW that never copied
     its masters back froze the bf16 noise sources as it froze the strategy, so the measured
@@ -360,8 +360,9 @@ class OracleAdamW(torch.optim.AdamW):
         self.model_params = list(params)
         self.masters = [p.detach().float().clone() if p.dtype in (torch.bfloat16, torch.float16)
                         else p for p in self.model_params]
-        super().__init__(self.masters, lr=args.lr, weight_decay=args.weight_decay,
-                         betas=ADAM_BETAS, eps=ADAM_EPS, foreach=False)
+        # (the strategies' hyper-parameters and kernel: torch's fused AdamW where it runs, so
+        # a float64 DDP at W=1 stays bit-identical to the reference)
+        super().__init__(self.masters, **adamw_kwargs(self.masters, args))
 
     def zero_grad(self, set_to_none: bool = True):
         for p in self.model_params + self.masters:

@@ -118,6 +118,64 @@ def test_the_rings_equal_the_collectives(world):
     _spawn(_rings, world)
 
 
+def _fp32_accumulation_bound(a, b):
+    """The worst-case error of a @ b from exact products summed in fp32 (K terms, each
+    partial sum rounded once: (K - 1) u sum |a||b|, u = 2^-24), elementwise."""
+    return (a.shape[1] - 1) * 2.0 ** -24 * (a.abs().double() @ b.abs().double())
+
+
+def test_wgrad_mm_paths(monkeypatch):
+    """_wgrad_mm: which path runs where, and that each is a bf16 product accumulated in fp32.
+    The CPU has no aten::mm.dtype kernel in torch 2.13, so the CUDA path (out_dtype) runs here
+    only on the meta device (its shape and dtype); its numerics are checked where CUDA is
+    (test_wgrad_mm_cuda_path). The upcast path, the CPU's, is held to the fp32-accumulation
+    bound, and a bf16-output GEMM is not (the bound is tight enough to tell them apart)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(24, 512, generator=g).bfloat16()   # (out, B s): a gradient chunk^T
+    b = torch.randn(512, 40, generator=g).bfloat16()   # (B s, in): the input chunk
+    exact = a.double() @ b.double()   # (bf16 products are exact, and so is this sum nearly)
+    bound = _fp32_accumulation_bound(a, b)
+    # selection: float32/float64 plain; bf16 upcast on the CPU, out_dtype on CUDA if probed ok
+    assert async_tp._wgrad_path(a.float(), b.float()) == "plain"
+    assert async_tp._wgrad_path(a.double(), b.double()) == "plain"
+    assert async_tp._wgrad_path(a, b) == "upcast"
+    assert not async_tp.mm_out_dtype_works("cpu", torch.bfloat16)
+    meta = a.to("meta"), b.to("meta")
+    assert async_tp._wgrad_path(*meta) == "upcast"
+    monkeypatch.setitem(async_tp._MM_OUT_DTYPE_OK, ("meta", torch.bfloat16), True)
+    assert async_tp._wgrad_path(*meta) == "out_dtype"   # (as a CUDA device that passed the probe)
+    out = async_tp._wgrad_mm(*meta)
+    assert out.dtype == torch.float32 and out.shape == (24, 40)
+    monkeypatch.setitem(async_tp._MM_OUT_DTYPE_OK, ("meta", torch.bfloat16), False)
+    assert async_tp._wgrad_path(*meta) == "upcast"       # a CUDA build without the kernel
+    # numerics: the upcast path within the bound, a bf16-output GEMM far outside it
+    up = async_tp._wgrad_mm(a, b)
+    assert up.dtype == torch.float32 and bool(((up.double() - exact).abs() <= bound).all())
+    rounded = (a @ b).double()
+    assert bool(((rounded - exact).abs() > bound).any())
+    assert torch.equal(async_tp._wgrad_mm(a.double(), b.double()), a.double() @ b.double())
+    try:   # the CPU's out_dtype kernel, should a later torch add one
+        cpu_out = async_tp._wgrad_mm(a, b, path="out_dtype")
+    except NotImplementedError:
+        return
+    assert bool(((cpu_out.double() - exact).abs() <= bound).all())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path needs a GPU")
+def test_wgrad_mm_cuda_path():
+    """On CUDA, bf16 operands take torch.mm(..., out_dtype=float32): within the fp32-
+    accumulation bound of the exact sum, as the float32 upcast path is."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(256, 4096, generator=g).bfloat16().cuda()
+    b = torch.randn(4096, 512, generator=g).bfloat16().cuda()
+    assert async_tp._wgrad_path(a, b) == "out_dtype"
+    exact = a.double() @ b.double()
+    bound = _fp32_accumulation_bound(a, b)
+    for path in ("out_dtype", "upcast"):
+        out = async_tp._wgrad_mm(a, b, path=path)
+        assert out.dtype == torch.float32 and bool(((out.double() - exact).abs() <= bound).all())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("batch,key,world", [(SP2, "async", 2), (SP4, "async-gqa", 4)])
 def test_correctness_under_nccl_rules(runs, batch, key, world):

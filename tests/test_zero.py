@@ -160,6 +160,70 @@ def test_zero_optimizer_bf16_masters(group):
     assert sorted(masters["state"][0]) == ["exp_avg", "exp_avg_sq", "step"]
 
 
+def _zero_resume_bf16(rank, world, init_file):
+    """Per rank of test_zero_optimizer_resumes_its_fp32_masters."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)   # (a file: no port to lose to another job)
+    try:
+        g = torch.Generator().manual_seed(0)
+        w0 = [torch.randn(n, 3, generator=g).bfloat16() for n in (7, 5, 11)]   # odd: padded
+        frozen = torch.randn(4, generator=g).bfloat16()   # in a group, in no unit
+        # per step and rank, the loss's coefficients: the bf16 gradients, exact
+        coefs = [[torch.randn(w.shape, generator=g).bfloat16() for w in w0]
+                 for _ in range(5 * world)]
+
+        def build(weights, stage):
+            ps = [torch.nn.Parameter(w.clone()) for w in weights]
+            fz = torch.nn.Parameter(frozen.clone(), requires_grad=False)
+            opt = zero.ZeroOptimizer([{"params": ps[:2]}, {"params": [ps[2], fz], "lr": 5e-3}],
+                                     torch.optim.AdamW, stage=stage, bucket_mb=40 / 2**20,
+                                     lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
+            return ps, opt
+
+        def run(ps, opt, steps):
+            for t in steps:
+                sum((p * c).sum() for p, c in zip(ps, coefs[t * world + rank])).backward()
+                opt.step()
+                opt.zero_grad()
+
+        for stage in (1, 2):
+            full, opt = build(w0, stage)
+            assert opt.mixed and len(opt.engine.units) > 2
+            run(full, opt, range(5))
+            part, first = build(w0, stage)
+            run(part, first, range(3))
+            sd = first.state_dict()
+            # a fresh model (the bf16 weights of a model checkpoint) and optimizer resume
+            again, second = build([p.detach() for p in part], stage)
+            second.load_state_dict(sd)
+            run(again, second, range(3, 5))
+            assert all(torch.equal(a, b) for a, b in zip(full, again)), stage
+            assert all(torch.equal(a, b) for a, b in
+                       zip(opt.shard_state("param"), second.shard_state("param"))), stage
+            assert [m.dtype for m in sd["fp32_masters"]] == [torch.float32] * 4
+            assert [m.shape for m in sd["fp32_masters"]] == [*(w.shape for w in w0), (4,)]
+            # torch's own format (no masters) still loads, and restarts the masters from the
+            # rounded weights: 2 steps later the weights differ (what the masters are for)
+            plain = {k: v for k, v in sd.items() if k != "fp32_masters"}
+            third_w, third = build([p.detach() for p in part], stage)
+            third.load_state_dict(plain)
+            run(third_w, third, range(3, 5))
+            assert not all(torch.equal(a, b) for a, b in zip(full, third_w)), stage
+    finally:
+        dist.destroy_process_group()
+
+
+def test_zero_optimizer_resumes_its_fp32_masters(tmp_path):
+    """bf16 parameters, stages 1 and 2 at W=2 (three units, odd sizes: parameters cut between
+    the ranks' shards), two parameter groups and a frozen parameter: 3 steps, state_dict(), a
+    fresh model and ZeroOptimizer load it, 2 more steps == 5 uninterrupted steps, bitwise, on
+    the parameters and on the fp32 master shards (the state dict carries the masters as
+    harness.precision.MasterAdamW's does); without them the run departs."""
+    import torch.multiprocessing as mp
+    mp.spawn(_zero_resume_bf16, args=(2, str(tmp_path / "init")), nprocs=2)
+
+
 def test_overlapped_param_gather_is_waited_by_each_units_own_forward(group):
     """Stages 1, 2: the step launches the parameter all-gathers async; each unit's gather is
     finished by its own modules' forward pre-hook, not before (the later units' gathers are still
