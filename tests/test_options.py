@@ -114,4 +114,6 @@ def test_reduce_dtype_param_in_correctness_mode(runs):
     reducing in fp32 lands elsewhere: the option reached the reduction)."""
     f32, param = passed(runs(ZERO, "reduce-float32")), passed(runs(ZERO, "reduce-param"))
     assert f32["dtype"] == param["dtype"] == "bfloat16", (f32, param)
-    assert f32["max_grad_err"] != param["max_grad_err"], (f32, param)
+    # (per tensor: the largest error of all may sit on a tensor whose reduction is exact)
+    errs = lambda r: {n: row["grad"]["err"] for n, row in r["rows"].items()}  # noqa: E731
+    assert errs(f32) != errs(param), (f32, param)

@@ -210,6 +210,8 @@ def _zero_resume_bf16(rank, world, init_file):
             third.load_state_dict(plain)
             run(third_w, third, range(3, 5))
             assert not all(torch.equal(a, b) for a, b in zip(full, third_w)), stage
+        dist.barrier()   # both ranks done before either tears the group down (gloo aborts a
+        #                  rank whose peer's pairs close under it)
     finally:
         dist.destroy_process_group()
 
