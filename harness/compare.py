@@ -257,10 +257,12 @@ class Comparison:
                 self.missing.add(f"{kind}:{n}")
                 continue
             level = max(noise[n], float(np.median(by_role[role(n)])))
-            if noise[n] > NOISE_MAX:
+            extra = floor_abs / scale[n] if scale[n] > 0 else 0.0
+            # (less the absolute floor: a zero-initialised tensor's scale after a step is ~lr,
+            # and one Adam sign flip in a noise source, which the floor allows, is 2 of it)
+            if noise[n] - extra > NOISE_MAX:
                 self.implausible[f"{kind}:{n}"] = max(noise[n],
                                                       self.implausible.get(f"{kind}:{n}", 0.0))
-            extra = floor_abs / scale[n] if scale[n] > 0 else 0.0
             self.rows[n][kind] = self._judge(self.rows[n][kind], errs[n], level, step, kind, extra)
 
     def _judge_scalar(self, name: str, step: int):

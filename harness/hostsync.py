@@ -57,14 +57,14 @@ ALLOWED_LIBRARY = {   # (file under site-packages, function): a library's own re
 _THIS = os.path.abspath(__file__)
 # the repository's torch function / dispatch modes (models.Float64Kept) pass every call on: the
 # site is the code that made the call, not the mode's frame
-PASS_THROUGH = {"__torch_function__", "__torch_dispatch__"}
+PASS_THROUGH = {("harness/models.py", "__torch_function__")}   # (models.Float64Kept)
 
 
 def _site(stack) -> tuple[str, str]:
     """(site text, why it is allowed or "") for a stack (outermost first)."""
     repo = [f for f in stack if f.filename.startswith(ROOT + os.sep) and "-packages/" not in
             f.filename and os.path.abspath(f.filename) != _THIS   # (not a venv inside it)
-            and f.name not in PASS_THROUGH]
+            and (os.path.relpath(f.filename, ROOT), f.name) not in PASS_THROUGH]
     if not repo:
         f = stack[-1]
         return f"(outside the repository) {os.path.basename(f.filename)}:{f.lineno} {f.name}", ""

@@ -212,8 +212,12 @@ def objective_changes(meta: dict | None, config, args, B: int, D: int, M: int) -
     if meta is None or not compose_moe.objective_per_micro_batch(config, args):
         return None
     if "grad_accum" not in meta:
-        return "the checkpoint does not record its micro-batches"
-    was = (meta.get("global_batch", B), meta["layout"]["dp"], meta["grad_accum"])
+        return ("the MoE auxiliary loss is per micro-batch, and the checkpoint (saved before "
+                "checkpoints recorded their split) does not say how its rows were grouped: "
+                "resume with --aux-coef 0, or from a newer checkpoint")
+    # (the batch the saved run ran: an elastic run's target may differ from it)
+    was = (meta.get("batch", meta.get("global_batch", B)), meta["layout"]["dp"],
+           meta["grad_accum"])
     if compose_moe.micro_batch_sets(*was) == compose_moe.micro_batch_sets(B, D, M):
         return None
     return (f"the MoE auxiliary loss is per micro-batch, and global batch {B} on dp {D} in {M} "
@@ -308,7 +312,8 @@ def run_train(run: Run, cls) -> bool:
     log = TrainLog(args.out, env.is_main, resume=bool(meta))
     pre = Preemption()
     extra = lambda off, **kw: dict(samples=off, global_batch=target, restarts=restarts,  # noqa
-                                   grad_accum=args.grad_accum, data=data.fingerprint,
+                                   batch=args.batch, grad_accum=args.grad_accum,
+                                   data=data.fingerprint,
                                    length=args.length, **kw)
     t0, tok = time.time(), 0
     end = min(args.steps, args.stop_at or args.steps)
