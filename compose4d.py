@@ -168,8 +168,9 @@ def compose_constraints(args, world, config) -> list[str]:
         return [f"world size {world} is not divisible by tp x pp x cp = {T} x {P} x {C} = "
                 f"{T * P * C} (dp = W / (tp pp cp))"]
     D = world // (T * P * C)
+    meta = train.saved_meta(args) if args.mode == "train" else None   # (read once, here)
     if args.mode == "train" and args.elastic:     # re-plan first: it sets batch and grad-accum
-        plan = train.replan(world, config, args)
+        plan = train.replan(world, config, args, meta)
         if not plan.feasible:
             return [f"--elastic: {plan.why}"]
         args = copy.copy(args)
@@ -231,7 +232,7 @@ def compose_constraints(args, world, config) -> list[str]:
             return [f"--resume {args.resume}: saved with dropout {saved or 'off'}, this run has "
                     f"{now or 'none'} (give the same --dropout and --seed)"]
         if found and args.mode == "train":
-            why = train.objective_changes(train.saved_meta(args), config, args, args.batch, D, M)
+            why = train.objective_changes(meta, config, args, args.batch, D, M)
             if why:
                 return [f"--resume {args.resume}: {why}"]
     if args.keep is not None and args.keep < 1:

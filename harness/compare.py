@@ -14,7 +14,7 @@ import torch
 from .dropout import HiddenDropout
 from .loss import IGNORE_INDEX
 from .models import build_model
-from .precision import adamw_kwargs
+from .precision import LOW_PRECISION, adamw_kwargs
 from .run import Run
 from .strategy import Reference, Strategy, full_tensor, reference_class
 
@@ -360,8 +360,8 @@ class OracleAdamW(torch.optim.AdamW):
 
     def __init__(self, params, args):
         self.model_params = list(params)
-        self.masters = [p.detach().float().clone() if p.dtype in (torch.bfloat16, torch.float16)
-                        else p for p in self.model_params]
+        self.masters = [p.detach().float().clone() if p.dtype in LOW_PRECISION else p
+                        for p in self.model_params]
         # (the strategies' hyper-parameters and kernel: torch's fused AdamW where it runs, so
         # a float64 DDP at W=1 stays bit-identical to the reference)
         super().__init__(self.masters, **adamw_kwargs(self.masters, args))

@@ -198,9 +198,9 @@ def saved_meta(args) -> dict | None:
         return json.load(f)
 
 
-def target_batch(args) -> int:
-    """The global batch an elastic run keeps: the checkpoint's, or --batch for a fresh run."""
-    meta = saved_meta(args)
+def target_batch(args, meta: dict | None) -> int:
+    """The global batch an elastic run keeps: the checkpoint's (meta), or --batch for a fresh
+    run."""
     return args.batch if meta is None else meta.get("global_batch", args.batch)
 
 
@@ -226,17 +226,16 @@ def objective_changes(meta: dict | None, config, args, B: int, D: int, M: int) -
             f"--aux-coef 0")
 
 
-def replan(world: int, config, args) -> elastic.Plan:
+def replan(world: int, config, args, meta: dict | None) -> elastic.Plan:
     """--elastic: the batch, grad-accum and ZeRO stage for the world size this run (re)starts
     on (compose4d's constraints call it before the process group exists). A MoE run with the
     auxiliary loss keeps only plans whose micro-batches hold the same rows (objective_changes):
-    the resume is then exact, and without one the re-plan is refused."""
-    meta = saved_meta(args)
-    target = args.batch if meta is None else meta.get("global_batch", args.batch)
+    the resume is then exact, and without one the re-plan is refused. meta: the checkpoint's
+    (saved_meta), None for a fresh run."""
     keep = None
     if meta is not None and compose_moe.objective_per_micro_batch(config, args):
         keep = lambda dp, g, a: objective_changes(meta, config, args, g, dp, a) is None  # noqa
-    return elastic.replan(world, config, args, target, keep=keep)
+    return elastic.replan(world, config, args, target_batch(args, meta), keep=keep)
 
 
 def build(run: Run, cls):
@@ -285,9 +284,9 @@ def run_train(run: Run, cls) -> bool:
     if problems and d:   # (none intact at all: refused before the group, compose_constraints)
         run.print(f"warning: {'; '.join(problems)}; resuming from {os.path.basename(d)}")
     meta, full = load_checkpoint(args.resume, d) if d else (None, None)
-    target = meta.get("global_batch", args.batch) if meta else args.batch
+    target = target_batch(args, meta)
     if args.elastic:     # feasible: checked in compose_constraints
-        plan = replan(env.world, run.config, args)
+        plan = replan(env.world, run.config, args, meta)
         args.batch, args.grad_accum, args.zero = plan.global_batch, plan.grad_accum, plan.zero
     strat = build(run, cls)
     data = train_data.DataSource(train_data.open_corpus(args, run.config), run.lang, args,
