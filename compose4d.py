@@ -85,7 +85,7 @@ import torch
 import torch.distributed as dist
 
 from harness import (DTYPES, METER, Batch, Plant, Strategy, all_reduce_flat,
-                     clip_by_norm, global_loss, is_moe, main, name_group, phase,
+                     clip_by_norm, global_loss, is_moe, main, name_group, parts, phase,
                      planted, spread_across_ranks)
 from harness.flops import mfu_line
 from harness.precision import grad_reduce_dtype
@@ -409,7 +409,7 @@ class Compose4D(Strategy):
                      f"{'-async' if args.async_tp else ''}-pp{P}-cp{C}"
                      f"{f'-ep{args.ep}' if args.ep > 1 else ''}-zero{args.zero}"
                      f"{f'-rep{args.replicate}' if args.replicate > 1 else ''}")
-        self.tied = model.lm_head.weight is model.model.embed_tokens.weight
+        self.tied = parts(model).tied
         g = self.groups = make_groups(self.grid, env.rank, self.tied, args.replicate)
         # Experts (a MoE model): ep groups out of dp x cp, ep_moe's all-to-all in every layer.
         self.moe = is_moe(model.config)
@@ -492,11 +492,11 @@ class Compose4D(Strategy):
     def _units(self):
         """ZeRO units of this stage in forward order; the tied head copy is a unit of its own, so
         its flat layout (and shards) match the embedding's on the first stage."""
-        base, units = self.model.model, []
+        p, units = self.pipe.parts, []
         if self.first:
-            units.append(("embed", [base.embed_tokens]))
+            units.append(("embed", [p.embed]))
         for i in (i for c in self.pipe.mine for i in self.pipe.bounds[c]):
-            layer = base.layers[i]
+            layer = p.layers[i]
             if not self.moe:
                 units.append((f"layers.{i}", [layer]))
                 continue
@@ -507,12 +507,12 @@ class Compose4D(Strategy):
                        [layer]),
                       (f"layers.{i}.experts", experts, [layer.mlp.experts])]
         if self.last:
-            units.append(("norm", [base.norm]))
+            if p.norm is not None:
+                units.append(("norm", [p.norm]))
             if not (self.tied and self.first):
-                units.append(("head", [self.model.lm_head]))
+                units.append(("head", [p.head]))
             elif self.args.zero == 3:   # the head reads the embedding's unit: gathered for it
-                units[0] = ("embed", [base.embed_tokens.weight],
-                            [base.embed_tokens, self.model.lm_head])
+                units[0] = ("embed", [p.embed.weight], [p.embed, p.head])
         return units
 
     def shared_over(self, u, name: str, p):
@@ -529,7 +529,7 @@ class Compose4D(Strategy):
         heads), the replicas for a dense unit under HSDP. copies: tp for a gradient that is
         not split over tp (replicated norms; the tp-partial ones once summed), the replicas
         under HSDP once all-reduced."""
-        if self.tied and name == "lm_head.weight":
+        if self.tied and name == self.pipe.head_weight:
             return None
         g = self.groups
         summed, copies = [], []
@@ -677,7 +677,7 @@ class Compose4D(Strategy):
         for part in parts:
             out.update(part)
         if self.tied:
-            out.pop("lm_head.weight", None)   # the reference holds one tied tensor
+            out.pop(self.pipe.head_weight, None)   # the reference holds one tied tensor
         return {n: t.to(self.env.device) for n, t in out.items()}
 
     def local(self, name: str, t: torch.Tensor) -> torch.Tensor:

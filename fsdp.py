@@ -64,8 +64,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from harness import (Expect, Plant, main, name_group, planted, ranks_per_node, uneven_nodes,
-                     spread_across_ranks)
+from harness import (Expect, Plant, main, name_group, parts, planted, ranks_per_node,
+                     spread_across_ranks, uneven_nodes)
 from harness.precision import grad_reduce_dtype
 import ddp
 import zero
@@ -75,7 +75,7 @@ def resolve_units(module: torch.nn.Module, units) -> list[torch.nn.Module]:
     """The submodules that become units, in forward order: modules, or their names in
     module.named_modules(). Default: an HF causal LM's decoder layers."""
     if units is None:
-        layers = getattr(getattr(module, "model", None), "layers", None)
+        layers = parts(module).layers if hasattr(module, "config") else None
         if layers is None:
             raise ValueError("fully_shard: name the submodules that become units (units=[...] "
                              "modules or names, in forward order); only an HF causal LM's "

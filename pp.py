@@ -66,8 +66,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from harness import (Batch, Expect, Plant, Strategy, DTYPES, attention_masks, clip_by_norm,
-                     global_loss, lm_loss_sum, main, make_adamw, METER, name_group, phase,
-                     planted, soft_cap)
+                     global_loss, lm_loss_sum, main, make_adamw, METER, name_group, parts,
+                     phase, planted)
+from harness.models import embed_output, head_output, rotary_by_type, set_part
 from harness import dropout
 from harness.timeline import ascii_timeline, measured_bubble, plot_timeline
 from harness.timing import ActionTimeline
@@ -160,26 +161,34 @@ class Pipeline:
         self.stop_check = None   # the preemption point, stop_check(m) (see _stop_before())
         self.completed = 0       # micro-batches run to the end in the last run()
         self._grids = {}         # (M, schedule) -> Grid
-        base = model.model
-        n_layer = [sum(p.numel() for p in layer.parameters()) for layer in base.layers]
-        emb = sum(p.numel() for p in base.embed_tokens.parameters())
-        head = sum(p.numel() for p in base.norm.parameters()) + model.lm_head.weight.numel()
+        # the model's parts, found by HF's accessors (any causal LM's names: harness.parts)
+        self.parts = p = parts(model)
+        self.layers = p.layers
+        n_layer = [sum(t.numel() for t in layer.parameters()) for layer in p.layers]
+        emb = sum(t.numel() for t in p.embed.parameters())
+        head = (sum(t.numel() for t in p.norm.parameters()) if p.norm is not None else 0) \
+            + p.head.weight.numel()
         self.bounds = split_layers([float(x) for x in n_layer], emb, head, self.C)
         self.costs = [sum(n_layer[i] for i in b) + (emb if c == 0 else 0)
                       + (head if c == self.C - 1 else 0) for c, b in enumerate(self.bounds)]
         self.mine = [c for c in range(self.C) if self.owner(c) == rank]
         keep = {i for c in self.mine for i in self.bounds[c]}
-        self.tied = model.lm_head.weight is base.embed_tokens.weight
+        self.tied = p.tied
+        self.head_weight = p.names["head"] + ".weight"   # (its name: the tied copy's)
         first, last = 0 in self.mine, self.C - 1 in self.mine
         if self.tied and last and not first:
-            model.lm_head.weight = nn.Parameter(base.embed_tokens.weight.detach().clone())
-        for i in range(len(base.layers)):  # drop what this rank does not run
+            p.head.weight = nn.Parameter(p.embed.weight.detach().clone())
+        for i in range(len(p.layers)):  # drop what this rank does not run
             if i not in keep:
-                base.layers[i] = nn.Identity()
+                p.layers[i] = nn.Identity()
         if not first:
-            base.embed_tokens = None
+            set_part(model, p.names["embed"], None)
+            p.embed = None
         if not last:
-            base.norm, model.lm_head = None, None
+            for part in ("norm", "head"):
+                if getattr(p, part) is not None:
+                    set_part(model, p.names[part], None)
+                    setattr(p, part, None)
         self.tie_group = (tie_group if self.tied and self.owner(0) != self.owner(self.C - 1)
                           else None)
         self.wgrad = WeightGradStore()     # the split backward: W's stashed pairs
@@ -198,29 +207,36 @@ class Pipeline:
 
     # -- the model, cut into chunks --
     def run_chunk(self, c, x, S):
-        base = self.model.model
+        """Chunk c's share of the model's own forward: x (mb, S) token ids on the first chunk,
+        else (mb, S, h) hidden states -> (mb, S, h), or (mb, S, V) logits on the last. Around
+        the layers it does what the family's forward does (harness.models: the embedding's
+        multiplier, a rotary pair per layer type, the final norm, the logits' scale and cap);
+        selfcheck.py proves it on the run's model before training."""
+        p, config = self.parts, self.model.config
         pos = (torch.arange(S, device=x.device) if self.positions is None
-               else self.positions)[None]
-        h = base.embed_tokens(x) if c == 0 else x
-        cos_sin = base.rotary_emb(h, pos)
+               else self.positions)[None]                                     # (1, S)
+        h = embed_output(p, x) if c == 0 else x                               # (mb, S, h)
+        types = getattr(config, "layer_types", None)
+        cos_sin = rotary_by_type(p, h, pos, types)      # {type: ((1, S, d), (1, S, d))}
         masks = (None if self.positions is not None    # (context parallel: its own attention)
-                 else attention_masks(self.model.config, S, h.dtype, h.device))
-        types = getattr(self.model.config, "layer_types", None)
+                 else attention_masks(config, S, h.dtype, h.device))
         for i in self.bounds[c]:
-            mask = masks and masks[types[i] if types else "full_attention"]
-            h = base.layers[i](h, attention_mask=mask, position_ids=pos,
-                               position_embeddings=cos_sin)
+            kind = types[i] if types else "full_attention"
+            h = p.layers[i](h, attention_mask=masks and masks[kind], position_ids=pos,
+                            position_embeddings=cos_sin.get(kind))
         if c == self.C - 1:
-            h = soft_cap(self.model.lm_head(base.norm(h)), self.model.config)
+            if p.norm is not None and not planted("pp-skips-final-norm"):   # plant
+                h = p.norm(h)
+            h = head_output(p.head(h), config)                                # (mb, S, V)
         return h
 
     def modules_of(self, c):
-        base = self.model.model
-        mods = [base.layers[i] for i in self.bounds[c]]
+        p = self.parts
+        mods = [p.layers[i] for i in self.bounds[c]]
         if c == 0:
-            mods.append(base.embed_tokens)
+            mods.append(p.embed)
         if c == self.C - 1:
-            mods += [base.norm, self.model.lm_head]
+            mods += [m for m in (p.norm, p.head) if m is not None]
         return mods
 
     def params_of(self, c):
@@ -425,7 +441,7 @@ class Pipeline:
         first, last = 0 in self.mine, self.C - 1 in self.mine
         if self.tie_group is None or not (first or last):
             return
-        w = self.model.model.embed_tokens.weight if first else self.model.lm_head.weight
+        w = self.parts.embed.weight if first else self.parts.head.weight
         dist.all_reduce(w.grad, group=self.tie_group)
 
 
@@ -435,7 +451,7 @@ def clip_across_stages(model, max_norm, pipe):
     sq = torch.zeros(1, dtype=torch.float64, device=next(model.parameters()).device)
     skip_copy = pipe.tied and not planted("clip-tied-twice")   # plant: the copy counted too
     for n, p in model.named_parameters():
-        if p.grad is not None and not (skip_copy and n == "lm_head.weight"):
+        if p.grad is not None and not (skip_copy and n == pipe.head_weight):
             sq += p.grad.double().pow(2).sum()
     dist.all_reduce(sq, group=pipe.group)
     return clip_by_norm(sq, [p.grad for p in model.parameters() if p.grad is not None], max_norm)
@@ -515,7 +531,7 @@ class PP(Strategy):
         self.args, self.env, self.model = args, env, model
         self.name = f"pp-{args.schedule}"
         V = chunks_per_rank(args.schedule, args.virtual_stages)
-        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        tied = parts(model).tied
         ends = {chunk_owner(args.schedule, 0, env.world),
                 chunk_owner(args.schedule, env.world * V - 1, env.world)}
         tie = (name_group(dist.new_group(sorted(ends)), "tied")   # (DualPipeV: one rank, none)
@@ -552,7 +568,7 @@ class PP(Strategy):
         for p in parts:
             out.update(p)
         if self.pipe.tied:
-            out.pop("lm_head.weight", None)  # the reference has one tied tensor
+            out.pop(self.pipe.head_weight, None)  # the reference has one tied tensor
         return out
 
     def full_grads(self):
@@ -656,7 +672,7 @@ class TorchPipelining(Strategy):
         name = args.schedule
         self.name = f"torch-pp-{name}"
         P, V = env.world, chunks_per_rank(name, args.virtual_stages)
-        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        tied = parts(model).tied
         ends = {chunk_owner(name, 0, P), chunk_owner(name, P * V - 1, P)}
         tie = name_group(dist.new_group(sorted(ends)), "tied") if tied and len(ends) > 1 else None
         # the cut only: torch splits the backward of its zero-bubble schedules itself

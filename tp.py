@@ -200,11 +200,16 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [lo, lo + V_pad/T) of the (padded) embedding table."""
+    """Rows [lo, lo + V_pad/T) of the (padded) embedding table. HF's padding_idx (the pad
+    token's row, whose gradient stays zero) is kept: on the rank that holds the row, at its
+    local index."""
 
     def __init__(self, emb: nn.Embedding, lo: int, per_rank: int, region: TPRegion):
         super().__init__()
         self.lo, self.per_rank, self.region = lo, per_rank, region
+        pad = getattr(emb, "padding_idx", None)
+        self.padding_idx = (pad - lo if pad is not None and lo <= pad < lo + per_rank
+                            and not planted("embed-drops-padding-idx") else None)   # plant
         # Gemma's scaled embedding multiplies by its embed_scale buffer, sqrt(H) as a float32
         # (then cast to the weights' dtype), exactly as HF does
         self.scale = None
@@ -224,9 +229,12 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids):
         outside = (ids < self.lo) | (ids >= self.lo + self.per_rank)
         local = (ids - self.lo).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+        # (ids of other ranks' rows read local row 0 and are zeroed: a padding_idx of 0 here
+        # zeroes their gradient too, which the mask zeroes anyway)
+        out = F.embedding(local, self.weight, self.padding_idx).masked_fill(outside[..., None],
+                                                                            0.0)
         if planted("embed-unmasked"):   # plant: other ranks' ids add this shard's row 0
-            out = F.embedding(local, self.weight)
+            out = F.embedding(local, self.weight, self.padding_idx)
         out = self.region.embed_exit(out)
         if self.scale is not None:
             out = out * self.scale
@@ -626,6 +634,10 @@ class TP(Strategy):
         "embed-unmasked": Plant("the vocab-parallel embedding does not zero the ids "
                                        "another rank owns: they add this shard's row 0",
                                        PLANT_ARGS),
+        "embed-drops-padding-idx": Plant(
+            "the vocab-parallel embedding drops HF's padding_idx: the pad token's row trains "
+            "under TP and stays frozen on one device (OLMo2's pad id is 1)",
+            ("--model", "tiny-olmo2", "--dtype", "float32", "--clip", "0.5")),
         "ce-counts-ignored": Plant("the vocab-parallel loss does not mask ignored labels: "
                                           "padding adds to the loss and the gradient",
                                           PLANT_ARGS),

@@ -31,7 +31,7 @@ import torch.nn as nn
 COLUMN, ROW, FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), \
     ("o_proj", "down_proj"), ("qkv_proj", "gate_up_proj")
 # full-width q/k norms whose formula tp.ShardedRMSNorm computes (weight x normalised, in float32)
-FULL_WIDTH_NORMS = ("Olmo2RMSNorm",)
+FULL_WIDTH_NORMS = ("Olmo2RMSNorm", "Olmo3RMSNorm")   # (the same module, renamed)
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                "post_feedforward_layernorm")
 

@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from harness import (Batch, DTensorBaseline, Expect, Plant, Strategy, full_tensor,
-                     global_loss, main, make_adamw, phase, planted)
+                     global_loss, main, make_adamw, parts, phase, planted)
 from harness.precision import LOW_PRECISION, adamw_kwargs, grad_reduce_dtype
 import ddp
 from zero_state import FlatTensors, ShardedState, clip_shard_grads, state_bytes  # noqa: F401
@@ -72,13 +72,15 @@ def pad_to(n: int, w: int) -> int:
 
 
 def decoder_units(model) -> list[tuple[str, list[torch.nn.Module]]]:
-    """(name, modules) for an HF causal LM: embeddings, each decoder layer, head (norm + LM
-    head); one embed+head unit when the embeddings are tied to the LM head."""
-    base = model.model
-    layers = [(f"layers.{i}", [layer]) for i, layer in enumerate(base.layers)]
-    if model.lm_head.weight is base.embed_tokens.weight:
-        return [("embed+head", [base.embed_tokens, base.norm, model.lm_head])] + layers
-    return [("embed", [base.embed_tokens])] + layers + [("head", [base.norm, model.lm_head])]
+    """(name, modules) for any HF causal LM (its parts by HF's accessors, harness.parts):
+    embeddings, each decoder layer, head (final norm + LM head); one embed+head unit when the
+    embeddings are tied to the LM head."""
+    p = parts(model)
+    layers = [(f"layers.{i}", [layer]) for i, layer in enumerate(p.layers)]
+    head = [m for m in (p.norm, p.head) if m is not None]
+    if p.tied:
+        return [("embed+head", [p.embed, *head])] + layers
+    return [("embed", [p.embed])] + layers + [("head", head)]
 
 
 class FlatUnit:
@@ -771,7 +773,7 @@ class TorchFSDP2(DTensorBaseline):
         self.args, self.env, self.model = args, env, model
         mesh = init_device_mesh(env.device.type, (env.world,))
         reshard = not getattr(args, "no_reshard_after_forward", False)   # (zero.py: absent)
-        for layer in model.model.layers:
+        for layer in parts(model).layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         self.optimizer = make_adamw(model.parameters(), args)

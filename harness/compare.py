@@ -452,8 +452,9 @@ class PermutedReference:
         """Permute `model` in place; (perms, rows, plan), or None (and the model untouched)
         where a parameter has no rule."""
         cfg = run.config
-        H, I = cfg.hidden_size, cfg.intermediate_size
-        nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        H, I = cfg.hidden_size, getattr(cfg, "intermediate_size", None)
+        nh = cfg.num_attention_heads
+        nkv = getattr(cfg, "num_key_value_heads", None) or nh   # (GPT-NeoX: no GQA field)
         d = getattr(cfg, "head_dim", None) or H // nh
         size = {"h": H, "i": I, "q": nh * d, "kv": nkv * d, "v": cfg.vocab_size}
         plan = {}

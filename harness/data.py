@@ -117,7 +117,15 @@ class Batch:
         return [self.rows(i * n, (i + 1) * n) for i in range(k)]
 
 
-PAD_ID = 0   # the input token at padded positions (their labels are IGNORE_INDEX)
+PAD_ID = 0   # the input token at padded positions (their labels are IGNORE_INDEX) when the
+             # model names none
+
+
+def pad_id(config) -> int | None:
+    """The model's pad token (config.pad_token_id, whose embedding row HF's nn.Embedding keeps
+    at zero gradient through padding_idx), or None where it names none in its vocabulary."""
+    p = getattr(config, "pad_token_id", None)
+    return p if isinstance(p, int) and 0 <= p < config.vocab_size else None
 
 
 def ignore_spans(seed: int, start: int, count: int, length: int) -> np.ndarray:
@@ -139,19 +147,27 @@ def ignore_spans(seed: int, start: int, count: int, length: int) -> np.ndarray:
 
 
 def make_batch(lang: MarkovLanguage, step: int, batch: int, length: int, device,
-               offset: int | None = None, ignore: bool = False) -> Batch:
+               offset: int | None = None, ignore: bool = False,
+               pad_id: int | None = None) -> Batch:
     """Samples [step*batch, (step+1)*batch), or [offset, offset+batch) when the global batch
     has not been the same every step (compose4d's elastic restarts). ignore=True (correctness
-    mode) pads and masks targets as `ignore_spans` says."""
+    mode) pads and masks targets as `ignore_spans` says. `pad_id`, the model's pad token
+    (data.pad_id): the padded tail's inputs, and the first input of each ignored span (packed
+    documents separated by a pad token), where later tokens attend to it: its embedding row's
+    gradient (zero in HF's nn.Embedding(padding_idx=...)) is then part of every verdict. A
+    tail alone would not do: nothing attends to it and its labels are ignored."""
     start = step * batch if offset is None else offset
     x = torch.from_numpy(lang.sample(start, batch, length))
     inputs, labels = x[:, :-1].clone(), x[:, 1:].clone()
     if ignore:
         m = torch.from_numpy(ignore_spans(lang.seed, start, batch, length))
         labels[m] = IGNORE_INDEX
-        # padded tail: the inputs after the last real token are PAD_ID too
+        # padded tail: the inputs after the last real token are the pad token too
         pad = torch.zeros_like(m)
         pad[:, 1:] = m[:, :-1] & m[:, -1:]
         pad &= torch.flip(torch.cummin(torch.flip(m.int(), [1]), 1).values.bool(), [1])
-        inputs[pad] = PAD_ID
+        inputs[pad] = PAD_ID if pad_id is None else pad_id
+        if pad_id is not None:   # the ignored spans' first inputs (not the tail's)
+            first = m & ~torch.nn.functional.pad(m, (1, 0))[:, :-1] & ~pad
+            inputs[first] = pad_id
     return Batch.on_device(inputs, labels, step, device)

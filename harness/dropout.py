@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .anatomy import attention_of
 from .plants import planted
 
 IMPL = "coordinate_dropout"   # the attention implementation's name in HF's registry
@@ -274,7 +275,11 @@ def install(model, layers, seed: int) -> bool:
     if not rates(cfg):
         return False
     for i, layer in enumerate(layers):
-        layer.self_attn.dropout_layer, layer.self_attn.dropout_seed = i, int(seed)
+        attn = attention_of(layer)
+        if attn is None:
+            raise ValueError(f"dropout: {type(layer).__name__} has no attention module the "
+                             f"layout-independent masks know (a child named *Attention)")
+        attn.dropout_layer, attn.dropout_seed = i, int(seed)
         site = ATTENTION_SITE
         for name, m in list(layer.named_modules()):
             if isinstance(m, nn.Dropout):
@@ -291,5 +296,5 @@ def install(model, layers, seed: int) -> bool:
         AttentionMaskInterface.register(IMPL, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
         cfg._attn_implementation = IMPL
         for layer in layers:
-            layer.self_attn.config._attn_implementation = IMPL
+            attention_of(layer).config._attn_implementation = IMPL
     return True

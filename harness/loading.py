@@ -25,9 +25,21 @@ import os
 
 import torch
 
-from .models import ConfigError, DTYPES, finish_model, model_kwargs
+from .models import ConfigError, DTYPES, finish_model, model_kwargs, parts
 
-TIED_SOURCE = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def tied_source(model) -> dict[str, str]:
+    """{the head's weight name: the embedding's} when they are tied (a checkpoint of a tied
+    model may hold the embedding only), else {}."""
+    p = parts(model)
+    if not p.tied:
+        return {}
+    names = {id(t): n for n, t in model.named_parameters(remove_duplicate=False)}
+    head = [n for n, t in model.named_parameters(remove_duplicate=False)
+            if t is p.head.weight and n != names[id(p.embed.weight)]]
+    embed = next(n for n, t in model.named_parameters() if t is p.embed.weight)
+    return {h: embed for h in head}
 
 
 def meta_model(config, args) -> torch.nn.Module:
@@ -140,10 +152,11 @@ def load_shards(model: torch.nn.Module, directory: str, device,
     files = checkpoint_files(directory)
     materialize(model, device)
     opened: dict[str, SafetensorsFile] = {}
+    tied = tied_source(model)
     loaded = nbytes = 0
     with torch.no_grad():
         for name, p in model.named_parameters():
-            src = name if name in files else TIED_SOURCE.get(name)
+            src = name if name in files else tied.get(name)
             if src not in files:
                 raise ConfigError(f"--model {directory}: the checkpoint has no tensor {name}")
             st = opened.setdefault(files[src], SafetensorsFile(files[src]))
@@ -179,7 +192,7 @@ def materialize(model, device):
 
 def reinit_buffers(model, device):
     """Non-persistent buffers are not in a checkpoint: rebuild the rotary embedding's."""
-    base = model.model
+    base = parts(model).base
     rot = getattr(base, "rotary_emb", None)
     if rot is not None:   # inverse frequencies in at least float32 (float64 in float64 runs)
         dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)

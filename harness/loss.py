@@ -134,7 +134,8 @@ def chunked_loss_sum(model, input_ids, labels, chunk: int, loss_sum=lm_loss_sum,
     `chunk` tokens of logits at a time (ChunkedCrossEntropy); the same value and gradients as
     loss_sum(model(input_ids).logits, labels). `loss_sum`: the CE sum of a chunk's logits
     (tp.py passes its vocab-parallel one with its local head shard)."""
-    head = getattr(model, "module", model).lm_head
+    from .models import parts
+    head = parts(model).head
     with head_deferred(head):
         hidden = model(input_ids=input_ids, **kwargs).logits
     if not torch.is_grad_enabled():   # evaluation: the chunks' losses, no gradients formed

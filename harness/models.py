@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import os
 import types
 
 import torch
 
+from .anatomy import attention_of, parts, set_part  # noqa: F401  (re-exported)
 from .dropout import IMPL as DROPOUT_IMPL, install as install_dropout
 from .dropout import rates, set_rates as set_dropout
 
@@ -22,8 +24,8 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
 
 _TINY_FAMILY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                    tie_word_embeddings=False, rms_norm_eps=1e-6, pad_token_id=0,
-                    bos_token_id=1, eos_token_id=2)
+                    tie_word_embeddings=False, rms_norm_eps=1e-6, bos_token_id=1,
+                    eos_token_id=2)   # (pad_token_id: HF's default per family, see below)
 
 PRESETS = {
     "tiny": dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -50,7 +52,7 @@ PRESETS = {
                      max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6),
     # One small model per HF decoder family beyond Llama (tests/test_families.py): what each adds
     # is what a strategy must classify or refuse (docs/strategies.md, "Model families").
-    **{f"tiny-{t}": dict(_TINY_FAMILY, model_type=t, **extra) for t, extra in {
+    **{f"tiny-{t}": {**_TINY_FAMILY, "model_type": t, **extra} for t, extra in {
         "mistral": dict(sliding_window=8),                  # a window on every layer
         "qwen2": dict(),                                   # q/k/v biases
         "qwen3": dict(head_dim=16),                        # per-head q_norm / k_norm
@@ -59,7 +61,22 @@ PRESETS = {
                        layer_types=["sliding_attention", "full_attention"],
                        tie_word_embeddings=True),          # (1+w) norms in float32, embedding
                                                            # scale, soft-capping, sliding window
-        "phi3": dict(original_max_position_embeddings=4096),  # fused qkv_proj / gate_up_proj
+        "phi3": dict(original_max_position_embeddings=4096,   # fused qkv_proj / gate_up_proj
+                     pad_token_id=5),   # (HF's default, 32000, is outside the tiny vocabulary)
+        # Gemma2's, plus q/k norms and two rope bases (one per layer type)
+        "gemma3": dict(model_type="gemma3_text", head_dim=16, query_pre_attn_scalar=16,
+                       sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                       tie_word_embeddings=True),
+        # OLMo2's, plus sliding layers (and HF's pad id 1)
+        "olmo3": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+        # attention and MLP in parallel on one LayerNorm, logits scaled by logit_scale 0.0625
+        "cohere": dict(tie_word_embeddings=True),
+        # Granite 3's multipliers on the embedding, residuals, attention scores and logits
+        "granite": dict(embedding_multiplier=12.0, logits_scaling=8.0,
+                        residual_multiplier=0.22, attention_multiplier=0.0078125),
+        # GPT-NeoX/Pythia: gpt_neox.layers, embed_in / embed_out, qkv fused per head, parallel
+        # residual, LayerNorms with biases, rotary on a quarter of each head
+        "neox": dict(model_type="gpt_neox", intermediate_size=256, num_key_value_heads=None),
     }.items()},
     "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096,
                          intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -243,7 +260,7 @@ def finish_model(model, args):
     """What every built model gets (build_model, loading.meta_model): layout-independent
     dropout where its config drops (dropout.install, keyed by --seed), float64 kept inside
     its norms and attention, no KV cache in its forward, training mode."""
-    install_dropout(model, model.model.layers, getattr(args, "seed", 0))
+    install_dropout(model, parts(model).layers, getattr(args, "seed", 0))
     model.register_forward_pre_hook(_no_kv_cache, with_kwargs=True)
     return keep_float64(model).train()
 
@@ -259,9 +276,9 @@ def common_constraints(args, world, config) -> list[str]:
     chunk = getattr(args, "ce_chunk", 0)
     if chunk < 0:
         errs.append(f"--ce-chunk must be >= 0 (got {chunk})")
-    elif chunk and getattr(config, "final_logit_softcapping", None):
-        errs.append(f"--ce-chunk: the chunked loss does not soft-cap the logits "
-                    f"(final_logit_softcapping={config.final_logit_softcapping})")
+    elif chunk and logit_transforms(config):
+        errs.append(f"--ce-chunk: the chunked loss does not soft-cap the logits or scale "
+                    f"them ({', '.join(logit_transforms(config))})")
     if getattr(args, "dropout", None) is not None and not 0 <= args.dropout < 1:
         errs.append(f"--dropout must be in [0, 1) (got {args.dropout})")
     if rates(config) and (getattr(args, "compare_native", False) or getattr(args, "paired", 0)):
@@ -344,3 +361,43 @@ def soft_cap(logits: torch.Tensor, config) -> torch.Tensor:
     """Gemma2's final logit soft-capping, cap * tanh(logits / cap), as its model applies it."""
     cap = getattr(config, "final_logit_softcapping", None)
     return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def logit_transforms(config) -> list[str]:
+    """What the families' causal-LM forwards do to the head's output, by config field: Cohere
+    multiplies by logit_scale, Granite divides by logits_scaling, Gemma 2/3 soft-cap. (A
+    family doing something else is caught by selfcheck.py, not trained.)"""
+    return [f"{k}={getattr(config, k)}" for k in ("logit_scale", "logits_scaling",
+                                                  "final_logit_softcapping")
+            if getattr(config, k, None) is not None]
+
+
+def head_output(logits: torch.Tensor, config) -> torch.Tensor:
+    """The logits as the model's causal-LM forward returns them (logit_transforms)."""
+    if getattr(config, "logit_scale", None) is not None:        # Cohere
+        logits = logits * config.logit_scale
+    if getattr(config, "logits_scaling", None) is not None:     # Granite
+        logits = logits / config.logits_scaling
+    return soft_cap(logits, config)
+
+
+def embed_output(p, ids: torch.Tensor) -> torch.Tensor:
+    """The decoder's input as the model's own forward makes it: the embedding (Gemma's scale
+    is inside its embedding module), times Granite's embedding_multiplier (on the decoder)."""
+    h = p.embed(ids)
+    mult = getattr(p.base, "embedding_multiplier", None)
+    return h * mult if mult is not None else h
+
+
+def rotary_by_type(p, h: torch.Tensor, pos: torch.Tensor, layer_types) -> dict:
+    """{layer type: the (cos, sin) its layers take}: one pair from the decoder's rotary
+    embedding, or one per type where it takes the type (Gemma 3 and OLMo 3: a rope base per
+    sliding / full layer). {} for a decoder without a shared rotary embedding."""
+    rot = getattr(p.base, "rotary_emb", None)
+    kinds = sorted(set(layer_types or ["full_attention"]))
+    if rot is None:
+        return {}
+    if "layer_type" in inspect.signature(rot.forward).parameters and layer_types:
+        return {t: rot(h, pos, t) for t in kinds}
+    cos_sin = rot(h, pos)
+    return {t: cos_sin for t in kinds}

@@ -121,7 +121,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from . import dropout
-from .models import Float64Kept
+from .models import Float64Kept, attention_of, parts
 
 MODES = ("none", "full", "selective")
 
@@ -129,10 +129,10 @@ MODES = ("none", "full", "selective")
 def decoder_layers(model):
     """The decoder layers this (stage of the) model runs: model.model.layers without the
     nn.Identity placeholders a pipeline stage leaves for the layers it dropped."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    layers = parts(model).layers if hasattr(model, "config") else None
     if layers is None:
         raise ValueError(f"recompute: {type(model).__name__} is not an HF causal LM with "
-                         f"decoder layers at .model.layers (unwrap a DataParallel's .module)")
+                         f"a list of decoder layers (unwrap a DataParallel's .module)")
     return [l for l in layers if not isinstance(l, torch.nn.Identity)]
 
 
@@ -255,7 +255,7 @@ def _wrap_attention(model):
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
     model.config._attn_implementation = name
     for layer in layers:       # (each attention module reads its own config reference)
-        layer.self_attn.config._attn_implementation = name
+        attention_of(layer).config._attn_implementation = name
 
 
 # -- the formula ------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .data import Batch, MarkovLanguage, make_batch
+from .data import Batch, MarkovLanguage, make_batch, pad_id
 from .meter import METER
 from .models import build_model
 from .strategy import reference_class
@@ -40,7 +40,8 @@ class Run:
 
     def batch(self, step: int) -> Batch:
         return make_batch(self.lang, step, self.args.batch, self.args.length, self.env.device,
-                          ignore=self.args.mode in ("correctness", "plants"))
+                          ignore=self.args.mode in ("correctness", "plants"),
+                          pad_id=pad_id(self.config))
 
     def print(self, *a, **k):
         if self.env.is_main:
