@@ -85,8 +85,8 @@ import torch
 import torch.distributed as dist
 
 from harness import (DTYPES, METER, Batch, Plant, Strategy, all_reduce_flat,
-                     clip_by_norm, global_loss, is_moe, main, name_group, parts, phase,
-                     planted, spread_across_ranks)
+                     clip_by_norm, global_loss, is_moe, kv_heads, main, name_group, parts,
+                     phase, planted, spread_across_ranks)
 from harness.flops import mfu_line
 from harness.precision import grad_reduce_dtype
 from harness import dropout, loading, train_data
@@ -183,7 +183,7 @@ def compose_constraints(args, world, config) -> list[str]:
     if errs:
         return errs
     errs = tp.tp_constraints(args, T, config) if T > 1 else []
-    kv = config.num_key_value_heads
+    kv = kv_heads(config)
     if T > 1 and not errs and kv % T and kv != 1:
         errs = [f"compose4d: tensor parallel size {T} replicates kv heads "
                 f"(num_key_value_heads {kv}); compose4d replicates only a single kv head"]
@@ -258,6 +258,7 @@ def reference(ref_model, args, env):
 
 class Compose4D(Strategy):
     name = "4d"
+    self_check = ("compose4d's stage loop (pp.py's)", pp.stage_loop)
     reference = staticmethod(reference)
     # Realistic one-line bugs, each beside the line it breaks (grep the name), and the
     # configuration in which correctness mode must FAIL with it (tests/test_plants.py). Scale

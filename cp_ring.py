@@ -67,7 +67,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import (Expect, Plant, Strategy, DTYPES, attention_features, main, make_adamw,
-                     METER, phase, planted)
+                     METER, attention_of, kv_heads, parts, phase, planted)
 from harness.timing import CallTimer
 from harness.precision import grad_reduce_dtype
 import ddp
@@ -526,8 +526,8 @@ def install(model, cp: CPContext):
     from transformers import AttentionInterface
     AttentionInterface.register("ring_cp", hf_attention)
     model.config._attn_implementation = "ring_cp"
-    for layer in model.model.layers:
-        layer.self_attn.cp = cp
+    for layer in parts(model).layers:
+        attention_of(layer).cp = cp
 
 
 def parallelize(model, group, seq_len: int, variant: str = "zigzag", kernel=None) -> CPContext:
@@ -648,7 +648,7 @@ class CP(Strategy):
         cfg, a, W = self.model.config, self.args, self.env.world
         L, B = cfg.num_hidden_layers, a.batch
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv = cfg.num_key_value_heads * hd
+        kv = kv_heads(cfg) * hd
         b = DTYPES[a.dtype].itemsize
         s = a.length // W
         blk = B * s * 2 * kv * b                       # one rank's K and V

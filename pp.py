@@ -445,6 +445,19 @@ class Pipeline:
         dist.all_reduce(w.grad, group=self.tie_group)
 
 
+def stage_loop(model, args):
+    """The stage loop on one rank, for harness/selfcheck.py: `model` cut into two chunks (an
+    interleaved plan over one rank: no group, no collective), run one after the other."""
+    pipe = Pipeline(model, 1, 2, 0, "interleaved")
+
+    def forward(ids):                    # (B, S) -> (B, S, V), through every chunk in turn
+        h = ids
+        for c in range(pipe.C):
+            h = pipe.run_chunk(c, h, ids.shape[1])
+        return h
+    return forward
+
+
 def clip_across_stages(model, max_norm, pipe):
     """Global-norm clipping: every stage's squared norm summed; a tied head copy counts once."""
     # on the model's device: NCCL takes no CPU tensors (and no host copy per parameter)
@@ -486,6 +499,7 @@ TIED_PLANT_ARGS = ("--schedule", "zb", "--dtype", "float32", "--clip", "0.5",
 
 class PP(Strategy):
     name = "pp"
+    self_check = ("pp's stage loop", stage_loop)
     # One configuration catches them all: ZB-H1 (the stale-gradient bug needs a deferred W on a
     # middle stage, so 3 stages), tied embeddings (a first and a last stage copy), float32 with
     # clipping (a scale bug must not hide behind clipping).
@@ -502,6 +516,10 @@ class PP(Strategy):
         "clip-tied-twice": Plant(
             "the clip norm counts the tied head copy as a tensor of its own",
             TIED_PLANT_ARGS, world=3),
+        "pp-skips-final-norm": Plant(
+            "the stage loop skips the model's final norm: selfcheck.py refuses the run before "
+            "training (--mode correctness); the plants mode, which checks before planting, "
+            "FAILs it on the numbers", TIED_PLANT_ARGS, world=3),
         "split-batches": Plant(
             "each step's sends and receives posted one per batch_isend_irecv, sends first: "
             "gloo runs it, NCCL deadlocks (two stages that send to each other in one step)",

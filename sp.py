@@ -69,7 +69,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from harness import (Expect, Plant, Strategy, DTYPES, attention_features, main, make_adamw,
-                     phase, planted, scalar)
+                     attention_of, kv_heads, parts, phase, planted, scalar)
 from harness import dropout as harness_dropout
 from harness import recompute
 from harness.precision import grad_reduce_dtype
@@ -311,7 +311,7 @@ def shard_residual_stream(model, group, kinds: dict[str, str]) -> list[nn.Parame
     before a pipeline drops layers). Returns the parameters whose gradients are partial over the
     group, from tp's `kinds`: the replicated ones (norms and row-parallel biases act on this
     rank's tokens only) and the partial ones (per-head q/k norms: this rank's heads)."""
-    model.model.layers[0].register_forward_pre_hook(
+    parts(model).layers[0].register_forward_pre_hook(
         lambda mod, args, kwargs: _split_first(args, kwargs, group), with_kwargs=True)
     return [p for n, p in model.named_parameters() if kinds.get(n) in ("replicated", "partial")]
 
@@ -402,8 +402,8 @@ def parallelize_ulysses(model, group=None, **dp_kwargs):
     from transformers import AttentionInterface
     AttentionInterface.register("ulysses", ulysses_attention)
     model.config._attn_implementation = "ulysses"
-    for layer in model.model.layers:
-        layer.self_attn.sp_group = group
+    for layer in parts(model).layers:
+        attention_of(layer).sp_group = group
     return ddp.DataParallel(model, group, **dp_kwargs)
 
 
@@ -439,7 +439,7 @@ class Ulysses(Strategy):
         cfg, a, W = self.model.config, self.args, self.env.world
         N, H, L = a.batch * a.length, cfg.hidden_size, cfg.num_hidden_layers
         hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
-        kv = cfg.num_key_value_heads * hd
+        kv = kv_heads(cfg) * hd
         b = DTYPES[a.dtype].itemsize
         per_layer = 2 * (2 * H + 2 * kv) * N // W * b
         grads = sum(p.numel() for p in self.model.parameters()) * self.dp.reduce_itemsize
@@ -456,7 +456,7 @@ def _per_layer_lines(cfg, a, W):
     """Per-layer activation traffic of the three schemes side by side (per-rank wire bytes)."""
     N, H = a.batch * a.length, cfg.hidden_size
     hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
-    kv = cfg.num_key_value_heads * hd
+    kv = kv_heads(cfg) * hd
     b = DTYPES[a.dtype].itemsize
     tp_wire = 4 * N * H * b * 2 * (W - 1) / W           # 4 all-reduces of N*H*b
     sp_wire = 4 * N * H * b * (W - 1) / W * 2           # 4 all-gathers + 4 reduce-scatters
@@ -480,7 +480,7 @@ def sp_constraints(args, world, config) -> list[str]:
     feats = attention_features(config, args.length)
     if feats:
         return [f"ulysses attends with SDPA's causal mode, which does not implement {feats[0]}"]
-    h, kv = config.num_attention_heads, config.num_key_value_heads
+    h, kv = config.num_attention_heads, kv_heads(config)
     if h % world or kv % world:
         return [f"ulysses needs num_attention_heads ({h}) and num_key_value_heads ({kv}) "
                 f"divisible by the sequence-parallel size {world}"]

@@ -40,9 +40,8 @@ the reduce-scatter's b is the reduce dtype's: 4 for bf16 gradients by default)
     one call per unit each; --clip adds one 8-byte all_reduce. With --grad-accum K, stages 2 and
     3 reduce-scatter (and stage 3 gathers) on every micro-batch; stage 1 only on the last.
 
-Siblings: zeropp.py (ZeRO++ on this engine), fsdp.py (FSDP's schedule on it, HSDP),
-zero_state.py (the shards as per-parameter tensors, torch-format state dicts). --compare-native:
-PyTorch's ZeroRedundancyOptimizer over torch DDP (stages 1, 2), FSDP2's fully_shard (stage 3).
+Siblings: zeropp.py (ZeRO++), fsdp.py (FSDP, HSDP), zero_state.py (per-parameter shards).
+--compare-native: torch's ZeroRedundancyOptimizer over DDP (1, 2), FSDP2's fully_shard (3).
 
 Public API
     opt = ZeroOptimizer(params_or_groups, torch.optim.AdamW, stage=1|2, lr=...)   any elementwise
@@ -72,15 +71,17 @@ def pad_to(n: int, w: int) -> int:
 
 
 def decoder_units(model) -> list[tuple[str, list[torch.nn.Module]]]:
-    """(name, modules) for any HF causal LM (its parts by HF's accessors, harness.parts):
-    embeddings, each decoder layer, head (final norm + LM head); one embed+head unit when the
-    embeddings are tied to the LM head."""
+    """(name, modules) for any HF causal LM (harness.parts): embeddings (and any module outside
+    the parts: GPT-2's wpe), each layer, head (norm + LM head); embed+head when tied."""
     p = parts(model)
     layers = [(f"layers.{i}", [layer]) for i, layer in enumerate(p.layers)]
     head = [m for m in (p.norm, p.head) if m is not None]
+    known = {id(t) for m in (p.embed, *p.layers, *head) for t in m.parameters()}
+    rest = [m for m in model.modules()
+            if any(id(t) not in known for t in m.parameters(recurse=False))]
     if p.tied:
-        return [("embed+head", [p.embed, *head])] + layers
-    return [("embed", [p.embed])] + layers + [("head", head)]
+        return [("embed+head", [p.embed, *rest, *head])] + layers
+    return [("embed", [p.embed, *rest])] + layers + [("head", head)]
 
 
 class FlatUnit:

@@ -52,3 +52,9 @@ def attention_of(layer) -> torch.nn.Module | None:
     """A decoder layer's attention module (Llama's self_attn, GPT-NeoX's attention): the child
     whose class name ends in Attention."""
     return next((c for c in layer.children() if type(c).__name__.endswith("Attention")), None)
+
+
+def kv_heads(config) -> int:
+    """The key/value heads of a config: num_key_value_heads, or (GPT-NeoX and other
+    pre-GQA families, which have no such field) one per attention head."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads

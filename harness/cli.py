@@ -23,6 +23,7 @@ from .models import ConfigError, common_constraints, load_config, resolve_attn
 from .nccl import nccl_checked
 from .plants import planting
 from .run import Run
+from . import selfcheck
 from .strategy import HARNESS_PLANTS
 
 
@@ -54,8 +55,19 @@ def _validate(cls, args, world: int, rank: int):
              for n in (args.plants or "").split(",") if n and n not in known]
     if getattr(args, "runs_nested", False):
         errs.append("--runs: a run in the list cannot name another --runs file")
+    if not errs and rates(config):   # where the model drops: on the meta device, no storage
+        from .loading import meta_model
+        try:
+            meta_model(config, argparse.Namespace(**{**vars(args), "dtype": "float32"}))
+        except ValueError as e:   # (dropout.install: a dropout outside the decoder layers)
+            errs.append(f"{e} (--dropout 0 turns the model's dropout off)")
     if errs:
         fail_config(errs[0], rank)
+    try:   # (a planted bug in the re-implemented forward is the check's to refuse)
+        with planting(args.plant_bug):
+            selfcheck.check(cls, args, config, rank)
+    except ConfigError as e:
+        fail_config(str(e), rank)
     if rates(config) and rank == 0:
         eager = ("; attention: eager, with the masks" if getattr(config, "attention_dropout", 0)
                  else "")

@@ -248,7 +248,9 @@ PLANT_ARGS = ("--model", "tiny-phi3", "--dropout", "0.1")
 def rates(config) -> dict[str, float]:
     """The model's dropout probabilities that are not zero, by config name."""
     names = ("attention_dropout", "resid_pdrop", "hidden_dropout", "hidden_dropout_prob",
-             "attention_probs_dropout_prob")   # (Phi3's embd_pdrop: its model applies none)
+             "attention_probs_dropout_prob", "attn_pdrop")   # (GPT-2's names: attn_, resid_)
+    if getattr(config, "model_type", None) != "phi3":      # (Phi3's embd_pdrop: its model
+        names += ("embd_pdrop",)                            # applies none)
     return {n: float(getattr(config, n)) for n in names if getattr(config, n, 0) or 0}
 
 
@@ -262,8 +264,9 @@ def recorded(config, seed: int) -> dict:
 def set_rates(config, p: float):
     """--dropout P: the model's attention dropout, and its hidden dropout where it has one."""
     config.attention_dropout = p
-    if hasattr(config, "resid_pdrop"):   # Phi3's two residual dropouts per layer
-        config.resid_pdrop = p
+    for name in ("resid_pdrop", "attn_pdrop", "embd_pdrop"):   # Phi3's two residual
+        if hasattr(config, name):                              # dropouts per layer; GPT-2's
+            setattr(config, name, p)
 
 
 def install(model, layers, seed: int) -> bool:

@@ -1,6 +1,8 @@
 """flops.py: model FLOPs per training step and MFU (model FLOPs utilisation)."""
 import torch
 
+from .anatomy import kv_heads
+
 
 # Dense bf16 peak FLOP/s per GPU (vendor datasheets, without sparsity), for MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -12,7 +14,7 @@ def model_flops(config, tokens: int, seq: int) -> float:
     12 L h s per token (counted in full, as is customary), no recomputation."""
     h, L, V, I = (config.hidden_size, config.num_hidden_layers, config.vocab_size,
                   config.intermediate_size)
-    kv = config.num_key_value_heads * (h // config.num_attention_heads)
+    kv = kv_heads(config) * (h // config.num_attention_heads)
     matmul = L * (2 * h * h + 2 * h * kv + 3 * h * I) + V * h      # per token, forward MACs
     return tokens * (6 * matmul + 12 * L * h * seq)
 

@@ -58,6 +58,10 @@ def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
     p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager"],
                    help="HF attention implementation of the models (auto: sdpa where the "
                         "model's class has it, eager otherwise, printed)")
+    p.add_argument("--skip-self-check", action="store_true",
+                   help="skip the check that a strategy re-implementing part of the forward "
+                        "(pp's stage loop) computes the model's own forward on a truncated copy "
+                        "of its config (harness/selfcheck.py; prints a warning)")
     # (recompute.MODES, spelled out: importing recompute here would load it with the package)
     p.add_argument("--recompute", default="none", choices=["none", "full", "selective"],
                    help="activation recompute in the strategy's model (harness/recompute.py): "

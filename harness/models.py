@@ -12,7 +12,7 @@ import types
 
 import torch
 
-from .anatomy import attention_of, parts, set_part  # noqa: F401  (re-exported)
+from .anatomy import attention_of, kv_heads, parts, set_part  # noqa: F401  (re-exported)
 from .dropout import IMPL as DROPOUT_IMPL, install as install_dropout
 from .dropout import rates, set_rates as set_dropout
 
@@ -77,6 +77,10 @@ PRESETS = {
         # GPT-NeoX/Pythia: gpt_neox.layers, embed_in / embed_out, qkv fused per head, parallel
         # residual, LayerNorms with biases, rotary on a quarter of each head
         "neox": dict(model_type="gpt_neox", intermediate_size=256, num_key_value_heads=None),
+        # GPT-2: transformer.h, learned position embeddings (wpe), Conv1D projections, biases;
+        # its dropouts (0.1, one outside the layers) off, as --dropout 0 sets them
+        "gpt2": dict(n_inner=128, num_key_value_heads=None, attn_pdrop=0.0, embd_pdrop=0.0,
+                     resid_pdrop=0.0),
     }.items()},
     "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096,
                          intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

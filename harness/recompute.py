@@ -121,7 +121,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from . import dropout
-from .models import Float64Kept, attention_of, parts
+from .models import Float64Kept, attention_of, kv_heads, parts
 
 MODES = ("none", "full", "selective")
 
@@ -271,7 +271,7 @@ def activation_bytes(config, micro_batch: int, seq_len: int, dtype_bytes: int, m
         raise ValueError(f"attn must be eager or sdpa (got {attn!r})")
     h, I, a = config.hidden_size, config.intermediate_size, config.num_attention_heads
     d = getattr(config, "head_dim", None) or h // a
-    g = config.num_key_value_heads
+    g = kv_heads(config)
     e, b, s = dtype_bytes, micro_batch, seq_len
     norms = 2 * 4 * b * s                   # two RMSNorms' inverse RMS, float32
     if mode == "full":

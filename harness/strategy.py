@@ -121,6 +121,7 @@ class Strategy:
     modes: dict = {}      # extra --mode name -> function(run, cls) -> bool (compose4d's "train")
     plants: dict = {}     # --plant-bug NAME -> what the planted bug does (correctness must FAIL)
     chunked_ce = False    # takes --ce-chunk N (loss.chunked_loss_sum)
+    self_check = None     # ("what", build(model, args) -> fn(ids) -> logits): selfcheck.py
 
     @staticmethod
     def add_args(parser):

@@ -46,6 +46,45 @@ RUNS_ON = {
 BATCHES = {key: Runs(key[0], key[1], {f: [*ARGS, "--model", f, *key[2]] for f in fams},
                      tier="slow") for key, fams in RUNS_ON.items()}
 
+# The families beyond those (harness.models: Gemma 3, OLMo 3, Cohere, Granite, GPT-NeoX, GPT-2):
+# every PASS cell of results/families-cpu.json in the heavy tier, a few in `make test` (slow).
+# Each strategy that needs no architecture runs every family; pp and compose4d run those whose
+# forward around the layers they know (the self-check refuses GPT-2's position embeddings), tp
+# those whose modules it classifies (GPT-NeoX's per-head fused qkv and GPT-2's Conv1D refused),
+# Ulysses and ring attention those without a sliding window shorter than the sequence.
+NEW = ["tiny-gemma3", "tiny-olmo3", "tiny-cohere", "tiny-granite", "tiny-neox", "tiny-gpt2"]
+KNOWN_AROUND = ["tiny-gemma3", "tiny-olmo3", "tiny-cohere", "tiny-granite"]
+NEW_RUNS_ON = {
+    ("ddp.py", 2, ()): NEW, ("zero.py", 2, ("--stage", "3")): NEW, ("fsdp.py", 2, ()): NEW,
+    ("tp.py", 2, ()): KNOWN_AROUND, ("sp.py", 2, ("--variant", "megatron")): KNOWN_AROUND,
+    ("sp.py", 2, ("--variant", "ulysses")): ["tiny-cohere", "tiny-granite", "tiny-neox",
+                                             "tiny-gpt2"],
+    ("pp.py", 2, ()): [*KNOWN_AROUND, "tiny-neox"],
+    ("cp_ring.py", 2, ()): ["tiny-cohere", "tiny-granite", "tiny-neox", "tiny-gpt2"],
+    ("compose4d.py", 4, ("--tp", "2", "--pp", "2")): KNOWN_AROUND,
+}
+IN_MAKE_TEST = {("pp.py", 2, ()): ["tiny-cohere", "tiny-granite", "tiny-gemma3"],
+                ("ddp.py", 2, ()): ["tiny-neox"], ("tp.py", 2, ()): ["tiny-olmo3"]}
+
+
+def _tier(key, family):
+    return "slow" if family in IN_MAKE_TEST.get(key, ()) else "heavy"
+
+
+NEW_BATCHES = {(key, tier): Runs(key[0], key[1], {f: [*ARGS, "--model", f, *key[2]]
+                                                  for f in fams if _tier(key, f) == tier},
+                                 tier=tier)
+               for key, fams in NEW_RUNS_ON.items() for tier in ("slow", "heavy")}
+
+
+@pytest.mark.parametrize("key,family", [
+    pytest.param(k, f, id=f"{k[0][:-3]}{''.join(k[2])}-{f}",
+                 marks=getattr(pytest.mark, _tier(k, f)))
+    for k, fams in NEW_RUNS_ON.items() for f in fams])
+def test_any_causal_lm_passes(runs, key, family):
+    r = runs(NEW_BATCHES[key, _tier(key, family)], family)
+    assert r.rc == 0 and "\nPASS " in "\n" + r.stdout, r
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("key,family", [pytest.param(k, f, id=f"{k[0][:-3]}{''.join(k[2])}-{f}")
@@ -83,6 +122,14 @@ REFUSED = [
      "projection with more ranks (4) than kv heads (2) is not supported"),
     ("compose4d", "Compose4D", 4, "tiny-gemma2", ("--cp", "2", "--length", "16"),
      "--cp 2: context parallelism's ring attention does not implement attention logit"),
+    ("tp", "TP", 2, "tiny-neox", (), "GPTNeoXForCausalLM is not an HF decoder"),
+    ("tp", "TP", 2, "tiny-gpt2", (), "GPT2LMHeadModel is not an HF decoder"),
+    ("compose4d", "Compose4D", 4, "tiny-neox", ("--tp", "2", "--pp", "2"),
+     "GPTNeoXForCausalLM is not an HF decoder"),
+    ("sp", "SP", 2, "tiny-gemma3", ("--variant", "ulysses"), "ulysses attends with SDPA's "
+     "causal mode, which does not implement a sliding window"),
+    ("cp_ring", "CP", 2, "tiny-olmo3", (), "context parallelism's ring attention does not "
+     "implement a sliding window of 8 tokens, shorter than --length 16"),
 ]
 
 
@@ -269,3 +316,139 @@ def test_compose4d_exports_each_family(runs, family):
 def test_phi3_checkpoint_resumes_on_another_layout(runs):
     assert_resume_continues(runs, TRAIN_RUNS, "phi3-full", "phi3-first", "phi3-second", cut=2,
                             steps=4)
+
+
+# == Any causal LM (the families beyond the seven, docs/strategies.md "Model families") =========
+
+
+def _model(family):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(harness.load_config(family))
+
+
+@pytest.mark.parametrize("family", ["tiny", *FAMILIES, *NEW])
+def test_the_parts_are_found_by_hf_accessors(family):
+    """Every family's embedding, layers, final norm and head, whatever it names them
+    (gpt_neox.embed_in, transformer.h, ...): each parameter in exactly one part."""
+    m = _model(family)
+    p = harness.parts(m)
+    assert p.embed is m.get_input_embeddings() and p.head is m.get_output_embeddings()
+    assert len(p.layers) == m.config.num_hidden_layers and p.norm is not None
+    assert all(harness.attention_of(layer) is not None for layer in p.layers)
+    owned = {id(t) for mod in (p.embed, *p.layers, p.norm, p.head) for t in mod.parameters()}
+    rest = [n for n, t in m.named_parameters() if id(t) not in owned]
+    assert rest == (["transformer.wpe.weight"] if family == "tiny-gpt2" else []), rest
+    assert p.tied == m.config.tie_word_embeddings
+
+
+def _selfcheck_args(family, *extra):
+    p = harness.base_parser("pp.py")
+    args = p.parse_args(["--model", family, "--length", "16", *extra])
+    args.attn = harness.resolve_attn(harness.load_config(family), args.attn)[0]
+    return args
+
+
+@pytest.mark.parametrize("family", ["tiny", *FAMILIES, *NEW[:-1]])
+def test_the_stage_loop_computes_each_familys_forward(family):
+    from harness import selfcheck
+    import pp
+    cfg = harness.load_config(family)
+    assert selfcheck.compare(cfg, _selfcheck_args(family), "pp's stage loop",
+                             pp.stage_loop) is None
+
+
+def test_the_self_check_refuses_what_the_loop_does_not_do(monkeypatch):
+    """Each thing pp's stage loop does for a family, undone, is refused by name: GPT-2's learned
+    position embeddings (never done), Cohere's logit scale, Gemma 3's rope base per layer type,
+    and the planted skip of the final norm."""
+    from harness import selfcheck
+    import pp
+
+    def refusal(family):
+        return selfcheck.compare(harness.load_config(family), _selfcheck_args(family),
+                                 "pp's stage loop", pp.stage_loop)
+    assert refusal("tiny-gpt2").startswith(
+        "pp's stage loop does not compute GPT2LMHeadModel's forward: the output of "
+        "transformer.h.0 differs (transformer.wte agrees: the step between them)")
+    with harness.planting("pp-skips-final-norm"):
+        assert "model.norm never runs" in refusal("tiny-gemma3")
+    monkeypatch.setattr(pp, "head_output", lambda logits, config: logits)
+    assert "the logits differ after lm_head" in refusal("tiny-cohere")
+    monkeypatch.undo()
+    one_pair = harness.models.rotary_by_type
+
+    def one_rope(p, h, pos, types):   # the sliding layers' pair for every layer
+        pairs = one_pair(p, h, pos, types)
+        return {t: pairs["sliding_attention"] for t in pairs}
+    monkeypatch.setattr(pp, "rotary_by_type", one_rope)
+    assert "the output of model.layers.1 differs (model.layers.0 agrees" in refusal("tiny-gemma3")
+
+
+def test_the_self_check_refusal_is_one_line_before_any_collective():
+    r = launch("pp.py", 2, "--mode", "correctness", "--model", "tiny-gpt2", "--length", "16",
+               "--batch", "4", as_rank0=True)
+    assert_config_error(r, "pp's stage loop does not compute GPT2LMHeadModel's forward",
+                        torchrun=False)
+
+
+def test_skip_self_check_warns(capsys):
+    from harness import selfcheck
+    import pp
+    args = _selfcheck_args("tiny-gpt2", "--skip-self-check")
+    selfcheck.check(pp.PP, args, harness.load_config("tiny-gpt2"), rank=0)
+    assert capsys.readouterr().out.startswith("warning: --skip-self-check: pp's stage loop")
+
+
+def test_a_dropout_outside_the_layers_is_refused_in_one_line(tmp_path):
+    """GPT-2's HF defaults drop after the embeddings (embd_pdrop 0.1): the layout-independent
+    masks cover the decoder layers only, so the run is refused before any collective."""
+    import json
+    path = tmp_path / "gpt2.json"
+    path.write_text(json.dumps(dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4,
+                                    vocab_size=256, n_positions=64, bos_token_id=1,
+                                    eos_token_id=2)))
+    r = launch("ddp.py", 2, "--mode", "correctness", "--model", str(path), "--length", "16",
+               "--batch", "4", as_rank0=True)
+    assert_config_error(r, "dropout: transformer.drop (p=0.1) sits outside the decoder layers",
+                        torchrun=False)
+
+
+class _OneRank(tp.TPRegion):
+    """The vocab-parallel lookup's shards composed on one rank: the sum is done by the test."""
+    def embed_exit(self, x):
+        return x
+
+
+@pytest.mark.parametrize("pad", [None, 0, 3, 7])
+def test_the_vocab_parallel_embedding_keeps_padding_idx(pad):
+    """The rebuilt module equals HF's nn.Embedding(padding_idx=...), forward and gradient, the
+    shards summed as the all-reduce would; with the plant the pad row trains."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, padding_idx=pad).double()
+    ids = torch.tensor([[1, 7, 3, 0, 9, 7], [3, 3, 5, 6, 0, 2]])
+    g = torch.randn(2, 6, 4, dtype=torch.float64)
+
+    def shards():
+        mods = [tp.VocabParallelEmbedding(emb, lo, 5, _OneRank(None)) for lo in (0, 5)]
+        sum(m(ids) for m in mods).backward(g)
+        return torch.cat([m.weight.grad for m in mods])
+    emb(ids).backward(g)
+    assert torch.equal(shards(), emb.weight.grad)
+    if pad is not None:
+        with harness.planting("embed-drops-padding-idx"):
+            assert shards()[pad].abs().sum() > 0 and emb.weight.grad[pad].abs().sum() == 0
+
+
+def test_the_correctness_data_attends_to_the_pad_token():
+    """A model with a pad token gets it as the first input of each ignored span, where later
+    tokens attend to it (a right-padded tail alone gives its row no gradient)."""
+    from harness.data import MarkovLanguage, make_batch, pad_id
+    lang = MarkovLanguage(256, 0, 4)
+    b = make_batch(lang, 0, 8, 32, "cpu", ignore=True, pad_id=5)
+    rows, cols = (b.input_ids == 5).nonzero(as_tuple=True)
+    attended = [(r, c) for r, c in zip(rows.tolist(), cols.tolist())
+                if (b.labels[r, c + 1:] != harness.IGNORE_INDEX).any()]
+    assert attended, b.input_ids
+    assert pad_id(harness.load_config("tiny-olmo2")) == 1
+    assert pad_id(harness.load_config("tiny")) is None

@@ -1,7 +1,7 @@
 """comm.py: compose4d's communication per optimizer step and rank, by group: the rows its
 benchmark mode compares with the metered traffic (compose4d.py's docstring states the formulas;
 compose_moe.py adds a MoE model's ep, count and edp rows)."""
-from harness import DTYPES, Expect
+from harness import DTYPES, Expect, kv_heads
 import compose_moe
 
 
@@ -51,7 +51,7 @@ def expected_comm(self) -> list[Expect]:
                                .shard_numel * rb, "tied embedding gradient shard"))
     if C > 1:
         hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
-        blk = (a.batch // D // M) * (a.length // C) * 2 * (cfg.num_key_value_heads // T) * hd * b
+        blk = (a.batch // D // M) * (a.length // C) * 2 * (kv_heads(cfg) // T) * hd * b
         per = (C - 1) * blk + (C - 1) * 2 * blk + blk
         rows += [Expect(op, "cp", M * L_st * (3 * (C - 1) + 1), M * L_st * per,
                         "ring attention per layer and micro-batch: (C-1) K,V hops forward, "
