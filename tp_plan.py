@@ -52,8 +52,9 @@ def classify(model, T: int) -> tuple[dict[str, str], list[str]]:
     kinds, errs = {}, []
     base = getattr(model, "model", None)
     if base is None or not hasattr(base, "layers") or not hasattr(base, "embed_tokens"):
-        return {}, [f"{type(model).__name__} is not an HF decoder (model.model.layers, "
-                    f"model.model.embed_tokens): tensor parallelism does not know its layout"]
+        return {}, [f"{type(model).__name__} is not an HF decoder laid out as Llama's "
+                    f"(model.model.layers, model.model.embed_tokens): tensor parallelism does "
+                    f"not know its layout (ddp, zero, fsdp and pp run any causal LM)"]
     for name, module in model.named_modules():
         parts = name.split(".")
         leaf = parts[-1]

@@ -74,11 +74,12 @@ def decoder_units(model) -> list[tuple[str, list[torch.nn.Module]]]:
     """(name, modules) for any HF causal LM (harness.parts): embeddings (and any module outside
     the parts: GPT-2's wpe), each layer, head (norm + LM head); embed+head when tied."""
     p = parts(model)
-    layers = [(f"layers.{i}", [layer]) for i, layer in enumerate(p.layers)]
+    if p.layers is None or p.embed is None:   # (no list of layers found: one unit)
+        return [("model", [model])]
+    layers = [(f"layers.{i}", [m]) for i, m in enumerate(p.layers)]
     head = [m for m in (p.norm, p.head) if m is not None]
     known = {id(t) for m in (p.embed, *p.layers, *head) for t in m.parameters()}
-    rest = [m for m in model.modules()
-            if any(id(t) not in known for t in m.parameters(recurse=False))]
+    rest = [m for m in model.modules() if any(id(t) not in known for t in m.parameters(False))]
     if p.tied:
         return [("embed+head", [p.embed, *rest, *head])] + layers
     return [("embed", [p.embed, *rest])] + layers + [("head", head)]
@@ -195,9 +196,8 @@ class FlatUnit:
 # The engine: hooks that implement the three stages on an HF model
 # ----------------------------------------------------------------------------------------------
 class Zero(FlatTensors):
-    """Installs ZeRO's hooks into `model`. `units` defaults to decoder_units(model); the unit
-    order is the forward order, and reductions launch in its reverse. (FlatTensors,
-    zero_state.py: the shards as per-parameter tensors.)"""
+    """Installs ZeRO's hooks into `model`. `units` defaults to decoder_units(model), in
+    forward order; reductions launch in its reverse. (zero_state.py: per-parameter shards.)"""
 
     def __init__(self, model, group=None, stage: int = 1, average: bool = True, units=None,
                  reduce_dtype: torch.dtype | None = None, names: dict | None = None,

@@ -26,13 +26,21 @@ def parts(model) -> types.SimpleNamespace:
     base = getattr(m, "base_model", m)
     get = lambda f: (getattr(m, f)() if hasattr(m, f) else None)   # noqa: E731
     embed, head = get("get_input_embeddings"), get("get_output_embeddings")
-    layers, norm, after = None, None, False
+    # the layers: the shallowest list of num_hidden_layers blocks (OPT's sit one level down,
+    # at model.decoder.layers); the final norm: a norm beside them, the one registered after
+    # them, or the only one (OPT registers its final_layer_norm before its layers)
     n_layers = getattr(getattr(m, "config", None), "num_hidden_layers", None)
-    for child in base.children():
-        if layers is None and isinstance(child, torch.nn.ModuleList) and len(child) == n_layers:
-            layers, after = child, True
-        elif after and norm is None and "norm" in type(child).__name__.lower():
-            norm = child
+    lists = [(name.count("."), name, mod) for name, mod in base.named_modules()
+             if isinstance(mod, torch.nn.ModuleList) and len(mod) == n_layers]
+    layers, norm = None, None
+    if lists:
+        _, name, layers = min(lists, key=lambda x: x[0])
+        parent = base.get_submodule(name.rpartition(".")[0]) if "." in name else base
+        kids = list(parent.children())
+        norms = [c for c in kids if "norm" in type(c).__name__.lower()]
+        after = [c for c in kids[kids.index(layers) + 1:] if c in norms]
+        norm = after[0] if after else norms[0] if len(norms) == 1 else None
+    # tied: the head's weight is the embedding's (0: a default no weight is)
     tied = (head is not None and embed is not None
             and getattr(head, "weight", None) is getattr(embed, "weight", 0))
     found = dict(base=base, embed=embed, head=head, layers=layers, norm=norm)

@@ -18,7 +18,7 @@ from .correctness import run_correctness, run_plants
 from .data import MarkovLanguage
 from .launch import Env, base_parser, env_from_os, fail_config, launch, resolve_defaults, teardown
 from .learning import run_learning
-from .dropout import rates
+from .dropout import KNOWN_RATES, rates
 from .models import ConfigError, common_constraints, load_config, resolve_attn
 from .nccl import nccl_checked
 from .plants import planting
@@ -55,12 +55,9 @@ def _validate(cls, args, world: int, rank: int):
              for n in (args.plants or "").split(",") if n and n not in known]
     if getattr(args, "runs_nested", False):
         errs.append("--runs: a run in the list cannot name another --runs file")
-    if not errs and rates(config):   # where the model drops: on the meta device, no storage
-        from .loading import meta_model
-        try:
-            meta_model(config, argparse.Namespace(**{**vars(args), "dtype": "float32"}))
-        except ValueError as e:   # (dropout.install: a dropout outside the decoder layers)
-            errs.append(f"{e} (--dropout 0 turns the model's dropout off)")
+    if not errs and any(("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0
+                        for k, v in config.to_dict().items()):
+        errs += _dropout_errors(config, args)
     if errs:
         fail_config(errs[0], rank)
     try:   # (a planted bug in the re-implemented forward is the check's to refuse)
@@ -76,6 +73,28 @@ def _validate(cls, args, world: int, rank: int):
     if line and rank == 0:
         print(line, flush=True)   # which attention --attn auto chose, and why
     return config, dtypes
+
+
+def _dropout_errors(config, args) -> list[str]:
+    """Where the model drops (built on the meta device, no storage): a dropout outside the
+    decoder layers, or one whose rate no config field the harness knows sets (its masks would
+    be torch's, drawn per rank: another function at every layout), is refused."""
+    from .loading import meta_model
+    try:
+        model = meta_model(config, argparse.Namespace(**{**vars(args), "dtype": "float32"}))
+    except ValueError as e:   # (dropout.install: a dropout outside the decoder layers)
+        return [f"{e} (--dropout 0 turns the model's dropout off)"]
+    unknown = [f"{k}={v}" for k, v in config.to_dict().items()
+               if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0
+               and k not in KNOWN_RATES and not k.startswith(("summary_", "classifier_"))]
+    # (GPT-2's summary_first_dropout and a classifier's: heads a causal LM does not run)
+    torch_masks = [f"{n} (p={m.p})" for n, m in model.named_modules()
+                   if type(m) is torch.nn.Dropout and m.p > 0]
+    if unknown or torch_masks:
+        what = (f"the config's {unknown[0]}" if unknown else torch_masks[0])
+        return [f"dropout: {what} draws torch's masks, which differ at every layout: a rate "
+                f"the harness does not key by coordinates (set it to 0 in the config)"]
+    return []
 
 
 def _execute(cls, args, env: Env, config, dtypes) -> bool:

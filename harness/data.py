@@ -163,11 +163,12 @@ def make_batch(lang: MarkovLanguage, step: int, batch: int, length: int, device,
         m = torch.from_numpy(ignore_spans(lang.seed, start, batch, length))
         labels[m] = IGNORE_INDEX
         # padded tail: the inputs after the last real token are the pad token too
+        to_end = torch.flip(torch.cummin(torch.flip(m.int(), [1]), 1).values.bool(), [1])
         pad = torch.zeros_like(m)
         pad[:, 1:] = m[:, :-1] & m[:, -1:]
-        pad &= torch.flip(torch.cummin(torch.flip(m.int(), [1]), 1).values.bool(), [1])
+        pad &= to_end
         inputs[pad] = PAD_ID if pad_id is None else pad_id
-        if pad_id is not None:   # the ignored spans' first inputs (not the tail's)
-            first = m & ~torch.nn.functional.pad(m, (1, 0))[:, :-1] & ~pad
-            inputs[first] = pad_id
+        if pad_id is not None:   # each ignored span's first input (the tail's is the last
+            starts = m & ~torch.nn.functional.pad(m, (1, 0))[:, :-1]   # real token: kept)
+            inputs[starts & ~to_end] = pad_id
     return Batch.on_device(inputs, labels, step, device)

@@ -247,11 +247,16 @@ PLANT_ARGS = ("--model", "tiny-phi3", "--dropout", "0.1")
 # -- installing it in a model --
 def rates(config) -> dict[str, float]:
     """The model's dropout probabilities that are not zero, by config name."""
-    names = ("attention_dropout", "resid_pdrop", "hidden_dropout", "hidden_dropout_prob",
-             "attention_probs_dropout_prob", "attn_pdrop")   # (GPT-2's names: attn_, resid_)
-    if getattr(config, "model_type", None) != "phi3":      # (Phi3's embd_pdrop: its model
-        names += ("embd_pdrop",)                            # applies none)
+    names = KNOWN_RATES
+    if getattr(config, "model_type", None) == "phi3":      # (Phi3's embd_pdrop: its model
+        names = tuple(n for n in names if n != "embd_pdrop")   # applies none)
     return {n: float(getattr(config, n)) for n in names if getattr(config, n, 0) or 0}
+
+
+# the config fields whose dropout this module keys by coordinates (GPT-2's attn_ / resid_ /
+# embd_pdrop too); a rate in any other field is refused by the scripts (harness/cli.py)
+KNOWN_RATES = ("attention_dropout", "resid_pdrop", "hidden_dropout", "hidden_dropout_prob",
+               "attention_probs_dropout_prob", "attn_pdrop", "embd_pdrop")
 
 
 def recorded(config, seed: int) -> dict:

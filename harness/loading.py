@@ -31,15 +31,12 @@ from .models import ConfigError, DTYPES, finish_model, model_kwargs, parts
 
 def tied_source(model) -> dict[str, str]:
     """{the head's weight name: the embedding's} when they are tied (a checkpoint of a tied
-    model may hold the embedding only), else {}."""
-    p = parts(model)
-    if not p.tied:
+    model may hold the embedding only), else {}: HF's own map (_tied_weights_keys), which a
+    pipeline stage that dropped the embedding keeps."""
+    keys = getattr(model, "_tied_weights_keys", None)
+    if not getattr(model.config, "tie_word_embeddings", False) or not isinstance(keys, dict):
         return {}
-    names = {id(t): n for n, t in model.named_parameters(remove_duplicate=False)}
-    head = [n for n, t in model.named_parameters(remove_duplicate=False)
-            if t is p.head.weight and n != names[id(p.embed.weight)]]
-    embed = next(n for n, t in model.named_parameters() if t is p.embed.weight)
-    return {h: embed for h in head}
+    return dict(keys)
 
 
 def meta_model(config, args) -> torch.nn.Module:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import json
 import os
@@ -393,6 +394,13 @@ def embed_output(p, ids: torch.Tensor) -> torch.Tensor:
     return h * mult if mult is not None else h
 
 
+@functools.lru_cache(maxsize=None)
+def _takes_layer_type(cls) -> bool:
+    """Whether a rotary embedding class's forward takes a layer type (once per class: no
+    signature parsed inside a step)."""
+    return "layer_type" in inspect.signature(cls.forward).parameters
+
+
 def rotary_by_type(p, h: torch.Tensor, pos: torch.Tensor, layer_types) -> dict:
     """{layer type: the (cos, sin) its layers take}: one pair from the decoder's rotary
     embedding, or one per type where it takes the type (Gemma 3 and OLMo 3: a rope base per
@@ -401,7 +409,7 @@ def rotary_by_type(p, h: torch.Tensor, pos: torch.Tensor, layer_types) -> dict:
     kinds = sorted(set(layer_types or ["full_attention"]))
     if rot is None:
         return {}
-    if "layer_type" in inspect.signature(rot.forward).parameters and layer_types:
+    if layer_types and _takes_layer_type(type(rot)):
         return {t: rot(h, pos, t) for t in kinds}
     cos_sin = rot(h, pos)
     return {t: cos_sin for t in kinds}

@@ -5,7 +5,12 @@ trains it silently wrong or ends in a traceback. scripts/families.py prints the 
 Families (harness.models' tiny-* presets): Mistral (a sliding window on every layer), Qwen2
 (q/k/v biases), Qwen3 (per-head q/k norms), OLMo2 (full-width q/k norms, norms after the
 sublayers), Gemma2 ((1 + w) norms computed in float32, scaled embedding, soft-capping, sliding
-window on alternate layers, eager attention only), Phi3 (fused qkv_proj and gate_up_proj)."""
+window on alternate layers, eager attention only), Phi3 (fused qkv_proj and gate_up_proj); and
+beyond them, with HF's own pad ids: Gemma3 (a rope base per layer type), OLMo3 (sliding layers,
+pad id 1), Cohere (parallel block, logit_scale), Granite (multipliers), GPT-NeoX (other module
+names, per-head fused qkv) and GPT-2 (learned positions, Conv1D): any causal LM under the
+strategies that need no architecture, the self-check (harness/selfcheck.py) where one
+re-implements the forward around the layers."""
 import os
 import sys
 import types
