@@ -82,6 +82,9 @@ PRESETS = {
         # its dropouts (0.1, one outside the layers) off, as --dropout 0 sets them
         "gpt2": dict(n_inner=128, num_key_value_heads=None, attn_pdrop=0.0, embd_pdrop=0.0,
                      resid_pdrop=0.0),
+        # OPT: model.decoder.layers, learned positions (offset 2), a key bias whose gradient
+        # is zero in exact arithmetic; its dropout (0.1) off
+        "opt": dict(ffn_dim=128, word_embed_proj_dim=64, num_key_value_heads=None, dropout=0.0),
     }.items()},
     "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096,
                          intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

@@ -21,7 +21,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ["tiny", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-olmo2", "tiny-gemma2",
             "tiny-phi3", "tiny-gemma3", "tiny-olmo3", "tiny-cohere", "tiny-granite", "tiny-neox",
-            "tiny-gpt2"]
+            "tiny-gpt2", "tiny-opt"]
 # strategy -> (script, extra arguments, world size)
 STRATEGIES = {
     "ddp": ("ddp.py", [], 2),

@@ -8,7 +8,8 @@ sublayers), Gemma2 ((1 + w) norms computed in float32, scaled embedding, soft-ca
 window on alternate layers, eager attention only), Phi3 (fused qkv_proj and gate_up_proj); and
 beyond them, with HF's own pad ids: Gemma3 (a rope base per layer type), OLMo3 (sliding layers,
 pad id 1), Cohere (parallel block, logit_scale), Granite (multipliers), GPT-NeoX (other module
-names, per-head fused qkv) and GPT-2 (learned positions, Conv1D): any causal LM under the
+names, per-head fused qkv), GPT-2 (learned positions, Conv1D) and OPT (model.decoder.layers, a
+key bias with no gradient in exact arithmetic): any causal LM under the
 strategies that need no architecture, the self-check (harness/selfcheck.py) where one
 re-implements the forward around the layers."""
 import os
@@ -57,15 +58,17 @@ BATCHES = {key: Runs(key[0], key[1], {f: [*ARGS, "--model", f, *key[2]] for f in
 # forward around the layers they know (the self-check refuses GPT-2's position embeddings), tp
 # those whose modules it classifies (GPT-NeoX's per-head fused qkv and GPT-2's Conv1D refused),
 # Ulysses and ring attention those without a sliding window shorter than the sequence.
-NEW = ["tiny-gemma3", "tiny-olmo3", "tiny-cohere", "tiny-granite", "tiny-neox", "tiny-gpt2"]
+NEW = ["tiny-gemma3", "tiny-olmo3", "tiny-cohere", "tiny-granite", "tiny-neox", "tiny-gpt2",
+       "tiny-opt"]
 KNOWN_AROUND = ["tiny-gemma3", "tiny-olmo3", "tiny-cohere", "tiny-granite"]
 NEW_RUNS_ON = {
     ("ddp.py", 2, ()): NEW, ("zero.py", 2, ("--stage", "3")): NEW, ("fsdp.py", 2, ()): NEW,
     ("tp.py", 2, ()): KNOWN_AROUND, ("sp.py", 2, ("--variant", "megatron")): KNOWN_AROUND,
     ("sp.py", 2, ("--variant", "ulysses")): ["tiny-cohere", "tiny-granite", "tiny-neox",
-                                             "tiny-gpt2"],
+                                             "tiny-gpt2", "tiny-opt"],
     ("pp.py", 2, ()): [*KNOWN_AROUND, "tiny-neox"],
-    ("cp_ring.py", 2, ()): ["tiny-cohere", "tiny-granite", "tiny-neox", "tiny-gpt2"],
+    ("cp_ring.py", 2, ()): ["tiny-cohere", "tiny-granite", "tiny-neox", "tiny-gpt2",
+                            "tiny-opt"],
     ("compose4d.py", 4, ("--tp", "2", "--pp", "2")): KNOWN_AROUND,
 }
 IN_MAKE_TEST = {("pp.py", 2, ()): ["tiny-cohere", "tiny-granite", "tiny-gemma3"],
@@ -129,6 +132,7 @@ REFUSED = [
      "--cp 2: context parallelism's ring attention does not implement attention logit"),
     ("tp", "TP", 2, "tiny-neox", (), "GPTNeoXForCausalLM is not an HF decoder"),
     ("tp", "TP", 2, "tiny-gpt2", (), "GPT2LMHeadModel is not an HF decoder"),
+    ("tp", "TP", 2, "tiny-opt", (), "OPTForCausalLM is not an HF decoder"),
     ("compose4d", "Compose4D", 4, "tiny-neox", ("--tp", "2", "--pp", "2"),
      "GPTNeoXForCausalLM is not an HF decoder"),
     ("sp", "SP", 2, "tiny-gemma3", ("--variant", "ulysses"), "ulysses attends with SDPA's "
@@ -343,7 +347,8 @@ def test_the_parts_are_found_by_hf_accessors(family):
     assert all(harness.attention_of(layer) is not None for layer in p.layers)
     owned = {id(t) for mod in (p.embed, *p.layers, p.norm, p.head) for t in mod.parameters()}
     rest = [n for n, t in m.named_parameters() if id(t) not in owned]
-    assert rest == (["transformer.wpe.weight"] if family == "tiny-gpt2" else []), rest
+    assert rest == {"tiny-gpt2": ["transformer.wpe.weight"],
+                    "tiny-opt": ["model.decoder.embed_positions.weight"]}.get(family, []), rest
     assert p.tied == m.config.tie_word_embeddings
 
 
@@ -354,7 +359,7 @@ def _selfcheck_args(family, *extra):
     return args
 
 
-@pytest.mark.parametrize("family", ["tiny", *FAMILIES, *NEW[:-1]])
+@pytest.mark.parametrize("family", ["tiny", *FAMILIES, *NEW[:-2]])
 def test_the_stage_loop_computes_each_familys_forward(family):
     from harness import selfcheck
     import pp

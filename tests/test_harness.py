@@ -443,6 +443,23 @@ def test_a_noise_sample_that_is_not_noise_fails_the_run():
         assert set(cmp.implausible) == ({"param:w", "loss"} if bad else set())
 
 
+def test_a_gradient_zero_in_exact_arithmetic_is_not_called_implausible():
+    """compare.ZERO_GRAD_ULPS: a tensor whose target gradient is a rounding residue (OPT's key
+    bias, which the softmax cancels) has O(1) relative noise by nature, in the gradient and in
+    the parameter Adam moves with it: still judged, not called implausible. The same noise on
+    a tensor with a real gradient is (the guard above)."""
+    from harness.compare import Comparison, NoisePolicy
+    g = torch.linspace(-1, 1, 64, dtype=torch.float64)
+    for residue, bad in ((1e-19, False), (1e-3, True)):
+        target = {"w": g, "b": g * residue}
+        cmp = Comparison(["w", "b"], {"w": (64,), "b": (64,)}, NoisePolicy("float64"))
+        noisy = {"w": g, "b": g * residue * -0.5}                # noise 1.5 of b's scale
+        cmp.add("grad", 0, {"w": g, "b": g * residue * 0.5}, target, [(noisy, 1.0)])
+        cmp.add("param", 0, {"w": g, "b": g}, {"w": g, "b": g}, [({"w": g, "b": -g}, 1.0)])
+        assert cmp.rows["b"]["grad"].ok
+        assert set(cmp.implausible) == ({"grad:b", "param:b"} if bad else set()), cmp.implausible
+
+
 def test_clipping_reads_nothing_from_the_device(group):
     """Global-norm clipping (harness.clip_by_norm, zero's shard clipping that all the sharded
     strategies share the shape of) scales on the device: no item()/tolist()/float() of the norm
