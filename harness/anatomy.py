@@ -62,6 +62,15 @@ def attention_of(layer) -> torch.nn.Module | None:
     return next((c for c in layer.children() if type(c).__name__.endswith("Attention")), None)
 
 
+def mlp_width(config) -> int:
+    """The MLP's inner width: intermediate_size (Llama's name), n_inner (GPT-2's), ffn_dim
+    (OPT's), else 4 x hidden."""
+    for k in ("intermediate_size", "n_inner", "ffn_dim"):
+        if getattr(config, k, None):
+            return getattr(config, k)
+    return 4 * config.hidden_size
+
+
 def kv_heads(config) -> int:
     """The key/value heads of a config: num_key_value_heads, or (GPT-NeoX and other
     pre-GQA families, which have no such field) one per attention head."""

@@ -1,7 +1,7 @@
 """flops.py: model FLOPs per training step and MFU (model FLOPs utilisation)."""
 import torch
 
-from .anatomy import kv_heads
+from .anatomy import kv_heads, mlp_width
 
 
 # Dense bf16 peak FLOP/s per GPU (vendor datasheets, without sparsity), for MFU.
@@ -13,7 +13,7 @@ def model_flops(config, tokens: int, seq: int) -> float:
     per token for the matmuls (2 forward, 4 backward) + causal attention's scores and values
     12 L h s per token (counted in full, as is customary), no recomputation."""
     h, L, V, I = (config.hidden_size, config.num_hidden_layers, config.vocab_size,
-                  config.intermediate_size)
+                  mlp_width(config))   # (3 h I: a gated MLP's three matrices, Llama's)
     kv = kv_heads(config) * (h // config.num_attention_heads)
     matmul = L * (2 * h * h + 2 * h * kv + 3 * h * I) + V * h      # per token, forward MACs
     return tokens * (6 * matmul + 12 * L * h * seq)
