@@ -1,199 +1,587 @@
-"""fsdp.py: fully sharded data parallel with prefetch, from raw torch.distributed primitives.
+"""fsdp.py: fully sharded data parallel as PyTorch's FSDP2 does it, from raw torch.distributed.
 
-The idea (Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel",
-VLDB 2023)
-    FSDP is ZeRO-3 organised for overlap. Parameters, gradients and optimizer states are sharded
-    over the W ranks. The model is cut into units, and a unit's full parameters exist only while
-    it computes:
-      forward    pre-forward hook: all-gather the unit, and *prefetch* (launch asynchronously)
-                 the next --prefetch units' all-gathers, so communication overlaps compute;
-                 post-forward: free the full parameters (reshard), unless
-                 --no-reshard-after-forward (ZeRO-2 behaviour: keep them until the backward);
-      backward   pre-backward hook (on the unit's output): all-gather again, prefetching the
-                 units the backward reaches next; after the unit's backward: reduce-scatter its
-                 gradients into the shard (async), free the full gradients and parameters;
-      step       AdamW on the local shards only (zero.ZeroOptimizer).
+The idea (Zhao et al., "PyTorch FSDP", VLDB 2023; FSDP2's per-parameter sharding, PyTorch 2.4+)
+    Every rank keeps 1/W of every parameter, of its gradient and of its optimizer state. Each
+    module wrapped by fully_shard (bottom-up: the blocks, then the model) is one unit, whose full
+    parameters exist only while it computes:
+      forward   pre-hook: all-gather the unit (launching the next one's, in the forward order
+                recorded at the first step) and swap the full parameters into the module;
+                post-hook: swap the shards back, free the full ones (the root keeps its own)
+      backward  pre-hook on the unit's outputs: all-gather again (launching the next one's); once
+                every gradient of the unit has accumulated: reduce-scatter them, averaged over
+                the W ranks, into each shard's .grad, and free the full ones
+      step      any elementwise torch optimizer over model.parameters(): they *are* the shards
 
-Units
-    The user names the submodules that become units (`fully_shard(module, units=[...])`; by
-    default an HF model's decoder layers). Every parameter outside them forms the root unit
-    (for an LLM: embeddings, final norm, LM head). The root's parameters are used at both ends
-    of the forward and first in the backward, so it is gathered once at the start of the
-    forward and freed after the backward, as FSDP2 does for the root.
+Per-parameter dim-0 shards (FSDP2), not one flat buffer per unit (FSDP1, ZeRO-3: zero.py)
+    A parameter (d0, *rest) is cut as torch.chunk cuts dim 0: rank r holds rows [r c, (r+1) c),
+    c = ceil(d0 / W) (fewer or none at the end), as an nn.Parameter of its own. Only the
+    communication buffers are padded, each parameter to c * rest elements per rank:
+      all-gather      copy-in: each shard, cast to param_dtype       # [N], N = sum c_i rest_i
+                      copy-out: column block i = parameter i's rows   # [W, N] -> [W, c_i rest_i]
+      reduce-scatter  copy-in: each gradient in reduce_dtype         # [W, c_i rest_i] -> [W, N_g]
+                      copy-out: this rank's rows / W into .grad       # [N_g] -> (rows_i, *rest_i)
+    The copies cost one extra pass over the unit per collective (the benchmark counts them); in
+    return every shard is a well-formed tensor: a plain optimizer steps it, a frozen parameter is
+    one without a gradient, the policy is per unit, the state dict holds shards. A matrix
+    optimizer (Muon, Shampoo) would take a shard for the matrix: it is refused at its first step.
 
-Sharding: flat buffers (FSDP1 style), not per-parameter dim-0 shards (FSDP2 style)
-    A unit's parameters are views into one flat buffer padded to a multiple of W (zero.FlatUnit),
-    and rank r owns a contiguous 1/W of it. Then one all-gather and one reduce-scatter per unit
-    move one contiguous buffer, with no copy-in or copy-out, and the parameters stay plain
-    tensors that HF's modules use unchanged. FSDP2 shards each parameter along dim 0 as a
-    DTensor instead. That costs a copy into and out of the communication buffer, but every shard
-    is a well-formed piece of one parameter: per-parameter optimizers, frozen parameters and
-    sharded state dicts are then straightforward. This reference suite uses plain AdamW and
-    reassembles full tensors for checkpoints, so the flat layout's simplicity wins here.
-    `--compare-native` runs FSDP2's `fully_shard` with the same units and data, and
-    tests/library_oracles.py compares `fully_shard` with FSDP2 on a plain module.
+Mixed precision: MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype). The shards keep
+    their own dtype (fp32 masters: the user's weights exactly); the gathered copies are
+    param_dtype; the reduce-scatter runs in reduce_dtype and is cast into the shards' .grad.
 
-Public API
-    fs = fully_shard(module, units=[...], group=None, prefetch=1, reshard_after_forward=True)
-    opt = zero.ZeroOptimizer(module.parameters(), torch.optim.AdamW, engine=fs, lr=...)
-    a standard loop: loss.backward(); opt.step(); opt.zero_grad(); opt.clip_grad_norm_(c)
+Communication per step (Psi = sum of W N over units; b, b_r: param and reduce dtype bytes;
+Psi_g: the trainable parameters'; K micro-batches)
+    all_gather      Psi b forward + (Psi - Psi_root) b backward (the root stays gathered; none
+                    without resharding), x K
+    reduce_scatter  Psi_g b_r, once per step: the micro-batches before the last accumulate
+                    unreduced (set_requires_gradient_sync(False))
+    copies          per gather Psi b / W in, Psi b out; per reduction Psi_g b_r in, Psi_g / W out
+    --clip adds one 8-byte all_reduce. Model states per rank 16 Psi / W bytes with AdamW, in fp32
+    and in bf16 with fp32 masters (shard 4 + grad 4 + Adam 8), plus the gathered units.
+HSDP (replicate_group; Zhao et al. 3.2.2): shard over S ranks inside a node, replicate R times;
+    each reduced shard is all-reduced over the replicas: Psi_g b_r / S per rank.
 
-Communication per step (b = bytes per element, Psi padded, Psi_root the root unit's share)
-    all_gather     forward: every unit once (Psi*b); backward: every layer again, not the root,
-                   which stays gathered ((Psi - Psi_root)*b). Without resharding after the
-                   forward (--no-reshard-after-forward) the backward gathers nothing.
-    reduce_scatter one per unit: Psi*b
-    total          3 Psi - Psi_root (ZeRO-3's 3 Psi, less the root's backward gather); 2 Psi
-                   without resharding. --clip adds one 8-byte all_reduce; --grad-accum K
-                   multiplies everything by K.
-Model-state bytes per rank: 16 Psi / N in fp32 (params, grads, Adam m and v, all sharded),
-plus the gathered working set: the root and at most 1 + prefetch layers.
-
-HSDP (hybrid sharding, --replicate R; Zhao et al. 2023, section 3.2.2)
-    Shard over S = W / R ranks (a node) and replicate the shards R times (across nodes). The
-    all-gathers and reduce-scatters above stay inside a shard group (fast links), and each unit's
-    reduced shard is all-reduced over its replicate group (the R ranks holding that shard):
-        inside a shard group   3 Psi b - root, as above, with Psi padded to a multiple of S
-        across replicas        Psi b_reduce / S per rank per step: all_reduce of each shard
-    Model states per rank grow to 16 Psi / S: R times FSDP's over W. A ring all-reduce of
-    Psi/S over R ranks moves 2 (R-1)/R of it per rank. Public API: fully_shard(module,
-    group=shard, replicate_group=rep) with (shard, rep) = hsdp_groups(R).
+Public API (examples/fsdp_train.py)
+    for block in model.model.layers:
+        fully_shard(block, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    fully_shard(model)                                  # the root: embeddings, norm, head
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    loss.backward(); clip_grad_norm_(model, 1.0); opt.step(); opt.zero_grad()
+    model.set_requires_gradient_sync(False) / model.no_sync(); model.unshard() / reshard();
+    summon_full_params(model); full_state_dict(model) / load_full_state_dict(model, sd);
+    model.state_dict() holds this rank's shards.
 """
+import contextlib
+import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_flatten, tree_map
 
-from harness import (Expect, Plant, main, name_group, parts, planted, ranks_per_node,
-                     spread_across_ranks, uneven_nodes)
-from harness.precision import grad_reduce_dtype
+from harness import (Expect, METER, Plant, Strategy, all_reduce_flat, global_loss, main,
+                     name_group, parts, phase, planted, ranks_per_node, spread_across_ranks,
+                     uneven_nodes)
+from harness.precision import LOW_PRECISION, adamw_kwargs, grad_reduce_dtype
+from harness.strategy import clip_by_norm
 import ddp
 import zero
 
 
-def resolve_units(module: torch.nn.Module, units) -> list[torch.nn.Module]:
-    """The submodules that become units, in forward order: modules, or their names in
-    module.named_modules(). Default: an HF causal LM's decoder layers."""
-    if units is None:
-        layers = parts(module).layers if hasattr(module, "config") else None
-        if layers is None:
-            raise ValueError("fully_shard: name the submodules that become units (units=[...] "
-                             "modules or names, in forward order); only an HF causal LM's "
-                             "decoder layers are found without help")
-        return list(layers)
-    named = dict(module.named_modules())
-    out = []
-    for u in units:
-        if isinstance(u, str):
-            if u not in named:
-                raise ValueError(f"fully_shard: no submodule named {u!r}")
-            u = named[u]
-        if u is module or not any(u is m for m in named.values()):
-            raise ValueError(f"fully_shard: units must be proper submodules of the module "
-                             f"(got {type(u).__name__})")
-        out.append(u)
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """FSDP2's policy. param_dtype: the gathered compute copies' (None: the parameters' own);
+    reduce_dtype: the reduce-scatter's (None: param_dtype's); output_dtype: the unit's floating
+    outputs are cast to it (None: left as computed); cast_forward_inputs: the unit's floating
+    inputs are cast to param_dtype."""
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+class ShardedParam:
+    """One parameter under fully_shard: `sharded`, the nn.Parameter with this rank's dim-0 rows
+    (registered on the module between forwards: what the optimizer steps), and `unsharded`, the
+    full-shape compute copy in param_dtype, a view of `full`, whose storage exists only while the
+    unit is gathered (autograd's saved references to it stay valid across a free and re-gather)."""
+
+    def __init__(self, param: nn.Parameter, slots, rank: int, W: int, param_dtype):
+        self.slots = slots                      # [(module, attribute name)] that hold it
+        self.shape, d0 = param.shape, param.shape[0]
+        self.rest = math.prod(param.shape[1:])
+        self.rows = -(-d0 // W)                 # c: rows per rank in the buffers
+        self.padded = self.rows * self.rest     # elements per rank, padding included
+        lo = min(rank * self.rows, d0)
+        if planted("shard-rows"):   # plant: rank * floor(d0 / W), overlapping rows
+            lo = rank * (d0 // W)
+        hi = min(lo + self.rows, d0)
+        self.lo, self.local = lo, (hi - lo) * self.rest   # this rank's first row, elements
+        shard = param.detach()[lo:hi]                                 # (hi - lo, *rest)
+        if planted("masters-rounded") and param_dtype is not None:    # plant: masters rounded
+            shard = shard.to(param_dtype)
+        self.sharded = nn.Parameter(shard.to(param.dtype).clone(),
+                                    requires_grad=param.requires_grad)
+        self.sharded._fsdp_full_shape = tuple(self.shape)   # the mark optimizers are checked by
+        self.sharded._fsdp_param = self
+        self.full = torch.empty(W * self.padded, dtype=param_dtype or param.dtype,
+                                device=param.device)          # flat [W * c * rest]
+        self.unsharded = nn.Parameter(self.full[:param.numel()].view(self.shape),
+                                      requires_grad=param.requires_grad)
+        self.full.untyped_storage().resize_(0)
+        self.acc = None        # the unreduced gradient accumulated without sync (reduce dtype)
+        self.had_grad = False  # this rank produced a gradient for it in this step
+
+    def register(self, unsharded: bool):
+        for module, attr in self.slots:   # (a tied parameter is held by several modules)
+            module._parameters[attr] = self.unsharded if unsharded else self.sharded
+
+
+# The unit whose forward is running at the top level (the root of this forward), if any.
+_ROOT = []
+
+
+class FSDPUnit:
+    """One fully_shard call: its parameters, its groups and policy, and the hooks."""
+
+    def __init__(self, module, params: list[ShardedParam], ignored: list[nn.Parameter], group,
+                 replicate, mp: MixedPrecisionPolicy, reshard_after_forward, prefetch: int):
+        self.module, self.params, self.ignored = module, params, ignored
+        self.trainable = [p for p in params if p.sharded.requires_grad]
+        self.group, self.replicate, self.mp, self.prefetch = group, replicate, mp, prefetch
+        self.W, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.R = dist.get_world_size(replicate) if replicate is not None else 1
+        self.reshard_after_forward = reshard_after_forward   # None: decided at the first forward
+        self.dtype = params[0].full.dtype if params else None
+        self.reduce_dtype = mp.reduce_dtype or mp.param_dtype or (
+            params[0].sharded.dtype if params else None)
+        self.N = sum(p.padded for p in params)               # all-gather elements per rank
+        self.Ng = sum(p.padded for p in self.trainable)      # reduce-scatter elements per rank
+        self.expect = len(self.trainable) + sum(p.requires_grad for p in ignored)
+        self.gathered, self.handle, self.sync = False, None, True
+        self.root = None          # the root of the forward this unit last ran in
+        self.order = None         # the root's: units in their first forward's order
+        self.pending: list = []   # the root's: reductions in flight
+        self.in_backward, self.launched, self.ready, self.queued = False, False, set(), False
+        self.copies = {}          # {kind: [copies, bytes]} (the benchmark's copy count)
+        module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        module.register_forward_hook(self._post_forward)
+        for p, leaf in [(p, p.unsharded) for p in self.trainable] + [(p, p) for p in ignored]:
+            if leaf.requires_grad:
+                leaf.register_post_accumulate_grad_hook(lambda _, p=p: self._on_grad(p))
+
+    def _count(self, kind: str, nbytes: int):
+        c = self.copies.setdefault(kind, [0, 0])
+        c[0] += 1
+        c[1] += nbytes
+
+    # -- gather and free --
+    def unshard(self, async_op: bool = False):
+        """All-gather this unit's shards into the full parameters (launch only, with async_op:
+        wait() finishes it)."""
+        if self.gathered or not self.params:
+            if not async_op:
+                self.wait()
+            return
+        for p in self.params:
+            p.full.untyped_storage().resize_(p.full.numel() * p.full.element_size())
+        if planted("no-regather") and self.root is not None and self.root.queued:   # plant
+            self.gathered = True   # (in the backward: re-allocated, never re-gathered)
+            return self.wait()
+        out, work = self.all_gather([p.sharded for p in self.params], self.dtype)
+        self._count("all_gather copy-in", self.N * out.element_size())
+        self.handle, self.gathered = (work, out), True
+        if not async_op:
+            self.wait()
+
+    def all_gather(self, shards, dtype, async_op=True):
+        """Launch one all-gather of these per-parameter shards (parameters or gradients; None
+        reads as zeros), each copied in at its offset and cast to `dtype`: ([W * N], work)."""
+        device = self.params[0].full.device
+        inp = torch.zeros(self.N, dtype=dtype, device=device)                   # [N]
+        views, srcs, off = [], [], 0
+        for p, t in zip(self.params, shards):
+            if t is not None:
+                views.append(inp[off:off + p.local])
+                srcs.append(t.detach().reshape(-1))
+            off += p.padded
+        torch._foreach_copy_(views, srcs)
+        out = torch.empty(self.W * self.N, dtype=dtype, device=device)          # [W * N]
+        return out, dist.all_gather_into_tensor(out, inp, group=self.group, async_op=async_op)
+
+    def wait(self):
+        """Finish a launched all-gather: copy out, and put the full parameters in the module."""
+        if self.handle is not None:
+            work, out = self.handle
+            work.wait()
+            fulls = [p.full.view(self.W, p.padded) for p in self.params]       # [W, c_i rest_i]
+            # autograd saved the full parameters in the forward: refilling them is no change
+            with torch.autograd._unsafe_preserve_version_counter(
+                    tuple(p.unsharded for p in self.params)):
+                torch.split_with_sizes_copy(out.view(self.W, self.N),           # [W, N]
+                                            [p.padded for p in self.params], dim=1, out=fulls)
+            self._count("all_gather copy-out", out.numel() * out.element_size())
+            self.handle = None
+        for p in self.params:
+            p.register(unsharded=True)
+
+    def reshard(self):
+        """Put the shards back in the module and free the full parameters."""
+        if self.handle is not None:
+            self.wait()
+        for p in self.params:
+            p.register(unsharded=False)
+            p.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    # -- forward --
+    def _pre_forward(self, module, args, kwargs):
+        if not _ROOT:   # the first unit of a forward is its root
+            _ROOT.append(self)
+            if self.order is None:
+                self.order = []
+        root = self.root = _ROOT[0]
+        if self.reshard_after_forward is None:   # FSDP2's default: not the root
+            self.reshard_after_forward = self is not root
+        if self.in_backward:        # re-entered by activation recomputation: already gathered
+            return None
+        recording = root.order is not None and self not in root.order and not root.queued
+        if recording:
+            root.order.append(self)
+        self.unshard()
+        if root.order and not recording:   # prefetch: the next units of the recorded order
+            i = root.order.index(self)
+            for u in root.order[i + 1:i + 1 + self.prefetch]:
+                u.unshard(async_op=True)
+        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
+            args, kwargs = _cast((args, kwargs), self.mp.param_dtype)
+        return args, kwargs
+
+    def _post_forward(self, module, args, out):
+        if self.mp.output_dtype is not None:
+            out = _cast(out, self.mp.output_dtype)
+        if not self.in_backward:
+            if torch.is_grad_enabled():   # the backward starts at these outputs
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._pre_backward)
+            if self.reshard_after_forward or not torch.is_grad_enabled():
+                self.reshard()
+        if _ROOT and _ROOT[0] is self:
+            _ROOT.clear()
+        return out
+
+    # -- backward --
+    def _pre_backward(self, grad):
+        if self.in_backward:
+            return
+        self.in_backward = True
+        root = self.root
+        if not root.queued:   # finish the whole backward once autograd is done
+            root.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
+        self.unshard()
+        order = root.order or []
+        if self in order:   # prefetch: the units the backward reaches next
+            before = [u for u in order[:order.index(self)][::-1] if u is not root]
+            for u in before[:self.prefetch]:
+                u.unshard(async_op=True)
+
+    def _on_grad(self, p):
+        """A gradient of this unit has accumulated; once all have, reduce them, in the reverse
+        of the forward order on every rank (the collectives must come in one order)."""
+        self.ready.add(p)
+        if len(self.ready) == self.expect:
+            for u in reversed(self.root.order):
+                if u.launched or u.expect == 0:
+                    continue
+                if len(u.ready) < u.expect:
+                    break
+                u._post_backward()
+
+    def _post_backward(self):
+        """Reduce this unit's gradients (or keep them unreduced, without sync), free it."""
+        self.launched = True
+        rd = self.reduce_dtype
+        grads = []
+        for p in self.trainable:
+            g = p.unsharded.grad
+            p.unsharded.grad = None
+            p.had_grad = p.had_grad or g is not None
+            if not self.sync:   # accumulate, unreduced, in the reduce dtype
+                if g is not None:
+                    p.acc = g.to(rd) if p.acc is None else p.acc + g.to(rd)
+                continue
+            if p.acc is not None:   # add the micro-batches that ran without sync
+                if g is None:
+                    g = p.acc
+                elif not planted("sync-drops-accumulated"):   # plant: only the last one reduced
+                    g = p.acc + g.to(rd)
+                p.acc = None
+            grads.append(g)
+        if self.sync and self.trainable:
+            self._reduce_scatter(grads)
+        if self.sync and self.ignored:
+            self._all_reduce_ignored()
+        if not (self is self.root and planted("root-stays-gathered")):   # plant: stale root
+            self.reshard()
+
+    def _reduce_scatter(self, grads):
+        rd, W = self.reduce_dtype, self.W
+        device = self.params[0].full.device
+        cols = []
+        for p, g in zip(self.trainable, grads):   # each gradient as its W padded shards
+            g = (torch.zeros(p.shape, dtype=rd, device=device) if g is None
+                 else g.to(rd)).reshape(-1)
+            cols.append(F.pad(g, (0, W * p.padded - g.numel())).view(W, p.padded))
+        inp = torch.cat(cols, dim=1)                                   # [W, N_g]
+        self._count("reduce_scatter copy-in", inp.numel() * inp.element_size())
+        out = torch.empty(self.Ng, dtype=rd, device=device)            # [N_g]
+        work = dist.reduce_scatter_tensor(out, inp.view(-1), group=self.group, async_op=True)
+        root = self.root
+        root.pending.append((work, lambda: self._take_reduced(out)))
+        while len(root.pending) > 1:   # one reduction in flight behind the backward
+            w, finish = root.pending.pop(0)
+            w.wait()
+            finish()
+
+    def _take_reduced(self, out):
+        """The reduced shards (summed over the group) into each parameter's .grad."""
+        if not planted("no-average"):   # plant: summed, not averaged
+            out.div_(self.W)
+        if self.replicate is not None and not planted("replicas-not-averaged"):  # plant: HSDP
+            dist.all_reduce(out, group=self.replicate)    # [N_g] over the R replicas
+            out.div_(self.R)
+        off = 0
+        for p in self.trainable:
+            if p.had_grad:
+                g = out[off:off + p.local].view(p.sharded.shape).to(p.sharded.dtype)
+                if p.sharded.grad is None:
+                    p.sharded.grad = g
+                else:   # as torch accumulates onto an existing .grad
+                    p.sharded.grad += g
+                self._count("reduce_scatter copy-out", g.numel() * g.element_size())
+            off += p.padded
+
+    def _all_reduce_ignored(self):
+        """Parameters kept whole: their gradients averaged over every rank, as DDP does."""
+        grads = [p.grad for p in self.ignored if p.grad is not None]
+        for group in (self.group, self.replicate) if self.replicate is not None else (self.group,):
+            all_reduce_flat(grads, group)                      # one flat [sum of numels] each
+        for g in grads:
+            g.div_(self.W * self.R)
+
+    def _finish_backward(self):
+        """The root's, once autograd has finished: reduce what is left (parameters without a
+        gradient), wait for every reduction, free everything, reset for the next backward."""
+        for u in reversed(self.order):
+            if not u.launched and u.expect and (u.in_backward or u.ready):
+                u._post_backward()
+        while self.pending:
+            w, finish = self.pending.pop(0)
+            w.wait()
+            finish()
+        for u in self.order:
+            if u.gathered and not (u is self and planted("root-stays-gathered")):
+                u.reshard()
+            u.in_backward, u.launched, u.ready = False, False, set()
+            if u.sync:
+                for p in u.trainable:
+                    p.had_grad = False
+        self.queued = False
+
+
+def _cast(tree, dtype):
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
+                    and t.is_floating_point() else t, tree)
+
+
+class FSDPModule:
+    """Mixed into each module fully_shard wraps (as FSDP2's FSDPModule): the methods a user
+    calls on it."""
+
+    def unshard(self):
+        """Gather this unit's full parameters (not its children's) until reshard()."""
+        self._fsdp.unshard()
+
+    def reshard(self):
+        self._fsdp.reshard()
+
+    def set_requires_gradient_sync(self, requires: bool, recurse: bool = True):
+        """False: the following backwards accumulate unreduced gradients; the first backward
+        with True reduces them with its own (gradient accumulation with one reduction)."""
+        for m in (self.modules() if recurse else [self]):
+            if isinstance(m, FSDPModule):
+                m._fsdp.sync = requires
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)
+
+
+_CLASSES: dict = {}
+
+
+def fully_shard(module: nn.Module, *, group=None, replicate_group=None,
+                mp_policy: MixedPrecisionPolicy | None = None, reshard_after_forward=None,
+                ignored_params=None, prefetch: int = 1) -> nn.Module:
+    """Shard `module`'s parameters not yet claimed by an inner call over `group` (every rank
+    then holds its dim-0 rows of each, as an nn.Parameter) and make it one unit; returns the
+    module, whose class gains FSDPModule's methods. Apply it bottom-up (blocks, then the model)
+    before building the optimizer. Every rank starts from the group's rank 0's values.
+
+    replicate_group: HSDP; `group` is then this rank's shard group and each reduced shard is
+    averaged over the replicas too (hsdp_groups() builds both). reshard_after_forward: free the
+    full parameters after the forward (None: True except for the root, the unit whose forward
+    runs first). ignored_params: kept whole on every rank and trained, their gradients averaged
+    over all ranks like DDP's (torch's ignored_params are neither sharded nor reduced).
+    prefetch: units whose all-gather is launched ahead of use, in the recorded forward order."""
+    slots: dict = {}   # id(parameter) -> (parameter, [(module, attr)]), in module order
+    for m in module.modules():
+        for attr, p in m._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), (p, []))[1].append((m, attr))
+    ignored = {id(p) for p in ignored_params or ()}
+    mine, new_ignored = [], []
+    for p, holders in slots.values():
+        if getattr(p, "_fsdp_claimed", False):   # an inner call sharded it: a tie across units
+            m, attr = holders[0]
+            raise ValueError(f"fully_shard: {type(m).__name__}.{attr} is tied to a parameter an "
+                             f"inner fully_shard call already sharded; wrap the modules that "
+                             f"share it in one call")
+        if id(p) in ignored and not hasattr(p, "_fsdp_ignored"):
+            new_ignored.append(p)
+        elif not hasattr(p, "_fsdp_param") and not hasattr(p, "_fsdp_ignored"):
+            mine.append(p)   # (ignored by an inner call: ignored here too)
+    ddp.check_devices([(f"parameter of shape {tuple(p.shape)}", p) for p in mine], group,
+                      "fully_shard")
+    mp = mp_policy or MixedPrecisionPolicy()
+    if any(p.dim() == 0 for p in mine):
+        raise ValueError("fully_shard: a 0-dimensional parameter has no dim 0 to shard; pass it "
+                         "in ignored_params")
+    if mp.param_dtype is None and len({p.dtype for p in mine}) > 1:
+        raise ValueError(f"fully_shard: the unit mixes parameter dtypes "
+                         f"{sorted({str(p.dtype) for p in mine})}; one all-gather carries one "
+                         f"dtype: set mp_policy's param_dtype or cast the module")
+    synced = [b for b in module.buffers() if not hasattr(b, "_fsdp_synced")]
+    with torch.no_grad():   # every rank from rank 0's values (replica 0's, under HSDP)
+        for g in (group, replicate_group) if replicate_group is not None else (group,):
+            ddp.broadcast_coalesced(mine + new_ignored + synced, g)
+    for t in synced + new_ignored:
+        t._fsdp_synced = t._fsdp_ignored = True
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    params = []
+    for p in mine:
+        p._fsdp_claimed = True
+        sp = ShardedParam(p, slots[id(p)][1], rank, W, mp.param_dtype)
+        sp.register(unsharded=False)
+        params.append(sp)
+    unit = FSDPUnit(module, params, new_ignored, group, replicate_group, mp,
+                    reshard_after_forward, prefetch)
+    for sp in params:
+        sp.sharded._fsdp_unit = unit
+    cls = type(module)
+    if not isinstance(module, FSDPModule):
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        module.__class__ = _CLASSES[cls]
+    module._fsdp = unit
+    _refuse_matrix_optimizers()
+    return module
+
+
+def units(model: nn.Module) -> list[FSDPUnit]:
+    """The units inside `model`, in module order (the same on every rank)."""
+    return [m._fsdp for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+# -- what the user calls around the loop --
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for a sharded model: the squared norm of the shards summed
+    over the shard group (one 8-byte all_reduce) plus the ignored parameters' (whole on every
+    rank, counted once); returns the total norm (a device tensor, no host read)."""
+    us = units(model)
+    sharded = [p.sharded.grad for u in us for p in u.trainable if p.sharded.grad is not None]
+    whole = [p.grad for u in us for p in u.ignored if p.grad is not None]
+    device = (sharded + whole)[0].device
+    sq = torch.zeros(1, dtype=torch.float64, device=device)
+    for g in sharded:
+        sq += g.double().pow(2).sum()
+    dist.all_reduce(sq, group=us[0].group)
+    for g in whole:
+        sq += g.double().pow(2).sum()
+    return clip_by_norm(sq, sharded + whole, max_norm)
+
+
+def full_tensors(model: nn.Module, what: str = "param") -> dict[str, torch.Tensor]:
+    """{name: full parameter (or gradient)} in the shards' dtype, on every rank (collective: one
+    all-gather per unit). A gradient that is None reads as zeros."""
+    out, full_of = {}, {}
+    for u in units(model):
+        if u.params:
+            dtype = u.params[0].sharded.dtype
+            flat, _ = u.all_gather([p.sharded if what == "param" else p.sharded.grad
+                                    for p in u.params], dtype, async_op=False)
+            pieces = flat.view(u.W, u.N).split([p.padded for p in u.params], dim=1)
+            for p, piece in zip(u.params, pieces):   # [W, c rest] -> the first numel
+                full_of[id(p.sharded)] = piece.reshape(-1)[:math.prod(p.shape)].view(p.shape)
+    for name, p in model.named_parameters():
+        if id(p) in full_of:
+            out[name] = full_of[id(p)]
+        else:
+            t = p if what == "param" else p.grad
+            out[name] = (t if t is not None else torch.zeros_like(p)).detach()
     return out
 
 
-class FullyShard(zero.Zero):
-    """ZeRO-3's engine (zero.Zero, stage 3) with FSDP's schedule: prefetch in both directions,
-    optional resharding after the forward, and a root unit (every parameter outside the named
-    units, e.g. embeddings, final norm and head) gathered at the start of the forward and kept
-    until the end of the backward; with `replicate` (HSDP), each reduced shard is averaged over
-    the replicas too. Build it with fully_shard()."""
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state dict (full parameters in their own dtype, and the buffers), on every
+    rank: save it on rank 0. model.state_dict() is the sharded one (save it per rank)."""
+    sd = full_tensors(model, "param")
+    sd.update({n: b.detach() for n, b in model.named_buffers()})
+    return sd
 
-    def __init__(self, model, units: list[torch.nn.Module], group=None, prefetch: int = 1,
-                 reshard_after_forward=True, average=True, reduce_dtype=None, replicate=None):
-        names = {id(p): n for n, p in model.named_parameters()}
-        inside = {id(p) for u in units for p in u.parameters()}
-        root = [p for p in model.parameters() if id(p) not in inside]
-        by_name = {id(m): n for n, m in model.named_modules()}
-        spec = [("root", root, [model])] + [(by_name[id(u)], list(u.parameters()), [u])
-                                            for u in units]
-        if not root:
-            raise ValueError("fully_shard: every parameter is inside a unit; leave the "
-                             "module's own (or one top-level) parameters to the root unit")
-        super().__init__(model, group, stage=3, average=average, units=spec,
-                         reduce_dtype=reduce_dtype, names=names)
-        self.prefetch, self.reshard = prefetch, reshard_after_forward
-        self.replicate = replicate
-        self.R = dist.get_world_size(replicate) if replicate is not None else 1
-        self.root, self.layers = self.units[0], self.units[1:]
-        self.position = {u: i for i, u in enumerate(self.layers)}
 
-    def _prefetch(self, order: list):
-        for u in order[:self.prefetch]:
-            if not u.gathered:
-                u.gather_params(async_op=True)  # same order on every rank
-
-    def _pre_forward(self, u):
-        u.wait()
-        if u is self.root:   # the start of the forward
-            self._prefetch(self.layers)
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]):
+    """Each rank copies its rows of every full parameter into its shard (no communication)."""
+    for name, p in model.named_parameters():
+        if hasattr(p, "_fsdp_param"):
+            sp = p._fsdp_param
+            p.copy_(sd[name][sp.lo:sp.lo + p.shape[0]])
         else:
-            self._prefetch(self.layers[self.position[u] + 1:])
-
-    def _post_forward(self, u, out):
-        if u is not self.root and self.reshard:
-            u.free_params()
-        self._hook_backward(u, out)
-
-    def _post_backward(self, u):
-        """After u's backward: free its parameters, the root's too (it is gathered again by the
-        next forward, after the optimizer has updated its shard)."""
-        if u is self.root and planted("root-stays-gathered"):   # plant: stale root next step
-            return
-        u.free_params()
-
-    def _pre_backward(self, u):
-        u.wait()
-        if u is self.root:  # the backward starts at the root's output, then the last unit
-            self._prefetch(self.layers[::-1])
-        else:
-            self._prefetch(self.layers[:self.position[u]][::-1])
-
-    def _reduced(self, out):
-        """HSDP: the shard group's reduced shard, averaged over the R replicas (one all_reduce
-        of Psi/S elements per unit over the replicate group: the only traffic that leaves a
-        shard group, so it is the one that crosses nodes)."""
-        if self.replicate is None or planted("replicas-not-averaged"):   # plant: not averaged
-            return
-        if self.average:
-            out.div_(self.R)
-        dist.all_reduce(out, group=self.replicate)
+            p.copy_(sd[name])
+    for name, b in model.named_buffers():
+        b.copy_(sd[name])
 
 
-def fully_shard(module: torch.nn.Module, units=None, group=None, prefetch: int = 1,
-                reshard_after_forward: bool = True, reduce_dtype="auto",
-                average: bool = True, replicate_group=None) -> FullyShard:
-    """Shard `module` in place over the ranks of `group`; returns the engine, which
-    zero.ZeroOptimizer steps:
-
-        fs = fully_shard(model, units=[model.block1, model.block2])
-        opt = zero.ZeroOptimizer(model.parameters(), torch.optim.AdamW, engine=fs, lr=1e-3)
-        loss.backward(); opt.step(); opt.zero_grad()
-
-    units: the submodules (or their names) that become units, in forward order (default: an
-    HF causal LM's decoder layers); everything else is the root unit. The module's parameters
-    stay ordinary tensors (views into the gathered flat buffers), so the module's own forward
-    runs unchanged. Ranks start from rank 0's parameters and buffers. reduce_dtype: the
-    reduce-scatter's and the gradient shards' dtype, "auto" = fp32 for bf16/fp16 gradients.
-    replicate_group: HSDP (hybrid sharding): `group` is this rank's shard group (inside a
-    node), replicate_group the ranks holding the same shard in the other replicas; each unit's
-    reduced shard is then averaged over it (hsdp_groups() builds both)."""
-    ddp.check_devices(list(module.named_parameters()) + list(module.named_buffers()), group,
-                      "fully_shard")
-    units = resolve_units(module, units)
-    state = list(module.parameters()) + list(module.buffers())
-    ddp.broadcast_coalesced(state, group)
-    if replicate_group is not None:    # then replica 0's (every rank of a shard group agrees)
-        ddp.broadcast_coalesced(state, replicate_group)
-    if reduce_dtype == "auto":
-        reduce_dtype = grad_reduce_dtype(next(module.parameters()).dtype)
-    return FullyShard(module, units, group, prefetch, reshard_after_forward, average,
-                      reduce_dtype, replicate_group)
+@contextlib.contextmanager
+def summon_full_params(model: nn.Module):
+    """Every unit's full parameters (param_dtype copies) in the module for the body: read
+    them, run a forward without gradients. Writes are not kept (the shards are the state)."""
+    us = units(model)
+    for u in us:
+        u.unshard()
+    try:
+        yield model
+    finally:
+        for u in us:
+            u.reshard()
 
 
+# -- a matrix optimizer over shards would be silently wrong: refuse it --
+_HOOK = []
+
+
+def _refuse_matrix_optimizers():
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+
+
+def _check_optimizer(optimizer, args, kwargs):
+    if isinstance(optimizer, zero.ELEMENTWISE) or getattr(optimizer, "_fsdp_checked", False):
+        return
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if hasattr(p, "_fsdp_param") and p._fsdp_unit.W > 1:
+                raise ValueError(
+                    f"fsdp: {type(optimizer).__name__} would update a shard of a "
+                    f"{p._fsdp_full_shape} parameter as if it were the whole tensor (it is not "
+                    f"known to update elementwise); use one of "
+                    f"{', '.join(c.__name__ for c in zero.ELEMENTWISE)}, or keep such "
+                    f"parameters whole with fully_shard(..., ignored_params=...)")
+    optimizer._fsdp_checked = True
+
+
+# -- HSDP's groups --
 def block_groups(groups: list[list[int]], size: int) -> tuple[list, list]:
     """(blocks, strided): each of `groups` cut into blocks of `size` consecutive ranks, and the
     ranks at the same place in every block of a group. HSDP's shard and replicate groups here
@@ -251,23 +639,31 @@ def replicas(args, world: int) -> tuple[int, str | None]:
                         f"nodes of {n} ranks, LOCAL_WORLD_SIZE)")
 
 
-class FSDP(zero.ZeRO):
+class FSDP(Strategy):
+    """fully_shard on each decoder layer and on the model, and a plain torch.optim.AdamW over
+    model.parameters(): the loop a user writes. In bf16 runs the shards are fp32 masters (the
+    reference's, exactly) under MixedPrecisionPolicy(bf16, the run's reduce dtype)."""
     name = "fsdp"
     syncs_initial_params = True   # fully_shard broadcasts rank 0's parameters and buffers
-    # One configuration catches all three: float32 + --clip for the scale, --grad-accum 2 for
-    # the accumulation; the stale root shows from the second step on.
+    # One configuration catches the first three: float32 + --clip for the scale, --grad-accum 2
+    # for the accumulation without sync; the stale root shows from the second step on.
     _ACCUM_CLIP = ("--grad-accum", "2", "--dtype", "float32", "--clip", "0.5")
     plants = {
-        "no-average": Plant("the reduce-scatter sums the gradients instead of averaging "
-                                   "them (2x at W=2; clipping would hide it)", _ACCUM_CLIP),
-        "overwrite-accum": Plant("the reduced gradient shard is overwritten by each "
-                                        "micro-batch's instead of accumulated", _ACCUM_CLIP),
-        "root-stays-gathered": Plant("the root is not freed after the backward, so the "
-                                            "next forward skips its all-gather and uses stale "
-                                            "embeddings and head", _ACCUM_CLIP),
+        "no-average": Plant("the reduce-scatter sums the gradients instead of averaging them "
+                            "(2x at W=2; clipping would hide it)", _ACCUM_CLIP),
+        "sync-drops-accumulated": Plant("the last micro-batch's reduce-scatter carries its own "
+                                        "gradient only, not those accumulated without sync",
+                                        _ACCUM_CLIP),
+        "root-stays-gathered": Plant("the root is not freed after the backward: the next "
+                                     "forward uses stale embeddings and head", _ACCUM_CLIP),
+        "no-regather": Plant("the backward re-allocates a resharded unit's parameters without "
+                             "all-gathering them", _ACCUM_CLIP),
+        "shard-rows": Plant("rank r's shard starts at row r floor(d0 / W), not r ceil(d0 / W): "
+                            "shards overlap where W does not divide d0", ("--batch", "6"),
+                            world=3),
         "replicas-not-averaged": Plant("HSDP: the reduced shards are not all-reduced over the "
-                                       "replicas, so each replica steps on its own half of the "
-                                       "batch", ("--replicate", "2"), world=4),
+                                       "replicas: each steps on its half of the batch",
+                                       ("--replicate", "2"), world=4),
     }
 
     @staticmethod
@@ -285,53 +681,114 @@ class FSDP(zero.ZeRO):
 
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
-        args.stage = 3  # zero.ZeRO's reporting: FSDP's model states are stage 3's
         group = replicate = None
         args.replicate, line = replicas(args, env.world)
         if line and env.is_main:
             print(line, flush=True)
         if args.replicate > 1:
             group, replicate = hsdp_groups(args.replicate)
-        self.zero = fully_shard(model, group=group, replicate_group=replicate,
-                                prefetch=args.prefetch,
-                                reshard_after_forward=not args.no_reshard_after_forward,
-                                reduce_dtype=grad_reduce_dtype(next(model.parameters()).dtype,
-                                                               args))
-        self.optimizer = zero.adamw_on_shards(model, self.zero, args)
+        self.dtype = dtype = next(model.parameters()).dtype
+        mp = None
+        if dtype in LOW_PRECISION:   # fp32 masters: the bf16 weights, exactly, as the reference's
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.data = p.data.float()
+            mp = MixedPrecisionPolicy(dtype, grad_reduce_dtype(dtype, args))
+        kw = dict(group=group, replicate_group=replicate, mp_policy=mp, prefetch=args.prefetch,
+                  reshard_after_forward=False if args.no_reshard_after_forward else None)
+        for layer in (parts(model).layers or []):
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
+        self.units = units(model)
+        params = list(model.parameters())
+        self.optimizer = torch.optim.AdamW(params, **adamw_kwargs(params, self.args))
+
+    def step(self, batch) -> float:
+        for u in self.units:
+            u.copies = {}
+        self.optimizer.zero_grad(set_to_none=True)
+        local_sum = ddp.forward_backward(self.model, batch, self.env.rank, self.env.world,
+                                         self.args.grad_accum,
+                                         self.model.set_requires_gradient_sync)
+        with phase("optimizer"):
+            if self.args.clip:
+                self.grad_norm = clip_grad_norm_(self.model, self.args.clip)
+            self.optimizer.step()
+        if METER.active:   # the copies in and out of the buffers, beside the collectives
+            for u in self.units:
+                for kind, (n, nbytes) in u.copies.items():
+                    c = METER.counts.setdefault((kind, "local"), [0, 0])
+                    c[0], c[1] = c[0] + n, c[1] + nbytes
+        return global_loss(local_sum, batch.n_tokens)
+
+    def full_grads(self):
+        return full_tensors(self.model, "grad")
+
+    def full_params(self):   # the masters in the run's dtype: what the reference's module holds
+        return {n: t.to(self.dtype) for n, t in full_tensors(self.model, "param").items()}
 
     def extra_checks(self):
         """HSDP: the replicas must hold the same shards (the reference sees replica 0 only)."""
-        z = self.zero
-        if z.replicate is None:
+        u = self.units[0]
+        if u.replicate is None:
             return []
-        spread = spread_across_ranks([u.shard for u in z.units], z.replicate)
+        spread = spread_across_ranks(list(self.model.parameters()), u.replicate)
         return [("HSDP replicas hold identical shards", spread == 0.0, f"max spread {spread:.1e}")]
 
+    def sizes(self) -> dict[str, int]:
+        """Elements: gathered per pass (Psi: the padded buffers) and of it the resharded units',
+        reduced (Psi_g); this rank's shards (all, trainable)."""
+        us, W = self.units, self.units[0].W
+        return dict(psi=sum(W * u.N for u in us), psi_g=sum(W * u.Ng for u in us),
+                    resharded=sum(W * u.N for u in us if u.reshard_after_forward),
+                    shard=sum(p.local for u in us for p in u.params),
+                    shard_g=sum(p.local for u in us for p in u.trainable))
+
     def expected_comm(self):
-        z, K = self.zero, self.args.grad_accum
-        g = "shard" if z.replicate is not None else "world"   # HSDP: inside a shard group
-        b = z.root.full.element_size()
-        rb = z.root.grad_shard.element_size()   # the reduce dtype's
-        root, layers = z.root.padded * b, sum(u.padded for u in z.layers) * b
-        n, L = len(z.units), len(z.layers)
-        regather = L if z.reshard else 0
-        rows = [Expect("all_gather_into_tensor", g, (n + regather) * K,
-                       (root + layers + (layers if z.reshard else 0)) * K,
-                       "forward: every unit; backward: " + ("each layer again"
-                                                            if z.reshard else "none")
+        u0, K, us = self.units[0], self.args.grad_accum, self.units
+        g = "shard" if u0.replicate is not None else "world"   # HSDP: inside a shard group
+        s, W, b, rb = self.sizes(), u0.W, u0.dtype.itemsize, u0.reduce_dtype.itemsize
+        calls = (len(us) + sum(1 for u in us if u.reshard_after_forward)) * K
+        gathered = (s["psi"] + s["resharded"]) * b * K   # forward, backward, each micro-batch
+        n_rs = sum(1 for u in us if u.trainable)
+        rows = [Expect("all_gather_into_tensor", g, calls, gathered,
+                       f"forward Psi*b = {s['psi'] * b:,} B; backward (Psi - Psi_root)*b"
+                       + ("" if s["resharded"] else " (none: no resharding)")
                        + (f"; x{K} micro-batches" if K > 1 else "")),
-                Expect("reduce_scatter_tensor", g, n * K, (root + layers) * K * rb // b,
-                       f"Psi*b_reduce = {(root + layers) * rb // b:,} B, one per unit"
-                       + (f"; x{K} micro-batches" if K > 1 else ""))]
-        if z.replicate is not None:
-            shard = sum(u.shard_numel for u in z.units) * rb
-            rows.append(Expect("all_reduce", "replicate", n * K, shard * K,
-                               f"HSDP: each reduced shard over the {z.R} replicas, "
-                               f"Psi*b_reduce/S = {shard:,} B"
-                               + (f"; x{K} micro-batches" if K > 1 else "")))
+                Expect("reduce_scatter_tensor", g, n_rs, s["psi_g"] * rb,
+                       f"Psi_g*b_reduce = {s['psi_g'] * rb:,} B, once per step"),
+                Expect("all_gather copy-in", "local", calls, gathered // W, "Psi*b/W per gather"),
+                Expect("all_gather copy-out", "local", calls, gathered, "Psi*b per gather"),
+                Expect("reduce_scatter copy-in", "local", n_rs, s["psi_g"] * rb,
+                       "Psi_g*b_reduce (padded)"),
+                Expect("reduce_scatter copy-out", "local",
+                       sum(1 for u in us for p in u.trainable if p.local),
+                       s["shard_g"] * u0.params[0].sharded.element_size(),
+                       "this rank's unpadded gradient rows, in the shards' dtype")]
+        if u0.replicate is not None:
+            rows.append(Expect("all_reduce", "replicate", n_rs, s["psi_g"] * rb // W,
+                               f"HSDP: each reduced shard over the {u0.R} replicas, "
+                               f"Psi_g*b_reduce/S = {s['psi_g'] * rb // W:,} B"))
         if self.args.clip:
             rows.append(Expect("all_reduce", g, 1, 8, "clip: squared-norm sum (fp64)"))
         return rows
+
+    def memory_formula(self) -> dict[str, float]:
+        """16 bytes per fp32 shard element with AdamW: shard, gradient, m, v (no extra master:
+        the shard is the master), and torch's 4-byte step count per parameter."""
+        e = self.units[0].params[0].sharded.element_size()
+        s = self.sizes()
+        n = sum(len(u.trainable) for u in self.units)
+        states = {"params": s["shard"] * e, "grads": s["shard_g"] * e,
+                  "optimizer": 2 * s["shard_g"] * e + 4 * n}
+        return {**states, "model_states": sum(states.values())}
+
+    def report_lines(self):
+        s, W = self.sizes(), self.units[0].W
+        numel = sum(math.prod(p.shape) for u in self.units for p in u.params)
+        return [f"per-parameter shards: {len(self.units)} units, {numel:,} parameters; buffers "
+                f"padded to {s['psi']:,} (+{s['psi'] - numel} for dim-0 chunks of W={W}); "
+                f"this rank's shards {s['shard']:,}"]
 
 
 FSDP.native = [zero.TorchFSDP2, ddp.DDP]   # PyTorch's FSDP2 on the same units, and our DDP

@@ -40,14 +40,15 @@ the reduce-scatter's b is the reduce dtype's: 4 for bf16 gradients by default)
     one call per unit each; --clip adds one 8-byte all_reduce. With --grad-accum K, stages 2 and
     3 reduce-scatter (and stage 3 gathers) on every micro-batch; stage 1 only on the last.
 
-Siblings: zeropp.py (ZeRO++), fsdp.py (FSDP, HSDP), zero_state.py (per-parameter shards).
+Siblings: zeropp.py (ZeRO++), zero_state.py (per-parameter shards of the optimizer state), fsdp.py
+(FSDP2's per-parameter dim-0 shards, the contrast to this flat layout, which FSDP1 also used).
 --compare-native: torch's ZeroRedundancyOptimizer over DDP (1, 2), FSDP2's fully_shard (3).
 
 Public API
     opt = ZeroOptimizer(params_or_groups, torch.optim.AdamW, stage=1|2, lr=...)   any elementwise
         torch optimizer, its state sharded; clip_grad_norm_, state_dict() / load_state_dict()
-        in torch's unsharded format; stage 3: ZeroOptimizer(..., engine=Zero(model, stage=3))
-        or engine=fsdp.fully_shard(model); examples/zero_train.py
+        in torch's unsharded format; stage 3: ZeroOptimizer(..., engine=Zero(model, stage=3));
+        examples/zero_train.py. (fsdp.fully_shard needs no wrapper: a torch optimizer steps it.)
     engine = Zero(model, group=None, stage=1|2|3, units=None, prefetch=0, ...)   the hooks
 """
 import contextlib
@@ -385,7 +386,6 @@ class Zero(FlatTensors):
         while len(self.pending) > keep:
             u, out, handle = self.pending.pop(0)
             handle.wait()
-            self._reduced(out)
             if self.stage == 1:
                 u.grad_shard.copy_(out)   # one reduction per step
             elif planted("overwrite-accum"):   # plant: keeps only the last micro-batch
@@ -394,9 +394,6 @@ class Zero(FlatTensors):
                 u.grad_shard.add_(out)  # accumulates over micro-batches
             if self.stage > 1:
                 u.free_grads()
-
-    def _reduced(self, out: torch.Tensor):
-        """A reduced shard, complete (fsdp.FullyShard: HSDP averages it over the replicas)."""
 
     def finish(self):
         """After the last backward: every shard holds its reduced gradient. Stage 1 reduces
@@ -481,9 +478,9 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
     parameter with no gradient in a step is stepped with a zero one (momentum and weight decay
     still apply), not skipped as torch's optimizers skip a None.
 
-    params: tensors or parameter groups. engine: a Zero(model, stage=3) or fsdp.fully_shard(...)
-    that already shards these parameters; without one, stage 1 or 2 over `params` packed in
-    buckets of bucket_mb per group, rank 0's values broadcast first (broadcast=True).
+    params: tensors or parameter groups. engine: a Zero(model, stage=3) that already shards
+    these parameters (fsdp.fully_shard's need no wrapper); without one, stage 1 or 2 over
+    `params` packed in buckets of bucket_mb per group, rank 0's values broadcast first.
     reduce_dtype: the reduce-scatter's and gradient shards', "auto" = fp32 for bf16 gradients."""
 
     def __init__(self, params, optimizer_class=torch.optim.AdamW, *, group=None, stage: int = 1,
@@ -499,8 +496,8 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         if engine is None:
             if stage not in (1, 2):
                 raise ValueError(f"ZeroOptimizer: stage {stage} over plain parameters; stage 3 "
-                                 f"shards the module: build zero.Zero(model, stage=3) or "
-                                 f"fsdp.fully_shard(model) and pass it as engine=")
+                                 f"shards the module: build zero.Zero(model, stage=3) and "
+                                 f"pass it as engine= (or fsdp.fully_shard and a torch optimizer)")
             ddp.check_devices([(f"parameter {i}", p) for i, p in enumerate(everything)],
                               group, "ZeroOptimizer")
             if broadcast:
@@ -765,7 +762,7 @@ class TorchZeRO1(ddp.TorchDDP):
 
 
 class TorchFSDP2(DTensorBaseline):
-    """PyTorch's FSDP2 (fully_shard) on each decoder layer and the root (fsdp.py's too)."""
+    """PyTorch's FSDP2 (fully_shard) on each decoder layer and the root (fsdp.py's units too)."""
     name = "torch-fsdp2"
 
     def __init__(self, model, args, env):

@@ -7,7 +7,7 @@ the range [off, off + numel) of that buffer. What follows is bookkeeping over th
 (plus all-gathers over the shard group), none of it part of ZeRO's algorithm; zero.py mixes it
 into its two classes:
 
-    FlatTensors   (zero.Zero and its subclasses: fsdp.FullyShard, zeropp.ZeroPP)
+    FlatTensors   (zero.Zero and its subclass zeropp.ZeroPP)
         full_tensors(kind), gather_flat(shards) -> {name: tensor}   each unit's shard
                                                  all-gathered and cut per parameter
         flat_shards(tensors) -> [shard]          the inverse: this rank's shard of each unit

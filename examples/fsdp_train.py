@@ -1,27 +1,31 @@
-"""Fully sharded data parallelism on your own model:
+"""Fully sharded data parallelism on your own model, in the loop FSDP2 teaches:
 torchrun --nproc_per_node=2 examples/fsdp_train.py
 
-fsdp.fully_shard shards parameters, gradients and optimizer state; each block you name is a
-unit, gathered just before it runs and freed after."""
+fsdp.fully_shard makes each block one unit (gathered just before it runs, freed after), then
+the model the root unit (embedding, norm, head). Afterwards every parameter *is* this rank's
+dim-0 shard, so a plain torch optimizer over model.parameters() steps the shards. The policy:
+fp32 shards (the masters), bf16 compute copies, fp32 gradient reduction."""
 import torch
 
 import fsdp
-import zero
 from common import STEPS, TinyLM, batch, finish, init, log, loss_fn, no_decay_groups
 
 device, rank = init()
 model = TinyLM().to(device)
-fs = fsdp.fully_shard(model, units=list(model.blocks))    # the rest (embedding, norm, head):
-opt = zero.ZeroOptimizer(no_decay_groups(model, 0.1),     # the root unit
-                         torch.optim.AdamW, engine=fs, lr=3e-3)
+policy = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+for block in model.blocks:
+    fsdp.fully_shard(block, mp_policy=policy)
+fsdp.fully_shard(model, mp_policy=fsdp.MixedPrecisionPolicy(    # the logits in fp32
+    param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32))
+opt = torch.optim.AdamW(no_decay_groups(model, 0.1), lr=3e-3)    # after fully_shard
 for step in range(STEPS):
     loss = loss_fn(model, batch(rank, step).to(device))
-    loss.backward()                                       # gathers, reduce-scatters, frees
-    opt.clip_grad_norm_(1.0)
+    loss.backward()                                # gathers, reduce-scatters into .grad shards
+    fsdp.clip_grad_norm_(model, 1.0)
     opt.step()
     opt.zero_grad()
     log(step, loss)
-full = fs.full_tensors("param")                           # collective: full weights
+full = fsdp.full_state_dict(model)                 # collective: full fp32 weights, every rank
 if rank == 0:
-    print(f"gathered {len(full)} full parameters", flush=True)
+    print(f"gathered {len(full)} full tensors", flush=True)
 finish()

@@ -339,52 +339,167 @@ def reference_steps(model, opt, W, accum, clip, start, steps=2):
 
 
 # ------------------------------------------------------------------------------------------
-# fsdp.fully_shard + zero.ZeroOptimizer vs FSDP2's fully_shard + torch.optim.AdamW
+# fsdp.fully_shard + a plain torch optimizer vs FSDP2's fully_shard, and vs one device
 # ------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def without_sync(model):
+    """Gradient accumulation without reduction, as FSDP2 spells it (both libraries)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 def check_fsdp(rank, W):
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from harness.plants import planting
     mesh = init_device_mesh("cpu", (W,))
 
-    def pair(reshard, accum, clip, unused, kind="adamw", average=True):
-        """FSDP2 and ours from the same weights, the same loop; their snapshots."""
-        theirs = build(seed=7, unused=unused)      # FSDP2 needs equal weights on every rank
-        for unit in (theirs.fc1, theirs.fc2):
-            torch_fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
-        torch_fully_shard(theirs, mesh=mesh, reshard_after_forward=reshard)
-        ours = build(seed=7 if rank == 0 else 9 + rank, unused=unused)  # fully_shard broadcasts
-        fs = fsdp.fully_shard(ours, units=["fc1", "fc2"], reshard_after_forward=reshard,
-                              average=average)
-        # weight decay 0 with an unused layer: it gets no gradient, which torch's AdamW skips
-        # and ours steps with zeros (a no-op for Adam without decay)
-        wd = 0.0 if unused else 0.1
-        if kind == "adamw":
-            t_opt = torch.optim.AdamW(groups(theirs, weight_decay=wd), lr=1e-2)
-            o_opt = zero.ZeroOptimizer(groups(ours, weight_decay=wd), torch.optim.AdamW,
-                                       engine=fs, lr=1e-2)
-        else:
-            t_opt = torch.optim.SGD(theirs.parameters(), lr=0.1)
-            o_opt = zero.ZeroOptimizer(ours.parameters(), torch.optim.SGD, engine=fs, lr=0.1)
-        names = [n for n, _ in ours.named_parameters()]
-        want = train(theirs, t_opt, rank, accum,
-                     clip=(lambda: torch.nn.utils.clip_grad_norm_(theirs.parameters(), clip))
-                     if clip else None,
-                     snap=lambda: [p.full_tensor().detach().clone() for p in theirs.parameters()]
-                     + [b.clone() for b in theirs.buffers()])
-        got = train(ours, o_opt, rank, accum, clip=(lambda: o_opt.clip_grad_norm_(clip))
-                    if clip else None,
-                    snap=lambda: [t.clone() for t in map(fs.full_tensors("param").get, names)]
-                    + [b.clone() for b in ours.buffers()])
-        return max(rel_diff(g, w) for g, w in zip(got, want))
+    def shard(model, ours, mp=None, reshard=None, ignored=None):
+        """fc1, fc2, then the root (the tied embedding and head, the frozen layer, the norm)."""
+        for unit in (model.fc1, model.fc2, model):
+            if ours:
+                fsdp.fully_shard(unit, mp_policy=mp, reshard_after_forward=reshard,
+                                 ignored_params=ignored)
+            else:
+                torch_fully_shard(unit, mesh=mesh, reshard_after_forward=reshard,
+                                  mp_policy=TorchPolicy(mp.param_dtype, mp.reduce_dtype)
+                                  if mp else TorchPolicy())
+        return model
 
-    for reshard, accum, clip, unused in ((True, 2, 0.05, False), (False, 1, None, False),
-                                         (True, 2, None, True)):
-        report(f"fsdp reshard={reshard}" + (f", accum {accum}, clip {clip}" if clip else "")
-               + (f", accum {accum}, an unused layer" if unused else "")
-               + f": fully_shard vs FSDP2, {STEPS} steps", pair(reshard, accum, clip, unused))
-    # the comparison sees a planted bug, with SGD (Adam and clipping would hide a scale error)
-    report("fsdp summing instead of averaging",
-           pair(True, 2, None, False, kind="sgd", average=False), control=True)
+    def optimizer(kind, model, wd=0.1):
+        if kind == "sgd":
+            return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return torch.optim.AdamW(groups(model, weight_decay=wd), lr=1e-2)
+
+    def full(model, ours):
+        if ours:
+            return [t.clone() for t in fsdp.full_tensors(model).values()] + \
+                [b.clone() for b in model.buffers()]
+        return [p.full_tensor().detach().clone() for p in model.parameters()] + \
+            [b.clone() for b in model.buffers()]
+
+    def run(ours, kind, accum=1, sync_each=False, clip=None, unused=False, reshard=None,
+            mp=None, dtype=torch.float64, wd=0.1, ignored=None, steps=STEPS):
+        """The standard loop on a sharded Net (ours from per-rank seeds: fully_shard
+        broadcasts rank 0's; FSDP2 needs equal weights); the full parameters after each step,
+        and the model after one more backward (its .grad shards)."""
+        torch.manual_seed(7 if rank == 0 or not ours else 9 + rank)
+        model = Net(unused).to(dtype)
+        if mp is not None:   # (BatchNorm's fp32 statistics take no bf16 input, in FSDP2 too)
+            model.norm = nn.LayerNorm(H, dtype=dtype)
+        shard(model, ours, mp, reshard, ignored(model) if ignored else None)
+        opt = optimizer(kind, model, wd)
+        clip_fn = None
+        if clip:
+            clip_fn = ((lambda: fsdp.clip_grad_norm_(model, clip)) if ours else
+                       (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        snaps = train(model, opt, rank, accum, clip=clip_fn, snap=lambda: full(model, ours),
+                      no_sync=None if sync_each else (lambda: without_sync(model)),
+                      steps=steps)
+        loss_fn(model, tokens(rank, 99)).backward()
+        return snaps, model
+
+    def versus_fsdp2(name, control=False, tol=None, **kw):
+        want, theirs = run(False, **kw)
+        got, ours = run(True, **kw)
+        err = max(rel_diff(g, w) for g, w in zip(got, want))
+        if control:
+            return report(name, err, control=True)
+        # each shard and its .grad: FSDP2's to_local(), in shape, dtype and value
+        for (n, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters()):
+            for x, y in ((p, q), (p.grad, q.grad)):
+                if (x is None) != (y is None):
+                    err = float("inf")
+                elif x is not None:
+                    y = y.to_local()
+                    same = x.shape == y.shape and x.dtype == y.dtype
+                    err = max(err, rel_diff([x.detach()], [y.detach()]) if same and x.numel()
+                              else (0.0 if same else float("inf")))
+        if tol is None:
+            return report(name, err)
+        report(name, err * TOL / tol)   # mapped onto TOL: within `tol` in this dtype
+
+    versus_fsdp2(f"fsdp adamw, accum 2 without sync, clip 0.05: fully_shard vs FSDP2, {STEPS} "
+                 "steps, shards and grads as to_local()", kind="adamw", accum=2, clip=0.05)
+    versus_fsdp2(f"fsdp sgd, reshard_after_forward=False: fully_shard vs FSDP2, {STEPS} steps, "
+                 "shards and grads as to_local()", kind="sgd", reshard=False)
+    # accumulation onto an existing .grad (a reduction every micro-batch), an unused layer
+    # (no gradient: AdamW skips it in both)
+    versus_fsdp2(f"fsdp adamw, accum 2 reducing each, an unused layer: fully_shard vs FSDP2, "
+                 f"{STEPS} steps, shards and grads as to_local()", kind="adamw", accum=2,
+                 sync_each=True, unused=True)
+    # mixed precision: fp32 shards, bf16 / fp16 compute, fp32 reduction, on both sides
+    for low in (torch.bfloat16, torch.float16):
+        policy = fsdp.MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        eps = torch.finfo(torch.float32).eps
+        versus_fsdp2(f"fsdp adamw, float32 with a {str(low)[6:]} policy: fully_shard vs FSDP2, "
+                     f"3 steps, within 8 float32 ulps", tol=8 * eps, kind="adamw",
+                     mp=policy, dtype=torch.float32, steps=3)
+        torch.manual_seed(7)
+        model = Net(unused=False).float()
+        before = [p.detach().clone() for p in model.parameters()]
+        for plant in (None, "masters-rounded"):
+            with planting(plant):
+                sharded = shard(copy.deepcopy(model), True, policy)
+            err = rel_diff(list(fsdp.full_tensors(sharded).values()), before)
+            report(f"fsdp {str(low)[6:]} policy: the fp32 shards are the initial weights" if
+                   plant is None else f"fsdp {str(low)[6:]} policy: masters rounded through "
+                   "param_dtype", err, control=plant is not None)
+    # one device: the same loop on the global batch, with torch's optimizer unsharded
+    for kind, accum, clip in (("sgd", 2, None), ("adamw", 1, 0.05)):
+        _, _, want = reference_run(W, kind, accum, clip)
+        torch.manual_seed(11 + rank)   # fully_shard broadcasts rank 0's weights
+        model = shard(build(seed=7, unused=False), True)
+        opt = make(kind, model)
+        got = train(model, opt, rank, accum, buffers=False,
+                    no_sync=lambda: without_sync(model),
+                    clip=(lambda: fsdp.clip_grad_norm_(model, clip)) if clip else None,
+                    snap=lambda: list(fsdp.full_tensors(model).values()))
+        report(f"fsdp {kind}" + (f", accum {accum}" if accum > 1 else "")
+               + (f", clip {clip}" if clip else "")
+               + f": fully_shard vs torch.optim on the global batch, {STEPS} steps",
+               max(rel_diff(g, w) for g, w in zip(got, want)))
+    # ignored parameters: whole on every rank, averaged like DDP: the same run as sharded
+    want, _ = run(True, "adamw", accum=2, clip=0.05)
+    got, model = run(True, "adamw", accum=2, clip=0.05,
+                     ignored=lambda m: {m.fc2.weight, m.fc2.bias})
+    g = model.fc2.weight.grad
+    spread = torch.stack([g.detach().clone().sum(), -g.detach().sum()])
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    same = (spread[0] + spread[1]).abs().item()   # max - min over ranks of the gradient's sum
+    report(f"fsdp fc2 in ignored_params: vs sharded, {STEPS} steps, its gradient identical on "
+           f"every rank", max(max(rel_diff(a, b) for a, b in zip(got, want)), same))
+    # the comparison sees planted bugs: summed gradients (SGD: Adam and clipping would hide
+    # them), the micro-batches without sync dropped
+    for plant, kw in (("no-average", dict(kind="sgd")),
+                      ("sync-drops-accumulated", dict(kind="adamw", accum=2))):
+        with planting(plant):
+            versus_fsdp2(f"fsdp {plant}", control=True, **kw)
+    # a matrix optimizer over shards is refused at its first step; kept whole, it runs
+    if hasattr(torch.optim, "Muon"):
+        torch.manual_seed(7)
+        model = shard(Net(unused=False), True)
+        matrices = [p for p in model.parameters() if p.dim() == 2 and p.requires_grad]
+        opt = torch.optim.Muon(matrices, lr=0.02)
+        loss_fn(model, tokens(rank, 0)).backward()
+        try:
+            opt.step()
+            results.append((False, "FAIL error: Muon over shards was not refused"))
+        except ValueError as e:
+            results.append(("would update a shard" in str(e),
+                            f"PASS error: Muon over fully_shard's shards: {e}"))
+    try:
+        torch.manual_seed(7)
+        tied = Net(unused=False)
+        fsdp.fully_shard(tied.emb)
+        fsdp.fully_shard(tied)
+        results.append((False, "FAIL error: a tie across units was not refused"))
+    except ValueError as e:
+        results.append(("tied" in str(e), f"PASS error: a tie across units: {e}"))
 
 
 def check_errors():

@@ -52,6 +52,23 @@ def test_learning(runs):
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
 
 
+def chunk(d0, rest, w):
+    """FSDP2's padded size of a (d0, *rest) parameter: W chunks of ceil(d0 / W) rows."""
+    return w * -(-d0 // w) * rest
+
+
+def unit_sizes(w):
+    """(root, one layer) elements in the communication buffers, each parameter padded."""
+    layer = (2 * chunk(H, H, w) + 2 * chunk(KV, H, w) + 2 * chunk(I, H, w) + chunk(H, I, w)
+             + 2 * chunk(H, 1, w))
+    return 2 * chunk(V, H, w) + chunk(H, 1, w), layer
+
+
+def local_rows(d0, rest, w, r):
+    c = -(-d0 // w)
+    return (min((r + 1) * c, d0) - min(r * c, d0)) * rest
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("reshard", [True, False])
 def test_benchmark_comm_and_memory(runs, reshard):
@@ -60,18 +77,29 @@ def test_benchmark_comm_and_memory(runs, reshard):
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     b = r.json("benchmark.json")
     e = 4
-    root, layers = padded(ROOT, W) * e, L * padded(LAYER, W) * e
+    root, layer = unit_sizes(W)
+    root, layers = root * e, L * layer * e
     comm = b["ours"]["comm"]
     assert comm["reduce_scatter_tensor|world"] == {"calls": L + 1, "bytes": root + layers}
-    assert comm["all_gather_into_tensor|world"] == (
-        {"calls": 2 * L + 1, "bytes": root + 2 * layers} if reshard
-        else {"calls": L + 1, "bytes": root + layers})
-    shard = (root + layers) // W
-    for m in b["ours"]["memory"]:  # 16 Psi / N in fp32: params, grads, m, v all sharded
-        assert (m["params"], m["grads"], m["optimizer"]) == (shard, shard, 2 * shard), m
-    # the working set: resharding keeps less gathered than keeping every layer
-    peak = b["ours"]["memory"][0]["peak"]
-    assert peak < b["reference"]["memory"][0]["peak"]
+    gathers = ({"calls": 2 * L + 1, "bytes": root + 2 * layers} if reshard
+               else {"calls": L + 1, "bytes": root + layers})
+    assert comm["all_gather_into_tensor|world"] == gathers
+    # the copies in and out of the buffers: shards in (Psi/W), the padded rows out (Psi)
+    assert comm["all_gather copy-out|local"] == gathers
+    assert comm["all_gather copy-in|local"] == {"calls": gathers["calls"],
+                                                "bytes": gathers["bytes"] // W}
+    assert comm["reduce_scatter copy-in|local"] == {"calls": L + 1, "bytes": root + layers}
+    # 16 bytes per element of this rank's shards (fp32 shard, gradient, m, v); rank 2 holds
+    # fewer rows of the dimensions W does not divide (V = 256, H = 64, I = 128, KV = 32)
+    for rank, m in enumerate(b["ours"]["memory"]):
+        shapes = [(V, H)] * 2 + [(H, 1)] + L * ([(H, H)] * 2 + [(KV, H)] * 2 + [(I, H)] * 2
+                                              + [(H, I)] + [(H, 1)] * 2)
+        shard = sum(local_rows(d0, rest, W, rank) for d0, rest in shapes) * e
+        steps = 4 * 39   # AdamW's step count, one float32 per parameter
+        assert (m["params"], m["optimizer"]) == (shard, 2 * shard + steps), (rank, m)
+        if rank == 0:
+            assert b["memory_formula"]["optimizer"] == 2 * shard + steps
+    assert b["ours"]["memory"][0]["peak"] < b["reference"]["memory"][0]["peak"]
 
 
 def test_bad_config(run):
@@ -103,7 +131,7 @@ def test_hsdp_comm_inside_shard_groups_and_across_replicas(runs):
     assert not any(k.endswith("|world") for k in comm), comm
     # model states over the shard group: 16 Psi / S (fp32), measured and formula alike
     b = r.json("benchmark.json")
-    states = 16 * (root + layers) // e // S
+    states = 16 * (root + layers) // e // S + 4 * 39   # + AdamW's step counts
     assert b["memory_formula"]["model_states"] == states
     assert b["ours"]["memory"][0]["model_states"] == states
     assert b["group_sizes"] == {"shard": S, "replicate": 2}
@@ -115,28 +143,42 @@ def test_hsdp_replicas_must_divide_the_world(run):
     assert_config_error(r, "--replicate 3: the replicas must divide world size 4", torchrun=False)
 
 
-def test_root_prefetches_layer_zero_once_per_forward(group):
-    """The root unit's pre-forward hook runs at the embeddings, the final norm and the head;
-    only the first prefetches layer 0. Otherwise layer 0 is gathered a second time at the
-    norm and sits gathered through the backward (the gather count alone cannot see it)."""
+def test_gathers_follow_the_recorded_order(group):
+    """The first forward records the units' order; later forwards prefetch by it, the backward
+    re-gathers the layers (not the root, which stays gathered) in reverse; every unit is
+    gathered once per pass, and between steps nothing is gathered and every parameter is a
+    shard that a plain optimizer steps."""
     import torch
-    import torch.distributed as dist
     import fsdp
     import harness
     args = harness.resolve_defaults(harness.base_parser("t").parse_args([]), "correctness", "cpu")
     model = harness.build_model(args, harness.load_config("tiny"), "cpu")
-    fs = fsdp.fully_shard(model)
-    gathers, real = [], dist.all_gather_into_tensor
+    names = {m: n or "root" for n, m in model.named_modules()}
+    for layer in model.model.layers:
+        fsdp.fully_shard(layer)
+    fsdp.fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    launched, real = [], fsdp.FSDPUnit.unshard
 
-    def counting(out, inp, *a, **k):
-        gathers.append(next(u.name for u in fs.units if u.full is out))
-        return real(out, inp, *a, **k)
-    dist.all_gather_into_tensor = counting
+    def spy(self, async_op=False):
+        if not self.gathered and self.params:
+            launched.append(names[self.module])
+        return real(self, async_op)
+    fsdp.FSDPUnit.unshard = spy
+    layers = [f"model.layers.{i}" for i in range(L)]
     try:
-        loss = model(torch.randint(0, 256, (2, 16))).logits.sum()
-        assert gathers == ["root"] + [f"model.layers.{i}" for i in range(L)], gathers
-        assert not fs.layers[0].gathered           # resharded after its forward, not re-fetched
-        loss.backward()
+        for step in range(2):
+            launched.clear()
+            loss = model(torch.randint(0, V, (2, 16))).logits.sum()
+            assert launched == ["root"] + layers, (step, launched)
+            assert not any(u.gathered for u in fsdp.units(model)[1:])   # resharded
+            loss.backward()
+            assert launched == ["root"] + layers + layers[::-1], (step, launched)
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+            opt.zero_grad()
+            assert all(not u.gathered for u in fsdp.units(model))
+            assert all(hasattr(p, "_fsdp_full_shape") for p in model.parameters())
+            assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
     finally:
-        dist.all_gather_into_tensor = real
-    assert gathers.count("model.layers.0") == 2           # forward, then backward
+        fsdp.FSDPUnit.unshard = real

@@ -30,10 +30,22 @@ EXPECTED = {
        "ZeroOptimizer vs torch.optim",
        "control zero stage 1: a backward after reduce_in_backward's is refused",
        "control zero stage 2 summing instead of averaging"],
-    "fsdp": ["fsdp reshard=True, accum 2, clip 0.05: fully_shard vs FSDP2",
-             "fsdp reshard=False: fully_shard vs FSDP2",
-             "fsdp reshard=True, accum 2, an unused layer: fully_shard vs FSDP2",
-             "control fsdp summing instead of averaging"],
+    "fsdp": ["fsdp adamw, accum 2 without sync, clip 0.05: fully_shard vs FSDP2, 5 steps, "
+             "shards and grads as to_local()",
+             "fsdp sgd, reshard_after_forward=False: fully_shard vs FSDP2",
+             "fsdp adamw, accum 2 reducing each, an unused layer: fully_shard vs FSDP2",
+             "fsdp adamw, float32 with a bfloat16 policy: fully_shard vs FSDP2",
+             "fsdp bfloat16 policy: the fp32 shards are the initial weights",
+             "control fsdp bfloat16 policy: masters rounded through param_dtype",
+             "fsdp adamw, float32 with a float16 policy: fully_shard vs FSDP2",
+             "fsdp float16 policy: the fp32 shards are the initial weights",
+             "control fsdp float16 policy: masters rounded through param_dtype",
+             "fsdp sgd, accum 2: fully_shard vs torch.optim on the global batch",
+             "fsdp adamw, clip 0.05: fully_shard vs torch.optim on the global batch",
+             "fsdp fc2 in ignored_params: vs sharded",
+             "control fsdp no-average", "control fsdp sync-drops-accumulated",
+             "error: Muon over fully_shard's shards: fsdp: Muon would update a shard",
+             "error: a tie across units: fully_shard: Linear.weight is tied"],
     "errors": ["error: ZeroOptimizer(LBFGS): ZeroOptimizer: LBFGS is not known to update "
                "elementwise", "error: ZeroOptimizer(Adafactor)",
                "error: DataParallel(meta module): DataParallel: emb.weight is on the meta device"],
@@ -63,6 +75,6 @@ def test_library_against_torch_w2():
 
 @pytest.mark.slow
 def test_library_against_torch_w3():
-    # uneven: 3 ranks, flat buffers padded (the shards' last run carries the padding)
+    # uneven: 3 ranks, ZeRO's flat buffers and FSDP's dim-0 chunks padded
     only = ["ddp", "zero", "fsdp"]
     check(*oracles(3, only), only)
