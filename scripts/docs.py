@@ -531,6 +531,16 @@ def _families():
 
 
 TABLES.update({"families": _families})
+
+
+def _fsdp_designs():
+    if os.path.join(HERE, "scripts") not in sys.path:
+        sys.path.insert(0, os.path.join(HERE, "scripts"))
+    from fsdp_designs import table
+    return table(load("results/fsdp-designs-cpu.json")["rows"])
+
+
+TABLES.update({"fsdp-designs": _fsdp_designs})
 TABLES.update({"strategies-comm": _strategies_comm, "strategies-memory": _strategies_memory,
                "gpu-w1": _gpu_w1, "gpu-perf": _gpu_perf, "gpu-kernels": _gpu_kernels,
                "gpu-oom-tp": _gpu_oom_tp, "gpu-cp-kernels": _gpu_cp_kernels,

@@ -409,7 +409,12 @@ def check_fsdp(rank, W):
         err = max(rel_diff(g, w) for g, w in zip(got, want))
         if control:
             return report(name, err, control=True)
-        # each shard and its .grad: FSDP2's to_local(), in shape, dtype and value
+        err = max(err, shards_vs_to_local(ours, theirs))
+        report(name, err if tol is None else err * TOL / tol)   # tol: mapped onto TOL
+
+    def shards_vs_to_local(ours, theirs) -> float:
+        """Each shard and its .grad against FSDP2's to_local(): shape, dtype and value."""
+        err = 0.0
         for (n, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters()):
             for x, y in ((p, q), (p.grad, q.grad)):
                 if (x is None) != (y is None):
@@ -419,9 +424,34 @@ def check_fsdp(rank, W):
                     same = x.shape == y.shape and x.dtype == y.dtype
                     err = max(err, rel_diff([x.detach()], [y.detach()]) if same and x.numel()
                               else (0.0 if same else float("inf")))
-        if tol is None:
-            return report(name, err)
-        report(name, err * TOL / tol)   # mapped onto TOL: within `tol` in this dtype
+        return err
+
+    def hf_llama(ours, kind, mp):
+        """A tiny HF Llama, each decoder layer a unit and the model the root, 3 steps of the
+        standard loop in float32; its full parameters and the model after one more backward."""
+        from transformers import LlamaConfig, LlamaForCausalLM
+        cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=32)
+        torch.manual_seed(5)
+        model = LlamaForCausalLM(cfg).float()
+        for unit in [*model.model.layers, model]:
+            if ours:
+                fsdp.fully_shard(unit, mp_policy=mp)
+            else:
+                torch_fully_shard(unit, mesh=mesh, mp_policy=TorchPolicy(
+                    mp.param_dtype, mp.reduce_dtype) if mp else TorchPolicy())
+        opt = optimizer(kind, model)
+        for step in range(3):
+            x = tokens(rank, step)
+            F.cross_entropy(model(x[:, :-1]).logits.float().reshape(-1, V),
+                            x[:, 1:].reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+        x = tokens(rank, 99)
+        F.cross_entropy(model(x[:, :-1]).logits.float().reshape(-1, V),
+                        x[:, 1:].reshape(-1)).backward()
+        return full(model, ours), model
 
     versus_fsdp2(f"fsdp adamw, accum 2 without sync, clip 0.05: fully_shard vs FSDP2, {STEPS} "
                  "steps, shards and grads as to_local()", kind="adamw", accum=2, clip=0.05)
@@ -449,6 +479,14 @@ def check_fsdp(rank, W):
             report(f"fsdp {str(low)[6:]} policy: the fp32 shards are the initial weights" if
                    plant is None else f"fsdp {str(low)[6:]} policy: masters rounded through "
                    "param_dtype", err, control=plant is not None)
+    # an HF model: SGD in float32, AdamW under a bf16 policy
+    for kind, low in (("sgd", None), ("adamw", torch.bfloat16)):
+        policy = low and fsdp.MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        (want, theirs), (got, ours) = hf_llama(False, kind, policy), hf_llama(True, kind, policy)
+        err = max(rel_diff(got, want), shards_vs_to_local(ours, theirs))
+        report(f"fsdp HF Llama {kind}, float32" + (" with a bfloat16 policy" if low else "")
+               + ": fully_shard vs FSDP2, 3 steps, within 8 float32 ulps",
+               err * TOL / (8 * torch.finfo(torch.float32).eps))
     # one device: the same loop on the global batch, with torch's optimizer unsharded
     for kind, accum, clip in (("sgd", 2, None), ("adamw", 1, 0.05)):
         _, _, want = reference_run(W, kind, accum, clip)

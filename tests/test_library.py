@@ -40,6 +40,8 @@ EXPECTED = {
              "fsdp adamw, float32 with a float16 policy: fully_shard vs FSDP2",
              "fsdp float16 policy: the fp32 shards are the initial weights",
              "control fsdp float16 policy: masters rounded through param_dtype",
+             "fsdp HF Llama sgd, float32: fully_shard vs FSDP2",
+             "fsdp HF Llama adamw, float32 with a bfloat16 policy: fully_shard vs FSDP2",
              "fsdp sgd, accum 2: fully_shard vs torch.optim on the global batch",
              "fsdp adamw, clip 0.05: fully_shard vs torch.optim on the global batch",
              "fsdp fc2 in ignored_params: vs sharded",
