@@ -61,7 +61,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from harness import (Expect, METER, Plant, Strategy, all_reduce_flat, global_loss, main,
                      name_group, parts, phase, planted, ranks_per_node, spread_across_ranks,
@@ -106,15 +106,14 @@ class ShardedParam:
             shard = shard.to(param_dtype)
         self.sharded = nn.Parameter(shard.to(param.dtype).clone(),
                                     requires_grad=param.requires_grad)
-        self.sharded._fsdp_full_shape = tuple(self.shape)   # the mark optimizers are checked by
-        self.sharded._fsdp_param = self
+        self.sharded._fsdp_param = self   # the mark: a shard (the optimizer check reads it)
         self.full = torch.empty(W * self.padded, dtype=param_dtype or param.dtype,
                                 device=param.device)          # flat [W * c * rest]
         self.unsharded = nn.Parameter(self.full[:param.numel()].view(self.shape),
                                       requires_grad=param.requires_grad)
+        self.unsharded._fsdp_param = self
         self.full.untyped_storage().resize_(0)
         self.acc = None        # the unreduced gradient accumulated without sync (reduce dtype)
-        self.had_grad = False  # this rank produced a gradient for it in this step
 
     def register(self, unsharded: bool):
         for module, attr in self.slots:   # (a tied parameter is held by several modules)
@@ -125,13 +124,33 @@ class ShardedParam:
 _ROOT = []
 
 
+def _in_backward() -> bool:
+    """True inside autograd's backward (a forward run there is activation recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _PostBackward(torch.autograd.Function):
+    """The identity on a unit's inputs. Its backward runs once the gradients have flowed
+    through the whole unit to its inputs: the unit's post-backward, at the same point of the
+    graph on every rank, whichever parameters got a gradient (FSDP2's trigger too)."""
+
+    @staticmethod
+    def forward(ctx, unit, *inputs):
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit._post_backward()
+        return (None, *grads)
+
+
 class FSDPUnit:
     """One fully_shard call: its parameters, its groups and policy, and the hooks."""
 
     def __init__(self, module, params: list[ShardedParam], ignored: list[nn.Parameter], group,
                  replicate, mp: MixedPrecisionPolicy, reshard_after_forward, prefetch: int):
         self.module, self.params, self.ignored = module, params, ignored
-        self.trainable = [p for p in params if p.sharded.requires_grad]
         self.group, self.replicate, self.mp, self.prefetch = group, replicate, mp, prefetch
         self.W, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.R = dist.get_world_size(replicate) if replicate is not None else 1
@@ -140,19 +159,22 @@ class FSDPUnit:
         self.reduce_dtype = mp.reduce_dtype or mp.param_dtype or (
             params[0].sharded.dtype if params else None)
         self.N = sum(p.padded for p in params)               # all-gather elements per rank
-        self.Ng = sum(p.padded for p in self.trainable)      # reduce-scatter elements per rank
-        self.expect = len(self.trainable) + sum(p.requires_grad for p in ignored)
         self.gathered, self.handle, self.sync = False, None, True
         self.root = None          # the root of the forward this unit last ran in
         self.order = None         # the root's: units in their first forward's order
         self.pending: list = []   # the root's: reductions in flight
-        self.in_backward, self.launched, self.ready, self.queued = False, False, set(), False
+        self.in_backward, self.launched, self.queued = False, False, False
         self.copies = {}          # {kind: [copies, bytes]} (the benchmark's copy count)
         module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
-        for p, leaf in [(p, p.unsharded) for p in self.trainable] + [(p, p) for p in ignored]:
-            if leaf.requires_grad:
-                leaf.register_post_accumulate_grad_hook(lambda _, p=p: self._on_grad(p))
+
+    @property
+    def trainable(self) -> list[ShardedParam]:   # read at each use: requires_grad may change
+        return [p for p in self.params if p.sharded.requires_grad]
+
+    @property
+    def Ng(self) -> int:   # reduce-scatter elements per rank
+        return sum(p.padded for p in self.trainable)
 
     def _count(self, kind: str, nbytes: int):
         c = self.copies.setdefault(kind, [0, 0])
@@ -169,6 +191,7 @@ class FSDPUnit:
             return
         for p in self.params:
             p.full.untyped_storage().resize_(p.full.numel() * p.full.element_size())
+            p.unsharded.requires_grad_(p.sharded.requires_grad)   # frozen since the last step?
         if planted("no-regather") and self.root is not None and self.root.queued:   # plant
             self.gathered = True   # (in the backward: re-allocated, never re-gathered)
             return self.wait()
@@ -185,11 +208,12 @@ class FSDPUnit:
         inp = torch.zeros(self.N, dtype=dtype, device=device)                   # [N]
         views, srcs, off = [], [], 0
         for p, t in zip(self.params, shards):
-            if t is not None:
+            if t is not None and p.local:
                 views.append(inp[off:off + p.local])
                 srcs.append(t.detach().reshape(-1))
             off += p.padded
-        torch._foreach_copy_(views, srcs)
+        if views:
+            torch._foreach_copy_(views, srcs)
         out = torch.empty(self.W * self.N, dtype=dtype, device=device)          # [W * N]
         return out, dist.all_gather_into_tensor(out, inp, group=self.group, async_op=async_op)
 
@@ -220,6 +244,13 @@ class FSDPUnit:
 
     # -- forward --
     def _pre_forward(self, module, args, kwargs):
+        cast = self.mp.param_dtype is not None and self.mp.cast_forward_inputs
+        if cast:
+            args, kwargs = _cast((args, kwargs), self.mp.param_dtype)
+        if _in_backward():   # recomputation inside the backward: gathered, nothing recorded
+            self.in_backward = True   # (reentrant checkpointing: a forward with no backward
+            self.unshard()            # hooks; the final callback reduces what it computes)
+            return self._post_backward_at(args, kwargs)
         if not _ROOT:   # the first unit of a forward is its root
             _ROOT.append(self)
             if self.order is None:
@@ -227,8 +258,6 @@ class FSDPUnit:
         root = self.root = _ROOT[0]
         if self.reshard_after_forward is None:   # FSDP2's default: not the root
             self.reshard_after_forward = self is not root
-        if self.in_backward:        # re-entered by activation recomputation: already gathered
-            return None
         recording = root.order is not None and self not in root.order and not root.queued
         if recording:
             root.order.append(self)
@@ -237,20 +266,29 @@ class FSDPUnit:
             i = root.order.index(self)
             for u in root.order[i + 1:i + 1 + self.prefetch]:
                 u.unshard(async_op=True)
-        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
-            args, kwargs = _cast((args, kwargs), self.mp.param_dtype)
-        return args, kwargs
+        return self._post_backward_at(args, kwargs)
+
+    def _post_backward_at(self, args, kwargs):
+        """The inputs that need a gradient, through _PostBackward."""
+        flat, spec = tree_flatten((args, kwargs))
+        at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not at or not torch.is_grad_enabled():
+            return args, kwargs
+        for i, t in zip(at, _PostBackward.apply(self, *[flat[i] for i in at])):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
 
     def _post_forward(self, module, args, out):
         if self.mp.output_dtype is not None:
             out = _cast(out, self.mp.output_dtype)
-        if not self.in_backward:
-            if torch.is_grad_enabled():   # the backward starts at these outputs
-                for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        t.register_hook(self._pre_backward)
-            if self.reshard_after_forward or not torch.is_grad_enabled():
-                self.reshard()
+        if _in_backward():
+            return out
+        if torch.is_grad_enabled():   # the backward starts at these outputs
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self.reshard()
         if _ROOT and _ROOT[0] is self:
             _ROOT.clear()
         return out
@@ -271,27 +309,15 @@ class FSDPUnit:
             for u in before[:self.prefetch]:
                 u.unshard(async_op=True)
 
-    def _on_grad(self, p):
-        """A gradient of this unit has accumulated; once all have, reduce them, in the reverse
-        of the forward order on every rank (the collectives must come in one order)."""
-        self.ready.add(p)
-        if len(self.ready) == self.expect:
-            for u in reversed(self.root.order):
-                if u.launched or u.expect == 0:
-                    continue
-                if len(u.ready) < u.expect:
-                    break
-                u._post_backward()
-
     def _post_backward(self):
-        """Reduce this unit's gradients (or keep them unreduced, without sync), free it."""
+        """The unit's backward is done: reduce its gradients (or keep them unreduced, without
+        sync), free it. A parameter without a gradient here counts as a zero one, so every rank
+        reduces the same buffers."""
         self.launched = True
-        rd = self.reduce_dtype
-        grads = []
+        rd, grads = self.reduce_dtype, []
         for p in self.trainable:
             g = p.unsharded.grad
             p.unsharded.grad = None
-            p.had_grad = p.had_grad or g is not None
             if not self.sync:   # accumulate, unreduced, in the reduce dtype
                 if g is not None:
                     p.acc = g.to(rd) if p.acc is None else p.acc + g.to(rd)
@@ -303,75 +329,83 @@ class FSDPUnit:
                     g = p.acc + g.to(rd)
                 p.acc = None
             grads.append(g)
-        if self.sync and self.trainable:
+        if self.sync and grads:
             self._reduce_scatter(grads)
-        if self.sync and self.ignored:
+        if self.sync and any(p.requires_grad for p in self.ignored):
             self._all_reduce_ignored()
         if not (self is self.root and planted("root-stays-gathered")):   # plant: stale root
             self.reshard()
 
     def _reduce_scatter(self, grads):
-        rd, W = self.reduce_dtype, self.W
+        rd, W, ps = self.reduce_dtype, self.W, self.trainable
         device = self.params[0].full.device
         cols = []
-        for p, g in zip(self.trainable, grads):   # each gradient as its W padded shards
+        for p, g in zip(ps, grads):   # each gradient as its W padded shards
             g = (torch.zeros(p.shape, dtype=rd, device=device) if g is None
                  else g.to(rd)).reshape(-1)
             cols.append(F.pad(g, (0, W * p.padded - g.numel())).view(W, p.padded))
         inp = torch.cat(cols, dim=1)                                   # [W, N_g]
+        if rd == torch.float16:   # fp16's range: average before summing, not after
+            inp.div_(W)
         self._count("reduce_scatter copy-in", inp.numel() * inp.element_size())
-        out = torch.empty(self.Ng, dtype=rd, device=device)            # [N_g]
+        out = torch.empty(inp.shape[1], dtype=rd, device=device)       # [N_g]
         work = dist.reduce_scatter_tensor(out, inp.view(-1), group=self.group, async_op=True)
         root = self.root
-        root.pending.append((work, lambda: self._take_reduced(out)))
+        root.pending.append((work, lambda: self._take_reduced(out, ps)))
         while len(root.pending) > 1:   # one reduction in flight behind the backward
             w, finish = root.pending.pop(0)
             w.wait()
             finish()
 
-    def _take_reduced(self, out):
+    def _take_reduced(self, out, ps):
         """The reduced shards (summed over the group) into each parameter's .grad."""
-        if not planted("no-average"):   # plant: summed, not averaged
+        if out.dtype != torch.float16 and not planted("no-average"):   # plant: summed
             out.div_(self.W)
         if self.replicate is not None and not planted("replicas-not-averaged"):  # plant: HSDP
             dist.all_reduce(out, group=self.replicate)    # [N_g] over the R replicas
             out.div_(self.R)
         off = 0
-        for p in self.trainable:
-            if p.had_grad:
-                g = out[off:off + p.local].view(p.sharded.shape).to(p.sharded.dtype)
-                if p.sharded.grad is None:
-                    p.sharded.grad = g
-                else:   # as torch accumulates onto an existing .grad
-                    p.sharded.grad += g
-                self._count("reduce_scatter copy-out", g.numel() * g.element_size())
+        for p in ps:
+            g = out[off:off + p.local].view(p.sharded.shape).to(p.sharded.dtype)
+            if p.sharded.grad is None:
+                p.sharded.grad = g
+            else:   # as torch accumulates onto an existing .grad
+                p.sharded.grad += g
+            self._count("reduce_scatter copy-out", g.numel() * g.element_size())
             off += p.padded
 
     def _all_reduce_ignored(self):
-        """Parameters kept whole: their gradients averaged over every rank, as DDP does."""
-        grads = [p.grad for p in self.ignored if p.grad is not None]
+        """Parameters kept whole: their gradients averaged over every rank, as DDP does (a
+        missing one as zeros, so every rank reduces the same buffer)."""
+        ps = [p for p in self.ignored if p.requires_grad]
+        for p in ps:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in ps]
         for group in (self.group, self.replicate) if self.replicate is not None else (self.group,):
             all_reduce_flat(grads, group)                      # one flat [sum of numels] each
         for g in grads:
             g.div_(self.W * self.R)
 
     def _finish_backward(self):
-        """The root's, once autograd has finished: reduce what is left (parameters without a
-        gradient), wait for every reduction, free everything, reset for the next backward."""
+        """The root's, once autograd has finished: the post-backward of the units whose inputs
+        needed no gradient (the root's token ids), every reduction waited for, all freed."""
         for u in reversed(self.order):
-            if not u.launched and u.expect and (u.in_backward or u.ready):
+            if u.in_backward and not u.launched:
                 u._post_backward()
         while self.pending:
             w, finish = self.pending.pop(0)
             w.wait()
             finish()
         for u in self.order:
+            late = [p for p in u.params if p.unsharded.grad is not None]
+            if late:   # a gradient that reached a parameter after its unit's post-backward
+                raise RuntimeError(f"fully_shard: a gradient of a {tuple(late[0].shape)} "
+                                   f"parameter arrived after its unit's backward had finished; "
+                                   f"is it used outside the module it was sharded with?")
             if u.gathered and not (u is self and planted("root-stays-gathered")):
                 u.reshard()
-            u.in_backward, u.launched, u.ready = False, False, set()
-            if u.sync:
-                for p in u.trainable:
-                    p.had_grad = False
+            u.in_backward, u.launched = False, False
         self.queued = False
 
 
@@ -485,13 +519,14 @@ def units(model: nn.Module) -> list[FSDPUnit]:
 
 # -- what the user calls around the loop --
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ for a sharded model: the squared norm of the shards summed
-    over the shard group (one 8-byte all_reduce) plus the ignored parameters' (whole on every
-    rank, counted once); returns the total norm (a device tensor, no host read)."""
+    """torch.nn.utils.clip_grad_norm_ for a sharded model (torch's own would clip each rank by
+    its shards' norm): the squared norm of the shards summed over the shard group (one 8-byte
+    all_reduce) plus the ignored parameters' (whole on every rank, counted once); returns the
+    total norm (a device tensor, no host read)."""
     us = units(model)
-    sharded = [p.sharded.grad for u in us for p in u.trainable if p.sharded.grad is not None]
+    sharded = [p.sharded.grad for u in us for p in u.params if p.sharded.grad is not None]
     whole = [p.grad for u in us for p in u.ignored if p.grad is not None]
-    device = (sharded + whole)[0].device
+    device = next(t.device for u in us for t in [p.full for p in u.params] + u.ignored)
     sq = torch.zeros(1, dtype=torch.float64, device=device)
     for g in sharded:
         sq += g.double().pow(2).sum()
@@ -501,24 +536,34 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     return clip_by_norm(sq, sharded + whole, max_norm)
 
 
+def named_params(model: nn.Module) -> dict:
+    """{name: ShardedParam, or the parameter itself when it is kept whole}, as
+    model.named_parameters() names them between steps, whether or not a unit is gathered."""
+    out, seen = {}, set()
+    for mname, m in model.named_modules():
+        for attr, p in m._parameters.items():
+            p = getattr(p, "_fsdp_param", p)
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out[f"{mname}.{attr}" if mname else attr] = p
+    return out
+
+
 def full_tensors(model: nn.Module, what: str = "param") -> dict[str, torch.Tensor]:
     """{name: full parameter (or gradient)} in the shards' dtype, on every rank (collective: one
     all-gather per unit). A gradient that is None reads as zeros."""
-    out, full_of = {}, {}
+    full_of = {}
     for u in units(model):
         if u.params:
-            dtype = u.params[0].sharded.dtype
             flat, _ = u.all_gather([p.sharded if what == "param" else p.sharded.grad
-                                    for p in u.params], dtype, async_op=False)
+                                    for p in u.params], u.params[0].sharded.dtype, False)
             pieces = flat.view(u.W, u.N).split([p.padded for p in u.params], dim=1)
             for p, piece in zip(u.params, pieces):   # [W, c rest] -> the first numel
-                full_of[id(p.sharded)] = piece.reshape(-1)[:math.prod(p.shape)].view(p.shape)
-    for name, p in model.named_parameters():
-        if id(p) in full_of:
-            out[name] = full_of[id(p)]
-        else:
-            t = p if what == "param" else p.grad
-            out[name] = (t if t is not None else torch.zeros_like(p)).detach()
+                full_of[p] = piece.reshape(-1)[:math.prod(p.shape)].view(p.shape)
+    out = {}
+    for name, p in named_params(model).items():
+        t = full_of.get(p) if isinstance(p, ShardedParam) else (p if what == "param" else p.grad)
+        out[name] = (t if t is not None else torch.zeros_like(p)).detach()
     return out
 
 
@@ -533,10 +578,11 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]):
     """Each rank copies its rows of every full parameter into its shard (no communication)."""
-    for name, p in model.named_parameters():
-        if hasattr(p, "_fsdp_param"):
-            sp = p._fsdp_param
-            p.copy_(sd[name][sp.lo:sp.lo + p.shape[0]])
+    for u in units(model):   # (a gathered unit's copies would be stale)
+        u.reshard()
+    for name, p in named_params(model).items():
+        if isinstance(p, ShardedParam):
+            p.sharded.copy_(sd[name][p.lo:p.lo + p.sharded.shape[0]])
         else:
             p.copy_(sd[name])
     for name, b in model.named_buffers():
@@ -567,18 +613,20 @@ def _refuse_matrix_optimizers():
 
 
 def _check_optimizer(optimizer, args, kwargs):
-    if isinstance(optimizer, zero.ELEMENTWISE) or getattr(optimizer, "_fsdp_checked", False):
+    n = len(optimizer.param_groups)   # (checked again after an add_param_group)
+    if isinstance(optimizer, zero.ELEMENTWISE) or getattr(optimizer, "_fsdp_checked", 0) == n:
         return
     for g in optimizer.param_groups:
         for p in g["params"]:
-            if hasattr(p, "_fsdp_param") and p._fsdp_unit.W > 1:
+            sp = getattr(p, "_fsdp_param", None)
+            if sp is not None and sp.sharded._fsdp_unit.W > 1:
                 raise ValueError(
                     f"fsdp: {type(optimizer).__name__} would update a shard of a "
-                    f"{p._fsdp_full_shape} parameter as if it were the whole tensor (it is not "
+                    f"{tuple(sp.shape)} parameter as if it were the whole tensor (it is not "
                     f"known to update elementwise); use one of "
                     f"{', '.join(c.__name__ for c in zero.ELEMENTWISE)}, or keep such "
                     f"parameters whole with fully_shard(..., ignored_params=...)")
-    optimizer._fsdp_checked = True
+    optimizer._fsdp_checked = n
 
 
 # -- HSDP's groups --
@@ -762,7 +810,7 @@ class FSDP(Strategy):
                 Expect("reduce_scatter copy-in", "local", n_rs, s["psi_g"] * rb,
                        "Psi_g*b_reduce (padded)"),
                 Expect("reduce_scatter copy-out", "local",
-                       sum(1 for u in us for p in u.trainable if p.local),
+                       sum(len(u.trainable) for u in us),
                        s["shard_g"] * u0.params[0].sharded.element_size(),
                        "this rank's unpadded gradient rows, in the shards' dtype")]
         if u0.replicate is not None:

@@ -38,7 +38,8 @@ class Net(nn.Module):
 
     def __init__(self, unused: bool = True, checkpoint: bool = False):
         super().__init__()
-        self.checkpoint = checkpoint   # reentrant activation checkpointing of fc2
+        self.checkpoint = checkpoint   # activation checkpointing of fc2 (True: reentrant)
+        self.route = False
         self.emb = nn.Embedding(V, H)
         self.fc1 = nn.Linear(H, H, bias=False)   # a bias before BatchNorm has no gradient
         self.norm = nn.BatchNorm1d(H)
@@ -57,9 +58,11 @@ class Net(nn.Module):
         h = self.frozen(h)
         if self.checkpoint:
             from torch.utils.checkpoint import checkpoint
-            h = checkpoint(self.fc2, h, use_reentrant=True)
+            h = checkpoint(self.fc2, h, use_reentrant=self.checkpoint != "non-reentrant")
         else:
             h = self.fc2(h)
+        if self.route:   # a layer this rank's data uses (data-dependent, as an MoE expert)
+            h = h + self.unused(h)
         return self.head(h)
 
 
@@ -383,7 +386,7 @@ def check_fsdp(rank, W):
             [b.clone() for b in model.buffers()]
 
     def run(ours, kind, accum=1, sync_each=False, clip=None, unused=False, reshard=None,
-            mp=None, dtype=torch.float64, wd=0.1, ignored=None, steps=STEPS):
+            mp=None, dtype=torch.float64, wd=0.1, ignored=None, steps=STEPS, ckpt=False):
         """The standard loop on a sharded Net (ours from per-rank seeds: fully_shard
         broadcasts rank 0's; FSDP2 needs equal weights); the full parameters after each step,
         and the model after one more backward (its .grad shards)."""
@@ -391,6 +394,7 @@ def check_fsdp(rank, W):
         model = Net(unused).to(dtype)
         if mp is not None:   # (BatchNorm's fp32 statistics take no bf16 input, in FSDP2 too)
             model.norm = nn.LayerNorm(H, dtype=dtype)
+        model.checkpoint = ckpt
         shard(model, ours, mp, reshard, ignored(model) if ignored else None)
         opt = optimizer(kind, model, wd)
         clip_fn = None
@@ -417,7 +421,9 @@ def check_fsdp(rank, W):
         err = 0.0
         for (n, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters()):
             for x, y in ((p, q), (p.grad, q.grad)):
-                if (x is None) != (y is None):
+                if y is None and x is not None:   # a parameter no rank used: ours reduces a
+                    err = max(err, 0.0 if not x.count_nonzero() else float("inf"))   # zero
+                elif (x is None) != (y is None):
                     err = float("inf")
                 elif x is not None:
                     y = y.to_local()
@@ -458,10 +464,10 @@ def check_fsdp(rank, W):
     versus_fsdp2(f"fsdp sgd, reshard_after_forward=False: fully_shard vs FSDP2, {STEPS} steps, "
                  "shards and grads as to_local()", kind="sgd", reshard=False)
     # accumulation onto an existing .grad (a reduction every micro-batch), an unused layer
-    # (no gradient: AdamW skips it in both)
+    # (FSDP2 leaves its .grad None, ours a reduced zero, which weight decay would shrink)
     versus_fsdp2(f"fsdp adamw, accum 2 reducing each, an unused layer: fully_shard vs FSDP2, "
                  f"{STEPS} steps, shards and grads as to_local()", kind="adamw", accum=2,
-                 sync_each=True, unused=True)
+                 sync_each=True, unused=True, wd=0.0)
     # mixed precision: fp32 shards, bf16 / fp16 compute, fp32 reduction, on both sides
     for low in (torch.bfloat16, torch.float16):
         policy = fsdp.MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
@@ -511,6 +517,27 @@ def check_fsdp(rank, W):
     same = (spread[0] + spread[1]).abs().item()   # max - min over ranks of the gradient's sum
     report(f"fsdp fc2 in ignored_params: vs sharded, {STEPS} steps, its gradient identical on "
            f"every rank", max(max(rel_diff(a, b) for a, b in zip(got, want)), same))
+    # fc2 under activation checkpointing (its forward re-run inside the backward): as without
+    want, _ = run(True, "sgd", accum=2)
+    for ckpt in ("reentrant", "non-reentrant"):
+        got, _ = run(True, "sgd", accum=2, ckpt=ckpt)
+        report(f"fsdp sgd, accum 2, fc2 under {ckpt} checkpointing: vs without, {STEPS} steps",
+               max(rel_diff(g, w) for g, w in zip(got, want)))
+    # a layer only rank 0's data uses (FSDP2 would reduce different buffers per rank): ours
+    # reduces a zero for it on the other ranks, as torch DDP with find_unused_parameters
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+    snaps = []
+    for ours in (True, False):
+        torch.manual_seed(7)
+        model = Net(unused=True)
+        model.route = rank == 0
+        wrapped = shard(model, True) if ours else TorchDDP(model, find_unused_parameters=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        snaps.append(train(wrapped, opt, rank, buffers=False,
+                           snap=(lambda m=model: list(fsdp.full_tensors(m).values())) if ours
+                           else None))
+    report(f"fsdp sgd, a layer used on rank 0 only: fully_shard vs torch DDP, {STEPS} steps",
+           max(rel_diff(g, w) for g, w in zip(*snaps)))
     # the comparison sees planted bugs: summed gradients (SGD: Adam and clipping would hide
     # them), the micro-batches without sync dropped
     for plant, kw in (("no-average", dict(kind="sgd")),

@@ -178,7 +178,7 @@ def test_gathers_follow_the_recorded_order(group):
             opt.step()
             opt.zero_grad()
             assert all(not u.gathered for u in fsdp.units(model))
-            assert all(hasattr(p, "_fsdp_full_shape") for p in model.parameters())
+            assert all(p._fsdp_param.sharded is p for p in model.parameters())   # shards
             assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
     finally:
         fsdp.FSDPUnit.unshard = real
