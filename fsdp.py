@@ -8,8 +8,9 @@ The idea (Zhao et al., "PyTorch FSDP", VLDB 2023; FSDP2's per-parameter sharding
                 recorded at the first step) and swap the full parameters into the module;
                 post-hook: swap the shards back, free the full ones (the root keeps its own)
       backward  pre-hook on the unit's outputs: all-gather again (launching the next one's); once
-                every gradient of the unit has accumulated: reduce-scatter them, averaged over
-                the W ranks, into each shard's .grad, and free the full ones
+                the gradients reach the unit's inputs (an autograd Function there; the root: the
+                end of the backward): reduce-scatter the unit's gradients, averaged over the W
+                ranks, into each shard's .grad, and free the full ones
       step      any elementwise torch optimizer over model.parameters(): they *are* the shards
 
 Per-parameter dim-0 shards (FSDP2), not one flat buffer per unit (FSDP1, ZeRO-3: zero.py)
@@ -49,7 +50,7 @@ Public API (examples/fsdp_train.py)
     loss.backward(); clip_grad_norm_(model, 1.0); opt.step(); opt.zero_grad()
     model.set_requires_gradient_sync(False) / model.no_sync(); model.unshard() / reshard();
     summon_full_params(model); full_state_dict(model) / load_full_state_dict(model, sd);
-    model.state_dict() holds this rank's shards.
+    model.state_dict() holds this rank's shards (fsdp_state.py: the shards seen whole).
 """
 import contextlib
 import math
@@ -67,9 +68,10 @@ from harness import (Expect, METER, Plant, Strategy, all_reduce_flat, global_los
                      name_group, parts, phase, planted, ranks_per_node, spread_across_ranks,
                      uneven_nodes)
 from harness.precision import LOW_PRECISION, adamw_kwargs, grad_reduce_dtype
-from harness.strategy import clip_by_norm
 import ddp
 import zero
+from fsdp_state import (clip_grad_norm_, full_state_dict, full_tensors,  # noqa: F401
+                        load_full_state_dict, named_params, summon_full_params, units)
 
 
 @dataclass(frozen=True)
@@ -510,97 +512,6 @@ def fully_shard(module: nn.Module, *, group=None, replicate_group=None,
     module._fsdp = unit
     _refuse_matrix_optimizers()
     return module
-
-
-def units(model: nn.Module) -> list[FSDPUnit]:
-    """The units inside `model`, in module order (the same on every rank)."""
-    return [m._fsdp for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-# -- what the user calls around the loop --
-def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ for a sharded model (torch's own would clip each rank by
-    its shards' norm): the squared norm of the shards summed over the shard group (one 8-byte
-    all_reduce) plus the ignored parameters' (whole on every rank, counted once); returns the
-    total norm (a device tensor, no host read)."""
-    us = units(model)
-    sharded = [p.sharded.grad for u in us for p in u.params if p.sharded.grad is not None]
-    whole = [p.grad for u in us for p in u.ignored if p.grad is not None]
-    device = next(t.device for u in us for t in [p.full for p in u.params] + u.ignored)
-    sq = torch.zeros(1, dtype=torch.float64, device=device)
-    for g in sharded:
-        sq += g.double().pow(2).sum()
-    dist.all_reduce(sq, group=us[0].group)
-    for g in whole:
-        sq += g.double().pow(2).sum()
-    return clip_by_norm(sq, sharded + whole, max_norm)
-
-
-def named_params(model: nn.Module) -> dict:
-    """{name: ShardedParam, or the parameter itself when it is kept whole}, as
-    model.named_parameters() names them between steps, whether or not a unit is gathered."""
-    out, seen = {}, set()
-    for mname, m in model.named_modules():
-        for attr, p in m._parameters.items():
-            p = getattr(p, "_fsdp_param", p)
-            if p is not None and id(p) not in seen:
-                seen.add(id(p))
-                out[f"{mname}.{attr}" if mname else attr] = p
-    return out
-
-
-def full_tensors(model: nn.Module, what: str = "param") -> dict[str, torch.Tensor]:
-    """{name: full parameter (or gradient)} in the shards' dtype, on every rank (collective: one
-    all-gather per unit). A gradient that is None reads as zeros."""
-    full_of = {}
-    for u in units(model):
-        if u.params:
-            flat, _ = u.all_gather([p.sharded if what == "param" else p.sharded.grad
-                                    for p in u.params], u.params[0].sharded.dtype, False)
-            pieces = flat.view(u.W, u.N).split([p.padded for p in u.params], dim=1)
-            for p, piece in zip(u.params, pieces):   # [W, c rest] -> the first numel
-                full_of[p] = piece.reshape(-1)[:math.prod(p.shape)].view(p.shape)
-    out = {}
-    for name, p in named_params(model).items():
-        t = full_of.get(p) if isinstance(p, ShardedParam) else (p if what == "param" else p.grad)
-        out[name] = (t if t is not None else torch.zeros_like(p)).detach()
-    return out
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state dict (full parameters in their own dtype, and the buffers), on every
-    rank: save it on rank 0. model.state_dict() is the sharded one (save it per rank)."""
-    sd = full_tensors(model, "param")
-    sd.update({n: b.detach() for n, b in model.named_buffers()})
-    return sd
-
-
-@torch.no_grad()
-def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]):
-    """Each rank copies its rows of every full parameter into its shard (no communication)."""
-    for u in units(model):   # (a gathered unit's copies would be stale)
-        u.reshard()
-    for name, p in named_params(model).items():
-        if isinstance(p, ShardedParam):
-            p.sharded.copy_(sd[name][p.lo:p.lo + p.sharded.shape[0]])
-        else:
-            p.copy_(sd[name])
-    for name, b in model.named_buffers():
-        b.copy_(sd[name])
-
-
-@contextlib.contextmanager
-def summon_full_params(model: nn.Module):
-    """Every unit's full parameters (param_dtype copies) in the module for the body: read
-    them, run a forward without gradients. Writes are not kept (the shards are the state)."""
-    us = units(model)
-    for u in us:
-        u.unshard()
-    try:
-        yield model
-    finally:
-        for u in us:
-            u.reshard()
 
 
 # -- a matrix optimizer over shards would be silently wrong: refuse it --

@@ -1,0 +1,111 @@
+"""fsdp_state.py: fsdp.py's shards seen whole, around the training loop: clipping by the
+global norm, full tensors and state dicts, the full parameters for a read.
+
+The shards are fsdp.py's: each unit (fsdp.FSDPUnit, on a module as `_fsdp`) holds its
+parameters (fsdp.ShardedParam: `sharded`, this rank's dim-0 rows; `unsharded`, the full compute
+copy while gathered). fsdp.py imports these functions into its own namespace (fsdp.full_state_dict
+...); this file imports nothing from it.
+
+    torch.nn.utils.clip_grad_norm_ on shards would clip each rank by its own shards' norm:
+    clip_grad_norm_(model, c) sums the squared norms over the shard group first (8 bytes).
+    full_tensors(model) / full_state_dict(model): one all-gather per unit, every rank gets all.
+    load_full_state_dict(model, sd): each rank copies its rows, no communication.
+"""
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from harness.strategy import clip_by_norm
+
+
+def units(model: nn.Module) -> list:
+    """The units (fsdp.FSDPUnit) inside `model`, in module order (the same on every rank)."""
+    return [m._fsdp for m in model.modules() if hasattr(m, "_fsdp")]
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for a sharded model (torch's own would clip each rank by
+    its shards' norm): the squared norm of the shards summed over the shard group (one 8-byte
+    all_reduce) plus the ignored parameters' (whole on every rank, counted once); returns the
+    total norm (a device tensor, no host read)."""
+    us = units(model)
+    sharded = [p.sharded.grad for u in us for p in u.params if p.sharded.grad is not None]
+    whole = [p.grad for u in us for p in u.ignored if p.grad is not None]
+    device = next(t.device for u in us for t in [p.full for p in u.params] + u.ignored)
+    sq = torch.zeros(1, dtype=torch.float64, device=device)
+    for g in sharded:
+        sq += g.double().pow(2).sum()
+    dist.all_reduce(sq, group=us[0].group)
+    for g in whole:
+        sq += g.double().pow(2).sum()
+    return clip_by_norm(sq, sharded + whole, max_norm)
+
+
+def named_params(model: nn.Module) -> dict:
+    """{name: ShardedParam, or the parameter itself when it is kept whole}, as
+    model.named_parameters() names them between steps, whether or not a unit is gathered."""
+    out, seen = {}, set()
+    for mname, m in model.named_modules():
+        for attr, p in m._parameters.items():
+            p = getattr(p, "_fsdp_param", p)
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out[f"{mname}.{attr}" if mname else attr] = p
+    return out
+
+
+def full_tensors(model: nn.Module, what: str = "param") -> dict[str, torch.Tensor]:
+    """{name: full parameter (or gradient)} in the shards' dtype, on every rank (collective: one
+    all-gather per unit). A gradient that is None reads as zeros."""
+    full_of = {}
+    for u in units(model):
+        if u.params:
+            flat, _ = u.all_gather([p.sharded if what == "param" else p.sharded.grad
+                                    for p in u.params], u.params[0].sharded.dtype, False)
+            pieces = flat.view(u.W, u.N).split([p.padded for p in u.params], dim=1)
+            for p, piece in zip(u.params, pieces):   # [W, c rest] -> the first numel
+                full_of[p] = piece.reshape(-1)[:math.prod(p.shape)].view(p.shape)
+    out = {}
+    for name, p in named_params(model).items():
+        t = full_of.get(p) if hasattr(p, "sharded") else (p if what == "param" else p.grad)
+        out[name] = (t if t is not None else torch.zeros_like(p)).detach()
+    return out
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state dict (full parameters in their own dtype, and the buffers), on every
+    rank: save it on rank 0. model.state_dict() is the sharded one (save it per rank)."""
+    sd = full_tensors(model, "param")
+    sd.update({n: b.detach() for n, b in model.named_buffers()})
+    return sd
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]):
+    """Each rank copies its rows of every full parameter into its shard (no communication)."""
+    for u in units(model):   # (a gathered unit's copies would be stale)
+        u.reshard()
+    for name, p in named_params(model).items():
+        if hasattr(p, "sharded"):
+            p.sharded.copy_(sd[name][p.lo:p.lo + p.sharded.shape[0]])
+        else:
+            p.copy_(sd[name])
+    for name, b in model.named_buffers():
+        b.copy_(sd[name])
+
+
+@contextlib.contextmanager
+def summon_full_params(model: nn.Module):
+    """Every unit's full parameters (param_dtype copies) in the module for the body: read
+    them, run a forward without gradients. Writes are not kept (the shards are the state)."""
+    us = units(model)
+    for u in us:
+        u.unshard()
+    try:
+        yield model
+    finally:
+        for u in us:
+            u.reshard()
