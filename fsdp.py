@@ -616,7 +616,8 @@ class FSDP(Strategy):
         "root-stays-gathered": Plant("the root is not freed after the backward: the next "
                                      "forward uses stale embeddings and head", _ACCUM_CLIP),
         "no-regather": Plant("the backward re-allocates a resharded unit's parameters without "
-                             "all-gathering them", _ACCUM_CLIP),
+                             "all-gathering them (bf16: the policy's compute copies)",
+                             ("--dtype", "bfloat16", "--grad-accum", "2")),
         "shard-rows": Plant("rank r's shard starts at row r floor(d0 / W), not r ceil(d0 / W): "
                             "shards overlap where W does not divide d0", ("--batch", "6"),
                             world=3),
