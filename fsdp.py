@@ -3,44 +3,55 @@
 The idea (Zhao et al., "PyTorch FSDP", VLDB 2023; FSDP2's per-parameter sharding, PyTorch 2.4+)
     Every rank keeps 1/W of every parameter, of its gradient and of its optimizer state. Each
     module wrapped by fully_shard (bottom-up: the blocks, then the model) is one unit, whose full
-    parameters exist only while it computes:
+    parameters exist only while it computes. The root is the unit whose forward runs first (the
+    model: embeddings, final norm, head); it is used at both ends of the forward and first in the
+    backward, so it stays gathered from its forward to the end of the backward.
       forward   pre-hook: all-gather the unit (launching the next one's, in the forward order
                 recorded at the first step) and swap the full parameters into the module;
-                post-hook: swap the shards back, free the full ones (the root keeps its own)
+                post-hook: swap the shards back and free the full ones (not the root's)
       backward  pre-hook on the unit's outputs: all-gather again (launching the next one's); once
-                the gradients reach the unit's inputs (an autograd Function there; the root: the
-                end of the backward): reduce-scatter the unit's gradients, averaged over the W
-                ranks, into each shard's .grad, and free the full ones
+                the gradients reach the unit's inputs (an autograd Function there; for the root,
+                whose inputs are token ids, the end of the backward): reduce-scatter the unit's
+                gradients, averaged over the W ranks, into each shard's .grad; free the full ones
       step      any elementwise torch optimizer over model.parameters(): they *are* the shards
+    Every rank runs the same units in the same order (the collectives pair up by order).
 
 Per-parameter dim-0 shards (FSDP2), not one flat buffer per unit (FSDP1, ZeRO-3: zero.py)
     A parameter (d0, *rest) is cut as torch.chunk cuts dim 0: rank r holds rows [r c, (r+1) c),
     c = ceil(d0 / W) (fewer or none at the end), as an nn.Parameter of its own. Only the
-    communication buffers are padded, each parameter to c * rest elements per rank:
-      all-gather      copy-in: each shard, cast to param_dtype       # [N], N = sum c_i rest_i
-                      copy-out: column block i = parameter i's rows   # [W, N] -> [W, c_i rest_i]
-      reduce-scatter  copy-in: each gradient in reduce_dtype         # [W, c_i rest_i] -> [W, N_g]
-                      copy-out: this rank's rows / W into .grad       # [N_g] -> (rows_i, *rest_i)
-    The copies cost one extra pass over the unit per collective (the benchmark counts them); in
-    return every shard is a well-formed tensor: a plain optimizer steps it, a frozen parameter is
-    one without a gradient, the policy is per unit, the state dict holds shards. A matrix
-    optimizer (Muon, Shampoo) would take a shard for the matrix: it is refused at its first step.
+    communication buffers are padded, each parameter to c * rest elements per rank (N: their sum
+    over the unit; N_g: over its trainable parameters):
+      all-gather      copy-in: each shard, cast to param_dtype   # (rows_r, *rest) -> [N]
+                      copy-out: column block i = parameter i      # [W, N] -> [W, c_i rest_i]
+      reduce-scatter  copy-in: each gradient, padded, in reduce_dtype
+                                                # (d0, *rest) -> [W, c_i rest_i] -> [W, N_g]
+                      copy-out: this rank's rows / W into .grad   # [N_g] -> (rows_r, *rest)
+    The copies cost a pass over the unit per collective (the benchmark counts them); in return
+    every shard is a well-formed tensor: a plain optimizer steps it, a frozen parameter is one
+    without a gradient, the policy is per unit, the state dict holds shards. A matrix optimizer
+    (torch's Muon) would take a shard for the matrix: it is refused at its first step.
 
 Mixed precision: MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype). The shards keep
-    their own dtype (fp32 masters: the user's weights exactly); the gathered copies are
-    param_dtype; the reduce-scatter runs in reduce_dtype and is cast into the shards' .grad.
+    the module's dtype (wrap an fp32 module: the shards are fp32 masters, your weights exactly);
+    the gathered copies are param_dtype; the reduce-scatter runs in reduce_dtype and is cast into
+    the shards' .grad.
 
-Communication per step (Psi = sum of W N over units; b, b_r: param and reduce dtype bytes;
-Psi_g: the trainable parameters'; K micro-batches)
+Communication per step (bytes of the full buffer, as the meter counts them; a ring moves
+(W-1)/W of it per rank. Psi = sum over units of W N; Psi_g of W N_g; b, b_r: param_dtype and
+reduce_dtype bytes; K micro-batches)
     all_gather      Psi b forward + (Psi - Psi_root) b backward (the root stays gathered; none
                     without resharding), x K
     reduce_scatter  Psi_g b_r, once per step: the micro-batches before the last accumulate
                     unreduced (set_requires_gradient_sync(False))
-    copies          per gather Psi b / W in, Psi b out; per reduction Psi_g b_r in, Psi_g / W out
-    --clip adds one 8-byte all_reduce. Model states per rank 16 Psi / W bytes with AdamW, in fp32
-    and in bf16 with fp32 masters (shard 4 + grad 4 + Adam 8), plus the gathered units.
-HSDP (replicate_group; Zhao et al. 3.2.2): shard over S ranks inside a node, replicate R times;
-    each reduced shard is all-reduced over the replicas: Psi_g b_r / S per rank.
+    copies          per gather Psi b / W in, Psi b out; per reduction Psi_g b_r in, this rank's
+                    unpadded rows out
+    --clip adds one 8-byte all_reduce. Model states per rank, AdamW on fp32 shards: 16 bytes per
+    element of this rank's shards (shard 4, grad 4, Adam 8: about 16 Psi / W), in fp32 and under a
+    bf16 policy alike. Transient: the root's full copy, the computing unit's and `prefetch` more;
+    in the backward the unit's full gradients and its [W, N_g] buffer; without sync, the full
+    unreduced gradients (Psi_g b_r, not / W).
+HSDP (replicate_group; Zhao et al. 3.2.2): shard over S ranks inside a node (W above is S),
+    replicate R times; each reduced shard is all-reduced over the replicas: Psi_g b_r / S.
 
 Public API (examples/fsdp_train.py)
     for block in model.model.layers:
@@ -96,19 +107,23 @@ class ShardedParam:
         self.slots = slots                      # [(module, attribute name)] that hold it
         self.shape, d0 = param.shape, param.shape[0]
         self.rest = math.prod(param.shape[1:])
-        self.rows = -(-d0 // W)                 # c: rows per rank in the buffers
+        self.rows = -(-d0 // W)                 # c: rows per rank in the buffers, padded
         self.padded = self.rows * self.rest     # elements per rank, padding included
         lo = min(rank * self.rows, d0)
         if planted("shard-rows"):   # plant: rank * floor(d0 / W), overlapping rows
             lo = rank * (d0 // W)
         hi = min(lo + self.rows, d0)
-        self.lo, self.local = lo, (hi - lo) * self.rest   # this rank's first row, elements
+        self.lo = lo                            # this rank's first row
+        self.local = (hi - lo) * self.rest      # this rank's elements (rows_r = hi - lo)
         shard = param.detach()[lo:hi]                                 # (hi - lo, *rest)
         if planted("masters-rounded") and param_dtype is not None:    # plant: masters rounded
             shard = shard.to(param_dtype)
         self.sharded = nn.Parameter(shard.to(param.dtype).clone(),
                                     requires_grad=param.requires_grad)
         self.sharded._fsdp_param = self   # the mark: a shard (the optimizer check reads it)
+        # The gathered layout [W, c rest]: row r = rank r's rows, zero-padded to c. The shards
+        # are whole rows in rank order, so the padding sits at the tail and the first d0 rest
+        # elements are the parameter itself.
         self.full = torch.empty(W * self.padded, dtype=param_dtype or param.dtype,
                                 device=param.device)          # flat [W * c * rest]
         self.unsharded = nn.Parameter(self.full[:param.numel()].view(self.shape),
@@ -132,9 +147,11 @@ def _in_backward() -> bool:
 
 
 class _PostBackward(torch.autograd.Function):
-    """The identity on a unit's inputs. Its backward runs once the gradients have flowed
-    through the whole unit to its inputs: the unit's post-backward, at the same point of the
-    graph on every rank, whichever parameters got a gradient (FSDP2's trigger too)."""
+    """The identity on a unit's inputs (each tensor keeps its shape). Its backward runs once the
+    gradients have flowed through the whole unit to its inputs: the unit's post-backward, at the
+    same point of the graph on every rank, whichever parameters got a gradient (FSDP2's trigger
+    too). By then autograd has accumulated the unit's parameter gradients (it runs a ready
+    AccumulateGrad before other nodes); one that arrives later raises in _finish_backward."""
 
     @staticmethod
     def forward(ctx, unit, *inputs):
@@ -165,7 +182,8 @@ class FSDPUnit:
         self.root = None          # the root of the forward this unit last ran in
         self.order = None         # the root's: units in their first forward's order
         self.pending: list = []   # the root's: reductions in flight
-        self.in_backward, self.launched, self.queued = False, False, False
+        self.in_backward, self.queued = False, False   # backward reached it; the root's callback
+        self.finished = False     # its post-backward ran in this backward
         self.copies = {}          # {kind: [copies, bytes]} (the benchmark's copy count)
         module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
@@ -260,7 +278,7 @@ class FSDPUnit:
         root = self.root = _ROOT[0]
         if self.reshard_after_forward is None:   # FSDP2's default: not the root
             self.reshard_after_forward = self is not root
-        recording = root.order is not None and self not in root.order and not root.queued
+        recording = self not in root.order and not root.queued
         if recording:
             root.order.append(self)
         self.unshard()
@@ -315,7 +333,7 @@ class FSDPUnit:
         """The unit's backward is done: reduce its gradients (or keep them unreduced, without
         sync), free it. A parameter without a gradient here counts as a zero one, so every rank
         reduces the same buffers."""
-        self.launched = True
+        self.finished = True
         rd, grads = self.reduce_dtype, []
         for p in self.trainable:
             g = p.unsharded.grad
@@ -344,13 +362,14 @@ class FSDPUnit:
         cols = []
         for p, g in zip(ps, grads):   # each gradient as its W padded shards
             g = (torch.zeros(p.shape, dtype=rd, device=device) if g is None
-                 else g.to(rd)).reshape(-1)
-            cols.append(F.pad(g, (0, W * p.padded - g.numel())).view(W, p.padded))
+                 else g.to(rd)).reshape(-1)                             # (d0, *rest) -> [d0 rest]
+            cols.append(F.pad(g, (0, W * p.padded - g.numel())).view(W, p.padded))  # [W, c rest]
         inp = torch.cat(cols, dim=1)                                   # [W, N_g]
         if rd == torch.float16:   # fp16's range: average before summing, not after
             inp.div_(W)
         self._count("reduce_scatter copy-in", inp.numel() * inp.element_size())
         out = torch.empty(inp.shape[1], dtype=rd, device=device)       # [N_g]
+        # [W, N_g] -> [W N_g]: row r, contiguous, is the part rank r receives, summed -> [N_g]
         work = dist.reduce_scatter_tensor(out, inp.view(-1), group=self.group, async_op=True)
         root = self.root
         root.pending.append((work, lambda: self._take_reduced(out, ps)))
@@ -364,10 +383,11 @@ class FSDPUnit:
         if out.dtype != torch.float16 and not planted("no-average"):   # plant: summed
             out.div_(self.W)
         if self.replicate is not None and not planted("replicas-not-averaged"):  # plant: HSDP
-            dist.all_reduce(out, group=self.replicate)    # [N_g] over the R replicas
             out.div_(self.R)
+            dist.all_reduce(out, group=self.replicate)    # [N_g] over the R replicas
         off = 0
         for p in ps:
+            # [N_g] -> [rows_r rest] -> (rows_r, *rest), a view when the dtypes agree
             g = out[off:off + p.local].view(p.sharded.shape).to(p.sharded.dtype)
             if p.sharded.grad is None:
                 p.sharded.grad = g
@@ -384,16 +404,16 @@ class FSDPUnit:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in ps]
+        for g in grads:   # averaged first: fp16's range
+            g.div_(self.W * self.R)
         for group in (self.group, self.replicate) if self.replicate is not None else (self.group,):
             all_reduce_flat(grads, group)                      # one flat [sum of numels] each
-        for g in grads:
-            g.div_(self.W * self.R)
 
     def _finish_backward(self):
         """The root's, once autograd has finished: the post-backward of the units whose inputs
         needed no gradient (the root's token ids), every reduction waited for, all freed."""
         for u in reversed(self.order):
-            if u.in_backward and not u.launched:
+            if u.in_backward and not u.finished:
                 u._post_backward()
         while self.pending:
             w, finish = self.pending.pop(0)
@@ -407,7 +427,7 @@ class FSDPUnit:
                                    f"is it used outside the module it was sharded with?")
             if u.gathered and not (u is self and planted("root-stays-gathered")):
                 u.reshard()
-            u.in_backward, u.launched = False, False
+            u.in_backward, u.finished = False, False
         self.queued = False
 
 
@@ -491,8 +511,10 @@ def fully_shard(module: nn.Module, *, group=None, replicate_group=None,
     with torch.no_grad():   # every rank from rank 0's values (replica 0's, under HSDP)
         for g in (group, replicate_group) if replicate_group is not None else (group,):
             ddp.broadcast_coalesced(mine + new_ignored + synced, g)
-    for t in synced + new_ignored:
-        t._fsdp_synced = t._fsdp_ignored = True
+    for b in synced:
+        b._fsdp_synced = True
+    for p in new_ignored:
+        p._fsdp_ignored = True
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     params = []
     for p in mine:
