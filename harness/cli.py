@@ -18,7 +18,7 @@ from .correctness import run_correctness, run_plants
 from .data import MarkovLanguage
 from .launch import Env, base_parser, env_from_os, fail_config, launch, resolve_defaults, teardown
 from .learning import run_learning
-from .dropout import KNOWN_RATES, rates
+from .dropout import KNOWN_RATES, rate_fields, rates
 from .models import ConfigError, common_constraints, load_config, resolve_attn
 from .nccl import nccl_checked
 from .plants import planting
@@ -55,8 +55,7 @@ def _validate(cls, args, world: int, rank: int):
              for n in (args.plants or "").split(",") if n and n not in known]
     if getattr(args, "runs_nested", False):
         errs.append("--runs: a run in the list cannot name another --runs file")
-    if not errs and any(("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0
-                        for k, v in config.to_dict().items()):
+    if not errs and rate_fields(config):
         errs += _dropout_errors(config, args)
     if errs:
         fail_config(errs[0], rank)
@@ -84,9 +83,8 @@ def _dropout_errors(config, args) -> list[str]:
         model = meta_model(config, argparse.Namespace(**{**vars(args), "dtype": "float32"}))
     except ValueError as e:   # (dropout.install: a dropout outside the decoder layers)
         return [f"{e} (--dropout 0 turns the model's dropout off)"]
-    unknown = [f"{k}={v}" for k, v in config.to_dict().items()
-               if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0
-               and k not in KNOWN_RATES and not k.startswith(("summary_", "classifier_"))]
+    unknown = [f"{k}={v}" for k, v in rate_fields(config).items()
+               if k not in KNOWN_RATES and not k.startswith(("summary_", "classifier_"))]
     # (GPT-2's summary_first_dropout and a classifier's: heads a causal LM does not run)
     torch_masks = [f"{n} (p={m.p})" for n, m in model.named_modules()
                    if type(m) is torch.nn.Dropout and m.p > 0]

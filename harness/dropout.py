@@ -253,6 +253,13 @@ def rates(config) -> dict[str, float]:
     return {n: float(getattr(config, n)) for n in names if getattr(config, n, 0) or 0}
 
 
+def rate_fields(config) -> dict[str, float]:
+    """Every config field that reads as a dropout rate and is not zero, known or not (the
+    scripts refuse the ones KNOWN_RATES does not list: harness/cli.py)."""
+    return {k: v for k, v in config.to_dict().items()
+            if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0}
+
+
 # the config fields whose dropout this module keys by coordinates (GPT-2's attn_ / resid_ /
 # embd_pdrop too); a rate in any other field is refused by the scripts (harness/cli.py)
 KNOWN_RATES = ("attention_dropout", "resid_pdrop", "hidden_dropout", "hidden_dropout_prob",

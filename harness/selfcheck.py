@@ -32,7 +32,7 @@ import time
 import torch
 
 from . import plants
-from .anatomy import kv_heads, parts
+from .anatomy import kv_heads, mlp_width, parts
 from .models import ConfigError, model_kwargs
 
 RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -64,7 +64,7 @@ def narrowed(c, budget: float):
     the forward around the layers is what is checked, and it does not depend on the widths.
     Left as it is where it is small, or names its widths otherwise."""
     h, nh = c.hidden_size, c.num_attention_heads
-    per_layer = 12 * h * h + 3 * h * (getattr(c, "intermediate_size", None) or 4 * h) * max(
+    per_layer = 12 * h * h + 3 * h * mlp_width(c) * max(
         1, getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 1)
     if per_layer * c.num_hidden_layers <= budget or not hasattr(c, "intermediate_size"):
         return c

@@ -199,6 +199,22 @@ def test_what_cannot_drop_the_same_everywhere_is_refused(script, args, msg):
     assert_config_error(r, msg, torchrun=False)
 
 
+def test_a_rate_in_a_field_the_harness_does_not_key_is_refused():
+    """A dropout rate in a config field the harness does not key by coordinates would draw
+    torch's masks, another function at every layout: refused in one line; GPT-2's
+    summary_first_dropout (a head a causal LM does not run) is not."""
+    from harness.cli import _dropout_errors
+    args = harness.base_parser("t").parse_args([])
+    config = harness.load_config("tiny")
+    config.foo_dropout = 0.1
+    assert dropout.rate_fields(config) == {"foo_dropout": 0.1}
+    errs = _dropout_errors(config, args)
+    assert len(errs) == 1 and "the config's foo_dropout=0.1 draws torch's masks" in errs[0], errs
+    gpt2 = harness.load_config("tiny-gpt2")
+    assert dropout.rate_fields(gpt2) == {"summary_first_dropout": 0.1}
+    assert _dropout_errors(gpt2, args) == []
+
+
 # -- resume: a mask is a function of the step, so 2 + save + 2 equals 4 uninterrupted --
 # (from a local HF directory: the model is built on the meta device and read shard by shard)
 def _hf_dir(base):
