@@ -27,7 +27,7 @@ SP4 = Runs("sp.py", 4, tier="slow", runs={
     "plant": [*MEGA, "--model", "configs/tiny-gqa8.json", "--dtype", "float32", "--clip", "0.5",
               "--mode", "plants", "--plants", "async-chunk-rows", "--nccl-semantics"],
 })
-C4 = Runs("compose4d.py", 4, tier="slow", runs={
+C4 = Runs("compose4d.py", 4, tier="heavy", runs={   # (heavy: make test's budget)
     "tp-pp": ["--tp", "2", "--sp", "--async-tp", "--pp", "2", "--grad-accum", "2"],
     "tp-cp": ["--tp", "2", "--sp", "--async-tp", "--cp", "2", "--zero", "3"],
     "bench": ["--tp", "2", "--sp", "--async-tp", "--pp", "2", "--grad-accum", "2", *BENCH],
@@ -214,13 +214,13 @@ def test_comm_is_rings(runs):
     assert sync["ours"]["comm"]["all_gather_into_tensor|world"]["calls"] == 6 * 4 + 3
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("key", ["tp-pp", "tp-cp"])
 def test_compose4d(runs, key):
     ok(runs(C4, key))
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_compose4d_comm(runs):
     """Rank 0: the first of 2 stages (2 layers), tp 2, M 2: M (10 L_r) rings of one hop of
     N_r H b / (M T), and the first layer's split gathered once per micro-batch."""

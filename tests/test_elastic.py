@@ -180,7 +180,7 @@ def _torchrun(nproc, args, out, *launcher):
     return p, time.time()
 
 
-@pytest.mark.slow
+@pytest.mark.heavy   # (make test's budget)
 def test_sigkill_mid_step_ends_the_job_and_a_restart_resumes_exactly(tmp_path):
     """A worker killed with SIGKILL in the middle of a step: the job ends (no hang) and no
     survivor writes a checkpoint or moves `latest`; `torchrun --max-restarts=1` with --resume
@@ -221,7 +221,7 @@ def test_infeasible_world_ends_with_one_line():
                         torchrun=False)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy   # (make test's budget)
 def test_sigterm_inside_a_pipeline_step_drains_and_resumes_exactly(tmp_path, uninterrupted):
     """pp=2 fixed, dp 2 -> 1: the cut drains the micro-batches already in the pipeline."""
     ck = tmp_path / "ck"

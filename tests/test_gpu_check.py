@@ -52,7 +52,7 @@ def _run(out, *extra):
                            *extra], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy   # (a minute: make test's budget)
 def test_smoke_every_section(tmp_path):
     """The whole driver on tiny shapes: every section passes, one JSON each plus the log (at
     most 8 files, one folder deep), each naming the machine and what ran."""

@@ -72,7 +72,7 @@ def test_cli_rejects_bad_input():
     assert r.rc == 2 and "--mem-budget-gb is required" in r.stderr, r
 
 
-@pytest.mark.slow
+@pytest.mark.heavy   # (a minute: make test's budget)
 def test_real_cpu_search_two_strategies(tmp_path):
     # ~20 MiB of live tensors per rank: tiny fits somewhere between 256 and 1280 tokens
     r = launch("oom_search.py", 1, "--strategy", "ddp,sp", "--nproc", "2", "--lo", "256",
