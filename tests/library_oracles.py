@@ -517,6 +517,38 @@ def check_fsdp(rank, W):
     same = (spread[0] + spread[1]).abs().item()   # max - min over ranks of the gradient's sum
     report(f"fsdp fc2 in ignored_params: vs sharded, {STEPS} steps, its gradient identical on "
            f"every rank", max(max(rel_diff(a, b) for a, b in zip(got, want)), same))
+    # the state dicts: model.state_dict() holds the shards (FSDP2's to_local() shapes);
+    # full_state_dict -> load_full_state_dict into a model from other weights gives the same
+    # full tensors and the same next step; unshard()/reshard() and summon_full_params show the
+    # full parameters and put the shards back
+    _, theirs = run(False, "sgd", steps=1)
+    _, ours = run(True, "sgd", steps=1)
+    ours.zero_grad()   # (run() ends with a backward)
+    sharded = ours.state_dict()
+    err = max(0.0 if sharded[n].shape == q.to_local().shape else float("inf")
+              for n, q in theirs.named_parameters())
+    whole = {n: t.clone() for n, t in fsdp.full_state_dict(ours).items()}
+    torch.manual_seed(50 + rank)
+    other = shard(Net(unused=False), True)   # (its own weights, rank 0's broadcast)
+    fsdp.load_full_state_dict(other, whole)
+    err = max(err, rel_diff(list(fsdp.full_state_dict(other).values()), list(whole.values())))
+    for m in (ours, other):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        loss_fn(m, tokens(rank, 7)).backward()
+        opt.step()
+    err = max(err, rel_diff(list(fsdp.full_tensors(other).values()),
+                            list(fsdp.full_tensors(ours).values())))
+    ours.fc1.unshard()
+    err = max(err, rel_diff([ours.fc1.weight.detach()], [fsdp.full_tensors(ours)["fc1.weight"]]))
+    ours.fc1.reshard()
+    with fsdp.summon_full_params(ours):
+        shapes = {n: tuple(p.shape) for n, p in ours.named_parameters()}
+    back = {n: tuple(p.shape) for n, p in ours.named_parameters()}
+    if shapes != {n: tuple(t.shape) for n, t in whole.items() if n in shapes} or \
+            back != {n: tuple(v.shape) for n, v in sharded.items() if n in back}:
+        err = float("inf")
+    report("fsdp state_dict() as to_local(), full_state_dict -> load_full_state_dict -> a step, "
+           "unshard(), summon_full_params", err)
     # fc2 under activation checkpointing (its forward re-run inside the backward): as without
     want, _ = run(True, "sgd", accum=2)
     for ckpt in ("reentrant", "non-reentrant"):

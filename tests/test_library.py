@@ -45,6 +45,7 @@ EXPECTED = {
              "fsdp sgd, accum 2: fully_shard vs torch.optim on the global batch",
              "fsdp adamw, clip 0.05: fully_shard vs torch.optim on the global batch",
              "fsdp fc2 in ignored_params: vs sharded",
+             "fsdp state_dict() as to_local(), full_state_dict -> load_full_state_dict",
              "fsdp sgd, accum 2, fc2 under reentrant checkpointing: vs without",
              "fsdp sgd, accum 2, fc2 under non-reentrant checkpointing: vs without",
              "fsdp sgd, a layer used on rank 0 only: fully_shard vs torch DDP",
