@@ -99,6 +99,8 @@ import sp
 import tp
 import zero
 from trainer4d import comm, elastic, train   # the train mode, the comm formulas
+from rig import compose_moe as rig_compose_moe, cp_ring as rig_cp_ring, ep_moe as rig_ep_moe
+from rig import tp as rig_tp
 from trainer4d.schedule import Scheduled, ScheduledReference, lr_at
 
 
@@ -179,10 +181,10 @@ def compose_constraints(args, world, config) -> list[str]:
     if args.dp is not None and args.dp != D:
         return [f"world size {world} is not dp x tp x pp x cp = {args.dp} x {T} x {P} x {C} = "
                 f"{args.dp * T * P * C}"]
-    errs = compose_moe.constraints(args, config, D, C)
+    errs = rig_compose_moe.constraints(args, config, D, C)
     if errs:
         return errs
-    errs = tp.tp_constraints(args, T, config) if T > 1 else []
+    errs = rig_tp.tp_constraints(args, T, config) if T > 1 else []
     kv = kv_heads(config)
     if T > 1 and not errs and kv % T and kv != 1:
         errs = [f"compose4d: tensor parallel size {T} replicates kv heads "
@@ -214,7 +216,7 @@ def compose_constraints(args, world, config) -> list[str]:
     if args.replicate < 1 or (D * C) % args.replicate:
         return [f"--replicate {args.replicate} does not divide dp x cp = {D} x {C} = {D * C} "
                 f"(HSDP shards over dp x cp / R ranks)"]
-    feats = cp_ring.ring_refusals(config, args.length) + (
+    feats = rig_cp_ring.ring_refusals(config, args.length) + (
         [f"{args.attn} attention (the ring installs its own)"] if args.attn != "sdpa" else [])
     if C > 1 and feats:
         return [f"--cp {C}: context parallelism's ring attention does not implement {feats[0]}"]
@@ -246,7 +248,7 @@ def compose_constraints(args, world, config) -> list[str]:
 TIED_MODEL = "configs/tiny-tied.json"     # the tiny preset with tied embeddings (planted bugs)
 
 
-class ScheduledMoEReference(Scheduled, compose_moe.MoEReference):
+class ScheduledMoEReference(Scheduled, rig_compose_moe.MoEReference):
     """compose_moe's reference (HF's MoE model, the router losses per layer and micro-batch)."""
 
 
@@ -393,7 +395,7 @@ class Compose4D(Strategy):
                        help="steps between held-out evaluations (0: none; also at the end)")
         p.add_argument("--eval-batches", type=int, default=2,
                        help="global batches of held-out sequences per evaluation")
-        ep_moe.add_moe_args(p)   # (used with a MoE --model)
+        rig_ep_moe.add_moe_args(p)   # (used with a MoE --model)
         p.add_argument("--prompt", default=None,
                        help="train mode: print a greedy continuation of this text at the end")
         p.add_argument("--gen-tokens", type=int, default=24,

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness.strategy import clip_by_norm
+from harness.collectives import clip_by_norm
 
 
 def units(model: nn.Module) -> list:

@@ -82,6 +82,11 @@ STRATEGIES = {"ddp.py": "DDP", "zero.py": "ZeRO", "zeropp.py": "ZeroPlusPlus", "
               "ep_moe.py": "ExpertParallel", "compose4d.py": "Compose4D"}
 
 
+def rig_module(script: str) -> str:
+    """Where a script's adapter class lives: its module in rig/ (compose4d.py: itself)."""
+    return script[:-3] if script == "compose4d.py" else "rig." + script[:-3]
+
+
 def plant_groups(only=None):
     """(script, world, args, [plant names]): each strategy's planted bugs, grouped by the
     configuration they declare (harness.Plant.args)."""
@@ -91,7 +96,7 @@ def plant_groups(only=None):
     for script, cls_name in STRATEGIES.items():
         if only and not script.startswith(only):
             continue
-        cls = getattr(importlib.import_module(script[:-3]), cls_name)
+        cls = getattr(importlib.import_module(rig_module(script)), cls_name)
         for name, plant in cls.plants.items():
             out.setdefault((script, plant.world, tuple(plant.args)), []).append(name)
     from harness import HARNESS_PLANTS   # the shared optimizer's (MasterAdamW), under ddp.py

@@ -9,7 +9,8 @@ nothing here imports a strategy file (tests/test_layout.py checks it).
 The package, one concern per module (a strategy imports its names from here, the package):
 
     strategy.py     the adapter contract (`Strategy`), the single-device `Reference`, `Plant`,
-                    and the helpers strategies share (make_adamw, all_reduce_flat, ...)
+                    and the helpers adapters share (make_adamw, spread_across_ranks, ...)
+    collectives.py  all_reduce_flat, clip_by_norm: the two helpers strategy files call
     plants.py       `planted(NAME)`: the switch for a planted bug, set by the harness for a run
     models.py       presets (tiny-<family>: one small model per HF decoder family), HF configs
                     and checkpoint directories, the reference model; --attn auto; float64 kept
@@ -72,9 +73,9 @@ from .models import (DTYPES, PRESETS, ConfigError, attention_features, attention
 from .plants import planted, planting  # noqa: F401
 from .precision import MasterAdamW  # noqa: F401
 from .run import Env, Run  # noqa: F401
+from .collectives import all_reduce_flat, clip_by_norm  # noqa: F401
 from .strategy import (HARNESS_PLANTS, DTensorBaseline, Plant, Reference,  # noqa: F401
-                       Strategy, all_reduce_flat, clip_by_norm, full_tensor, make_adamw,
-                       spread_across_ranks)
+                       Strategy, full_tensor, make_adamw, spread_across_ranks)
 
 # recompute.py's names load on first use (PEP 562), so that `python -m harness.recompute` does not
 # find its own module imported by the package already (runpy's RuntimeWarning)

@@ -1,4 +1,4 @@
-"""strategy.py: the strategy contract, the single-device reference, and helpers strategies share.
+"""strategy.py: the strategy contract, the single-device reference, and helpers adapters share.
 
 The adapter contract (subclass `Strategy`)
 ------------------------------------------
@@ -173,33 +173,6 @@ class Strategy:
     def learning_lines(self) -> list[str]:
         """Extra lines after a learning run (collective: every rank calls)."""
         return []
-
-
-def all_reduce_flat(tensors: list[torch.Tensor], group=None):
-    """Sum `tensors` over the group in place with one all_reduce of their concatenation
-    (many small gradients: one call instead of one each)."""
-    if not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
-    off = 0
-    for t in tensors:
-        t.copy_(flat[off:off + t.numel()].view_as(t))
-        off += t.numel()
-
-
-def clip_by_norm(sq: torch.Tensor, grads, max_norm: float) -> torch.Tensor:
-    """Global-norm clipping without a host read: `sq` is the reduced squared global norm (a
-    device scalar); every gradient in `grads` is scaled by torch.nn.utils.clip_grad_norm_'s
-    coefficient min(1, max_norm / (norm + 1e-6)), computed and applied on the device (a
-    coefficient of 1 multiplies by one, as torch does), so the step need not wait for the norm.
-    max_norm <= 0: no clipping. Returns the norm, a 0-d tensor (read it when logging)."""
-    norm = sq.sqrt().reshape(())
-    if max_norm > 0:
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-    return norm
 
 
 def spread_across_ranks(tensors, group=None) -> float:

@@ -5,7 +5,7 @@
 For W = 2 (the `small` preset: 8 layers, H 384, 6 heads) and W = 4 (configs/small-gqa8.json, the
 same with 8 heads so that 4 divides them), float32, batch 4 x 512 tokens: one
 `sp.py --variant megatron --async-tp --mode benchmark --compare-native --paired N` run, which
-builds the asynchronous regions and the synchronous ones (sp.SyncMegatronSP) side by side and
+builds the asynchronous regions and the synchronous ones (rig.sp.SyncMegatronSP) side by side and
 records
     overlap   the share of each side's communication time hidden behind compute, the median
               of three profiled steps (harness/overlap.py; for point-to-point an upper bound:

@@ -23,8 +23,8 @@ overlap_share is ours, from the median of 3 profiled steps per rank (harness/ove
 communication. The baselines (each strategy's `native`): ddp.py torch DDP; zero.py stages 1, 2
 ZeroRedundancyOptimizer over torch DDP, stage 3 FSDP2; fsdp.py FSDP2 (`fully_shard`) and our DDP;
 tp.py DTensor TP; sp.py our TP (no DTensor SP baseline); sp.py --async-tp the same regions
-synchronous (sp.SyncMegatronSP); ddp.py --ce-chunk the same DDP with the loss on the full logits
-(ddp.FullLogitsDDP); pp.py torch.distributed.pipelining's
+synchronous (rig.sp.SyncMegatronSP); ddp.py --ce-chunk the same DDP with the loss on the full logits
+(rig.ddp.FullLogitsDDP); pp.py torch.distributed.pipelining's
 class for each schedule (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
 ScheduleInterleavedZeroBubble, ScheduleDualPipeV); cp_ring.py only the reference (torch's
 context_parallel has no CPU sharding rule for SDPA in torch 2.13). A configuration a strategy

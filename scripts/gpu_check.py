@@ -179,7 +179,8 @@ class InProcess:
         training steps (cls.step; the train mode's trainer4d.train.step_rows)."""
         from harness import cli
         from harness.launch import base_parser, launch
-        cls = getattr(importlib.import_module(module), cls_name)
+        rig = module if module == "compose4d" else "rig." + module   # the adapter's module
+        cls = getattr(importlib.import_module(rig), cls_name)
         parser = base_parser(module + ".py", cls.modes, cls.plants)
         cls.add_args(parser)
         tee = Tee(sys.stdout)

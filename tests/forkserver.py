@@ -36,7 +36,8 @@ SERVER_PID = None
 MODELS = ["AutoModelForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
           "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM",
           "Phi3ForCausalLM"]
-PRELOAD = ["ddp", "zero", "zeropp", "fsdp", "tp", "sp", "pp", "cp_ring", "ep_moe", "compose4d"]
+PRELOAD = ["rig.ddp", "rig.zero", "rig.zeropp", "rig.fsdp", "rig.tp", "rig.sp", "rig.pp",
+           "rig.cp_ring", "rig.ep_moe", "compose4d"]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import harness
 import ep_moe
+import rig.ep_moe
 from harness.routing import hf_router_losses
 from conftest import ROOT, Runs, assert_config_error, config_file, step_losses, torchrun
 
@@ -77,13 +78,13 @@ def test_reference_is_hf_block_where_hf_has_one():
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
     base = dict(lr=1e-3, weight_decay=0.1, aux_coef=0.01, z_coef=0.0, capacity_factor=None,
                 aux_free_bias=False, bias_rate=1e-3, clip=0.0, plant_bug=None)
-    ref = ep_moe.MoEReference(tiny_moe(), SimpleNamespace(**base), None)
+    ref = rig.ep_moe.MoEReference(tiny_moe(), SimpleNamespace(**base), None)
     assert all(type(l.mlp) is MixtralSparseMoeBlock for l in ref.model.model.layers)
-    ref = ep_moe.MoEReference(tiny_moe(), SimpleNamespace(**{**base, "capacity_factor": 1.0}),
+    ref = rig.ep_moe.MoEReference(tiny_moe(), SimpleNamespace(**{**base, "capacity_factor": 1.0}),
                               None)
     assert all(type(l.mlp) is MixtralSparseMoeBlock for l in ref.model.model.layers)
     extra = dict(aux_free_bias=True, aux_coef=0.0)
-    ref = ep_moe.MoEReference(tiny_moe(), SimpleNamespace(**{**base, **extra}), None)
+    ref = rig.ep_moe.MoEReference(tiny_moe(), SimpleNamespace(**{**base, **extra}), None)
     assert all(isinstance(l.mlp, ep_moe.ReferenceMoE) for l in ref.model.model.layers)
 
 
@@ -325,10 +326,10 @@ class HostReads:
 def ep_strategy(*extra):
     from harness.launch import Env, base_parser, resolve_defaults
     p = base_parser("ep_moe.py")
-    ep_moe.ExpertParallel.add_args(p)
+    rig.ep_moe.ExpertParallel.add_args(p)
     args = resolve_defaults(p.parse_args(list(extra)), "correctness", "cpu")
     env = Env(0, 1, 0, torch.device("cpu"), "gloo")
-    return ep_moe.ExpertParallel(tiny_moe(torch.float64), args, env), args
+    return rig.ep_moe.ExpertParallel(tiny_moe(torch.float64), args, env), args
 
 
 @pytest.mark.parametrize("extra", [

@@ -404,9 +404,9 @@ def test_the_self_check_refusal_is_one_line_before_any_collective():
 
 def test_skip_self_check_warns(capsys):
     from harness import selfcheck
-    import pp
+    import rig.pp
     args = _selfcheck_args("tiny-gpt2", "--skip-self-check")
-    selfcheck.check(pp.PP, args, harness.load_config("tiny-gpt2"), rank=0)
+    selfcheck.check(rig.pp.PP, args, harness.load_config("tiny-gpt2"), rank=0)
     assert capsys.readouterr().out.startswith("warning: --skip-self-check: pp's stage loop")
 
 

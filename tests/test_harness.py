@@ -232,16 +232,16 @@ def test_noise_is_at_least_the_median_of_the_tensors_role():
 
 
 def test_plants_mode_picks_the_plants_declared_for_the_run():
-    import sp
-    p = harness.base_parser("t", sp.SP.modes, sp.SP.plants)
-    sp.SP.add_args(p)
+    import rig.sp
+    p = harness.base_parser("t", rig.sp.SP.modes, rig.sp.SP.plants)
+    rig.sp.SP.add_args(p)
     for argv, variant in ((["--variant", "ulysses"], "ulysses"), ([], "megatron")):
         a = p.parse_args(argv + ["--model", "configs/tiny-gqa8.json", "--dtype", "float32",
                                  "--clip", "0.5"])
-        picked = [n for n, pl in sp.SP.plants.items() if harness.correctness._declared_for(pl, sp.SP, a)]
-        assert picked and all(sp.SP.plants[n].args[1] == variant for n in picked), picked
-    assert not any(harness.correctness._declared_for(pl, sp.SP, p.parse_args([]))
-                   for pl in sp.SP.plants.values())       # float64 without --clip: none
+        picked = [n for n, pl in rig.sp.SP.plants.items() if harness.correctness._declared_for(pl, rig.sp.SP, a)]
+        assert picked and all(rig.sp.SP.plants[n].args[1] == variant for n in picked), picked
+    assert not any(harness.correctness._declared_for(pl, rig.sp.SP, p.parse_args([]))
+                   for pl in rig.sp.SP.plants.values())       # float64 without --clip: none
 
 
 def _adamw_args(lr):
@@ -380,13 +380,13 @@ def test_permuted_reference_is_the_same_function_in_another_order():
     float64 rounding; a parameter it cannot permute (a per-head q_norm) makes it decline."""
     from types import SimpleNamespace
     from harness.compare import PermutedReference, reference_in
-    import ddp
+    import rig.ddp
     args = harness.resolve_defaults(harness.base_parser("t").parse_args(["--batch", "4"]),
                                     "correctness", "cpu")
     cfg = harness.load_config("tiny")
     cfg.num_key_value_heads = 2   # GQA: q heads move with their kv group
     run = SimpleNamespace(args=args, config=cfg, env=SimpleNamespace(device=torch.device("cpu")))
-    ref, perm = reference_in(run, ddp.DDP, "float64"), PermutedReference.build(run, ddp.DDP)
+    ref, perm = reference_in(run, rig.ddp.DDP, "float64"), PermutedReference.build(run, rig.ddp.DDP)
     assert perm is not None
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (4, 32), generator=g)
@@ -410,13 +410,13 @@ def test_permuted_bf16_noise_source_is_noise():
     permutation: built before it (the old order), every weight matrix measured 1.4-1.6."""
     from types import SimpleNamespace
     from harness.compare import NOISE_MAX, PermutedReference, reference_in, rel_err
-    import ddp
+    import rig.ddp
     args = harness.resolve_defaults(harness.base_parser("t").parse_args(["--batch", "4"]),
                                     "correctness", "cpu")
     cfg = harness.load_config("tiny")
     run = SimpleNamespace(args=args, config=cfg, env=SimpleNamespace(device=torch.device("cpu")))
-    ref = reference_in(run, ddp.DDP, "bfloat16")
-    perm = PermutedReference.build(run, ddp.DDP, "bfloat16")
+    ref = reference_in(run, rig.ddp.DDP, "bfloat16")
+    perm = PermutedReference.build(run, rig.ddp.DDP, "bfloat16")
     g = torch.Generator().manual_seed(0)
     for _ in range(2):
         ids = torch.randint(0, cfg.vocab_size, (4, 32), generator=g)

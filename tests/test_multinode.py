@@ -46,8 +46,8 @@ def test_compose4d_across_two_nodes():
 
 def test_node_layout_from_the_launcher(monkeypatch):
     from harness import ranks_per_node
-    import fsdp
-    import zeropp
+    import rig.fsdp
+    import rig.zeropp
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert ranks_per_node(4) is None
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
@@ -59,9 +59,9 @@ def test_node_layout_from_the_launcher(monkeypatch):
     monkeypatch.setenv("GROUP_WORLD_SIZE", "3")      # nodes of 2 and 1 (and 1): not a layout
     assert ranks_per_node(4) is None and "differ in size" in harness.uneven_nodes(4)
     a = type("A", (), {"replicate": None, "prefetch": 1, "batch": 8, "grad_accum": 1})()
-    assert any("give --replicate R" in e for e in fsdp.fsdp_constraints(a, 4, None)), a
+    assert any("give --replicate R" in e for e in rig.fsdp.fsdp_constraints(a, 4, None)), a
     monkeypatch.delenv("GROUP_WORLD_SIZE")
     args = type("A", (), {"replicate": None, "node_size": None})()
-    assert fsdp.replicas(args, 4)[0] == 2 and zeropp.node_size(args, 4) == 2
+    assert rig.fsdp.replicas(args, 4)[0] == 2 and rig.zeropp.node_size(args, 4) == 2
     args.replicate, args.node_size = 1, 4            # what the user says wins
-    assert fsdp.replicas(args, 4) == (1, None) and zeropp.node_size(args, 4) == 4
+    assert rig.fsdp.replicas(args, 4) == (1, None) and rig.zeropp.node_size(args, 4) == 4

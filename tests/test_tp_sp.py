@@ -227,9 +227,9 @@ def test_bad_config(run, cfg, script, world, args, msg):
 
 def test_sp_plants_name_their_variant():
     """sp.py holds both variants' planted bugs: each must run under its own --variant."""
-    import sp
-    for name, plant in sp.SP.plants.items():
-        variant = "ulysses" if name in sp.Ulysses.plants else "megatron"
+    import rig.sp
+    for name, plant in rig.sp.SP.plants.items():
+        variant = "ulysses" if name in rig.sp.Ulysses.plants else "megatron"
         assert plant.args[:2] == ("--variant", variant), (name, plant.args)
 
 

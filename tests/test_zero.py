@@ -9,7 +9,8 @@ import torch
 import harness
 import test_plants
 import zero
-import zeropp
+import rig.zeropp
+
 from conftest import Runs, assert_config_error
 
 TINY_PARAMS = 180_800
@@ -347,10 +348,10 @@ def test_zeropp_bytes_equal_the_formula(runs):
     assert b["memory_formula"]["params"] == 542_400
 
 
-ZPP_PLANTS = " ".join(zeropp.ZeroPlusPlus._ZEROPP)   # test_plants.py's run once tour lists it
+ZPP_PLANTS = " ".join(rig.zeropp.ZeroPlusPlus._ZEROPP)   # test_plants.py's run once tour lists it
 PLANTS = test_plants.BATCHES.get(("zeropp.py", 4)) or Runs("zeropp.py", 4, tier="slow", runs={
     ZPP_PLANTS: [
-    "--mode", "plants", "--plants", ",".join(zeropp.ZeroPlusPlus.plants), *ZPP_PLANTS.split()]})
+    "--mode", "plants", "--plants", ",".join(rig.zeropp.ZeroPlusPlus.plants), *ZPP_PLANTS.split()]})
 
 
 @pytest.mark.slow
@@ -377,7 +378,7 @@ def test_zeropp_bad_config(run, args, msg):
 def test_zeropp_constraints():
     """The other refusals, without a process each (the first error is the one printed)."""
     p = harness.base_parser("t")
-    zeropp.ZeroPlusPlus.add_args(p)
+    rig.zeropp.ZeroPlusPlus.add_args(p)
     cases = {"--stage 1 --zeropp hpz --node-size 2": "--zeropp hpz: quantizes",
              "--stage 3 --zeropp qgz": "--zeropp qgz needs --node-size N",
              "--stage 3 --zeropp qwz --node-size 2": "--node-size 2 is for ZeRO++'s",
@@ -385,5 +386,5 @@ def test_zeropp_constraints():
              "--stage 3 --zeropp qwz,hpz,qgz --node-size 4": None,
              "--stage 2 --zeropp qgz --node-size 1": None}
     for argv, msg in cases.items():
-        errs = zeropp.zeropp_constraints(p.parse_args(argv.split()), 4, None)
+        errs = rig.zeropp.zeropp_constraints(p.parse_args(argv.split()), 4, None)
         assert (errs[0].startswith(msg) if msg else errs == []), (argv, errs)

@@ -1,0 +1,158 @@
+"""The test rig for ddp.py: its adapter, constraints, plants and baselines (rig/__init__.py)."""
+import copy
+import warnings
+
+import torch
+
+from harness import (Batch, Expect, Plant, Strategy, dropout, global_loss, make_adamw, phase,
+                     spread_across_ranks)
+from harness.precision import LOW_PRECISION, grad_reduce_dtype
+from harness.reduce_probe import ReductionProbe
+from harness.cli import main as harness_main
+
+from ddp import DataParallel, forward_backward
+
+
+# ----------------------------------------------------------------------------------------------
+# Harness adapter
+# ----------------------------------------------------------------------------------------------
+def batch_constraints(args, world) -> list[str]:
+    """Every data-parallel strategy splits the global batch into world x grad-accum parts."""
+    k = args.grad_accum
+    if k < 1:
+        return [f"--grad-accum must be >= 1 (got {k})"]
+    if args.batch % (world * k):
+        return [f"global batch {args.batch} is not divisible by world size x grad-accum = "
+                f"{world} x {k} = {world * k}"]
+    return []
+
+
+def ddp_constraints(args, world, config) -> list[str]:
+    errs = batch_constraints(args, world)
+    if errs:
+        return errs
+    if args.bucket_mb <= 0:
+        return [f"--bucket-mb must be > 0 (got {args.bucket_mb})"]
+    return []
+
+
+class DDP(Strategy):
+    chunked_ce = True
+    name = "ddp"
+    syncs_initial_params = True
+    # --plant-bug NAME: known bugs the correctness check must catch (tests/test_plants.py)
+    PLANT_CONFIG = ("--grad-accum", "2", "--dtype", "float32", "--clip", "0.5")
+    plants = {
+        "dropout-rank-local": Plant(dropout.PLANT_DOC, dropout.PLANT_ARGS),
+        "no-average": Plant("all_reduce sums the gradients instead of averaging them "
+                                   "(2x at W=2; clipping would hide it)", PLANT_CONFIG),
+        "mean-of-means": Plant("each micro-batch's own mean loss, averaged, instead of "
+                                      "the global token mean", PLANT_CONFIG),
+        "sync-first-microbatch": Plant("gradient accumulation communicates after the "
+                                              "first micro-batch instead of the last",
+                                              PLANT_CONFIG),
+        "no-broadcast": Plant("no initial broadcast: replicas keep their own init",
+                                     PLANT_CONFIG),
+    }
+
+    @staticmethod
+    def add_args(p):
+        p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size")
+        p.add_argument("--grad-accum", type=int, default=1,
+                       help="micro-batches per optimizer step (no communication on the first K-1)")
+        p.add_argument("--no-broadcast", action="store_true",
+                       help="skip the initial broadcast (to see correctness fail)")
+
+    constraints = staticmethod(ddp_constraints)
+
+    def __init__(self, model, args, env):
+        self.args, self.env = args, env
+        self.model = model
+        # getattr: DDP also serves as a memory baseline for other strategies' flags
+        self.dp = DataParallel(model, bucket_mb=getattr(args, "bucket_mb", 25.0),
+                               broadcast=not getattr(args, "no_broadcast", False),
+                               broadcast_buffers=False,   # HF's buffers are constants
+                               reduce_dtype=grad_reduce_dtype(next(model.parameters()).dtype,
+                                                              args))
+        self.optimizer = make_adamw(model.parameters(), args)
+        # Instrumentation from outside the algorithm: the benchmark's first step also sums the
+        # low-precision gradients in fp64, for the reduction's own error (report_lines)
+        self.probe = (ReductionProbe(self.dp) if args.mode == "benchmark" and self.dp.buckets
+                      and self.dp.buckets[0].buffer.dtype in LOW_PRECISION else None)
+
+    def step(self, batch: Batch) -> float:
+        self.optimizer.zero_grad(set_to_none=False)
+        local_sum = forward_backward(self.dp, batch, self.env.rank, self.env.world,
+                                     self.args.grad_accum, self.dp.set_sync, self.args.ce_chunk)
+        with phase("optimizer"):
+            if self.args.clip:
+                self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                                self.args.clip)
+            self.optimizer.step()
+        return global_loss(local_sum, batch.n_tokens)
+
+    def expected_comm(self):
+        grad_bytes = sum(p.numel() for p in self.model.parameters()) * self.dp.reduce_itemsize
+        rows = [Expect("all_reduce", "world", len(self.dp.buckets), grad_bytes,
+                       f"Psi*b = {grad_bytes:,} B (b: the reduce dtype) in "
+                       f"{len(self.dp.buckets)} buckets "
+                       f"of <= {getattr(self.args, 'bucket_mb', 25.0):g} MiB, whatever K")]
+        return rows
+
+    def report_lines(self):
+        return self.probe.report_lines(self.args.reduce_dtype) if self.probe else []
+
+    def extra_checks(self):
+        spread = spread_across_ranks(self.model.parameters())
+        return [("replicas identical across ranks", spread == 0.0,
+                 f"max spread of per-tensor sums {spread:.1e}")]
+
+
+class TorchDDP(Strategy):
+    """Baseline: torch.nn.parallel.DistributedDataParallel on the same data and loss scaling."""
+    name = "torch-ddp"
+    syncs_initial_params = True
+    constraints = staticmethod(ddp_constraints)
+
+    def __init__(self, model, args, env):
+        from torch.nn.parallel import DistributedDataParallel
+        self.args, self.env = args, env
+        self.model = model
+        with warnings.catch_warnings():  # broadcast_buffers=False is the behaviour we want
+            warnings.simplefilter("ignore", FutureWarning)
+            self.ddp = DistributedDataParallel(
+                model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+                bucket_cap_mb=getattr(args, "bucket_mb", 25.0), broadcast_buffers=False)
+        self.optimizer = make_adamw(model.parameters(), args)
+
+    def step(self, batch):
+        self.optimizer.zero_grad(set_to_none=True)
+        # what torch DDP's no_sync() context toggles
+        local_sum = forward_backward(
+            self.ddp, batch, self.env.rank, self.env.world, self.args.grad_accum,
+            lambda sync: setattr(self.ddp, "require_backward_grad_sync", sync))
+        with phase("optimizer"):
+            if self.args.clip:
+                self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                                self.args.clip)
+            self.optimizer.step()
+        return global_loss(local_sum, batch.n_tokens)
+
+
+class FullLogitsDDP(DDP):
+    """--ce-chunk's baseline (--compare-native, --paired): the same DDP, its loss on the full
+    logits."""
+    name = "ddp-full-logits"
+
+    def __init__(self, model, args, env):
+        args = copy.copy(args)
+        args.ce_chunk = 0
+        super().__init__(model, args, env)
+
+
+DDP.native = staticmethod(lambda args: [FullLogitsDDP] if args.ce_chunk else [TorchDDP])
+
+
+def main():
+    """`torchrun ddp.py --mode ...`: ddp.py's __main__ lands here."""
+    harness_main(DDP)

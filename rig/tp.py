@@ -1,0 +1,185 @@
+"""The test rig for tp.py: its adapter, constraints, plants and baselines (rig/__init__.py)."""
+import torch
+
+from harness import (Batch, DTYPES, DTensorBaseline, Expect, Plant, Reference, Strategy,
+                     clip_by_norm, dropout, full_tensor, is_moe, make_adamw, phase, scalar,
+                     spread_across_ranks)
+from harness.loss import chunked_loss_sum
+from harness.cli import main as harness_main
+
+from tp import TensorParallel, parallelize, shape_constraints
+from tp_plan import classify, meta_model
+
+
+# ----------------------------------------------------------------------------------------------
+# Harness adapter
+# ----------------------------------------------------------------------------------------------
+def tp_constraints(args, world, config) -> list[str]:
+    """The shapes T must divide, then every parameter classified (on a meta-device model)."""
+    return shape_constraints(world, config) or classify(meta_model(config), world)[1]
+
+
+def standalone_constraints(args, world, config) -> list[str]:
+    """tp.py (and sp.py's Megatron variant) on their own refuse a MoE model: its blocks would
+    run whole on every rank, which only compose4d.py (--ep, compose_moe.py) accounts for."""
+    if is_moe(config):
+        return [f"--model {args.model} is a Mixture-of-Experts model: tp.py splits attention and "
+                f"dense MLPs, not experts; use compose4d.py --ep (or ep_moe.py)"]
+    return tp_constraints(args, world, config)
+
+
+# Where each planted bug must FAIL: the tour's model, float32 with clipping (clipping hides a
+# gradient scale error unless gradients are compared before it; float32 is the harder case).
+PLANT_ARGS = ("--model", "configs/tiny-gqa8.json", "--dtype", "float32", "--clip", "0.5")
+
+
+class TP(Strategy):
+    name = "tp"
+    chunked_ce = True
+    plants = {
+        "dropout-rank-local": Plant(dropout.PLANT_DOC, dropout.PLANT_ARGS),
+        "no-f": Plant("a region's input enters without f: the backward misses the "
+                             "all-reduce of d(input) over the ranks' branches", PLANT_ARGS),
+        "embed-unmasked": Plant("the vocab-parallel embedding does not zero the ids "
+                                       "another rank owns: they add this shard's row 0",
+                                       PLANT_ARGS),
+        "embed-drops-padding-idx": Plant(
+            "the vocab-parallel embedding drops HF's padding_idx: the pad token's row trains "
+            "under TP and stays frozen on one device (OLMo2's pad id is 1)",
+            ("--model", "tiny-olmo2", "--dtype", "float32", "--clip", "0.5")),
+        "ce-counts-ignored": Plant("the vocab-parallel loss does not mask ignored labels: "
+                                          "padding adds to the loss and the gradient",
+                                          PLANT_ARGS),
+        "clip-norm-scale": Plant("the clip norm sums the replicated gradients' squares "
+                                        "over the group too: counted T times", PLANT_ARGS),
+        "qk-norm-grads-unreduced": Plant(
+            "Qwen3's per-head q/k norms keep each rank's gradient (its own heads' share) "
+            "instead of the sum over the group", ("--model", "tiny-qwen3", "--dtype", "float32",
+                                                  "--clip", "0.5")),
+        "kv-copies-summed-across-heads": Plant(
+            "with more ranks than kv heads, a replicated kv head's gradient is all-reduced "
+            "over the whole group: summed with the other heads' copies, not its own only",
+            ("--dtype", "float32", "--clip", "0.5"), world=4),
+    }
+
+    @staticmethod
+    def add_args(p):
+        p.add_argument("--dtensor", dest="compare_native", action="store_true",
+                       help="same as --compare-native: also run PyTorch DTensor's "
+                            "parallelize_module with the same plan")
+
+    constraints = staticmethod(standalone_constraints)
+
+    def __init__(self, model, args, env):
+        self.args, self.env, self.model = args, env, model
+        self.tp = parallelize(model)
+        self.optimizer = make_adamw(model.parameters(), args)
+
+    def step(self, batch: Batch) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        with phase("forward"):
+            with dropout.at(batch):
+                if self.args.ce_chunk:   # the vocab-parallel loss, ce_chunk tokens at a time
+                    ce = chunked_loss_sum(self.model, batch.input_ids, batch.labels,
+                                          self.args.ce_chunk, self.tp.loss_sum)
+                else:
+                    ce = self.tp.loss_sum(self.model(input_ids=batch.input_ids).logits,
+                                          batch.labels)
+        with phase("backward"):
+            (ce / batch.n_tokens).backward()
+            self.tp.reduce_partial_grads()
+        with phase("optimizer"):
+            if self.args.clip:
+                self.grad_norm = self.tp.clip(self.args.clip)
+            self.optimizer.step()
+        return scalar(ce) / batch.n_tokens  # every rank computed the full loss
+
+    def full_grads(self):
+        return self.tp.full({n: p.grad for n, p in self.model.named_parameters()})
+
+    def full_params(self):
+        return self.tp.full({n: p.detach() for n, p in self.model.named_parameters()})
+
+    def extra_checks(self):
+        # Replicated parameters (norms, replicated kv) must stay identical across TP ranks.
+        rep = [p for n, p in self.model.named_parameters() if n not in self.tp.split_dim
+               and (n not in self.tp.kv_split or self.tp.kv_copies == self.tp.T)]
+        spread = spread_across_ranks(rep)
+        return [(f"{len(rep)} replicated tensors identical across ranks", spread == 0.0,
+                 f"max spread of per-tensor sums {spread:.1e}")]
+
+    def expected_comm(self):
+        cfg, a = self.model.config, self.args
+        N, H, L = a.batch * a.length, cfg.hidden_size, cfg.num_hidden_layers
+        b = DTYPES[a.dtype].itemsize
+        b_ce = 4 if a.dtype == "bfloat16" else b
+        partial = self.tp.partial_grads or self.tp.extra_partial
+        K = -(-N // a.ce_chunk) if a.ce_chunk else 1   # the loss's chunks, 3 all-reduces each
+        calls = 4 * L + 2 + 3 * K + (1 if partial else 0)
+        nbytes = (4 * L + 2) * N * H * b + 3 * N * b_ce
+        if partial:
+            nbytes += self.tp.partial_numel() * b
+        norm_calls, norm_bytes = norm_sharded_comm(self.tp, N, a.dtype)
+        calls, nbytes = calls + norm_calls, nbytes + norm_bytes
+        if a.clip:
+            calls, nbytes = calls + 1, nbytes + 8
+        return [Expect("all_reduce", "world", calls, nbytes,
+                       f"(4L+2) x N*H*b + 3 x N*b_ce = {4 * L + 2} x {N * H * b:,} + "
+                       f"3 x {N * b_ce:,} B (L={L}, N=B*S={N}, H={H})"
+                       + (f"; the loss in {K} chunks of --ce-chunk tokens, 3 calls each"
+                          if a.ce_chunk else "")
+                       + (" + kv grads" if self.tp.partial_grads else "")
+                       + (" + q/k norm grads" if self.tp.extra_partial else "")
+                       + (" + full-width q/k norms 2 x N*b each" if norm_calls else "")
+                       + (" + clip" if a.clip else ""))]
+
+
+def norm_sharded_comm(tpm: TensorParallel, N: int, dtype: str) -> tuple[int, int]:
+    """(all-reduce calls, bytes) of the full-width q/k norms (ShardedRMSNorm): one sum of
+    squares of N values forward and its gradient backward, each, in at least float32."""
+    n = sum(1 for k in tpm.kinds.values() if k == "norm-sharded")
+    b = max(DTYPES[dtype].itemsize, 4)
+    return 2 * n, 2 * n * N * b
+
+
+class DTensorTP(DTensorBaseline, Reference):
+    """Baseline: PyTorch DTensor's parallelize_module with the same Megatron plan (colwise
+    q/k/v/gate/up, rowwise o/down, vocab-sharded embedding) and a full-vocabulary LM head.
+    The step is the reference's: DTensor makes the plain training code parallel."""
+    name = "dtensor-tp"
+    constraints = staticmethod(standalone_constraints)
+
+    def __init__(self, model, args, env):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+        mesh = init_device_mesh(env.device.type, (env.world,))
+        plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                "lm_head": ColwiseParallel(output_layouts=Replicate())}
+        for i in range(len(model.model.layers)):
+            p = f"model.layers.{i}."
+            plan.update({p + f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj",
+                                                                          "v_proj")})
+            plan.update({p + f"mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
+            plan[p + "self_attn.o_proj"] = RowwiseParallel()
+            plan[p + "mlp.down_proj"] = RowwiseParallel()
+        super().__init__(parallelize_module(model, mesh, plan), args, env)
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """torch's clip_grad_norm_ refuses a mix of DTensor (the sharded weights) and plain
+        gradients (the norms, which the plan leaves replicated): each DTensor gradient is
+        reassembled whatever its placement (a baseline: the all-gathers are not what it
+        measures), and every gradient counted once."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        sq = sum(full_tensor(g).double().pow(2).sum() for g in grads)
+        return clip_by_norm(sq, [g.to_local() if hasattr(g, "to_local") else g for g in grads],
+                            max_norm)
+
+
+TP.native = DTensorTP
+
+
+def main():
+    """`torchrun tp.py --mode ...`: tp.py's __main__ lands here."""
+    harness_main(TP)

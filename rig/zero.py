@@ -1,0 +1,187 @@
+"""The test rig for zero.py: its adapter, constraints, plants and baselines (rig/__init__.py)."""
+import torch
+
+from harness import (Batch, DTensorBaseline, Expect, Plant, Strategy, full_tensor, global_loss,
+                     make_adamw, parts, phase)
+from harness.precision import grad_reduce_dtype
+from harness.cli import main as harness_main
+
+import ddp
+from zero import Zero, adamw_on_shards
+from zero_state import state_bytes
+
+from rig.ddp import TorchDDP, batch_constraints
+
+
+def zero_constraints(args, world, config) -> list[str]:
+    errs = batch_constraints(args, world)
+    if args.stage not in (1, 2, 3):
+        errs.append(f"--stage must be 1, 2 or 3 (got {args.stage})")
+    if getattr(args, "prefetch", 0) < 0:
+        errs.append(f"--prefetch must be >= 0 (got {args.prefetch})")
+    return errs
+
+
+class ZeRO(Strategy):
+    name = "zero"
+    syncs_initial_params = False
+    # One configuration catches the first four (stage 2: accumulation; float32 + --clip: the
+    # norm and the scale); the misaligned shard needs W=3 (at W=2 no tiny unit is padded).
+    _ACCUM_CLIP = ("--stage", "2", "--grad-accum", "2", "--dtype", "float32", "--clip", "0.5")
+    plants = {
+        "no-average": Plant("the reduce-scatter sums the gradients instead of averaging "
+                            "them (2x at W=2; clipping would hide it)", _ACCUM_CLIP),
+        "overwrite-accum": Plant("stages 2/3 overwrite the reduced gradient shard with "
+                                 "each micro-batch's instead of accumulating it", _ACCUM_CLIP),
+        "clip-local-norm": Plant("clipping by the rank's shard norm: the squared norms "
+                                 "are not all-reduced", _ACCUM_CLIP),
+        "no-param-gather": Plant("stages 1/2 skip the all-gather of the updated shards: "
+                                 "the next forward runs on stale parameters", _ACCUM_CLIP),
+        "shard-offset": Plant("a rank's shard starts at rank * (numel // W), the "
+                              "unpadded size: misaligned when W does not divide a unit",
+                              ("--batch", "6"), world=3),
+    }
+
+    @staticmethod
+    def add_args(p):
+        p.add_argument("--stage", type=int, default=1, help="ZeRO stage: 1, 2 or 3")
+        p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+        p.add_argument("--prefetch", type=int, default=1,
+                       help="stage 3: units whose all-gather is launched ahead of use")
+        p.add_argument("--sync-param-gather", action="store_true",
+                       help="stages 1, 2: all-gather the updated parameters inside the step "
+                            "(default: async, each unit's forward waits for its own)")
+
+    constraints = staticmethod(zero_constraints)
+
+    def __init__(self, model, args, env):
+        self.args, self.env, self.model = args, env, model
+        self.name = f"zero{args.stage}"
+        self.zero = self.make_engine(
+            model, stage=args.stage, prefetch=args.prefetch,
+            reduce_dtype=grad_reduce_dtype(next(model.parameters()).dtype, args),
+            overlap_param_gather=not args.sync_param_gather)
+        self.optimizer = adamw_on_shards(model, self.zero, args)
+
+    def make_engine(self, model, **kw) -> Zero:
+        return Zero(model, **kw)   # (zeropp.py: ZeRO++'s)
+
+    def step(self, batch: Batch) -> float:
+        opt = self.optimizer
+        opt.zero_grad(set_to_none=False)
+        def set_sync(last):   # stage 1: the last micro-batch's backward reduce-scatters
+            self.zero.sync = last
+        local_sum = ddp.forward_backward(self.model, batch, self.env.rank, self.env.world,
+                                         self.args.grad_accum, set_sync)
+        self.zero.sync = False
+        with phase("backward"):
+            opt.reduce_gradients()
+        with phase("optimizer"):
+            if self.args.clip:
+                self.grad_norm = opt.clip_grad_norm_(self.args.clip)
+            opt.step()
+        return global_loss(local_sum, batch.n_tokens)
+
+    def full_grads(self):
+        return self.zero.full_tensors("grad")
+
+    def full_params(self):
+        return self.zero.full_tensors("param")
+
+    def model_states(self):
+        return {"params": [u.shard if self.args.stage == 3 else u.full for u in self.zero.units],
+                "grads": self.zero.grad_tensors(), "optimizer": self.optimizer.state_tensors()}
+
+    def report_lines(self):
+        numel, padded = self.psi()
+        return [f"flat buffers: {len(self.zero.units)} units, {numel:,} parameters padded to "
+                f"{padded:,} (+{padded - numel} for divisibility by W={self.env.world}); "
+                f"shard per rank {padded // self.env.world:,}"]
+
+    def psi(self) -> tuple[int, int]:
+        """(parameters, padded parameters)."""
+        return (sum(u.numel for u in self.zero.units), sum(u.padded for u in self.zero.units))
+
+    def expected_comm(self):
+        """The textbook traffic (the docstring's formulas)."""
+        z, K = self.zero, self.args.grad_accum
+        _, padded = self.psi()
+        b, n = z.units[0].full.element_size(), len(z.units)
+        rb = z.units[0].grad_shard.element_size()   # the reduce dtype's
+        full, rs_times = padded * b, K if self.args.stage >= 2 else 1
+        rows = [Expect("reduce_scatter_tensor", "world", n * rs_times, padded * rb * rs_times,
+                       f"Psi*b_reduce = {padded * rb:,} B per reduction, one per unit ({n})"
+                       + (f", x{K} micro-batches" if rs_times > 1 else ""))]
+        if self.args.stage < 3:
+            rows.append(Expect("all_gather_into_tensor", "world", n, full,
+                               f"Psi*b = {full:,} B: updated parameters, one per unit"))
+        else:
+            rows.append(Expect("all_gather_into_tensor", "world", 2 * n * K, 2 * full * K,
+                               "2 Psi*b: forward + backward gather per unit"
+                               + (f", x{K} micro-batches" if K > 1 else "")))
+        if self.args.clip:
+            rows.append(Expect("all_reduce", "world", 1, 8, "clip: squared-norm sum (fp64)"))
+        return rows
+
+    def memory_formula(self) -> dict[str, float]:
+        return state_bytes(self.zero, self.optimizer)
+
+
+# the baselines (--compare-native): PyTorch's own ZeRO-1 and FSDP2
+class TorchZeRO1(TorchDDP):
+    """PyTorch's ZeroRedundancyOptimizer (AdamW state sharded by whole parameters, each rank
+    updating and broadcasting its own) over torch DDP, on the same data and loss scaling."""
+    name = "torch-zero1"
+    constraints = staticmethod(zero_constraints)
+
+    def __init__(self, model, args, env):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        super().__init__(model, args, env)
+        g = self.optimizer.param_groups[0]   # make_adamw's hyper-parameters, the reference's
+        self.optimizer = ZeroRedundancyOptimizer(
+            list(model.parameters()), optimizer_class=torch.optim.AdamW, lr=g["lr"],
+            weight_decay=g["weight_decay"], betas=g["betas"], eps=g["eps"])
+
+    def model_states(self):
+        local = [v for s in self.optimizer.optim.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return {"params": list(self.model.parameters()),
+                "grads": [p.grad for p in self.model.parameters()], "optimizer": local}
+
+
+class TorchFSDP2(DTensorBaseline):
+    """PyTorch's FSDP2 (fully_shard) on each decoder layer and the root (fsdp.py's units too)."""
+    name = "torch-fsdp2"
+
+    def __init__(self, model, args, env):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        self.args, self.env, self.model = args, env, model
+        mesh = init_device_mesh(env.device.type, (env.world,))
+        reshard = not getattr(args, "no_reshard_after_forward", False)   # (zero.py: absent)
+        for layer in parts(model).layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        self.optimizer = make_adamw(model.parameters(), args)
+
+    def step(self, batch):
+        self.optimizer.zero_grad(set_to_none=True)
+        local_sum = ddp.forward_backward(   # FSDP2's switch: reduce-scatter in this backward?
+            self.model, batch, self.env.rank, self.env.world, self.args.grad_accum,
+            self.model.set_requires_gradient_sync)
+        with phase("optimizer"):
+            if self.args.clip:
+                self.grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(
+                    self.model.parameters(), self.args.clip))
+            self.optimizer.step()
+        return global_loss(local_sum, batch.n_tokens)
+
+
+# stages 1 and 2 shard the optimizer (ZeroRedundancyOptimizer has no gradient sharding: its
+# stage 2 is the same object); stage 3 shards the parameters too, as FSDP2 does
+ZeRO.native = staticmethod(lambda args: TorchFSDP2 if args.stage == 3 else TorchZeRO1)
+
+
+def main():
+    """`torchrun zero.py --mode ...`: zero.py's __main__ lands here."""
+    harness_main(ZeRO)
