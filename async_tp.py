@@ -5,38 +5,22 @@
 
 The idea (Wang et al., "Overlap Communication with Dependent Computation via Decomposition in
 Large Deep Learning Models", ASPLOS 2023; Megatron-core's --tp-comm-overlap; torchtitan's async
-TP)
-    A Megatron sequence-parallel region (sp.py) opens with an all-gather of the sequence feeding
-    column-parallel matmuls, and closes with a row-parallel matmul feeding a reduce-scatter. In
-    each pair one side waits for the other. Cut along the sequence into the T ranks' chunks,
-    each pair becomes T ring steps whose matmul runs on the chunk that is here while the next
-    chunk travels:
-      all-gather + matmul      step j holds the chunk of rank r - j: out[its rows] = chunk W^T,
-                               while the chunk goes on to rank r + 1 and the next arrives from
-                               rank r - 1 (AllGatherMatmul: q, k and v, or gate and up, share
-                               one ring: each chunk is multiplied by every weight of the region)
-      matmul + reduce-scatter  step j computes this rank's partial sum of chunk r - j - 1, adds
-                               the accumulator arriving from rank r - 1 for that chunk and sends
-                               it on to rank r + 1; after T - 1 hops each chunk's sum is at its
-                               owner (MatmulReduceScatter)
-    Every hop is one batch_isend_irecv of the send to r + 1 and the receive from r - 1 (the two
-    must progress together on NCCL). The backwards mirror the forwards: all-gather + matmul's is
-    a matmul + reduce-scatter ring for the input gradient and a re-gather ring for the weight
-    gradient (the region input is kept as this rank's chunk only, as sp.py's re-gather does);
-    matmul + reduce-scatter's is an all-gather + matmul ring (the gradient's chunks). A weight
-    gradient sums its T chunk products in fp32 (_wgrad_mm): bf16 GEMMs with fp32 accumulation
-    and output on CUDA (torch.mm's out_dtype), operands upcast to fp32 on the CPU.
-
-How it plugs in: AsyncSPRegion replaces sp.SPRegion. Its entry hands the region a stand-in of
-the gathered input's shape (one NaN, expanded: no storage of that size, never read; HF's
-attention takes its shapes from it) and keeps this rank's chunk; the region's column-parallel layers are bound
-to one FusedColumns, which runs the ring on the chunk when the first of them is called and hands
-each its output. The row-parallel layers call region.row(x, W), which is the ring above.
+TP): cut each edge of a Megatron SP region (sp.py) along the sequence into the T ranks' chunks,
+so it becomes T ring steps whose matmul runs on the chunk that is here while the next travels:
+  all-gather + matmul      step j multiplies rank r - j's chunk by every column weight of the
+                           region while the chunk moves on to r + 1 (AllGatherMatmul)
+  matmul + reduce-scatter  step j adds this rank's partial sum of chunk r - j - 1 to the
+                           accumulator arriving from r - 1 and sends it on to r + 1; after
+                           T - 1 hops each chunk's sum is at its owner (MatmulReduceScatter)
+Each hop is one batch_isend_irecv (to r + 1, from r - 1). The backwards mirror the forwards: a
+reduce-scatter ring for d(input), a re-gather ring for d(weight) (summed in fp32), an
+all-gather ring for the row layer's. AsyncSPRegion replaces sp.SPRegion; FusedColumns runs one
+ring for all of a region's column layers. In full: docs/internals.md, 'async_tp.py'.
 
 Communication: the bytes of the collectives they replace: per ring and rank T - 1 sends and
 T - 1 receives of one chunk, B (S/T) H b. Per step sp.py's 6L+3 all-gathers and 4L+1
 reduce-scatters become 10L+3 rings (all but the first layer's split, whose backward stays an
-all-gather): (10L+3)(T-1) isend and as many irecv of N H b / T (sp.MegatronSP.expected_comm).
+all-gather): (10L+3)(T-1) isend and as many irecv of N H b / T (rig.sp.MegatronSP.expected_comm).
 
 Public API
     sp.parallelize(model, group, async_tp=True)   the regions of tp.parallelize, sequence
@@ -53,7 +37,8 @@ from harness import planted
 # The two rings
 # ----------------------------------------------------------------------------------------------
 def _hop(send: torch.Tensor, recv: torch.Tensor, group) -> list:
-    """Start one ring hop: `send` to the next rank, `recv` from the previous, one batch."""
+    """Start one ring hop: `send` to the next rank, `recv` from the previous, one batch. Both
+    the same shape: a chunk or an accumulator, (B, S/T, H)."""
     W, r = dist.get_world_size(group), dist.get_rank(group)
     return dist.batch_isend_irecv([
         dist.P2POp(dist.isend, send, group=group, group_peer=(r + 1) % W),
@@ -64,12 +49,12 @@ def ring_gather(chunk: torch.Tensor, group, use) -> None:
     """Every rank's chunk, one at a time: use(source rank, chunk) runs on each while the next one
     travels (this rank's own first)."""
     W, r = dist.get_world_size(group), dist.get_rank(group)
-    cur = chunk.contiguous()
+    cur = chunk.contiguous()                 # (B, S/T, H): rank (r - j)'s chunk at step j
     for j in range(W):
         works = None
         if j < W - 1:
             nxt = torch.empty_like(cur)
-            works = _hop(cur, nxt, group)
+            works = _hop(cur, nxt, group)    # (B, S/T, H) to r + 1, (B, S/T, H) from r - 1
         use((r - j) % W, cur)
         if works is not None:
             for w in works:
@@ -84,7 +69,7 @@ def ring_reduce_scatter(partial, group) -> torch.Tensor:
     works, sending, arrived = None, None, None
     for j in range(W):
         c = (r - j - 1) % W
-        acc = partial(c)
+        acc = partial(c)              # (B, S/T, H): this rank's share of chunk c
         if works is not None:
             for w in works:
                 w.wait()
@@ -93,11 +78,11 @@ def ring_reduce_scatter(partial, group) -> torch.Tensor:
             return acc                # c == r: every rank's share of my chunk
         sending = acc.contiguous()
         arrived = torch.empty_like(sending)
-        works = _hop(sending, arrived, group)
+        works = _hop(sending, arrived, group)   # (B, S/T, H) to r + 1, (B, S/T, H) from r - 1
 
 
 def _rows(t: torch.Tensor, c: int, s: int) -> torch.Tensor:
-    return t[:, c * s:(c + 1) * s]
+    return t[:, c * s:(c + 1) * s]      # (B, S, ...) -> (B, S/T, ...): chunk c's tokens, a view
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -159,68 +144,71 @@ def _wgrad_mm(a: torch.Tensor, b: torch.Tensor, path: str | None = None) -> torc
 # The decomposed region edges as autograd Functions (each backward mirrors its forward)
 # ----------------------------------------------------------------------------------------------
 class AllGatherMatmul(torch.autograd.Function):
-    """(B, s, H) chunk -> [(B, T s, out_i)]: the gathered sequence through n weights (and
+    """(B, S/T, H) chunk -> [(B, S, out_i)]: the gathered sequence through n weights (and
     biases, None allowed), gathered and multiplied one chunk at a time."""
 
     @staticmethod
-    def forward(ctx, x, group, n, *wb):
+    def forward(ctx, x, group, n, *wb):   # x (B, S/T, H), n weights [out_i, H], n biases [out_i]
         weights, biases = wb[:n], wb[n:]
         ctx.save_for_backward(x, *weights)
         ctx.group, ctx.has_bias = group, [b is not None for b in biases]
         W, (B, s) = dist.get_world_size(group), x.shape[:2]
-        outs = [x.new_empty((B, W * s, w.shape[0])) for w in weights]
+        outs = [x.new_empty((B, W * s, w.shape[0])) for w in weights]   # (B, S, out_i) each
 
         def use(src, chunk):
             dst = src
             if planted("async-chunk-rows"):   # plant: the chunk lands in the next rank's rows
                 dst = (src + 1) % W
             for o, w, b in zip(outs, weights, biases):
-                _rows(o, dst, s).copy_(F.linear(chunk, w, b))
+                _rows(o, dst, s).copy_(F.linear(chunk, w, b))   # (B, S/T, H) -> (B, S/T, out_i)
         ring_gather(x, group, use)
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx, *grads):        # (B, S, out_i) each -> (B, S/T, H), [out_i, H], [out_i]
         x, *weights = ctx.saved_tensors
         group, s, H = ctx.group, x.shape[1], x.shape[2]
         # d(input): each chunk's rows of sum_i g_i W_i, summed over the ranks, lands on its owner
-        gx = ring_reduce_scatter(
+        gx = ring_reduce_scatter(     # (B, S/T, out_i) @ [out_i, H] -> (B, S/T, H), summed
             lambda c: sum(_rows(g, c, s) @ w for g, w in zip(grads, weights)), group)
         # d(weights): sum over the chunks of g_i[chunk]^T x[chunk], the input re-gathered
-        gw = [_wide(torch.zeros_like(w)) for w in weights]
+        gw = [_wide(torch.zeros_like(w)) for w in weights]                  # [out_i, H], fp32
 
         def use(src, chunk):
-            xc = chunk.reshape(-1, H)                                        # (B s, H)
+            xc = chunk.reshape(-1, H)                            # (B, S/T, H) -> (N/T, H)
             if _wgrad_path(grads[0], xc) == "upcast":
                 xc = _wide(xc)      # (copied to fp32 once for every weight it multiplies)
-            for acc, g in zip(gw, grads):   # (out_i, B s) @ (B s, H) -> (out_i, H), fp32
+            for acc, g in zip(gw, grads):   # (B, S/T, out_i) -> (N/T, out_i), transposed:
+                # (out_i, N/T) @ (N/T, H) -> [out_i, H], fp32
                 acc += _wgrad_mm(_rows(g, src, s).reshape(-1, g.shape[-1]).T, xc)
         ring_gather(x, group, use)
-        gb = [g.sum((0, 1)) if has else None for g, has in zip(grads, ctx.has_bias)]
+        gb = [g.sum((0, 1)) if has else None for g, has in zip(grads, ctx.has_bias)]  # [out_i]
         return (gx, None, None, *[a.to(w.dtype) for a, w in zip(gw, weights)], *gb)
 
 
 class MatmulReduceScatter(torch.autograd.Function):
-    """(B, T s, in) -> this rank's (B, s, out) chunk of the sum over the ranks of x W^T, the
-    partial sums formed one chunk at a time."""
+    """(B, S, in) -> this rank's (B, S/T, out) chunk of the sum over the ranks of x W^T, the
+    partial sums formed one chunk at a time (in = n_h d/T or I/T, out = H)."""
 
     @staticmethod
-    def forward(ctx, x, weight, group):
+    def forward(ctx, x, weight, group):   # x (B, S, in), weight [out, in] -> (B, S/T, out)
         ctx.save_for_backward(x, weight)
         ctx.group = group
         s = x.shape[1] // dist.get_world_size(group)
+        # chunk c: (B, S/T, in) @ [out, in]^T -> (B, S/T, out), summed over the ring
         return ring_reduce_scatter(lambda c: F.linear(_rows(x, c, s), weight), group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):          # (B, S/T, out) -> (B, S, in), [out, in]
         x, weight = ctx.saved_tensors
         s = grad.shape[1]
         gx, gw = torch.empty_like(x), _wide(torch.zeros_like(weight))
 
         def use(src, chunk):       # chunk: rank src's rows of the output gradient
-            _rows(gx, src, s).copy_(chunk @ weight)
-            gw.add_(_wgrad_mm(chunk.reshape(-1, chunk.shape[-1]).T,       # (out, B s)
-                              _rows(x, src, s).reshape(-1, x.shape[-1])))  # (B s, in)
+            _rows(gx, src, s).copy_(chunk @ weight)   # (B, S/T, out) @ [out, in] -> (B, S/T, in)
+            # (B, S/T, out) -> (N/T, out) -> (out, N/T);  (B, S/T, in) -> (N/T, in)
+            gw.add_(_wgrad_mm(chunk.reshape(-1, chunk.shape[-1]).T,
+                              _rows(x, src, s).reshape(-1, x.shape[-1])))   # [out, in], fp32
         ring_gather(grad, ctx.group, use)
         return gx, gw.to(weight.dtype), None
 
@@ -247,6 +235,7 @@ class FusedColumns:
                                "than its region's input")
         if self.key is not stand_in:    # a new region input (or a recomputed forward)
             ms = self.modules
+            # (B, S/T, H) -> one (B, S, out_i) per module
             self.outs = AllGatherMatmul.apply(chunk, self.region.group, len(ms),
                                               *[m.weight for m in ms], *[m.bias for m in ms])
             self.key = stand_in
@@ -264,10 +253,10 @@ class AsyncSPRegion:
         self.current = None
 
     def enter(self, x):
-        """x: this rank's (B, s, H) chunk. Returns a stand-in of the gathered (B, T s, H) shape:
+        """x: this rank's (B, S/T, H) chunk. Returns a stand-in of the gathered (B, S, H) shape:
         one NaN expanded (anything that reads it instead of the fused layers gets NaN); the
         region's FusedColumns read the chunk from self.current."""
-        stand_in = x.new_full((1,), float("nan")).expand(
+        stand_in = x.new_full((1,), float("nan")).expand(   # (1,) -> (B, S, H), all strides 0
             x.shape[0], x.shape[1] * dist.get_world_size(self.group), x.shape[2])
         self.current = (stand_in, x)
         return stand_in
@@ -278,7 +267,7 @@ class AsyncSPRegion:
             f.key = f.outs = None
         self.active.clear()
 
-    def row(self, x, weight):
+    def row(self, x, weight):         # (B, S, in), [H, in] -> (B, S/T, H)
         return MatmulReduceScatter.apply(x, weight, self.group)
 
     def exit(self, x):

@@ -1,95 +1,40 @@
-"""compose4d.py: DP x TP(+SP) x PP x CP (x EP) training of an HF model, from the strategy files.
+"""compose4d.py: DP x TP(+SP) x PP x CP (x EP) training of an HF model from the strategy files.
 
     torchrun --nproc_per_node=8 compose4d.py --tp 2 --pp 2 --cp 2                # correctness
     torchrun --nproc_per_node=8 compose4d.py --model tiny-moe --ep 2 --tp 2 --pp 2 --zero 3
-    torchrun --nproc_per_node=8 compose4d.py --tp 2 --pp 2 --cp 2 --sp --mode benchmark
-    torchrun --nproc_per_node=4 compose4d.py --tp 2 --pp 2 --mode train --steps 200 \\
-        --lr-schedule cosine --lr-warmup 20 --save ckpt --export-hf hf_out
-    torchrun --nproc_per_node=2 compose4d.py --pp 2 --mode train --steps 300 --resume ckpt
+    torchrun --nproc_per_node=4 compose4d.py --tp 2 --pp 2 --mode train --steps 200 --save ckpt
 
-Nothing here re-implements a parallelism; the blocks come from their own files:
-    tp.TensorParallel      Megatron column/row-parallel layers, vocab-parallel embedding and loss
-    sp.SPRegion            Megatron sequence parallelism (--sp): all-gather / reduce-scatter at the
-                           region edges (--async-tp: async_tp.py's rings); sp.shard_residual_stream
-                           splits the residual stream
-    cp_ring.CPContext      zig-zag ring attention over the cp group, through HF's attention registry
-    pp.Pipeline            the stage split and the 1F1B / interleaved executor, over the pp group;
-                           with P = 1 it is plain gradient accumulation over the micro-batches
-    zero.Zero, ZeroOptimizer  ZeRO-1 (default), 2 or 3 over the dp x cp group (--zero 3: each
-                           unit gathered before its forward and its backward, one unit prefetched)
-    compose_moe            a MoE model's fifth dimension (--ep): ep_moe's all-to-all blocks over
-                           ep groups carved out of dp x cp, the experts sharded over the ranks
-                           that hold the same experts, the router losses per layer and micro-batch
-What is here: the rank grid and its groups, the step that strings the blocks together, and
-gradient clipping across all four dimensions. examples/train_4d.py composes tp, cp_ring, pp and
-zero the same way in a short user loop (no SP, checkpoints or correctness mode).
-The correctness reference takes its learning-rate schedule from torch.optim.lr_scheduler
-(torch_schedule), not from our lr_at; the planted bugs (`--plant-bug NAME`, Compose4D.plants) show
-that the correctness mode catches what a one-line slip in this file would break.
+Nothing here re-implements a parallelism: tp.parallelize (Megatron layers, vocab-parallel loss),
+sp.parallelize (--sp; --async-tp: async_tp.py's rings), cp_ring.parallelize (zig-zag ring
+attention), pp.Pipeline (stage split, 1F1B / interleaved; with P = 1 plain gradient
+accumulation), zero.Zero + ZeroOptimizer (ZeRO-1/2/3 over dp x cp), compose_moe (--ep: ep_moe's
+all-to-all blocks over ep groups carved out of dp x cp). What is here: the rank grid and its
+groups, `Parallel4D` (the model cut over the grid, and the step that strings the blocks
+together), and gradient clipping across all four dimensions.
 
-Rank grid (Fast-LLM's arithmetic)
-    rank = tp + T * (cp + C * (dp + D * pp)): TP innermost (inside a node), then CP, then DP, PP
-    outermost; --pipeline-first swaps PP inside DP (rank = tp + T * (cp + C * (pp + P * dp))).
-    D = W / (T P C). Groups, created on every rank in this order: tp, cp, dp, pp, dp x cp, with
-    --replicate R HSDP's shard groups (D C / R consecutive dp x cp ranks) and replicate groups
-    (the same place in each), the tied-embedding pairs (first and last stage of each pipeline)
-    when the embeddings are tied, and for a MoE model compose_moe's ep and edp groups.
-    Gradients are summed and ZeRO's shards live over dp x cp: CP ranks hold the same weights and
-    see different tokens of the same sequences, exactly as DP ranks see different sequences.
+Rank grid: rank = tp + T (cp + C (dp + D pp)), TP innermost, PP outermost (--pipeline-first puts
+PP inside DP); D = W / (T P C). CP ranks hold the same weights and see other tokens of the same
+sequences, exactly as DP ranks see other sequences: gradients are summed and ZeRO's shards live
+over dp x cp.
 
-One step
-    Each rank takes its dp share of the sequences and its cp share (zig-zag chunks, with their
-    global positions for RoPE) of every sequence, and runs its pipeline stage's schedule over
-    --grad-accum micro-batches; every micro-batch backpropagates CE_sum / N_global, so the sums
-    over dp x cp (ZeRO's reduce-scatter), over tp (the partial gradients of replicated norms under
-    SP) and over the tied pair give the reference's gradient exactly. Then: global-norm clipping
-    (each gradient element counted once: tp-replicated ones on tp rank 0 only, the tied head copy
-    on the first stage only), AdamW on the shards, all-gather of the updated parameters.
+One step: this rank's dp share of the sequences and cp share of their tokens (zig-zag chunks with
+global positions) through its pipeline stage in M micro-batches, each backpropagating
+CE_sum / N_global; then the sums over dp x cp (ZeRO's reduce-scatter), over tp (partial gradients
+of SP's norms), over the tied pair; global-norm clipping (each element counted once,
+`shared_over`); AdamW on the shards; the all-gather of the updated parameters.
 
-Communication per step and rank (trainer4d/comm.py; N_r = tokens per rank per step =
-B S / (D C), H hidden, b bytes, M micro-batches, L_r = the layers this rank's stage holds,
-f = 1 on the stage that holds the embedding, l = 1 on the stage that holds the LM head, else 0;
-Psi_r = parameters held per rank = about Psi / (T P))
-    tp group     TP: 4 L_r + f + l all-reduces per micro-batch (4 per layer, the embedding's
-                 forward, the LM head's backward), each of N_r H b / M: (4 L_r + f + l) N_r H b
-                 per step, i.e. 4L + 2 of N_r H b at P = 1, 4 L_r + 1 on the first and the last
-                 of P > 1 stages, 4 L_r in between; the last stage adds 3 per micro-batch of
-                 N_r b_ce / M for the loss (b_ce = 4 for bf16). With SP (sp.py), per micro-batch
-                 6 L_r + 2 l + f all-gathers and 4 L_r + l reduce-scatters of N_r H b / M, and
-                 the embedding's all-reduce stays; --async-tp makes all of these but f's
-                 (T-1)-hop rings, M (10 L_r + 3 l) per step. Plus one all-reduce of the partial
-                 gradients' shards (norms under SP, replicated kv heads) when there are any
-    cp group     per layer and micro-batch (C-1) forward hops of K,V and (C-1) backward hops of
-                 K,V,dK,dV, then dK,dV home (cp_ring)
-    pp group     2 M (activation + gradient) sends of N_r H b / (M T_sp) per stage boundary (pp.py)
-    dp x cp      ZeRO-1: one reduce-scatter of Psi_r b_r and one all-gather of Psi_r b, one call
-                 per unit each (b_r: the reduce dtype's bytes, 4 for bf16); ZeRO-2 reduce-scatters
-                 every micro-batch (M Psi_r b_r); ZeRO-3 also all-gathers every unit before each
-                 micro-batch's forward and backward (2 M Psi_r b) and none after the step
-                 (zero.py). With a MoE model (--ep) the experts' units take these rows over edp
-                 (compose_moe.py, which adds the ep group's all-to-alls and the counts)
-    tied pair    with tied embeddings and P > 1, one all-reduce of the embedding's gradient shard
-                 on the first and last stages
-    world        one 8-byte all-reduce of the squared gradient norm
-
-Checkpoints and the train mode: trainer4d/checkpoint.py (layout-independent, atomic; the HF
-export) and trainer4d/train.py (`--mode train`: real text with --data, held-out evaluation,
-samples, logs, SIGTERM saves at the end of the step in flight, or mid-step with --preempt-at
-micro-batch, elastic restarts). A model built on the meta device (train mode, --model a safetensors directory) is
-materialised here, once it is cut: each rank reads only its shard.
+Communication per step and rank: the formulas are trainer4d/comm.py's (tp 4 L_r + f + l
+all-reduces of N_r H b; cp 2 (C-1) hops per layer and micro-batch; pp 2 M sends per boundary;
+dp x cp ZeRO's reduce-scatter and all-gather of Psi_r; the tied pair; one 8-byte norm all-reduce);
+derivation and the checkpoint / train-mode design: docs/internals.md, "compose4d.py".
 """
-import copy
-import os
-
 import torch
 import torch.distributed as dist
 
-from harness import (DTYPES, METER, Batch, Plant, Strategy, all_reduce_flat,
-                     clip_by_norm, global_loss, is_moe, kv_heads, main, name_group, parts,
-                     phase, planted, spread_across_ranks)
-from harness.flops import mfu_line
+from harness import (DTYPES, METER, Batch, all_reduce_flat, clip_by_norm, global_loss, is_moe,
+                     name_group, parts, phase, planted)
 from harness.precision import grad_reduce_dtype
-from harness import dropout, loading, train_data
+from harness import loading
 import compose_moe
 import cp_ring
 import ep_moe
@@ -98,10 +43,7 @@ import pp
 import sp
 import tp
 import zero
-from trainer4d import comm, elastic, train   # the train mode, the comm formulas
-from rig import compose_moe as rig_compose_moe, cp_ring as rig_cp_ring, ep_moe as rig_ep_moe
-from rig import tp as rig_tp
-from trainer4d.schedule import Scheduled, ScheduledReference, lr_at
+from trainer4d.schedule import lr_at
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,248 +102,13 @@ def make_groups(grid: Grid, rank: int, tied: bool, replicas: int = 1) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# Constraints
+# The composed model and its step
 # ----------------------------------------------------------------------------------------------
-def compose_constraints(args, world, config) -> list[str]:
-    T, P, C, M = args.tp, args.pp, args.cp, args.grad_accum
-    if min(T, P, C, M) < 1:
-        return ["--tp, --pp, --cp and --grad-accum must be >= 1"]
-    if world % (T * P * C):
-        return [f"world size {world} is not divisible by tp x pp x cp = {T} x {P} x {C} = "
-                f"{T * P * C} (dp = W / (tp pp cp))"]
-    D = world // (T * P * C)
-    meta = train.saved_meta(args) if args.mode == "train" else None   # (read once, here)
-    if args.mode == "train" and args.elastic:     # re-plan first: it sets batch and grad-accum
-        plan = train.replan(world, config, args, meta)
-        if not plan.feasible:
-            return [f"--elastic: {plan.why}"]
-        args = copy.copy(args)
-        args.batch, args.grad_accum, args.zero = plan.global_batch, plan.grad_accum, plan.zero
-        M = args.grad_accum
-    if args.dp is not None and args.dp != D:
-        return [f"world size {world} is not dp x tp x pp x cp = {args.dp} x {T} x {P} x {C} = "
-                f"{args.dp * T * P * C}"]
-    errs = rig_compose_moe.constraints(args, config, D, C)
-    if errs:
-        return errs
-    errs = rig_tp.tp_constraints(args, T, config) if T > 1 else []
-    kv = kv_heads(config)
-    if T > 1 and not errs and kv % T and kv != 1:
-        errs = [f"compose4d: tensor parallel size {T} replicates kv heads "
-                f"(num_key_value_heads {kv}); compose4d replicates only a single kv head"]
-    if errs:
-        return errs
-    V = args.virtual_stages if args.schedule == "interleaved" else 1
-    L = config.num_hidden_layers
-    if L < P * V:
-        return [f"{L} decoder layers cannot fill {P * V} pipeline chunks ({P} stages x {V} "
-                f"virtual stages)"]
-    if args.schedule == "interleaved" and (P < 2 or M % P):
-        return [f"the interleaved schedule needs --pp >= 2 and --grad-accum ({M}) a multiple of "
-                f"--pp ({P})"]
-    if args.schedule == "interleaved" and args.zero >= 2:
-        return [f"--zero {args.zero} reduce-scatters per micro-batch and needs each micro-batch's backward "
-                "of a stage in one piece: use --schedule 1f1b"]
-    if args.batch % (D * M):
-        return [f"global batch {args.batch} is not divisible by dp x grad-accum = {D} x {M}"]
-    if args.length % (2 * C):
-        return [f"sequence length {args.length} is not divisible by 2 x cp = {2 * C} (zig-zag "
-                f"chunks)"]
-    if args.async_tp and not (args.sp and T > 1):
-        return ["--async-tp decomposes sequence-parallel regions: give --tp > 1 with --sp"]
-    if args.sp and (args.length // C) % T:
-        return [f"--sp: the {args.length // C} tokens per cp rank are not divisible by tp = {T}"]
-    if args.zero not in (1, 2, 3):
-        return [f"--zero must be 1, 2 or 3 (got {args.zero})"]
-    if args.replicate < 1 or (D * C) % args.replicate:
-        return [f"--replicate {args.replicate} does not divide dp x cp = {D} x {C} = {D * C} "
-                f"(HSDP shards over dp x cp / R ranks)"]
-    feats = rig_cp_ring.ring_refusals(config, args.length) + (
-        [f"{args.attn} attention (the ring installs its own)"] if args.attn != "sdpa" else [])
-    if C > 1 and feats:
-        return [f"--cp {C}: context parallelism's ring attention does not implement {feats[0]}"]
-    if args.resume and not os.path.isdir(args.resume) and args.resume not in (
-            args.save, *getattr(args, "saved_by_earlier_runs", ())):
-        # (--save D --resume D is the restart idiom: the first launch finds no D yet; in a
-        # --runs list an earlier run may save D)
-        return [f"--resume {args.resume}: no such directory"]
-    if args.resume:
-        found, problems = train.find_checkpoint(args.resume)
-        if found is None and problems:
-            return [f"--resume {args.resume}: no complete, intact checkpoint ({problems[0]})"]
-        saved, now = train.dropout_of(found), dropout.recorded(config, args.seed)
-        if found and saved != now:   # other masks from here on: not the run it continues
-            return [f"--resume {args.resume}: saved with dropout {saved or 'off'}, this run has "
-                    f"{now or 'none'} (give the same --dropout and --seed)"]
-        if found and args.mode == "train":
-            why = train.objective_changes(meta, config, args, args.batch, D, M)
-            if why:
-                return [f"--resume {args.resume}: {why}"]
-    if args.keep is not None and args.keep < 1:
-        return [f"--keep must be >= 1 (got {args.keep})"]
-    return train_data.constraints(args, config)
-
-
-# ----------------------------------------------------------------------------------------------
-# The composed strategy
-# ----------------------------------------------------------------------------------------------
-TIED_MODEL = "configs/tiny-tied.json"     # the tiny preset with tied embeddings (planted bugs)
-
-
-class ScheduledMoEReference(Scheduled, rig_compose_moe.MoEReference):
-    """compose_moe's reference (HF's MoE model, the router losses per layer and micro-batch)."""
-
-
-def reference(ref_model, args, env):
-    """The single-device reference, scheduled by torch: compose_moe's for a MoE model."""
-    moe = is_moe(ref_model.config)
-    return (ScheduledMoEReference if moe else ScheduledReference)(ref_model, args, env)
-
-
-class Compose4D(Strategy):
-    name = "4d"
-    self_check = ("compose4d's stage loop (pp.py's)", pp.stage_loop)
-    reference = staticmethod(reference)
-    # Realistic one-line bugs, each beside the line it breaks (grep the name), and the
-    # configuration in which correctness mode must FAIL with it (tests/test_plants.py). Scale
-    # and norm bugs are judged in float32 with clipping (clipping must not hide them); the cp
-    # configuration also runs a non-constant schedule (warm-up, then cosine), so the lr oracle
-    # has work to do; the tp and pp ones use tied embeddings (the pair synced across stages).
-    _CP = ("--cp", "2", "--dtype", "float32", "--clip", "0.5",
-           "--lr-schedule", "cosine", "--lr-warmup", "2", "--steps", "3")
-    _TP = ("--tp", "2", "--sp", "--model", TIED_MODEL)
-    _PP = ("--pp", "2", "--dtype", "float32", "--clip", "0.5", "--model", TIED_MODEL)
-    _MOE = ("--model", "tiny-moe", "--ep", "2", "--pp", "2", "--dtype", "float32", "--clip", "0.5")
-    plants = {
-        "expert-grads-over-dpcp": Plant(
-            "the experts' gradients reduced (and sharded) over dp x cp, like the dense ones, "
-            "instead of over the ranks that hold the same experts: other experts' gradients "
-            "are added in", _MOE, world=4),
-        "aux-per-stage": Plant(
-            "each stage normalises its MoE layers' auxiliary loss by its own layer count, not "
-            "the model's: the aux term counted once per stage", _MOE, world=4),
-        "dropout-rank-local": Plant(dropout.PLANT_DOC, dropout.PLANT_ARGS + (
-            "--tp", "2", "--pp", "2"), world=4),
-        "lr-one-step-ahead": Plant(
-            "step k runs at the schedule's learning rate for step k + 1", _CP),
-        "grad-sum-misses-cp": Plant(
-            "ZeRO reduces (and shards) over the dp group instead of dp x cp: the gradient "
-            "misses the other cp ranks' tokens", _CP),
-        "cp-local-positions": Plant(
-            "RoPE positions 0..S/C-1 for the local zig-zag chunks instead of their global "
-            "positions", _CP),
-        "local-token-mean": Plant(
-            "each rank divides its CE sum by its own token count instead of the global "
-            "batch's (a mean of per-rank means)", _CP),
-        "sp-partials-unreduced": Plant(
-            "the partial gradients of the norms under SP are not summed over tp", _TP),
-        "clip-norm-misses-pp": Plant(
-            "the global gradient norm summed over the ZeRO shards (dp x cp) only, not over "
-            "the pp stages (and tp ranks): each stage clips by its own part", _PP),
-        "reshard-before-backward": Plant(
-            "ZeRO-3: a unit freed after its forward is re-allocated for its backward but not "
-            "all-gathered again: the backward computes with zeros", ("--zero", "3", "--tp", "2",
-                                                                     "--pp", "2"), world=4),
-        "replicas-not-summed": Plant(
-            "HSDP: the dense gradient shards are reduced inside each replica's shard group but "
-            "not summed across the replicas", ("--zero", "3", "--replicate", "2", "--pp", "2"),
-            world=4),
-        "tied-sync-skipped": Plant(
-            "the first stage's embedding and the last stage's head copy of the tied weight "
-            "are not summed: each updates with its own part of the gradient", _PP),
-    }
-    modes = {"train": train.run_train}   # --mode train: a logged run with checkpoints
-
-    @staticmethod
-    def add_args(p):
-        p.add_argument("--dp", type=int, default=None,
-                       help="data-parallel size D (default: W / (tp pp cp)); checked if given")
-        p.add_argument("--tp", type=int, default=1, help="tensor-parallel size T")
-        p.add_argument("--pp", type=int, default=1, help="pipeline stages P")
-        p.add_argument("--cp", type=int, default=1, help="context-parallel size C (zig-zag ring)")
-        p.add_argument("--sp", action="store_true", help="Megatron sequence parallelism in TP")
-        p.add_argument("--async-tp", action="store_true",
-                       help="with --sp: each region's collectives as rings of chunked matmuls "
-                            "that overlap them (async_tp.py)")
-        p.add_argument("--ep", type=int, default=1,
-                       help="expert-parallel size E for a MoE model, out of the dp x cp ranks "
-                            "(compose_moe.py)")
-        p.add_argument("--pipeline-first", action="store_true",
-                       help="PP inside DP in the rank grid (default: PP outermost)")
-        p.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved"])
-        p.add_argument("--virtual-stages", type=int, default=2, help="V for --schedule interleaved")
-        p.add_argument("--zero", type=int, default=1, help="ZeRO stage over dp x cp: 1, 2 or 3")
-        p.add_argument("--replicate", type=int, default=1,
-                       help="HSDP: R replicas, each ZeRO-sharded over dp x cp / R consecutive "
-                            "ranks (a node), gradients summed across them once per step")
-        p.add_argument("--grad-accum", type=int, default=1,
-                       help="micro-batches per step per replica (the pipeline's M)")
-        p.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"])
-        p.add_argument("--lr-warmup", type=int, default=0, help="linear warm-up steps")
-        p.add_argument("--lr-min-ratio", type=float, default=0.1, help="cosine floor / lr")
-        p.add_argument("--save", default=None, help="train mode: checkpoint directory")
-        p.add_argument("--save-every", type=int, default=0, help="steps between saves (0: end)")
-        p.add_argument("--keep", type=int, default=None,
-                       help="keep the newest N complete checkpoints (default: all)")
-        p.add_argument("--resume", default=None, help="train mode: resume from DIR/latest")
-        p.add_argument("--stop-at", type=int, default=None,
-                       help="train mode: save and stop after this many steps (an interruption)")
-        p.add_argument("--export-hf", default=None,
-                       help="train mode: write the trained model as an HF model directory")
-        p.add_argument("--elastic", action="store_true",
-                       help="train mode: re-plan micro-batch, grad-accum and ZeRO stage for the "
-                            "world size this run starts on (elastic.py), keeping the global "
-                            "batch of the checkpoint (or --batch) within --batch-tolerance")
-        p.add_argument("--batch-tolerance", type=float, default=0.10)
-        p.add_argument("--max-micro-batch", type=int, default=8)
-        p.add_argument("--mem-gib", type=float, default=80.0,
-                       help="--elastic: memory budget per GPU for the planner's memory model")
-        p.add_argument("--grace-s", type=float, default=30.0,
-                       help="seconds the batch system waits between SIGTERM and SIGKILL: a save "
-                            "that ends later than that after the signal is warned about")
-        p.add_argument("--preempt-at", default="step", choices=["step", "micro-batch"],
-                       help="train mode with --save: where a SIGTERM stops the run. step: the "
-                            "ranks agree on it once per step, inside the step's loss all-reduce "
-                            "(no extra collective or host read), and save at the end of the step "
-                            "in flight. micro-batch: also a MAX all-reduce and host read before "
-                            "every micro-batch (1F1B), so the cut may fall mid-step (the "
-                            "gradients saved); each is a global barrier that costs pipeline "
-                            "bubble")
-        p.add_argument("--test-sigterm-at", default=None,
-                       help="test hook STEP:MB: rank 0 sends SIGTERM to the launcher after "
-                            "that micro-batch")
-        p.add_argument("--test-sigkill-at", default=None,
-                       help="test hook STEP:MB: the last rank kills itself (SIGKILL) before "
-                            "that micro-batch's forward, on the launcher's first attempt only")
-        p.add_argument("--test-crash-in-save", action="store_true",
-                       help="test hook: exit hard in the middle of a save")
-        p.add_argument("--load", default="shards", choices=["shards", "full"],
-                       help="train mode, --model a checkpoint directory: each rank reads only "
-                            "its shard onto a meta-device model (safetensors), or builds the "
-                            "whole model and slices it (the way every other mode does)")
-        # train mode on real text (harness/corpus.py, harness/train_data.py)
-        p.add_argument("--data", default=None, metavar="PATH",
-                       help="train mode: a text file, a .jsonl, a directory of them, or "
-                            "pre-tokenized .bin/.npy tokens (default: the synthetic language)")
-        p.add_argument("--tokenizer", default=None, metavar="DIR",
-                       help="tokenizer directory (default: --model's, when it has one)")
-        p.add_argument("--data-dtype", default=None, choices=["uint16", "uint32"],
-                       help=".bin token width (default uint16, as nanoGPT writes it)")
-        p.add_argument("--data-cache", default=None, metavar="DIR",
-                       help="where tokenized text is cached (default: beside --data)")
-        p.add_argument("--val-fraction", type=float, default=0.0,
-                       help="share of whole documents held out for evaluation")
-        p.add_argument("--eval-every", type=int, default=0,
-                       help="steps between held-out evaluations (0: none; also at the end)")
-        p.add_argument("--eval-batches", type=int, default=2,
-                       help="global batches of held-out sequences per evaluation")
-        rig_ep_moe.add_moe_args(p)   # (used with a MoE --model)
-        p.add_argument("--prompt", default=None,
-                       help="train mode: print a greedy continuation of this text at the end")
-        p.add_argument("--gen-tokens", type=int, default=24,
-                       help="tokens generated for --prompt")
-
-    constraints = staticmethod(compose_constraints)
+class Parallel4D:
+    """An HF model cut over the rank grid (tp, sp, cp, pp, ZeRO over dp x cp, experts over ep),
+    with its optimizer and its training step. `args` carries the layout (tp, pp, cp, sp, ep,
+    zero, replicate, schedule, virtual_stages, grad_accum) and the run (length, dtype, clip, lr
+    schedule); rig/compose4d.py runs it against one device, trainer4d/train.py trains with it."""
 
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
@@ -693,47 +400,7 @@ class Compose4D(Strategy):
         with METER.paused():
             return self.zero.gather_flat(shards)
 
-    def full_grads(self):
-        return self._full(self._stage_tensors([u.grad_shard for u in self.zero.units]))
 
-    def full_params(self):
-        return self._full(self._stage_tensors([u.shard for u in self.zero.units]))
-
-    def model_states(self):
-        z = self.zero
-        return {"params": [u.shard if z.stage == 3 else u.full for u in z.units],
-                "grads": z.grad_tensors(), "optimizer": self.optimizer.state_tensors()}
-
-    def memory_formula(self):
-        """ZeRO's formula on this rank's units: its stage's layers, TP-local, over dp x cp."""
-        return zero.state_bytes(self.zero, self.optimizer)
-
-    def extra_checks(self):
-        rows = []
-        if self.tp is not None:   # replicated parameters must stay identical across tp ranks
-            rep = [p for n, p in self.model.named_parameters() if n not in self.tp.split_dim]
-            with self.zero.gathered():
-                spread = spread_across_ranks(rep, self.groups["tp"]) if rep else 0.0
-            rows.append(("tp-replicated parameters identical", spread == 0.0,
-                         f"max spread {spread:.1e}"))
-        return rows
-
-    # -- benchmark: communication formulas per group (trainer4d/comm.py) --
-    def expected_comm(self):
-        return comm.expected_comm(self)
-
-    def report_lines(self):
-        lines = [f"rank grid {self.grid.size}, order {self.grid.order} (innermost first); "
-                 f"this rank {self.me}; stage layers "
-                 f"{[list(self.pipe.bounds[c]) for c in self.pipe.mine]}"]
-        bench = getattr(self, "bench", None)
-        if bench:
-            lines.append(mfu_line(self.model.config, self.args, self.env, bench["step_s"]))
-        return lines
-
-
-if __name__ == "__main__":
-    import sys
-    if sys.argv[1:2] == ["plan"]:       # the elastic batch planner (no process group)
-        sys.exit(elastic.plan_main(sys.argv[2:]))
-    main(Compose4D)
+if __name__ == "__main__":   # torchrun compose4d.py --mode ...: the test rig runs it
+    from rig.compose4d import main
+    main()

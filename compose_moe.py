@@ -1,56 +1,34 @@
 """compose_moe.py: expert parallelism inside compose4d (--ep E), the fifth dimension.
 
     torchrun --nproc_per_node=8 compose4d.py --model tiny-moe --ep 2 --tp 2 --pp 2
-    torchrun --nproc_per_node=4 compose4d.py --model tiny-moe --ep 4 --cp 2 --mode benchmark
 
-ep_moe.py's blocks (route, the uneven all-to-all, the grouped local experts) installed in a model
-that compose4d also splits by TP, PP and CP; what is here is the part that only exists once they
-are composed: the groups, the router losses across stages and micro-batches, the reference.
+ep_moe.py's blocks in a model that compose4d also splits by TP, PP and CP; here is what only
+exists once they compose: the groups, the router losses across stages and micro-batches, the
+reference.
 
-Groups (Megatron-core's "parallel folding", with expert-TP 1)
-    EP is carved out of the dp x cp ranks of each (pp, tp) slice: listed in rank order, blocks of
-    E consecutive ranks form an ep group (the all-to-all), and the ranks at the same place in
-    their blocks form an edp group of D C / E (the ranks that hold the same experts).
-        dense parameters    sharded and summed over dp x cp (ZeRO), as in compose4d
-        expert parameters   experts [e E_l, (e+1) E_l) on ep rank e, E_l = n_experts / E;
-                            sharded and summed over edp (zero.Zero's unit_groups)
-    TP: attention is split, a MoE block is not: each tp rank routes the same tokens through the
-    same experts (expert-TP 1, redundant across tp; the router and experts are replicated
-    parameters, checked identical across tp). PP: each stage's MoE layers only. CP: a cp rank's
-    tokens route like any others (the ep group spans dp x cp).
+Groups (Megatron-core's "parallel folding", expert-TP 1): in each (pp, tp) slice, blocks of E
+    consecutive dp x cp ranks form an ep group (the all-to-all), the ranks at the same place in
+    their blocks an edp group of D C / E (they hold the same experts). Dense parameters: ZeRO
+    over dp x cp; experts [e E_l, (e+1) E_l) on ep rank e (E_l = n / E, n experts), ZeRO over edp.
+    TP: every tp rank routes the same tokens through the same experts; PP: a stage's MoE layers.
 
-The router losses, per layer and micro-batch
-    ep_moe.py takes the Switch auxiliary loss over the global batch and all layers at once:
-    f_e (the share of choices) must be known before any backward, which a pipeline cannot do (a
-    1F1B stage runs backwards before the later micro-batches' forwards) and which couples the
-    stages. Here, as in Megatron-core, each MoE layer l adds its own term for each micro-batch m
-    at its own forward, from the global counts of that micro-batch (one all_reduce of E int64
-    over dp x cp per layer and micro-batch):
-        aux = 1/(L M) sum_{l,m} E sum_e f_{l,m,e} P_{l,m,e},   f, P over micro-batch m's
+The router losses, per layer and micro-batch (as Megatron-core): a pipeline cannot know the
+    global batch's f_e before its first backward, so each MoE layer adds, at its forward for
+    micro-batch m, its own term from that micro-batch's global counts (one all_reduce of n
+    int64 over dp x cp per layer and micro-batch), through the layer's output (AddLoss):
+        aux = 1/(L M) sum_{l,m} n sum_e f_{l,m,e} P_{l,m,e},   f, P over micro-batch m's
         N_m = B S / M tokens (m = every dp rank's m-th micro-batch, all their cp chunks)
-    The term enters the backward through the layer's output (AddLoss: identity forward, its
-    backward also seeds the term with gradient 1, Megatron's MoEAuxLossAutoScaler), so a stage
-    adds exactly its layers' terms, each micro-batch once, and nothing crosses stages. With M = 1
-    and L = 1 it is HF's load_balancing_loss_func; with M = 1 it depends on no layout choice
-    (resumable on any layout); with M > 1 on which rows share a micro-batch. The z loss (mean
-    logsumexp^2 over layers and tokens) is a plain sum, identical to ep_moe.py's. The reference
-    (MoEReference) is HF's model and HF's load_balancing_loss_func on each layer's router logits
-    of each micro-batch's rows, which shares no routing code with the strategy.
-    --aux-free-bias: the per-layer global loads summed over the step's micro-batches (the same
-    counts), each stage updating its own layers' biases. --capacity-factor: ep_moe.py's global
-    priority needs the whole batch in one ep group and one micro-batch: E = dp, cp = 1, M = 1.
 
-Communication per step, added to compose4d's (T_r = tokens per rank per micro-batch, k top-k,
-H hidden, b bytes, L_r this stage's MoE layers, M micro-batches)
-    ep group     per layer and micro-batch: 4 token all-to-alls (dispatch + combine, forward and
-                 backward), 4 k T_r H b per rank (summed over the ranks, as they depend on the
-                 routing), and one all-to-all of the n expert counts, n x 8 bytes per rank
-    dp x cp      per layer and micro-batch, one all_reduce of the E counts (E x 8 B) when the aux
-                 loss or the bias needs them
-    edp          the experts' ZeRO reduce-scatter and all-gather (their units), as compose4d's
-                 dense units over dp x cp
+Communication per step, added to compose4d's (T_r tokens per rank per micro-batch, k top-k,
+    H hidden, b bytes, M micro-batches), per layer and micro-batch:
+    ep group     4 token all-to-alls, 4 k T_r H b per rank, + one all-to-all of the n counts (8n B)
+    dp x cp      one all_reduce of the n counts (8n B) when the aux loss or the bias needs them
+    edp          the experts' ZeRO reduce-scatter and all-gather (their units)
 Model states per rank: dense Psi_d / (T P) over dp x cp as compose4d's ZeRO stage says; experts
-Psi_e / (E P) (whole across tp), their ZeRO shard over edp = D C / E.
+    Psi_e / (E P) (whole across tp), their ZeRO shard over edp = D C / E.
+API (compose4d calls it): make_ep_groups(dpcp_groups, E), parallelize(model, args, ep_group,
+    count_group) -> blocks, after_step(blocks, args), logged_terms(blocks), expected_comm.
+More: docs/internals.md, 'compose_moe.py'.
 """
 import torch
 import torch.distributed as dist
@@ -79,12 +57,12 @@ class AddLoss(torch.autograd.Function):
     MoEAuxLossAutoScaler)."""
 
     @staticmethod
-    def forward(ctx, x, loss):
+    def forward(ctx, x, loss):     # x: the block's output (B, S, H), loss () -> x unchanged
         ctx.loss_like = (loss.shape, loss.dtype, loss.device)
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):       # (B, S, H) -> (B, S, H), and 1 of the loss's shape ()
         shape, dtype, device = ctx.loss_like
         return grad, torch.ones(shape, dtype=dtype, device=device)
 
@@ -109,7 +87,7 @@ class ComposedMoE(ep_moe.ExpertParallelMoE):
         n = hidden.shape[0] * hidden.shape[1] * dist.get_world_size(self.count_group)  # N_m
         if o.aux_coef or o.aux_free_bias:
             counts = rec["counts"].clone()
-            dist.all_reduce(counts, group=self.count_group)
+            dist.all_reduce(counts, group=self.count_group)   # (n_experts,) int64
             self.step_counts = counts if self.step_counts is None else self.step_counts + counts
             if o.aux_coef:
                 f = counts.to(rec["prob_sum"].dtype) / n
@@ -139,12 +117,13 @@ def expert_local(name: str, t: torch.Tensor, E: int, rank: int) -> torch.Tensor:
     if not ep_moe.is_expert(name):
         return t
     n = t.shape[0] // E
-    return t[rank * n:(rank + 1) * n]
+    return t[rank * n:(rank + 1) * n]      # [n_experts, ...] -> [n_experts / E, ...]
 
 
 def after_step(blocks: list[ComposedMoE], args):
     """The aux-free bias from the step's global loads (each stage its own layers); reset."""
     if args.aux_free_bias and blocks:
+        # (L_r, n_experts): this stage's layers' loads
         ep_moe.update_bias(blocks, torch.stack([b.step_counts for b in blocks]), args.bias_rate)
     for b in blocks:
         b.step_counts = None
@@ -204,5 +183,6 @@ def objective_per_micro_batch(config, args) -> bool:
 
 def micro_batch_rows(B: int, S: int, D: int, M: int, device) -> list[torch.Tensor]:
     """The flattened (row, position) indices of each micro-batch (micro_batch_sets)."""
+    # (rows, S) -> (rows * S,) per micro-batch
     return [(torch.tensor(rows)[:, None] * S + torch.arange(S)).reshape(-1).to(device)
             for rows in micro_batch_sets(B, D, M)]

@@ -1,66 +1,34 @@
 """cp_ring.py: context parallelism with ring attention (zig-zag load-balanced), from raw p2p.
 
-The idea (Liu et al., "Ring Attention with Blockwise Transformers", 2023; the zig-zag layout
-is Megatron-LM's context parallelism's (get_batch_on_this_cp_rank) and ring-flash-attention's
-(zigzag_ring_flash_attn, Zhu, 2024); Llama 3 ("The Llama 3 Herd of Models", 2024) uses it with
-all-gathered K/V. Striped Attention (Brandon et al., 2023) balances the causal work another way,
-round-robin: token t on rank t mod W; it is not implemented here)
-    The sequence is sharded over W ranks; every layer except attention is per-token, so only
-    attention needs the other ranks' keys and values. Ring attention computes it in W steps:
-    each rank attends its queries to the K/V block it holds, then passes the block to the next
-    rank (send to r+1, receive from r-1), overlapping the transfer with the block's compute.
+The idea (Liu et al., "Ring Attention with Blockwise Transformers", 2023; the zig-zag layout is
+Megatron-LM's and ring-flash-attention's (Zhu, 2024); Llama 3 (2024) all-gathers K/V instead)
+    The sequence is sharded over the W ranks of the cp group; every layer except attention is
+    per-token, so only attention needs the other ranks' keys and values. Ring attention computes
+    it in W steps: each rank attends its queries to the K/V block it holds, then passes the block
+    on (send to r+1, receive from r-1), overlapping the transfer with the block's compute.
     Blocks are combined with the online softmax (Milakov & Gimelshein 2018; FlashAttention-2):
-    every query row keeps its running score max m, the sum l = sum exp(s - m) and the
-    unnormalised output acc = sum exp(s - m) v; a new block rescales both to the larger max,
+    each query row keeps its running max m, l = sum exp(s - m) and acc = sum exp(s - m) v,
         m' = max(m, m_b),   l' = l e^(m - m') + l_b e^(m_b - m'),
         acc' = acc e^(m - m') + acc_b e^(m_b - m')
-    and at the end out = acc / l, lse = m + log l (what the backward needs), in fp32 (fp64 in
-    float64 runs). Each rescale factor is the exp of a difference of two scores (m is a score),
-    exact but for one rounding. Merging normalised block outputs by their log-sum-exps instead,
-    out <- out - sigmoid(lse_b - lse) (out - out_b), is the same algebra but weighs each block
-    by a difference of two lse's that carry eps * |lse| each: with large logits out then
-    disagrees with the backward's P = exp(s - lse) by ~|s| eps, and dQ/dK lose accuracy against
-    torch's SDPA (`python tests/cp_attention_check.py --kernel` measures both merges).
-    The backward is a custom autograd Function: dQ accumulates locally, while dK/dV travel
-    around the ring with their K/V and arrive home after a last hop.
-
-Layouts (--variant)
-    zigzag     the sequence is cut into 2W chunks; rank r holds chunks r and 2W-1-r, so every
-               rank has the same causal work (default; Megatron-LM's layout)
-    ring       contiguous chunks: rank W-1 attends to everything, rank 0 to its own block only;
-               kept to show why zig-zag exists
-    allgather  zig-zag layout, but K/V are all-gathered per layer and dK/dV reduce-scattered
-               (Llama 3's choice: simpler, and fine when K/V are small thanks to GQA)
-    Causal work per (query chunk, key chunk) pair is decided from global positions: a chunk
-    entirely after the key chunk attends in full, one entirely before it skips, and the diagonal
-    takes the mask. Under zig-zag half of each off-diagonal block is skipped.
-
-GQA: only the kv heads travel. RoPE: each rank passes its tokens' global position ids (not
-contiguous under zig-zag). Integration: an attention function registered in HF's attention
-registry, with no copy of the model code. The loss is the global token mean, and weight
-gradients are summed over the CP group (ddp.DataParallel: every rank saw different tokens).
+    and at the end out = acc / l, lse = m + log l, in fp32 (fp64 in float64 runs). Backward (an
+    autograd Function): dQ accumulates locally, dK/dV travel around the ring with their K/V and
+    arrive home after a last hop.
+    Layouts (--variant): zigzag (default) cuts the sequence into 2W chunks, rank r holding r and
+    2W-1-r, so every rank has the same causal work; ring: contiguous (rank W-1 attends to all,
+    rank 0 to its own block); allgather: zig-zag, K/V all-gathered per layer, dK/dV
+    reduce-scattered. GQA: only the kv heads travel. Shapes: s = S/W local tokens; a block is
+    q (B, n_h, c_q, d) against K/V (B, n_kv, c_k, d), c_q, c_k a chunk's length (s/2 zig-zag).
 
 Communication per layer (s = S/W local tokens, kv = H_kv * d, b bytes, batch B)
     ring/zigzag  forward: W-1 hops of K and V, each B*s*2kv*b; backward: W-1 hops of K, V, dK,
                  dV plus the last hop of dK, dV home. Forward bytes sent per rank
                  = 2 (W-1)/W * S * kv * b * B, the textbook figure.
     allgather    forward: one all_gather of K and V (B*S*2kv*b); backward: one reduce_scatter
-                 of dK and dV (same size).
-Block kernel (--attn-kernel, `pick_kernel`): one contract, the block's (out, lse) for the merge
-    and its (dq, dk, dv) from the final (out, lse). auto takes PyTorch's fused kernels that
-    return the log-sum-exp on CUDA (FlashAttention-2 for bf16, memory-efficient for fp32),
-    after a self-test against the pure kernel, and the pure torch kernel on CPU (and in
-    float64); `--attn-kernel sdpa` runs the CPU flash kernel through the same code path.
-
-Planted bugs (`--plant-bug NAME`, `CP.plants`; each must FAIL the correctness mode): the
-gradient sum not averaged, the diagonal block attending in full, the merge not rescaling the
-running output, dK/dV not brought home, tokens split contiguously under the zig-zag layout,
-and (allgather) dK/dV kept instead of reduce-scattered.
+                 of dK and dV (same size). More: docs/internals.md, 'cp_ring.py'.
 
 Public API
-    cp = parallelize(model, group, seq_len, variant="zigzag")   ring attention installed in place;
-        cp.positions are this rank's tokens; the weights' gradients summed with
-        ddp.DataParallel(model, group, average=False); examples/cp_train.py is a complete loop
+    cp = parallelize(model, group, seq_len, variant="zigzag"): ring attention in place,
+        cp.positions this rank's tokens; gradients summed by ddp.DataParallel(..., average=False)
 """
 import torch
 import torch.distributed as dist
@@ -85,7 +53,7 @@ def layout(variant: str, world: int, seq: int) -> list[list[tuple[int, int]]]:
 
 
 def positions(chunks) -> torch.Tensor:
-    return torch.cat([torch.arange(a, b) for a, b in chunks])
+    return torch.cat([torch.arange(a, b) for a, b in chunks])   # (s,) global positions
 
 
 def relation(q: tuple[int, int], k: tuple[int, int]) -> str:
@@ -122,18 +90,18 @@ class CPContext:
 # Block kernels (pure torch; they return the log-sum-exp)
 # ----------------------------------------------------------------------------------------------
 def _expand(x, n_rep):
-    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)   # (B, n_kv, ..) -> (B, n_h, ..)
 
 
 def _reduce_rep(x, n_rep):
     if n_rep == 1:
         return x
     B, H, n, d = x.shape
-    return x.view(B, H // n_rep, n_rep, n, d).sum(2)
+    return x.view(B, H // n_rep, n_rep, n, d).sum(2)   # (B, n_h, c, d) -> (B, n_kv, c, d)
 
 
 def _group(x, n_rep):
-    """(B, H, n, ...) -> (B, H / n_rep, n_rep * n, ...): each kv head's n_rep query heads as
+    """(B, n_h, c, ...) -> (B, n_kv, n_rep * c, ...): each kv head's n_rep query heads as
     one block of rows, so that GQA is a matmul against the kv head itself (no repeated K/V)."""
     if n_rep == 1:
         return x
@@ -144,14 +112,15 @@ def _ungroup(x, n_rep):
     """The inverse of _group."""
     if n_rep == 1:
         return x
+    # (B, n_kv, n_rep * c, ...) -> (B, n_h, c, ...)
     return x.reshape(x.shape[0], x.shape[1] * n_rep, x.shape[2] // n_rep, *x.shape[3:])
 
 
 def _scores(q, k, scale, rel, qr, kr, n_rep=1):
     """Scores of grouped queries (rows: n_rep heads x the positions qr) against k."""
-    s = (q @ k.transpose(-1, -2)) * scale
+    s = (q @ k.transpose(-1, -2)) * scale   # q (B, n_kv, n_rep*c_q, d) -> (B, n_kv, n_rep*c_q, c_k)
     if rel == "mask":
-        qpos = torch.arange(*qr, device=q.device).repeat(n_rep)
+        qpos = torch.arange(*qr, device=q.device).repeat(n_rep)   # (n_rep*c_q,)
         kpos = torch.arange(*kr, device=q.device)
         s = s.masked_fill(kpos[None, :] > qpos[:, None], NEG_INF)
     return s
@@ -164,13 +133,14 @@ def _finite(m):
 
 
 def block_forward(q, k, v, scale, rel, qr, kr):
-    """(acc, l, m) of q (B, H, n, d) attending to one K/V block (B, Hkv, m, d): the row max m of
-    the scores, the row sum l = sum exp(s - m) and the unnormalised output acc = exp(s - m) @ v.
-    A fully masked row gives acc 0, l 0, m -inf."""
+    """(acc, l, m) of q (B, n_h, c_q, d) attending to one K/V block (B, n_kv, c_k, d): the row
+    max m of the scores, the row sum l = sum exp(s - m) and the unnormalised output
+    acc = exp(s - m) @ v. A fully masked row gives acc 0, l 0, m -inf."""
     n_rep = q.shape[1] // k.shape[1]
-    s = _scores(_group(q, n_rep), k, scale, rel, qr, kr, n_rep)
+    s = _scores(_group(q, n_rep), k, scale, rel, qr, kr, n_rep)   # (B, n_kv, n_rep*c_q, c_k)
     m = s.amax(-1)
     p = torch.exp(s - _finite(m)[..., None])
+    # acc (B, n_h, c_q, d), l and m (B, n_h, c_q)
     return _ungroup(p @ v, n_rep), _ungroup(p.sum(-1), n_rep), _ungroup(m, n_rep)
 
 
@@ -191,11 +161,12 @@ def block_backward(q, k, v, do, lse, delta, scale, rel, qr, kr):
     """(dq, dk, dv) of one block from the final lse and delta = rowsum(dO * O); dk and dv at
     the kv heads (each summed over its query heads by the grouped matmuls)."""
     n_rep = q.shape[1] // k.shape[1]
-    q, do, lse, delta = (_group(t, n_rep) for t in (q, do, lse, delta))
+    q, do, lse, delta = (_group(t, n_rep) for t in (q, do, lse, delta))   # (B, n_kv, n_rep*c_q, ..)
     s = _scores(q, k, scale, rel, qr, kr, n_rep)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    dv = p.transpose(-1, -2) @ do
-    ds = p * (do @ v.transpose(-1, -2) - delta[..., None])
+    dv = p.transpose(-1, -2) @ do                             # (B, n_kv, c_k, d)
+    ds = p * (do @ v.transpose(-1, -2) - delta[..., None])    # (B, n_kv, n_rep*c_q, c_k)
+    # dq (B, n_h, c_q, d); dk (B, n_kv, c_k, d)
     return _ungroup(ds @ k, n_rep) * scale, (ds.transpose(-1, -2) @ q) * scale, dv
 
 
@@ -209,7 +180,7 @@ class TorchKernel:
         backward(q, k, v, do, out, lse, delta, scale, rel, qr, kr) -> (dq, dk, dv) of the
             block, from the final out, lse and delta = rowsum(dO * out) of the whole row
 
-    q is (B, H, n, d), k and v (B, Hkv, m, d): GQA by the kernel's own grouped heads (no
+    q is (B, n_h, c_q, d), k and v (B, n_kv, c_k, d): GQA by the kernel's own grouped heads (no
     repeated K/V), dk and dv returned at the kv heads."""
     name = "torch"
 
@@ -226,7 +197,7 @@ class SDPAKernel(TorchKernel):
     """PyTorch's fused attention kernels that return the log-sum-exp (the ATen ops behind
     F.scaled_dot_product_attention): FlashAttention-2 for bf16/fp16 on CUDA, the
     memory-efficient kernel for fp32 on CUDA, the CPU flash kernel on CPU. Inputs stay in their
-    dtype (no fp32 (B, H, n, m) scores); the block's out and lse enter the fp32 merge. A block
+    dtype (no fp32 (B, n_h, c_q, c_k) scores); the block's out and lse enter the fp32 merge. A block
     the fused kernels cannot express (a diagonal whose query and key ranges differ) takes the
     pure kernel."""
 
@@ -256,7 +227,7 @@ class SDPAKernel(TorchKernel):
         out, lse, seed, off = A._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale)
         self._aux = (seed, off)
-        return out, lse[..., :q.shape[2]]            # lse comes padded to a multiple of 32
+        return out, lse[..., :q.shape[2]]            # (B, n_h, c_q): lse comes padded to 32s
 
     def _bwd(self, do, q, k, v, out, lse, scale, causal):
         A = torch.ops.aten
@@ -270,7 +241,7 @@ class SDPAKernel(TorchKernel):
                 scale=scale)
         seed, off = self._aux
         pad = -q.shape[2] % 32
-        lse = F.pad(lse, (0, pad)) if pad else lse
+        lse = F.pad(lse, (0, pad)) if pad else lse   # (B, n_h, c_q) -> (B, n_h, c_q + pad)
         return A._scaled_dot_product_efficient_attention_backward(
             do, q, k, v, None, out, lse, seed, off, 0.0, [True, True, True, False], causal,
             scale=scale)[:3]
@@ -279,7 +250,7 @@ class SDPAKernel(TorchKernel):
         """K/V for the fused op: the CPU flash kernel takes the kv heads as they are (GQA);
         the CUDA ops get them repeated (not verified on a GPU with fewer kv heads)."""
         n = 1 if self.op == "cpu" else q.shape[1] // k.shape[1]
-        return _expand(k, n).contiguous(), _expand(v, n).contiguous(), n
+        return _expand(k, n).contiguous(), _expand(v, n).contiguous(), n   # CUDA: (B, n_h, c_k, d)
 
     def forward(self, q, k, v, scale, rel, qr, kr, acc_dtype):
         if not self.fused(rel, qr, kr):
@@ -287,7 +258,7 @@ class SDPAKernel(TorchKernel):
         k, v, _ = self._kv(q, k, v)
         out, lse = self._fwd(q.contiguous(), k, v, scale, rel == "mask")
         lse = lse.to(acc_dtype)
-        return out.to(acc_dtype), torch.ones_like(lse), lse
+        return out.to(acc_dtype), torch.ones_like(lse), lse   # (B, n_h, c_q, d), l = 1, lse
 
     def backward(self, q, k, v, do, out, lse, delta, scale, rel, qr, kr):
         if not self.fused(rel, qr, kr):
@@ -297,6 +268,7 @@ class SDPAKernel(TorchKernel):
         dq, dk, dv = self._bwd(do.to(dt).contiguous(), q.contiguous(), k, v,
                                out.to(dt).contiguous(), lse.to(_acc_dtype(q)).contiguous(),
                                scale, rel == "mask")
+        # dq (B, n_h, c_q, d); dk, dv (B, n_h, c_k, d) -> (B, n_kv, c_k, d)
         return dq.to(do.dtype), _reduce_rep(dk, n).to(do.dtype), _reduce_rep(dv, n).to(do.dtype)
 
 
@@ -349,10 +321,10 @@ def _hop(tensors: list, cp: CPContext):
     its recv are posted together, so no ordering can deadlock). Returns (buffers, requests)."""
     def peer(r):
         return dist.get_global_rank(cp.group, r % cp.W) if cp.group else r % cp.W
-    recv = [torch.empty_like(t) for t in tensors]
+    recv = [torch.empty_like(t) for t in tensors]   # each (2, B, n_kv, s, d): K/V or dK/dV
     ops = [dist.P2POp(dist.isend, t, peer(cp.rank + 1), cp.group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, t, peer(cp.rank - 1), cp.group) for t in recv]
-    return recv, dist.batch_isend_irecv(ops)
+    return recv, dist.batch_isend_irecv(ops)       # (2, B, n_kv, s, d) each way
 
 
 def _wait(reqs):
@@ -374,7 +346,8 @@ def _pairs(cp, src):
 
 def _attend(q, k, v, cp, src, scale, acc):
     """Accumulate q's attention to rank src's K/V block into acc[(q chunk)] = (acc, l, m)."""
-    for (qa, qb, qr), (ka, kb, kr), rel in _pairs(cp, src):
+    for (qa, qb, qr), (ka, kb, kr), rel in _pairs(cp, src):   # chunks of dim 2 (s)
+        # q (B, n_h, s, d) -> (B, n_h, c_q, d); k, v (B, n_kv, s, d) -> (B, n_kv, c_k, d)
         block = cp.kernel.forward(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], scale, rel,
                                   qr, kr, acc["dtype"])
         acc[qa] = merge(acc.get(qa), block)
@@ -382,8 +355,8 @@ def _attend(q, k, v, cp, src, scale, acc):
 
 def _grad(q, k, v, do, out, lse, delta, cp, src, scale, dq, dkv):
     """Accumulate the block's contributions into dq (local) and dkv (src's block)."""
-    for (qa, qb, qr), (ka, kb, kr), rel in _pairs(cp, src):
-        dq_b, dk_b, dv_b = cp.kernel.backward(
+    for (qa, qb, qr), (ka, kb, kr), rel in _pairs(cp, src):   # chunks of dim 2, as in _attend
+        dq_b, dk_b, dv_b = cp.kernel.backward(   # (B, n_h, c_q, d); (B, n_kv, c_k, d) twice
             q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], do[:, :, qa:qb], out[:, :, qa:qb],
             lse[:, :, qa:qb], delta[:, :, qa:qb], scale, rel, qr, kr)
         dq[:, :, qa:qb] += dq_b
@@ -395,6 +368,7 @@ def _finish(acc):
     """(out, lse) of the local queries: out = acc / l, lse = m + log l, chunks in local order.
     A row that saw nothing (l = 0; never under a causal layout) gives out 0, lse -inf."""
     keys = sorted(k for k in acc if k != "dtype")
+    # chunks -> a (B, n_h, s, d), l and m (B, n_h, s)
     a, l, m = (torch.cat([acc[k][i] for k in keys], dim=2) for i in range(3))
     return a / torch.where(l > 0, l, 1.0)[..., None], m + torch.log(l)
 
@@ -404,18 +378,18 @@ def _backward_setup(ctx, dout):
     delta = rowsum(dO * O) of the softmax backward, and a zero dQ."""
     q, k, v, out, lse = ctx.saved_tensors
     do = dout.to(out.dtype)
-    return (q, k, v, out, lse, ctx.cp, ctx.scale, do, (do * out).sum(-1),
+    return (q, k, v, out, lse, ctx.cp, ctx.scale, do, (do * out).sum(-1),   # delta (B, n_h, s)
             torch.zeros_like(q, dtype=out.dtype))
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of local q (B, H, s, d) to the whole sharded sequence, K/V (B, Hkv, s, d)
-    passed around the ring."""
+    """Causal attention of local q (B, n_h, s, d) to the whole sharded sequence, K/V
+    (B, n_kv, s, d) passed around the ring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp, scale):
+    def forward(ctx, q, k, v, cp, scale):   # q (B, n_h, s, d), k, v (B, n_kv, s, d) -> q's shape
         acc = {"dtype": _acc_dtype(q)}
-        kv = torch.stack([k, v]).contiguous()          # only kv heads travel
+        kv = torch.stack([k, v]).contiguous()          # (2, B, n_kv, s, d): only kv heads travel
         for step in range(cp.W):
             src = (cp.rank - step) % cp.W
             if step < cp.W - 1:
@@ -430,10 +404,10 @@ class RingAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout):   # (B, n_h, s, d) -> dq (B, n_h, s, d), dk, dv (B, n_kv, s, d)
         q, k, v, out, lse, cp, scale, do, delta, dq = _backward_setup(ctx, dout)
         dt = dq.dtype
-        kv = torch.stack([k, v]).contiguous()
+        kv = torch.stack([k, v]).contiguous()          # (2, B, n_kv, s, d)
         # Both transfers hide behind a block's compute (as ring-flash-attention does): the next
         # K/V hop is posted before this block's gradients, and the dK/dV accumulated so far for
         # the block held now (sent by the previous rank after its compute) arrive meanwhile;
@@ -443,7 +417,7 @@ class RingAttention(torch.autograd.Function):
             src = (cp.rank - step) % cp.W
             if step < cp.W - 1:
                 nxt, kv_reqs = _hop([kv], cp)
-            dkv = torch.zeros_like(kv, dtype=dt)       # this rank's part for block src
+            dkv = torch.zeros_like(kv, dtype=dt)       # (2, B, n_kv, s, d): our part for src
             _grad(q, kv[0], kv[1], do, out, lse, delta, cp, src, scale, dq, dkv)
             if cp.W == 1:
                 break
@@ -463,21 +437,21 @@ class RingAttention(torch.autograd.Function):
 
 
 def _gather_kv(k, v, cp):
-    """Every rank's K and V as (W, B, 2, Hkv, s, d): one all-gather, rank blocks on dim 0."""
-    kv = torch.stack([k, v], dim=1).contiguous()
+    """Every rank's K and V as (W, B, 2, n_kv, s, d): one all-gather, rank blocks on dim 0."""
+    kv = torch.stack([k, v], dim=1).contiguous()       # (B, 2, n_kv, s, d)
     full = torch.empty((cp.W * kv.shape[0],) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
-    dist.all_gather_into_tensor(full, kv, group=cp.group)
-    return full.view((cp.W,) + kv.shape)
+    dist.all_gather_into_tensor(full, kv, group=cp.group)   # (B, ..) -> (W*B, 2, n_kv, s, d)
+    return full.view((cp.W,) + kv.shape)               # (W, B, 2, n_kv, s, d)
 
 
 class AllGatherAttention(torch.autograd.Function):
     """Llama 3 style: all-gather K/V once per layer, reduce-scatter dK/dV in the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp, scale):
-        full = _gather_kv(k, v, cp)
+    def forward(ctx, q, k, v, cp, scale):   # q (B, n_h, s, d), k, v (B, n_kv, s, d) -> q's shape
+        full = _gather_kv(k, v, cp)                       # (W, B, 2, n_kv, s, d)
         acc = {"dtype": _acc_dtype(q)}
-        for src in range(cp.W):
+        for src in range(cp.W):                           # src's K, V: (B, n_kv, s, d) each
             _attend(q, full[src][:, 0], full[src][:, 1], cp, src, scale, acc)
         out, lse = _finish(acc)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -485,21 +459,22 @@ class AllGatherAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout):   # (B, n_h, s, d) -> dq (B, n_h, s, d), dk, dv (B, n_kv, s, d)
         q, k, v, out, lse, cp, scale, do, delta, dq = _backward_setup(ctx, dout)
         dt = dq.dtype
         full = _gather_kv(k, v, cp)                      # K/V were not kept: gather again
-        dfull = torch.zeros(full.shape, dtype=dt, device=q.device)
+        dfull = torch.zeros(full.shape, dtype=dt, device=q.device)   # (W, B, 2, n_kv, s, d)
         for src in range(cp.W):
             blk = [dfull[src][:, 0], dfull[src][:, 1]]
             _grad(q, full[src][:, 0], full[src][:, 1], do, out, lse, delta, cp, src, scale,
                   dq, blk)
+        # (B, 2, n_kv, s, d): this rank's dK/dV
         mine = torch.empty(full.shape[1:], dtype=full.dtype, device=full.device)
         if planted("no-reduce-scatter"):   # plant: only our own queries' dK/dV
             mine = dfull[cp.rank].to(full.dtype)
         else:
             dist.reduce_scatter_tensor(mine, dfull.to(full.dtype).view((-1,) + full.shape[2:]),
-                                       group=cp.group)
+                                       group=cp.group)   # (W*B, 2, n_kv, s, d) -> (B, ..)
         return dq.to(q.dtype), mine[:, 0], mine[:, 1], None, None
 
 
@@ -510,10 +485,10 @@ def cp_attention(q, k, v, cp: CPContext, scale: float):
 
 def hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                  **kwargs):
-    """HF attention-interface function: local (B, heads, s, d) in, (B, s, heads, d) out."""
+    """HF attention-interface function: local (B, n_h, s, d) in, (B, s, n_h, d) out."""
     with phase("attention"):
         out = cp_attention(query, key, value, module.cp, scaling or query.shape[-1] ** -0.5)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous(), None   # (B, n_h, s, d) -> (B, s, n_h, d)
 
 
 def install(model, cp: CPContext):
@@ -544,7 +519,8 @@ def parallelize(model, group, seq_len: int, variant: str = "zigzag", kernel=None
 
 
 def reference_attention(q, k, v, scale):
-    """Full causal attention on one device (for the standalone check)."""
+    """Full causal attention on one device (for the standalone check): q (B, n_h, S, d),
+    k, v (B, n_kv, S, d) repeated to n_h heads -> (B, n_h, S, d)."""
     n_rep = q.shape[1] // k.shape[1]
     return F.scaled_dot_product_attention(q, _expand(k, n_rep), _expand(v, n_rep),
                                           is_causal=True, scale=scale)

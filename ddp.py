@@ -1,31 +1,19 @@
 """ddp.py: data parallelism from raw torch.distributed primitives.
 
-The idea
+The idea (Li et al., "PyTorch Distributed", VLDB 2020)
     Every rank holds a full replica of the model and optimizer and runs forward/backward on its
     own 1/W of the global batch. Before the optimizer step the gradients are averaged over the
     W ranks with all_reduce, so every replica applies the same update and stays identical.
+    Overlap: parameters are packed in reverse order into buckets of --bucket-mb, each .grad a
+    view of its bucket's flat buffer; a bucket's all_reduce launches async once all its
+    gradients are in (in index order on every rank), so late layers' communication overlaps
+    early layers' backward. --grad-accum K: only the K-th backward communicates.
 
 Who talks to whom
-    Once, at start: broadcast every parameter from rank 0 (replicas that initialised on their
-    own differ; the correctness test starts ranks != 0 from perturbed weights to prove it).
-    Every optimizer step: all_reduce of the gradients, in buckets, over the whole group.
-
-Overlap (Li et al., "PyTorch Distributed", VLDB 2020)
-    Gradients become ready in roughly reverse parameter order during the backward. Parameters
-    are packed into buckets of --bucket-mb in reverse order, and each parameter's .grad is a view
-    into its bucket's flat buffer. A post-accumulate-grad hook counts the ready parameters; when a
-    bucket is complete its all_reduce is launched asynchronously, so communication of late layers
-    overlaps the backward of early ones. Buckets launch strictly in index order, so every rank
-    issues the same collectives in the same order whatever the autograd scheduling.
-
-Gradient accumulation (--grad-accum K)
-    Each rank splits its share into K micro-batches. The first K-1 backward passes only
-    accumulate into the bucket buffers; the hooks launch communication on the K-th alone.
-
-Loss scaling
-    The reference loss is the CE sum over the global batch divided by N (its target tokens).
-    Each rank backpropagates  W * CE_sum(local) / N  and the all_reduce averages (divides by W),
-    so the result is exactly d(CE_sum(global) / N), even when ranks hold unequal token counts.
+    Once, at start: broadcast every parameter and buffer from rank 0.
+    Every optimizer step: all_reduce of the gradients, in buckets, over the whole group. Each
+    rank backpropagates W * CE_sum(local) / N (N: the global batch's target tokens), so the
+    average is exactly d(CE_sum(global) / N).
 
 Communication per optimizer step (Psi = parameter count, b = bytes per element)
     all_reduce bytes  = Psi * b                    exactly, whatever K (b: the reduce dtype's
@@ -33,7 +21,7 @@ Communication per optimizer step (Psi = parameter count, b = bytes per element)
     all_reduce calls  = number of buckets
     ring traffic/rank = 2 (W-1)/W * Psi * b       (reduce-scatter + all-gather phases)
 Memory per rank: the full model states (params + grads + AdamW's 2 moments = 4 Psi b) plus the
-activations of B/(W K) sequences.
+activations of B/(W K) sequences. More: docs/internals.md, 'ddp.py'.
 
 Public API
     model = DataParallel(module, group=None, bucket_mb=25)   a drop-in for torch DDP: rank 0's
@@ -75,9 +63,10 @@ class Bucket:
         self.params = params
         p0 = params[0]
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=p0.dtype,
-                                  device=p0.device)
+                                  device=p0.device)   # flat [sum of the params' numels]
         self.slots, offset = [], 0
         for p in params:  # .grad becomes a view: autograd accumulates straight into the buffer
+            # flat [numel] of the buffer -> p.shape
             self.slots.append(self.buffer[offset:offset + p.numel()].view_as(p))
             if p.grad is not None:
                 self.slots[-1].copy_(p.grad)
@@ -128,10 +117,10 @@ def broadcast_coalesced(tensors: list[torch.Tensor], group=None, cap_bytes: int 
         for ts in by_dtype.values():
             for idx in reversed(plan_buckets(ts, cap_bytes)):   # forward order
                 chunk = [ts[i] for i in reversed(idx)]
-                flat = torch.cat([t.detach().reshape(-1) for t in chunk])
-                dist.broadcast(flat, src=src, group=group)
-                for t, part in zip(chunk, flat.split([t.numel() for t in chunk])):
-                    t.copy_(part.view_as(t))
+                flat = torch.cat([t.detach().reshape(-1) for t in chunk])   # t.shape -> flat [sum]
+                dist.broadcast(flat, src=src, group=group)   # flat [sum of the chunk's numels]
+                for t, part in zip(chunk, flat.split([t.numel() for t in chunk])):  # [t.numel()]
+                    t.copy_(part.view_as(t))   # flat [t.numel()] -> t.shape
 
 
 def check_devices(tensors, group, what: str) -> torch.device | None:
@@ -161,12 +150,12 @@ class _SyncAtEnd(torch.autograd.Function):
     queued from inside one of them would finish in the middle of the outer backward."""
 
     @staticmethod
-    def forward(ctx, dp, *tensors):
+    def forward(ctx, dp, *tensors):   # each output's own shape -> the same shape
         ctx.dp = dp
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx, *grads):   # grads shaped as the outputs, passed through
         ctx.dp.queue_finish()
         return (None, *grads)
 
@@ -299,7 +288,7 @@ class DataParallel(torch.nn.Module):
         # Pre-divide by W (as torch DDP does) so the sum is the average and stays in range.
         if self.average and not planted("no-average"):   # plant: the sum, W x the mean
             b.wire.div_(self.world)
-        b.handle = dist.all_reduce(b.wire, group=self.group, async_op=True)
+        b.handle = dist.all_reduce(b.wire, group=self.group, async_op=True)  # flat [bucket numel]
         self.next_launch += 1
 
     def finish(self):
@@ -315,7 +304,7 @@ class DataParallel(torch.nn.Module):
         if self.find_unused:   # which parameters did no rank use?
             used = torch.tensor([p in self.used for p in self.params], dtype=torch.int32,
                                 device=self.device)
-            dist.all_reduce(used, group=self.group)
+            dist.all_reduce(used, group=self.group)   # [n_params] int32, summed over W
             unused = {p for p, n in zip(self.params, used.tolist()) if n == 0}
         for b in self.buckets:
             b.handle.wait()
@@ -331,11 +320,12 @@ class DataParallel(torch.nn.Module):
 def forward_backward(model, batch: Batch, rank: int, world: int, accum: int,
                      set_sync=lambda sync: None, ce_chunk: int = 0) -> torch.Tensor:
     """The data-parallel micro-step loop: this rank's 1/W of the batch in `accum` micro-batches,
-    each backpropagating W * CE_sum / N (see "Loss scaling" above). set_sync(k == accum-1) tells
-    the gradient machinery which backward is the last. ce_chunk: the loss ce_chunk tokens of
-    logits at a time (harness.loss.chunked_loss_sum). Returns the local CE sum (float64)."""
+    each backpropagating W * CE_sum / N (docs/internals.md, 'ddp.py': loss scaling).
+    set_sync(k == accum-1) tells the gradient machinery which backward is the last. ce_chunk:
+    the loss ce_chunk tokens of logits at a time (harness.loss.chunked_loss_sum). Returns the
+    local CE sum (float64)."""
     local_sum = torch.zeros((), dtype=torch.float64, device=batch.input_ids.device)
-    for k, mb in enumerate(batch.shard(rank, world).split(accum)):
+    for k, mb in enumerate(batch.shard(rank, world).split(accum)):  # (B, S) -> (B/(W K), S)
         last = 0 if planted("sync-first-microbatch") else accum - 1   # plant: syncs the first
         set_sync(k == last)
         with phase("forward"), dropout.at(mb):
@@ -358,8 +348,8 @@ def token_sharded_step(strat, batch: Batch, pos: torch.Tensor) -> float:
     W, B = strat.env.world, batch.input_ids.shape[0]
     strat.optimizer.zero_grad(set_to_none=False)   # in place: .grad stays a view of its bucket
     with phase("forward"), dropout.at(batch, hidden=pos):   # (all columns in attention)
-        logits = strat.dp(input_ids=batch.input_ids[:, pos],
-                             position_ids=pos[None].expand(B, -1)).logits
+        logits = strat.dp(input_ids=batch.input_ids[:, pos],   # (B, S) -> (B, S/W)
+                             position_ids=pos[None].expand(B, -1)).logits   # (B, S/W, V)
         ce = lm_loss_sum(logits, batch.labels[:, pos])
     with phase("backward"):
         (ce * W / batch.n_tokens).backward()   # averaged by the end of the backward

@@ -1,83 +1,34 @@
 """ep_moe.py: expert parallelism for a Mixture-of-Experts model (HF Mixtral), from raw primitives.
 
-The idea
-    A MoE layer replaces the MLP with E experts and a router that sends each token to its top-k.
-    Expert parallelism puts E/W experts on each of W ranks. Everything else (attention, norms,
-    embeddings, the routers) is replicated and data-parallel: each rank runs B/W sequences, and
-    the replicated gradients are summed over the ranks. An expert's weights live on one rank
-    only, so its gradient needs no all-reduce: the tokens come to the expert instead.
+The idea (Lepikhin et al. "GShard" 2020; Fedus et al. "Switch" 2021)
+    A MoE layer replaces the MLP with E experts and a router sending each token to its top-k.
+    EP puts E/W experts on each of W ranks and brings the tokens to them (an expert's gradient
+    needs no sum); the rest (attention, norms, embeddings, routers) is data-parallel (B/W each).
 
-Who talks to whom, per MoE layer (Lepikhin et al. "GShard" 2020; Fedus et al. "Switch" 2021)
-    1. route: logits = x W_g^T, p = softmax(logits) (fp32 or wider), top-k of p, weights
-       renormalised to sum to 1: the same math as HF's MixtralTopKRouter.
-    2. sort this rank's (token, choice) pairs by expert, which is by destination rank
-       (rank d owns experts [d E/W, (d+1) E/W)).
-    3. all_to_all_single of the per-expert counts (E int64), so every rank knows how many rows it
-       will receive from whom and for which of its experts.
-    4. dispatch: an uneven all_to_all_single of the token rows.
-    5. the local experts run on contiguous row groups (rows re-sorted expert-major), as one
-       grouped computation: torch._grouped_mm over the ragged groups, or (float64, or where it
-       does not run) a padded torch.bmm over (E/W, max rows, H); LocalExperts.
-    6. combine: the reverse all_to_all_single, then out[t] = sum_j w[t, j] y[t, j]: each row
-       written to its own (token, choice) slot, the k slots summed (no atomic adds: the same bits
-       on every run and every tp copy).
-    The all-to-all is an autograd Function whose backward is the same exchange with the splits
-    swapped, so the backward mirrors the forward: 4 token all-to-alls per layer per step.
+Who talks to whom, per MoE layer (N tokens on this rank, k choices each)
+    1. route: p = softmax(x W_g^T) in fp32, top-k, weights renormalised (HF's MixtralTopKRouter)
+    2. sort the N k (token, choice) rows by expert = by destination (rank d owns experts
+       [d E/W, (d+1) E/W)); 3. all_to_all_single of the per-expert counts (E int64), read to
+       the host once (the splits); 4. dispatch: an uneven all_to_all_single of the rows;
+    5. the local experts as one grouped computation (torch._grouped_mm, or a padded bmm);
+    6. combine: the reverse all-to-all, then out[t] = sum_j w[t, j] y[t, j]. AllToAll's
+    backward is the same exchange with the splits swapped: 4 token all-to-alls per layer.
 
-Host reads: one per MoE layer per step. all_to_all_single takes its split sizes as Python ints,
-    so the uneven exchange must read the counts of step 3 from the device once: one .tolist() of
-    (rows to each rank, rows from each rank for each local expert), from which the dispatch, the
-    experts' groups and the combine are all sized, and which the backward reuses (none there).
-    Nothing else in the step reads the device: counts are scatter_adds, not bincount (a sync on
-    CUDA), repeat_interleave gets its output_size, dropped rows are sorted last instead of
-    masked out, and the statistics (kept rows) stay device scalars until a report reads them
-    after the steps. The alternative, a padded all-to-all of fixed size per (rank, expert), needs
-    the maximum count (a read) when dropless, and with capacity would send up to W times the
-    kept rows (the per-pair bound min(C E/W, k T) is W times a rank's share); not done.
-    (The harness adds the step's logged loss; torch's AdamW reads its CPU step counters.)
-
-Communication per layer per step, dropless (T = tokens per rank, H = hidden, b = bytes/element)
-    logical send bytes, summed over ranks:  4 k (W T) H b     (dispatch + combine, fwd + bwd)
-    per-rank wire, forward dispatch+combine: 2 k T H b (W-1)/W  under uniform routing (the rows
-                                             that stay on their own rank cost nothing)
+Communication per layer per step, dropless (N tokens per rank, H hidden, b bytes/element)
+    logical send bytes, summed over ranks:  4 k (W N) H b     (dispatch + combine, fwd + bwd)
+    per-rank wire, forward dispatch+combine: 2 k N H b (W-1)/W under uniform routing
     replicated gradients: all_reduce of Psi_dense b per step, as DDP; experts: none.
-
-Capacity (--capacity-factor c; default: none, i.e. dropless)
-    Each expert takes at most C = ceil(c k N / E) rows per layer, N = tokens in the global batch.
-    Priority (stated, GShard-style): every first choice before any second choice, then global
-    token order (batch row, then position). Drops are therefore a function of the global batch,
-    not of the layout: the single-device reference applies exactly the same drops. A dropped
-    choice contributes nothing (its weight is zero; the token's other choice keeps its weight,
-    and the residual stream carries the token on). In this mode the count exchange is an
-    all_gather of every rank's (slot, expert) counts instead: from it each rank computes both its
-    own drops and how many rows it will receive, so dropped rows are never sent.
-
-Load balancing
-    --aux-coef a: Switch's auxiliary loss, as HF's load_balancing_loss_func computes it:
-        aux = E * sum_e f_e * P_e,  f_e = (top-k assignments to e) / (L N),  P_e = (sum of
-        router probabilities of e) / (L N), over all L layers and N tokens of the global batch.
-        f is a global count, so one all_reduce of the (L, E) counts per step; P is a sum, so each
-        rank backpropagates E * sum_e f_e * P_e(local) and the sum over ranks is exact.
-    --z-coef z: the router z-loss of ST-MoE (Zoph et al. 2022): mean over layers and tokens of
-        logsumexp(logits)^2. A plain sum over tokens, so no communication.
-    --aux-free-bias: DeepSeek-V3's auxiliary-loss-free balancing (Wang et al. 2024): a per-layer,
-        per-expert bias added to the probabilities for the top-k *selection* only (the combine
-        weights stay the unbiased probabilities); after each step b_e += rate * sign(mean load -
-        load_e), from the global loads (the same all_reduce of counts).
-
-Numerics: route() does HF MixtralTopKRouter's arithmetic, its float32 softmax (.float())
-included, in every dtype: the dropless reference *is* HF's block, and a float64 run compared with
-it must select and weight experts from the same float32 probabilities. The router losses use the
-probabilities in the model's dtype (at least float32), as HF's load_balancing_loss_func does.
-
-The reference (MoEReference) is HF's own model wherever HF has the feature, so it shares no
-routing code with this file; the routing statistics (loads, drops, off-rank rows) are observed
-from outside the blocks (harness.routing.RoutingStats).
+Capacity (--capacity-factor c): at most C = ceil(c k N_g / E) rows per expert and layer (N_g =
+    W N, the global batch's tokens), first choices first, then global token order.
+Router losses: Switch's aux = E sum_e f_e P_e (f_e: share of top-k assignments, P_e: of router
+    probability, over L layers and N_g tokens; one all_reduce of the (L, E) counts per step);
+    ST-MoE's z = mean logsumexp(logits)^2; DeepSeek-V3's aux-free bias b_e += rate *
+    sign(mean load - load_e). More: docs/internals.md, 'ep_moe.py'.
 
 Public API
-    blocks = parallelize(model, group, capacity_factor=None, ..., experts_impl="auto")   E/W
-        experts per rank in every MoE block of an HF Mixtral-family model; the rest replicated
-        under ddp.DataParallel. experts_impl: "auto" | "grouped_mm" | "bmm" | "loop"
+    blocks = parallelize(model, group, capacity_factor=None, ..., experts_impl="auto"): E/W
+        experts per rank in every MoE block of an HF Mixtral-family model (the rest replicated
+        under ddp.DataParallel); experts_impl "auto" | "grouped_mm" | "bmm" | "loop"
 """
 import math
 import types
@@ -98,14 +49,14 @@ class AllToAll(torch.autograd.Function):
     d, recv_splits[s] rows arrive from rank s. Backward: the same exchange with splits swapped."""
 
     @staticmethod
-    def forward(ctx, x, recv_splits, send_splits, group):
+    def forward(ctx, x, recv_splits, send_splits, group):   # (sum(send), H) -> (sum(recv), H)
         ctx.splits, ctx.group = (recv_splits, send_splits), group
         out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):                  # (sum(recv), H) -> (sum(send), H)
         recv_splits, send_splits = ctx.splits
         gx = grad.new_empty((sum(send_splits),) + tuple(grad.shape[1:]))
         dist.all_to_all_single(gx, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
@@ -119,7 +70,7 @@ def route(weight, x, top_k, bias=None):
     """HF MixtralTopKRouter's math, its float32 softmax included: (logits (N,E), probs (N,E)
     float32, weights (N,k), experts (N,k)). The bias, if any, only changes which experts are
     selected."""
-    logits = F.linear(x, weight)
+    logits = F.linear(x, weight)                        # (N, H) -> (N, E)
     probs = F.softmax(logits.float(), dim=-1)
     if bias is None:
         top, idx = torch.topk(probs, top_k, dim=-1)
@@ -154,8 +105,8 @@ def capacity_keep(idx, counts_all, rank: int, capacity: int):
     ahead_all = (glob.cumsum(0) - glob)[None] + (counts_all.cumsum(0) - counts_all)  # (W, k, E)
     kept_all = (capacity - ahead_all).clamp(min=0).minimum(counts_all)
     onehot = F.one_hot(idx, counts_all.shape[-1])                    # (N, k, E)
-    before = (onehot.cumsum(0) - onehot).gather(-1, idx[..., None])[..., 0]
-    pos = before + ahead_all[rank].gather(1, idx.T).T
+    before = (onehot.cumsum(0) - onehot).gather(-1, idx[..., None])[..., 0]   # (N, k)
+    pos = before + ahead_all[rank].gather(1, idx.T).T    # (k, E) at idx.T (k, N) -> (N, k)
     return pos < capacity, kept_all
 
 
@@ -167,7 +118,7 @@ def router_losses(stats: list[dict], n_global: int, n_experts: int, reduce=None)
     if reduce is not None:
         counts = reduce(counts)
     rows = len(stats) * n_global
-    prob_sum = torch.stack([s["prob_sum"] for s in stats]).sum(0)
+    prob_sum = torch.stack([s["prob_sum"] for s in stats]).sum(0)   # (L, E) -> (E,)
     f = counts.sum(0).to(prob_sum.dtype) / rows
     aux = n_experts * (f * prob_sum / rows).sum()
     z = sum(s["z_sum"] for s in stats) / rows if "z_sum" in stats[0] else None
@@ -201,12 +152,12 @@ class MoEBlock(nn.Module):
 
     def forward(self, hidden):
         b, s, h = hidden.shape
-        x = hidden.reshape(-1, h)
+        x = hidden.reshape(-1, h)                                  # (B, S, H) -> (N, H)
         logits, probs, w, idx = route(self.gate.weight, x, self.top_k, self.bias)
         # the router losses in the model's precision (probs is float32, as HF routes)
         wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
         p = probs if wide.dtype == probs.dtype else F.softmax(wide, dim=-1)
-        rec = dict(counts=expert_counts(idx.reshape(-1), self.num_experts),
+        rec = dict(counts=expert_counts(idx.reshape(-1), self.num_experts),   # (N*k,) -> (E,)
                    prob_sum=p.sum(0), choices=idx.numel() * self.world)
         if self.opts.z_coef:
             rec["z_sum"] = torch.logsumexp(wide, dim=-1).pow(2).sum()
@@ -219,7 +170,7 @@ class MoEBlock(nn.Module):
             keep, kept_all = capacity_keep(idx, self.gather_counts(local), self.rank, cap)
             # kept: a device scalar, read by the statistics after the step, not here
             rec.update(kept_all=kept_all, kept=kept_all.sum(), capacity=cap)
-        return self.dispatch_combine(x, w, idx, keep, rec).reshape(b, s, h)
+        return self.dispatch_combine(x, w, idx, keep, rec).reshape(b, s, h)   # (N, H) -> (B, S, H)
 
     def gather_counts(self, local):
         return local[None]
@@ -245,11 +196,11 @@ class _ContiguousGrad(torch.autograd.Function):
     rejects an expanded one, e.g. the gradient of a .sum())."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x):                 # any shape, unchanged: (R, 2I) or (R, H) here
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):             # x's shape
         return grad.contiguous()
 
 
@@ -270,7 +221,7 @@ def grouped_mm_works(device, dtype, dims) -> bool:
                     a = torch.ones(3, h, dtype=dtype, device=device, requires_grad=True)
                     b = torch.ones(3, o, h, dtype=dtype, device=device, requires_grad=True)
                     offs = torch.tensor([1, 1, 3], dtype=torch.int32, device=device)
-                    y = torch._grouped_mm(a, b.transpose(1, 2), offs=offs)
+                    y = torch._grouped_mm(a, b.transpose(1, 2), offs=offs)   # (3, h) -> (3, o)
                     _ContiguousGrad.apply(y).sum().backward()
             except (RuntimeError, NotImplementedError):
                 ok = False
@@ -299,6 +250,7 @@ class LocalExperts(nn.Module):
         super().__init__()
         if impl not in self.IMPLS:
             raise ValueError(f"experts impl {impl!r} not in {self.IMPLS}")
+        # (E, 2I, H) -> [n, 2I, H] and (E, H, I) -> [n, H, I]: experts first .. first + n
         self.gate_up_proj = nn.Parameter(hf_experts.gate_up_proj.detach()[first:first + n].clone())
         self.down_proj = nn.Parameter(hf_experts.down_proj.detach()[first:first + n].clone())
         self.act_fn = hf_experts.act_fn
@@ -314,9 +266,10 @@ class LocalExperts(nn.Module):
                 else "bmm")
 
     def forward(self, x, counts: list[int], device_counts: torch.Tensor | None = None):
-        """counts: rows per local expert as host ints (the shapes); device_counts: the same on
-        x's device, where the caller has them (the grouped paths' offsets and slots are then
-        computed there: a tensor built from the host list is a host-to-device copy per layer)."""
+        """x (R, H) -> (R, H): R = sum(counts) rows grouped by expert. counts: rows per local
+        expert as host ints (the shapes); device_counts: the same on x's device, where the
+        caller has them (the grouped paths' offsets and slots are then computed there: a tensor
+        built from the host list is a host-to-device copy per layer)."""
         if not sum(counts):                      # no rows at all: keep the weights in the graph
             return self._loop(x, counts)
         if device_counts is None:
@@ -326,21 +279,23 @@ class LocalExperts(nn.Module):
     def _loop(self, x, counts, device_counts=None):
         outs, off = [], 0
         for e, n in enumerate(counts):          # x: rows grouped by local expert, counts[e] each
+            # x's n rows (n, H) -> (n, 2I) -> 2 x (n, I) (n = counts[e] here)
             gate, up = F.linear(x[off:off + n], self.gate_up_proj[e]).chunk(2, dim=-1)
             outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
             off += n
-        return torch.cat(outs)
+        return torch.cat(outs)                  # (R, H)
 
     def _grouped_mm(self, x, counts, device_counts):
         # (R, H) x (n, H, 2I) -> (R, 2I), row block e through expert e (offs: block ends)
         offs = device_counts.cumsum(0).to(torch.int32)
         gu = torch._grouped_mm(x.contiguous(), self.gate_up_proj.transpose(1, 2), offs=offs)
-        gate, up = _ContiguousGrad.apply(gu).chunk(2, dim=-1)
+        gate, up = _ContiguousGrad.apply(gu).chunk(2, dim=-1)            # 2 x (R, I)
+        # (R, I) x (n, I, H) -> (R, H)
         y = torch._grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
         return _ContiguousGrad.apply(y)
 
     def _bmm(self, x, counts, device_counts):
-        n, C, H = len(counts), max(counts), x.shape[-1]
+        n, C, H = len(counts), max(counts), x.shape[-1]      # C: the most rows of an expert
         # row r of expert e -> slot e C + r of the padded buffer
         cnt = device_counts
         e_of_row = torch.repeat_interleave(torch.arange(n, device=x.device), cnt,
@@ -348,9 +303,10 @@ class LocalExperts(nn.Module):
         slot = (torch.arange(x.shape[0], device=x.device) + e_of_row * C
                 - (cnt.cumsum(0) - cnt)[e_of_row])
         xp = x.new_zeros(n * C, H).index_copy(0, slot, x).view(n, C, H)     # (n, C, H)
+        # (n, C, H) x (n, H, 2I) -> (n, C, 2I) -> 2 x (n, C, I)
         gate, up = torch.bmm(xp, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
         y = torch.bmm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2))  # (n, C, H)
-        return y.reshape(n * C, H).index_select(0, slot)                      # padding dropped
+        return y.reshape(n * C, H).index_select(0, slot)   # (n*C, H) -> (R, H): padding dropped
 
 
 class ExpertParallelMoE(MoEBlock):
@@ -364,14 +320,14 @@ class ExpertParallelMoE(MoEBlock):
 
     def gather_counts(self, local):
         out = local.new_empty((self.world * local.shape[0],) + tuple(local.shape[1:]))
-        dist.all_gather_into_tensor(out, local.contiguous(), group=self.group)
-        return out.view((self.world,) + tuple(local.shape))
+        dist.all_gather_into_tensor(out, local.contiguous(), group=self.group)  # (k, E) -> (W*k, E)
+        return out.view((self.world,) + tuple(local.shape))                   # (W, k, E)
 
     def dispatch_combine(self, x, w, idx, keep, rec):
         N, k = idx.shape
         W, El, E = self.world, self.local, self.num_experts
-        flat_e, flat_w = idx.reshape(-1), w.reshape(-1)
-        flat_t = torch.arange(N, device=x.device).repeat_interleave(k)
+        flat_e, flat_w = idx.reshape(-1), w.reshape(-1)          # (N, k) -> (N*k,)
+        flat_t = torch.arange(N, device=x.device).repeat_interleave(k)   # (N*k,) token of each
         if keep is not None:   # a dropped choice goes to "expert E": sorted last, never sent
             flat_e = flat_e.masked_fill(~keep.reshape(-1), E)
         # 2. sort by expert = by destination rank (stable: token order inside each expert)
@@ -381,35 +337,35 @@ class ExpertParallelMoE(MoEBlock):
         # 3. counts: recv[s, e] rows from rank s for my local expert e
         if keep is None:
             recv = torch.empty_like(send)
-            dist.all_to_all_single(recv, send, group=self.group)
-            recv = recv.view(W, El)
+            dist.all_to_all_single(recv, send, group=self.group)   # (E,): W blocks of E/W
+            recv = recv.view(W, El)                                # (E,) -> (W, E/W)
         else:
-            recv = rec["kept_all"].sum(1)[:, self.rank * El:(self.rank + 1) * El]
+            recv = rec["kept_all"].sum(1)[:, self.rank * El:(self.rank + 1) * El]   # (W, E/W)
         # The layer's one host read: all_to_all_single takes its splits as Python ints (the
         # backward reuses them). Everything below is sized from this one list.
-        sizes = torch.cat([send.view(W, El).sum(1), recv.reshape(-1)]).tolist()
+        sizes = torch.cat([send.view(W, El).sum(1), recv.reshape(-1)]).tolist()   # (W + E,)
         send_splits, recv_m = sizes[:W], [sizes[W + s * El:W + (s + 1) * El] for s in range(W)]
         recv_splits = [sum(r) for r in recv_m]
         per_expert = [sum(r[e] for r in recv_m) for e in range(El)]
         n_sent = sum(send_splits)                 # < N k with capacity: the dropped rows last
-        e_s, t_s, w_s = e_s[:n_sent], t_s[:n_sent], w_s[:n_sent]
-        # 4. dispatch
-        xr = self.exchange(x[t_s], recv_splits, send_splits)
+        e_s, t_s, w_s = e_s[:n_sent], t_s[:n_sent], w_s[:n_sent]   # (N*k,) -> (n_sent,)
+        # 4. dispatch: n_sent rows out, R = sum(recv_splits) rows in
+        xr = self.exchange(x[t_s], recv_splits, send_splits)   # (n_sent, H) -> (R, H)
         # 5. local experts on expert-major rows (arrivals are source-major)
         expert_of_row = torch.arange(El, device=x.device).repeat(W).repeat_interleave(
-            recv.reshape(-1), output_size=sum(recv_splits))
+            recv.reshape(-1), output_size=sum(recv_splits))          # (R,)
         perm = torch.argsort(expert_of_row, stable=True)
-        y = self.experts(xr[perm], per_expert, recv.sum(0))   # (El,) on the device too
+        y = self.experts(xr[perm], per_expert, recv.sum(0))   # (R, H); (E/W,) on the device too
         inv = torch.empty_like(perm)
         inv[perm] = torch.arange(perm.numel(), device=x.device)
         if planted("combine-wrong-order"):   # plant: un-sorts with perm, not its inverse
             inv = perm
         # 6. combine: back to the senders, weighted, each row to its (token, choice) slot (the
         # slots are distinct: no atomic adds, the same bits on every run), summed over the k
-        yb = self.exchange(y[inv], send_splits, recv_splits)
-        slots = x.new_zeros(N * k, x.shape[-1]).index_copy(0, order[:n_sent],
+        yb = self.exchange(y[inv], send_splits, recv_splits)   # (R, H) -> (n_sent, H)
+        slots = x.new_zeros(N * k, x.shape[-1]).index_copy(0, order[:n_sent],   # (N*k, H)
                                                            (yb * w_s[:, None]).to(x.dtype))
-        return slots.view(N, k, -1).sum(1)
+        return slots.view(N, k, -1).sum(1)                     # (N*k, H) -> (N, k, H) -> (N, H)
 
     def exchange(self, rows, out_splits: list[int], in_splits: list[int]):
         """The all-to-all of rows: in_splits[r] of `rows` go to rank r, out_splits[r] come
@@ -464,11 +420,11 @@ def gather_experts(tensors: dict, group, to_first: bool = False) -> dict:
             t = t.contiguous()
             if to_first:
                 parts = [torch.empty_like(t) for _ in range(W)] if me == 0 else None
-                dist.gather(t, parts, group_dst=0, group=group)
-                t = torch.cat(parts) if me == 0 else t
+                dist.gather(t, parts, group_dst=0, group=group)   # [E/W, ...] from each rank
+                t = torch.cat(parts) if me == 0 else t           # W x [E/W, ...] -> [E, ...]
             else:
                 full = t.new_empty((W * t.shape[0],) + tuple(t.shape[1:]))
-                dist.all_gather_into_tensor(full, t, group=group)
+                dist.all_gather_into_tensor(full, t, group=group)   # [E/W, ...] -> [E, ...]
                 t = full
         out[n] = t
     return out

@@ -1,67 +1,34 @@
 """fsdp.py: fully sharded data parallel as PyTorch's FSDP2 does it, from raw torch.distributed.
 
 The idea (Zhao et al., "PyTorch FSDP", VLDB 2023; FSDP2's per-parameter sharding, PyTorch 2.4+)
-    Every rank keeps 1/W of every parameter, of its gradient and of its optimizer state. Each
-    module wrapped by fully_shard (bottom-up: the blocks, then the model) is one unit, whose full
-    parameters exist only while it computes. The root is the unit whose forward runs first (the
-    model: embeddings, final norm, head); it is used at both ends of the forward and first in the
-    backward, so it stays gathered from its forward to the end of the backward.
-      forward   pre-hook: all-gather the unit (launching the next one's, in the forward order
-                recorded at the first step) and swap the full parameters into the module;
-                post-hook: swap the shards back and free the full ones (not the root's)
-      backward  pre-hook on the unit's outputs: all-gather again (launching the next one's); once
-                the gradients reach the unit's inputs (an autograd Function there; for the root,
-                whose inputs are token ids, the end of the backward): reduce-scatter the unit's
-                gradients, averaged over the W ranks, into each shard's .grad; free the full ones
+    Every rank keeps 1/W of every parameter, gradient and optimizer state. Each module wrapped by
+    fully_shard (bottom-up: blocks, then the model) is one unit whose full parameters exist only
+    while it computes; the root (the model: its forward runs first) stays gathered from its
+    forward to the end of the backward. Every rank runs the same units in the same order.
+      forward   pre-hook: all-gather the unit (prefetch the next), swap the full parameters in;
+                post-hook: swap the shards back, free the full ones (not the root's)
+      backward  pre-hook on its outputs: all-gather again; once the gradients reach its inputs
+                (_PostBackward): reduce-scatter them, averaged over W, into the shards' .grad
       step      any elementwise torch optimizer over model.parameters(): they *are* the shards
-    Every rank runs the same units in the same order (the collectives pair up by order).
+    A parameter (d0, *rest) is cut on dim 0 as torch.chunk does: rank r holds rows [r c, (r+1) c),
+    c = ceil(d0 / W), as an nn.Parameter (zero.py, like FSDP1, keeps one flat buffer per unit).
+    Only the buffers are padded: c rest per parameter and rank; N over a unit, N_g its trainable.
 
-Per-parameter dim-0 shards (FSDP2), not one flat buffer per unit (FSDP1, ZeRO-3: zero.py)
-    A parameter (d0, *rest) is cut as torch.chunk cuts dim 0: rank r holds rows [r c, (r+1) c),
-    c = ceil(d0 / W) (fewer or none at the end), as an nn.Parameter of its own. Only the
-    communication buffers are padded, each parameter to c * rest elements per rank (N: their sum
-    over the unit; N_g: over its trainable parameters):
-      all-gather      copy-in: each shard, cast to param_dtype   # (rows_r, *rest) -> [N]
-                      copy-out: column block i = parameter i      # [W, N] -> [W, c_i rest_i]
-      reduce-scatter  copy-in: each gradient, padded, in reduce_dtype
-                                                # (d0, *rest) -> [W, c_i rest_i] -> [W, N_g]
-                      copy-out: this rank's rows / W into .grad   # [N_g] -> (rows_r, *rest)
-    The copies cost a pass over the unit per collective (the benchmark counts them); in return
-    every shard is a well-formed tensor: a plain optimizer steps it, a frozen parameter is one
-    without a gradient, the policy is per unit, the state dict holds shards. A matrix optimizer
-    (torch's Muon) would take a shard for the matrix: it is refused at its first step.
-
-Mixed precision: MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype). The shards keep
-    the module's dtype (wrap an fp32 module: the shards are fp32 masters, your weights exactly);
-    the gathered copies are param_dtype; the reduce-scatter runs in reduce_dtype and is cast into
-    the shards' .grad.
-
-Communication per step (bytes of the full buffer, as the meter counts them; a ring moves
-(W-1)/W of it per rank. Psi = sum over units of W N; Psi_g of W N_g; b, b_r: param_dtype and
-reduce_dtype bytes; K micro-batches)
-    all_gather      Psi b forward + (Psi - Psi_root) b backward (the root stays gathered; none
-                    without resharding), x K
-    reduce_scatter  Psi_g b_r, once per step: the micro-batches before the last accumulate
-                    unreduced (set_requires_gradient_sync(False))
-    copies          per gather Psi b / W in, Psi b out; per reduction Psi_g b_r in, this rank's
-                    unpadded rows out
-    --clip adds one 8-byte all_reduce. Model states per rank, AdamW on fp32 shards: 16 bytes per
-    element of this rank's shards (shard 4, grad 4, Adam 8: about 16 Psi / W), in fp32 and under a
-    bf16 policy alike. Transient: the root's full copy, the computing unit's and `prefetch` more;
-    in the backward the unit's full gradients and its [W, N_g] buffer; without sync, the full
-    unreduced gradients (Psi_g b_r, not / W).
-HSDP (replicate_group; Zhao et al. 3.2.2): shard over S ranks inside a node (W above is S),
-    replicate R times; each reduced shard is all-reduced over the replicas: Psi_g b_r / S.
+Communication per step (full buffers; Psi = sum over units of W N, Psi_g of W N_g; b, b_r:
+param_dtype, reduce_dtype bytes; K micro-batches; a ring moves (W-1)/W of it per rank)
+    all_gather      Psi b forward + (Psi - Psi_root) b backward (the root stays gathered), x K
+    reduce_scatter  Psi_g b_r, once per step (the micro-batches before the last: no sync)
+    copies          per gather Psi b / W in, Psi b out; per reduction Psi_g b_r in, rows out
+    --clip adds one 8-byte all_reduce. HSDP (replicate_group: shard over S ranks, W above is S,
+    R replicas): + an all-reduce of each reduced shard, Psi_g b_r / S.
+Memory per rank, AdamW on fp32 shards: 16 B per shard element (~16 Psi / W) + the root's full
+copy, the computing unit's and `prefetch` more. More: docs/internals.md, 'fsdp.py'.
 
 Public API (examples/fsdp_train.py)
-    for block in model.model.layers:
-        fully_shard(block, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    for block in model.model.layers: fully_shard(block, mp_policy=MixedPrecisionPolicy(...))
     fully_shard(model)                                  # the root: embeddings, norm, head
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    loss.backward(); clip_grad_norm_(model, 1.0); opt.step(); opt.zero_grad()
-    model.set_requires_gradient_sync(False) / model.no_sync(); model.unshard() / reshard();
-    summon_full_params(model); full_state_dict(model) / load_full_state_dict(model, sd);
-    model.state_dict() holds this rank's shards (fsdp_state.py: the shards seen whole).
+    opt = torch.optim.AdamW(model.parameters()); loss.backward(); clip_grad_norm_(model, 1.0)
+    model.no_sync(), unshard() / reshard(); summon_full_params(model), full_state_dict(model)
 """
 import contextlib
 import math
@@ -74,11 +41,12 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from harness import all_reduce_flat, name_group, planted
+from harness import all_reduce_flat, planted
 import ddp
 import zero
-from fsdp_state import (clip_grad_norm_, full_state_dict, full_tensors,  # noqa: F401
-                        load_full_state_dict, named_params, summon_full_params, units)
+from fsdp_state import (block_groups, clip_grad_norm_, full_state_dict,  # noqa: F401
+                        full_tensors, hsdp_groups, load_full_state_dict, named_params,
+                        new_block_groups, summon_full_params, units)
 
 
 @dataclass(frozen=True)
@@ -122,6 +90,7 @@ class ShardedParam:
         # elements are the parameter itself.
         self.full = torch.empty(W * self.padded, dtype=param_dtype or param.dtype,
                                 device=param.device)          # flat [W * c * rest]
+        # its first d0 rest elements -> (d0, *rest), the parameter's shape
         self.unsharded = nn.Parameter(self.full[:param.numel()].view(self.shape),
                                       requires_grad=param.requires_grad)
         self.unsharded._fsdp_param = self
@@ -150,12 +119,12 @@ class _PostBackward(torch.autograd.Function):
     AccumulateGrad before other nodes); one that arrives later raises in _finish_backward."""
 
     @staticmethod
-    def forward(ctx, unit, *inputs):
+    def forward(ctx, unit, *inputs):   # each input's own shape -> the same shape
         ctx.unit = unit
         return inputs
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx, *grads):   # grads shaped as the inputs, passed through
         ctx.unit._post_backward()
         return (None, *grads)
 
@@ -225,12 +194,12 @@ class FSDPUnit:
         views, srcs, off = [], [], 0
         for p, t in zip(self.params, shards):
             if t is not None and p.local:
-                views.append(inp[off:off + p.local])
-                srcs.append(t.detach().reshape(-1))
+                views.append(inp[off:off + p.local])       # [rows_r rest] at off of [N]
+                srcs.append(t.detach().reshape(-1))        # (rows_r, *rest) -> [rows_r rest]
             off += p.padded
         if views:
             torch._foreach_copy_(views, srcs)
-        out = torch.empty(self.W * self.N, dtype=dtype, device=device)          # [W * N]
+        out = torch.empty(self.W * self.N, dtype=dtype, device=device)  # [N] x W -> flat [W * N]
         return out, dist.all_gather_into_tensor(out, inp, group=self.group, async_op=async_op)
 
     def wait(self):
@@ -243,7 +212,8 @@ class FSDPUnit:
             with torch.autograd._unsafe_preserve_version_counter(
                     tuple(p.unsharded for p in self.params)):
                 torch.split_with_sizes_copy(out.view(self.W, self.N),           # [W, N]
-                                            [p.padded for p in self.params], dim=1, out=fulls)
+                                            [p.padded for p in self.params], dim=1,
+                                            out=fulls)          # -> [W, c_i rest_i] each
             self._count("all_gather copy-out", out.numel() * out.element_size())
             self.handle = None
         for p in self.params:
@@ -506,7 +476,7 @@ def fully_shard(module: nn.Module, *, group=None, replicate_group=None,
     synced = [b for b in module.buffers() if not hasattr(b, "_fsdp_synced")]
     with torch.no_grad():   # every rank from rank 0's values (replica 0's, under HSDP)
         for g in (group, replicate_group) if replicate_group is not None else (group,):
-            ddp.broadcast_coalesced(mine + new_ignored + synced, g)
+            ddp.broadcast_coalesced(mine + new_ignored + synced, g)   # each its own shape
     for b in synced:
         b._fsdp_synced = True
     for p in new_ignored:
@@ -556,36 +526,6 @@ def _check_optimizer(optimizer, args, kwargs):
                     f"{', '.join(c.__name__ for c in zero.ELEMENTWISE)}, or keep such "
                     f"parameters whole with fully_shard(..., ignored_params=...)")
     optimizer._fsdp_checked = n
-
-
-# -- HSDP's groups --
-def block_groups(groups: list[list[int]], size: int) -> tuple[list, list]:
-    """(blocks, strided): each of `groups` cut into blocks of `size` consecutive ranks, and the
-    ranks at the same place in every block of a group. HSDP's shard and replicate groups here
-    and in compose4d; compose4d's ep and edp groups (compose_moe.py)."""
-    blocks = [g[i:i + size] for g in groups for i in range(0, len(g), size)]
-    strided = [g[j::size] for g in groups for j in range(size)]
-    return blocks, strided
-
-
-def new_block_groups(groups: list[list[int]], size: int, names=("shard", "replicate")):
-    """This rank's two groups of block_groups (collective: every rank creates every group, in
-    one order), named for the meter."""
-    blocks, strided = block_groups(groups, size)
-    mine_b, _ = dist.new_subgroups_by_enumeration(blocks)
-    mine_s, _ = dist.new_subgroups_by_enumeration(strided)
-    return name_group(mine_b, names[0]), name_group(mine_s, names[1])
-
-
-def hsdp_groups(replicas: int):
-    """HSDP's two groups for this rank (collective). Shard groups are S = W / R consecutive
-    ranks (a node's GPUs when S is the GPUs per node); replicate groups are the ranks with the
-    same index in each shard group:
-        shard      [0 .. S-1], [S .. 2S-1], ...     reduce-scatter and all-gather inside
-        replicate  [i, S + i, 2S + i, ...]          one all-reduce of each reduced shard
-    Returns (shard group, replicate group), named "shard" and "replicate" for the meter."""
-    W = dist.get_world_size()
-    return new_block_groups([list(range(W))], W // replicas)
 
 
 if __name__ == "__main__":   # torchrun fsdp.py --mode ...: the test rig runs it

@@ -10,6 +10,7 @@ copy while gathered). fsdp.py imports these functions into its own namespace (fs
     clip_grad_norm_(model, c) sums the squared norms over the shard group first (8 bytes).
     full_tensors(model) / full_state_dict(model): one all-gather per unit, every rank gets all.
     load_full_state_dict(model, sd): each rank copies its rows, no communication.
+    hsdp_groups(R), block_groups, new_block_groups: HSDP's shard and replicate groups.
 """
 import contextlib
 import math
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from harness import name_group
 from harness.collectives import clip_by_norm
 
 
@@ -38,7 +40,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     sq = torch.zeros(1, dtype=torch.float64, device=device)
     for g in sharded:
         sq += g.double().pow(2).sum()
-    dist.all_reduce(sq, group=us[0].group)
+    dist.all_reduce(sq, group=us[0].group)   # [1] float64, summed over the shard group
     for g in whole:
         sq += g.double().pow(2).sum()
     return clip_by_norm(sq, sharded + whole, max_norm)
@@ -65,7 +67,7 @@ def full_tensors(model: nn.Module, what: str = "param") -> dict[str, torch.Tenso
         if u.params:
             flat, _ = u.all_gather([p.sharded if what == "param" else p.sharded.grad
                                     for p in u.params], u.params[0].sharded.dtype, False)
-            pieces = flat.view(u.W, u.N).split([p.padded for p in u.params], dim=1)
+            pieces = flat.view(u.W, u.N).split([p.padded for p in u.params], dim=1)  # [W, N]
             for p, piece in zip(u.params, pieces):   # [W, c rest] -> the first numel
                 full_of[p] = piece.reshape(-1)[:math.prod(p.shape)].view(p.shape)
     out = {}
@@ -109,3 +111,34 @@ def summon_full_params(model: nn.Module):
     finally:
         for u in us:
             u.reshard()
+
+
+# -- HSDP's groups --
+def block_groups(groups: list[list[int]], size: int) -> tuple[list, list]:
+    """(blocks, strided): each of `groups` cut into blocks of `size` consecutive ranks, and the
+    ranks at the same place in every block of a group. HSDP's shard and replicate groups here
+    and in compose4d; compose4d's ep and edp groups (compose_moe.py)."""
+    blocks = [g[i:i + size] for g in groups for i in range(0, len(g), size)]
+    strided = [g[j::size] for g in groups for j in range(size)]
+    return blocks, strided
+
+
+def new_block_groups(groups: list[list[int]], size: int, names=("shard", "replicate")):
+    """This rank's two groups of block_groups (collective: every rank creates every group, in
+    one order), named for the meter."""
+    blocks, strided = block_groups(groups, size)
+    mine_b, _ = dist.new_subgroups_by_enumeration(blocks)
+    mine_s, _ = dist.new_subgroups_by_enumeration(strided)
+    return name_group(mine_b, names[0]), name_group(mine_s, names[1])
+
+
+def hsdp_groups(replicas: int):
+    """HSDP's two groups for this rank (collective). Shard groups are S = W / R consecutive
+    ranks (a node's GPUs when S is the GPUs per node); replicate groups are the ranks with the
+    same index in each shard group:
+        shard      [0 .. S-1], [S .. 2S-1], ...     reduce-scatter and all-gather inside
+        replicate  [i, S + i, 2S + i, ...]          one all-reduce of each reduced shard
+    Returns (shard group, replicate group), named "shard" and "replicate" for the meter."""
+    W = dist.get_world_size()
+    return new_block_groups([list(range(W))], W // replicas)
+

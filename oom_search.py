@@ -2,77 +2,21 @@
 size: measured by real training steps, and predicted by a formula.
 
     python oom_search.py --strategy tp --nproc 2 --lo 1024 --hi 65536 --step 512 --mem-budget-gb 1
-    python oom_search.py --strategy all --nproc 1,2,4 --lo 256 --step 256 --mem-budget-gb 0.5 --predict
-    python oom_search.py --strategy ddp --nproc 2 --search micro-batch --length 512 --mem-budget-gb 1
-    python oom_search.py --simulate --model llama3-8b --strategy pp --nproc 8 --mem-budget-gb 80
-    python oom_search.py --compare --model small --strategy all --nproc 2 --length 1024
 
-Trials
-    Each trial is a fresh `torchrun --nproc_per_node=N <strategy>.py --mode peak` subprocess (plain
-    python for N=1) with a timeout: full training steps (forward, backward, AdamW) at length L and
-    --batch sequences per model replica (the global batch is --batch x the data-parallel degree: W
-    for ddp/zero/fsdp, 1 for tp/sp/ulysses/cp; pp runs W micro-batches of --batch). The peak is
-    the steady state's: two steps are tracked (`steady_peak`), because AdamW's states only
-    exist from the first optimizer phase on, and from the second step on they are live through
-    the forward and backward too. Outcomes: OK (with the peak bytes per rank), OOM, crash,
-    timeout, invalid (a configuration error, exit 2). On CUDA an OOM is the allocator's
-    (`--mem-fraction f` emulates a smaller GPU with torch.cuda.set_per_process_memory_fraction).
-    On CPU it is *simulated*: the harness's live-tensor tracker raises as soon as a rank's live
-    bytes exceed --mem-budget-gb, so a trial far over budget stops early instead of swapping.
-
-Search
-    Binary search on the --step grid for the largest value whose trial is OK; without --hi, doubling
-    from --lo until a trial fails. A crash or a timeout is retried (--retries) and, if it persists,
-    ends that search: it is reported with the largest confirmed OK, never counted as an OOM.
-
-Prediction (--predict; bytes per rank, e = bytes per element of the run's dtype)
-    model states   params e + grads e + AdamW 2e per parameter (16 Psi in fp32; in bf16 the
-                   optimizer holds an fp32 master and fp32 m, v: 2 + 2 + 12 = 16 Psi too), divided as the
-                   strategy divides them (ZeRO-1: optimizer / W; ZeRO-2: + grads; ZeRO-3 and FSDP:
-                   everything, plus one gathered unit; TP/SP: the layers / T; PP: the stage's
-                   share under pp.split_layers' balanced split).
-    activations    per layer and token, HF Llama without dropout, following the accounting of
-                   Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-                   Models", eq. 1: s b h (34 + 5 a s / h) for GPT with 2-byte activations and
-                   dropout masks). For Llama (RMSNorm, RoPE, GQA, SwiGLU) the saved tensors are:
-                   two norms' inputs and outputs 4h, q/k/v 1h + 2kv, rotated q/k 1h + 1kv,
-                   attention output and its o_proj input 2h, SwiGLU gate/up/silu/product 4I:
-                       e (8h + 3kv + 4I)   per token per layer, and 2 a s e more with --attn eager
-                   (the score matrix and its softmax; SDPA's fused kernel keeps only the lse);
-                   in half precision + 12h bytes: RMSNorm runs in fp32 (an fp32 copy of each
-                   norm's input and of its normalised product).
-                   Divided by T under TP for the parts inside the region (all but the 4h of the
-                   norms), by T under Megatron SP and Ulysses, by C under context parallelism;
-                   under 1F1B with M = P micro-batches stage r holds its layers for P - r
-                   micro-batches in flight (so stage 0 holds one whole model's worth).
-    logits, loss   the logits e, the loss's log-softmax 4 and the logits' gradient e, per token per
-                   vocabulary entry, + 4 for the fp32 copy of half-precision logits (vocab-parallel
-                   under TP/SP: / T; on the last stage only in PP).
-    cp blocks      cp_ring's pure torch block kernel (--attn-kernel torch; what the trials' default
-                   `auto` picks on CPU and in float64) materialises each block's scores: its
-                   backward holds the scores, probabilities, dP and dS of one (S/2C)^2 block per
-                   head: 4 b a (S/2C)^2 e (bf16 blocks are computed in fp32, so 4 bytes there
-                   while the formula counts e = 2). On CUDA `auto` takes PyTorch's fused kernels
-                   (FlashAttention-2 for bf16, memory-efficient for fp32; the pure kernel only if
-                   their self-test fails), which keep only each block's output and log-sum-exp;
-                   the prediction adds the pure kernel's term either way, so on CUDA it is high by
-                   up to that term.
-    Peak = states + activations + logits/loss (PP: the largest stage). Stated tolerance against
-    the measured CPU peak on the tiny preset: within 15% (tests/test_oom_search.py); --compare
-    prints the ratios.
-
-Simulation (--simulate)
-    The real training steps of the strategy, under FakeTensorMode, as rank 0 of a world of N on
-    torch's fake process group: the model is built on the meta device and materialised as
-    FakeTensors, so nothing is allocated and any preset "fits" on a laptop; the harness's
-    live-tensor tracker counts the fake storages. It sees exactly what a real rank 0 allocates
-    (including temporaries), so it agrees with the measured CPU peak far more closely than the
-    formula (tests: within 5% on tiny; `--compare` prints measured, predicted and simulated
-    side by side). Ranks: rank 0 has the largest share for every strategy here except PP, where
-    the first stage, the last (the logits) and the stage the formula ranks largest (middle stages
-    hold more layers when the embeddings are heavy) are simulated.
-    Values are fake, so the logged loss is NaN (`scalar`), and a strategy that branches on
-    a tensor's value (tp's --clip) cannot run (reported as "simulation unsupported").
+Trials: one `torchrun <strategy>.py --mode peak` per value, binary-searched on the --step grid
+(on CPU an OOM is the live-tensor tracker's over --mem-budget-gb); --simulate: FakeTensorMode.
+Prediction (--predict; bytes per rank; e bytes/element, b sequences of length S, h hidden, I MLP
+width, kv = n_kv d, a heads, V vocabulary; Korthikanti et al. 2022's accounting, for Llama):
+    states       (e + e + 2e) per parameter (half precision 2 + 2 + 12), divided as the strategy
+                 does: ZeRO-1 optimizer / W, ZeRO-2 + grads, ZeRO-3/FSDP all + a gathered unit,
+                 TP/SP the layers / T, PP the stage's share (pp_schedule.split_layers)
+    activations  e (8h + 3kv + 4I) per token and layer, + 2 a S e with --attn eager, + 12h in
+                 half precision; / T under TP (but the norms' 4h), SP and Ulysses, / C under CP;
+                 under 1F1B (M = P) stage r holds P - r micro-batches
+    logits       (2e + 4) V per token, + 4V in half precision (/ T vocab-parallel; PP: last stage)
+    cp blocks    4 b a (S/2C)^2 e: cp_ring's pure block kernel's backward
+    peak         states + activations + logits + cp blocks (PP: the largest stage)
+More (each term's source, the search, the simulation): docs/internals.md, 'oom_search.py'.
 """
 from __future__ import annotations
 
@@ -366,7 +310,7 @@ def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
                          common_constraints, load_config, make_batch, model_kwargs,
                          keep_float64, resolve_defaults, steady_peak)
     script, cls_name, _ = STRATEGIES[strategy]
-    strat_cls = getattr(importlib.import_module(script[:-3]), cls_name)
+    strat_cls = getattr(importlib.import_module("rig." + script[:-3]), cls_name)
     parser = base_parser(script)
     strat_cls.add_args(parser)
     argv = trial_args(strategy, W, length, batch, ce_chunk)[1:] + ["--mode", "peak", "--model", model,

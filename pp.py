@@ -1,65 +1,34 @@
-"""pp.py: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, ZB-H1, DualPipeV) from raw
-point-to-point.
+"""pp.py: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, ZB-H1, DualPipeV) from raw p2p.
 
 The idea
     Cut the model into stages, one per rank (P ranks), and the batch into M micro-batches.
     Activations flow forward from stage to stage and gradients flow back, so the pipeline fills
-    and drains; the idle share is the bubble. The schedules are planned as data in
-    pp_schedule.py (actions per rank, a simulator, the lockstep grid; the derivations there),
-    with T_F = T_I = T_W and B = I + W:
+    and drains; the idle share is the bubble. The schedules are data in pp_schedule.py (1F1B's
+    warm-up, steady state and cool-down: pp_schedule._one_f_one_b); with T_F = T_I = T_W, B = I + W:
       gpipe        GPipe (Huang et al. 2019)                  (P-1)/(M+P-1), M micro-batches held
       1f1b         PipeDream-Flush (Narayanan et al. 2021)    (P-1)/(M+P-1), at most P held
       interleaved  Megatron (Narayanan et al. 2021), V chunks per rank      (P-1)/(V*M+P-1)
       zb           ZB-H1 (Qi et al. 2024), B split into I and a deferred W  (P-1)/(3M+P-1)
       dualpipev    DualPipeV (DeepSeek-V3 2024), 2 chunks per rank in a V: DualPipe's
                    (P-1)(F&B + B - 3W) idle per rank, (P-1)/(3M+P-1); M >= 2P
-    This file is the executor: it cuts an HF model into the chunks, runs any schedule's actions
-    over raw point-to-point, splits the backward for ZB-H1 and DualPipeV, and sums the tied
-    embeddings' gradient.
-
-Point-to-point (NCCL's rules: harness/nccl.py, checked by --nccl-semantics)
-    NCCL ignores tags and runs a communicator's operations in issue order, each send waiting
-    for its receive, so posting each send and receive alone where it is needed deadlocks 1F1B.
-    Every schedule therefore runs on a lockstep grid (pp_schedule.Grid, as torch's
-    PipelineScheduleMulti): at most one action per rank per step, then one batch_isend_irecv
-    with the step's send and the receives of what the neighbours send in that step. Receives
-    are posted early and waited just before their tensor is used; tags (chunk, micro-batch,
-    direction) remain for gloo. Shapes are known up front (micro-batch, sequence, hidden).
-
-Stage split: the decoder layers go to P*V chunks, contiguous, minimising the largest chunk's
-parameter count, with the embeddings counted on the first chunk and the final norm and head on
-the last (pp_schedule.split_layers). Tied embeddings: the first and last stages each hold a
-copy, and their gradients are summed over a two-rank group before the step (DualPipeV: rank 0
-holds both ends, one tensor). The V's turn (chunks P-1 and P, both on rank P-1) hands its
-activation and gradient over in memory, with no message.
-Loss: each micro-batch's CE sum over the global token count N, so the sum over micro-batches is
-the reference's global mean.
-
-The split backward (ZB-H1, DualPipeV): I is one backward pass for the input's gradient and the
-small parameters' (norms, embeddings), every linear layer (DeferredLinear) stashing its (input,
-output gradient) pair; W is then grad_W += g^T x per linear, no second traversal. I + W costs
-one backward, the graph is freed at I, and W keeps exactly the stashed pairs alive (the paper's
-"activation memory of W").
+    This file is the executor: it cuts an HF model into P*V chunks (pp_schedule.split_layers),
+    runs any schedule's actions over raw point-to-point, splits the backward for ZB-H1 and
+    DualPipeV (I: the input's gradient now; W: grad_W += g^T x per linear, later) and sums the
+    tied embeddings' gradient. Loss: each micro-batch's CE sum / N (the global token count).
+    Who talks to whom: a chunk's rank sends its activation to the next chunk's rank and its
+    gradient to the previous one's, on a lockstep grid (pp_schedule.Grid): one action per rank
+    per step, then one batch_isend_irecv (NCCL's rules: harness/nccl.py).
 
 Communication per step (mb = B/M sequences, S length, H hidden, b bytes): every chunk boundary
-between two ranks (P*V - 1 of them; DualPipeV 2P - 2) carries M activations forward and M
-gradients back, each mb*S*H*b, plus one all_reduce of the tied embedding gradient when tied
-and the ends are on two ranks.
-
-Baseline (--compare-native): TorchPipelining runs torch.distributed.pipelining's class for the
-same schedule (TORCH_SCHEDULES; zb is torch's ZB1P with one stage per rank, dualpipev its "v"
-placement) on the same cut, micro-batches and loss scaling, one PipelineStage per chunk; the
-tied gradient is summed after schedule.step(). torch's ZB-V has no counterpart here.
+    between two ranks (P*V - 1 of them; DualPipeV 2P - 2) carries M activations forward and M
+    gradients back, each mb*S*H*b, plus one all_reduce of the tied embedding gradient when tied
+    and the ends are on two ranks. More: docs/internals.md, 'pp.py'.
 
 Public API
-    pipe = Pipeline(model, P, V, rank, schedule, group=None, tie_group=None)   this rank's
-        stage(s) of an HF Llama-family model (the other layers dropped) and the executor:
-        pipe.run(batch, M, n_tokens) runs one step's forwards and backwards;
-        pipe.evaluate(batch, M) the forwards only (a held-out loss);
-        pipe.sync_tied() sums the tied embedding's gradient over tie_group
-    clip_across_stages(model, max_norm, pipe)   global-norm clipping over the stages
-    The pure planning names (SCHEDULES, schedule, simulate, bubble_formula, Grid, split_layers,
-    ...) are pp_schedule's, importable without torch; pp.X re-exports them.
+    pipe = Pipeline(model, P, V, rank, schedule, group=None, tie_group=None): this rank's
+        chunks of an HF Llama-family model; pipe.run(batch, M, n_tokens) one step's forwards and
+        backwards, pipe.evaluate(batch, M) a held-out loss, pipe.sync_tied() the tied gradient
+    clip_across_stages(model, max_norm, pipe); pp.X re-exports pp_schedule's planning names.
 """
 import torch
 import torch.distributed as dist
@@ -88,9 +57,10 @@ class WeightGradStore:
 
     @torch.no_grad()     # (with grad mode on, g^T x would record a graph that keeps every x
     def flush(self, key):  # and g alive through the weight's .grad)
-        for module, x, g in self.pending.pop(key, ()):
+        for module, x, g in self.pending.pop(key, ()):   # x (B, S, in), g (B, S, out)
+            # (B, S, out) -> (B*S, out), (B, S, in) -> (B*S, in); B: micro-batch rows
             g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-            w = module.weight
+            w = module.weight                  # [out, in]
             if w.grad is None:
                 w.grad = g2.t() @ x2
             else:                      # accumulated in place: no weight-sized temporary
@@ -105,20 +75,20 @@ class DeferredLinear(torch.autograd.Function):
     dL/dx and leaves dL/dW = g^T x for the W action; otherwise the ordinary linear backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, module, store):
+    def forward(ctx, x, weight, bias, module, store):   # x (B, S, in), [out, in] -> (B, S, out)
         ctx.save_for_backward(x, weight)
         ctx.module, ctx.store, ctx.has_bias = module, store, bias is not None
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g):         # g (B, S, out) -> dx (B, S, in), dW [out, in], db [out]
         x, weight = ctx.saved_tensors
         dx = g @ weight if ctx.needs_input_grad[0] else None
         if ctx.store.key is not None:         # I: the weight's gradient waits for W
             ctx.store.pending.setdefault(ctx.store.key, []).append((ctx.module, x, g))
             return dx, None, None, None, None
-        g2 = g.reshape(-1, g.shape[-1])
-        dw = g2.t() @ x.reshape(-1, x.shape[-1])
+        g2 = g.reshape(-1, g.shape[-1])                   # (B, S, out) -> (B*S, out)
+        dw = g2.t() @ x.reshape(-1, x.shape[-1])          # x (B, S, in) -> (B*S, in); [out, in]
         db = g2.sum(0) if ctx.has_bias else None
         return dx, dw, db, None, None
 
@@ -203,15 +173,16 @@ class Pipeline:
 
     # -- the model, cut into chunks --
     def run_chunk(self, c, x, S):
-        """Chunk c's share of the model's own forward: x (mb, S) token ids on the first chunk,
-        else (mb, S, h) hidden states -> (mb, S, h), or (mb, S, V) logits on the last. Around
+        """Chunk c's share of the model's own forward: x (B, S) token ids on the first chunk,
+        else (B, S, H) hidden states -> (B, S, H), or (B, S, V) logits on the last (B: the
+        micro-batch's rows; S/T under Megatron SP, T = seq_shards). Around
         the layers it does what the family's forward does (harness.models: the embedding's
         multiplier, a rotary pair per layer type, the final norm, the logits' scale and cap);
         selfcheck.py proves it on the run's model before training."""
         p, config = self.parts, self.model.config
         pos = (torch.arange(S, device=x.device) if self.positions is None
                else self.positions)[None]                                     # (1, S)
-        h = embed_output(p, x) if c == 0 else x                               # (mb, S, h)
+        h = embed_output(p, x) if c == 0 else x                               # (B, S, H)
         types = getattr(config, "layer_types", None)
         cos_sin = rotary_by_type(p, h, pos, types)      # {type: ((1, S, d), (1, S, d))}
         masks = (None if self.positions is not None    # (context parallel: its own attention)
@@ -223,7 +194,7 @@ class Pipeline:
         if c == self.C - 1:
             if p.norm is not None and not planted("pp-skips-final-norm"):   # plant
                 h = p.norm(h)
-            h = head_output(p.head(h), config)                                # (mb, S, V)
+            h = head_output(p.head(h), config)                                # (B, S, V)
         return h
 
     def modules_of(self, c):
@@ -243,21 +214,21 @@ class Pipeline:
         """One step's batch: the sends `keys_out` (tensors from `sends`) and the receives
         `keys_in`, in one batch_isend_irecv. Tags name (destination chunk, micro-batch,
         direction) for gloo; NCCL ignores them, and the grid does not need them."""
-        ops, bufs = [], []
+        ops, bufs = [], []        # every tensor (B, S/T, H): an activation or its gradient
         for src, dst, m, bwd in keys_out:
             ops.append(dist.P2POp(dist.isend, sends.pop((src, dst, m, bwd)), group=self.group,
                                   group_peer=self.owner(dst), tag=(m * self.C + dst) * 2 + bwd))
         for src, dst, m, bwd in keys_in:
-            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            buf = torch.empty(shape, dtype=dtype, device=self.device)   # (B, S/T, H)
             ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=self.owner(src),
                                   tag=(m * self.C + dst) * 2 + bwd))
             bufs.append(((src, dst, m, bwd), buf))
         if not ops:
             return
         if planted("split-batches"):   # plant: each op alone, sends first (gloo runs it)
-            works = [w for op in ops for w in dist.batch_isend_irecv([op])]
+            works = [w for op in ops for w in dist.batch_isend_irecv([op])]   # (B, S/T, H) each
         else:
-            works = list(dist.batch_isend_irecv(ops))
+            works = list(dist.batch_isend_irecv(ops))     # each op (B, S/T, H)
         self.batches = [b for b in self.batches if b[0]]   # drop the batches already waited
         # the sent tensors stay alive until their batch is waited (receive buffers live in
         # `received` until used, then with the stashed inputs until their backward)
@@ -338,10 +309,10 @@ class Pipeline:
         each step, the preemption point when a micro-batch starts there, the step's action
         (its input taken from a posted receive), then the step's batch of sends and receives."""
         n_tokens = n_tokens or batch.n_tokens
-        mbs = mbs or batch.split(M)
+        mbs = mbs or batch.split(M)             # (B, S) -> M micro-batches, each (B/M, S)
         M = len(mbs)
-        B, S = mbs[0].input_ids.shape
-        shape = (B, S // self.seq_shards, self.model.config.hidden_size)  # what crosses a boundary
+        B, S = mbs[0].input_ids.shape           # a micro-batch's: B is its rows from here on
+        shape = (B, S // self.seq_shards, self.model.config.hidden_size)  # (B, S/T, H) on the wire
         dtype = next(self.model.parameters()).dtype
         self.device = batch.input_ids.device
         if (M, self.schedule_name) not in self._grids:
@@ -366,7 +337,7 @@ class Pipeline:
                              self._take(received, recv_key).requires_grad_())
                         out, ce = self.forward(c, m, x, mbs, n_tokens)
                         if send_key:
-                            sends[send_key] = out.detach().contiguous()
+                            sends[send_key] = out.detach().contiguous()   # (B, S/T, H)
                         else:
                             loss_sum += ce
                         inputs[(c, m)], outputs[(c, m)] = x, out
@@ -379,7 +350,7 @@ class Pipeline:
                             g = grads[(c, m)]
                         dx = self.backward(kind, c, m, inputs[(c, m)], outputs[(c, m)], g)
                         if send_key:
-                            sends[send_key] = dx.contiguous()
+                            sends[send_key] = dx.contiguous()   # (B, S/T, H)
                         if kind in ("B", "W"):
                             del inputs[(c, m)], outputs[(c, m)], grads[(c, m)]
                 if send_key and self.owner(send_key[1]) == self.rank:
@@ -405,9 +376,9 @@ class Pipeline:
         chunk c-1's rank and handing its output to chunk c+1's: a chain, so each pair of ranks
         posts its sends and receives in the same order and nothing waits in a cycle (NCCL
         matches them in issue order; no tags are needed)."""
-        mbs = batch.split(M)
-        B, S = mbs[0].input_ids.shape
-        shape = (B, S // self.seq_shards, self.model.config.hidden_size)
+        mbs = batch.split(M)                    # (B, S) -> M micro-batches, each (B/M, S)
+        B, S = mbs[0].input_ids.shape           # a micro-batch's: B is its rows from here on
+        shape = (B, S // self.seq_shards, self.model.config.hidden_size)   # (B, S/T, H)
         dtype = next(self.model.parameters()).dtype
         device = batch.input_ids.device
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -418,12 +389,12 @@ class Pipeline:
                 elif self.owner(c - 1) == self.rank:     # the V's turn: out of chunk c - 1
                     x = out
                 else:
-                    x = torch.empty(shape, dtype=dtype, device=device)
+                    x = torch.empty(shape, dtype=dtype, device=device)   # (B, S/T, H)
                     for w in dist.batch_isend_irecv([dist.P2POp(
                             dist.irecv, x, group=self.group, group_peer=self.owner(c - 1))]):
                         w.wait()
                 out = self.run_chunk(c, x, S)
-                if c < self.C - 1 and self.owner(c + 1) != self.rank:
+                if c < self.C - 1 and self.owner(c + 1) != self.rank:   # out (B, S/T, H)
                     for w in dist.batch_isend_irecv([dist.P2POp(
                             dist.isend, out.contiguous(), group=self.group,
                             group_peer=self.owner(c + 1))]):
@@ -438,7 +409,7 @@ class Pipeline:
         if self.tie_group is None or not (first or last):
             return
         w = self.parts.embed.weight if first else self.parts.head.weight
-        dist.all_reduce(w.grad, group=self.tie_group)
+        dist.all_reduce(w.grad, group=self.tie_group)   # [V, H]: the tied embedding's gradient
 
 
 def stage_loop(model, args):
@@ -462,7 +433,7 @@ def clip_across_stages(model, max_norm, pipe):
     for n, p in model.named_parameters():
         if p.grad is not None and not (skip_copy and n == pipe.head_weight):
             sq += p.grad.double().pow(2).sum()
-    dist.all_reduce(sq, group=pipe.group)
+    dist.all_reduce(sq, group=pipe.group)   # (1,) float64: the squared norm
     return clip_by_norm(sq, [p.grad for p in model.parameters() if p.grad is not None], max_norm)
 
 

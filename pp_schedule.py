@@ -3,59 +3,31 @@ their simulator and bubble formulas, the lockstep point-to-point grid and the st
 Python: no torch, no processes. pp.py runs what this module plans.
 
 The idea
-    Cut the model into stages, one per rank (P ranks), and cut the batch into M micro-batches.
-    Activations flow forward from stage to stage and gradients flow back. Stage r can only run
-    micro-batch m after stage r-1 did, so the pipeline fills and drains. The idle share is the
-    bubble:
-      GPipe / AFAB  (Huang et al. 2019) all forwards, then all backwards: bubble (P-1)/(M+P-1);
-                    every stage holds the activations of all M micro-batches;
-      1F1B          (Narayanan et al., PipeDream-Flush 2021) after P-1-r warm-up forwards each
-                    stage alternates one forward and one backward: same bubble, at most P
-                    micro-batches in flight;
-      interleaved   (Narayanan et al., Megatron 2021) each rank holds V chunks (chunks r, r+P,
-                    ...), so the pipeline is V times deeper and the bubble (P-1)/(V*M+P-1);
-      ZB-H1         (Qi et al., "Zero Bubble Pipeline Parallelism" 2024) the backward splits into
-                    I (gradient of the input, on the critical path) and W (weight gradient,
-                    deferred into the cool-down bubble): (P-1)/(3M+P-1) with T_F = T_I = T_W;
-      DualPipeV     (DeepSeek-V3 2024, DualPipe "cut in half"; Sea AI's "V" placement) the model in
-                    2P chunks placed as a V: rank r holds chunks r and 2P-1-r, so every rank has
-                    one chunk on the way down and one on the way up, and rank 0 holds the first
-                    and the last. Micro-batches are fed from one end; in the steady state each
-                    rank pairs the forward of one micro-batch on one chunk with the backward of
-                    another on its other chunk (DeepSeek overlaps the pair's communication with
-                    its computation; pp.py runs the pair back to back and each one's sends are
-                    in flight while the other computes), and the drain splits backwards into I
-                    and W. Bubble (P-1)(F&B + B - 3W) in chunk times (DualPipe's table, PP = 2P
-                    stages): with F&B = F + B and T_F = T_I = T_W, (P-1)/(3M+P-1), ZB-H1's share
-                    at 2P chunks of half a stage each; activations of up to 2P+1 chunk-micro-
-                    batches per rank (1F1B: P micro-batches of a 2-chunk stage, 2P). Needs
-                    M >= 2P.
-
-Schedules are data (torchtitan's and torch.distributed.pipelining's discipline): pure functions
-(P, M, V, rank) -> ordered actions (kind, chunk, micro-batch), kind in F, B, I, W; chunk c lives
-on rank chunk_owner(name, c, P) (c % P, or the V for DualPipeV). A discrete-event simulation
-(simulate) checks every schedule's dependencies and measures its bubble with unit costs (F=1,
-B=2, I=W=1); one executor (pp.Pipeline) runs any of them. The actions are torch's
-_Action(stage, F|B|I|W, micro-batch) one to one, so tests/test_pp.py also runs torch's own
-schedule validator and comms simulator on them and compares them with torch's generators.
-
-Messages and the grid: action (kind, c, m) receives at most one tensor before it runs and sends
-at most one after (messages); Grid places every rank's actions on one lockstep grid of time
-steps with each step's sends and receives, the point-to-point plan that NCCL can run (its
-docstring says why). Stage split: split_layers cuts the decoder layers into P*V contiguous
-chunks minimising the largest chunk's cost, the embeddings counted on the first and the final
-norm and head on the last.
+    P ranks hold the model's stages, the batch is M micro-batches; stage r runs micro-batch m
+    after stage r-1 did, so the pipeline fills and drains, and the idle share is the bubble:
+      GPipe / AFAB  (Huang et al. 2019) all forwards, then all backwards: (P-1)/(M+P-1); every
+                    stage holds the activations of all M micro-batches
+      1F1B          (PipeDream-Flush, Narayanan et al. 2021) P-1-r warm-up forwards, a steady
+                    state of one forward then one backward, the cool-down's backwards
+                    (_one_f_one_b): same bubble, at most P micro-batches in flight
+      interleaved   (Megatron, Narayanan et al. 2021) V chunks r, r+P, ... per rank: (P-1)/(V*M+P-1)
+      ZB-H1         (Qi et al. 2024) B split into I (input gradient, critical path) and W (weight
+                    gradient, deferred into the cool-down): (P-1)/(3M+P-1) with T_F = T_I = T_W
+      DualPipeV     (DeepSeek-V3 2024) 2P chunks in a V, rank r holding r and 2P-1-r: DualPipe's
+                    (P-1)(F&B + B - 3W) idle per rank = (P-1)/(3M+P-1); activations of up to 2P+1
+                    chunk-micro-batches per rank (1F1B: 2P); needs M >= 2P
+    Schedules are pure functions (P, M, V, rank) -> actions (kind, chunk, micro-batch), kind in
+    F, B, I, W (torch's _Action one to one); simulate() checks their dependencies and measures
+    the bubble with unit costs (F=1, B=2, I=W=1); Grid turns them into the point-to-point plan.
+    More: docs/internals.md, 'pp_schedule.py'.
 
 Public API
-    SCHEDULES, COST                         the schedule names; the simulator's unit costs
-    schedule(name, P, M, V, rank)           this rank's actions [(kind, chunk, micro-batch)]
+    SCHEDULES, COST; schedule(name, P, M, V, rank) -> [(kind, chunk, micro-batch)]
     chunks_per_rank(name, V), chunk_owner(name, c, P)       the placement of the P*V chunks
     simulate(name, P, M, V=1, cost=None, paired=False)
         -> (per-rank [(kind, chunk, mb, start, end)], makespan, bubble, peak in-flight)
-    bubble_formula(name, P, M, V=1)         the textbook bubble of each schedule
-    messages(kind, c, m, C)                 (what an action receives, what it sends)
-    Grid(name, P, M, V=1)                   the lockstep point-to-point plan
-    split_layers(costs, first, last, n)     the balanced contiguous stage split
+    bubble_formula(name, P, M, V=1); messages(kind, c, m, C) (what an action receives, sends)
+    Grid(name, P, M, V=1) the lockstep p2p plan; split_layers(costs, first, last, n) the split
 """
 
 # ----------------------------------------------------------------------------------------------
@@ -95,12 +67,12 @@ def schedule(name: str, P: int, M: int, V: int, rank: int) -> list[tuple[str, in
 
 def _one_f_one_b(P, M, rank):
     warm = min(P - rank - 1, M)
-    acts = [("F", rank, m) for m in range(warm)]
+    acts = [("F", rank, m) for m in range(warm)]             # warm-up: P-1-r forwards
     f, b = warm, 0
-    while f < M:
+    while f < M:                                             # steady state: one F, one B
         acts += [("F", rank, f), ("B", rank, b)]
         f, b = f + 1, b + 1
-    acts += [("B", rank, m) for m in range(b, M)]
+    acts += [("B", rank, m) for m in range(b, M)]            # cool-down: the last backwards
     return acts
 
 

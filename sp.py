@@ -1,66 +1,34 @@
 """sp.py: sequence parallelism, Megatron-style (with TP) and Ulysses, from raw torch.distributed.
 
---variant megatron (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
-Models", 2022)
-    Tensor parallelism (tp.py) leaves the norms, residual adds and dropout outside the parallel
-    regions, so every rank stores their activations in full. SP shards them along the sequence:
-    between regions each rank holds S/T tokens. Megatron's f/g pair becomes
-      enter  all-gather along the sequence   (backward: reduce-scatter)
-      exit   reduce-scatter along the sequence (backward: all-gather)
-    An all-gather plus a reduce-scatter move the same bytes as one all-reduce, so each of TP's
-    region all-reduces costs what SP's pair costs; SP adds 2L+2 all-gathers (below) and divides
-    the remaining activations by T. The norms (and row-parallel biases) now see only their own
-    tokens, so their gradients are all-reduced over the group. The embedding's partial sums
-    are all-reduced and each rank keeps its sequence chunk at the first layer.
-    Megatron reduce-scatters there, but HF builds its RoPE tables and causal mask from the
-    embedding output's length, so it stays full-length until then: attention always runs on the
-    gathered full sequence, and RoPE sees true positions. The LM head gathers the sequence and
-    the loss is the vocab-parallel one, over every token.
+megatron (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+2022): tp.py's norms, residual adds and dropout run on S/T tokens per rank (activations / T);
+f/g become, among the T ranks of the tp group,
+    enter  all-gather along the sequence     (backward: reduce-scatter)
+    exit   reduce-scatter along the sequence (backward: all-gather)
+  The norms' and row biases' gradients are all-reduced; the residual stream is split at the
+  first layer (HF's RoPE and mask need the full embedding); attention and the loss see the
+  whole sequence. --async-tp: the regions as rings of chunked matmuls (async_tp.py).
+ulysses (Jacobs et al., "DeepSpeed Ulysses", 2023): full weights; rank r holds tokens
+  [r S/W, (r+1) S/W) with their global positions; an all-to-all turns (local tokens, all heads)
+  into (all tokens, local heads) around attention (n_h, n_kv divisible by W); ddp all-reduces.
+  In full: docs/internals.md, 'sp.py'.
 
---variant ulysses (Jacobs et al., "DeepSpeed Ulysses", 2023)
-    Full weights on every rank; rank r holds tokens [r*S/W, (r+1)*S/W) of every sequence and
-    passes their global position ids, so RoPE is right. Attention needs all tokens, so an
-    all-to-all turns (local tokens, all heads) into (all tokens, local heads) before attention and
-    back after. The attention heads must divide by W: heads are what Ulysses shards, so its degree
-    is at most the head count (Ulysses' own limit). That the kv heads must divide by W too is this
-    implementation's limit, not Ulysses': with fewer kv heads than W, each could be repeated
-    (W / kv heads times) before the all-to-all (GQA's repeat_kv, moved earlier) at the cost of
-    more bytes; here that configuration is refused in one line. The attention function plugs
-    into HF's attention registry. Replicated weights see different tokens, so their gradients
-    are all-reduced (ddp.DataParallel).
-
-Communication per step (N = B*S tokens, H hidden, H_kv = kv heads x head dim, L layers,
-b bytes, W = T ranks; per-rank wire bytes of a ring: all_reduce 2(W-1)/W of its buffer,
-all_gather / reduce_scatter / all_to_all (W-1)/W)
-    megatron  all_gather (6L+3) and reduce_scatter (4L+1) of N*H*b each (expected_comm), and
-              all_reduce: embedding N*H*b, loss 3 x N*b, norm/bias grads 1. TP's 4L+1 region
-              all-reduces become 4L+1 all-gather / reduce-scatter pairs and the embedding's
-              all-reduce stays: the same bytes. On top come 2L+2 all-gathers: the first layer's
-              split (backward) and the 2L+1 re-gathers of the region inputs that are not kept for
-              the weight gradients (what divides their memory by T). Per-rank wire bytes:
-                  SP = TP + (2L+2) (W-1)/W N*H*b = (10L+6)/(8L+4) x TP   (1.25x as L grows)
-              (TP: (4L+2) all-reduces, 2 (W-1)/W (4L+2) N*H*b), plus the norms' gradient
-              all-reduce (Psi_norm*b).
-    ulysses   all_to_all per layer: q, k, v in and the output back, forward and backward:
-              buffers of 2 x (2H + 2 H_kv) x N/W * b per layer, against TP's 4 all-reduces of N*H*b:
-                  buffer bytes      (H + H_kv) / (H W) of TP's: 2/W without GQA, towards 1/W
-                                    as H_kv / H shrinks;
-                  per-rank wire     (H + H_kv) / (2 H W) of TP's (an all-to-all sends (W-1)/W of
-                                    its buffer, a ring all-reduce twice that): 1/W without GQA,
-                                    less with it;
-              plus the data-parallel all_reduce of the gradients (Psi*b).
-
---async-tp (megatron): each region's all-gather + column matmuls and row matmul + reduce-scatter
-    run as rings of chunked matmuls whose transfers overlap them (async_tp.py; the same bytes in
-    (10L+3)(T-1) point-to-point hops); SyncMegatronSP is its --compare-native / --paired baseline.
+Communication per step (N = B*S, H_kv = n_kv d, L layers, b bytes, W = T; per-rank ring wire
+bytes: all_reduce 2(W-1)/W of its buffer, all_gather / reduce_scatter / all_to_all (W-1)/W)
+    megatron  all_gather (6L+3) and reduce_scatter (4L+1) of N*H*b; all_reduce: embedding N*H*b,
+              loss 3 x N*b, norm/bias grads 1 (Psi_norm*b). TP's 4L+1 region all-reduces become
+              as many pairs (the same bytes), plus 2L+2 all-gathers (first-layer split, 2L+1
+              re-gathers):  SP = TP + (2L+2) (W-1)/W N*H*b = (10L+6)/(8L+4) x TP  (-> 1.25x)
+              (TP: (4L+2) all-reduces, 2 (W-1)/W (4L+2) N*H*b)
+    ulysses   all_to_all of q, k, v in and the output back, fwd and bwd: 2 (2H + 2 H_kv) N/W b
+              per layer vs TP's 4 all-reduces of N*H*b: buffer (H + H_kv)/(H W) of TP's (2/W no
+              GQA), per-rank wire (H + H_kv)/(2 H W) (1/W no GQA); + the grads' all_reduce, Psi*b
 
 Public API
-    tpm = parallelize(model, group, async_tp=False)   Megatron SP: tp.parallelize with
-        sequence-sharded regions
-        (the loop is tp.py's; the norms' gradients join tpm.reduce_partial_grads())
-    dp = parallelize_ulysses(model, group)   Ulysses: the all-to-all attention installed, the
-        model returned under ddp.DataParallel; each rank feeds its 1/W of every sequence
-    Complete loops: examples/tp_train.py --sp, examples/ulysses_train.py.
+    tpm = parallelize(model, group, async_tp=False)   Megatron SP; tp.py's loop (the norms'
+        gradients join tpm.reduce_partial_grads())
+    dp = parallelize_ulysses(model, group)   Ulysses, under ddp.DataParallel; each rank feeds
+        its 1/W of every sequence. Loops: examples/tp_train.py --sp, examples/ulysses_train.py
 """
 
 import torch
@@ -79,34 +47,35 @@ import tp
 # Megatron SP: sequence all-gather / reduce-scatter pair (dim 1 of (B, S, H))
 # ----------------------------------------------------------------------------------------------
 def _gather_seq(x, group):
-    """(B, s, H) chunks from every rank -> (B, W*s, H), contiguous (so the linears that consume
+    """(B, S/W, H) chunks from every rank -> (B, S, H), contiguous (so the linears that consume
     it save views of this very storage, which _Regather recognises)."""
     W = dist.get_world_size(group)
     B, s = x.shape[:2]
-    out = torch.empty((W * B, s) + x.shape[2:], dtype=x.dtype, device=x.device)
+    out = torch.empty((W * B, s) + x.shape[2:], dtype=x.dtype, device=x.device)   # (W*B, S/W, H)
     dist.all_gather_into_tensor(out, x.contiguous(), group=group)   # dim 0: source rank
+    # (W*B, S/W, H) -> (W, B, S/W, H) -> (B, W, S/W, H) -> (B, S, H): rank r's tokens at r*S/W
     return out.view((W, B, s) + x.shape[2:]).transpose(0, 1).reshape((B, W * s) + x.shape[2:])
 
 
 def _reduce_scatter_seq(x, group):
     """(B, S, H) partial sums -> this rank's (B, S/W, H) chunk of the sum."""
     W = dist.get_world_size(group)
-    xt = x.transpose(0, 1).contiguous()
+    xt = x.transpose(0, 1).contiguous()                                 # (B, S, H) -> (S, B, H)
     out = torch.empty((xt.shape[0] // W,) + xt.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, xt, group=group)
-    return out.transpose(0, 1)
+    dist.reduce_scatter_tensor(out, xt, group=group)   # (S, B, H) -> (S/W, B, H), summed over W
+    return out.transpose(0, 1)                         # (S/W, B, H) -> (B, S/W, H), a view
 
 
 class GatherFromSP(torch.autograd.Function):
     """enter: all-gather the sequence forward; reduce-scatter the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group):          # (B, S/T, H) -> (B, S, H)
         ctx.group = group
         return _gather_seq(x, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):             # (B, S, H) -> (B, S/T, H), summed over T
         if planted("enter-grad-unreduced"):   # plant: own chunk, not summed over the ranks
             r, s = dist.get_rank(ctx.group), grad.shape[1] // dist.get_world_size(ctx.group)
             return grad[:, r * s:(r + 1) * s], None
@@ -117,12 +86,12 @@ class ReduceScatterToSP(torch.autograd.Function):
     """exit: reduce-scatter the partial sums forward; all-gather the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group):          # (B, S, H) partial sums -> (B, S/T, H) of the sum
         ctx.group = group
         return _reduce_scatter_seq(x, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):             # (B, S/T, H) -> (B, S, H)
         return _gather_seq(grad, ctx.group), None
 
 
@@ -130,17 +99,17 @@ class SplitToSP(torch.autograd.Function):
     """Keep this rank's chunk of a full (replicated) sequence; backward all-gathers."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group):          # (B, S, H) replicated -> (B, S/T, H) this rank's tokens
         ctx.group = group
         W, r = dist.get_world_size(group), dist.get_rank(group)
         s = x.shape[1] // W
-        mine = x[:, r * s:(r + 1) * s]
+        mine = x[:, r * s:(r + 1) * s]   # (B, S, H) -> (B, S/T, H), tokens [r S/T, (r+1) S/T)
         if planted("split-strided"):   # plant: tokens r, r+W, ... but gathered as chunks
             mine = x[:, r::W]
         return mine.contiguous()
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):             # (B, S/T, H) -> (B, S, H)
         return _gather_seq(grad.contiguous(), ctx.group), None
 
 
@@ -150,7 +119,7 @@ class _Regather:
     shared by q/k/v or gate/up) when the backward needs it. This is what makes SP's activation
     memory 1/T: Megatron re-gathers the region input in the backward rather than keep it."""
 
-    def __init__(self, full, local, group):
+    def __init__(self, full, local, group):   # full (B, S, H), local (B, S/T, H)
         self.key = full.untyped_storage()._cdata   # the StorageImpl (FakeTensors share data_ptr 0)
         self.local, self.group, self.cache = local, group, None
 
@@ -165,8 +134,8 @@ class _Regather:
             return packed
         self, shape, stride, offset = packed
         if self.cache is None:
-            self.cache = _gather_seq(self.local, self.group)
-        return torch.as_strided(self.cache, shape, stride, offset)
+            self.cache = _gather_seq(self.local, self.group)   # (B, S/T, H) -> (B, S, H)
+        return torch.as_strided(self.cache, shape, stride, offset)   # the saved view, again
 
 
 class SPRegion(tp.TPRegion):
@@ -175,7 +144,7 @@ class SPRegion(tp.TPRegion):
         self._contexts = []
 
     def enter(self, x):
-        full = GatherFromSP.apply(x, self.group)
+        full = GatherFromSP.apply(x, self.group)       # (B, S/T, H) -> (B, S, H)
         # (inside a fully recomputed layer the checkpoint keeps the layer's input, this rank's
         # chunk, and nothing else: the re-gather hooks would keep what it drops)
         if torch.is_grad_enabled() and not recompute.inside_checkpoint():
@@ -190,7 +159,7 @@ class SPRegion(tp.TPRegion):
             self._contexts.pop().__exit__(None, None, None)
 
     def exit(self, x):
-        return ReduceScatterToSP.apply(x, self.group)
+        return ReduceScatterToSP.apply(x, self.group)  # (B, S, H) partial -> (B, S/T, H)
 
 
 def parallelize(model, group=None, async_tp: bool = False) -> tp.TensorParallel:
@@ -220,7 +189,7 @@ def shard_residual_stream(model, group, kinds: dict[str, str]) -> list[nn.Parame
     return [p for n, p in model.named_parameters() if kinds.get(n) in ("replicated", "partial")]
 
 
-def _split_first(args, kwargs, group):
+def _split_first(args, kwargs, group):   # the first layer's input: (B, S, H) -> (B, S/T, H)
     if "hidden_states" in kwargs:
         kwargs["hidden_states"] = SplitToSP.apply(kwargs["hidden_states"], group)
     else:
@@ -232,67 +201,72 @@ def _split_first(args, kwargs, group):
 # Ulysses: all-to-all between sequence-sharded and head-sharded layouts
 # ----------------------------------------------------------------------------------------------
 def _seq_to_heads(x, group):
-    """(B, h, s, d) with local tokens -> (B, h/W, W*s, d) with local heads."""
+    """(B, n, S/W, d) with local tokens -> (B, n/W, S, d) with local heads (n = n_h or n_kv)."""
     W = dist.get_world_size(group)
     B, h, s, d = x.shape
-    send = x.reshape(B, W, h // W, s, d).transpose(0, 1).contiguous()   # (W, B, h/W, s, d)
+    # (B, n, S/W, d) -> (B, W, n/W, S/W, d) -> (W, B, n/W, S/W, d): dim 0 the destination rank
+    send = x.reshape(B, W, h // W, s, d).transpose(0, 1).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)                     # dim 0: source rank
+    dist.all_to_all_single(recv, send, group=group)   # (W, B, n/W, S/W, d), dim 0: source rank
     if planted("a2a-permute"):   # plant: (B, W, h/W, s, d) viewed as (B, h/W, W*s, d)
         return recv.transpose(0, 1).reshape(B, h // W, W * s, d)
+    # (W, B, n/W, S/W, d) -> (B, n/W, W, S/W, d) -> (B, n/W, S, d)
     return recv.permute(1, 2, 0, 3, 4).reshape(B, h // W, W * s, d)
 
 
 def _heads_to_seq(x, group):
-    """(B, h/W, S, d) with local heads -> (B, h, S/W, d) with local tokens."""
+    """(B, n/W, S, d) with local heads -> (B, n, S/W, d) with local tokens."""
     W = dist.get_world_size(group)
     B, hl, S, d = x.shape
-    send = x.reshape(B, hl, W, S // W, d).permute(2, 0, 1, 3, 4).contiguous()  # (W, B, hl, s, d)
+    # (B, n/W, S, d) -> (B, n/W, W, S/W, d) -> (W, B, n/W, S/W, d): dim 0 the destination rank
+    send = x.reshape(B, hl, W, S // W, d).permute(2, 0, 1, 3, 4).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)                     # dim 0: head group
+    dist.all_to_all_single(recv, send, group=group)   # (W, B, n/W, S/W, d), dim 0: head group
+    # (W, B, n/W, S/W, d) -> (B, W, n/W, S/W, d) -> (B, n, S/W, d)
     return recv.transpose(0, 1).reshape(B, W * hl, S // W, d)
 
 
 class SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group):          # (B, n, S/W, d) -> (B, n/W, S, d)
         ctx.group = group
         return _seq_to_heads(x, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):             # (B, n/W, S, d) -> (B, n, S/W, d)
         return _heads_to_seq(grad.contiguous(), ctx.group), None
 
 
 class HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group):          # (B, n/W, S, d) -> (B, n, S/W, d)
         ctx.group = group
         return _heads_to_seq(x, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):             # (B, n, S/W, d) -> (B, n/W, S, d)
         return _seq_to_heads(grad.contiguous(), ctx.group), None
 
 
 def ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       **kwargs):
-    """HF attention-interface function: q/k/v arrive as (B, heads, local tokens, d)."""
+    """HF attention-interface function: q/k/v arrive as (B, n, S/W, d), n = n_h or n_kv."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     group = module.sp_group
-    q, k, v = (SeqToHeads.apply(t, group) for t in (query, key, value))
+    q, k, v = (SeqToHeads.apply(t, group) for t in (query, key, value))   # -> (B, n/W, S, d)
     # All tokens of the sequence are here now: plain causal attention over them.
     if dropout > 0 and module.training:   # (dropout.py: masks keyed by global heads)
         h, r = q.shape[1], dist.get_rank(group)
         heads = getattr(module, "dropout_heads", None)
         heads = (torch.arange(h * dist.get_world_size(group)) if heads is None else heads)
         out, _ = harness_dropout.attention(module, q, k, v, None, scaling, dropout,
-                                           heads=heads[r * h:(r + 1) * h])
+                                           heads=heads[r * h:(r + 1) * h])   # [n_h] -> [n_h/W]
     else:
         out, _ = sdpa_attention_forward(module, q, k, v, None, scaling=scaling, dropout=dropout,
                                         is_causal=True)
-    out = HeadsToSeq.apply(out.transpose(1, 2).contiguous(), group)      # (B, h, s, d)
-    return out.transpose(1, 2).contiguous(), None
+    # out (B, S, n_h/W, d) -> (B, n_h/W, S, d) -> (B, n_h, S/W, d)
+    out = HeadsToSeq.apply(out.transpose(1, 2).contiguous(), group)
+    return out.transpose(1, 2).contiguous(), None                    # -> (B, S/W, n_h, d)
 
 
 def parallelize_ulysses(model, group=None, **dp_kwargs):

@@ -83,8 +83,8 @@ STRATEGIES = {"ddp.py": "DDP", "zero.py": "ZeRO", "zeropp.py": "ZeroPlusPlus", "
 
 
 def rig_module(script: str) -> str:
-    """Where a script's adapter class lives: its module in rig/ (compose4d.py: itself)."""
-    return script[:-3] if script == "compose4d.py" else "rig." + script[:-3]
+    """Where a script's adapter class lives: its module in rig/."""
+    return "rig." + script[:-3]
 
 
 def plant_groups(only=None):

@@ -1,32 +1,17 @@
 """tp.py: Megatron tensor parallelism with a vocab-parallel loss, from raw torch.distributed.
 
-The idea (Shoeybi et al., "Megatron-LM", 2019)
-    Split each weight matrix across T ranks so that a transformer block needs just two
-    all-reduces in the forward and two in the backward:
-      MLP        gate and up are column-parallel (each rank computes a slice of the intermediate
-                 features), down is row-parallel (each rank's partial sum, then all-reduce);
-      attention  q, k and v are column-parallel by heads (q heads and kv heads both / T), so each
-                 rank attends with its own heads; o_proj is row-parallel.
-    Entering a parallel region is Megatron's f (identity forward, all-reduce backward); leaving it
-    is g (all-reduce forward, identity backward). They mirror each other and are the only
-    communication inside a block.
-
-Vocabulary
-    The embedding is vocab-parallel: rank r owns rows [r*V/T, (r+1)*V/T), looks up the ids it
-    owns (zeros for the rest) and the partial embeddings are all-reduced. The LM head is
-    column-parallel over the vocabulary, and the loss never materialises full logits: the global
-    max, the sum of exponentials and the target logit each come from one all-reduce of size
-    B*S. A vocabulary that T does not divide is padded with rows that are masked to -inf in the
-    loss (their gradient is exactly zero). With tied embeddings the same shard serves both.
-
-Replicated parameters
-    The norms are replicated, with identical inputs and gradients on every rank (the grad of a
-    region's input is already all-reduced by f), so they need no communication; correctness
-    checks that they stay identical. With more ranks than kv heads (T = m x n_kv, e.g. MQA's
-    single head, or 2 kv heads on 4 ranks) each kv head is replicated on the m ranks whose q
-    heads attend to it, as in Megatron: a copy's gradient covers its own q heads only, so the
-    m copies' gradients are summed (one all-reduce over the group of a zero buffer holding
-    every kv head, n_kv x a head's bytes, each rank adding its own head's).
+The idea (Shoeybi et al., "Megatron-LM", 2019): split each weight matrix over the T ranks of
+the tp group, so a transformer block needs two all-reduces forward and two backward:
+    MLP        gate, up column-parallel (I/T features each); down row-parallel (partial sums)
+    attention  q, k, v column-parallel by heads (n_h/T, n_kv/T each); o_proj row-parallel
+Entering a region is f (identity forward, all-reduce backward), leaving it is g (all-reduce
+forward, identity backward): mirror images, and the only communication inside a block, each
+rank with every rank of the group. The embedding is vocab-parallel (rank r owns rows
+[r V/T, (r+1) V/T), V padded to a multiple of T; partial lookups all-reduced), the LM head is
+column-parallel over V, and the loss never forms full logits (global max, sum of exponentials,
+target logit: one all-reduce of N values each). Norms are replicated; with T = m x n_kv each
+kv head is replicated on m ranks and its m copies' gradients are summed.
+Why and how, in full: docs/internals.md, 'tp.py'.
 
 Communication per step (N = B*S tokens, H hidden, L layers, b bytes; all over the tp group)
     forward   all_reduce  embedding 1 + 2 per layer, each N*H*b; loss 3 of N*b
@@ -49,7 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tp_plan import classify, head_dims, join_shards
+from tp_plan import classify, head_dims, LocalHeads, pad_vocab, ShardedTensors
+from tp_plan import join_shards, meta_model, shape_constraints   # noqa: F401 (re-exported)
 from harness import all_reduce_flat, IGNORE_INDEX, clip_by_norm, planted
 
 
@@ -61,16 +47,16 @@ class CopyToTP(torch.autograd.Function):
     region contributed to d(input))."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group):          # (B, S, H) -> (B, S, H), the same values
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):             # (B, S, H): this rank's branch -> the sum over T
         # one copy: autograd may hand the same gradient tensor to other consumers, so it is
         # not ours to reduce in place (Megatron does; torch's contract says not to)
         grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=ctx.group)
+        dist.all_reduce(grad, group=ctx.group)                    # (B, S, H), summed over T
         return grad, None
 
 
@@ -78,18 +64,18 @@ class ReduceFromTP(torch.autograd.Function):
     """g: all-reduce of the partial outputs forward; identity backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group):          # (B, S, H) partial sum -> (B, S, H) sum over T
         if x.is_contiguous() and not x._is_view():
             # the row-parallel matmul's fresh partial sum, which nothing else holds: reduced in
             # place, no copy (mark_dirty: autograd raises if any node saved the pre-reduce value)
             ctx.mark_dirty(x)
         else:
             x = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(x, group=group)
+        dist.all_reduce(x, group=group)                           # (B, S, H), in place
         return x
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):             # (B, S, H) -> (B, S, H), identity
         return grad, None
 
 
@@ -114,7 +100,7 @@ class TPRegion:
 
     def row(self, x, weight):
         """A row-parallel layer's partial product, reduced (async_tp.py fuses the two)."""
-        return self.exit(F.linear(x, weight))
+        return self.exit(F.linear(x, weight))   # (B, S, in/T) @ [out, in/T]^T -> (B, S, out)
 
     def leave(self):
         """Called after the region's module has run (sp.py ends its saved-tensor hooks)."""
@@ -131,13 +117,14 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, rows):
         super().__init__()
+        # [out, in] -> [out/T, in]; fused: each segment's slice, concatenated along dim 0
         pick = ((lambda t: torch.cat([t[s] for s in rows])) if isinstance(rows, list)
                 else (lambda t: t[rows or slice(None)]))
         self.weight = nn.Parameter(pick(linear.weight.detach()).clone())
         self.bias = (nn.Parameter(pick(linear.bias.detach()).clone())
                      if linear.bias is not None else None)
 
-    def forward(self, x):
+    def forward(self, x):                # (B, S, in) -> (B, S, out/T)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -146,16 +133,16 @@ class SumOverTP(torch.autograd.Function):
     backward (each rank's output fed every rank's input)."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group):          # (B, S, 1) this rank's part -> (B, S, 1) the sum
         ctx.group = group
         x = x.clone()
-        dist.all_reduce(x, group=group)
+        dist.all_reduce(x, group=group)                           # (B, S, 1)
         return x
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):             # (B, S, 1) -> (B, S, 1), summed over T
         grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=ctx.group)
+        dist.all_reduce(grad, group=ctx.group)                    # (B, S, 1)
         return grad, None
 
 
@@ -168,11 +155,11 @@ class ShardedRMSNorm(nn.Module):
 
     def __init__(self, norm: nn.Module, rows: slice, width: int, group):
         super().__init__()
-        self.weight = nn.Parameter(norm.weight.detach()[rows].clone())
+        self.weight = nn.Parameter(norm.weight.detach()[rows].clone())   # [n d] -> [n d/T]
         self.eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
         self.width, self.group = width, group
 
-    def forward(self, x):
+    def forward(self, x):                # (B, S, n d/T) -> (B, S, n d/T), n = n_h or n_kv
         dtype = x.dtype
         h = x.to(torch.promote_types(dtype, torch.float32))
         sq = SumOverTP.apply(h.pow(2).sum(-1, keepdim=True), self.group)     # (B, S, 1)
@@ -186,11 +173,11 @@ class RowParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, cols: slice, region: TPRegion):
         super().__init__()
         self.region = region
-        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
+        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())   # [out, in/T]
         self.bias = (nn.Parameter(linear.bias.detach().clone())
                      if linear.bias is not None else None)
 
-    def forward(self, x):
+    def forward(self, x):                # (B, S, in/T) -> (B, S, out), reduced by the region
         y = self.region.row(x, self.weight)
         return y + self.bias if self.bias is not None else y
 
@@ -216,13 +203,13 @@ class VocabParallelEmbedding(nn.Module):
             # rounded to the weights' dtype once, here: a Python scalar that is exact in that
             # dtype multiplies as the dtype's tensor would, without a tensor made per forward
             self.scale = torch.tensor(scale, dtype=emb.weight.dtype).item()
-        w = torch.zeros(per_rank, emb.weight.shape[1], dtype=emb.weight.dtype,
+        w = torch.zeros(per_rank, emb.weight.shape[1], dtype=emb.weight.dtype,   # [V/T, H]
                         device=emb.weight.device)
-        rows = emb.weight.detach()[lo:lo + per_rank]
+        rows = emb.weight.detach()[lo:lo + per_rank]   # [V, H] -> [<= V/T, H] (true vocab only)
         w[:rows.shape[0]] = rows  # rows past the true vocabulary stay zero (padding)
         self.weight = nn.Parameter(w)
 
-    def forward(self, ids):
+    def forward(self, ids):              # (B, S) token ids -> (B, S, H)
         outside = (ids < self.lo) | (ids >= self.lo + self.per_rank)
         local = (ids - self.lo).masked_fill(outside, 0)
         # (ids of other ranks' rows read local row 0 and are zeroed: a padding_idx of 0 here
@@ -231,7 +218,7 @@ class VocabParallelEmbedding(nn.Module):
                                                                             0.0)
         if planted("embed-unmasked"):   # plant: other ranks' ids add this shard's row 0
             out = F.embedding(local, self.weight, self.padding_idx)
-        out = self.region.embed_exit(out)
+        out = self.region.embed_exit(out)   # (B, S, H) partial -> (B, S, H) summed over T
         if self.scale is not None:
             out = out * self.scale
         return out
@@ -242,26 +229,27 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     the global max, the sum of exponentials, and the target logit (from its owner)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, lo, vocab, group):
+    def forward(ctx, logits, labels, lo, vocab, group):   # (N, V/T), (N,) -> loss (N,)
         dtype = logits.dtype
         x = logits.float() if dtype in (torch.bfloat16, torch.float16) else logits.clone()
         n_local = x.shape[-1]
         padded = torch.arange(lo, lo + n_local, device=x.device) >= vocab
         x.masked_fill_(padded, float("-inf"))                        # padding never wins
-        gmax = x.max(dim=-1).values
-        dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+        gmax = x.max(dim=-1).values                                  # (N, V/T) -> (N,)
+        dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)     # (N,): max over T
         x.sub_(gmax[:, None])
         exp = x.exp()
-        sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
+        sum_exp = exp.sum(dim=-1)                                    # (N, V/T) -> (N,)
+        dist.all_reduce(sum_exp, group=group)                        # (N,): sum over T
         ignore = labels == IGNORE_INDEX
         if planted("ce-counts-ignored"):   # plant: ignored labels are not masked
             ignore = torch.zeros_like(ignore)
         t = labels - lo
         mine = (t >= 0) & (t < n_local) & ~ignore
+        # (N, V/T) -> (N, 1) -> (N,): the target's logit where this rank owns it, else 0
         target = torch.where(mine, x.gather(1, t.clamp(0, n_local - 1)[:, None])[:, 0],
                              torch.zeros_like(gmax))
-        dist.all_reduce(target, group=group)
+        dist.all_reduce(target, group=group)                         # (N,): from its owner
         loss = (sum_exp.log() - target).masked_fill(ignore, 0.0)
         exp.div_(sum_exp[:, None])                                   # local softmax
         ctx.save_for_backward(exp, t, mine, ignore)
@@ -269,7 +257,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss):        # (N,) -> (N, V/T) for the logits
         softmax, t, mine, ignore = ctx.saved_tensors
         grad = softmax  # d loss / d logit = softmax - onehot(target), no communication
         # -1 at each owned target (a static-shape scatter: no nonzero, so it also runs on
@@ -282,41 +270,25 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 # Installing it into an HF Llama
 # ----------------------------------------------------------------------------------------------
-def pad_vocab(vocab: int, t: int) -> int:
-    return -(-vocab // t) * t
+# kind (tp_plan.classify) -> the parallel module that replaces a module of that kind, given
+# (tp, the module's name, the module); the other kinds stay whole (the vocabulary: below).
+#   column [out, in] -> [out/T, in]   kv-copy -> [d, H], one kv head   fused -> [sum n_i/T, in]
+#   row    [out, in] -> [out, in/T]   norm-sharded [n d] -> [n d/T]
+INSTALL = {
+    "column": lambda tp, n, lin: ColumnParallelLinear(lin, tp._cut(n, lin.out_features)),
+    "kv-copy": lambda tp, n, lin: ColumnParallelLinear(lin, tp._cut(n, lin.out_features)),
+    "fused": lambda tp, n, lin: ColumnParallelLinear(lin, tp._fused_rows(n, lin)),
+    "row": lambda tp, n, lin: RowParallelLinear(lin, tp._cut(n, lin.in_features), tp.region),
+    "norm-sharded": lambda tp, n, norm: ShardedRMSNorm(norm, tp._cut(n, 0), norm.weight.numel(),
+                                                       tp.group),
+}
 
 
-def pad_to(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
-    """t extended with zeros along `dim` to length n (the vocabulary padding), as a new tensor."""
-    if t.shape[dim] == n:
-        return t.clone()
-    shape = list(t.shape)
-    shape[dim] = n - t.shape[dim]
-    return torch.cat([t, t.new_zeros(shape)], dim=dim)
-
-
-class LocalHeads:
-    """A model config seen with this rank's number of attention heads; every other attribute
-    is the shared config's, read and written through."""
-
-    def __init__(self, config, heads: int):
-        object.__setattr__(self, "_config", config)
-        object.__setattr__(self, "num_attention_heads", heads)
-
-    def __getattr__(self, name):
-        if name == "_config":
-            raise AttributeError(name)
-        return getattr(self._config, name)
-
-    def __setattr__(self, name, value):
-        setattr(self._config, name, value)
-
-
-class TensorParallel:
+class TensorParallel(ShardedTensors):
     """Replaces the Linear/Embedding modules (and full-width q/k norms) of an HF decoder (in
     place) with their T-way sharded versions; HF's own attention code then runs on the local
     heads unchanged, since it reshapes with view(..., -1, head_dim). `kinds` says how each
-    parameter is treated (classify()); the reductions follow from it."""
+    parameter is treated (classify()): INSTALL splits by it, and the reductions follow it."""
 
     def __init__(self, model, group, region: TPRegion | None = None):
         self.model, self.group = model, group
@@ -342,59 +314,42 @@ class TensorParallel:
         # the replicated kv projections (kv_copies of each; rank r holds kv head r // m)
         self.kv_split: set[str] = set()
 
-        def rows(n_per_rank):
-            return slice(r * n_per_rank, (r + 1) * n_per_rank)
         kv_rows = (slice(self.kv_head * head_dim, (self.kv_head + 1) * head_dim)
-                   if self.replicate_kv else rows(hkv_local * head_dim))
+                   if self.replicate_kv else self._mine(hkv_local * head_dim))
+        q_rows = self._mine(hq * head_dim)
+        # this rank's rows of a column layer (columns of a row layer; features of a norm), by
+        # heads for attention; the MLP's by its intermediate features (_cut)
+        self._cuts = {"q_proj": q_rows, "o_proj": q_rows, "q_norm": q_rows,
+                      "k_proj": kv_rows, "v_proj": kv_rows, "k_norm": kv_rows}
+        self._head_dims = (head_dim, hq_full, hkv)
+        # The layout, once: each module whose weight's kind INSTALL names becomes that kind's
+        # parallel module; the other kinds stay whole (the vocabulary is split below)
+        for pname, kind in self.kinds.items():
+            if kind in INSTALL and pname.endswith(".weight"):
+                name = pname[:-len(".weight")]
+                parent, leaf = name.rsplit(".", 1)
+                setattr(model.get_submodule(parent), leaf,
+                        INSTALL[kind](self, name, model.get_submodule(name)))
         base = model.model
         for i, layer in enumerate(base.layers):
             a, m, p = layer.self_attn, layer.mlp, f"model.layers.{i}."
-            if hasattr(a, "qkv_proj"):       # Phi3: [q; k; v] rows, each split by heads
-                q_n, kv_n = hq_full * head_dim, hkv * head_dim
-                a.qkv_proj = ColumnParallelLinear(a.qkv_proj, [
-                    rows(hq * head_dim), slice(q_n + kv_rows.start, q_n + kv_rows.stop),
-                    slice(q_n + kv_n + kv_rows.start, q_n + kv_n + kv_rows.stop)])
-                for kind in ("weight", "bias"):
-                    self.segments[p + f"self_attn.qkv_proj.{kind}"] = (q_n, kv_n, kv_n)
+            if self.kinds.get(p + "self_attn.qkv_proj.weight") == "fused":
                 # Phi3 finds its q rows at config.num_attention_heads * head_dim: this rank's
                 # heads, the rest read through from the shared config (cp_ring and recompute
                 # change its attention implementation later)
                 a.config = LocalHeads(a.config, hq)
-            else:
-                a.q_proj = ColumnParallelLinear(a.q_proj, rows(hq * head_dim))
-                a.k_proj = ColumnParallelLinear(a.k_proj, kv_rows)
-                a.v_proj = ColumnParallelLinear(a.v_proj, kv_rows)
-            a.o_proj = RowParallelLinear(a.o_proj, rows(hq * head_dim), self.region)
             a.dropout_heads = torch.arange(r * hq, (r + 1) * hq)   # (dropout.py's mask key)
             a.num_key_value_groups = hq // hkv_local
             for attr, n in (("num_heads", hq), ("num_key_value_heads", hkv_local)):
                 if hasattr(a, attr):
                     setattr(a, attr, n)
-            for n, heads, sl in (("q_norm", hq_full, rows(hq * head_dim)), ("k_norm", hkv, kv_rows)):
-                if self.kinds.get(p + f"self_attn.{n}.weight") == "norm-sharded":
-                    setattr(a, n, ShardedRMSNorm(getattr(a, n), sl, heads * head_dim, group))
-            if hasattr(m, "experts"):        # a MoE block: whole on every rank, no region
-                a.register_forward_pre_hook(self._enter_kwargs, with_kwargs=True)
-                a.register_forward_hook(self._leave)
-                continue
-            if hasattr(m, "gate_up_proj"):   # Phi3: [gate; up] rows, each split
-                inter = m.gate_up_proj.weight.shape[0] // 2
-                m.gate_up_proj = ColumnParallelLinear(
-                    m.gate_up_proj, [rows(inter // T), slice(inter + r * (inter // T),
-                                                             inter + (r + 1) * (inter // T))])
-                for kind in ("weight", "bias"):
-                    self.segments[p + f"mlp.gate_up_proj.{kind}"] = (inter, inter)
-                inter_local = inter // T
-            else:
-                inter_local = m.gate_proj.weight.shape[0] // T
-                m.gate_proj = ColumnParallelLinear(m.gate_proj, rows(inter_local))
-                m.up_proj = ColumnParallelLinear(m.up_proj, rows(inter_local))
-            m.down_proj = RowParallelLinear(m.down_proj, rows(inter_local), self.region)
-            # Entering each region: f on the shared input of q/k/v, and of gate/up.
+            # Entering each region: f on the shared input of q/k/v, and of gate/up (a MoE
+            # block, its MLP not split, runs whole on every rank, outside any region)
             a.register_forward_pre_hook(self._enter_kwargs, with_kwargs=True)
-            m.register_forward_pre_hook(self._enter_args)
-            for mod in (a, m):
-                mod.register_forward_hook(self._leave)
+            a.register_forward_hook(self._leave)
+            if self.kinds.get(p + "mlp.down_proj.weight") == "row":
+                m.register_forward_pre_hook(self._enter_args)
+                m.register_forward_hook(self._leave)
         for name, kind in self.kinds.items():
             if kind in ("column", "fused", "norm-sharded"):
                 self.split_dim[name] = 0
@@ -419,8 +374,8 @@ class TensorParallel:
             head.weight = base.embed_tokens.weight
         else:
             full = model.lm_head.weight.detach()
-            w = torch.zeros(per, full.shape[1], dtype=full.dtype, device=full.device)
-            mine = full[self.vocab_lo:self.vocab_lo + per]
+            w = torch.zeros(per, full.shape[1], dtype=full.dtype, device=full.device)  # [V/T, H]
+            mine = full[self.vocab_lo:self.vocab_lo + per]      # [V, H] -> [<= V/T, H]
             w[:mine.shape[0]] = mine
             head.weight = nn.Parameter(w)
         model.lm_head = head
@@ -436,6 +391,23 @@ class TensorParallel:
         self.extra_partial: list[nn.Parameter] = [
             named[n] for n, k in self.kinds.items() if k == "partial"]
 
+    def _mine(self, n_per_rank: int) -> slice:
+        return slice(self.rank * n_per_rank, (self.rank + 1) * n_per_rank)
+
+    def _cut(self, name: str, n: int) -> slice:
+        """This rank's share of the module `name` whose split dim has n entries."""
+        return self._cuts.get(name.rsplit(".", 1)[1]) or self._mine(n // self.T)
+
+    def _fused_rows(self, name: str, linear: nn.Linear) -> list[slice]:
+        """A fused projection's rows: this rank's slice of each segment ([q; k; v] or
+        [gate; up]), recorded in segments for full() / local()."""
+        head_dim, hq_full, hkv = self._head_dims
+        segs = ((hq_full * head_dim, hkv * head_dim, hkv * head_dim)
+                if name.endswith("qkv_proj") else (linear.out_features // 2,) * 2)
+        for kind in ("weight", "bias"):
+            self.segments[f"{name}.{kind}"] = segs
+        return [slice(a, b) for _, a, b in self.local_range(f"{name}.weight", None)]
+
     def _enter_kwargs(self, module, args, kwargs):
         if "hidden_states" in kwargs:
             kwargs["hidden_states"] = self.region.enter(kwargs["hidden_states"])
@@ -449,8 +421,8 @@ class TensorParallel:
     def _leave(self, module, args, out):
         self.region.leave()
 
-    def loss_sum(self, logits, labels) -> torch.Tensor:
-        return VocabParallelCrossEntropy.apply(
+    def loss_sum(self, logits, labels) -> torch.Tensor:   # (B, S, V/T), (B, S) -> a scalar
+        return VocabParallelCrossEntropy.apply(   # (B, S, V/T) -> (N, V/T), (B, S) -> (N,)
             logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), self.vocab_lo,
             self.vocab, self.group).sum()
 
@@ -469,13 +441,14 @@ class TensorParallel:
         back = []
         for p in kv:
             if p.grad is not None:
-                buf = p.grad.new_zeros(self.n_kv, *p.grad.shape)
-                buf[self.kv_head] = p.grad
+                buf = p.grad.new_zeros(self.n_kv, *p.grad.shape)   # [n_kv, d, H] (bias: [n_kv, d])
+                buf[self.kv_head] = p.grad                         # [d, H]: this rank's head
                 back.append((p, buf))
+        # flat [sum of the kv buffers' and the plain grads' numel], summed over T
         all_reduce_flat([buf for _, buf in back] + [p.grad for p in plain if p.grad is not None],
                         self.group)
         for p, buf in back:
-            p.grad.copy_(buf[self.kv_head])
+            p.grad.copy_(buf[self.kv_head])                        # [n_kv, d, H] -> [d, H]
 
     def _name(self, p) -> str:
         return next(n for n, q in self.model.named_parameters() if q is p)
@@ -485,61 +458,6 @@ class TensorParallel:
         extra partial gradients)."""
         return (sum(p.numel() * self.n_kv for p in self.partial_grads)
                 + sum(p.numel() for p in self.extra_partial))
-
-    def full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Full tensors from this rank's shards (collective): gather along the split dim and
-        drop the vocabulary padding."""
-        out = {}
-        for name, t in tensors.items():
-            d = self.split_dim.get(name)
-            if d is None and name not in self.kv_split:
-                out[name] = t
-                continue
-            parts = [torch.empty_like(t) for _ in range(self.T)]
-            dist.all_gather(parts, t.contiguous(), group=self.group)
-            if name in self.kv_split:      # one copy of each kv head
-                out[name] = torch.cat(parts[::self.kv_copies], dim=0)
-                continue
-            full = join_shards(parts, d, self.segments.get(name))
-            if name in ("model.embed_tokens.weight", "lm_head.weight"):
-                full = full[:self.vocab]
-            out[name] = full
-        return out
-
-    def local_range(self, name: str, full_shape):
-        """(dim, start, stop) of the full tensor `name` that this rank holds, or None when it
-        holds the whole tensor; a fused projection's is a list of them, one per segment, to be
-        concatenated. For the vocabulary-split embedding and head, stop may pass the true
-        vocabulary: those rows are zero padding. A checkpoint loader reads just these ranges
-        (harness/loading.py); local() cuts them from a full tensor."""
-        if name in self.segments:
-            out, off = [], 0
-            for n in self.segments[name]:
-                k = n // self.T
-                out.append((0, off + self.rank * k, off + (self.rank + 1) * k))
-                off += n
-            return out
-        if name in self.kv_split:           # a replicated kv projection: one head's rows
-            n = full_shape[0] // self.n_kv
-            return 0, self.kv_head * n, (self.kv_head + 1) * n
-        d = self.split_dim.get(name)
-        if d is None:
-            return None
-        size = (self.vocab_padded if name in ("model.embed_tokens.weight", "lm_head.weight")
-                else full_shape[d])
-        n = size // self.T
-        return d, self.rank * n, (self.rank + 1) * n
-
-    def local(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of a full tensor (the inverse of full(): vocabulary rows padded
-        with zeros, then the rank's range along the split dim)."""
-        r = self.local_range(name, full.shape)
-        if r is None:
-            return full
-        if isinstance(r, list):
-            return torch.cat([full.narrow(d, a, b - a) for d, a, b in r], dim=0)
-        d, a, b = r
-        return pad_to(full.narrow(d, a, max(0, min(b, full.shape[d]) - a)), d, b - a)
 
     def clip(self, max_norm: float) -> float:
         """Global-norm clipping: sharded grads' squares summed over the group, replicated ones
@@ -555,26 +473,13 @@ class TensorParallel:
                 if n in self.kv_split:   # a kv head's m copies count once
                     target, sq = sharded, sq / self.kv_copies
                 target += sq
-        dist.all_reduce(sharded, group=self.group)
+        dist.all_reduce(sharded, group=self.group)   # (1,) float64: the shards' squares, summed
         return clip_by_norm(sharded + replicated,
                             [p.grad for p in self.model.parameters() if p.grad is not None],
                             max_norm)
 
     def device(self):
         return next(self.model.parameters()).device
-
-
-def shape_constraints(T: int, config) -> list[str]:
-    _, h, kv = head_dims(config)
-    if h % T:
-        return [f"tensor parallel size {T} does not divide num_attention_heads {h}"]
-    if kv % T and T % kv:
-        return [f"tensor parallel size {T} and num_key_value_heads {kv}: one must divide the "
-                f"other (kv heads split over the ranks, or each replicated on T/kv ranks)"]
-    if config.intermediate_size % T:
-        return [f"tensor parallel size {T} does not divide intermediate_size "
-                f"{config.intermediate_size}"]
-    return []
 
 
 def parallelize(model, group=None, region: TPRegion | None = None) -> TensorParallel:

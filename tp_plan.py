@@ -4,17 +4,20 @@ tp.py splits a model in place; this file decides, before anything is split (on a
 model too, before any process group exists), what each parameter is: `classify(model, T)` gives
 every parameter one kind, and a reason for each one it cannot. A parameter of no kind is
 refused, never trained wrong: the silent failure this prevents is a replicated parameter whose
-gradient is in fact partial (Qwen3's per-head q/k norms see only a rank's heads).
+gradient is in fact partial (Qwen3's per-head q/k norms see only a rank's heads). It also
+holds tp.py's plumbing (shape checks, vocabulary padding, full <-> shard conversions).
 
 Public API
     kinds, reasons = classify(model, T)   name -> kind; reasons: one line per refusal
     head_dims(config) -> (head_dim, q heads, kv heads)
     join_shards(parts, dim, segments)     the full tensor from every rank's shard
     meta_model(config)                    the architecture on the meta device
+    tpm.full(tensors) / tpm.local(name, full) / tpm.local_range(name, shape)   (ShardedTensors)
 """
 import copy
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 
@@ -114,10 +117,119 @@ def join_shards(parts: list[torch.Tensor], dim: int, segments=None) -> torch.Ten
     fused projection (`segments`: the full sizes of its segments along dim 0) segment by
     segment, each segment's rank slices in order."""
     if not segments:
-        return torch.cat(parts, dim=dim)
+        return torch.cat(parts, dim=dim)                  # T x [n/T, m] -> [n, m] along dim
     local = [n // len(parts) for n in segments]
-    pieces = [q.split(local) for q in parts]
+    pieces = [q.split(local) for q in parts]              # [sum n_i/T, m] -> [n_i/T, m] each
+    # T x [n_i/T, m] per segment i -> [sum n_i, m]: segment by segment, ranks in order
     return torch.cat([pc[s] for s in range(len(local)) for pc in pieces])
+
+
+# ----------------------------------------------------------------------------------------------
+# tp.py's plumbing: shape checks, vocabulary padding, per-rank heads, full <-> shard
+# ----------------------------------------------------------------------------------------------
+def shape_constraints(T: int, config) -> list[str]:
+    _, h, kv = head_dims(config)
+    if h % T:
+        return [f"tensor parallel size {T} does not divide num_attention_heads {h}"]
+    if kv % T and T % kv:
+        return [f"tensor parallel size {T} and num_key_value_heads {kv}: one must divide the "
+                f"other (kv heads split over the ranks, or each replicated on T/kv ranks)"]
+    if config.intermediate_size % T:
+        return [f"tensor parallel size {T} does not divide intermediate_size "
+                f"{config.intermediate_size}"]
+    return []
+
+
+def pad_vocab(vocab: int, t: int) -> int:
+    return -(-vocab // t) * t
+
+
+def pad_to(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """t extended with zeros along `dim` to length n (the vocabulary padding), as a new tensor."""
+    if t.shape[dim] == n:
+        return t.clone()
+    shape = list(t.shape)
+    shape[dim] = n - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)   # [n', m] -> [n, m] along dim
+
+
+class LocalHeads:
+    """A model config seen with this rank's number of attention heads; every other attribute
+    is the shared config's, read and written through."""
+
+    def __init__(self, config, heads: int):
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "num_attention_heads", heads)
+
+    def __getattr__(self, name):
+        if name == "_config":
+            raise AttributeError(name)
+        return getattr(self._config, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._config, name, value)
+
+
+class ShardedTensors:
+    """TensorParallel's conversions between full tensors and this rank's shards (checkpoints,
+    harness/loading.py, the rig's checks), from the layout it records: T, rank, group, vocab,
+    vocab_padded, split_dim, segments, kv_split, kv_copies, n_kv, kv_head."""
+
+    def full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full tensors from this rank's shards (collective): gather along the split dim and
+        drop the vocabulary padding."""
+        out = {}
+        for name, t in tensors.items():
+            d = self.split_dim.get(name)
+            if d is None and name not in self.kv_split:
+                out[name] = t
+                continue
+            parts = [torch.empty_like(t) for _ in range(self.T)]
+            dist.all_gather(parts, t.contiguous(), group=self.group)   # T x [n/T, m] (d=1 [m, n/T])
+            if name in self.kv_split:      # one copy of each kv head: n_kv x [d, H] -> [n_kv d, H]
+                out[name] = torch.cat(parts[::self.kv_copies], dim=0)
+                continue
+            full = join_shards(parts, d, self.segments.get(name))   # -> [n, m] (d=1: [m, n])
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                full = full[:self.vocab]                             # [V_pad, H] -> [V, H]
+            out[name] = full
+        return out
+
+    def local_range(self, name: str, full_shape):
+        """(dim, start, stop) of the full tensor `name` that this rank holds, or None when it
+        holds the whole tensor; a fused projection's is a list of them, one per segment, to be
+        concatenated. For the vocabulary-split embedding and head, stop may pass the true
+        vocabulary: those rows are zero padding. A checkpoint loader reads just these ranges
+        (harness/loading.py); local() cuts them from a full tensor."""
+        if name in self.segments:
+            out, off = [], 0
+            for n in self.segments[name]:
+                k = n // self.T
+                out.append((0, off + self.rank * k, off + (self.rank + 1) * k))
+                off += n
+            return out
+        if name in self.kv_split:           # a replicated kv projection: one head's rows
+            n = full_shape[0] // self.n_kv
+            return 0, self.kv_head * n, (self.kv_head + 1) * n
+        d = self.split_dim.get(name)
+        if d is None:
+            return None
+        size = (self.vocab_padded if name in ("model.embed_tokens.weight", "lm_head.weight")
+                else full_shape[d])
+        n = size // self.T
+        return d, self.rank * n, (self.rank + 1) * n
+
+    def local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a full tensor (the inverse of full(): vocabulary rows padded
+        with zeros, then the rank's range along the split dim)."""
+        r = self.local_range(name, full.shape)
+        if r is None:
+            return full
+        if isinstance(r, list):
+            return torch.cat([full.narrow(d, a, b - a) for d, a, b in r], dim=0)  # [sum n_i/T, m]
+        d, a, b = r
+        # [n, m] -> [n/T, m] (d=1: [m, n/T]); a vocabulary shard zero-padded to [V_pad/T, H]
+        return pad_to(full.narrow(d, a, max(0, min(b, full.shape[d]) - a)), d, b - a)
 
 
 def meta_model(config):

@@ -4,51 +4,30 @@ The idea (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trilli
 Models", SC 2020)
     Data parallelism keeps W identical copies of the model states. ZeRO keeps one: each rank
     owns 1/W of every state and the rest is communicated when needed.
-      stage 1  optimizer states sharded: full grads accumulate over the micro-batches, the last
-               backward reduce-scatters each unit as its gradients complete, each rank updates
-               its 1/W of the parameters, and the updated parameters are all-gathered;
-      stage 2  + gradients sharded: a unit's gradients are reduce-scattered *during* every
-               backward (hooks) as soon as they are complete, and the full gradients freed;
+      stage 1  optimizer states sharded: full grads accumulate; the last backward reduce-scatters
+               each unit, each rank updates its 1/W, and the updated params are all-gathered;
+      stage 2  + gradients sharded: reduce-scattered during every backward, full ones freed;
       stage 3  + parameters sharded: a unit's parameters are all-gathered just before it runs,
                in the forward and again in the backward, and freed right after.
+    Units (embeddings, each layer, head): views into one flat buffer padded to a multiple of W;
+    rank r owns elements [r s, (r+1) s), s = padded / W, of its params, grads, optimizer state.
 
-Layout
-    Units: the embeddings, each decoder layer, the head (final norm + LM head); with tied
-    embeddings, embeddings and head form one unit. A unit's parameters are views into one flat
-    buffer padded to a multiple of W; rank r owns elements [r s, (r+1) s), s = padded / W: its
-    parameter, gradient and optimizer-state shards. Freeing a full buffer is
-    `storage.resize_(0)`; re-gathering resizes it back and all-gathers into the same storage,
-    so the Parameters, and the tensors autograd saved from them, stay valid (FSDP2's trick).
-
-Optimizer
-    ZeroOptimizer runs any elementwise torch optimizer on this rank's flat shards, one run per
-    parameter group; clipping by global norm (--clip) sums the squared shard norms in one
-    all_reduce. Mixed precision (bf16): fp32 masters and optimizer states in the shards, and fp32
-    gradient shards the reduce-scatter sums into (--reduce-dtype param: bf16 throughout).
-
-Model-state bytes per rank (Psi = parameters, N = W; the paper's K=12 for mixed precision)
-                  params      grads        optimizer
+Model-state bytes per rank (Psi = parameters, N = W; the paper's K=12; fp64 doubles fp32's)
     mixed bf16    stage 1: 2Psi + 2Psi + 16Psi/N     stage 2: 2Psi + 16Psi/N   stage 3: 18Psi/N
      (bf16 reduce stage 1: 2Psi + 2Psi + 12Psi/N     stage 2: 2Psi + 14Psi/N   stage 3: 16Psi/N)
     fp32          stage 1: 4Psi + 4Psi +  8Psi/N     stage 2: 4Psi + 12Psi/N   stage 3: 16Psi/N
-    (fp64 doubles the fp32 row). The benchmark prints these beside the measured resident bytes.
-
 Communication per optimizer step (bytes = full buffers, b = bytes per element, Psi padded;
 the reduce-scatter's b is the reduce dtype's: 4 for bf16 gradients by default)
     stage 1, 2   reduce_scatter Psi*b + all_gather Psi*b                     = 2 Psi b
     stage 3      all_gather Psi*b (forward) + Psi*b (backward) + reduce_scatter Psi*b = 3 Psi b
     one call per unit each; --clip adds one 8-byte all_reduce. With --grad-accum K, stages 2 and
     3 reduce-scatter (and stage 3 gathers) on every micro-batch; stage 1 only on the last.
-
-Siblings: zeropp.py (ZeRO++), zero_state.py (per-parameter shards of the optimizer state), fsdp.py
-(FSDP2's per-parameter dim-0 shards, the contrast to this flat layout, which FSDP1 also used).
---compare-native: torch's ZeroRedundancyOptimizer over DDP (1, 2), FSDP2's fully_shard (3).
+More (layout, precision, siblings): docs/internals.md, 'zero.py'; examples/zero_train.py.
 
 Public API
     opt = ZeroOptimizer(params_or_groups, torch.optim.AdamW, stage=1|2, lr=...)   any elementwise
         torch optimizer, its state sharded; clip_grad_norm_, state_dict() / load_state_dict()
-        in torch's unsharded format; stage 3: ZeroOptimizer(..., engine=Zero(model, stage=3));
-        examples/zero_train.py. (fsdp.fully_shard needs no wrapper: a torch optimizer steps it.)
+        in torch's unsharded format; stage 3: ZeroOptimizer(..., engine=Zero(model, stage=3)).
     engine = Zero(model, group=None, stage=1|2|3, units=None, prefetch=0, ...)   the hooks
 """
 import contextlib
@@ -57,34 +36,16 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from harness import parts, planted
-from harness.precision import LOW_PRECISION, adamw_kwargs, grad_reduce_dtype
+from harness import planted
+from harness.precision import adamw_kwargs, grad_reduce_dtype
 import ddp
 from zero_state import FlatTensors, ShardedState, clip_shard_grads, state_bytes  # noqa: F401
+from zero_state import decoder_units, pad_to  # noqa: F401  (re-exported)
 
 
 # ----------------------------------------------------------------------------------------------
-# Units: which modules' parameters share one flat buffer
+# Units: modules whose parameters share one flat buffer (zero_state.decoder_units)
 # ----------------------------------------------------------------------------------------------
-def pad_to(n: int, w: int) -> int:
-    return -(-n // w) * w
-
-
-def decoder_units(model) -> list[tuple[str, list[torch.nn.Module]]]:
-    """(name, modules) for any HF causal LM (harness.parts): embeddings (and any module outside
-    the parts: GPT-2's wpe), each layer, head (norm + LM head); embed+head when tied."""
-    p = parts(model)
-    if p.layers is None or p.embed is None:   # (no list of layers found: one unit)
-        return [("model", [model])]
-    layers = [(f"layers.{i}", [m]) for i, m in enumerate(p.layers)]
-    head = [m for m in (p.norm, p.head) if m is not None]
-    known = {id(t) for m in (p.embed, *p.layers, *head) for t in m.parameters()}
-    rest = [m for m in model.modules() if any(id(t) not in known for t in m.parameters(False))]
-    if p.tied:
-        return [("embed+head", [p.embed, *rest, *head])] + layers
-    return [("embed", [p.embed, *rest])] + layers + [("head", head)]
-
-
 class FlatUnit:
     """One unit's parameters as views into a flat buffer padded to a multiple of W."""
 
@@ -110,22 +71,22 @@ class FlatUnit:
         self.lo = lo = self.rank * s
         if planted("shard-offset"):   # plant: the unpadded size, off when W does not divide it
             self.lo = lo = self.rank * (self.numel // self.W)
-        self.full = torch.zeros(self.padded, dtype=dtype, device=device)   # params: views of it
+        self.full = torch.zeros(self.padded, dtype=dtype, device=device)   # flat [W * s]
         self.offsets, off = [], 0
         with torch.no_grad():
             for p in self.params:
-                self.full[off:off + p.numel()].copy_(p.reshape(-1))
-                p.data = self.full[off:off + p.numel()].view_as(p)
+                self.full[off:off + p.numel()].copy_(p.reshape(-1))   # p.shape -> flat [numel]
+                p.data = self.full[off:off + p.numel()].view_as(p)    # flat [numel] -> p.shape
                 self.offsets.append(off)
                 off += p.numel()
-        # this rank's parameter shard: a view of the full buffer, or its own tensor (stage 3)
+        # this rank's parameter shard, flat [s]: a view of the full buffer, or its own (stage 3)
         self.shard = self.full[lo:lo + s].clone() if shard_params else self.full[lo:lo + s]
         # Full gradient buffer, every .grad a view into it: stage 1 keeps it; stages 2 and 3
         # allocate it at the unit's first gradient and free it once reduce-scattered.
-        self.grad_full = torch.zeros(self.padded, dtype=dtype, device=device)
+        self.grad_full = torch.zeros(self.padded, dtype=dtype, device=device)   # flat [W * s]
         self.grads_alive = True
         # each parameter's view, made once: `p.grad is slot` tells whether autograd replaced it
-        self.slots = [self.grad_full[off:off + p.numel()].view_as(p)
+        self.slots = [self.grad_full[off:off + p.numel()].view_as(p)   # [numel] -> p.shape
                       for p, off in zip(self.params, self.offsets)]
         for p, slot in zip(self.params, self.slots):
             if p.requires_grad:   # a frozen parameter keeps .grad None (its slot stays zero)
@@ -134,7 +95,7 @@ class FlatUnit:
         # inside the full buffer for stage 1 when the dtypes agree, else its own tensor.
         rdt = reduce_dtype or dtype
         self.grad_shard = (self.grad_full[lo:lo + s] if stage == 1 and rdt == dtype
-                           else torch.zeros(s, dtype=rdt, device=device))
+                           else torch.zeros(s, dtype=rdt, device=device))   # flat [s]
         self.gathered = True
         self.handle = None   # an in-flight (prefetched) all-gather
         self.ready: set = set()   # parameters whose gradient for this micro-batch is complete
@@ -163,7 +124,7 @@ class FlatUnit:
         self.full.untyped_storage().resize_(self.padded * self.full.element_size())
         with torch.autograd._unsafe_preserve_version_counter(self.full):
             self.handle = dist.all_gather_into_tensor(self.full, self.shard, group=self.group,
-                                                      async_op=async_op)
+                                                      async_op=async_op)   # [s] x W -> [W * s]
         self.gathered = True
 
     def wait(self):
@@ -369,7 +330,7 @@ class Zero(FlatTensors):
                else u.grad_full.to(u.grad_shard.dtype))   # bf16 gradients summed in fp32
         if self.average:  # pre-divide: the sum over ranks is then the average
             src.div_(u.W)
-        out, handle = self.reduce_scatter(src, u.grad_shard, u.group)
+        out, handle = self.reduce_scatter(src, u.grad_shard, u.group)   # flat [W * s] -> [s]
         self.pending.append((u, out, handle))
         u.ready = set()
         u.launched = True
@@ -378,7 +339,7 @@ class Zero(FlatTensors):
         """Start summing src [W s] over `group` (the unit's) into a new shard shaped like
         `like`: (shard, handle). zeropp.ZeroPP replaces it with qgZ's quantized all-to-alls."""
         out = torch.empty_like(like)
-        return out, dist.reduce_scatter_tensor(out, src, group=group, async_op=True)
+        return out, dist.reduce_scatter_tensor(out, src, group=group, async_op=True)  # -> [s]
 
     def _complete(self, keep: int = 0):
         """Wait for the oldest reductions until `keep` are left in flight."""
@@ -418,21 +379,6 @@ class Zero(FlatTensors):
                 if u.gathered:
                     self._post_backward(u)
 
-    @contextlib.contextmanager
-    def gathered(self):
-        """Every unit's full parameters readable for the duration (stage 3: gathered, then freed)."""
-        if self.stage < 3:
-            self.wait_params()
-            yield
-            return
-        for u in self.units:
-            u.wait()
-        try:
-            yield
-        finally:
-            for u in self.units:
-                u.free_params()
-
     def all_gather_params(self, overlap: bool = False):
         """After the update (stages 1, 2): every rank's full buffer gets every updated shard;
         with overlap (and overlap_param_gather) async, waited by the forward pre-hooks or by
@@ -443,7 +389,7 @@ class Zero(FlatTensors):
         for u in self.units:
             later = overlap and self.overlap_param_gather and bool(u.modules)
             u.handle = dist.all_gather_into_tensor(u.full, u.shard.clone(), group=u.group,
-                                                   async_op=later)
+                                                   async_op=later)   # [s] x W -> flat [W * s]
 
     def wait_params(self, units=None):
         """Finish the in-flight parameter all-gathers of `units` (default all)."""
@@ -520,35 +466,9 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
             raise ValueError(f"ZeroOptimizer: the engine's parameter {lost[0]} is in no "
                              f"parameter group")
         self.index = {p: i for i, p in enumerate(everything)}   # torch's state-dict numbering
-        # This rank's shard of each unit (or its fp32 master), cut into runs of one parameter
-        # group's trainable parameters: the inner optimizer's parameters. Frozen ones are in no
-        # run; the padding is in its unit's last run (zeros with zero gradients stay zero).
-        self.masters = [u.shard.detach().float().clone() if u.shard.dtype in LOW_PRECISION
-                        else u.shard for u in engine.units]
-        self.mixed = any(m is not u.shard for m, u in zip(self.masters, engine.units))
-        runs = []   # [unit index, start in the shard, length, group]
-        for ui, u in enumerate(engine.units):
-            for i, (p, off) in enumerate(zip(u.params, u.offsets)):
-                end = u.padded if i == len(u.params) - 1 else off + p.numel()  # + the padding:
-                a, b = max(off, u.lo), min(end, u.lo + u.shard_numel)   # zeros stay zero
-                if a >= b or not p.requires_grad:
-                    continue
-                g = group_of[p]
-                last = runs[-1] if runs else None
-                if last and last[0] == ui and last[3] == g and last[1] + last[2] == a - u.lo:
-                    last[2] += b - a
-                else:
-                    runs.append([ui, a - u.lo, b - a, g])
-        self.runs = [tuple(r) for g in range(len(self.param_groups)) for r in runs if r[3] == g]
-        self.views = [self.masters[ui][a:a + n] for ui, a, n, _ in self.runs]
-        inner_groups = [dict({k: v for k, v in g.items() if k != "params"},
-                             params=[v for v, r in zip(self.views, self.runs) if r[3] == gi])
-                        for gi, g in enumerate(self.param_groups)]
-        if not self.views:   # a rank whose shards hold no trainable element
-            inner_groups[0]["params"] = [self.masters[0][:0]]
-        self.inner = optimizer_class(inner_groups)
-        for g, ig in zip(self.param_groups, self.inner.param_groups):   # complete defaults
-            g.update({k: v for k, v in ig.items() if k != "params" and k not in g})
+        # The inner optimizer over this rank's flat [s] shard of each unit (or its fp32 master),
+        # cut into runs of one group's parameters (ShardedState, zero_state.py)
+        self.shard_param_groups(optimizer_class, group_of)
         self.reduced = False
 
     # -- the loop --
@@ -578,15 +498,6 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
             self.engine.finish()
             self.reduced = True
 
-    def grad_shards(self) -> list[torch.Tensor]:   # this rank's reduced gradients, per unit
-        return [u.grad_shard for u in self.engine.units]
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the averaged gradients by their global norm (one scalar all_reduce); returns
-        the norm before clipping, like torch.nn.utils.clip_grad_norm_."""
-        self.reduce_gradients()
-        return clip_shard_grads(self.grad_shards(), max_norm, self.group)
-
     @torch.no_grad()
     def step(self, closure=None):
         with torch.enable_grad():
@@ -598,7 +509,7 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
             ig.update({k: v for k, v in g.items() if k != "params"})
         shards = self.grad_shards()
         for v, (ui, a, n, _) in zip(self.views, self.runs):
-            v.grad = shards[ui][a:a + n].to(v.dtype)
+            v.grad = shards[ui][a:a + n].to(v.dtype)   # run [n] of the flat [s] shard
         self.inner.step()
         for v in self.views:
             v.grad = None
@@ -614,9 +525,7 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         return loss
 
 
-# ----------------------------------------------------------------------------------------------
-# Harness adapter
-# ----------------------------------------------------------------------------------------------
+# -- the harness's adapter --
 def adamw_on_shards(model, engine: Zero, args) -> ZeroOptimizer:
     """The harness's AdamW (the reference's hyperparameters) on an engine's shards."""
     params = list(model.parameters())

@@ -5,14 +5,19 @@ zero.py keeps every state (parameters, gradients, the optimizer's) as one flat s
 rank r holds elements [r s, (r+1) s) of the unit's buffer, s = padded / W, and a parameter is
 the range [off, off + numel) of that buffer. What follows is bookkeeping over those ranges
 (plus all-gathers over the shard group), none of it part of ZeRO's algorithm; zero.py mixes it
-into its two classes:
+into its two classes (zero.py re-exports the functions):
 
+    decoder_units(model), pad_to(n, w)           the default units of an HF model; padding
     FlatTensors   (zero.Zero and its subclass zeropp.ZeroPP)
         full_tensors(kind), gather_flat(shards) -> {name: tensor}   each unit's shard
                                                  all-gathered and cut per parameter
         flat_shards(tensors) -> [shard]          the inverse: this rank's shard of each unit
         grad_tensors()                           the resident gradient storage
+        gathered()                               every unit's full parameters, for a read
     ShardedState  (zero.ZeroOptimizer)
+        shard_param_groups(cls, group_of)        the inner optimizer over flat runs of the
+                                                 shards, one run per parameter group and unit
+        grad_shards(), clip_grad_norm_(max_norm) the reduced shards; global-norm clipping
         shard_state(key), load_shard_state(key, shards), steps_taken
                                                  an elementwise state, one flat shard per unit
                                                  (compose4d's checkpoints: any layout reads them)
@@ -23,11 +28,33 @@ into its two classes:
     clip_shard_grads(grads, max_norm, group)     global-norm clipping from the shards' norms
     state_bytes(engine, optimizer)               the model-state bytes per rank, by formula
 """
+import contextlib
+
 import torch
 import torch.distributed as dist
 
-from harness import clip_by_norm, planted
+from harness import clip_by_norm, parts, planted
 from harness.precision import LOW_PRECISION
+
+
+# -- the units: which modules' parameters share one flat buffer --
+def pad_to(n: int, w: int) -> int:
+    return -(-n // w) * w
+
+
+def decoder_units(model) -> list[tuple[str, list[torch.nn.Module]]]:
+    """(name, modules) for any HF causal LM (harness.parts): embeddings (and any module outside
+    the parts: GPT-2's wpe), each layer, head (norm + LM head); embed+head when tied."""
+    p = parts(model)
+    if p.layers is None or p.embed is None:   # (no list of layers found: one unit)
+        return [("model", [model])]
+    layers = [(f"layers.{i}", [m]) for i, m in enumerate(p.layers)]
+    head = [m for m in (p.norm, p.head) if m is not None]
+    known = {id(t) for m in (p.embed, *p.layers, *head) for t in m.parameters()}
+    rest = [m for m in model.modules() if any(id(t) not in known for t in m.parameters(False))]
+    if p.tied:
+        return [("embed+head", [p.embed, *rest, *head])] + layers
+    return [("embed", [p.embed, *rest])] + layers + [("head", head)]
 
 
 class FlatTensors:
@@ -55,7 +82,7 @@ class FlatTensors:
         out = {}
         for u, src in zip(self.units, shards):
             flat = torch.empty(u.padded, dtype=src.dtype, device=src.device)
-            dist.all_gather_into_tensor(flat, src.contiguous(), group=u.group)
+            dist.all_gather_into_tensor(flat, src.contiguous(), group=u.group)  # [s] x W -> [W * s]
             for n, p, off in zip(u.names, u.params, u.offsets):
                 out[n] = flat[off:off + p.numel()].view(p.shape)
         return out
@@ -73,12 +100,70 @@ class FlatTensors:
             out.append(flat[u.rank * u.shard_numel:(u.rank + 1) * u.shard_numel].clone())
         return out
 
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every unit's full parameters readable for the duration (stage 3: gathered, then freed)."""
+        if self.stage < 3:
+            self.wait_params()
+            yield
+            return
+        for u in self.units:
+            u.wait()
+        try:
+            yield
+        finally:
+            for u in self.units:
+                u.free_params()
+
 
 class ShardedState:
     """Mixed into zero.ZeroOptimizer: reads its `engine` (the units), `masters` (this rank's
     flat shard of each unit, or its fp32 copy), `runs` [(unit, start in the shard, length,
     group)] and `views` (the inner optimizer's parameters, one per run), `inner`, `index`
-    (torch's numbering), `param_groups` and `group`."""
+    (torch's numbering), `param_groups` and `group`; shard_param_groups builds the masters,
+    runs, views and inner."""
+
+    def shard_param_groups(self, optimizer_class, group_of: dict):
+        """Build masters, runs, views and the inner optimizer (zero.ZeroOptimizer.__init__).
+        This rank's shard of each unit (or its fp32 master), cut into runs of one parameter
+        group's trainable parameters: the inner optimizer's parameters. Frozen ones are in no
+        run; the padding is in its unit's last run (zeros with zero gradients stay zero)."""
+        engine = self.engine
+        self.masters = [u.shard.detach().float().clone() if u.shard.dtype in LOW_PRECISION
+                        else u.shard for u in engine.units]   # flat [s] per unit
+        self.mixed = any(m is not u.shard for m, u in zip(self.masters, engine.units))
+        runs = []   # [unit index, start in the shard, length, group]
+        for ui, u in enumerate(engine.units):
+            for i, (p, off) in enumerate(zip(u.params, u.offsets)):
+                end = u.padded if i == len(u.params) - 1 else off + p.numel()  # + the padding:
+                a, b = max(off, u.lo), min(end, u.lo + u.shard_numel)   # zeros stay zero
+                if a >= b or not p.requires_grad:
+                    continue
+                g = group_of[p]
+                last = runs[-1] if runs else None
+                if last and last[0] == ui and last[3] == g and last[1] + last[2] == a - u.lo:
+                    last[2] += b - a
+                else:
+                    runs.append([ui, a - u.lo, b - a, g])
+        self.runs = [tuple(r) for g in range(len(self.param_groups)) for r in runs if r[3] == g]
+        self.views = [self.masters[ui][a:a + n] for ui, a, n, _ in self.runs]   # flat [n] each
+        inner_groups = [dict({k: v for k, v in g.items() if k != "params"},
+                             params=[v for v, r in zip(self.views, self.runs) if r[3] == gi])
+                        for gi, g in enumerate(self.param_groups)]
+        if not self.views:   # a rank whose shards hold no trainable element
+            inner_groups[0]["params"] = [self.masters[0][:0]]
+        self.inner = optimizer_class(inner_groups)
+        for g, ig in zip(self.param_groups, self.inner.param_groups):   # complete defaults
+            g.update({k: v for k, v in ig.items() if k != "params" and k not in g})
+
+    def grad_shards(self) -> list[torch.Tensor]:   # this rank's reduced gradients, per unit
+        return [u.grad_shard for u in self.engine.units]
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the averaged gradients by their global norm (one scalar all_reduce); returns
+        the norm before clipping, like torch.nn.utils.clip_grad_norm_."""
+        self.reduce_gradients()
+        return clip_shard_grads(self.grad_shards(), max_norm, self.group)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The resident optimizer-state tensors (fp32 masters, the inner optimizer's states)."""
@@ -149,7 +234,7 @@ class ShardedState:
                     if vi == ui and key in self.inner.state.get(v, {}):
                         local[a:a + n] = self.inner.state[v][key]
                 full = torch.empty(u.padded, dtype=local.dtype, device=local.device)
-                dist.all_gather_into_tensor(full, local, group=u.group)
+                dist.all_gather_into_tensor(full, local, group=u.group)   # [s] x W -> [W * s]
                 for p, off in zip(u.params, u.offsets):
                     if p.requires_grad:
                         state.setdefault(self.index[p], {})[key] = \
@@ -284,7 +369,7 @@ def clip_shard_grads(grads: list[torch.Tensor], max_norm: float, group=None) -> 
     for g in grads:
         sq += g.double().pow(2).sum()
     if not planted("clip-local-norm"):   # plant: each rank clips by its own shard's norm
-        dist.all_reduce(sq, group=group)
+        dist.all_reduce(sq, group=group)   # [1] float64, summed over W
     return clip_by_norm(sq, grads, max_norm)   # torch.nn.utils.clip_grad_norm_'s formula
 
 

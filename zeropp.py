@@ -3,21 +3,16 @@ node, and an int8 hierarchical all-to-all in place of the gradient reduce-scatte
 
 The idea (Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant Model
 Training", 2023)
-    ZeRO-3 moves 3 Psi per step over the world group: two all-gathers of the parameters and one
-    reduce-scatter of the gradients, all of it across nodes. ZeRO++ adds three tricks (any
-    subset: --zeropp qwz,hpz,qgz --node-size N). W = M N: M nodes of N consecutive ranks; each
-    rank has two groups, "node" (its N node-mates) and "cross" (the M ranks with its local
-    index, one in each node).
-    qwZ  stage 3's forward all-gather moves int8 blocks of BLOCK = 256 elements + one float32
-         scale (absmax / 127, symmetric) per block, dequantized into the full buffer; the shards
-         (the optimizer's masters) stay exact. Without hpZ the backward gathers the same way.
+    ZeRO-3 moves 3 Psi per step over the world group, all of it across nodes. W = M N: M nodes
+    of N consecutive ranks; each rank has two groups, "node" (its N node-mates) and "cross" (the
+    M ranks with its local index, one per node). Tricks (any subset: --zeropp qwz,hpz,qgz):
+    qwZ  stage 3's all-gathers move int8 blocks of BLOCK = 256 elements + one float32 scale
+         (absmax / 127) per block; the shards (the optimizer's masters) stay exact.
     hpZ  after the forward gather each rank keeps slice `local` of N of the full buffer (its
          secondary shard, Psi/N); the backward all-gathers those inside the node, exactly.
-    qgZ  the reduce-scatter becomes the hierarchical all-to-all: quantize, all-to-all in the
-         node, dequantize + sum, re-quantize, all-to-all across nodes, dequantize + sum (the same
-         shard layout as reduce_scatter_tensor). Any stage.
-    The seam: ZeroPP is a zero.Zero whose stage-3 gather hooks and reduce_scatter are replaced;
-    the accumulation, the hooks' order, the optimizer and its shards stay zero.py's.
+    qgZ  the reduce-scatter becomes a hierarchical int8 all-to-all (in the node, then across
+         nodes; dequantize + sum after each), reduce_scatter_tensor's shard layout. Any stage.
+    ZeroPP is a zero.Zero whose stage-3 gather hooks and reduce_scatter are replaced.
 
 Bytes per step per rank (logical buffers as the meter counts them; per unit u, P_u padded,
 s_u = P_u / W, c(x) = ceil(x / 256), 4 B per scale; b the model dtype's bytes)
@@ -27,16 +22,7 @@ s_u = P_u / W, c(x) = ceil(x / 256), 4 B per scale; b the model dtype's bytes)
               all_to_all cross  sum_u P_u / N + 4 M c(s_u)        (M > 1)
               (vs reduce_scatter world P_u b_reduce); N = 1 or N = W: one all-to-all
     hpZ memory: + sum_u P_u / N * b resident per rank (the secondary shards)
-    The paper's 4x (3 Psi -> 0.75 Psi across nodes: int8 forward 0.5, hpZ backward 0, int4
-    gradients 0.25) counts fp16 against fp16; here the gradients are int8 and the baseline is
-    ZeRO-3 in the model's dtype (fp32 doubles the ratio). The benchmark prints the ratios.
-
-Correctness
-    int8 rounding is not float noise. QuantizationNoise, a single-device model of the rounding,
-    is the noise source the quantized run is judged against (error vs error). ZeroPPChecks,
-    wrapped around the engine in correctness mode, adds exact checks: qwZ within half a step per
-    block, every backward gather equal to the forward's bit for bit, qgZ within its summed half
-    steps of the exact reduce-scatter (an unmetered one beside each quantized one).
+More (the paper's 4x, the correctness checks): docs/internals.md, 'zeropp.py'.
 
 Public API
     engine = ZeroPP(model, ("qwz", "hpz", "qgz"), node_size=N, stage=3)   collective: builds the
@@ -68,36 +54,36 @@ def quantize(x: torch.Tensor):
     |dequantize - x| <= scale / 2 = absmax / 254 per element."""
     P, L = x.shape
     nb = n_blocks(L)
-    xb = torch.nn.functional.pad(x, (0, nb * BLOCK - L)).view(P, nb, BLOCK)
+    xb = torch.nn.functional.pad(x, (0, nb * BLOCK - L)).view(P, nb, BLOCK)  # -> (P, nb, BLOCK)
     scale = xb.abs().amax(-1).float() / 127                      # [P, nb]
     safe = torch.where(scale > 0, scale, torch.ones_like(scale)).to(x.dtype)
     q = torch.round(xb / safe[..., None]).clamp_(-127, 127).to(torch.int8)
-    return q.view(P, nb * BLOCK)[:, :L], scale
+    return q.view(P, nb * BLOCK)[:, :L], scale   # (P, nb, BLOCK) -> [P, L]; [P, nb]
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
     """The inverse of quantize, up to the rounding: [P, L] in `dtype`."""
     P, L = q.shape
     nb = scale.shape[1]
-    qb = torch.nn.functional.pad(q, (0, nb * BLOCK - L)).view(P, nb, BLOCK)
-    return (qb.to(dtype) * scale[..., None].to(dtype)).view(P, nb * BLOCK)[:, :L]
+    qb = torch.nn.functional.pad(q, (0, nb * BLOCK - L)).view(P, nb, BLOCK)  # -> (P, nb, BLOCK)
+    return (qb.to(dtype) * scale[..., None].to(dtype)).view(P, nb * BLOCK)[:, :L]   # -> [P, L]
 
 
 def half_steps(scale: torch.Tensor, L: int, dtype) -> torch.Tensor:
     """Each element's quantization bound scale / 2, [P, L] (the checks' bookkeeping)."""
     P, nb = scale.shape
-    h = (scale.to(dtype) / 2)[..., None].expand(P, nb, BLOCK)
-    return h.reshape(P, nb * BLOCK)[:, :L]
+    h = (scale.to(dtype) / 2)[..., None].expand(P, nb, BLOCK)   # [P, nb] -> (P, nb, BLOCK)
+    return h.reshape(P, nb * BLOCK)[:, :L]                       # -> [P, L]
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """[P, L + 4 nb] int8: each row's payload, then its scales' bytes, so one collective moves
     both (an all-gather's or an all-to-all's rows are then equal-sized, as the ops need)."""
-    return torch.cat([q, scale.contiguous().view(torch.int8)], dim=1)
+    return torch.cat([q, scale.contiguous().view(torch.int8)], dim=1)  # -> [P, L + 4 nb]
 
 
 def unpack(buf: torch.Tensor, L: int):
-    return buf[:, :L], buf[:, L:].contiguous().view(torch.float32)
+    return buf[:, :L], buf[:, L:].contiguous().view(torch.float32)   # [P, L], [P, nb] float32
 
 
 def quantized_all_gather(u) -> torch.Tensor:
@@ -106,24 +92,24 @@ def quantized_all_gather(u) -> torch.Tensor:
     dequantized (this rank's own slice too: every rank must compute with the same weights).
     The shard itself, the optimizer's master, is untouched."""
     s, W = u.shard_numel, u.W
-    q, scale = quantize(u.shard.detach().view(1, s))
-    send = pack(q, scale).view(-1)
+    q, scale = quantize(u.shard.detach().view(1, s))   # flat [s] -> [1, s]; scales [1, c(s)]
+    send = pack(q, scale).view(-1)                      # [1, s + 4 c(s)] -> flat [s + 4 c(s)]
     recv = torch.empty(W * send.numel(), dtype=torch.int8, device=send.device)
-    dist.all_gather_into_tensor(recv, send, group=u.group)
-    q_all, scales = unpack(recv.view(W, -1), s)
+    dist.all_gather_into_tensor(recv, send, group=u.group)   # flat [W * (s + 4 c(s))] int8
+    q_all, scales = unpack(recv.view(W, -1), s)              # [W, s] int8, [W, c(s)] float32
     if planted("qwz-local-dequant"):   # plant: every block dequantized with our own scales
-        scales = scale.expand(W, -1)
-    return dequantize(q_all, scales, u.full.dtype).reshape(-1)
+        scales = scale.expand(W, -1)   # [1, c(s)] -> [W, c(s)]
+    return dequantize(q_all, scales, u.full.dtype).reshape(-1)   # [W, s] -> flat [W * s]
 
 
 def quantized_all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """Row p of x [P, L] goes to rank p of `group`, int8 + scales in one all_to_all_single of
     P (L + 4 ceil(L / BLOCK)) bytes. Returns the received rows, dequantized, [P, L]."""
     P, L = x.shape
-    send = pack(*quantize(x))
+    send = pack(*quantize(x))                          # [P, L] -> [P, L + 4 c(L)] int8
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return dequantize(*unpack(recv, L), x.dtype)
+    dist.all_to_all_single(recv, send, group=group)    # row p to rank p: [P, L + 4 c(L)]
+    return dequantize(*unpack(recv, L), x.dtype)       # [P, L]
 
 
 def make_groups(node_size: int):
@@ -170,7 +156,7 @@ class ZeroPP(Zero):
         super().__init__(model, **kw)
         for u in self.units if self.hpz else []:   # padded / N, refreshed by every forward
             u.secondary = torch.zeros(u.padded // node_size, dtype=u.full.dtype,
-                                      device=u.full.device)
+                                      device=u.full.device)   # flat [W * s / N]
 
     # -- stage 3: ZeRO++'s gathers in place of the engine's (qgZ alone keeps the engine's) --
     def _pre_forward(self, u):
@@ -191,17 +177,19 @@ class ZeroPP(Zero):
         if self.qwz:
             fill(u, lambda full: full.copy_(quantized_all_gather(u)))
         else:
+            # flat [s] from each of W -> flat [W * s]
             fill(u, lambda full: dist.all_gather_into_tensor(full, u.shard, group=u.group))
         if self.hpz:
             n = u.secondary.numel()
             if not (planted("hpz-stale-secondary") and u.secondary.any()):  # plant: 1st only
-                u.secondary.copy_(u.full[self.local * n:(self.local + 1) * n])
+                u.secondary.copy_(u.full[self.local * n:(self.local + 1) * n])  # flat [W * s / N]
 
     def gather_backward(self, u):
         """hpZ: all-gather the secondary shards inside the node (exact copies of the forward's
         weights, in the model dtype); without hpZ, qwZ's quantized gather again: deterministic,
         so the backward differentiates exactly the weights the forward used."""
         if self.hpz:
+            # flat [W * s / N] from each of N node-mates -> flat [W * s]
             fill(u, lambda full: dist.all_gather_into_tensor(full, u.secondary, group=self.node))
         else:
             fill(u, lambda full: full.copy_(quantized_all_gather(u)))
@@ -231,12 +219,13 @@ class ZeroPP(Zero):
         s = src.numel() // (N * M)
         part = src
         if N > 1:
+            # flat [W * s] -> (M, N, s) -> (N, M, s) -> [N, M s]: row l to local peer l
             rows = src.view(M, N, s).transpose(0, 1).reshape(N, M * s)
             if planted("qgz-chunk-order"):   # plant: chunks sent in rank order, not by owner
-                rows = src.view(N, M * s)
-            part = self.exchange(rows, self.node).sum(0)
+                rows = src.view(N, M * s)   # flat [W * s] -> [N, M s]
+            part = self.exchange(rows, self.node).sum(0)   # [N, M s] received -> [M s]
         if M > 1:
-            part = self.exchange(part.view(M, s), self.cross).sum(0)
+            part = self.exchange(part.view(M, s), self.cross).sum(0)   # [M, s] -> [s]
         return part
 
 

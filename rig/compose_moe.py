@@ -1,4 +1,4 @@
-"""The test rig for compose_moe.py: its adapter, constraints, plants and baselines (rig/__init__.py)."""
+"""The test rig for compose_moe.py: its constraints and its reference (rig/__init__.py)."""
 import torch
 
 from harness import is_moe

@@ -179,8 +179,7 @@ class InProcess:
         training steps (cls.step; the train mode's trainer4d.train.step_rows)."""
         from harness import cli
         from harness.launch import base_parser, launch
-        rig = module if module == "compose4d" else "rig." + module   # the adapter's module
-        cls = getattr(importlib.import_module(rig), cls_name)
+        cls = getattr(importlib.import_module("rig." + module), cls_name)   # the adapter
         parser = base_parser(module + ".py", cls.modes, cls.plants)
         cls.add_args(parser)
         tee = Tee(sys.stdout)
@@ -344,18 +343,19 @@ def speed_section(a, rec: Recorder) -> bool:
     from harness.strategy import Reference
     from harness.data import MarkovLanguage
     from harness import dropout
-    import compose4d
+    import rig.compose4d
     model = "tiny" if a.smoke else "llama3.2-1b"
     S, B = (64, 2) if a.smoke else (2048, 4)
     chunk = 64 if a.smoke else 4096
     warm, iters = (1, 2) if a.smoke else (2, 5)
     dev = torch.device(a.device)
-    parser = base_parser("compose4d.py", compose4d.Compose4D.modes, compose4d.Compose4D.plants)
-    compose4d.Compose4D.add_args(parser)
+    C4 = rig.compose4d.Compose4D
+    parser = base_parser("compose4d.py", C4.modes, C4.plants)
+    rig.compose4d.Compose4D.add_args(parser)
     argv = ["--model", model, "--dtype", "bfloat16", "--attn", "sdpa", "--batch", str(B),
             "--length", str(S), "--device", a.device, "--mode", "benchmark"]
     args = resolve_defaults(parser.parse_args(argv), "benchmark", a.device, 1)
-    config, _ = cli._validate(compose4d.Compose4D, args, 1, 0)
+    config, _ = cli._validate(rig.compose4d.Compose4D, args, 1, 0)
     env = launch(args)
     run = Run(args, env, config, MarkovLanguage(config.vocab_size, 0, 4))
     batch = run.batch(0)
@@ -403,7 +403,7 @@ def speed_section(a, rec: Recorder) -> bool:
     if rec.left() >= 20:
         free(a.device)
         try:
-            _, strat, _ = make_pair(run, compose4d.Compose4D, perturb=False, with_ref=False)
+            _, strat, _ = make_pair(run, rig.compose4d.Compose4D, perturb=False, with_ref=False)
             t = cuda_timed(lambda: strat.step(batch), warm, iters, a.device)
             base = refs.get("reference, full logits")
             row("compose4d W=1 (full logits)", t,

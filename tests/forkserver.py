@@ -37,7 +37,7 @@ MODELS = ["AutoModelForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Mix
           "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM",
           "Phi3ForCausalLM"]
 PRELOAD = ["rig.ddp", "rig.zero", "rig.zeropp", "rig.fsdp", "rig.tp", "rig.sp", "rig.pp",
-           "rig.cp_ring", "rig.ep_moe", "compose4d"]
+           "rig.cp_ring", "rig.ep_moe", "rig.compose4d"]
 
 
 # ----------------------------------------------------------------------------------------------

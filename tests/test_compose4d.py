@@ -10,6 +10,7 @@ import torch
 import compose4d
 import harness
 import harness.flops
+import rig.compose4d
 from conftest import Runs, assert_config_error, config_file
 from trainer4d import checkpoint
 from trainer4d.schedule import torch_schedule
@@ -69,9 +70,9 @@ def test_lr_plant_runs_where_the_schedule_moves():
     """The configuration that must catch "lr-one-step-ahead" has a learning rate that changes
     from step to step: under a constant one the plant would be invisible."""
     import argparse
-    plant = compose4d.Compose4D.plants["lr-one-step-ahead"]
+    plant = rig.compose4d.Compose4D.plants["lr-one-step-ahead"]
     p = argparse.ArgumentParser()
-    compose4d.Compose4D.add_args(p)
+    rig.compose4d.Compose4D.add_args(p)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
     a, _ = p.parse_known_args(list(plant.args))

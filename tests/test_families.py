@@ -105,7 +105,7 @@ def test_family_passes(runs, key, family):
 # -- refusals: one line naming the constraint, before any process group (in-process) --------
 def constraints(script, cls_name, world, family, *extra):
     import importlib
-    cls = getattr(importlib.import_module(script), cls_name)
+    cls = getattr(importlib.import_module("rig." + script), cls_name)
     p = harness.base_parser(script)
     cls.add_args(p)
     args = p.parse_args(["--model", family, "--batch", "4", "--length", "16", *extra])

@@ -1,6 +1,17 @@
-"""The project's shape, from its own source (no imports run): no import cycles, a harness that
-imports no strategy, short strategy files, no test switches in the public API, and installed
-names that cannot shadow a user's own modules. DESIGN.md's layout, kept true by this file.
+"""The project's shape, from its own source (no imports run). The layout it keeps true is written
+in rig/__init__.py's docstring (and docs/internals.md):
+
+    learner files   the top-level modules (ddp.py, zero.py, fsdp.py, tp.py, ..., compose4d.py):
+                    the algorithm and nothing else, at most MAX_LINES lines (compose4d
+                    COMPOSE_LINES); no harness adapter (no Strategy / Reference subclass); they
+                    import torch, each other, and only the harness helpers in LEARNER_HARNESS
+    rig/            the test rig, one module per learner file: imports learner files and harness
+    harness/        imports nothing of the project but itself
+    trainer4d/      the trainer's helpers; no learner file but compose4d imports it
+A learner file's `if __name__ == "__main__":` block is the script's entry (torchrun ddp.py):
+it imports its own rig module and nothing else, and is not a dependency of the module.
+And: no import cycles, no test switches in the public API, installed names that cannot shadow a
+user's own modules.
 
 Imports are read with `ast`, every one of them: module-level, inside functions (lazy), and under
 `if TYPE_CHECKING:`, because each is a dependency a reader has to follow."""
@@ -13,8 +24,22 @@ import pytest
 
 from conftest import ROOT
 
-HARNESS, TRAINER = "harness", "trainer4d"
-MAX_LINES = 800          # a strategy file past this gets a sibling for the concept that grew
+HARNESS, RIG, TRAINER = "harness", "rig", "trainer4d"
+MAX_LINES = 550          # a learner file past this gets a sibling for the concept that grew
+COMPOSE_LINES = 450      # compose4d.py: mostly the grid, the step and imports of the others
+# What a learner file may import from the harness: the planted-bug switch, and what the
+# algorithm itself needs (the data's Batch, the loss normalisation, dropout masks that do not
+# depend on the layout, the mixed-precision rules, the meter's phase marks and group names, the
+# model's parts, recompute's checkpoint test, two small collective helpers); compose4d also
+# reads a checkpoint's shards. Keep it small: anything else is the rig's.
+LEARNER_HARNESS = {"harness.plants", "harness.data", "harness.loss", "harness.dropout",
+                   "harness.precision", "harness.meter", "harness.models", "harness.recompute",
+                   "harness.collectives"}
+COMPOSE_EXTRA = {"harness.loading", "trainer4d.schedule"}
+# Top-level tools, not learner files: they drive the harness (oom_search runs trials, simulates a
+# step under FakeTensorMode). Short and rig-free like the rest, but any harness module.
+TOOLS = {"oom_search"}
+ADAPTER_BASES = {"Strategy", "Reference", "DTensorBaseline"}
 
 
 def pyproject() -> dict:
@@ -34,20 +59,47 @@ def modules() -> dict[str, str]:
     return out
 
 
-def imports(name: str, path: str, known) -> set[str]:
-    """The project modules `name` imports, anywhere in its source."""
+def is_main_block(node) -> bool:
+    """`if __name__ == "__main__":`"""
+    t = node.test if isinstance(node, ast.If) else None
+    return (isinstance(t, ast.Compare) and isinstance(t.left, ast.Name)
+            and t.left.id == "__name__" and isinstance(t.comparators[0], ast.Constant)
+            and t.comparators[0].value == "__main__")
+
+
+def reexports(package: str) -> dict[str, str]:
+    """{name: defining module} for a package's `from .module import name` re-exports."""
+    with open(os.path.join(ROOT, package, "__init__.py")) as f:
+        tree = ast.parse(f.read())
+    return {a.asname or a.name: f"{package}.{n.module}" for n in tree.body
+            if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module for a in n.names}
+
+
+def imports(name: str, path: str, known, main_block: bool = False) -> set[str]:
+    """The project modules `name` imports, anywhere in its source but its `__main__` block (or,
+    main_block=True, only there). `from harness import X` counts as X's own module."""
     with open(path) as f:
         tree = ast.parse(f.read(), path)
     package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
     found = set()
+    harness_names = reexports(HARNESS)
+    mains = [n for n in tree.body if is_main_block(n)]
+    if main_block:
+        nodes = [x for m in mains for x in ast.walk(m)]
+    else:
+        skip = {id(x) for m in mains for x in ast.walk(m)}
+        nodes = [x for x in ast.walk(tree) if id(x) not in skip]
 
     def resolve(target: str):
+        head, _, last = target.rpartition(".")
+        if head == HARNESS and last in harness_names:
+            target = harness_names[last]
         while target and target not in known:     # harness.meter.METER -> harness.meter
             target = target.rpartition(".")[0]
         if target and target != name:
             found.add(target)
 
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Import):
             for a in node.names:
                 resolve(a.name)
@@ -98,8 +150,23 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 
 
 def strategy_files() -> list[str]:
-    """The top-level modules: the strategy files, their siblings, compose4d.py, oom_search.py."""
+    """The top-level modules, the learner files: the strategy files, their siblings, compose4d.py,
+    oom_search.py."""
     return [m for m in pyproject()["py-modules"]]
+
+
+def adapter_classes(path: str) -> list[str]:
+    """Classes in `path` that subclass a harness adapter base (Strategy, Reference, ...)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", None)
+                     for b in node.bases}
+            if bases & ADAPTER_BASES:
+                out.append(node.name)
+    return out
 
 
 def test_the_import_graph_has_no_cycle():
@@ -117,10 +184,69 @@ def test_the_cycle_finder_sees_a_cycle():
 
 
 def test_the_harness_imports_no_strategy():
-    """harness/ sits below every strategy file: it imports only itself (and torch, ...)."""
+    """harness/ sits below every strategy file and the rig: it imports only itself."""
     bad = {m: sorted(t for t in deps if not t.startswith(HARNESS))
            for m, deps in graph().items() if m.startswith(HARNESS)}
     assert {m: d for m, d in bad.items() if d} == {}
+
+
+def learner_import_errors(g: dict[str, set[str]]) -> dict[str, list[str]]:
+    learners = set(strategy_files())
+    out = {}
+    for m in learners:
+        allowed = learners | LEARNER_HARNESS | (COMPOSE_EXTRA if m == "compose4d" else set())
+        if m in TOOLS:
+            allowed = learners | {t for t in g[m] if t.startswith(HARNESS)}
+        bad = sorted(t for t in g[m] if t not in allowed)
+        if bad:
+            out[m] = bad
+    return out
+
+
+def test_learner_files_import_only_learner_files_and_a_few_harness_helpers():
+    """A learner reads one file without opening the harness: it imports torch, other learner
+    files and LEARNER_HARNESS; never the rig, never the harness's adapter contract or runner."""
+    assert learner_import_errors(graph()) == {}
+
+
+def test_the_learner_import_check_sees_a_bad_import():
+    g = graph()
+    g["ddp"] = g["ddp"] | {"harness.strategy", "rig.tp"}
+    assert learner_import_errors(g) == {"ddp": ["harness.strategy", "rig.tp"]}
+
+
+def test_no_adapter_class_in_a_learner_file(tmp_path):
+    """The Strategy / Reference subclasses live in rig/ (the finder sees one when planted)."""
+    found = {m: adapter_classes(os.path.join(ROOT, m + ".py")) for m in strategy_files()}
+    assert {m: c for m, c in found.items() if c} == {}
+    p = tmp_path / "x.py"
+    p.write_text("import harness\nclass A(harness.Strategy):\n    pass\n"
+                 "class B(Reference):\n    pass\nclass C:\n    pass\n")
+    assert adapter_classes(str(p)) == ["A", "B"]
+
+
+@pytest.mark.parametrize("name", strategy_files())
+def test_a_learner_files_main_hands_over_to_its_rig(name):
+    """The `__main__` block, if any: two or three lines importing `rig.<name>` and nothing else
+    of the project (the script's entry: torchrun <name>.py)."""
+    path = os.path.join(ROOT, name + ".py")
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    mains = [n for n in tree.body if is_main_block(n)]
+    if not mains or name in TOOLS:
+        return
+    assert len(mains) == 1 and mains[0].end_lineno - mains[0].lineno <= 3, name
+    assert imports(name, path, modules(), main_block=True) == {f"{RIG}.{name}"}
+
+
+def test_the_rig_and_the_trainer():
+    """Every rig module is some learner file's rig; harness and trainer4d import no rig."""
+    g = graph()
+    rigs = {m for m in g if m.startswith(RIG + ".")}
+    assert rigs and {m.partition(".")[2] for m in rigs} <= set(strategy_files()), rigs
+    users = sorted(m for m, deps in g.items() if not m.startswith(RIG)
+                   and any(t.startswith(RIG) for t in deps))
+    assert users == [], users
 
 
 def test_no_strategy_imports_the_trainer_package():
@@ -134,7 +260,8 @@ def test_no_strategy_imports_the_trainer_package():
 def test_strategy_files_stay_short(name):
     with open(os.path.join(ROOT, name + ".py")) as f:
         n = sum(1 for _ in f)
-    assert n <= MAX_LINES, f"{name}.py has {n} lines: give the concept that grew a sibling file"
+    limit = COMPOSE_LINES if name == "compose4d" else MAX_LINES
+    assert n <= limit, f"{name}.py has {n} lines: give the concept that grew a sibling file"
 
 
 # The harness modules that turn --plant-bug into the switch (harness/plants.py's planting)
@@ -183,7 +310,7 @@ def test_installed_names_cannot_shadow_a_users_modules():
     """Top level: only the strategy files, their siblings, compose4d and oom_search; the rest
     lives in packages (a user's own train.py or checkpoint.py then never shadows ours)."""
     cfg = pyproject()
-    assert set(cfg["packages"]) == {HARNESS, TRAINER}
+    assert set(cfg["packages"]) == {HARNESS, RIG, TRAINER}
     for m in cfg["py-modules"]:
         assert os.path.exists(os.path.join(ROOT, m + ".py")), m
     generic = {"train", "checkpoint", "elastic", "tour", "plan", "utils", "common", "ep_stats"}

@@ -10,11 +10,11 @@ import pytest
 
 import harness
 from conftest import Runs
-from tour import STRATEGIES, plant_groups   # script -> the Strategy class its __main__ runs
+from tour import STRATEGIES, plant_groups, rig_module   # script -> its adapter class (rig/)
 
 
 def strategy(script):
-    return getattr(importlib.import_module(script[:-3]), STRATEGIES[script])
+    return getattr(importlib.import_module(rig_module(script)), STRATEGIES[script])
 
 
 def groups():

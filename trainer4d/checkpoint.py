@@ -15,7 +15,7 @@ file, to the newest step that is complete and intact; with none, one line and ex
 Leftover .tmp-step-N directories (a crash mid-save) are ignored and removed by the next save.
 Retention: `keep` newest complete steps, older ones deleted only after a newer one is named.
 `export_hf` writes the full model with save_pretrained; AutoModelForCausalLM.from_pretrained
-loads it and gives the same logits. `strat` below is a compose4d.Compose4D (passed in by the train
+loads it and gives the same logits. `strat` below is a compose4d.Parallel4D (passed in by the train
 mode; this module does not import the trainer, so the trainer can import it).
 """
 from __future__ import annotations

@@ -6,8 +6,8 @@ import compose_moe
 
 
 def expected_comm(self) -> list[Expect]:
-    """Compose4D's communication per step and rank, by group (its docstring's formulas;
-    compose_moe.py's rows for a MoE model). `self`: the Compose4D."""
+    """compose4d.Parallel4D's communication per step and rank, by group (its docstring's formulas;
+    compose_moe.py's rows for a MoE model). `self`: the compose4d.Parallel4D."""
     a, cfg = self.args, self.model.config
     T, P, C, M = a.tp, a.pp, a.cp, a.grad_accum
     D = self.grid.size["dp"]

@@ -86,7 +86,7 @@ class Preemption:
 
 def loss_and_flag(strat, loss_sum: torch.Tensor, flag: bool,
                   norm=None) -> tuple[float, bool, float | None]:
-    """The step's global CE sum (counted once over tp, as Compose4D.loss_once), whether any
+    """The step's global CE sum (counted once over tp, as Parallel4D.loss_once), whether any
     rank has seen SIGTERM, and the gradient norm (a device scalar, the same on every rank) as a
     float, from one all-reduce of [CE sum, flag, norm on rank 0] over the world (float64, on
     the model's device; not metered, like the loss's own) and one host read: the loss read the
@@ -106,7 +106,7 @@ def loss_and_flag(strat, loss_sum: torch.Tensor, flag: bool,
 
 def step_rows(strat, batch: Batch, rows=None, mb=None, stop=None, partial=None,
               flag=lambda: False, cut=True):
-    """Compose4D.step, resumable and cuttable. Over the global batch's rows `rows` (default: all
+    """Parallel4D.step, resumable and cuttable. Over the global batch's rows `rows` (default: all
     of them, split into contiguous dp shares of --grad-accum micro-batches; else each dp rank
     takes its contiguous share of `rows` in micro-batches of at most `mb`). `stop(m) -> bool`,
     asked on every rank before forward m (pp.Pipeline.stop_check), may end the step once
@@ -157,7 +157,7 @@ def processed(strat, batch: Batch, k: int) -> list[int]:
 def add_partial(strat, full: dict[str, torch.Tensor]):
     """Put a restored partial gradient (the reduced sum over the rows already done) where this
     layout's reductions count it exactly once: on rank 0 of every group that will sum it
-    (Compose4D.shared_over, the rule the global norm counts by): ZeRO-1 adds the full buffers
+    (Parallel4D.shared_over, the rule the global norm counts by): ZeRO-1 adds the full buffers
     on one rank of the unit's group, ZeRO-2/3 each rank its own shard; a tp-partial gradient
     on tp rank 0, a dense unit under HSDP on replica 0; the tied head's copy nowhere."""
     z = strat.zero
