@@ -244,7 +244,7 @@ class FusedColumns:
 
 
 class AsyncSPRegion:
-    """sp.SPRegion's interface (enter, exit, row, embed_exit, leave) with the decomposed
+    """sp.SPRegion's interface (tp.TPRegion's verbs) with the decomposed
     collectives; built by sp.parallelize(..., async_tp=True)."""
 
     def __init__(self, group, base):
@@ -252,7 +252,7 @@ class AsyncSPRegion:
         self.active: list[FusedColumns] = []  # those whose ring ran in the current region
         self.current = None
 
-    def enter(self, x):
+    def region_in(self, x):
         """x: this rank's (B, S/T, H) chunk. Returns a stand-in of the gathered (B, S, H) shape:
         one NaN expanded (anything that reads it instead of the fused layers gets NaN); the
         region's FusedColumns read the chunk from self.current."""
@@ -261,20 +261,20 @@ class AsyncSPRegion:
         self.current = (stand_in, x)
         return stand_in
 
-    def leave(self):
+    def after_module(self):
         self.current = None
         for f in self.active:
             f.key = f.outs = None
         self.active.clear()
 
-    def row(self, x, weight):         # (B, S, in), [H, in] -> (B, S/T, H)
+    def row_linear(self, x, weight):         # (B, S, in), [H, in] -> (B, S/T, H)
         return MatmulReduceScatter.apply(x, weight, self.group)
 
-    def exit(self, x):
-        raise RuntimeError("async TP: a row-parallel layer must call region.row(x, weight)")
+    def region_out(self, x):
+        raise RuntimeError("async TP: a row-parallel layer calls region.row_linear(x, weight)")
 
-    def embed_exit(self, x):
-        return self.base.embed_exit(x)
+    def embedding_out(self, x):
+        return self.base.embedding_out(x)
 
 
 def fuse_columns(model, region: AsyncSPRegion):

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from harness import (DTYPES, METER, Batch, all_reduce_flat, clip_by_norm, global_loss, is_moe,
                      name_group, parts, phase, planted)
-from harness.precision import grad_reduce_dtype
+from harness.precision import adamw_kwargs, grad_reduce_dtype
 from harness import loading
 import compose_moe
 import cp_ring
@@ -132,23 +132,22 @@ class Parallel4D:
         if T > 1:
             self.tp = (sp.parallelize(model, g["tp"], async_tp=args.async_tp) if args.sp
                        else tp.parallelize(model, g["tp"]))
-            self.partial = list(self.tp.partial_grads) + list(self.tp.extra_partial)
+            self.partial = list(self.tp.kv_copy_params) + list(self.tp.group_partials)
         # Context parallelism: ring attention over the cp group, this rank's zig-zag tokens.
         self.pos = None
         if C > 1:
             self.pos = cp_ring.parallelize(model, g["cp"], args.length).positions.to(env.device)
         # Pipeline: this rank's stage (drops the other layers), over the pp group.
         V = args.virtual_stages if args.schedule == "interleaved" else 1
-        self.pipe = pp.Pipeline(model, P, V, self.me["pp"], args.schedule, group=g["pp"],
-                                tie_group=g["tied"])
-        self.pipe.positions = None if planted("cp-local-positions") else self.pos   # plant
-        self.pipe.seq_shards = T if args.sp else 1
-        if args.sp:   # this rank's contiguous share of its tokens in the residual stream
-            s = args.length // self.grid.size["cp"] // T
-            self.pipe.hidden_columns = slice(self.me["tp"] * s, (self.me["tp"] + 1) * s)
-        if self.tp is not None:
-            self.pipe.loss_sum = self.tp.loss_sum
-        self.first, self.last = 0 in self.pipe.mine, self.pipe.C - 1 in self.pipe.mine
+        s = args.length // C // T   # under SP: this rank's contiguous share of its tokens
+        self.pipe = pp.Pipeline(
+            model, P, V, self.me["pp"], args.schedule, group=g["pp"], tie_group=g["tied"],
+            positions=None if planted("cp-local-positions") else self.pos,   # plant
+            seq_shards=T if args.sp else 1,
+            hidden_columns=slice(self.me["tp"] * s, (self.me["tp"] + 1) * s) if args.sp else None,
+            loss_sum=self.tp.loss_sum if self.tp is not None else None)
+        mine = self.pipe.my_chunks
+        self.first, self.last = 0 in mine, self.pipe.n_chunks - 1 in mine
         kept = {id(m) for m in model.modules()}
         self.blocks = [b for b in blocks if id(b) in kept]   # this stage's MoE layers
         for b in self.blocks:
@@ -167,7 +166,10 @@ class Parallel4D:
                               units=units, prefetch=int(args.zero == 3 and not self.moe),
                               unit_groups={u[0]: egroup for u in units if u[0].endswith("experts")},
                               reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
-        self.optimizer = zero.adamw_on_shards(model, self.zero, args)
+        params = list(model.parameters())     # AdamW on the shards, the run's hyperparameters
+        self.optimizer = zero.ZeroOptimizer(
+            params, torch.optim.AdamW, engine=self.zero,
+            **adamw_kwargs([u.shard for u in self.zero.units] or params, args))
         self._plan_shard_slices()
         self.t = 0              # optimizer steps taken (the schedule's position)
         self.last_norm = float("nan")
@@ -205,7 +207,7 @@ class Parallel4D:
         p, units = self.pipe.parts, []
         if self.first:
             units.append(("embed", [p.embed]))
-        for i in (i for c in self.pipe.mine for i in self.pipe.bounds[c]):
+        for i in (i for c in self.pipe.my_chunks for i in self.pipe.chunk_layers[c]):
             layer = p.layers[i]
             if not self.moe:
                 units.append((f"layers.{i}", [layer]))
@@ -291,18 +293,53 @@ class Parallel4D:
         return b.cols(self.pos)
 
     def step(self, batch: Batch) -> float:
-        """One optimizer step: this rank's dp share of the sequences and cp share of their
-        tokens through its pipeline stage in --grad-accum micro-batches, each backpropagating
-        CE_sum / N_global; then the gradient sums, clipping and AdamW on the ZeRO shards."""
+        """One optimizer step; returns the global loss (the harness's step)."""
+        return self.run_step(batch)[0]
+
+    def run_step(self, batch: Batch, local: Batch | None = None, mbs=None, stop=None,
+                 start=None, flag=lambda: False, cut: bool = True):
+        """The one training step (the harness's, and the train mode's through
+        trainer4d.train.step_rows): this rank's dp share of the sequences and cp share of their
+        tokens (`local`, default the whole batch's; `mbs` its micro-batches, default
+        --grad-accum even ones) through its pipeline stage, each micro-batch backpropagating
+        CE_sum / N_global; the gradient sums, clipping, AdamW on the ZeRO shards. start(): run
+        after zeroing (a restored partial gradient); stop(m): may end the step before
+        micro-batch m, the gradients reduced and kept, nothing updated (`cut`). Returns (global
+        loss, or None when cut; the global CE sum; whether any rank's flag() was set)."""
         self.optimizer.zero_grad(set_to_none=False)
-        local = self.local_batch(batch)
+        if start is not None:
+            start()
+        local = self.local_batch(batch) if local is None else local
+        M = self.args.grad_accum if mbs is None else len(mbs)
         n_tokens = local.n_tokens if planted("local-token-mean") else batch.n_tokens   # plant
-        loss_sum = self.with_router_terms(self.pipe.run(local, self.args.grad_accum, n_tokens),
-                                          batch)
+        self.pipe.stop_check = stop
+        try:
+            loss_sum = (self.with_router_terms(self.pipe.run(local, M, n_tokens, mbs=mbs), batch)
+                        if M else torch.zeros((), dtype=torch.float64, device=self.env.device))
+        finally:
+            self.pipe.stop_check = None
         grads = self.reduce_grads()
-        loss = self.loss_once(loss_sum)
-        self.update(grads)
-        return loss / batch.n_tokens
+        if cut and stop is not None and self.pipe.completed < M:     # cut: keep the gradients
+            ce, stopping, _ = self.loss_flag_norm(loss_sum, flag())
+            return None, ce, stopping
+        self.update(grads)    # (clipped on the device: the norm is not read inside the step)
+        ce, stopping, self.last_norm = self.loss_flag_norm(loss_sum, flag(), self.last_norm)
+        return ce / batch.n_tokens, ce, stopping
+
+    def loss_flag_norm(self, loss_sum: torch.Tensor, flag: bool, norm=None):
+        """(global CE sum, any rank's flag, the gradient norm as a float) from one all-reduce of
+        [CE sum on tp rank 0, flag, norm on rank 0] (float64, unmetered) and the step's one host
+        read: preemption and the logged norm cost no collective of their own."""
+        t = torch.zeros(3, dtype=torch.float64, device=loss_sum.device)     # [CE, flag, norm]
+        if self.first_in([self.groups["tp"]]):   # (every tp rank holds the same sum)
+            t[0] = loss_sum.detach()
+        t[1].fill_(float(flag))    # (a kernel argument: `t[1] = flag` would copy a host tensor)
+        if norm is not None and dist.get_rank() == 0:
+            t[2] = norm
+        with METER.paused():
+            dist.all_reduce(t)                                        # [3], summed over the world
+        ce, n, g = t.tolist()
+        return ce, n > 0, (g if norm is not None else None)
 
     def reduce_grads(self) -> list[torch.Tensor]:
         """The gradient sums after the micro-batches: over dp x cp (ZeRO's reduce-scatter, which
@@ -311,13 +348,13 @@ class Parallel4D:
         pair (first stage's embedding, last stage's head copy)."""
         g = self.groups
         with phase("backward"):
-            self.optimizer.reduce_gradients()
-            grads = self.optimizer.grad_shards()
+            self.optimizer.reduce_gradients()     # per unit: flat [W * s] -> this rank's [s]
+            grads = self.optimizer.grad_shards()  # [s] per unit, over dp x cp (edp: experts)
             if not planted("sp-partials-unreduced"):   # plant: norms' partials left unsummed
                 self._reduce_slices(grads, self.partial_slices, g["tp"])
             if g["tied"] is not None and (self.first or self.last) \
                     and not planted("tied-sync-skipped"):   # plant: the tie forgotten
-                dist.all_reduce(grads[0] if self.first else grads[-1], group=g["tied"])
+                dist.all_reduce(grads[0] if self.first else grads[-1], group=g["tied"])  # [s]
             if "replicate" in g and not planted("replicas-not-summed"):   # plant: HSDP's sum
                 all_reduce_flat([gr for gr, u in zip(grads, self.zero.units)
                                  if u.group is self.zero.group], g["replicate"])
@@ -358,18 +395,18 @@ class Parallel4D:
     @staticmethod
     def _reduce_slices(grads, slices, group):
         if dist.get_world_size(group) > 1:
-            all_reduce_flat([grads[i][a:b] for i, sl in enumerate(slices)
-                                    for a, b in sl], group)
+            all_reduce_flat([grads[i][a:b] for i, sl in enumerate(slices)   # flat [sum of
+                                    for a, b in sl], group)               # the slices' b - a]
 
     def clip(self, grads, max_norm: float) -> float:
         """The global gradient norm over all four dimensions (one scalar all-reduce over the
         world), and clipping by it when max_norm > 0 (torch's clip_grad_norm_ formula)."""
-        sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device)
+        sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device)     # [1]
         for gr, sl in zip(grads, self.norm_slices):
             for a, b in sl:
                 sq += gr[a:b].double().pow(2).sum()
         over_shards_only = planted("clip-norm-misses-pp")   # plant: each stage's own norm
-        dist.all_reduce(sq, group=self.groups["dpcp"] if over_shards_only else None)
+        dist.all_reduce(sq, group=self.groups["dpcp"] if over_shards_only else None)  # [1]
         return clip_by_norm(sq, grads, max_norm)
 
     # -- full tensors (collective) --

@@ -153,8 +153,10 @@ def expected_comm(strat, blocks: list[ComposedMoE]) -> list[Expect]:
         rows.append(Expect("all_gather_into_tensor", "ep", L_r * M, L_r * M * a.ep * k * n * 8,
                            "L_r M x E k n_experts x 8: every rank's (slot, expert) counts"))
     else:   # summed over the world: each layer on the W / P ranks of its stage
-        per = 4 * k * T_r * H * b + n * 8
-        rows.append(Expect("all_to_all_single", "ep", 5 * L * M * W // P, L * M * W // P * per,
+        tok, cnt = ep_moe.TOKEN_ALL_TO_ALLS, ep_moe.COUNT_ALL_TO_ALLS
+        per = tok * k * T_r * H * b + cnt * n * 8
+        rows.append(Expect("all_to_all_single", "ep", (tok + cnt) * L * M * W // P,
+                           L * M * W // P * per,
                            f"per layer, micro-batch and rank 4 k T_r H b (dispatch + combine, fwd "
                            f"+ bwd) + n_experts x 8 (counts) = {per:,} B, 5 calls; L M W / P = "
                            f"{L} x {M} x {W} / {P}", ranks="sum"))

@@ -72,9 +72,9 @@ class CPContext:
 
     def __init__(self, variant, group, seq, world=None, rank=None, kernel=None):
         self.variant, self.group = variant, group
-        self.W = dist.get_world_size(group) if world is None else world
+        self.world = dist.get_world_size(group) if world is None else world
         self.rank = dist.get_rank(group) if rank is None else rank
-        self.chunks = layout(variant, self.W, seq)
+        self.chunks = layout(variant, self.world, seq)
         self.kernel = kernel or TorchKernel()   # the block kernel (pick_kernel)
 
     def offsets(self, rank):
@@ -320,7 +320,7 @@ def _hop(tensors: list, cp: CPContext):
     """Send `tensors` to the next rank and receive the previous rank's (async; every send and
     its recv are posted together, so no ordering can deadlock). Returns (buffers, requests)."""
     def peer(r):
-        return dist.get_global_rank(cp.group, r % cp.W) if cp.group else r % cp.W
+        return dist.get_global_rank(cp.group, r % cp.world) if cp.group else r % cp.world
     recv = [torch.empty_like(t) for t in tensors]   # each (2, B, n_kv, s, d): K/V or dK/dV
     ops = [dist.P2POp(dist.isend, t, peer(cp.rank + 1), cp.group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, t, peer(cp.rank - 1), cp.group) for t in recv]
@@ -390,12 +390,12 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cp, scale):   # q (B, n_h, s, d), k, v (B, n_kv, s, d) -> q's shape
         acc = {"dtype": _acc_dtype(q)}
         kv = torch.stack([k, v]).contiguous()          # (2, B, n_kv, s, d): only kv heads travel
-        for step in range(cp.W):
-            src = (cp.rank - step) % cp.W
-            if step < cp.W - 1:
+        for step in range(cp.world):
+            src = (cp.rank - step) % cp.world
+            if step < cp.world - 1:
                 nxt, reqs = _hop([kv], cp)             # overlaps the block below
             _attend(q, kv[0], kv[1], cp, src, scale, acc)
-            if step < cp.W - 1:
+            if step < cp.world - 1:
                 _wait(reqs)
                 kv = nxt[0]
         out, lse = _finish(acc)
@@ -413,21 +413,21 @@ class RingAttention(torch.autograd.Function):
         # the block held now (sent by the previous rank after its compute) arrive meanwhile;
         # this rank adds its part and passes them on. After W hops they are home.
         dkv_reqs = None
-        for step in range(cp.W):
-            src = (cp.rank - step) % cp.W
-            if step < cp.W - 1:
+        for step in range(cp.world):
+            src = (cp.rank - step) % cp.world
+            if step < cp.world - 1:
                 nxt, kv_reqs = _hop([kv], cp)
             dkv = torch.zeros_like(kv, dtype=dt)       # (2, B, n_kv, s, d): our part for src
             _grad(q, kv[0], kv[1], do, out, lse, delta, cp, src, scale, dq, dkv)
-            if cp.W == 1:
+            if cp.world == 1:
                 break
             if dkv_reqs is not None:                   # the earlier ranks' parts for block src
                 _wait(dkv_reqs)
                 dkv += arrived
-            if step == cp.W - 1 and planted("dkv-not-home"):   # plant: no last hop, the
+            if step == cp.world - 1 and planted("dkv-not-home"):   # plant: no last hop, the
                 break                                  # neighbour's dK/dV taken as ours
             (arrived,), dkv_reqs = _hop([dkv], cp)     # the last one brings our dK/dV home
-            if step < cp.W - 1:
+            if step < cp.world - 1:
                 _wait(kv_reqs)
                 kv = nxt[0]
         else:
@@ -439,9 +439,9 @@ class RingAttention(torch.autograd.Function):
 def _gather_kv(k, v, cp):
     """Every rank's K and V as (W, B, 2, n_kv, s, d): one all-gather, rank blocks on dim 0."""
     kv = torch.stack([k, v], dim=1).contiguous()       # (B, 2, n_kv, s, d)
-    full = torch.empty((cp.W * kv.shape[0],) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
+    full = torch.empty((cp.world * kv.shape[0],) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
     dist.all_gather_into_tensor(full, kv, group=cp.group)   # (B, ..) -> (W*B, 2, n_kv, s, d)
-    return full.view((cp.W,) + kv.shape)               # (W, B, 2, n_kv, s, d)
+    return full.view((cp.world,) + kv.shape)               # (W, B, 2, n_kv, s, d)
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -451,7 +451,7 @@ class AllGatherAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cp, scale):   # q (B, n_h, s, d), k, v (B, n_kv, s, d) -> q's shape
         full = _gather_kv(k, v, cp)                       # (W, B, 2, n_kv, s, d)
         acc = {"dtype": _acc_dtype(q)}
-        for src in range(cp.W):                           # src's K, V: (B, n_kv, s, d) each
+        for src in range(cp.world):                           # src's K, V: (B, n_kv, s, d) each
             _attend(q, full[src][:, 0], full[src][:, 1], cp, src, scale, acc)
         out, lse = _finish(acc)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -464,7 +464,7 @@ class AllGatherAttention(torch.autograd.Function):
         dt = dq.dtype
         full = _gather_kv(k, v, cp)                      # K/V were not kept: gather again
         dfull = torch.zeros(full.shape, dtype=dt, device=q.device)   # (W, B, 2, n_kv, s, d)
-        for src in range(cp.W):
+        for src in range(cp.world):
             blk = [dfull[src][:, 0], dfull[src][:, 1]]
             _grad(q, full[src][:, 0], full[src][:, 1], do, out, lse, delta, cp, src, scale,
                   dq, blk)
@@ -524,6 +524,24 @@ def reference_attention(q, k, v, scale):
     n_rep = q.shape[1] // k.shape[1]
     return F.scaled_dot_product_attention(q, _expand(k, n_rep), _expand(v, n_rep),
                                           is_causal=True, scale=scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# Formulas (rig/cp_ring.py, trainer4d/comm.py and trainer4d/plan.py count with these)
+# ----------------------------------------------------------------------------------------------
+ALLGATHER_COLLECTIVES = (2, 1)   # --variant allgather, per layer: K,V gathered twice, dK,dV once
+
+
+def ring_messages(world: int) -> int:
+    """Point-to-point messages per layer and micro-batch, each way (isend and irecv): W-1 K,V
+    hops forward; W-1 K,V hops and W-1 dK,dV hops backward; the dK,dV home."""
+    return 3 * (world - 1) + 1 if world > 1 else 0
+
+
+def ring_bytes(world: int, kv_block: int, dkv_block: int) -> int:
+    """Their bytes: kv_block = one rank's K and V (B, 2, n_kv, S/W, d); dkv_block the same in
+    the accumulation dtype (at least float32)."""
+    return (world - 1) * kv_block + (world - 1) * (kv_block + dkv_block) + dkv_block
 
 
 if __name__ == "__main__":   # torchrun cp_ring.py --mode ...: the test rig runs it

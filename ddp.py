@@ -24,6 +24,8 @@ Memory per rank: the full model states (params + grads + AdamW's 2 moments = 4 P
 activations of B/(W K) sequences. More: docs/internals.md, 'ddp.py'.
 
 Public API
+    model = NaiveDataParallel(module); ...backward...; model.sync_gradients()   the idea in 15
+        lines (--variant naive): one all_reduce per parameter after the backward, no overlap
     model = DataParallel(module, group=None, bucket_mb=25)   a drop-in for torch DDP: rank 0's
         parameters and buffers broadcast, gradients averaged by the end of backward (set_to_none
         either way), no_sync(), find_unused_parameters=; examples/ddp_train.py
@@ -40,7 +42,37 @@ from harness.loss import chunked_loss_sum
 
 
 # ----------------------------------------------------------------------------------------------
-# Buckets
+# The naive version first: one all_reduce per parameter, after the backward
+# ----------------------------------------------------------------------------------------------
+class NaiveDataParallel(torch.nn.Module):
+    """DDP in its simplest correct form (--variant naive): rank 0's parameters broadcast once;
+    after the step's last backward, sync_gradients() all-reduces every gradient on its own and
+    divides it by W. The same Psi * b bytes as DataParallel below, but in one call per
+    parameter, none of it overlapping the backward. (HF's buffers are constants: not sent.)"""
+
+    def __init__(self, module, group=None):
+        super().__init__()
+        self.module, self.group = module, group
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        with torch.no_grad():
+            for p in module.parameters():
+                dist.broadcast(p.data, src, group=group)          # [p.shape] from rank 0
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def sync_gradients(self):
+        W = dist.get_world_size(self.group)
+        for p in self.module.parameters():
+            if p.grad is None:          # (every rank sends every parameter: same calls)
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.group)              # [p.shape], summed over W
+            if not planted("naive-no-average"):   # plant: the sum, not the average
+                p.grad.div_(W)
+
+
+# ----------------------------------------------------------------------------------------------
+# Buckets: the same reduction in a few large calls, launched during the backward
 # ----------------------------------------------------------------------------------------------
 def plan_buckets(params: list[torch.nn.Parameter], cap_bytes: int) -> list[list[int]]:
     """Indices of `params` packed in reverse order into buckets of at most cap_bytes

@@ -430,6 +430,13 @@ def gather_experts(tensors: dict, group, to_first: bool = False) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# Formulas (rig/ep_moe.py, compose_moe.py and trainer4d/plan.py count with these)
+# ----------------------------------------------------------------------------------------------
+# per MoE layer and micro-batch: the token rows' dispatch and combine, forward and backward,
+# k N H b each when dropless (N: the rank's tokens); and the (W, E) counts' one exchange
+TOKEN_ALL_TO_ALLS, COUNT_ALL_TO_ALLS = 4, 1
+
 if __name__ == "__main__":   # torchrun ep_moe.py --mode ...: the test rig runs it
     from rig.ep_moe import main
     main()

@@ -136,13 +136,13 @@ class FSDPUnit:
                  replicate, mp: MixedPrecisionPolicy, reshard_after_forward, prefetch: int):
         self.module, self.params, self.ignored = module, params, ignored
         self.group, self.replicate, self.mp, self.prefetch = group, replicate, mp, prefetch
-        self.W, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.R = dist.get_world_size(replicate) if replicate is not None else 1
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.replicas = dist.get_world_size(replicate) if replicate is not None else 1
         self.reshard_after_forward = reshard_after_forward   # None: decided at the first forward
         self.dtype = params[0].full.dtype if params else None
         self.reduce_dtype = mp.reduce_dtype or mp.param_dtype or (
             params[0].sharded.dtype if params else None)
-        self.N = sum(p.padded for p in params)               # all-gather elements per rank
+        self.shard_numel = sum(p.padded for p in params)    # N: all-gather elements per rank
         self.gathered, self.handle, self.sync = False, None, True
         self.root = None          # the root of the forward this unit last ran in
         self.order = None         # the root's: units in their first forward's order
@@ -158,7 +158,7 @@ class FSDPUnit:
         return [p for p in self.params if p.sharded.requires_grad]
 
     @property
-    def Ng(self) -> int:   # reduce-scatter elements per rank
+    def grad_shard_numel(self) -> int:   # reduce-scatter elements per rank
         return sum(p.padded for p in self.trainable)
 
     def _count(self, kind: str, nbytes: int):
@@ -181,7 +181,7 @@ class FSDPUnit:
             self.gathered = True   # (in the backward: re-allocated, never re-gathered)
             return self.wait()
         out, work = self.all_gather([p.sharded for p in self.params], self.dtype)
-        self._count("all_gather copy-in", self.N * out.element_size())
+        self._count("all_gather copy-in", self.shard_numel * out.element_size())
         self.handle, self.gathered = (work, out), True
         if not async_op:
             self.wait()
@@ -190,7 +190,7 @@ class FSDPUnit:
         """Launch one all-gather of these per-parameter shards (parameters or gradients; None
         reads as zeros), each copied in at its offset and cast to `dtype`: ([W * N], work)."""
         device = self.params[0].full.device
-        inp = torch.zeros(self.N, dtype=dtype, device=device)                   # [N]
+        inp = torch.zeros(self.shard_numel, dtype=dtype, device=device)                   # [N]
         views, srcs, off = [], [], 0
         for p, t in zip(self.params, shards):
             if t is not None and p.local:
@@ -199,7 +199,8 @@ class FSDPUnit:
             off += p.padded
         if views:
             torch._foreach_copy_(views, srcs)
-        out = torch.empty(self.W * self.N, dtype=dtype, device=device)  # [N] x W -> flat [W * N]
+        out = torch.empty(self.world * self.shard_numel, dtype=dtype,
+                          device=device)                  # [N] x W -> flat [W * N]
         return out, dist.all_gather_into_tensor(out, inp, group=self.group, async_op=async_op)
 
     def wait(self):
@@ -207,11 +208,11 @@ class FSDPUnit:
         if self.handle is not None:
             work, out = self.handle
             work.wait()
-            fulls = [p.full.view(self.W, p.padded) for p in self.params]       # [W, c_i rest_i]
+            fulls = [p.full.view(self.world, p.padded) for p in self.params]       # [W, c_i rest_i]
             # autograd saved the full parameters in the forward: refilling them is no change
             with torch.autograd._unsafe_preserve_version_counter(
                     tuple(p.unsharded for p in self.params)):
-                torch.split_with_sizes_copy(out.view(self.W, self.N),           # [W, N]
+                torch.split_with_sizes_copy(out.view(self.world, self.shard_numel),   # [W, N]
                                             [p.padded for p in self.params], dim=1,
                                             out=fulls)          # -> [W, c_i rest_i] each
             self._count("all_gather copy-out", out.numel() * out.element_size())
@@ -323,7 +324,7 @@ class FSDPUnit:
             self.reshard()
 
     def _reduce_scatter(self, grads):
-        rd, W, ps = self.reduce_dtype, self.W, self.trainable
+        rd, W, ps = self.reduce_dtype, self.world, self.trainable
         device = self.params[0].full.device
         cols = []
         for p, g in zip(ps, grads):   # each gradient as its W padded shards
@@ -347,9 +348,9 @@ class FSDPUnit:
     def _take_reduced(self, out, ps):
         """The reduced shards (summed over the group) into each parameter's .grad."""
         if out.dtype != torch.float16 and not planted("no-average"):   # plant: summed
-            out.div_(self.W)
+            out.div_(self.world)
         if self.replicate is not None and not planted("replicas-not-averaged"):  # plant: HSDP
-            out.div_(self.R)
+            out.div_(self.replicas)
             dist.all_reduce(out, group=self.replicate)    # [N_g] over the R replicas
         off = 0
         for p in ps:
@@ -371,7 +372,7 @@ class FSDPUnit:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in ps]
         for g in grads:   # averaged first: fp16's range
-            g.div_(self.W * self.R)
+            g.div_(self.world * self.replicas)
         for group in (self.group, self.replicate) if self.replicate is not None else (self.group,):
             all_reduce_flat(grads, group)                      # one flat [sum of numels] each
 
@@ -518,7 +519,7 @@ def _check_optimizer(optimizer, args, kwargs):
     for g in optimizer.param_groups:
         for p in g["params"]:
             sp = getattr(p, "_fsdp_param", None)
-            if sp is not None and sp.sharded._fsdp_unit.W > 1:
+            if sp is not None and sp.sharded._fsdp_unit.world > 1:
                 raise ValueError(
                     f"fsdp: {type(optimizer).__name__} would update a shard of a "
                     f"{tuple(sp.shape)} parameter as if it were the whole tensor (it is not "
@@ -526,6 +527,16 @@ def _check_optimizer(optimizer, args, kwargs):
                     f"{', '.join(c.__name__ for c in zero.ELEMENTWISE)}, or keep such "
                     f"parameters whole with fully_shard(..., ignored_params=...)")
     optimizer._fsdp_checked = n
+
+
+# ----------------------------------------------------------------------------------------------
+# Formulas (rig/fsdp.py counts with this)
+# ----------------------------------------------------------------------------------------------
+def collectives_per_unit(reshard_after_forward: bool, micro_batches: int) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) of one unit per optimizer step of M micro-batches, the
+    gradient sync off on all but the last: a gather before every forward and, resharded after
+    it, again before every backward; one reduce-scatter, in the last backward."""
+    return micro_batches * (1 + int(reshard_after_forward)), 1
 
 
 if __name__ == "__main__":   # torchrun fsdp.py --mode ...: the test rig runs it

@@ -67,7 +67,8 @@ def full_tensors(model: nn.Module, what: str = "param") -> dict[str, torch.Tenso
         if u.params:
             flat, _ = u.all_gather([p.sharded if what == "param" else p.sharded.grad
                                     for p in u.params], u.params[0].sharded.dtype, False)
-            pieces = flat.view(u.W, u.N).split([p.padded for p in u.params], dim=1)  # [W, N]
+            pieces = flat.view(u.world, u.shard_numel).split(              # [W, N]
+                [p.padded for p in u.params], dim=1)
             for p, piece in zip(u.params, pieces):   # [W, c rest] -> the first numel
                 full_of[p] = piece.reshape(-1)[:math.prod(p.shape)].view(p.shape)
     out = {}

@@ -213,17 +213,13 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
     # optimizer bytes per parameter: m and v in the run's dtype, or, in half precision, the
     # fp32 master and fp32 m and v (harness.precision, zero.ZeroOptimizer)
     opt_e = 12 if elem < 4 else 2 * elem
-    # --- activations per token per layer
-    inside = ((h + 2 * kv) + (h + kv) + 2 * h + 4 * I + (2 * a * L_seq if eager else 0)) * elem
-    # two norms' inputs and outputs; in half precision HF computes RMSNorm in
-    # fp32, which keeps an fp32 copy of the input and of the normalised product (12h bytes)
-    outside = 4 * h * elem + (12 * h if elem < 4 else 0)
-    if strategy == "tp":
-        act_tok = inside / T + outside
-    elif strategy in ("sp", "ulysses", "cp"):
-        act_tok = (inside + outside) / W
-    else:
-        act_tok = inside + outside
+    # --- activations per layer: harness.recompute.activation_bytes (the suite's one model,
+    # byte for byte against the live storage); TP splits heads and MLP width, SP also the
+    # norms' tokens; Ulysses and CP hold 1/W of every sequence's tokens
+    from harness.recompute import activation_bytes
+    attn = "eager" if eager and strategy != "cp" else "sdpa"    # (cp: the ring's own kernel)
+    one = activation_bytes(cfg, b, L_seq, elem, "none", attn, tp=T, sp=strategy == "sp")
+    act_layer = one["per_layer"] / (W if strategy in ("ulysses", "cp") else 1)
     # logits, the loss's fp32 log-softmax, the logits' grad; half-precision logits are upcast
     # to an fp32 copy first (lm_loss_sum, tp's vocab-parallel CE)
     logits_tok = V * (2 * elem + 4 + (4 if elem < 4 else 0))
@@ -238,26 +234,20 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
         for r, rng in enumerate(bounds):
             n = len(rng) * layer_params + (embed if r == 0 else 0) + (last if r == W - 1 else 0)
             stages.append(dict(
-                stage=r, states=n * (2 * elem + opt_e), activations=act_tok * tokens * len(rng) *
+                stage=r, states=n * (2 * elem + opt_e), activations=act_layer * len(rng) *
                 (W - r), attention_blocks=0, logits=tokens * logits_tok if r == W - 1 else 0))
         for d in stages:
             d["peak"] = d["states"] + d["activations"] + d["logits"]
         return max(stages, key=lambda d: d["peak"])
-    # --- model states: params e, grads e, AdamW m and v 2e (opt_e)
-    p_b, g_b, o_b = psi * elem, psi * elem, psi * opt_e
-    extra = 0
-    if strategy == "zero1":
-        o_b /= W
-    elif strategy == "zero2":
-        o_b, g_b = o_b / W, g_b / W
-    elif strategy in ("zero3", "fsdp"):
-        p_b, g_b, o_b = p_b / W, g_b / W, o_b / W
-        extra = 2 * max(layer_params, embed) * elem   # one gathered unit and its full gradient
-    elif strategy in ("tp", "sp"):
-        shard = Ly * (layer_params - 2 * h) / T + Ly * 2 * h + (embed + head - h) / T + h
-        p_b, g_b, o_b = shard * elem, shard * elem, shard * opt_e
-    states = p_b + g_b + o_b + extra
-    acts = act_tok * tokens * Ly
+    # --- model states: params e, grads e, AdamW m and v 2e (opt_e): ZeRO's table (zero.py)
+    from zero import model_state_bytes
+    stage = {"zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}.get(strategy, 0)
+    if strategy in ("tp", "sp"):   # the layers' matrices and the vocabulary split T ways
+        psi = Ly * (layer_params - 2 * h) / T + Ly * 2 * h + (embed + head - h) / T + h
+    states = sum(model_state_bytes(psi, stage, W, elem, elem, opt_e).values())
+    if stage == 3:
+        states += 2 * max(layer_params, embed) * elem   # one gathered unit and its full gradient
+    acts = act_layer * Ly
     blocks = 0
     if strategy == "cp":  # cp_ring's pure-torch kernel: score blocks of (S/2C)^2 per head; its
         c = L_seq / (2 * W)   # backward holds s, p, dP and dS of one block at a time

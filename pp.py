@@ -109,21 +109,23 @@ class Pipeline:
     """This rank's chunks of `model` and the executor of its schedule. `group` is the pipeline
     group (None: the world; ranks are group ranks); `tie_group` the two-rank group of the first
     and last stage when the embeddings are tied (created by the caller, on every rank, in the
-    same order). A composition (compose4d.py) may set `positions` (the global position ids of
+    same order). A composition (compose4d.py) passes `positions` (the global position ids of
     this rank's tokens, for context parallelism), `seq_shards` (the residual stream is split
     that many ways along the sequence, for Megatron SP), `hidden_columns` (which of a
     micro-batch's columns that residual stream holds on this rank, for dropout.py's masks) and
-    `loss_sum` (the vocab-parallel loss).
+    `loss_sum` (the vocab-parallel loss; default harness.lm_loss_sum).
     `forward` and `backward` do an action's compute and nothing else (run() receives and sends
     around them), so a caller may wrap them: the benchmark times them that way (PP below)."""
 
     def __init__(self, model, P: int, V: int, rank: int, schedule_name: str, group=None,
-                 tie_group=None, split_backward: bool | None = None):
+                 tie_group=None, split_backward: bool | None = None, *, positions=None,
+                 seq_shards: int = 1, hidden_columns: slice | None = None, loss_sum=None):
         V = chunks_per_rank(schedule_name, V)
-        self.model, self.P, self.V, self.rank, self.group = model, P, V, rank, group
-        self.schedule_name, self.C = schedule_name, P * V
-        self.positions, self.seq_shards, self.loss_sum = None, 1, lm_loss_sum
-        self.hidden_columns = None
+        self.model, self.rank, self.group = model, rank, group
+        self.stages, self.virtual_stages = P, V     # P stages, V chunks per rank
+        self.schedule_name, self.n_chunks = schedule_name, P * V
+        self.positions, self.seq_shards = positions, seq_shards
+        self.hidden_columns, self.loss_sum = hidden_columns, loss_sum or lm_loss_sum
         self.stop_check = None   # the preemption point, stop_check(m) (see _stop_before())
         self.completed = 0       # micro-batches run to the end in the last run()
         self._grids = {}         # (M, schedule) -> Grid
@@ -134,14 +136,15 @@ class Pipeline:
         emb = sum(t.numel() for t in p.embed.parameters())
         head = (sum(t.numel() for t in p.norm.parameters()) if p.norm is not None else 0) \
             + p.head.weight.numel()
-        self.bounds = split_layers([float(x) for x in n_layer], emb, head, self.C)
+        self.chunk_layers = split_layers([float(x) for x in n_layer], emb, head, self.n_chunks)
         self.costs = [sum(n_layer[i] for i in b) + (emb if c == 0 else 0)
-                      + (head if c == self.C - 1 else 0) for c, b in enumerate(self.bounds)]
-        self.mine = [c for c in range(self.C) if self.owner(c) == rank]
-        keep = {i for c in self.mine for i in self.bounds[c]}
+                      + (head if c == self.n_chunks - 1 else 0)
+                      for c, b in enumerate(self.chunk_layers)]
+        self.my_chunks = [c for c in range(self.n_chunks) if self.owner(c) == rank]
+        keep = {i for c in self.my_chunks for i in self.chunk_layers[c]}
         self.tied = p.tied
         self.head_weight = p.names["head"] + ".weight"   # (its name: the tied copy's)
-        first, last = 0 in self.mine, self.C - 1 in self.mine
+        first, last = 0 in self.my_chunks, self.n_chunks - 1 in self.my_chunks
         if self.tied and last and not first:
             p.head.weight = nn.Parameter(p.embed.weight.detach().clone())
         for i in range(len(p.layers)):  # drop what this rank does not run
@@ -155,21 +158,21 @@ class Pipeline:
                 if getattr(p, part) is not None:
                     set_part(model, p.names[part], None)
                     setattr(p, part, None)
-        self.tie_group = (tie_group if self.tied and self.owner(0) != self.owner(self.C - 1)
+        self.tie_group = (tie_group if self.tied and self.owner(0) != self.owner(self.n_chunks - 1)
                           else None)
         self.wgrad = WeightGradStore()     # the split backward: W's stashed pairs
         self.split = (schedule_name in ("zb", "dualpipev") if split_backward is None
                       else split_backward)   # (False: the cut only, torch's pipelining runs it)
         self.small_params = {}
         if self.split:
-            for c in self.mine:
+            for c in self.my_chunks:
                 linears = defer_linears(self.modules_of(c), self.wgrad)
                 deferred = {id(lin.weight) for lin in linears}
                 self.small_params[c] = [p for p in self.params_of(c) if id(p) not in deferred]
 
     def owner(self, c: int) -> int:
         """The (group) rank that holds chunk c."""
-        return chunk_owner(self.schedule_name, c, self.P)
+        return chunk_owner(self.schedule_name, c, self.stages)
 
     # -- the model, cut into chunks --
     def run_chunk(self, c, x, S):
@@ -187,11 +190,11 @@ class Pipeline:
         cos_sin = rotary_by_type(p, h, pos, types)      # {type: ((1, S, d), (1, S, d))}
         masks = (None if self.positions is not None    # (context parallel: its own attention)
                  else attention_masks(config, S, h.dtype, h.device))
-        for i in self.bounds[c]:
+        for i in self.chunk_layers[c]:
             kind = types[i] if types else "full_attention"
             h = p.layers[i](h, attention_mask=masks and masks[kind], position_ids=pos,
                             position_embeddings=cos_sin.get(kind))
-        if c == self.C - 1:
+        if c == self.n_chunks - 1:
             if p.norm is not None and not planted("pp-skips-final-norm"):   # plant
                 h = p.norm(h)
             h = head_output(p.head(h), config)                                # (B, S, V)
@@ -199,10 +202,10 @@ class Pipeline:
 
     def modules_of(self, c):
         p = self.parts
-        mods = [p.layers[i] for i in self.bounds[c]]
+        mods = [p.layers[i] for i in self.chunk_layers[c]]
         if c == 0:
             mods.append(p.embed)
-        if c == self.C - 1:
+        if c == self.n_chunks - 1:
             mods += [m for m in (p.norm, p.head) if m is not None]
         return mods
 
@@ -217,11 +220,12 @@ class Pipeline:
         ops, bufs = [], []        # every tensor (B, S/T, H): an activation or its gradient
         for src, dst, m, bwd in keys_out:
             ops.append(dist.P2POp(dist.isend, sends.pop((src, dst, m, bwd)), group=self.group,
-                                  group_peer=self.owner(dst), tag=(m * self.C + dst) * 2 + bwd))
+                                  group_peer=self.owner(dst),
+                                  tag=(m * self.n_chunks + dst) * 2 + bwd))
         for src, dst, m, bwd in keys_in:
             buf = torch.empty(shape, dtype=dtype, device=self.device)   # (B, S/T, H)
             ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=self.owner(src),
-                                  tag=(m * self.C + dst) * 2 + bwd))
+                                  tag=(m * self.n_chunks + dst) * 2 + bwd))
             bufs.append(((src, dst, m, bwd), buf))
         if not ops:
             return
@@ -256,7 +260,7 @@ class Pipeline:
         report; the other chunks return their output activations and None."""
         with dropout.at(mbs[m], hidden=self.hidden_columns):
             out = self.run_chunk(c, x, mbs[m].input_ids.shape[1])
-        if c < self.C - 1:
+        if c < self.n_chunks - 1:
             return out, None
         ce = self.loss_sum(out, mbs[m].labels)
         loss = ce / n_tokens
@@ -316,7 +320,8 @@ class Pipeline:
         dtype = next(self.model.parameters()).dtype
         self.device = batch.input_ids.device
         if (M, self.schedule_name) not in self._grids:
-            self._grids[(M, self.schedule_name)] = Grid(self.schedule_name, self.P, M, self.V)
+            self._grids[(M, self.schedule_name)] = Grid(self.schedule_name, self.stages, M,
+                                                        self.virtual_stages)
         grid = self._grids[(M, self.schedule_name)]
         starts = {t: m for m, t in grid.first_forward.items()}
         self.batches = []
@@ -330,7 +335,7 @@ class Pipeline:
                 stop_at = starts[t]   # at the cut: nothing of micro-batches >= stop_at posted
             if action is not None and (stop_at is None or action[2] < stop_at):
                 kind, c, m = action
-                recv_key, send_key = messages(kind, c, m, self.C)
+                recv_key, send_key = messages(kind, c, m, self.n_chunks)
                 if kind == "F":
                     with phase("forward"):
                         x = (mbs[m].input_ids if recv_key is None else
@@ -383,7 +388,7 @@ class Pipeline:
         device = batch.input_ids.device
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for mb in mbs:
-            for c in self.mine:
+            for c in self.my_chunks:
                 if c == 0:
                     x = mb.input_ids
                 elif self.owner(c - 1) == self.rank:     # the V's turn: out of chunk c - 1
@@ -394,7 +399,7 @@ class Pipeline:
                             dist.irecv, x, group=self.group, group_peer=self.owner(c - 1))]):
                         w.wait()
                 out = self.run_chunk(c, x, S)
-                if c < self.C - 1 and self.owner(c + 1) != self.rank:   # out (B, S/T, H)
+                if c < self.n_chunks - 1 and self.owner(c + 1) != self.rank:   # out (B, S/T, H)
                     for w in dist.batch_isend_irecv([dist.P2POp(
                             dist.isend, out.contiguous(), group=self.group,
                             group_peer=self.owner(c + 1))]):
@@ -405,7 +410,7 @@ class Pipeline:
 
     def sync_tied(self):
         """The first stage's embedding and the last stage's head are one tied tensor."""
-        first, last = 0 in self.mine, self.C - 1 in self.mine
+        first, last = 0 in self.my_chunks, self.n_chunks - 1 in self.my_chunks
         if self.tie_group is None or not (first or last):
             return
         w = self.parts.embed.weight if first else self.parts.head.weight
@@ -419,7 +424,7 @@ def stage_loop(model, args):
 
     def forward(ids):                    # (B, S) -> (B, S, V), through every chunk in turn
         h = ids
-        for c in range(pipe.C):
+        for c in range(pipe.n_chunks):
             h = pipe.run_chunk(c, h, ids.shape[1])
         return h
     return forward

@@ -340,3 +340,13 @@ def split_layers(costs: list[float], first: float, last: float, n: int) -> list[
         bounds.append(range(cut[k][i], i))
         i = cut[k][i]
     return bounds[::-1]
+
+
+def boundary_messages(name: str, P: int, V: int, rank: int) -> int:
+    """Sends per micro-batch from `rank` (and as many receives; pp.py's executor, the rig's and
+    the planners' count): an activation out of each of its chunks but the last, a gradient back
+    out of each but the first, where the neighbouring chunk is on another rank."""
+    C = P * chunks_per_rank(name, V)
+    owner = [chunk_owner(name, c, P) for c in range(C)]
+    return sum((c < C - 1 and owner[c + 1] != rank) + (c > 0 and owner[c - 1] != rank)
+               for c in range(C) if owner[c] == rank)

@@ -3,8 +3,8 @@
 megatron (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
 2022): tp.py's norms, residual adds and dropout run on S/T tokens per rank (activations / T);
 f/g become, among the T ranks of the tp group,
-    enter  all-gather along the sequence     (backward: reduce-scatter)
-    exit   reduce-scatter along the sequence (backward: all-gather)
+    region_in   all-gather along the sequence     (backward: reduce-scatter)
+    region_out  reduce-scatter along the sequence (backward: all-gather)
   The norms' and row biases' gradients are all-reduced; the residual stream is split at the
   first layer (HF's RoPE and mask need the full embedding); attention and the loss see the
   whole sequence. --async-tp: the regions as rings of chunked matmuls (async_tp.py).
@@ -33,7 +33,6 @@ Public API
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from harness import attention_of, parts, planted
 from harness import dropout as harness_dropout
@@ -67,7 +66,7 @@ def _reduce_scatter_seq(x, group):
 
 
 class GatherFromSP(torch.autograd.Function):
-    """enter: all-gather the sequence forward; reduce-scatter the gradient backward."""
+    """region_in: all-gather the sequence forward; reduce-scatter the gradient backward."""
 
     @staticmethod
     def forward(ctx, x, group):          # (B, S/T, H) -> (B, S, H)
@@ -83,7 +82,7 @@ class GatherFromSP(torch.autograd.Function):
 
 
 class ReduceScatterToSP(torch.autograd.Function):
-    """exit: reduce-scatter the partial sums forward; all-gather the gradient backward."""
+    """region_out: reduce-scatter the partial sums forward; all-gather the gradient backward."""
 
     @staticmethod
     def forward(ctx, x, group):          # (B, S, H) partial sums -> (B, S/T, H) of the sum
@@ -143,7 +142,7 @@ class SPRegion(tp.TPRegion):
         super().__init__(group)
         self._contexts = []
 
-    def enter(self, x):
+    def region_in(self, x):
         full = GatherFromSP.apply(x, self.group)       # (B, S/T, H) -> (B, S, H)
         # (inside a fully recomputed layer the checkpoint keeps the layer's input, this rank's
         # chunk, and nothing else: the re-gather hooks would keep what it drops)
@@ -154,11 +153,11 @@ class SPRegion(tp.TPRegion):
             self._contexts.append(ctx)
         return full
 
-    def leave(self):
+    def after_module(self):
         if self._contexts:
             self._contexts.pop().__exit__(None, None, None)
 
-    def exit(self, x):
+    def region_out(self, x):
         return ReduceScatterToSP.apply(x, self.group)  # (B, S, H) partial -> (B, S/T, H)
 
 
@@ -171,22 +170,20 @@ def parallelize(model, group=None, async_tp: bool = False) -> tp.TensorParallel:
     region = SPRegion(group)
     if async_tp:
         region = async_tp_.AsyncSPRegion(group, region)
-    tpm = tp.parallelize(model, group, region=region)
+    tpm = tp.parallelize(model, group, region=region, seq_parallel=True)
     if async_tp:
         async_tp_.fuse_columns(model, region)
-    tpm.extra_partial = shard_residual_stream(model, group, tpm.kinds)
+    shard_residual_stream(model, group)
     return tpm
 
 
-def shard_residual_stream(model, group, kinds: dict[str, str]) -> list[nn.Parameter]:
-    """Megatron SP on a model whose linear layers tensor_parallel already split with an
-    SPRegion: the residual stream is sequence-sharded from the first layer's input on (call
-    before a pipeline drops layers). Returns the parameters whose gradients are partial over the
-    group, from tp's `kinds`: the replicated ones (norms and row-parallel biases act on this
-    rank's tokens only) and the partial ones (per-head q/k norms: this rank's heads)."""
+def shard_residual_stream(model, group):
+    """Megatron SP on a model whose linear layers tp.parallelize already split with an
+    SPRegion (seq_parallel=True, which makes the norms' and row biases' gradients partial over
+    the group: they act on this rank's tokens only): the residual stream is sequence-sharded
+    from the first layer's input on (call before a pipeline drops layers)."""
     parts(model).layers[0].register_forward_pre_hook(
         lambda mod, args, kwargs: _split_first(args, kwargs, group), with_kwargs=True)
-    return [p for n, p in model.named_parameters() if kinds.get(n) in ("replicated", "partial")]
 
 
 def _split_first(args, kwargs, group):   # the first layer's input: (B, S, H) -> (B, S/T, H)
@@ -283,6 +280,32 @@ def parallelize_ulysses(model, group=None, **dp_kwargs):
     for layer in parts(model).layers:
         attention_of(layer).sp_group = group
     return ddp.DataParallel(model, group, **dp_kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Formulas (rig/sp.py, trainer4d/comm.py and trainer4d/plan.py count with these)
+# ----------------------------------------------------------------------------------------------
+def region_collectives(layers: int, first: bool = True, last: bool = True,
+                       async_tp: bool = False) -> dict[str, int]:
+    """Megatron SP's collectives per micro-batch, each of one (B, S, H) activation, N H b
+    bytes: per layer 2 region entries forward, their 2 re-gathers for the weight gradients and
+    the 2 row exits' backward (6 all-gathers), 2 row exits forward and 2 entries backward (4
+    reduce-scatters); the LM head's entry on the last stage (2 and 1); the first layer's split
+    on the first (its backward all-gather). The embedding's partial sums stay an all-reduce
+    (tp.region_all_reduces). async_tp: every one of them but the split a ring of T-1 hops."""
+    ag, rs = 6 * layers + 2 * int(last) + int(first), 4 * layers + int(last)
+    if async_tp:
+        return {"all_gather_into_tensor": int(first), "ring": ag - int(first) + rs}
+    return {"all_gather_into_tensor": ag, "reduce_scatter_tensor": rs}
+
+
+ULYSSES_ALL_TO_ALLS = 8   # per layer: q, k, v in and the output back, forward and backward
+
+
+def ulysses_bytes(tokens: int, hidden: int, kv_hidden: int, world: int, elem: int) -> int:
+    """One layer's all-to-all send bytes per rank: q and the output H wide, k and v H_kv wide,
+    N/W tokens each, forward and backward: 2 (2H + 2H_kv) N/W b."""
+    return 2 * (2 * hidden + 2 * kv_hidden) * tokens // world * elem
 
 
 if __name__ == "__main__":   # torchrun sp.py --mode ...: the test rig runs it

@@ -80,30 +80,36 @@ class ReduceFromTP(torch.autograd.Function):
 
 
 class TPRegion:
-    """How activations enter and leave a parallel region: f/g for TP; sp.py swaps in the
-    sequence all-gather / reduce-scatter pair."""
+    """How activations enter and leave a parallel region (Megatron's f and g), the region being
+    the column-parallel layers' input up to the row-parallel layers' output:
+        region_in(x)         f: identity forward, all-reduce of the gradient backward
+        region_out(x)        g: all-reduce of the partial sums forward, identity backward
+        row_linear(x, w)     a row-parallel matmul followed by region_out (async_tp fuses them)
+        embedding_out(x)     the vocab-parallel embedding's partial sums, all-reduced
+        after_module()       called after a region's module ran (SP ends its saved-tensor hooks)
+    sp.SPRegion swaps in the sequence all-gather / reduce-scatter pair, async_tp their rings."""
 
     def __init__(self, group):
         self.group = group
 
-    def enter(self, x):
+    def region_in(self, x):
         if planted("no-f"):   # plant: no f, so d(input) is this rank's branch only
             return x
         return CopyToTP.apply(x, self.group)
 
-    def exit(self, x):
+    def region_out(self, x):
         return ReduceFromTP.apply(x, self.group)
 
-    def embed_exit(self, x):
+    def embedding_out(self, x):
         """After the vocab-parallel lookup: the partial embeddings are summed."""
         return ReduceFromTP.apply(x, self.group)
 
-    def row(self, x, weight):
+    def row_linear(self, x, weight):
         """A row-parallel layer's partial product, reduced (async_tp.py fuses the two)."""
-        return self.exit(F.linear(x, weight))   # (B, S, in/T) @ [out, in/T]^T -> (B, S, out)
+        return self.region_out(F.linear(x, weight))   # (B, S, in/T) @ [out, in/T]^T -> (B, S, out)
 
-    def leave(self):
-        """Called after the region's module has run (sp.py ends its saved-tensor hooks)."""
+    def after_module(self):
+        pass
 
 
 # ----------------------------------------------------------------------------------------------
@@ -168,7 +174,7 @@ class ShardedRMSNorm(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """Columns `cols` of the full weight: each rank's partial product is reduced by
-    region.exit; the (replicated) bias is added once, after the reduction."""
+    region.row_linear; the (replicated) bias is added once, after the reduction."""
 
     def __init__(self, linear: nn.Linear, cols: slice, region: TPRegion):
         super().__init__()
@@ -178,7 +184,7 @@ class RowParallelLinear(nn.Module):
                      if linear.bias is not None else None)
 
     def forward(self, x):                # (B, S, in/T) -> (B, S, out), reduced by the region
-        y = self.region.row(x, self.weight)
+        y = self.region.row_linear(x, self.weight)
         return y + self.bias if self.bias is not None else y
 
 
@@ -218,7 +224,7 @@ class VocabParallelEmbedding(nn.Module):
                                                                             0.0)
         if planted("embed-unmasked"):   # plant: other ranks' ids add this shard's row 0
             out = F.embedding(local, self.weight, self.padding_idx)
-        out = self.region.embed_exit(out)   # (B, S, H) partial -> (B, S, H) summed over T
+        out = self.region.embedding_out(out)   # (B, S, H) partial -> (B, S, H) summed over T
         if self.scale is not None:
             out = out * self.scale
         return out
@@ -290,12 +296,12 @@ class TensorParallel(ShardedTensors):
     heads unchanged, since it reshapes with view(..., -1, head_dim). `kinds` says how each
     parameter is treated (classify()): INSTALL splits by it, and the reductions follow it."""
 
-    def __init__(self, model, group, region: TPRegion | None = None):
+    def __init__(self, model, group, region: TPRegion | None = None, seq_parallel: bool = False):
         self.model, self.group = model, group
         self.region = region or TPRegion(group)
         T, r = dist.get_world_size(group), dist.get_rank(group)
         cfg = model.config
-        self.T, self.rank, self.vocab = T, r, cfg.vocab_size
+        self.world, self.rank, self.vocab = T, r, cfg.vocab_size
         self.kinds, errs = classify(model, T)
         if errs:
             raise ValueError(f"tp.parallelize: {errs[0]}")
@@ -360,7 +366,7 @@ class TensorParallel(ShardedTensors):
         named = dict(model.named_parameters())
         # replicated kv heads: each copy's gradient covers its own q heads only, summed over
         # the m copies
-        self.partial_grads: list[nn.Parameter] = [named[n] for n, k in self.kinds.items()
+        self.kv_copy_params: list[nn.Parameter] = [named[n] for n, k in self.kinds.items()
                                                   if k == "kv-copy"]
         # Vocabulary: padded to a multiple of T, embedding and head split by rows.
         self.vocab_padded = pad_vocab(cfg.vocab_size, T)
@@ -385,18 +391,18 @@ class TensorParallel(ShardedTensors):
         if not tied:
             self.split_dim["lm_head.weight"] = 0
         # Per-head q/k norms see this rank's heads only: their gradients are summed over the
-        # group (sp.py replaces this list with every replicated parameter: under SP the norms
-        # see this rank's tokens only too)
-        named = dict(model.named_parameters())
-        self.extra_partial: list[nn.Parameter] = [
-            named[n] for n, k in self.kinds.items() if k == "partial"]
+        # group; under sequence parallelism (sp.py) every replicated parameter too (the norms
+        # and row biases see this rank's tokens only)
+        partial = ("replicated", "partial") if seq_parallel else ("partial",)
+        self.group_partials: list[nn.Parameter] = [
+            p for n, p in model.named_parameters() if self.kinds.get(n) in partial]
 
     def _mine(self, n_per_rank: int) -> slice:
         return slice(self.rank * n_per_rank, (self.rank + 1) * n_per_rank)
 
     def _cut(self, name: str, n: int) -> slice:
         """This rank's share of the module `name` whose split dim has n entries."""
-        return self._cuts.get(name.rsplit(".", 1)[1]) or self._mine(n // self.T)
+        return self._cuts.get(name.rsplit(".", 1)[1]) or self._mine(n // self.world)
 
     def _fused_rows(self, name: str, linear: nn.Linear) -> list[slice]:
         """A fused projection's rows: this rank's slice of each segment ([q; k; v] or
@@ -410,16 +416,16 @@ class TensorParallel(ShardedTensors):
 
     def _enter_kwargs(self, module, args, kwargs):
         if "hidden_states" in kwargs:
-            kwargs["hidden_states"] = self.region.enter(kwargs["hidden_states"])
+            kwargs["hidden_states"] = self.region.region_in(kwargs["hidden_states"])
         else:
-            args = (self.region.enter(args[0]),) + tuple(args[1:])
+            args = (self.region.region_in(args[0]),) + tuple(args[1:])
         return args, kwargs
 
     def _enter_args(self, module, args):
-        return (self.region.enter(args[0]),) + tuple(args[1:])
+        return (self.region.region_in(args[0]),) + tuple(args[1:])
 
     def _leave(self, module, args, out):
-        self.region.leave()
+        self.region.after_module()
 
     def loss_sum(self, logits, labels) -> torch.Tensor:   # (B, S, V/T), (B, S) -> a scalar
         return VocabParallelCrossEntropy.apply(   # (B, S, V/T) -> (N, V/T), (B, S) -> (N,)
@@ -431,9 +437,9 @@ class TensorParallel(ShardedTensors):
         replicated kv head's gradient is summed over its m copies only: each rank places it at
         its head's position in a zero buffer of all n_kv heads, so one all-reduce over the
         group serves every head (n_kv x the head's bytes; no per-head process groups).
-        extra_partial's (per-head q/k norms; under SP every replicated parameter) are summed
+        group_partials's (per-head q/k norms; under SP every replicated parameter) are summed
         as they are."""
-        kv, plain = self.partial_grads, self.extra_partial
+        kv, plain = self.kv_copy_params, self.group_partials
         if planted("qk-norm-grads-unreduced"):   # plant: per-head q/k norms kept per rank
             plain = [p for p in plain if self.kinds.get(self._name(p)) != "partial"]
         if planted("kv-copies-summed-across-heads"):   # plant: every kv head's copies summed
@@ -456,8 +462,8 @@ class TensorParallel(ShardedTensors):
     def partial_numel(self) -> int:
         """Elements of the partial gradients' all-reduce (the kv heads' buffers and the
         extra partial gradients)."""
-        return (sum(p.numel() * self.n_kv for p in self.partial_grads)
-                + sum(p.numel() for p in self.extra_partial))
+        return (sum(p.numel() * self.n_kv for p in self.kv_copy_params)
+                + sum(p.numel() for p in self.group_partials))
 
     def clip(self, max_norm: float) -> float:
         """Global-norm clipping: sharded grads' squares summed over the group, replicated ones
@@ -482,7 +488,8 @@ class TensorParallel(ShardedTensors):
         return next(self.model.parameters()).device
 
 
-def parallelize(model, group=None, region: TPRegion | None = None) -> TensorParallel:
+def parallelize(model, group=None, region: TPRegion | None = None,
+                seq_parallel: bool = False) -> TensorParallel:
     """Split an HF decoder's layers, vocabulary and loss over the ranks of `group`, in place
     (the one entry the harness, sp.py, compose4d and users call). Llama, Mistral, Qwen2/3,
     OLMo2, Gemma2 and Phi3 layouts are known (classify()); any parameter that is not raises
@@ -496,11 +503,28 @@ def parallelize(model, group=None, region: TPRegion | None = None) -> TensorPara
                                                          # heads, per-head q/k norms
         tpm.clip(max_norm); optimizer.step()             # the norm over all shards
 
-    `tpm.full(...)` / `tpm.local(...)` convert between full tensors and this rank's shards."""
+    `tpm.full(...)` / `tpm.local(...)` convert between full tensors and this rank's shards.
+    region, seq_parallel: sp.py's (the sequence all-gather / reduce-scatter edges, and every
+    replicated parameter's gradient then partial over the group)."""
     errs = shape_constraints(dist.get_world_size(group), model.config)
     if errs:
         raise ValueError(f"tp.parallelize: {errs[0]}")
-    return TensorParallel(model, group, region)
+    return TensorParallel(model, group, region, seq_parallel)
+
+
+# ----------------------------------------------------------------------------------------------
+# Formulas (rig/tp.py, trainer4d/comm.py and trainer4d/plan.py count with these)
+# ----------------------------------------------------------------------------------------------
+LOSS_ALL_REDUCES = 3   # the vocab-parallel CE: max, sum of exp, target logit; N values each
+
+
+def region_all_reduces(layers: int, first: bool = True, last: bool = True,
+                       moe_layers: int = 0) -> int:
+    """Activation all-reduces per micro-batch, each of one (B, S, H) activation, N H b bytes: f
+    and g around attention and around the MLP, forward and backward (4 per layer; 2 in a MoE
+    layer, whose experts are not split), the embedding's partial sums on the first stage, the
+    LM head's f on the last."""
+    return 4 * (layers - moe_layers) + 2 * moe_layers + int(first) + int(last)
 
 
 if __name__ == "__main__":   # torchrun tp.py --mode ...: the test rig runs it

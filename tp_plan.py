@@ -184,7 +184,7 @@ class ShardedTensors:
             if d is None and name not in self.kv_split:
                 out[name] = t
                 continue
-            parts = [torch.empty_like(t) for _ in range(self.T)]
+            parts = [torch.empty_like(t) for _ in range(self.world)]
             dist.all_gather(parts, t.contiguous(), group=self.group)   # T x [n/T, m] (d=1 [m, n/T])
             if name in self.kv_split:      # one copy of each kv head: n_kv x [d, H] -> [n_kv d, H]
                 out[name] = torch.cat(parts[::self.kv_copies], dim=0)
@@ -204,7 +204,7 @@ class ShardedTensors:
         if name in self.segments:
             out, off = [], 0
             for n in self.segments[name]:
-                k = n // self.T
+                k = n // self.world
                 out.append((0, off + self.rank * k, off + (self.rank + 1) * k))
                 off += n
             return out
@@ -216,7 +216,7 @@ class ShardedTensors:
             return None
         size = (self.vocab_padded if name in ("model.embed_tokens.weight", "lm_head.weight")
                 else full_shape[d])
-        n = size // self.T
+        n = size // self.world
         return d, self.rank * n, (self.rank + 1) * n
 
     def local(self, name: str, full: torch.Tensor) -> torch.Tensor:

@@ -12,16 +12,13 @@ Models", SC 2020)
     Units (embeddings, each layer, head): views into one flat buffer padded to a multiple of W;
     rank r owns elements [r s, (r+1) s), s = padded / W, of its params, grads, optimizer state.
 
-Model-state bytes per rank (Psi = parameters, N = W; the paper's K=12; fp64 doubles fp32's)
-    mixed bf16    stage 1: 2Psi + 2Psi + 16Psi/N     stage 2: 2Psi + 16Psi/N   stage 3: 18Psi/N
-     (bf16 reduce stage 1: 2Psi + 2Psi + 12Psi/N     stage 2: 2Psi + 14Psi/N   stage 3: 16Psi/N)
-    fp32          stage 1: 4Psi + 4Psi +  8Psi/N     stage 2: 4Psi + 12Psi/N   stage 3: 16Psi/N
-Communication per optimizer step (bytes = full buffers, b = bytes per element, Psi padded;
-the reduce-scatter's b is the reduce dtype's: 4 for bf16 gradients by default)
-    stage 1, 2   reduce_scatter Psi*b + all_gather Psi*b                     = 2 Psi b
-    stage 3      all_gather Psi*b (forward) + Psi*b (backward) + reduce_scatter Psi*b = 3 Psi b
-    one call per unit each; --clip adds one 8-byte all_reduce. With --grad-accum K, stages 2 and
-    3 reduce-scatter (and stage 3 gathers) on every micro-batch; stage 1 only on the last.
+Model-state bytes per rank (model_state_bytes below; Psi parameters, N = W): in mixed bf16
+(2 + 2 + 12 bytes) stage 1 2Psi + 2Psi + 12Psi/N, stage 2 2Psi + 14Psi/N, stage 3 16Psi/N (an
+fp32 gradient reduction keeps 4Psi/N more: docs/internals.md's table).
+Communication per optimizer step (collectives_per_unit below; b bytes per element, the
+reduce-scatter's the reduce dtype's): stages 1, 2 reduce_scatter Psi*b + all_gather Psi*b;
+stage 3 all_gather Psi*b forward and backward + reduce_scatter Psi*b = 3 Psi b; one call per
+unit each, stages 2 and 3 on every micro-batch (--grad-accum K), stage 1 once per step.
 More (layout, precision, siblings): docs/internals.md, 'zero.py'; examples/zero_train.py.
 
 Public API
@@ -37,7 +34,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from harness import planted
-from harness.precision import adamw_kwargs, grad_reduce_dtype
+from harness.precision import grad_reduce_dtype
 import ddp
 from zero_state import FlatTensors, ShardedState, clip_shard_grads, state_bytes  # noqa: F401
 from zero_state import decoder_units, pad_to  # noqa: F401  (re-exported)
@@ -54,7 +51,7 @@ class FlatUnit:
         """params: the unit's parameters, in layout order; modules: those whose hooks gather
         and free them (stage 3)."""
         self.name, self.modules, self.group = name, list(modules), group
-        self.W, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.params = list(params)
         self.names = [names[id(p)] for p in self.params]
         dtypes = {p.dtype for p in self.params}
@@ -65,12 +62,12 @@ class FlatUnit:
         self.index = {p: i for i, p in enumerate(self.params)}
         self.n_grads = sum(p.requires_grad for p in self.params)   # gradients per backward
         self.numel = sum(p.numel() for p in self.params)
-        self.padded = pad_to(self.numel, self.W)
-        self.shard_numel = s = self.padded // self.W
+        self.padded = pad_to(self.numel, self.world)
+        self.shard_numel = s = self.padded // self.world
         dtype, device = self.params[0].dtype, self.params[0].device
         self.lo = lo = self.rank * s
         if planted("shard-offset"):   # plant: the unpadded size, off when W does not divide it
-            self.lo = lo = self.rank * (self.numel // self.W)
+            self.lo = lo = self.rank * (self.numel // self.world)
         self.full = torch.zeros(self.padded, dtype=dtype, device=device)   # flat [W * s]
         self.offsets, off = [], 0
         with torch.no_grad():
@@ -178,7 +175,7 @@ class Zero(FlatTensors):
         self.model, self.group, self.stage, self.prefetch = model, group, stage, prefetch
         self.average = average and not planted("no-average")   # plant: summed, not averaged
         self.overlap_param_gather = overlap_param_gather and stage < 3
-        self.W = dist.get_world_size(group)
+        self.world = dist.get_world_size(group)
         if model is not None:
             names = {id(p): n for n, p in model.named_parameters()}
         self.units = []
@@ -329,7 +326,7 @@ class Zero(FlatTensors):
         src = (u.grad_full if u.grad_full.dtype == u.grad_shard.dtype
                else u.grad_full.to(u.grad_shard.dtype))   # bf16 gradients summed in fp32
         if self.average:  # pre-divide: the sum over ranks is then the average
-            src.div_(u.W)
+            src.div_(u.world)
         out, handle = self.reduce_scatter(src, u.grad_shard, u.group)   # flat [W * s] -> [s]
         self.pending.append((u, out, handle))
         u.ready = set()
@@ -525,12 +522,25 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         return loss
 
 
-# -- the harness's adapter --
-def adamw_on_shards(model, engine: Zero, args) -> ZeroOptimizer:
-    """The harness's AdamW (the reference's hyperparameters) on an engine's shards."""
-    params = list(model.parameters())
-    return ZeroOptimizer(params, torch.optim.AdamW, engine=engine,
-                         **adamw_kwargs([u.shard for u in engine.units] or params, args))
+# ----------------------------------------------------------------------------------------------
+# Formulas (rig/zero.py, trainer4d/comm.py and trainer4d/plan.py count with these)
+# ----------------------------------------------------------------------------------------------
+def model_state_bytes(psi: float, stage: int, world: int, param_bytes: float,
+                      grad_bytes: float, optim_bytes: float) -> dict[str, float]:
+    """ZeRO's table per rank (the paper's Fig. 1): stage 1 shards the optimizer state over the
+    world, 2 also the gradients, 3 also the parameters (0: DDP). oom_search, the planners."""
+    split = lambda k: psi / (world if stage >= k else 1)   # noqa: E731
+    return dict(params=param_bytes * split(3), grads=grad_bytes * split(2),
+                optimizer=optim_bytes * split(1))
+
+
+def collectives_per_unit(stage: int, micro_batches: int) -> tuple[int, int]:
+    """(reduce-scatters, all-gathers) per flat unit and optimizer step of M micro-batches:
+    stage 1 reduce-scatters the accumulated gradients once and all-gathers the updated
+    parameters once; stage 2 reduce-scatters every micro-batch; stage 3 also gathers the unit
+    before every forward and every backward, and not after the step."""
+    M = micro_batches
+    return (M if stage >= 2 else 1), (2 * M if stage == 3 else 1)
 
 
 if __name__ == "__main__":   # torchrun zero.py --mode ...: the test rig runs it

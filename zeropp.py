@@ -91,7 +91,7 @@ def quantized_all_gather(u) -> torch.Tensor:
     float32 scales in one all_gather_into_tensor of W * (s + 4 ceil(s / BLOCK)) bytes, returned
     dequantized (this rank's own slice too: every rank must compute with the same weights).
     The shard itself, the optimizer's master, is untouched."""
-    s, W = u.shard_numel, u.W
+    s, W = u.shard_numel, u.world
     q, scale = quantize(u.shard.detach().view(1, s))   # flat [s] -> [1, s]; scales [1, c(s)]
     send = pack(q, scale).view(-1)                      # [1, s + 4 c(s)] -> flat [s + 4 c(s)]
     recv = torch.empty(W * send.numel(), dtype=torch.int8, device=send.device)

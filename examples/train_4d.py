@@ -64,9 +64,9 @@ torch.manual_seed(0)                                   # the same full weights o
 model = LlamaForCausalLM(cfg).to(device)
 tpm = tp.parallelize(model, tp_group)
 pos = cp_ring.parallelize(model, cp_group, SEQ).positions.to(device) if C > 1 else None
-pipe = pp.Pipeline(model, P, 1, me["pp"], "1f1b", group=pp_group)
-pipe.loss_sum = tpm.loss_sum                           # the last stage: vocab-parallel CE
-pipe.positions = pos                                   # RoPE at this rank's global positions
+pipe = pp.Pipeline(model, P, 1, me["pp"], "1f1b", group=pp_group,
+                   loss_sum=tpm.loss_sum,              # the last stage: vocab-parallel CE
+                   positions=pos)                      # RoPE at this rank's global positions
 # ZeRO's flat units over what this stage kept: one of the TP-split parameters, one of those
 # every tp rank holds whole (the norms), so the clip below can count each element once.
 named = list(model.named_parameters())

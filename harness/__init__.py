@@ -1,7 +1,7 @@
 """harness: everything that is not a parallelism.
 
-A strategy file (ddp.py, zero.py, ...) holds the algorithm and a small adapter class
-(`Strategy`, whose contract is written at the top of strategy.py); `main(StrategyClass)` does the
+A strategy file (ddp.py, zero.py, ...) holds the algorithm; its test rig (rig/ddp.py, ...) a
+small adapter class (`Strategy`, whose contract is below); `main(StrategyClass)` does the
 rest: launches the process group, builds the single-device reference, generates the data, and
 runs the modes against the reference. Nothing here knows how any strategy splits the work, and
 nothing here imports a strategy file (tests/test_layout.py checks it).
@@ -48,6 +48,71 @@ The package, one concern per module (a strategy imports its names from here, the
                     outside the algorithm, and HF's router losses as the dropless oracle
     reduce_probe.py DDP's reduction error in a low --reduce-dtype, measured from outside the
                     engine (an unmetered float64 sum beside each bucket's reduction)
+
+The contract: what a strategy's adapter (rig/<file>.py, a subclass of `Strategy`) supplies
+------------------------------------------------------------------------------------------------
+Required, three things:
+    __init__(ref_model, args, env)
+                              build: the local (sharded) model and optimizer *from the full
+                              reference weights* (never from a fresh random init), so both start
+                              bit-identical. `ref_model` is this rank's private copy: slice it,
+                              wrap it, or keep it.
+    step(batch) -> float      forward, backward and optimizer step on this rank's share of the
+                              global batch (`Batch`, the same object on every rank). Returns the
+                              global loss with the reference's normalisation: the mean over all
+                              target tokens of the global batch (`batch.n_tokens`), whatever the
+                              split. Use `lm_loss_sum` and `global_loss`. Gradients of the last
+                              step must stay readable until the next step (zero them at the start).
+    full_grads(), full_params() -> dict[str, Tensor]
+                              the full tensors keyed by the reference's parameter names
+                              (collective: every rank calls; rank 0's result is compared). The
+                              defaults read self.model's own parameters (a replicated model).
+
+Optional, by what it serves (class attributes and methods; the defaults do nothing):
+  the command line and its refusals
+    name                      short name used in reports ("ddp")
+    add_args(parser)          staticmethod: the strategy's own flags
+    constraints(args, world, config) -> list[str]
+                              staticmethod: each string names one violated constraint. Checked on
+                              every rank before the process group exists; rank 0 prints the first
+                              one as a single line and every rank exits with code 2.
+    modes, cpu_dtype, chunked_ce
+                              extra --mode values ({name: function(run, cls) -> bool}: compose4d's
+                              "train"); a CPU default dtype per mode where MODE_DEFAULTS' does not
+                              suit; whether --ce-chunk is taken
+  the correctness verdict
+    syncs_initial_params      True if the strategy claims to make replicas identical itself (DDP
+                              broadcasts from rank 0): ranks != 0 then get a *perturbed* copy of
+                              the weights, so a missing sync fails.
+    grad_norm                 set by step() when --clip is on: the pre-clip global gradient norm
+                              (float or 0-d tensor); gradients are compared before clipping, the
+                              norm on its own row.
+    extra_checks() -> list[(name, ok, detail)]
+                              strategy-specific checks (collective; rank 0's verdict); each must
+                              be able to fail.
+    plants                    {NAME: Plant(doc, args, world)}: the bugs the strategy can plant in
+                              itself and the configuration in which correctness must FAIL
+                              (tests/test_plants.py); the code tests `planted(NAME)` on the line
+                              the bug changes (harness/plants.py): no API takes a plant.
+    reference                 the single-device reference class (default `Reference`: plain HF
+                              model + AdamW), for an objective with more terms (ep_moe's router
+                              losses).
+    lossy_noise(run)          classmethod: for a strategy that rounds on purpose (zeropp's int8),
+                              a single-device model of that rounding, one more noise sample.
+    self_check                ("what", build(model, args) -> fn(ids) -> logits): a rebuilt forward
+                              proven equal to the model's own (harness/selfcheck.py).
+  the benchmark
+    expected_comm() -> list[Expect]
+                              the per-step communication from the learner file's formulas,
+                              printed beside the metered figures; a difference fails.
+    model_states() -> dict[str, list[Tensor]], memory_formula()
+                              the resident tensors by category (params, grads, optimizer; the
+                              default reads self.model and self.optimizer) and their formula.
+    native                    PyTorch's own implementation as a Strategy subclass (or a list, or
+                              a staticmethod of the args returning one), for --compare-native.
+    report_lines(), learning_lines()
+                              extra lines after a benchmark (self.bench holds its timings) or a
+                              learning run (collective).
 
 Modes (`--mode correctness|learning|benchmark|all|plants|peak`): see correctness.py,
 learning.py and benchmark.py. `--out DIR` writes correctness.json, learning.csv (+ .png with

@@ -41,8 +41,8 @@ HOST_READ = {"aten::_local_scalar_dense"}
 HOST_TENSOR = {"aten::lift_fresh", "aten::lift_fresh_copy"}
 ALLOWED = {   # (file relative to the repository, function): why the step must read the host there
     ("harness/loss.py", "scalar"): "the step's logged loss (one read per step)",
-    ("trainer4d/train.py", "loss_and_flag"): "the train step's one read: its loss, the "
-                                             "preemption flag and the gradient norm together",
+    ("compose4d.py", "loss_flag_norm"): "compose4d's one read per step: its loss, the "
+                                        "preemption flag and the gradient norm together",
     ("harness/routing.py", "experts_forward"): "the harness's routing statistics around the "
                                                "experts (instrumentation, a host list kept on "
                                                "the host)",

@@ -80,13 +80,18 @@ op (what each autograd node saves), float32 / float64 (where HF's upcasts are no
     SwiGLU         gate (by silu), up and silu(gate) (by mul), their product (by down_proj):
                    4 e b s I
     residuals      nothing (add saves nothing)
-so, per layer:
+so, per layer, in float32:
     none, eager    e b s (10 h + 4 I) + 8 b s + 4 b a s^2
     none, sdpa     e b s (8 h + 2 g d + 4 I) + 8 b s + 4 b a s
     selective      e b s (8 h + 2 g d + 4 I) + 8 b s      (q, k, v kept unrepeated; no s^2)
     full           e b s h                                 (the layer's input)
-(bf16 adds float32 copies: each norm's upcast input, eager's float32 softmax next to its bf16
-copy; outside this formula.) Mixtral's MoE block saves other tensors (routing, expert rows).
+In bf16 (and float64), with f = max(e, 4) the width of HF's float32 upcasts (float64 stays
+float64: Float64Kept): each norm keeps its input upcast to f (a copy beside the bf16 input, which
+nothing then keeps: + (f - e) b s h per norm) and 1/rms in f (2 f b s for the two), the
+logsumexp and eager's softmax are f wide, and eager's softmax is cast back to e for the second
+matmul (+ e b a s^2, a second storage). activation_bytes computes exactly this, byte for byte
+against the live-storage measurement in float32, bfloat16 and float64
+(tests/test_recompute.py). Mixtral's MoE block saves other tensors (routing, expert rows).
 
 Korthikanti et al.'s GPT layer (16-bit, their eq. 1: LayerNorm, a 4h GELU MLP, dropout; a
 attention heads), in bytes:
@@ -260,11 +265,18 @@ def _wrap_attention(model):
 
 # -- the formula ------------------------------------------------------------------------------
 def activation_bytes(config, micro_batch: int, seq_len: int, dtype_bytes: int, mode: str,
-                     attn: str = "sdpa") -> dict:
-    """Saved activations of one micro-batch's forward (the docstring's table):
-    {"per_layer": bytes one decoder layer keeps, "layers": all config.num_hidden_layers of them}.
+                     attn: str = "sdpa", tp: int = 1, sp: bool = False) -> dict:
+    """Saved activations of one micro-batch's forward on one rank (the docstring's table), the
+    one activation model of the suite (trainer4d/plan.py, oom_search.predict_peak and the
+    elastic planner call it):
+    {"per_layer": bytes one decoder layer keeps, "layers": all config.num_hidden_layers of them,
+     "outside": the residual stream's share of per_layer (the two RMSNorms), "inside": the rest
+     (attention and MLP)}.
     attn: the attention the layers run ("eager", or "sdpa" with the CPU flash kernel, which
-    keeps its output and logsumexp); it does not matter for full."""
+    keeps its output and logsumexp); it does not matter for full. tp: the tensor-parallel size
+    (the heads and the MLP width inside TP's regions split T ways; a kv head replicated when
+    T > kv heads); sp: Megatron sequence parallelism, the norms' tokens split T ways too (and
+    full recompute's layer input)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
     if attn not in ("eager", "sdpa"):
@@ -272,17 +284,24 @@ def activation_bytes(config, micro_batch: int, seq_len: int, dtype_bytes: int, m
     h, I, a = config.hidden_size, config.intermediate_size, config.num_attention_heads
     d = getattr(config, "head_dim", None) or h // a
     g = kv_heads(config)
+    a, g, I = a // tp, max(g // tp, 1), I // tp          # this TP rank's heads and MLP width
     e, b, s = dtype_bytes, micro_batch, seq_len
-    norms = 2 * 4 * b * s                   # two RMSNorms' inverse RMS, float32
-    if mode == "full":
-        per = e * b * s * h                 # the layer's input
-    elif mode == "selective":               # q, k, v kept for the recomputation; no s^2
-        per = e * b * s * (8 * h + 2 * g * d + 4 * I) + norms
-    elif attn == "eager":                   # k, v repeated to a heads; float32 softmax
-        per = e * b * s * (10 * h + 4 * I) + norms + 4 * b * a * s * s
-    else:                                   # sdpa's CPU flash kernel: output + logsumexp
-        per = e * b * s * (8 * h + 2 * g * d + 4 * I) + norms + 4 * b * a * s
-    return dict(per_layer=per, layers=per * config.num_hidden_layers)
+    f = max(e, 4)       # HF's float32 upcasts (norms, softmax, logsumexp): a copy when e < 4
+    ns = s // tp if sp else s                             # the norms' tokens
+    if mode == "full":                                    # the layer's input
+        outside, inside = e * b * ns * h, 0
+    else:   # each RMSNorm: its input (upcast to f), x_hat, its output (e); 1/rms (f)
+        outside = 2 * b * ns * (h * (f + 2 * e) + f)
+        if mode == "selective" or attn == "sdpa":         # q, k, v (k, v unrepeated), output
+            inside = e * b * s * (2 * a * d + 2 * g * d + 4 * I)
+            if mode == "none":                            # sdpa's logsumexp
+                inside += f * b * a * s
+        else:                           # eager: k, v repeated to a heads; the f softmax, and
+            inside = e * b * s * (4 * a * d + 4 * I) + f * b * a * s * s   # its copy in e
+            inside += e * b * a * s * s if e != f else 0
+    per = outside + inside
+    return dict(per_layer=per, layers=per * config.num_hidden_layers, outside=outside,
+                inside=inside)
 
 
 def korthikanti_bytes(config, micro_batch: int, seq_len: int, mode: str) -> int:

@@ -8,7 +8,7 @@ takes to *prove* that algorithm lives here, beside it, one module per strategy f
 
     the harness adapter    a `harness.Strategy` subclass: build the parallel model from the
                            reference's weights, take one step, return full gradients and
-                           parameters (the contract: harness/strategy.py's docstring)
+                           parameters (the contract: harness/__init__.py's docstring)
     constraint checks      a configuration the strategy cannot run (a world size that does not
                            divide heads, layers, batch ...) refused in one line, before any
                            collective

@@ -294,7 +294,7 @@ class Compose4D(Parallel4D, Strategy):
     def report_lines(self):
         lines = [f"rank grid {self.grid.size}, order {self.grid.order} (innermost first); "
                  f"this rank {self.me}; stage layers "
-                 f"{[list(self.pipe.bounds[c]) for c in self.pipe.mine]}"]
+                 f"{[list(self.pipe.chunk_layers[c]) for c in self.pipe.my_chunks]}"]
         bench = getattr(self, "bench", None)
         if bench:
             lines.append(mfu_line(self.model.config, self.args, self.env, bench["step_s"]))

@@ -8,7 +8,8 @@ from harness.timing import CallTimer
 from harness.cli import main as harness_main
 
 import ddp
-from cp_ring import layout, parallelize, pick_kernel, positions
+from cp_ring import (ALLGATHER_COLLECTIVES, layout, parallelize, pick_kernel, positions,
+                     ring_bytes, ring_messages)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,18 +114,18 @@ class CP(Strategy):
         rows = [Expect("all_reduce", "world", len(self.dp.buckets), grads,
                        f"weight gradients summed over CP: Psi*b = {grads:,} B (reduce dtype)")]
         if self.args.variant == "allgather":
-            full = W * blk
+            full, (ag, rs) = W * blk, ALLGATHER_COLLECTIVES
             return rows + [
-                Expect("all_gather_into_tensor", "world", 2 * L, 2 * L * full,
+                Expect("all_gather_into_tensor", "world", ag * L, ag * L * full,
                        f"K,V per layer, forward and again in backward: {full:,} B"),
-                Expect("reduce_scatter_tensor", "world", L, L * full,
+                Expect("reduce_scatter_tensor", "world", rs * L, rs * L * full,
                        f"dK,dV per layer: {full:,} B")]
         if W == 1:
             return rows
         # dK/dV accumulate over the hops in fp32 (fp64 in float64 runs), and travel so
         dblk = blk * max(b, 4) // b
-        per_layer = (W - 1) * blk + (W - 1) * (blk + dblk) + dblk
-        return rows + [Expect(op, "world", L * (3 * (W - 1) + 1), L * per_layer,
+        per_layer = ring_bytes(W, blk, dblk)
+        return rows + [Expect(op, "world", L * ring_messages(W), L * per_layer,
                               f"per layer: fwd (W-1) hops of K,V ({blk:,} B) = "
                               f"2(W-1)/W*S*kv*b*B; bwd (W-1) hops of K,V + dK,dV (in fp32: "
                               f"{dblk:,} B), then dK,dV home")

@@ -10,7 +10,7 @@ from harness.precision import LOW_PRECISION, grad_reduce_dtype
 from harness.reduce_probe import ReductionProbe
 from harness.cli import main as harness_main
 
-from ddp import DataParallel, forward_backward
+from ddp import DataParallel, NaiveDataParallel, forward_backward
 
 
 # ----------------------------------------------------------------------------------------------
@@ -36,6 +36,16 @@ def ddp_constraints(args, world, config) -> list[str]:
     return []
 
 
+def clip_and_step(strat):
+    """The optimizer phase of the replicated adapters: torch's global-norm clipping under
+    --clip (the pre-clip norm kept for the verdict), then the step."""
+    with phase("optimizer"):
+        if strat.args.clip:
+            strat.grad_norm = torch.nn.utils.clip_grad_norm_(strat.model.parameters(),
+                                                             strat.args.clip)
+        strat.optimizer.step()
+
+
 class DDP(Strategy):
     chunked_ce = True
     name = "ddp"
@@ -53,10 +63,15 @@ class DDP(Strategy):
                                               PLANT_CONFIG),
         "no-broadcast": Plant("no initial broadcast: replicas keep their own init",
                                      PLANT_CONFIG),
+        "naive-no-average": Plant("--variant naive: each gradient's all_reduce sums instead of "
+                                  "averaging", ("--variant", "naive", *PLANT_CONFIG)),
     }
 
     @staticmethod
     def add_args(p):
+        p.add_argument("--variant", default="bucketed", choices=["bucketed", "naive"],
+                       help="naive: ddp.NaiveDataParallel, one all_reduce per parameter after "
+                            "the backward; bucketed: ddp.DataParallel")
         p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size")
         p.add_argument("--grad-accum", type=int, default=1,
                        help="micro-batches per optimizer step (no communication on the first K-1)")
@@ -68,6 +83,13 @@ class DDP(Strategy):
     def __init__(self, model, args, env):
         self.args, self.env = args, env
         self.model = model
+        self.naive = getattr(args, "variant", "bucketed") == "naive"
+        if self.naive:
+            self.name = "ddp-naive"
+            self.dp = NaiveDataParallel(model)
+            self.optimizer = make_adamw(model.parameters(), args)
+            self.probe = None
+            return
         # getattr: DDP also serves as a memory baseline for other strategies' flags
         self.dp = DataParallel(model, bucket_mb=getattr(args, "bucket_mb", 25.0),
                                broadcast=not getattr(args, "no_broadcast", False),
@@ -82,17 +104,23 @@ class DDP(Strategy):
 
     def step(self, batch: Batch) -> float:
         self.optimizer.zero_grad(set_to_none=False)
+        set_sync = (lambda sync: None) if self.naive else self.dp.set_sync
         local_sum = forward_backward(self.dp, batch, self.env.rank, self.env.world,
-                                     self.args.grad_accum, self.dp.set_sync, self.args.ce_chunk)
-        with phase("optimizer"):
-            if self.args.clip:
-                self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                                self.args.clip)
-            self.optimizer.step()
+                                     self.args.grad_accum, set_sync, self.args.ce_chunk)
+        if self.naive:
+            with phase("backward"):   # (after it: nothing overlaps)
+                self.dp.sync_gradients()
+        clip_and_step(self)
         return global_loss(local_sum, batch.n_tokens)
 
     def expected_comm(self):
-        grad_bytes = sum(p.numel() for p in self.model.parameters()) * self.dp.reduce_itemsize
+        params = list(self.model.parameters())
+        if self.naive:
+            grad_bytes = sum(p.numel() * p.element_size() for p in params)
+            return [Expect("all_reduce", "world", len(params), grad_bytes,
+                           f"Psi*b = {grad_bytes:,} B in one call per parameter tensor "
+                           f"({len(params)}), whatever K")]
+        grad_bytes = sum(p.numel() for p in params) * self.dp.reduce_itemsize
         rows = [Expect("all_reduce", "world", len(self.dp.buckets), grad_bytes,
                        f"Psi*b = {grad_bytes:,} B (b: the reduce dtype) in "
                        f"{len(self.dp.buckets)} buckets "
@@ -131,11 +159,7 @@ class TorchDDP(Strategy):
         local_sum = forward_backward(
             self.ddp, batch, self.env.rank, self.env.world, self.args.grad_accum,
             lambda sync: setattr(self.ddp, "require_backward_grad_sync", sync))
-        with phase("optimizer"):
-            if self.args.clip:
-                self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                                self.args.clip)
-            self.optimizer.step()
+        clip_and_step(self)
         return global_loss(local_sum, batch.n_tokens)
 
 

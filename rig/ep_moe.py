@@ -9,8 +9,8 @@ from harness.routing import RoutingStats, drop_over_capacity, hf_moe_objective
 from harness.cli import main as harness_main
 
 from ddp import DataParallel
-from ep_moe import (LocalExperts, ReferenceMoE, gather_experts, install, is_expert, parallelize,
-                    router_losses, update_bias)
+from ep_moe import (COUNT_ALL_TO_ALLS, TOKEN_ALL_TO_ALLS, LocalExperts, ReferenceMoE,
+                    gather_experts, install, is_expert, parallelize, router_losses, update_bias)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,16 +234,18 @@ class ExpertParallel(Strategy):
         rows = []
         if self.args.capacity_factor:
             kept = float(self.routing.metered["kept"]) / max(1, self.routing.metered["steps"])
-            rows.append(Expect("all_to_all_single", "ep", 4 * L * W, 4 * kept * H * b,
+            tok = TOKEN_ALL_TO_ALLS
+            rows.append(Expect("all_to_all_single", "ep", tok * L * W, tok * kept * H * b,
                                f"4 x kept rows x H b = 4 x {kept:,.0f} x {H} x {b} (kept over "
                                f"{L} layers; {k * n_global * L:,} choices)", ranks="sum"))
             rows.append(Expect("all_gather_into_tensor", "ep", L, L * W * k * E * 8,
                                "L x W k E x 8 = (slot, expert) counts of every rank"))
         else:
-            rows.append(Expect("all_to_all_single", "ep", 5 * L * W,
-                               4 * L * k * n_global * H * b + L * W * E * 8,
+            tok, cnt = TOKEN_ALL_TO_ALLS, COUNT_ALL_TO_ALLS
+            rows.append(Expect("all_to_all_single", "ep", (tok + cnt) * L * W,
+                               tok * L * k * n_global * H * b + cnt * L * W * E * 8,
                                f"per layer 4 k (W T) H b (dispatch+combine, fwd+bwd) + W E x 8 "
-                               f"(counts) = L x ({4 * k * n_global * H * b:,} + {W * E * 8})",
+                               f"(counts) = L x ({tok * k * n_global * H * b:,} + {W * E * 8})",
                                ranks="sum"))
         n_buckets = len(self.dp.buckets)
         calls, nbytes = n_buckets, dense_bytes

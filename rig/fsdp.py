@@ -10,7 +10,7 @@ from harness.precision import LOW_PRECISION, adamw_kwargs, grad_reduce_dtype
 from harness.cli import main as harness_main
 
 import ddp
-from fsdp import MixedPrecisionPolicy, fully_shard, hsdp_groups
+from fsdp import MixedPrecisionPolicy, collectives_per_unit, fully_shard, hsdp_groups
 from fsdp_state import clip_grad_norm_, full_tensors, units
 
 from rig.ddp import DDP, batch_constraints
@@ -145,19 +145,21 @@ class FSDP(Strategy):
     def sizes(self) -> dict[str, int]:
         """Elements: gathered per pass (Psi: the padded buffers) and of it the resharded units',
         reduced (Psi_g); this rank's shards (all, trainable)."""
-        us, W = self.units, self.units[0].W
-        return dict(psi=sum(W * u.N for u in us), psi_g=sum(W * u.Ng for u in us),
-                    resharded=sum(W * u.N for u in us if u.reshard_after_forward),
+        us, W = self.units, self.units[0].world
+        return dict(psi=sum(W * u.shard_numel for u in us),
+                    psi_g=sum(W * u.grad_shard_numel for u in us),
+                    resharded=sum(W * u.shard_numel for u in us if u.reshard_after_forward),
                     shard=sum(p.local for u in us for p in u.params),
                     shard_g=sum(p.local for u in us for p in u.trainable))
 
     def expected_comm(self):
         u0, K, us = self.units[0], self.args.grad_accum, self.units
         g = "shard" if u0.replicate is not None else "world"   # HSDP: inside a shard group
-        s, W, b, rb = self.sizes(), u0.W, u0.dtype.itemsize, u0.reduce_dtype.itemsize
-        calls = (len(us) + sum(1 for u in us if u.reshard_after_forward)) * K
-        gathered = (s["psi"] + s["resharded"]) * b * K   # forward, backward, each micro-batch
-        n_rs = sum(1 for u in us if u.trainable)
+        s, W, b, rb = self.sizes(), u0.world, u0.dtype.itemsize, u0.reduce_dtype.itemsize
+        per_unit = [collectives_per_unit(u.reshard_after_forward, K) for u in us]  # fsdp.py's
+        calls = sum(ag for ag, _ in per_unit)
+        gathered = sum(ag * W * u.shard_numel for (ag, _), u in zip(per_unit, us)) * b
+        n_rs = sum(rs for (_, rs), u in zip(per_unit, us) if u.trainable)
         rows = [Expect("all_gather_into_tensor", g, calls, gathered,
                        f"forward Psi*b = {s['psi'] * b:,} B; backward (Psi - Psi_root)*b"
                        + ("" if s["resharded"] else " (none: no resharding)")
@@ -174,7 +176,7 @@ class FSDP(Strategy):
                        "this rank's unpadded gradient rows, in the shards' dtype")]
         if u0.replicate is not None:
             rows.append(Expect("all_reduce", "replicate", n_rs, s["psi_g"] * rb // W,
-                               f"HSDP: each reduced shard over the {u0.R} replicas, "
+                               f"HSDP: each reduced shard over the {u0.replicas} replicas, "
                                f"Psi_g*b_reduce/S = {s['psi_g'] * rb // W:,} B"))
         if self.args.clip:
             rows.append(Expect("all_reduce", g, 1, 8, "clip: squared-norm sum (fp64)"))
@@ -191,7 +193,7 @@ class FSDP(Strategy):
         return {**states, "model_states": sum(states.values())}
 
     def report_lines(self):
-        s, W = self.sizes(), self.units[0].W
+        s, W = self.sizes(), self.units[0].world
         numel = sum(math.prod(p.shape) for u in self.units for p in u.params)
         return [f"per-parameter shards: {len(self.units)} units, {numel:,} parameters; buffers "
                 f"padded to {s['psi']:,} (+{s['psi'] - numel} for dim-0 chunks of W={W}); "

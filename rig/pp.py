@@ -10,7 +10,8 @@ from harness.timing import ActionTimeline
 from harness.cli import main as harness_main
 
 from pp import Pipeline, clip_across_stages, stage_loop
-from pp_schedule import SCHEDULES, bubble_formula, chunk_owner, chunks_per_rank, simulate
+from pp_schedule import (SCHEDULES, boundary_messages, bubble_formula, chunk_owner,
+                         chunks_per_rank, simulate)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,12 +141,11 @@ class PP(Strategy):
 
     def expected_comm(self):
         a, cfg = self.args, self.model.config
-        M, C = a.microbatches, self.pipe.C
+        M, C = a.microbatches, self.pipe.n_chunks
         act = (a.batch // M) * a.length * cfg.hidden_size * DTYPES[a.dtype].itemsize
-        mine, owner = self.pipe.mine, self.pipe.owner
+        mine = self.pipe.my_chunks
         # a boundary to another rank (the V's turn, chunks P-1 and P on one rank, is no message)
-        sends = M * sum((c < C - 1 and owner(c + 1) != owner(c))
-                        + (c > 0 and owner(c - 1) != owner(c)) for c in mine)
+        sends = M * boundary_messages(a.schedule, self.env.world, a.virtual_stages, self.env.rank)
         rows = [Expect("isend", "world", sends, sends * act,
                        f"M x (activations out + gradients back) per chunk boundary to another "
                        f"rank, {act:,} B each"),
@@ -238,8 +238,8 @@ class TorchPipelining(Strategy):
         tie = name_group(dist.new_group(sorted(ends)), "tied") if tied and len(ends) > 1 else None
         # the cut only: torch splits the backward of its zero-bubble schedules itself
         self.pipe = Pipeline(model, P, V, env.rank, name, tie_group=tie, split_backward=False)
-        self.stages = [PipelineStage(TorchChunk(self.pipe, c), c, self.pipe.C, env.device)
-                       for c in self.pipe.mine]
+        self.stages = [PipelineStage(TorchChunk(self.pipe, c), c, self.pipe.n_chunks, env.device)
+                       for c in self.pipe.my_chunks]
         cls = getattr(torch_schedules, TORCH_SCHEDULES[name])
         single = issubclass(cls, torch_schedules.PipelineScheduleSingle)
         self.schedule = cls(self.stages[0] if single else self.stages, args.microbatches,
@@ -257,8 +257,8 @@ class TorchPipelining(Strategy):
     def step(self, batch):
         self.optimizer.zero_grad(set_to_none=True)
         self._n_tokens, self._ce = batch.n_tokens, []
-        inputs = (batch.input_ids,) if 0 in self.pipe.mine else ()
-        target = batch.labels if self.pipe.C - 1 in self.pipe.mine else None
+        inputs = (batch.input_ids,) if 0 in self.pipe.my_chunks else ()
+        target = batch.labels if self.pipe.n_chunks - 1 in self.pipe.my_chunks else None
         self.schedule.step(*inputs, target=target, return_outputs=False)
         with phase("backward"):
             self.pipe.sync_tied()

@@ -9,7 +9,8 @@ from harness.precision import grad_reduce_dtype
 from harness.cli import main as harness_main
 
 import ddp
-from sp import parallelize, parallelize_ulysses
+from sp import (ULYSSES_ALL_TO_ALLS, parallelize, parallelize_ulysses, region_collectives,
+                ulysses_bytes)
 
 from rig.tp import PLANT_ARGS, TP, norm_sharded_comm, standalone_constraints
 
@@ -43,7 +44,7 @@ class MegatronSP(TP):
         self.tp = parallelize(model, async_tp=args.async_tp)
         if args.async_tp:
             self.name = "sp-megatron-async"
-        self.seq_partial = self.tp.extra_partial
+        self.seq_partial = self.tp.group_partials
         self.optimizer = make_adamw(model.parameters(), args)
 
     def my_tokens(self, batch) -> slice:
@@ -60,7 +61,7 @@ class MegatronSP(TP):
         with phase("backward"):
             (ce / batch.n_tokens).backward()
             if planted("norm-grads-unreduced"):   # plant: the norms treated as TP's
-                self.tp.extra_partial = []
+                self.tp.group_partials = []
             self.tp.reduce_partial_grads()
         with phase("optimizer"):
             if self.args.clip:
@@ -75,12 +76,12 @@ class MegatronSP(TP):
         b_ce = 4 if a.dtype == "bfloat16" else b
         nhb = N * H * b
         partial = (sum(p.numel() for p in self.seq_partial)
-                   + sum(p.numel() * self.tp.n_kv for p in self.tp.partial_grads))
+                   + sum(p.numel() * self.tp.n_kv for p in self.tp.kv_copy_params))
         norm_calls, norm_bytes = norm_sharded_comm(self.tp, N, a.dtype)
         ar_calls = 1 + 3 + 1 + (1 if a.clip else 0) + norm_calls
         ar_bytes = nhb + 3 * N * b_ce + partial * b + (8 if a.clip else 0) + norm_bytes
         if a.async_tp:    # every region collective a ring of T-1 hops (async_tp.py)
-            rings, W = 10 * L + 3, self.env.world
+            rings, W = region_collectives(L, async_tp=True)["ring"], self.env.world
             return [
                 Expect("all_gather_into_tensor", "world", 1, nhb,
                        "N*H*b: the first layer's split (bwd)"),
@@ -90,12 +91,14 @@ class MegatronSP(TP):
                 Expect("all_reduce", "world", ar_calls, ar_bytes,
                        "embedding N*H*b + loss 3 x N*b + norm/bias grads"
                        + (" + clip" if a.clip else ""))]
+        n = region_collectives(L)     # sp.py's formula: 6L + 3 and 4L + 1
+        ag, rs = n["all_gather_into_tensor"], n["reduce_scatter_tensor"]
         return [
-            Expect("all_gather_into_tensor", "world", 6 * L + 3, (6 * L + 3) * nhb,
+            Expect("all_gather_into_tensor", "world", ag, ag * nhb,
                    "(6L+3) x N*H*b: 2 region entries per layer + LM head (fwd); the same "
                    "2L+1 re-gathered for the weight grads, 2 row exits per layer and the "
                    "first-layer split (bwd)"),
-            Expect("reduce_scatter_tensor", "world", 4 * L + 1, (4 * L + 1) * nhb,
+            Expect("reduce_scatter_tensor", "world", rs, rs * nhb,
                    "(4L+1) x N*H*b: 2 row exits per layer (fwd), 2 entries per layer + "
                    "LM head (bwd)"),
             Expect("all_reduce", "world", ar_calls, ar_bytes,
@@ -141,9 +144,9 @@ class Ulysses(Strategy):
         hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
         kv = kv_heads(cfg) * hd
         b = DTYPES[a.dtype].itemsize
-        per_layer = 2 * (2 * H + 2 * kv) * N // W * b
+        per_layer = ulysses_bytes(N, H, kv, W, b)     # sp.py's formula
         grads = sum(p.numel() for p in self.model.parameters()) * self.dp.reduce_itemsize
-        return [Expect("all_to_all_single", "world", 8 * L, L * per_layer,
+        return [Expect("all_to_all_single", "world", ULYSSES_ALL_TO_ALLS * L, L * per_layer,
                        f"per layer 8 calls, 2 x (2H + 2H_kv) x N/W x b = {per_layer:,} B"),
                 Expect("all_reduce", "world", len(self.dp.buckets), grads,
                        f"gradients Psi*b = {grads:,} B")]

@@ -7,7 +7,8 @@ from harness import (Batch, DTYPES, DTensorBaseline, Expect, Plant, Reference, S
 from harness.loss import chunked_loss_sum
 from harness.cli import main as harness_main
 
-from tp import TensorParallel, parallelize, shape_constraints
+from tp import (LOSS_ALL_REDUCES, TensorParallel, parallelize, region_all_reduces,
+                shape_constraints)
 from tp_plan import classify, meta_model
 
 
@@ -103,7 +104,7 @@ class TP(Strategy):
     def extra_checks(self):
         # Replicated parameters (norms, replicated kv) must stay identical across TP ranks.
         rep = [p for n, p in self.model.named_parameters() if n not in self.tp.split_dim
-               and (n not in self.tp.kv_split or self.tp.kv_copies == self.tp.T)]
+               and (n not in self.tp.kv_split or self.tp.kv_copies == self.tp.world)]
         spread = spread_across_ranks(rep)
         return [(f"{len(rep)} replicated tensors identical across ranks", spread == 0.0,
                  f"max spread of per-tensor sums {spread:.1e}")]
@@ -113,10 +114,11 @@ class TP(Strategy):
         N, H, L = a.batch * a.length, cfg.hidden_size, cfg.num_hidden_layers
         b = DTYPES[a.dtype].itemsize
         b_ce = 4 if a.dtype == "bfloat16" else b
-        partial = self.tp.partial_grads or self.tp.extra_partial
+        partial = self.tp.kv_copy_params or self.tp.group_partials
         K = -(-N // a.ce_chunk) if a.ce_chunk else 1   # the loss's chunks, 3 all-reduces each
-        calls = 4 * L + 2 + 3 * K + (1 if partial else 0)
-        nbytes = (4 * L + 2) * N * H * b + 3 * N * b_ce
+        regions = region_all_reduces(L)                # 4L + 2 (tp.py's formula)
+        calls = regions + LOSS_ALL_REDUCES * K + (1 if partial else 0)
+        nbytes = regions * N * H * b + LOSS_ALL_REDUCES * N * b_ce
         if partial:
             nbytes += self.tp.partial_numel() * b
         norm_calls, norm_bytes = norm_sharded_comm(self.tp, N, a.dtype)
@@ -124,12 +126,12 @@ class TP(Strategy):
         if a.clip:
             calls, nbytes = calls + 1, nbytes + 8
         return [Expect("all_reduce", "world", calls, nbytes,
-                       f"(4L+2) x N*H*b + 3 x N*b_ce = {4 * L + 2} x {N * H * b:,} + "
+                       f"(4L+2) x N*H*b + 3 x N*b_ce = {regions} x {N * H * b:,} + "
                        f"3 x {N * b_ce:,} B (L={L}, N=B*S={N}, H={H})"
                        + (f"; the loss in {K} chunks of --ce-chunk tokens, 3 calls each"
                           if a.ce_chunk else "")
-                       + (" + kv grads" if self.tp.partial_grads else "")
-                       + (" + q/k norm grads" if self.tp.extra_partial else "")
+                       + (" + kv grads" if self.tp.kv_copy_params else "")
+                       + (" + q/k norm grads" if self.tp.group_partials else "")
                        + (" + full-width q/k norms 2 x N*b each" if norm_calls else "")
                        + (" + clip" if a.clip else ""))]
 

@@ -3,14 +3,21 @@ import torch
 
 from harness import (Batch, DTensorBaseline, Expect, Plant, Strategy, full_tensor, global_loss,
                      make_adamw, parts, phase)
-from harness.precision import grad_reduce_dtype
+from harness.precision import adamw_kwargs, grad_reduce_dtype
 from harness.cli import main as harness_main
 
 import ddp
-from zero import Zero, adamw_on_shards
+from zero import Zero, ZeroOptimizer, collectives_per_unit
 from zero_state import state_bytes
 
 from rig.ddp import TorchDDP, batch_constraints
+
+
+def adamw_on_shards(model, engine: Zero, args) -> ZeroOptimizer:
+    """The harness's AdamW (the reference's hyperparameters) on an engine's shards."""
+    params = list(model.parameters())
+    return ZeroOptimizer(params, torch.optim.AdamW, engine=engine,
+                         **adamw_kwargs([u.shard for u in engine.units] or params, args))
 
 
 def zero_constraints(args, world, config) -> list[str]:
@@ -108,15 +115,16 @@ class ZeRO(Strategy):
         _, padded = self.psi()
         b, n = z.units[0].full.element_size(), len(z.units)
         rb = z.units[0].grad_shard.element_size()   # the reduce dtype's
-        full, rs_times = padded * b, K if self.args.stage >= 2 else 1
+        rs_times, ag_times = collectives_per_unit(self.args.stage, K)   # zero.py's formula
+        full = padded * b
         rows = [Expect("reduce_scatter_tensor", "world", n * rs_times, padded * rb * rs_times,
                        f"Psi*b_reduce = {padded * rb:,} B per reduction, one per unit ({n})"
                        + (f", x{K} micro-batches" if rs_times > 1 else ""))]
         if self.args.stage < 3:
-            rows.append(Expect("all_gather_into_tensor", "world", n, full,
+            rows.append(Expect("all_gather_into_tensor", "world", n * ag_times, full * ag_times,
                                f"Psi*b = {full:,} B: updated parameters, one per unit"))
         else:
-            rows.append(Expect("all_gather_into_tensor", "world", 2 * n * K, 2 * full * K,
+            rows.append(Expect("all_gather_into_tensor", "world", n * ag_times, full * ag_times,
                                "2 Psi*b: forward + backward gather per unit"
                                + (f", x{K} micro-batches" if K > 1 else "")))
         if self.args.clip:

@@ -84,7 +84,7 @@ class ZeroPPChecks:
         exact = torch.empty_like(out)
         with METER.paused():
             dist.reduce_scatter_tensor(exact, src, group=self.engine.group)
-        slack = 1 + 2048 * self.engine.W * torch.finfo(out.dtype).eps
+        slack = 1 + 2048 * self.engine.world * torch.finfo(out.dtype).eps
         r = ((out - exact).abs() / (bound * slack + torch.finfo(out.dtype).tiny)).max()
         self.qgz_ratio = r if self.qgz_ratio is None else torch.maximum(self.qgz_ratio, r)
 
@@ -105,7 +105,7 @@ class ZeroPPChecks:
         if z.qwz:
             worst, blocks = torch.zeros((), dtype=torch.float64, device=dev), 0
             for u in z.units:
-                W, s = u.W, u.shard_numel
+                W, s = u.world, u.shard_numel
                 with METER.paused():
                     deq = quantized_all_gather(u).double().view(W, s)
                     exact = torch.empty(u.padded, dtype=u.shard.dtype, device=dev)

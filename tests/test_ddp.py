@@ -13,6 +13,8 @@ BENCH = ["--mode", "benchmark", "--bucket-mb", "0.25", "--warmup", "1", "--bench
 W2 = Runs("ddp.py", 2, {  # one launch: the start-up paid once
     "correctness": ["--dtype", "float64"],
     "plant-grad": ["--plant-bug", "grad"],
+    "naive": ["--variant", "naive", "--dtype", "float64", "--grad-accum", "2"],
+    "naive-bench": BENCH + ["--variant", "naive"],
 })
 SLOW_W2 = Runs("ddp.py", 2, tier="slow", runs={
     "native": ["--compare-native", "--grad-accum", "2"],
@@ -23,6 +25,7 @@ SLOW_W2 = Runs("ddp.py", 2, tier="slow", runs={
 SLOW_W3 = Runs("ddp.py", 3, tier="slow", runs={
     "float64": ["--dtype", "float64", "--batch", "6", "--grad-accum", "2"],
     "float32": ["--dtype", "float32", "--batch", "6"],
+    "naive-bf16": ["--variant", "naive", "--dtype", "bfloat16", "--batch", "6"],
 })
 
 
@@ -48,6 +51,26 @@ def test_correctness(runs, batch, key, world, dtype):
     assert 0 < res["max_grad_noise"] and res["worst_ratio"] <= 1.0
     assert res["noise_dtype"] == "float32" and res["tol_k"] == harness.TOL_K
     assert res["checks"][0]["ok"]  # replicas identical across ranks
+
+
+@pytest.mark.parametrize("batch,key,world,dtype", [
+    (W2, "naive", 2, "float64"),
+    pytest.param(SLOW_W3, "naive-bf16", 3, "bfloat16", marks=pytest.mark.slow),   # uneven
+])
+def test_naive_variant(runs, batch, key, world, dtype):
+    """--variant naive (ddp.NaiveDataParallel): the same averaged gradients, one all_reduce
+    per parameter tensor after the backward; its planted sum-not-average FAILs in
+    tests/test_plants.py's ddp.py group."""
+    res = assert_pass(runs(batch, key), world, dtype)
+    assert res["strategy"] == "ddp-naive" and res["checks"][0]["ok"], res
+
+
+def test_naive_variant_sends_one_call_per_parameter(runs):
+    r = runs(W2, "naive-bench")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    b = r.json("benchmark.json")
+    ar, bc = b["ours"]["comm"]["all_reduce|world"], b["setup"]["broadcast|world"]
+    assert (ar["calls"], ar["bytes"]) == (39, 4 * 180800) == (bc["calls"], bc["bytes"]), b
 
 
 def test_correctness_small_buckets_and_world_size_one(run):

@@ -426,7 +426,7 @@ def test_a_dropout_outside_the_layers_is_refused_in_one_line(tmp_path):
 
 class _OneRank(tp.TPRegion):
     """The vocab-parallel lookup's shards composed on one rank: the sum is done by the test."""
-    def embed_exit(self, x):
+    def embedding_out(self, x):
         return x
 
 

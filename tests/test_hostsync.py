@@ -17,8 +17,8 @@ from harness import hostsync
 # Every allowed site, with its reason: a new one must be named here.
 ALLOWED = {
     ("harness/loss.py", "scalar"): "the step's one logged loss",
-    ("trainer4d/train.py", "loss_and_flag"): "compose4d train mode's one read per step: the "
-                                             "loss, the preemption flag and the norm together",
+    ("compose4d.py", "loss_flag_norm"): "compose4d's one read per step: the loss, the "
+                                        "preemption flag and the norm together",
     ("ep_moe.py", "dispatch_combine"): "all_to_all_single takes its split sizes as host ints",
     ("harness/routing.py", "experts_forward"): "the harness's routing statistics "
                                                "(instrumentation, a host list kept on the host)",

@@ -91,3 +91,97 @@ def test_bad_layout_is_one_line():
         plan.parse_layout("tp=2,xx=3")
     with pytest.raises(SystemExit, match="must divide"):
         plan.parse_layout("dp=6,ep=4")
+
+
+def test_the_planners_take_their_activations_from_one_model(monkeypatch):
+    """trainer4d.plan, oom_search.predict_peak and the elastic planner all call
+    harness.recompute.activation_bytes: they agree with it and with each other, and a changed
+    model changes all three (a planner with a formula of its own would not follow)."""
+    import harness.recompute as rc
+    import oom_search
+    from trainer4d import elastic
+    cfg = load_config("tiny")
+
+    def figures():
+        lay = plan.parse_layout("tp=2,seq=128,mb=2")
+        return (plan.activation_bytes(cfg, lay, 2)["total"],
+                oom_search.predict_peak("tp", 2, 128, 2, cfg, 2)["activations"],
+                elastic.MemoryModel(config=cfg).activations(2, 128, 64, 4, tp=2))
+    real = rc.activation_bytes
+    want = real(cfg, 2, 128, 2, "none", "sdpa", tp=2)["layers"]
+    assert figures() == (want, want, want)
+    monkeypatch.setattr(rc, "activation_bytes",
+                        lambda *a, **k: {n: 3 * v for n, v in real(*a, **k).items()})
+    assert figures() == (3 * want, 3 * want, 3 * want)
+
+
+# Each strategy's communication counts are written once, as functions in its learner file;
+# these modules count with them (a source check below, the meter's benchmark tests check the
+# numbers against the measured traffic).
+FORMULAS = {"rig/tp.py": ["region_all_reduces", "LOSS_ALL_REDUCES"],
+            "rig/sp.py": ["region_collectives", "ULYSSES_ALL_TO_ALLS", "ulysses_bytes"],
+            "rig/fsdp.py": ["collectives_per_unit"],
+            "rig/zero.py": ["collectives_per_unit"],
+            "rig/pp.py": ["boundary_messages"],
+            "rig/cp_ring.py": ["ring_messages", "ring_bytes", "ALLGATHER_COLLECTIVES"],
+            "rig/ep_moe.py": ["TOKEN_ALL_TO_ALLS", "COUNT_ALL_TO_ALLS"],
+            "compose_moe.py": ["TOKEN_ALL_TO_ALLS", "COUNT_ALL_TO_ALLS"],
+            "trainer4d/comm.py": ["region_all_reduces", "LOSS_ALL_REDUCES", "region_collectives",
+                                  "collectives_per_unit", "boundary_messages", "ring_messages",
+                                  "ring_bytes"],
+            "trainer4d/plan.py": ["region_all_reduces", "region_collectives",
+                                  "collectives_per_unit", "boundary_messages",
+                                  "ALLGATHER_COLLECTIVES", "TOKEN_ALL_TO_ALLS"]}
+# what a restated formula looks like: counts per layer written as literals
+RESTATED = (r"\b(4|5|6|8|10) \* (L|L_st|layers|moe_l)\b|3 \* \((W|C) - 1\) \+ 1"
+            r"|\b4 \* (k|kept)\b")
+
+
+def restated(text: str) -> list[str]:
+    import re
+    return [line.strip() for line in text.splitlines() if re.search(RESTATED, line)]
+
+
+def test_the_comm_formulas_are_the_learner_files(monkeypatch):
+    """trainer4d.plan counts with tp.py's, zero.py's, cp_ring.py's and pp_schedule.py's formula
+    functions: patched there, the plan follows; and no counting module restates one."""
+    import os
+    import cp_ring
+    import pp_schedule
+    import tp
+    import zero
+    from conftest import ROOT
+    cfg, p = load_config("tiny"), params_of("tiny")
+    lay = plan.parse_layout("tp=2,cp=2,pp=4,dp=2,zero=3,m=8")
+    monkeypatch.setattr(tp, "region_all_reduces", lambda *a, **k: 1000)
+    monkeypatch.setattr(zero, "collectives_per_unit", lambda stage, M: (7, 11))
+    monkeypatch.setattr(cp_ring, "ALLGATHER_COLLECTIVES", (5, 3))
+    monkeypatch.setattr(pp_schedule, "boundary_messages", lambda *a: 13)
+    got = {r[:2]: r[2] for r in plan.comm_per_step(cfg, p, lay, 2)}
+    assert got == {("tp", "all_reduce"): 8 * 1000, ("cp", "all_gather"): 5 * 1 * 8,
+                   ("cp", "reduce_scatter"): 3 * 1 * 8, ("pp", "send"): 8 * 13,
+                   ("dp", "reduce_scatter"): 7, ("dp", "all_gather"): 11}, got
+    for path, names in FORMULAS.items():
+        text = open(os.path.join(ROOT, path)).read()
+        assert [n for n in names if n not in text] == [], path
+        assert restated(text) == [], path
+    # the check sees a restated count
+    assert restated("        calls = 4 * L + 2 + 3 * K\n        n = 3 * (W - 1) + 1\n") == [
+        "calls = 4 * L + 2 + 3 * K", "n = 3 * (W - 1) + 1"]
+
+
+def test_the_model_state_formula_is_zeros(monkeypatch):
+    """ZeRO's table is written once, zero.model_state_bytes: trainer4d.plan, the elastic
+    planner and oom_search's prediction all take their model states from it."""
+    import oom_search
+    import zero
+    from trainer4d import elastic
+    cfg = load_config("tiny")
+    lay = plan.parse_layout("dp=4,zero=2")
+    want = zero.model_state_bytes(TINY_PSI, 2, 4, 2, 2, 12)
+    assert plan.state_bytes(params_of("tiny"), lay, 2)["dense"]["total"] == sum(want.values())
+    monkeypatch.setattr(zero, "model_state_bytes",
+                        lambda *a: dict(params=1.0, grads=2.0, optimizer=4.0))
+    assert plan.state_bytes(params_of("tiny"), lay, 2)["dense"]["total"] == 3 * 7.0
+    assert elastic.MemoryModel().states(TINY_PSI, 2, 4) == 7.0
+    assert oom_search.predict_peak("zero2", 4, 128, 1, cfg, 2)["states"] == 7.0

@@ -129,14 +129,23 @@ def test_a_recomputation_that_differs_from_the_forward_is_caught(monkeypatch):
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_saved_activations_equal_the_formula(attn):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_saved_activations_equal_the_formula(attn, dtype):
     cfg = load_config("tiny")
-    got = {m: rc.per_layer_measured(cfg, m, attn, torch.float32, 2, 128, repeats=0)["per_layer"]
+    got = {m: rc.per_layer_measured(cfg, m, attn, dtype, 2, 128, repeats=0)["per_layer"]
            for m in rc.MODES}
-    want = {m: rc.activation_bytes(cfg, 2, 128, 4, m, attn) for m in rc.MODES}
+    want = {m: rc.activation_bytes(cfg, 2, 128, dtype.itemsize, m, attn) for m in rc.MODES}
     assert got == {m: w["per_layer"] for m, w in want.items()}          # byte for byte
     assert all(w["layers"] == 4 * w["per_layer"] for w in want.values())
+    assert all(w["per_layer"] == w["inside"] + w["outside"] for w in want.values())
     assert got["full"] < got["selective"] < got["none"]
+    if dtype == torch.bfloat16:
+        # the check can fail: the float32 formula with e = 2 (no upcast copies) misses HF's
+        # float32 RMSNorm inputs, 2 (4 - e) b s h per layer, and eager's softmax copy
+        h, I, b, s, e = cfg.hidden_size, cfg.intermediate_size, 2, 128, 2
+        naive = e * b * s * (8 * h + 2 * 2 * 16 + 4 * I) + 2 * 4 * b * s
+        assert got["selective"] - naive == 2 * 2 * b * s * h, (got, naive)
+        return
     if attn == "eager":      # selective removes the float32 softmax, 4 b a s^2, and eager's
         #                      k and v repeated to all heads, e b s (2 h - 2 g d)
         assert got["none"] - got["selective"] == 4 * 2 * 4 * 128 * 128 + 4 * 2 * 128 * 64

@@ -3,6 +3,11 @@ benchmark mode compares with the metered traffic (compose4d.py's docstring state
 compose_moe.py adds a MoE model's ep, count and edp rows)."""
 from harness import DTYPES, Expect, kv_heads
 import compose_moe
+import cp_ring
+import sp
+import tp
+import zero
+from pp_schedule import boundary_messages
 
 
 def expected_comm(self) -> list[Expect]:
@@ -14,12 +19,12 @@ def expected_comm(self) -> list[Expect]:
     b = DTYPES[a.dtype].itemsize
     H = cfg.hidden_size
     n_tok = a.batch // D * a.length // C          # tokens per rank per step
-    L_st = sum(len(self.pipe.bounds[c]) for c in self.pipe.mine)
+    L_st = sum(len(self.pipe.chunk_layers[c]) for c in self.pipe.my_chunks)
     z = self.zero
     rows = []
-    rs = M if a.zero >= 2 else 1   # (over a group of one as well: zero.py does not skip)
+    # (over a group of one as well: zero.py does not skip)
+    rs, ag = zero.collectives_per_unit(a.zero, M)
     rb = z.units[0].grad_shard.element_size()   # the reduce dtype's (fp32 for bf16)
-    ag = 2 * M if a.zero == 3 else 1   # stage 3: before each forward and each backward
     dense = "shard" if a.replicate > 1 else "dpcp"    # (HSDP: dp x cp / R ranks)
     for group, what in ((dense, "Psi_r"), ("edp", "experts' Psi_e,r")):   # (edp: MoE)
         units = [u for u in z.units if (u.group is z.group) == (group == dense)]
@@ -41,8 +46,8 @@ def expected_comm(self) -> list[Expect]:
     rows += compose_moe.expected_comm(self, self.blocks)
     if P > 1:
         act = (a.batch // D // M) * (a.length // C // (T if a.sp else 1)) * H * b
-        n = sum(1 for c in self.pipe.mine if c < self.pipe.C - 1) * M \
-            + sum(1 for c in self.pipe.mine if c > 0) * M
+        V = a.virtual_stages if a.schedule == "interleaved" else 1
+        n = M * boundary_messages(a.schedule, P, V, self.me["pp"])
         rows += [Expect("isend", "pp", n, n * act, f"M activations out + gradients back per "
                         f"boundary, {act:,} B each"),
                  Expect("irecv", "pp", n, n * act, "the mirror of the sends")]
@@ -52,15 +57,15 @@ def expected_comm(self) -> list[Expect]:
     if C > 1:
         hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
         blk = (a.batch // D // M) * (a.length // C) * 2 * (kv_heads(cfg) // T) * hd * b
-        per = (C - 1) * blk + (C - 1) * 2 * blk + blk
-        rows += [Expect(op, "cp", M * L_st * (3 * (C - 1) + 1), M * L_st * per,
+        per = cp_ring.ring_bytes(C, blk, blk)
+        rows += [Expect(op, "cp", M * L_st * cp_ring.ring_messages(C), M * L_st * per,
                         "ring attention per layer and micro-batch: (C-1) K,V hops forward, "
                         "(C-1) K,V,dK,dV hops backward, dK,dV home") for op in ("isend", "irecv")]
     if T > 1:
         nhb = n_tok * H * b
-        head = int(self.last)
+        n = sp.region_collectives(L_st, self.first, self.last, a.async_tp)
         if a.sp and a.async_tp:   # async_tp.py: every region collective a ring of T-1 hops
-            rings = M * (10 * L_st + 3 * head)
+            rings = M * n["ring"]
             hop = nhb // M // T
             if self.first:
                 rows.append(Expect("all_gather_into_tensor", "tp", M, nhb,
@@ -69,8 +74,7 @@ def expected_comm(self) -> list[Expect]:
                             f"async TP: M (10 L_r + 3 l) rings x (T-1) hops of {hop:,} B")
                      for op in ("isend", "irecv")]
         elif a.sp:
-            ag = M * (6 * L_st + 2 * head + int(self.first))   # sp.py: 6L+3 per model
-            rs_ = M * (4 * L_st + head)
+            ag, rs_ = M * n["all_gather_into_tensor"], M * n["reduce_scatter_tensor"]
             rows += [Expect("all_gather_into_tensor", "tp", ag, ag * nhb // M,
                             "SP: region entries (fwd), re-gathers and row exits (bwd)"),
                      Expect("reduce_scatter_tensor", "tp", rs_, rs_ * nhb // M,
@@ -84,14 +88,14 @@ def _tp_allreduce_rows(self, M, b, n_tok, L_st) -> list[Expect]:
     nhb_mb = n_tok // M * H * b
     b_ce = 4 if a.dtype == "bfloat16" else b
     calls = nbytes = 0
-    if self.first:
-        calls, nbytes = calls + M, nbytes + M * nhb_mb            # embedding
     if self.last:
-        calls, nbytes = calls + 3 * M, nbytes + 3 * M * n_tok // M * b_ce   # loss
-    if not a.sp:
-        per_layer = 2 if self.moe else 4    # f and g of attention (and of a dense MLP)
-        calls += M * (per_layer * L_st + int(self.last))
-        nbytes += M * (per_layer * L_st + int(self.last)) * nhb_mb
+        loss = tp.LOSS_ALL_REDUCES * M
+        calls, nbytes = calls + loss, nbytes + loss * n_tok // M * b_ce
+    # f and g of attention (and of a dense MLP), the embedding's sum, the head's f; under SP
+    # only the embedding's stays an all-reduce
+    regions = (tp.region_all_reduces(L_st, self.first, self.last, L_st if self.moe else 0)
+               if not a.sp else int(self.first))
+    calls, nbytes = calls + M * regions, nbytes + M * regions * nhb_mb
     psl = sum(b_ - a_ for sl in self.partial_slices for a_, b_ in sl)
     if psl:   # slices of the gradient shards: the reduce dtype's bytes
         rb = self.zero.units[0].grad_shard.element_size()

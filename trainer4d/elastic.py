@@ -24,8 +24,12 @@ Memory model per GPU (every coefficient is a flag):
                  ep in place of tp and dp cp / ep in place of dp (compose_moe.py's layout: the
                  experts whole across tp, sharded over the ranks that hold the same experts);
                  a world whose dp cp E does not divide is infeasible
-    activations  --act-coef (16) x b x (seq / cp) x hidden x layers x --act-bytes (2) / tp
-                 (under 1F1B the first stage holds P micro-batches of L/P layers: all L)
+    activations  with a model config (--model; compose4d's --elastic always has one):
+                 harness.recompute.activation_bytes, the suite's one activation model (exact
+                 against the live storage), for b sequences of seq / cp tokens in --act-bytes
+                 (2) per element, its tp split, under --recompute; without one, a coarse
+                 coefficient: --act-coef (16) x b x (seq / cp) x hidden x layers x --act-bytes
+                 / tp. Under 1F1B the first stage holds P micro-batches of L/P layers: all L
 """
 from __future__ import annotations
 
@@ -42,14 +46,20 @@ class MemoryModel:
     bytes_adam: float = 8.0
     act_coef: float = 16.0
     act_bytes: float = 2.0
+    config: object = None        # an HF config: the activations from harness.recompute
+    recompute: str = "none"
+    sp: bool = False
 
     def states(self, params, zero, dp, tp=1, pp=1) -> float:
-        psi = params / (tp * pp)
-        return (self.bytes_param * psi / (dp if zero >= 3 else 1)
-                + self.bytes_grad * psi / (dp if zero >= 2 else 1)
-                + self.bytes_adam * psi / (dp if zero >= 1 else 1))
+        from zero import model_state_bytes      # (ZeRO's table, the one formula)
+        return sum(model_state_bytes(params / (tp * pp), zero, dp, self.bytes_param,
+                                     self.bytes_grad, self.bytes_adam).values())
 
     def activations(self, mb, seq, hidden, layers, tp=1, cp=1) -> float:
+        if self.config is not None:
+            from harness.recompute import activation_bytes
+            return activation_bytes(self.config, mb, seq // cp, int(self.act_bytes),
+                                    self.recompute, "sdpa", tp=tp, sp=self.sp)["layers"]
         return self.act_coef * mb * (seq / cp) * hidden * layers * self.act_bytes / tp
 
 
@@ -126,8 +136,16 @@ def plan_table(args) -> tuple[int, list[Plan]]:
         raise ValueError(f"--world {args.world} is not a multiple of tp pp cp = {mp}")
     target = args.world // mp * args.micro_batch * args.grad_accum
     lo, hi = (int(x) for x in args.nodes.split(":"))
+    config = None
+    if args.model:
+        from harness.models import load_config
+        config = load_config(args.model)
+        args.params = count_params(config)["total"]
+        args.hidden, args.layers = config.hidden_size, config.num_hidden_layers
+    elif None in (args.params, args.hidden, args.layers):
+        raise ValueError("give --model, or --params, --hidden and --layers")
     model = MemoryModel(args.bytes_param, args.bytes_grad, args.bytes_adam, args.act_coef,
-                        args.act_bytes)
+                        args.act_bytes, config, args.recompute)
     rows = [plan_world(n * args.gpus_per_node, target, params=args.params, hidden=args.hidden,
                        layers=args.layers, seq=args.seq, mem_bytes=args.mem_gib * 2**30,
                        tolerance=args.tolerance, max_micro_batch=args.max_micro_batch,
@@ -184,15 +202,22 @@ def replan(world: int, config, args, target: int, keep=None) -> Plan:
         tolerance=args.batch_tolerance, max_micro_batch=args.max_micro_batch,
         min_zero=args.zero, max_zero=1 if args.schedule == "interleaved" else 3,
         tp=args.tp, pp=args.pp, cp=args.cp, expert_params=params["experts"],
-        ep=getattr(args, "ep", 1), keep=keep)
+        ep=getattr(args, "ep", 1), keep=keep,
+        model=MemoryModel(config=config, recompute=getattr(args, "recompute", "none"),
+                          sp=bool(getattr(args, "sp", False))))
 
 
 def plan_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="compose4d.py plan", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--params", type=float, required=True, help="parameter count Psi")
-    p.add_argument("--hidden", type=int, required=True)
-    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--model", default=None,
+                   help="a preset or HF config: Psi, hidden and layers from it, and the "
+                        "activations from harness.recompute's model")
+    p.add_argument("--params", type=float, default=None, help="parameter count Psi")
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                   help="with --model: the activations under this recompute mode")
     p.add_argument("--seq", type=int, required=True, help="sequence length")
     p.add_argument("--world", type=int, required=True, help="GPUs of the run being re-planned")
     p.add_argument("--micro-batch", type=int, required=True, help="its micro-batch")
@@ -212,7 +237,9 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--bytes-param", type=float, default=2.0)
     p.add_argument("--bytes-grad", type=float, default=4.0)
     p.add_argument("--bytes-adam", type=float, default=8.0)
-    p.add_argument("--act-coef", type=float, default=16.0)
+    p.add_argument("--act-coef", type=float, default=16.0,
+                   help="without --model: activation bytes per token, hidden unit and layer "
+                        "over --act-bytes")
     p.add_argument("--act-bytes", type=float, default=2.0)
     return p
 

@@ -23,17 +23,18 @@ Where each number comes from (imported, not copied; new here: comm_per_step and 
                    reduces bf16 gradients in fp32 by default, keeps 4 Psi / N more (an fp32
                    gradient shard; its docstring's table)
     activations    harness.recompute.activation_bytes per decoder layer and micro-batch (SDPA
-                   attention; equal to the live-storage measurement byte for byte), the tokens
-                   / cp; / tp for what lives inside TP's regions, all of it / tp with SP (the
-                   split oom_search.predict_peak makes, restated in activation_bytes: the
-                   norms' inputs and outputs stay whole under TP alone); 1F1B: the first stage holds min(M, P) micro-batches of its
-                   layers (GPipe: M; the interleaved schedule's extra in-flight chunks are not
-                   counted). Llama-family shapes only (not MLA or MoE layers)
+                   attention; equal to the live-storage measurement byte for byte in float32
+                   and bf16), the tokens / cp, its tp split (the heads and MLP width / tp, the
+                   norms whole under TP alone, / tp with SP); 1F1B: the first stage holds
+                   min(M, P) micro-batches of its layers (GPipe: M; the interleaved schedule's
+                   extra in-flight chunks are not counted). Llama-family shapes only (not MLA
+                   or MoE layers)
     logits         oom_search.predict_peak's logits and loss term, on the last stage
     bubble         pp_schedule.bubble_formula; in-flight micro-batches from pp_schedule.simulate
     wire bytes     harness.meter.RING_FACTOR (ring algorithms)
-    comm per step  comm_per_step() below: the per-step formulas that tp.py, sp.py, cp_ring.py,
-                   pp.py, zero.py and ep_moe.py state in their docstrings, for one layout
+    comm per step  comm_per_step() below, counted with the formula functions of tp.py, sp.py,
+                   cp_ring.py, pp_schedule.py and zero.py (the same ones the rig's expected
+                   comm and trainer4d/comm.py call; ep_moe's all-to-alls), for one layout
 """
 from __future__ import annotations
 
@@ -130,13 +131,8 @@ def activation_bytes(config, lay, elem: int) -> dict | None:
         return None
     from harness.recompute import activation_bytes as per_layer_bytes
     b, s, T = lay["mb"], lay["seq"] // lay["cp"], lay["tp"]        # s: this GPU's tokens (CP)
-    mode = lay["recompute"]
-    per = per_layer_bytes(config, b, s, elem, mode, "sdpa")["per_layer"]
-    if mode == "full":        # the layer's input: the residual stream, sequence-sharded under SP
-        local = per / T if lay["sp"] else per
-    else:                     # outside TP's regions: the two norms' inputs and outputs, and
-        outside = elem * b * s * 4 * config.hidden_size + 2 * 4 * b * s   # their fp32 1/rms
-        local = per / T if lay["sp"] else (per - outside) / T + outside
+    local = per_layer_bytes(config, b, s, elem, lay["recompute"], "sdpa", tp=T,
+                            sp=bool(lay["sp"]))["per_layer"]
     layers = math.ceil(config.num_hidden_layers / lay["pp"])
     in_flight = min(lay["m"], lay["pp"]) if lay["schedule"] != "gpipe" else lay["m"]
     return dict(per_layer=local, layers=layers, in_flight=in_flight,
@@ -157,12 +153,17 @@ def comm_per_step(config, params: dict, lay, elem: int) -> list[tuple]:
     """Communication of one GPU per optimizer step, by group: rows (group, op, calls, logical
     bytes, formula). Logical bytes follow the meter's convention (harness/meter.py: the buffer
     for all_reduce and p2p, the full tensor for all_gather and reduce_scatter, the send buffer
-    for all_to_all). A middle pipeline stage with ceil(L/P) layers; gradients reduced in fp32
+    for all_to_all). A middle pipeline stage with ceil(L/P) layers (its point-to-point sends:
+    the busiest stage's); gradients reduced in fp32
     (4 bytes; --reduce-dtype's default), parameters gathered in the run's dtype. From the
-    docstrings of tp.py (4 all-reduces per layer per micro-batch), sp.py (the same bytes as
-    all-gathers and reduce-scatters, plus the backward re-gathers), cp_ring.py's allgather
-    variant (Llama 3's), pp.py (an activation and a gradient per micro-batch and boundary),
-    zero.py (per stage) and ep_moe.py (4 token all-to-alls per MoE layer)."""
+    formula functions of tp.py (region_all_reduces), sp.py (region_collectives), cp_ring.py's
+    allgather variant (ALLGATHER_COLLECTIVES; Llama 3's), pp_schedule.py (boundary_messages),
+    zero.py (collectives_per_unit) and ep_moe.py (4 token all-to-alls per MoE layer)."""
+    import cp_ring
+    import sp
+    import tp
+    import zero
+    from pp_schedule import boundary_messages
     T, C, P, D, E = lay["tp"], lay["cp"], lay["pp"], lay["dp"], lay["ep"]
     M, b, h = lay["m"], lay["mb"], config.hidden_size
     L = math.ceil(config.num_hidden_layers / P)
@@ -170,26 +171,31 @@ def comm_per_step(config, params: dict, lay, elem: int) -> list[tuple]:
     act = n * h * elem                            # one activation of the residual stream
     rows = []
     if T > 1:
-        if lay["sp"]:
-            rows.append(("tp", "all_gather", 6 * L * M, 6 * L * M * act,
+        if lay["sp"]:     # a middle stage: no embedding, no head (sp.py's formula)
+            n = sp.region_collectives(L, first=False, last=False)
+            ag, rs = M * n["all_gather_into_tensor"], M * n["reduce_scatter_tensor"]
+            rows.append(("tp", "all_gather", ag, ag * act,
                          "6 per layer per micro-batch (4 + 2 backward re-gathers) of b s h e"))
-            rows.append(("tp", "reduce_scatter", 4 * L * M, 4 * L * M * act,
+            rows.append(("tp", "reduce_scatter", rs, rs * act,
                          "4 per layer per micro-batch of b s h e"))
         else:
-            rows.append(("tp", "all_reduce", 4 * L * M, 4 * L * M * act,
+            n = M * tp.region_all_reduces(L, first=False, last=False)
+            rows.append(("tp", "all_reduce", n, n * act,
                          "4 per layer per micro-batch (2 forward, 2 backward) of b s h e"))
     if C > 1:
         kv = config.num_key_value_heads * (getattr(config, "head_dim", None)
                                            or h // config.num_attention_heads)
         kv_local = max(kv // T, kv // config.num_key_value_heads)
         full = b * lay["seq"] * 2 * kv_local * elem
-        rows.append(("cp", "all_gather", 2 * L * M, 2 * L * M * full,
+        ag, rs = (k * L * M for k in cp_ring.ALLGATHER_COLLECTIVES)
+        rows.append(("cp", "all_gather", ag, ag * full,
                      "K,V per layer per micro-batch, forward and again backward: b S 2kv/T e"))
-        rows.append(("cp", "reduce_scatter", L * M, L * M * full,
+        rows.append(("cp", "reduce_scatter", rs, rs * full,
                      "dK,dV per layer per micro-batch: b S 2kv/T e"))
     if P > 1:
         msg = act // (T if lay["sp"] else 1)
-        sends = 2 * M * lay["v"]
+        sends = M * max(boundary_messages(lay["schedule"], P, lay["v"], r)   # (the busiest)
+                        for r in range(P))
         what = ("an activation forward and a gradient back per micro-batch"
                 + (" and chunk" if lay["v"] > 1 else "") + ": b s h e"
                 + (" / tp" if lay["sp"] else ""))
@@ -202,10 +208,9 @@ def comm_per_step(config, params: dict, lay, elem: int) -> list[tuple]:
         if z == 0:
             rows.append((group, "all_reduce", 1, rs, "the gradients: Psi_r x 4 (fp32)"))
             continue
-        k = M if z >= 2 else 1                     # ZeRO-2/3 reduce-scatter per micro-batch
+        k, g = zero.collectives_per_unit(z, M)     # ZeRO-2/3 reduce-scatter per micro-batch
         rows.append((group, "reduce_scatter", k, k * rs,
                      "gradients, Psi_r x 4" + (" per micro-batch" if k > 1 else "")))
-        g = 2 * M if z == 3 else 1
         rows.append((group, "all_gather", g, g * ag, "parameters, Psi_r x e"
                      + (" forward and backward per micro-batch" if z == 3 else "")))
     if E > 1:
@@ -213,7 +218,8 @@ def comm_per_step(config, params: dict, lay, elem: int) -> list[tuple]:
                   if i >= getattr(config, "first_k_dense_replace", 0))
         moe_l = math.ceil(moe / P)
         k = config.num_experts_per_tok
-        calls = 4 * moe_l * M
+        import ep_moe
+        calls = ep_moe.TOKEN_ALL_TO_ALLS * moe_l * M
         rows.append(("ep", "all_to_all", calls, calls * k * n * h * elem,
                      "dispatch + combine, forward + backward, per MoE layer: k b s h e"))
     return rows

@@ -6,9 +6,9 @@ preemption and elastic restarts, outside the comparisons (no reference).
     torchrun --nproc_per_node=2 compose4d.py --pp 2 --mode train --steps 300 --resume ckpt
 
 Preemption: SIGTERM sets a flag; the ranks agree on it once per step, at no extra cost: the flag
-rides as a second element of the step's loss all-reduce (`loss_and_flag`), read with the loss (the
-step's one host read). The step in flight finishes and is saved at its end, then the process exits
-0. `--preempt-at micro-batch` also agrees before each micro-batch's first forward (pp.Pipeline's
+rides as a second element of the step's loss all-reduce (compose4d.Parallel4D.loss_flag_norm),
+read with the loss (the step's one host read). The step in flight finishes and is saved at its
+end, then the process exits 0. `--preempt-at micro-batch` also agrees before each micro-batch's first forward (pp.Pipeline's
 stop_check: a MAX all-reduce and a host read per micro-batch, a global barrier that serialises the
 pipeline), so a 1F1B step can be cut mid-way: the checkpoint then keeps the step's reduced
 gradients and records which rows are done (`cut`), and the resumed run finishes that step from the
@@ -50,7 +50,7 @@ from .checkpoint import (dropout_of, export_hf, find_checkpoint, hf_model,  # no
 
 class Preemption:
     """SIGTERM (from the batch system, or torchrun passing it on) sets a flag. The ranks agree
-    on it through `loss_and_flag` once per step (no collective of its own), or, under
+    on it through `Parallel4D.loss_flag_norm` once per step (no collective of its own), or, under
     `--preempt-at micro-batch`, also with `agreed` (one MAX all-reduce and a host read) before
     every micro-batch, so all of them stop after the same micro-batch."""
 
@@ -84,29 +84,9 @@ class Preemption:
         return bool(t.item())
 
 
-def loss_and_flag(strat, loss_sum: torch.Tensor, flag: bool,
-                  norm=None) -> tuple[float, bool, float | None]:
-    """The step's global CE sum (counted once over tp, as Parallel4D.loss_once), whether any
-    rank has seen SIGTERM, and the gradient norm (a device scalar, the same on every rank) as a
-    float, from one all-reduce of [CE sum, flag, norm on rank 0] over the world (float64, on
-    the model's device; not metered, like the loss's own) and one host read: the loss read the
-    step makes anyway, so agreeing on preemption and logging the norm cost no collective and no
-    synchronisation of their own."""
-    t = torch.zeros(3, dtype=torch.float64, device=loss_sum.device)
-    if strat.first_in([strat.groups["tp"]]):   # (every tp rank holds the same sum)
-        t[0] = loss_sum.detach()
-    t[1].fill_(float(flag))    # (a kernel argument: `t[1] = flag` would copy a host tensor)
-    if norm is not None and dist.get_rank() == 0:
-        t[2] = norm
-    with METER.paused():
-        dist.all_reduce(t)
-    ce, n, g = t.tolist()
-    return ce, n > 0, (g if norm is not None else None)
-
-
 def step_rows(strat, batch: Batch, rows=None, mb=None, stop=None, partial=None,
               flag=lambda: False, cut=True):
-    """Parallel4D.step, resumable and cuttable. Over the global batch's rows `rows` (default: all
+    """compose4d.Parallel4D.run_step over rows. Over the global batch's rows `rows` (default: all
     of them, split into contiguous dp shares of --grad-accum micro-batches; else each dp rank
     takes its contiguous share of `rows` in micro-batches of at most `mb`). `stop(m) -> bool`,
     asked on every rank before forward m (pp.Pipeline.stop_check), may end the step once
@@ -116,34 +96,17 @@ def step_rows(strat, batch: Batch, rows=None, mb=None, stop=None, partial=None,
     restored mid-step gradient (sum over the rows already done) to start from. `flag()`: this
     rank's preemption flag, read after the micro-batches and agreed with the loss.
     Returns (global loss or None when cut, (processed rows, loss sum) or None, agreed flag)."""
-    D, dp = strat.grid.size["dp"], strat.me["dp"]
-    strat.optimizer.zero_grad(set_to_none=False)
-    if partial is not None:
-        add_partial(strat, partial)
-    if rows is None:
-        local, mbs, M = strat.local_batch(batch), None, strat.args.grad_accum
-    else:
+    local = mbs = None
+    if rows is not None:
+        D, dp = strat.grid.size["dp"], strat.me["dp"]
         my_rows = [list(r) for r in split_even(rows, D)][dp]
         local = strat._cp_tokens(batch.take(my_rows))
         mbs = [local.rows(i, min(i + mb, len(my_rows))) for i in range(0, len(my_rows), mb)]
-        M = len(mbs)
-    strat.pipe.stop_check = stop
-    try:
-        if M:
-            loss_sum = strat.with_router_terms(strat.pipe.run(local, M, batch.n_tokens, mbs=mbs),
-                                               batch)
-        else:   # nothing left for this dp rank (a resumed step): reductions only
-            loss_sum = torch.zeros((), dtype=torch.float64, device=strat.env.device)
-    finally:
-        strat.pipe.stop_check = None
-    grads = strat.reduce_grads()
-    if cut and stop is not None and strat.pipe.completed < M:     # cut: keep the gradients
-        loss, stopping, _ = loss_and_flag(strat, loss_sum, flag())
-        return None, (processed(strat, batch, strat.pipe.completed), loss), stopping
-    strat.update(grads)    # (clipped on the device: the norm is not read inside the step)
-    # the step's one host read: its loss, the preemption flag and the gradient norm together
-    loss, stopping, strat.last_norm = loss_and_flag(strat, loss_sum, flag(), strat.last_norm)
-    return loss / batch.n_tokens, None, stopping
+    start = (lambda: add_partial(strat, partial)) if partial is not None else None
+    loss, ce, stopping = strat.run_step(batch, local, mbs, stop, start, flag, cut)
+    if loss is None:     # cut: the gradients kept, the rows done returned
+        return None, (processed(strat, batch, strat.pipe.completed), ce), stopping
+    return loss, None, stopping
 
 
 def processed(strat, batch: Batch, k: int) -> list[int]:
