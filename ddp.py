@@ -48,7 +48,8 @@ class NaiveDataParallel(torch.nn.Module):
     """DDP in its simplest correct form (--variant naive): rank 0's parameters broadcast once;
     after the step's last backward, sync_gradients() all-reduces every gradient on its own and
     divides it by W. The same Psi * b bytes as DataParallel below, but in one call per
-    parameter, none of it overlapping the backward. (HF's buffers are constants: not sent.)"""
+    parameter, none of it overlapping the backward, in the gradients' own dtype (a parameter
+    without a gradient sends zeros). (HF's buffers are constants: not sent.)"""
 
     def __init__(self, module, group=None):
         super().__init__()

@@ -533,10 +533,11 @@ def _check_optimizer(optimizer, args, kwargs):
 # Formulas (rig/fsdp.py counts with this)
 # ----------------------------------------------------------------------------------------------
 def collectives_per_unit(reshard_after_forward: bool, micro_batches: int) -> tuple[int, int]:
-    """(all-gathers, reduce-scatters) of one unit per optimizer step of M micro-batches, the
-    gradient sync off on all but the last: a gather before every forward and, resharded after
-    it, again before every backward; one reduce-scatter, in the last backward."""
-    return micro_batches * (1 + int(reshard_after_forward)), 1
+    """(reduce-scatters, all-gathers) of one unit per optimizer step of M micro-batches, the
+    gradient sync off on all but the last (zero.collectives_per_unit's order): one
+    reduce-scatter, in the last backward; a gather before every forward and, resharded after
+    it, again before every backward."""
+    return 1, micro_batches * (1 + int(reshard_after_forward))
 
 
 if __name__ == "__main__":   # torchrun fsdp.py --mode ...: the test rig runs it

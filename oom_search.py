@@ -5,14 +5,15 @@ size: measured by real training steps, and predicted by a formula.
 
 Trials: one `torchrun <strategy>.py --mode peak` per value, binary-searched on the --step grid
 (on CPU an OOM is the live-tensor tracker's over --mem-budget-gb); --simulate: FakeTensorMode.
-Prediction (--predict; bytes per rank; e bytes/element, b sequences of length S, h hidden, I MLP
-width, kv = n_kv d, a heads, V vocabulary; Korthikanti et al. 2022's accounting, for Llama):
-    states       (e + e + 2e) per parameter (half precision 2 + 2 + 12), divided as the strategy
-                 does: ZeRO-1 optimizer / W, ZeRO-2 + grads, ZeRO-3/FSDP all + a gathered unit,
-                 TP/SP the layers / T, PP the stage's share (pp_schedule.split_layers)
-    activations  e (8h + 3kv + 4I) per token and layer, + 2 a S e with --attn eager, + 12h in
-                 half precision; / T under TP (but the norms' 4h), SP and Ulysses, / C under CP;
-                 under 1F1B (M = P) stage r holds P - r micro-batches
+Prediction (--predict; bytes per rank; e bytes/element, b sequences of length S, h hidden, a
+heads, V vocabulary):
+    states       zero.model_state_bytes ((e + e + 2e) per parameter; half precision 2 + 2 + 12)
+                 as the strategy divides them: ZeRO-1/2/3 and FSDP over W (+ one gathered
+                 unit), TP/SP the layers / T, PP the stage's share (pp_schedule.split_layers)
+    activations  harness.recompute.activation_bytes per layer (the suite's one model, exact
+                 against the CPU's live storage; on an H100 in bf16 the peak ran 7% above it:
+                 docs/gpu.md), its TP/SP split; / W of the tokens under Ulysses and CP; under
+                 1F1B (M = P) stage r holds P - r micro-batches
     logits       (2e + 4) V per token, + 4V in half precision (/ T vocab-parallel; PP: last stage)
     cp blocks    4 b a (S/2C)^2 e: cp_ring's pure block kernel's backward
     peak         states + activations + logits + cp blocks (PP: the largest stage)

@@ -440,6 +440,8 @@ class TensorParallel(ShardedTensors):
         group_partials's (per-head q/k norms; under SP every replicated parameter) are summed
         as they are."""
         kv, plain = self.kv_copy_params, self.group_partials
+        if planted("norm-grads-unreduced"):   # plant: SP's norms treated as TP's (not summed)
+            plain = [p for p in plain if self.kinds.get(self._name(p)) != "replicated"]
         if planted("qk-norm-grads-unreduced"):   # plant: per-head q/k norms kept per rank
             plain = [p for p in plain if self.kinds.get(self._name(p)) != "partial"]
         if planted("kv-copies-summed-across-heads"):   # plant: every kv head's copies summed
@@ -461,7 +463,7 @@ class TensorParallel(ShardedTensors):
 
     def partial_numel(self) -> int:
         """Elements of the partial gradients' all-reduce (the kv heads' buffers and the
-        extra partial gradients)."""
+        group_partials' gradients)."""
         return (sum(p.numel() * self.n_kv for p in self.kv_copy_params)
                 + sum(p.numel() for p in self.group_partials))
 

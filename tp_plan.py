@@ -172,8 +172,8 @@ class LocalHeads:
 
 class ShardedTensors:
     """TensorParallel's conversions between full tensors and this rank's shards (checkpoints,
-    harness/loading.py, the rig's checks), from the layout it records: T, rank, group, vocab,
-    vocab_padded, split_dim, segments, kv_split, kv_copies, n_kv, kv_head."""
+    harness/loading.py, the rig's checks), from the layout it records: world (T), rank, group,
+    vocab, vocab_padded, split_dim, segments, kv_split, kv_copies, n_kv, kv_head."""
 
     def full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full tensors from this rank's shards (collective): gather along the split dim and

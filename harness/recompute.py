@@ -276,7 +276,8 @@ def activation_bytes(config, micro_batch: int, seq_len: int, dtype_bytes: int, m
     keeps its output and logsumexp); it does not matter for full. tp: the tensor-parallel size
     (the heads and the MLP width inside TP's regions split T ways; a kv head replicated when
     T > kv heads); sp: Megatron sequence parallelism, the norms' tokens split T ways too (and
-    full recompute's layer input)."""
+    full recompute's layer input). Measured byte for byte at T = 1; the split follows the
+    shards tp.py and sp.py keep, and is not measured per rank here."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
     if attn not in ("eager", "sdpa"):

@@ -157,9 +157,9 @@ class FSDP(Strategy):
         g = "shard" if u0.replicate is not None else "world"   # HSDP: inside a shard group
         s, W, b, rb = self.sizes(), u0.world, u0.dtype.itemsize, u0.reduce_dtype.itemsize
         per_unit = [collectives_per_unit(u.reshard_after_forward, K) for u in us]  # fsdp.py's
-        calls = sum(ag for ag, _ in per_unit)
-        gathered = sum(ag * W * u.shard_numel for (ag, _), u in zip(per_unit, us)) * b
-        n_rs = sum(rs for (_, rs), u in zip(per_unit, us) if u.trainable)
+        calls = sum(ag for _, ag in per_unit)
+        gathered = sum(ag * W * u.shard_numel for (_, ag), u in zip(per_unit, us)) * b
+        n_rs = sum(rs for (rs, _), u in zip(per_unit, us) if u.trainable)
         rows = [Expect("all_gather_into_tensor", g, calls, gathered,
                        f"forward Psi*b = {s['psi'] * b:,} B; backward (Psi - Psi_root)*b"
                        + ("" if s["resharded"] else " (none: no resharding)")

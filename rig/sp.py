@@ -13,6 +13,7 @@ from sp import (ULYSSES_ALL_TO_ALLS, parallelize, parallelize_ulysses, region_co
                 ulysses_bytes)
 
 from rig.tp import PLANT_ARGS, TP, norm_sharded_comm, standalone_constraints
+from tp import LOSS_ALL_REDUCES
 
 
 # Where each planted bug must FAIL: the tour's model, float32 with clipping (see PLANT_ARGS).
@@ -60,8 +61,6 @@ class MegatronSP(TP):
             ce = self.tp.loss_sum(logits, batch.labels)
         with phase("backward"):
             (ce / batch.n_tokens).backward()
-            if planted("norm-grads-unreduced"):   # plant: the norms treated as TP's
-                self.tp.group_partials = []
             self.tp.reduce_partial_grads()
         with phase("optimizer"):
             if self.args.clip:
@@ -78,8 +77,9 @@ class MegatronSP(TP):
         partial = (sum(p.numel() for p in self.seq_partial)
                    + sum(p.numel() * self.tp.n_kv for p in self.tp.kv_copy_params))
         norm_calls, norm_bytes = norm_sharded_comm(self.tp, N, a.dtype)
-        ar_calls = 1 + 3 + 1 + (1 if a.clip else 0) + norm_calls
-        ar_bytes = nhb + 3 * N * b_ce + partial * b + (8 if a.clip else 0) + norm_bytes
+        loss = LOSS_ALL_REDUCES      # the embedding's sum + the loss + the partial gradients
+        ar_calls = 1 + loss + 1 + (1 if a.clip else 0) + norm_calls
+        ar_bytes = nhb + loss * N * b_ce + partial * b + (8 if a.clip else 0) + norm_bytes
         if a.async_tp:    # every region collective a ring of T-1 hops (async_tp.py)
             rings, W = region_collectives(L, async_tp=True)["ring"], self.env.world
             return [

@@ -309,7 +309,7 @@ def test_training_on_text_at_a_four_degree_layout(run, tmp_path):
 # A step cut mid-way (SIGTERM after micro-batch 0 of step 1, --preempt-at micro-batch) on a plain
 # dp 2 layout, resumed on each ZeRO stage with and without HSDP replicas (--replicate 2): the
 # restored partial gradient must be counted once by the resumed step's reductions
-# (Compose4D.shared_over). Steps 1 and 2 (their grad norms and losses) equal the uninterrupted
+# (compose4d.Parallel4D.shared_over). Steps 1 and 2 (their grad norms and losses) equal the uninterrupted
 # run's. Before that rule was shared, --replicate 2 --zero 2 summed the saved gradient R times
 # (step 1's grad norm 2.4473 against 1.6986).
 MID = ["--mode", "train", "--dtype", "float64", "--steps", "3", "--batch", "8", "--grad-accum",

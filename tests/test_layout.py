@@ -235,7 +235,7 @@ def test_a_learner_files_main_hands_over_to_its_rig(name):
     mains = [n for n in tree.body if is_main_block(n)]
     if not mains or name in TOOLS:
         return
-    assert len(mains) == 1 and mains[0].end_lineno - mains[0].lineno <= 3, name
+    assert len(mains) == 1 and mains[0].end_lineno - mains[0].lineno <= 2, name
     assert imports(name, path, modules(), main_block=True) == {f"{RIG}.{name}"}
 
 

@@ -56,8 +56,9 @@ def expected_comm(self) -> list[Expect]:
                                .shard_numel * rb, "tied embedding gradient shard"))
     if C > 1:
         hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
-        blk = (a.batch // D // M) * (a.length // C) * 2 * (kv_heads(cfg) // T) * hd * b
-        per = cp_ring.ring_bytes(C, blk, blk)
+        kv_local = max(kv_heads(cfg) // T, 1)         # (T > kv heads: one replicated head)
+        blk = (a.batch // D // M) * (a.length // C) * 2 * kv_local * hd * b
+        per = cp_ring.ring_bytes(C, blk, blk * max(b, 4) // b)   # dK, dV travel in >= fp32
         rows += [Expect(op, "cp", M * L_st * cp_ring.ring_messages(C), M * L_st * per,
                         "ring attention per layer and micro-batch: (C-1) K,V hops forward, "
                         "(C-1) K,V,dK,dV hops backward, dK,dV home") for op in ("isend", "irecv")]

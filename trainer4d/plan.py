@@ -24,7 +24,7 @@ Where each number comes from (imported, not copied; new here: comm_per_step and 
                    gradient shard; its docstring's table)
     activations    harness.recompute.activation_bytes per decoder layer and micro-batch (SDPA
                    attention; equal to the live-storage measurement byte for byte in float32
-                   and bf16), the tokens / cp, its tp split (the heads and MLP width / tp, the
+                   and bf16 at tp = 1), the tokens / cp, its tp split (the heads and MLP width / tp, the
                    norms whole under TP alone, / tp with SP); 1F1B: the first stage holds
                    min(M, P) micro-batches of its layers (GPipe: M; the interleaved schedule's
                    extra in-flight chunks are not counted). Llama-family shapes only (not MLA
