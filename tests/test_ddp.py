@@ -16,8 +16,10 @@ W2 = Runs("ddp.py", 2, {  # one launch: the start-up paid once
     "naive": ["--variant", "naive", "--dtype", "float64", "--grad-accum", "2"],
     "naive-bench": BENCH + ["--variant", "naive"],
 })
-SLOW_W2 = Runs("ddp.py", 2, tier="slow", runs={
+HEAVY_W2 = Runs("ddp.py", 2, tier="heavy", runs={   # (heavy: make test's budget)
     "native": ["--compare-native", "--grad-accum", "2"],
+})
+SLOW_W2 = Runs("ddp.py", 2, tier="slow", runs={
     "learning": ["--mode", "learning", "--steps", "40"],
     "bench-accum1": BENCH + ["--grad-accum", "1"],
     "bench-accum2": BENCH + ["--grad-accum", "2"],
@@ -86,9 +88,9 @@ def test_planted_gradient_error_fails(runs):
     assert "1 tensors over tolerance" in r.last_line
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_compare_native_correctness(runs):
-    r = runs(SLOW_W2, "native")
+    r = runs(HEAVY_W2, "native")
     assert r.rc == 0, r
     res = r.json("correctness.json")
     assert [x["strategy"] for x in res] == ["ddp", "torch-ddp"] and all(x["ok"] for x in res)
