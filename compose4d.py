@@ -173,18 +173,6 @@ class Parallel4D:
         self._plan_shard_slices()
         self.t = 0              # optimizer steps taken (the schedule's position)
         self.last_norm = float("nan")
-        coords = [None] * env.world          # every rank's coordinates, printed once at start
-        shown = dict(self.me, **({"ep": dist.get_rank(g["ep"]), "edp": dist.get_rank(g["edp"])}
-                                 if self.moe else {}),
-                     **({"replica": dist.get_rank(g["replicate"])} if "replicate" in g else {}))
-        with METER.paused():
-            dist.all_gather_object(coords, shown)
-        if env.is_main:
-            print(f"rank grid {self.grid.size}, innermost first {self.grid.order}"
-                  + (f"; ep {args.ep} out of dp x cp (edp {self.grid.size['dp'] * C // args.ep})"
-                     if self.moe else "") + ":", flush=True)
-            for r, c in enumerate(coords):
-                print(f"  rank {r}: " + " ".join(f"{d}={v}" for d, v in c.items()), flush=True)
 
     def _load_shards(self) -> dict:
         """This rank's shard of --model's safetensors (harness/loading.py)."""

@@ -276,17 +276,20 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 # Installing it into an HF Llama
 # ----------------------------------------------------------------------------------------------
-# kind (tp_plan.classify) -> the parallel module that replaces a module of that kind, given
-# (tp, the module's name, the module); the other kinds stay whole (the vocabulary: below).
+# kind (tp_plan.classify) -> (the dim its tensors are split along, the parallel module that
+# replaces a module of that kind, given (tp, the module's name, the module)); the other kinds
+# stay whole (the vocabulary: below). A row layer's bias stays whole; kv-copy is split by kv
+# head, each head replicated on T / kv_heads ranks when T > kv heads (kv_split).
 #   column [out, in] -> [out/T, in]   kv-copy -> [d, H], one kv head   fused -> [sum n_i/T, in]
 #   row    [out, in] -> [out, in/T]   norm-sharded [n d] -> [n d/T]
 INSTALL = {
-    "column": lambda tp, n, lin: ColumnParallelLinear(lin, tp._cut(n, lin.out_features)),
-    "kv-copy": lambda tp, n, lin: ColumnParallelLinear(lin, tp._cut(n, lin.out_features)),
-    "fused": lambda tp, n, lin: ColumnParallelLinear(lin, tp._fused_rows(n, lin)),
-    "row": lambda tp, n, lin: RowParallelLinear(lin, tp._cut(n, lin.in_features), tp.region),
-    "norm-sharded": lambda tp, n, norm: ShardedRMSNorm(norm, tp._cut(n, 0), norm.weight.numel(),
-                                                       tp.group),
+    "column": (0, lambda tp, n, lin: ColumnParallelLinear(lin, tp._cut(n, lin.out_features))),
+    "kv-copy": (None, lambda tp, n, lin: ColumnParallelLinear(lin, tp._cut(n, lin.out_features))),
+    "fused": (0, lambda tp, n, lin: ColumnParallelLinear(lin, tp._fused_rows(n, lin))),
+    "row": (1, lambda tp, n, lin: RowParallelLinear(lin, tp._cut(n, lin.in_features),
+                                                    tp.region)),
+    "norm-sharded": (0, lambda tp, n, norm: ShardedRMSNorm(norm, tp._cut(n, 0),
+                                                           norm.weight.numel(), tp.group)),
 }
 
 
@@ -329,13 +332,21 @@ class TensorParallel(ShardedTensors):
                       "k_proj": kv_rows, "v_proj": kv_rows, "k_norm": kv_rows}
         self._head_dims = (head_dim, hq_full, hkv)
         # The layout, once: each module whose weight's kind INSTALL names becomes that kind's
-        # parallel module; the other kinds stay whole (the vocabulary is split below)
+        # parallel module, its tensors split along the kind's dim; the other kinds stay whole
+        # (the vocabulary is split below)
         for pname, kind in self.kinds.items():
-            if kind in INSTALL and pname.endswith(".weight"):
+            if kind not in INSTALL:
+                continue
+            dim, build = INSTALL[kind]
+            if pname.endswith(".weight"):
                 name = pname[:-len(".weight")]
                 parent, leaf = name.rsplit(".", 1)
                 setattr(model.get_submodule(parent), leaf,
-                        INSTALL[kind](self, name, model.get_submodule(name)))
+                        build(self, name, model.get_submodule(name)))
+            if dim is None:
+                self.kv_split.add(pname)
+            elif not (kind == "row" and pname.endswith(".bias")):
+                self.split_dim[pname] = dim
         base = model.model
         for i, layer in enumerate(base.layers):
             a, m, p = layer.self_attn, layer.mlp, f"model.layers.{i}."
@@ -356,13 +367,6 @@ class TensorParallel(ShardedTensors):
             if self.kinds.get(p + "mlp.down_proj.weight") == "row":
                 m.register_forward_pre_hook(self._enter_args)
                 m.register_forward_hook(self._leave)
-        for name, kind in self.kinds.items():
-            if kind in ("column", "fused", "norm-sharded"):
-                self.split_dim[name] = 0
-            elif kind == "row" and name.endswith(".weight"):
-                self.split_dim[name] = 1
-            elif kind == "kv-copy":
-                self.kv_split.add(name)
         named = dict(model.named_parameters())
         # replicated kv heads: each copy's gradient covers its own q heads only, summed over
         # the m copies

@@ -276,8 +276,8 @@ def activation_bytes(config, micro_batch: int, seq_len: int, dtype_bytes: int, m
     keeps its output and logsumexp); it does not matter for full. tp: the tensor-parallel size
     (the heads and the MLP width inside TP's regions split T ways; a kv head replicated when
     T > kv heads); sp: Megatron sequence parallelism, the norms' tokens split T ways too (and
-    full recompute's layer input). Measured byte for byte at T = 1; the split follows the
-    shards tp.py and sp.py keep, and is not measured per rank here."""
+    full recompute's layer input). Measured byte for byte at T = 1, and per rank at T = 2
+    with and without SP (tests/tp_activation_check.py)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
     if attn not in ("eager", "sdpa"):
@@ -371,27 +371,31 @@ def measure(model, batch, mode: str, repeats: int = 5) -> dict:
                 step_s=step_time(model, ids, repeats))
 
 
-def _tiny_model(config, layers: int, mode: str, attn: str, dtype, seed: int):
+def _tiny_model(config, layers: int, mode: str, attn: str, dtype, seed: int, wrap=None):
     from transformers import AutoModelForCausalLM
     from .models import model_kwargs, keep_float64
     cfg = copy.deepcopy(config)
     cfg.num_hidden_layers = layers
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, **model_kwargs(cfg, attn))
-    return apply_recompute(keep_float64(model.to(dtype)).train(), mode)
+    model = keep_float64(AutoModelForCausalLM.from_config(cfg, **model_kwargs(cfg, attn))
+                         .to(dtype)).train()
+    if wrap is not None:
+        wrap(model)
+    return apply_recompute(model, mode)
 
 
 def per_layer_measured(config, mode: str, attn: str, dtype, batch: int, seq: int,
-                       seed: int = 0, repeats: int = 5) -> dict:
+                       seed: int = 0, repeats: int = 5, wrap=None) -> dict:
     """The layers' share of the activation peak: (model at L layers - model at L/2) / (L/2),
     which cancels the embedding, final norm, logits and loss; the whole model's peak and step
-    time at L layers."""
+    time at L layers. wrap(model): a parallelisation applied in place before the recompute
+    (tp.parallelize under torchrun: this rank's share, tests/tp_activation_check.py)."""
     L = config.num_hidden_layers
     if L < 2:
         raise ValueError("per_layer_measured needs a config with >= 2 decoder layers")
     ids = torch.randint(0, config.vocab_size, (batch, seq),
                         generator=torch.Generator().manual_seed(seed))
-    out = {n: measure(_tiny_model(config, n, mode, attn, dtype, seed), ids, mode,
+    out = {n: measure(_tiny_model(config, n, mode, attn, dtype, seed, wrap), ids, mode,
                       repeats if n == L else 0) for n in (L, L // 2)}
     per = (out[L]["activation_bytes"] - out[L // 2]["activation_bytes"]) / (L - L // 2)
     return dict(per_layer=per, total=out[L]["activation_bytes"], step_s=out[L]["step_s"])

@@ -3,7 +3,10 @@ import copy
 import os
 import sys
 
-from harness import Plant, Strategy, dropout, is_moe, kv_heads, spread_across_ranks, train_data
+import torch.distributed as dist
+
+from harness import (METER, Plant, Strategy, dropout, is_moe, kv_heads, spread_across_ranks,
+                     train_data)
 from harness.cli import main as harness_main
 from harness.flops import mfu_line
 from trainer4d import comm, elastic, train
@@ -170,6 +173,27 @@ class Compose4D(Parallel4D, Strategy):
             "are not summed: each updates with its own part of the gradient", _PP),
     }
     modes = {"train": train.run_train}   # --mode train: a logged run with checkpoints
+
+    def __init__(self, model, args, env):
+        super().__init__(model, args, env)
+        self.print_coordinates()
+
+    def print_coordinates(self):
+        """Every rank's coordinates on the grid, printed once by rank 0 (collective)."""
+        g, args = self.groups, self.args
+        coords = [None] * self.env.world
+        shown = dict(self.me, **({"ep": dist.get_rank(g["ep"]), "edp": dist.get_rank(g["edp"])}
+                                 if self.moe else {}),
+                     **({"replica": dist.get_rank(g["replicate"])} if "replicate" in g else {}))
+        with METER.paused():
+            dist.all_gather_object(coords, shown)
+        if self.env.is_main:
+            edp = self.grid.size["dp"] * self.grid.size["cp"] // args.ep if self.moe else 0
+            print(f"rank grid {self.grid.size}, innermost first {self.grid.order}"
+                  + (f"; ep {args.ep} out of dp x cp (edp {edp})" if self.moe else "") + ":",
+                  flush=True)
+            for r, c in enumerate(coords):
+                print(f"  rank {r}: " + " ".join(f"{d}={v}" for d, v in c.items()), flush=True)
 
     @staticmethod
     def add_args(p):

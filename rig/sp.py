@@ -4,7 +4,7 @@ import copy
 import torch
 
 from harness import (DTYPES, Expect, Plant, Strategy, attention_features,
-                     dropout as harness_dropout, kv_heads, make_adamw, phase, planted, scalar)
+                     dropout as harness_dropout, kv_heads, make_adamw, phase, planted)
 from harness.precision import grad_reduce_dtype
 from harness.cli import main as harness_main
 
@@ -59,14 +59,7 @@ class MegatronSP(TP):
             with harness_dropout.at(batch, hidden=self.my_tokens(batch)):
                 logits = self.model(input_ids=batch.input_ids).logits
             ce = self.tp.loss_sum(logits, batch.labels)
-        with phase("backward"):
-            (ce / batch.n_tokens).backward()
-            self.tp.reduce_partial_grads()
-        with phase("optimizer"):
-            if self.args.clip:
-                self.grad_norm = self.tp.clip(self.args.clip)
-            self.optimizer.step()
-        return scalar(ce) / batch.n_tokens
+        return self.backward_and_step(ce, batch)
 
     def expected_comm(self):
         cfg, a = self.model.config, self.args

@@ -86,6 +86,11 @@ class TP(Strategy):
                 else:
                     ce = self.tp.loss_sum(self.model(input_ids=batch.input_ids).logits,
                                           batch.labels)
+        return self.backward_and_step(ce, batch)
+
+    def backward_and_step(self, ce, batch: Batch) -> float:
+        """The second half of a TP step (sp.py's Megatron SP shares it): the partial gradients
+        summed over the group, clip, the optimizer; the full loss, which every rank computed."""
         with phase("backward"):
             (ce / batch.n_tokens).backward()
             self.tp.reduce_partial_grads()
@@ -93,7 +98,7 @@ class TP(Strategy):
             if self.args.clip:
                 self.grad_norm = self.tp.clip(self.args.clip)
             self.optimizer.step()
-        return scalar(ce) / batch.n_tokens  # every rank computed the full loss
+        return scalar(ce) / batch.n_tokens
 
     def full_grads(self):
         return self.tp.full({n: p.grad for n, p in self.model.named_parameters()})

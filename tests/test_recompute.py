@@ -278,3 +278,16 @@ def test_sp_with_full_recompute_keeps_only_the_layer_input_chunks(runs, script):
     want = rc.activation_bytes(load_config("tiny"), 2, 256 // 2, 4, "full")["per_layer"]
     assert want == 4 * 2 * 128 * 64
     assert per_layer == [want, want], (per_layer, want)
+
+
+@pytest.mark.parametrize("plant", [None, "sp-unsplit"])
+def test_the_activation_model_splits_as_tp_and_sp_ranks_hold(plant):
+    """At T = 2 each rank's live storage per layer (tp.py, and sp.py's sequence-sharded norms),
+    float32 and bf16, no recompute and selective, equals activation_bytes(tp=2, sp=...) within
+    one (b, s, h/T) tensor (the measured noise; tests/tp_activation_check.py), and the unsplit
+    model is far off. The check can fail: a model that forgets SP's split of the norms' tokens
+    (--plant sp-unsplit) FAILS."""
+    r = launch("tests/tp_activation_check.py", 2, *(["--plant", plant] if plant else []),
+               timeout=240)
+    assert r.stdout.count(" measured ") == 8, r
+    assert (r.rc == 0 and r.stdout.rstrip().endswith("PASS")) == (plant is None), r
