@@ -413,8 +413,8 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
     `step()` finishes the gradient reduce-scatter (the W ranks' gradients averaged), runs
     `optimizer_class` on this rank's 1/W of every parameter group, and all-gathers the updated
     parameters (stages 1, 2). The inner optimizer sees flat slices, so its update must be
-    elementwise: SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop and Adagrad are; Adafactor,
-    LBFGS, Shampoo or Muon are refused. `clip_grad_norm_` clips by the global norm of the
+    elementwise: SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop and Adagrad are, and muon.py's
+    MuonAdamW (it gathers whole matrices: `on_shards`); Adafactor, LBFGS or Shampoo are refused. `clip_grad_norm_` clips by the global norm of the
     averaged gradients; `state_dict()` (collective) is the unsharded optimizer's, which
     `load_state_dict` and the plain torch optimizer accept (ShardedState, zero_state.py). A
     parameter with no gradient in a step is stepped with a zero one (momentum and weight decay
@@ -428,7 +428,8 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
     def __init__(self, params, optimizer_class=torch.optim.AdamW, *, group=None, stage: int = 1,
                  engine: "Zero | None" = None, bucket_mb: float = 25.0, reduce_dtype="auto",
                  broadcast: bool = True, average: bool = True, **defaults):
-        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, ELEMENTWISE)):
+        if not (isinstance(optimizer_class, type) and (issubclass(optimizer_class, ELEMENTWISE)
+                                                       or hasattr(optimizer_class, "on_shards"))):
             raise ValueError(
                 f"ZeroOptimizer: {getattr(optimizer_class, '__name__', optimizer_class)} is not "
                 f"known to update elementwise (its state would not shard along flat slices); "
@@ -466,6 +467,7 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
         # The inner optimizer over this rank's flat [s] shard of each unit (or its fp32 master),
         # cut into runs of one group's parameters (ShardedState, zero_state.py)
         self.shard_param_groups(optimizer_class, group_of)
+        getattr(self.inner, "on_shards", lambda z: None)(self)   # muon.py's: NS gathers matrices
         self.reduced = False
 
     # -- the loop --

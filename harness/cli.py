@@ -50,6 +50,9 @@ def _validate(cls, args, world: int, rank: int):
     if getattr(args, "ce_chunk", 0) > 0 and not cls.chunked_ce:
         errs.append(f"--ce-chunk: {cls.name} computes its loss on the full logits (chunked: "
                     f"ddp.py's plain head and tp.py's vocab-parallel head)")
+    if args.optimizer not in cls.optimizers:
+        errs.append(f"--optimizer {args.optimizer}: {cls.name} steps with "
+                    f"{' or '.join(cls.optimizers)} (muon: ddp, zero, tp, sp)")
     known = {**HARNESS_PLANTS, **cls.plants}
     errs += [f"--plants: {n!r} is not a plant of {cls.name} ({', '.join(known)})"
              for n in (args.plants or "").split(",") if n and n not in known]

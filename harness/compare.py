@@ -14,7 +14,7 @@ import torch
 from .dropout import HiddenDropout
 from .loss import IGNORE_INDEX
 from .models import build_model
-from .precision import LOW_PRECISION, adamw_kwargs
+from .oracle import OracleAdamW
 from .run import Run
 from .strategy import Reference, Strategy, full_tensor, reference_class
 
@@ -362,37 +362,6 @@ def reference_in(run: Run, cls, dtype: str, prepare=None):
         prepare(model)
     a.reference_optimizer = OracleAdamW   # (harness.Reference builds it)
     return reference_class(cls)(model, a, run.env)
-
-
-class OracleAdamW(torch.optim.AdamW):
-    """The optimizer of every reference the correctness mode runs (the float64 target and the
-    noise sources): torch.optim.AdamW over fp32 masters kept here, sharing no
-    code with harness/precision.py's MasterAdamW, which the strategies use. A noise source
-    that shared the optimizer under test would share its bugs: a MasterAdamW that never copied
-    its masters back froze the bf16 noise sources as it froze the strategy, so the measured
-    noise equalled the error and the run PASSed. A torch optimizer (lr schedulers drive it)."""
-
-    def __init__(self, params, args):
-        self.model_params = list(params)
-        self.masters = [p.detach().float().clone() if p.dtype in LOW_PRECISION else p
-                        for p in self.model_params]
-        # (the strategies' hyper-parameters and kernel: torch's fused AdamW where it runs, so
-        # a float64 DDP at W=1 stays bit-identical to the reference)
-        super().__init__(self.masters, **adamw_kwargs(self.masters, args))
-
-    def zero_grad(self, set_to_none: bool = True):
-        for p in self.model_params + self.masters:
-            p.grad = None
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        pairs = [(p, m) for p, m in zip(self.model_params, self.masters) if m is not p]
-        for p, m in pairs:
-            m.grad = None if p.grad is None else p.grad.float()
-        super().step()
-        for p, m in pairs:
-            p.copy_(m)
-            m.grad = None
 
 
 @dataclass

@@ -83,6 +83,14 @@ def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None,
                    help="AdamW learning rate (default 1e-3 correctness, 3e-3 learning)")
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                   help="muon: Muon on the hidden matrices, AdamW on the rest (muon.py; the "
+                        "reference steps with torch.optim.Muon)")
+    p.add_argument("--muon-lr", type=float, default=0.02, help="Muon's learning rate")
+    p.add_argument("--muon-ns-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="Newton-Schulz's dtype: auto = bfloat16 for a bf16 model (torch's), the "
+                        "parameters' own for float32/float64 (exact); float32 = float32 for a "
+                        "bf16 model (its masters'); bfloat16 = torch's always")
     p.add_argument("--seed", type=int, default=0, help="model init, language and sample seed")
     p.add_argument("--branching", type=int, default=4,
                    help="successors per token in the synthetic Markov language")

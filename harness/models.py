@@ -273,6 +273,18 @@ def finish_model(model, args):
     return keep_float64(model).train()
 
 
+# Parameters that are never hidden matrices, whatever their shape: the vocabulary (input and
+# output embeddings, position tables) of the families the presets cover.
+VOCAB_NAMES = ("embed_tokens", "lm_head", "wte", "wpe", "embed_positions", "embed_out")
+
+
+def hidden_matrix(name: str, shape) -> bool:
+    """The one rule (muon.py, the reference's OracleMuon, every strategy): Muon updates the 2-D
+    hidden weight matrices; embeddings, the LM head, norms, biases and 3-D expert stacks take
+    AdamW."""
+    return len(shape) == 2 and not any(v in name for v in VOCAB_NAMES)
+
+
 def param_count(model) -> int:
     return sum(p.numel() for p in model.parameters())
 

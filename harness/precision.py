@@ -20,18 +20,25 @@ from .plants import planted
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-class MasterAdamW(torch.optim.AdamW):
-    """torch.optim.AdamW over fp32 master copies of low-precision parameters.
-
-    It is a torch optimizer (schedulers, `param_groups`, `state_dict` work); its parameters are
-    the masters, `model_params` the module's own. Build it once the module's weights are final
-    (after any broadcast or checkpoint load): the masters are copied from them here."""
+class Masters:
+    """fp32 master copies for a torch optimizer class (a mixin: `class MasterAdamW(Masters,
+    torch.optim.AdamW)`, muon.py's MasterMuon): the optimizer's parameters are the masters,
+    `model_params` the module's own. Build it once the module's weights are final (after any
+    broadcast or checkpoint load): the masters are copied from them here. params: tensors or
+    parameter groups, as torch's optimizers take them."""
 
     def __init__(self, params, **kw):
-        self.model_params = [p for p in params]
-        self.masters = [p.detach().float().clone() if p.dtype in LOW_PRECISION else p
-                        for p in self.model_params]
-        super().__init__(self.masters, **kw)
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self.model_params, self.masters, master_groups = [], [], []
+        for g in groups:
+            ps = list(g["params"])
+            ms = [p.detach().float().clone() if p.dtype in LOW_PRECISION else p for p in ps]
+            self.model_params += ps
+            self.masters += ms
+            master_groups.append(dict(g, params=ms))
+        super().__init__(master_groups, **kw)
         self.low = [(p, m) for p, m in zip(self.model_params, self.masters) if m is not p]
 
     def zero_grad(self, set_to_none: bool = True):
@@ -70,8 +77,8 @@ class MasterAdamW(torch.optim.AdamW):
         super().load_state_dict(state_dict)
         if masters is not None:
             if len(masters) != len(self.low):
-                raise ValueError(f"MasterAdamW.load_state_dict: {len(masters)} fp32 masters "
-                                 f"for {len(self.low)} low-precision parameters")
+                raise ValueError(f"{type(self).__name__}.load_state_dict: {len(masters)} fp32 "
+                                 f"masters for {len(self.low)} low-precision parameters")
             with torch.no_grad():
                 for (p, m), saved in zip(self.low, masters):
                     m.copy_(saved)
@@ -80,6 +87,31 @@ class MasterAdamW(torch.optim.AdamW):
     def master_tensors(self) -> list[torch.Tensor]:
         """The fp32 copies (optimizer-side memory: 4 bytes per low-precision parameter)."""
         return [m for m, p in zip(self.masters, self.model_params) if m is not p]
+
+
+class MasterAdamW(Masters, torch.optim.AdamW):
+    """torch.optim.AdamW over fp32 master copies of low-precision parameters. It is a torch
+    optimizer (schedulers, `param_groups`, `state_dict` work)."""
+
+
+def muon_kwargs(args, param_dtype: torch.dtype) -> dict:
+    """muon.MuonAdamW's settings from the run's arguments (OracleMuon's: torch.optim.Muon's
+    momentum 0.95 with nesterov; AdamW's betas and eps as adamw_kwargs)."""
+    return dict(weight_decay=args.weight_decay, momentum=0.95, nesterov=True,
+                ns_dtype=ns_dtype(args, param_dtype), betas=(0.9, 0.95), eps=1e-8)
+
+
+def ns_dtype(args, param_dtype: torch.dtype) -> torch.dtype:
+    """Muon's Newton-Schulz dtype for a model of `param_dtype` (the one rule for muon.py and the
+    reference's OracleMuon), by --muon-ns-dtype: auto, bfloat16 for a bf16/fp16 model as
+    torch.optim.Muon, the parameters' own dtype for float32 and float64 (exact); float32, the
+    same but float32 for a bf16/fp16 model; bfloat16, torch's everywhere."""
+    choice = getattr(args, "muon_ns_dtype", "auto")
+    if choice == "bfloat16":
+        return torch.bfloat16
+    if param_dtype in LOW_PRECISION:
+        return torch.float32 if choice == "float32" else torch.bfloat16
+    return param_dtype
 
 
 def grad_reduce_dtype(dtype: torch.dtype, args=None) -> torch.dtype:

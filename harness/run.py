@@ -74,6 +74,8 @@ def make_pair(run: Run, cls, perturb: bool, with_ref: bool):
         METER.reset()
         strat = cls(local, run.args, run.env)
         setup = METER.snapshot()
+    if getattr(run.args, "optimizer", "adamw") != "adamw":   # named in every report line
+        strat.name = f"{strat.name}+{run.args.optimizer}"
     # after the strategy installed its layers and attention (cp_ring) into `local`, in place
     mode = getattr(run.args, "recompute", "none")
     if mode != "none":

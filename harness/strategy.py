@@ -16,6 +16,7 @@ from . import dropout
 from .data import Batch
 from .loss import lm_loss_sum
 from .meter import Expect, METER, phase
+from .oracle import OracleMuon
 from .precision import make_adamw  # noqa: F401  (strategies import it from here)
 
 
@@ -56,6 +57,7 @@ class Strategy:
     modes: dict = {}      # extra --mode name -> function(run, cls) -> bool (compose4d's "train")
     plants: dict = {}     # --plant-bug NAME -> what the planted bug does (correctness must FAIL)
     chunked_ce = False    # takes --ce-chunk N (loss.chunked_loss_sum)
+    optimizers = ("adamw",)   # --optimizer values it supports (muon.py's: "muon")
     self_check = None     # ("what", build(model, args) -> fn(ids) -> logits): selfcheck.py
 
     @staticmethod
@@ -154,7 +156,10 @@ class Reference(Strategy):
         # (the correctness mode's references step with compare.OracleAdamW, which shares no
         # code with the strategies' optimizer)
         make = getattr(args, "reference_optimizer", None) or make_adamw
-        self.optimizer = make(self.model.parameters(), args)
+        if getattr(args, "optimizer", "adamw") == "muon":   # torch.optim.Muon + AdamW
+            self.optimizer = OracleMuon(self.model.named_parameters(), args)
+        else:
+            self.optimizer = make(self.model.parameters(), args)
 
     def objective(self, batch: Batch) -> torch.Tensor:
         """The loss to minimise: mean token cross-entropy (subclasses add terms)."""

@@ -6,11 +6,12 @@ import torch
 
 from harness import (Batch, Expect, Plant, Strategy, dropout, global_loss, make_adamw, phase,
                      spread_across_ranks)
-from harness.precision import LOW_PRECISION, grad_reduce_dtype
+from harness.precision import LOW_PRECISION, grad_reduce_dtype, muon_kwargs
 from harness.reduce_probe import ReductionProbe
 from harness.cli import main as harness_main
 
 from ddp import DataParallel, NaiveDataParallel, forward_backward
+import muon
 
 
 # ----------------------------------------------------------------------------------------------
@@ -46,9 +47,19 @@ def clip_and_step(strat):
         strat.optimizer.step()
 
 
+def make_optimizer(model, args, tpm=None):
+    """The run's optimizer over a module this rank holds whole (replicated) or T-way split
+    (tp.py, sp.py: tpm, Muon's tp-gather): AdamW, or muon.build's with --optimizer muon."""
+    if args.optimizer != "muon":
+        return make_adamw(model.parameters(), args)
+    dtype = next(model.parameters()).dtype
+    return muon.build(model, args.lr, args.muon_lr, tpm, **muon_kwargs(args, dtype))
+
+
 class DDP(Strategy):
     chunked_ce = True
     name = "ddp"
+    optimizers = ("adamw", "muon")   # muon.py: rig/muon.py builds it
     syncs_initial_params = True
     # --plant-bug NAME: known bugs the correctness check must catch (tests/test_plants.py)
     PLANT_CONFIG = ("--grad-accum", "2", "--dtype", "float32", "--clip", "0.5")
@@ -87,7 +98,7 @@ class DDP(Strategy):
         if self.naive:
             self.name = "ddp-naive"
             self.dp = NaiveDataParallel(model)
-            self.optimizer = make_adamw(model.parameters(), args)
+            self.optimizer = make_optimizer(model, args)
             self.probe = None
             return
         # getattr: DDP also serves as a memory baseline for other strategies' flags
@@ -96,7 +107,7 @@ class DDP(Strategy):
                                broadcast_buffers=False,   # HF's buffers are constants
                                reduce_dtype=grad_reduce_dtype(next(model.parameters()).dtype,
                                                               args))
-        self.optimizer = make_adamw(model.parameters(), args)
+        self.optimizer = make_optimizer(model, args)
         # Instrumentation from outside the algorithm: the benchmark's first step also sums the
         # low-precision gradients in fp64, for the reduction's own error (report_lines)
         self.probe = (ReductionProbe(self.dp) if args.mode == "benchmark" and self.dp.buckets

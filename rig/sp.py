@@ -4,7 +4,7 @@ import copy
 import torch
 
 from harness import (DTYPES, Expect, Plant, Strategy, attention_features,
-                     dropout as harness_dropout, kv_heads, make_adamw, phase, planted)
+                     dropout as harness_dropout, kv_heads, phase, planted)
 from harness.precision import grad_reduce_dtype
 from harness.cli import main as harness_main
 
@@ -12,7 +12,8 @@ import ddp
 from sp import (ULYSSES_ALL_TO_ALLS, parallelize, parallelize_ulysses, region_collectives,
                 ulysses_bytes)
 
-from rig.tp import PLANT_ARGS, TP, norm_sharded_comm, standalone_constraints
+from rig.ddp import make_optimizer
+from rig.tp import PLANT_ARGS, tp_gather_rows, TP, norm_sharded_comm, standalone_constraints
 from tp import LOSS_ALL_REDUCES
 
 
@@ -46,7 +47,7 @@ class MegatronSP(TP):
         if args.async_tp:
             self.name = "sp-megatron-async"
         self.seq_partial = self.tp.group_partials
-        self.optimizer = make_adamw(model.parameters(), args)
+        self.optimizer = make_optimizer(model, args, self.tp)
 
     def my_tokens(self, batch) -> slice:
         """This rank's contiguous share of the sequence in the residual stream."""
@@ -73,6 +74,7 @@ class MegatronSP(TP):
         loss = LOSS_ALL_REDUCES      # the embedding's sum + the loss + the partial gradients
         ar_calls = 1 + loss + 1 + (1 if a.clip else 0) + norm_calls
         ar_bytes = nhb + loss * N * b_ce + partial * b + (8 if a.clip else 0) + norm_bytes
+        muon = tp_gather_rows(self.optimizer, self.tp)     # --optimizer muon's tp-gather
         if a.async_tp:    # every region collective a ring of T-1 hops (async_tp.py)
             rings, W = region_collectives(L, async_tp=True)["ring"], self.env.world
             return [
@@ -83,7 +85,7 @@ class MegatronSP(TP):
                          "and 4L+1 reduce-scatters") for op in ("isend", "irecv")],
                 Expect("all_reduce", "world", ar_calls, ar_bytes,
                        "embedding N*H*b + loss 3 x N*b + norm/bias grads"
-                       + (" + clip" if a.clip else ""))]
+                       + (" + clip" if a.clip else ""))] + muon
         n = region_collectives(L)     # sp.py's formula: 6L + 3 and 4L + 1
         ag, rs = n["all_gather_into_tensor"], n["reduce_scatter_tensor"]
         return [
@@ -97,7 +99,7 @@ class MegatronSP(TP):
             Expect("all_reduce", "world", ar_calls, ar_bytes,
                    "embedding N*H*b + loss 3 x N*b + norm/bias grads"
                    + (" + clip" if a.clip else "")),
-        ]
+        ] + muon
 
     def report_lines(self):
         return _per_layer_lines(self.model.config, self.args, self.env.world)
@@ -122,7 +124,7 @@ class Ulysses(Strategy):
         # Replicated weights, different tokens: DDP's bucketed gradient all-reduce.
         self.dp = parallelize_ulysses(model, None, broadcast=False, broadcast_buffers=False,
                                       reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
-        self.optimizer = make_adamw(model.parameters(), args)
+        self.optimizer = make_optimizer(model, args)   # (replicated: Muon duplicated)
         s, r = args.length // env.world, env.rank   # this rank's contiguous tokens
         self.pos = torch.arange(r * s, (r + 1) * s, device=env.device)
         if planted("strided-shard"):   # plant: strided, but the all-to-all assumes chunks
@@ -197,6 +199,7 @@ class SyncMegatronSP(MegatronSP):
 class SP(Strategy):
     """Dispatches to the variant chosen by --variant (the harness builds one class)."""
     name = "sp"
+    optimizers = ("adamw", "muon")   # muon.py: rig/muon.py builds it
     # --compare-native: tensor parallelism alone, for activation memory; with --async-tp the
     # synchronous regions
     native = staticmethod(lambda args: [SyncMegatronSP] if args.async_tp else [TP])

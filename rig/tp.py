@@ -2,7 +2,7 @@
 import torch
 
 from harness import (Batch, DTYPES, DTensorBaseline, Expect, Plant, Reference, Strategy,
-                     clip_by_norm, dropout, full_tensor, is_moe, make_adamw, phase, scalar,
+                     clip_by_norm, dropout, full_tensor, is_moe, phase, scalar,
                      spread_across_ranks)
 from harness.loss import chunked_loss_sum
 from harness.cli import main as harness_main
@@ -10,6 +10,8 @@ from harness.cli import main as harness_main
 from tp import (LOSS_ALL_REDUCES, TensorParallel, parallelize, region_all_reduces,
                 shape_constraints)
 from tp_plan import classify, meta_model
+import muon
+from rig.ddp import make_optimizer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -36,6 +38,7 @@ PLANT_ARGS = ("--model", "configs/tiny-gqa8.json", "--dtype", "float32", "--clip
 
 class TP(Strategy):
     name = "tp"
+    optimizers = ("adamw", "muon")   # muon.py: rig/muon.py builds it
     chunked_ce = True
     plants = {
         "dropout-rank-local": Plant(dropout.PLANT_DOC, dropout.PLANT_ARGS),
@@ -44,6 +47,12 @@ class TP(Strategy):
         "embed-unmasked": Plant("the vocab-parallel embedding does not zero the ids "
                                        "another rank owns: they add this shard's row 0",
                                        PLANT_ARGS),
+        "muon-blockwise": Plant(
+            "--optimizer muon: Newton-Schulz on each rank's shard as if it were the matrix (the "
+            "'blockwise' mode): the update then depends on the layout", ("--optimizer", "muon")),
+        "muon-lr-by-shard": Plant(
+            "--optimizer muon: the lr scale sqrt(max(1, A/B)) from the shard's shape, not the "
+            "matrix's (gate/up [I/T, H], o/down [H, I/T])", ("--optimizer", "muon")),
         "embed-drops-padding-idx": Plant(
             "the vocab-parallel embedding drops HF's padding_idx: the pad token's row trains "
             "under TP and stays frozen on one device (OLMo2's pad id is 1)",
@@ -74,7 +83,7 @@ class TP(Strategy):
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
         self.tp = parallelize(model)
-        self.optimizer = make_adamw(model.parameters(), args)
+        self.optimizer = make_optimizer(model, args, self.tp)
 
     def step(self, batch: Batch) -> float:
         self.optimizer.zero_grad(set_to_none=True)
@@ -138,7 +147,19 @@ class TP(Strategy):
                        + (" + kv grads" if self.tp.kv_copy_params else "")
                        + (" + q/k norm grads" if self.tp.group_partials else "")
                        + (" + full-width q/k norms 2 x N*b each" if norm_calls else "")
-                       + (" + clip" if a.clip else ""))]
+                       + (" + clip" if a.clip else ""))] + tp_gather_rows(self.optimizer, self.tp)
+
+
+def tp_gather_rows(opt, tpm) -> list:
+    """The meter's extra row under --optimizer muon: tp-gather's all-gathers (muon.py)."""
+    if not isinstance(opt, muon.MuonAdamW):
+        return []
+    split = [m for g in opt.param_groups if g["muon"] for m in g["params"]
+             if opt.names[m] in tpm.split_dim or opt.names[m] in tpm.kv_split]
+    b = split[0].element_size() if split else 0
+    calls, nbytes = muon.tp_gather_comm([m.numel() for m in split], tpm.world, b)
+    return [Expect("all_gather", "world", calls, nbytes,
+                   f"Muon's tp-gather: one per split matrix ({calls}), T shards x {b} B")]
 
 
 def norm_sharded_comm(tpm: TensorParallel, N: int, dtype: str) -> tuple[int, int]:

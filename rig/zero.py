@@ -3,8 +3,9 @@ import torch
 
 from harness import (Batch, DTensorBaseline, Expect, Plant, Strategy, full_tensor, global_loss,
                      make_adamw, parts, phase)
-from harness.precision import adamw_kwargs, grad_reduce_dtype
+from harness.precision import adamw_kwargs, grad_reduce_dtype, muon_kwargs
 from harness.cli import main as harness_main
+import muon
 
 import ddp
 from zero import Zero, ZeroOptimizer, collectives_per_unit
@@ -14,8 +15,13 @@ from rig.ddp import TorchDDP, batch_constraints
 
 
 def adamw_on_shards(model, engine: Zero, args) -> ZeroOptimizer:
-    """The harness's AdamW (the reference's hyperparameters) on an engine's shards."""
+    """The harness's AdamW (the reference's hyperparameters) on an engine's shards, or
+    muon.py's MuonAdamW with --optimizer muon (the gather mode)."""
     params = list(model.parameters())
+    if args.optimizer == "muon":
+        groups = muon.param_groups(model.named_parameters(), args.lr, args.muon_lr)
+        return ZeroOptimizer(groups, muon.MuonAdamW, engine=engine,
+                             **muon_kwargs(args, params[0].dtype))
     return ZeroOptimizer(params, torch.optim.AdamW, engine=engine,
                          **adamw_kwargs([u.shard for u in engine.units] or params, args))
 
@@ -31,11 +37,15 @@ def zero_constraints(args, world, config) -> list[str]:
 
 class ZeRO(Strategy):
     name = "zero"
+    optimizers = ("adamw", "muon")   # muon.py: rig/muon.py builds it
     syncs_initial_params = False
     # One configuration catches the first four (stage 2: accumulation; float32 + --clip: the
     # norm and the scale); the misaligned shard needs W=3 (at W=2 no tiny unit is padded).
     _ACCUM_CLIP = ("--stage", "2", "--grad-accum", "2", "--dtype", "float32", "--clip", "0.5")
     plants = {
+        "muon-no-gather": Plant(
+            "--optimizer muon: Newton-Schulz on the matrix with only this rank's shard of the "
+            "update (zeros elsewhere) instead of the gathered whole", ("--optimizer", "muon")),
         "no-average": Plant("the reduce-scatter sums the gradients instead of averaging "
                             "them (2x at W=2; clipping would hide it)", _ACCUM_CLIP),
         "overwrite-accum": Plant("stages 2/3 overwrite the reduced gradient shard with "
@@ -117,16 +127,26 @@ class ZeRO(Strategy):
         rb = z.units[0].grad_shard.element_size()   # the reduce dtype's
         rs_times, ag_times = collectives_per_unit(self.args.stage, K)   # zero.py's formula
         full = padded * b
+        calls = nbytes = 0
+        if self.args.optimizer == "muon":      # + muon.py's gather of the updates, per unit
+            mb = self.optimizer.masters[0].element_size()
+            calls, nbytes = muon.gather_comm([u.padded for _, u in muon.matrix_units(self.optimizer)],
+                                            mb)
+        muon_note = (f" + Muon's gather of the updates: {calls} units holding a matrix, "
+                     f"{nbytes:,} B" if calls else "")
         rows = [Expect("reduce_scatter_tensor", "world", n * rs_times, padded * rb * rs_times,
                        f"Psi*b_reduce = {padded * rb:,} B per reduction, one per unit ({n})"
                        + (f", x{K} micro-batches" if rs_times > 1 else ""))]
         if self.args.stage < 3:
-            rows.append(Expect("all_gather_into_tensor", "world", n * ag_times, full * ag_times,
-                               f"Psi*b = {full:,} B: updated parameters, one per unit"))
+            rows.append(Expect("all_gather_into_tensor", "world", n * ag_times + calls,
+                               full * ag_times + nbytes,
+                               f"Psi*b = {full:,} B: updated parameters, one per unit"
+                               + muon_note))
         else:
-            rows.append(Expect("all_gather_into_tensor", "world", n * ag_times, full * ag_times,
+            rows.append(Expect("all_gather_into_tensor", "world", n * ag_times + calls,
+                               full * ag_times + nbytes,
                                "2 Psi*b: forward + backward gather per unit"
-                               + (f", x{K} micro-batches" if K > 1 else "")))
+                               + (f", x{K} micro-batches" if K > 1 else "") + muon_note))
         if self.args.clip:
             rows.append(Expect("all_reduce", "world", 1, 8, "clip: squared-norm sum (fp64)"))
         return rows

@@ -1,0 +1,248 @@
+"""muon.py: Muon when the matrices are sharded, from raw torch.distributed primitives.
+
+The idea (Jordan et al. 2024, "Muon: an optimizer for hidden layers in neural networks"; Liu et
+al. 2025, "Muon is Scalable for LLM Training")
+    For each hidden weight matrix W [A, B] with gradient G (torch.optim.Muon's update, read from
+    its code): M = lerp(M, G, 1 - mu)  (an EMA);  U = lerp(G, M, mu)  (nesterov);
+    O = NS5(U) ~ the orthogonal factor of U's SVD;  W -= lr wd W;  W -= lr sqrt(max(1, A/B)) O.
+    Newton-Schulz: X = U / |U|_F, turned wide (m <= n); 5 times A = X X^T, X = aX + (bA + cA^2)X.
+    Embeddings, the LM head, norms, biases and 3-D expert stacks take AdamW (harness's
+    hidden_matrix: one split rule for the reference and every strategy).
+    Everything but NS is elementwise, so it shards like AdamW. NS needs the whole matrix: the
+    question each layout must answer is who holds it.
+      replicated  DDP: every rank holds every matrix and the same averaged gradient: NS on each,
+                  duplicated W times, no communication.
+      gather      ZeRO-1/2/3's flat shards cut matrices: each unit's update shard is all-gathered
+                  (flat [s] -> [W s]), NS runs on the matrices this rank's shard touches, the rank
+                  keeps its slice. One all_gather per unit holding matrices, W s elements, per step.
+      tp-gather   TP's column/row shards: each matrix's update all-gathered over the tp group
+                  (tp.full: T x [A/T, B] -> [A, B]), NS on the whole, this rank's rows or columns
+                  kept (tp.local). One all_gather per sharded matrix per step; NS duplicated T times.
+      blockwise   NS on each shard as if it were the matrix: not Muon (the update depends on the
+                  layout). Only a planted bug (muon-blockwise) that must FAIL against one device.
+    NS costs steps (4 m^2 n + 2 m^3) FLOPs per matrix, m <= n (ns_flops).
+Newton-Schulz runs in bfloat16 for bf16 models (torch's), in the parameter's dtype for float32
+and float64 ones (the exact mode the float64 proofs need; --muon-ns-dtype bfloat16 forces
+torch's). More: docs/internals.md, 'muon.py'.
+
+Public API
+    opt = build(model, lr=1e-3, muon_lr=0.02, tpm=None)   a torch optimizer: Muon on the hidden
+        matrices, torch's AdamW on the rest (MuonAdamW; MasterMuon's fp32 masters for bf16);
+        tpm = tp.parallelize(...)'s: tp-gather.
+    zero.ZeroOptimizer(param_groups(model.named_parameters(), lr, muon_lr), MuonAdamW,
+                       stage=1|2, ...)   gather, on ZeRO's flat shards
+"""
+import math
+
+import torch
+import torch.distributed as dist
+from torch.optim.adamw import adamw as torch_adamw
+
+from harness.models import hidden_matrix
+from harness.plants import planted
+from harness.precision import Masters, fused_kwargs
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)   # torch.optim.Muon's (Keller Jordan's) quintic
+NS_STEPS, NS_EPS = 5, 1e-7
+
+
+def newton_schulz(G: torch.Tensor, steps: int = NS_STEPS, dtype=torch.bfloat16,
+                  eps: float = NS_EPS) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalisation of a 2-D G [A, B], computed in `dtype`: 5 quintic
+    iterations on X = G / |G|_F, taken wide (A > B: on G^T). Returns [A, B] in `dtype`."""
+    a, b, c = NS_COEFFICIENTS
+    X = G.to(dtype)
+    if G.size(0) > G.size(1):
+        X = X.T                                        # [A, B] -> [B, A], m <= n
+    X = X / X.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = X @ X.T                                 # [m, n] @ [n, m] -> [m, m]
+        X = torch.addmm(X, torch.addmm(gram, gram, gram, beta=b, alpha=c), X, beta=a)  # [m, n]
+    return X.T if G.size(0) > G.size(1) else X
+
+
+def lr_scale(shape) -> float:
+    """torch's 'original' adjustment: sqrt(max(1, A/B)) of the *whole* matrix's shape."""
+    return math.sqrt(max(1.0, shape[0] / shape[1]))
+
+
+def ns_flops(shape, steps: int = NS_STEPS) -> int:
+    """Newton-Schulz FLOPs for one matrix: per step X X^T (2 m^2 n), the m x m polynomial
+    (2 m^3), its product with X (2 m^2 n); m <= n."""
+    m, n = sorted(shape[:2])
+    return steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def param_groups(named, lr: float, muon_lr: float):
+    """Two groups by the one split rule (harness.models.hidden_matrix): the hidden matrices
+    (muon=True, lr muon_lr) and the rest (AdamW, lr). Named parameters -> torch groups."""
+    named = [(n, p) for n, p in named if p.requires_grad]
+    mats = [p for n, p in named if hidden_matrix(n, p.shape)]
+    rest = [p for n, p in named if not hidden_matrix(n, p.shape)]
+    return [dict(params=mats, muon=True, lr=muon_lr), dict(params=rest, muon=False, lr=lr)]
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon's update on the groups marked muon=True, torch's AdamW on the others,
+    one torch optimizer (schedulers, state_dict). Its states are elementwise: momentum_buffer;
+    step, exp_avg, exp_avg_sq (torch's names). NS sees whole matrices through
+    `self.orthogonalize(opt, params, updates, group) -> [(O, lr scale)]` (default: each
+    parameter is a whole matrix, `local`); a sharded layout swaps it (on_shards for ZeRO,
+    tp_gather for TP)."""
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                 ns_steps=NS_STEPS, ns_dtype=None, betas=(0.9, 0.95), eps=1e-8):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                      nesterov=nesterov, ns_steps=ns_steps, ns_dtype=ns_dtype,
+                                      betas=betas, eps=eps, muon=False))
+        self.orthogonalize = local
+        self.names = {}     # parameter -> the model's name (tp_gather; the harness's checks)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
+        for g in self.param_groups:
+            ps = [p for p in g["params"] if p.grad is not None]
+            if g["muon"]:
+                self._muon(g, ps)
+            elif ps:
+                self._adamw(g, ps)
+        return loss
+
+    def _muon(self, g, ps):
+        mu, updates = g["momentum"], []
+        for p in ps:
+            buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+            buf.lerp_(p.grad, 1 - mu)
+            updates.append(p.grad.lerp(buf, mu) if g["nesterov"] else buf)
+        for p, (o, scale) in zip(ps, self.orthogonalize(self, ps, updates, g)):
+            p.mul_(1 - g["lr"] * g["weight_decay"])       # (torch's: the unadjusted lr)
+            p.add_(o, alpha=-g["lr"] * scale)
+
+    def _adamw(self, g, ps):
+        kw = fused_kwargs(ps)
+        for p in ps:
+            st = self.state[p]
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32,
+                                         device=p.device if kw else "cpu")
+                st["exp_avg"] = torch.zeros_like(p)
+                st["exp_avg_sq"] = torch.zeros_like(p)
+        sts = [self.state[p] for p in ps]
+        torch_adamw(
+            ps, [p.grad for p in ps], [s["exp_avg"] for s in sts], [s["exp_avg_sq"] for s in sts],
+            [], [s["step"] for s in sts], amsgrad=False, beta1=g["betas"][0],
+            beta2=g["betas"][1], lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"],
+            maximize=False, **(kw or {"foreach": False}))
+
+    def ns_dtype(self, g, p):
+        return g["ns_dtype"] or p.dtype
+
+    def on_shards(self, zopt):
+        """zero.ZeroOptimizer calls this once built: this optimizer's parameters are then flat
+        runs of ZeRO's shards, and NS gathers each unit's updates (gather)."""
+        self.orthogonalize = zero_gather(zopt)
+
+
+class MasterMuon(Masters, MuonAdamW):
+    """MuonAdamW over fp32 masters of low-precision parameters (momentum and AdamW states fp32)."""
+
+
+def build(model, lr: float, muon_lr: float, tpm=None, **kw) -> MuonAdamW:
+    """The optimizer for a module this rank holds whole (replicated: DDP), or split by
+    tp.parallelize (tpm: tp-gather): MuonAdamW, or MasterMuon for a bf16/fp16 module; `kw`
+    MuonAdamW's settings. ZeRO's flat shards: zero.ZeroOptimizer(param_groups(...), MuonAdamW)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    low = named[0][1].dtype in (torch.bfloat16, torch.float16)
+    opt = (MasterMuon if low else MuonAdamW)(param_groups(named, lr, muon_lr), **kw)
+    held = [q for g in opt.param_groups for q in g["params"]]         # (the masters, if any)
+    name_of = {id(p): n for n, p in named}
+    opt.names = {q: name_of[id(p)] for p, q in zip(getattr(opt, "model_params", held), held)}
+    if tpm is not None:
+        opt.orthogonalize = tp_gather(tpm, opt.names)
+    return opt
+
+
+def local(opt, ps, updates, g):
+    """Each parameter is a whole matrix (replicated, or one owner's): NS on it, scaled."""
+    return [(newton_schulz(u, g["ns_steps"], opt.ns_dtype(g, p)), lr_scale(p.shape))
+            for p, u in zip(ps, updates)]
+
+
+def tp_gather(tpm, names: dict):
+    """tp-gather: each matrix's update all-gathered over the tp group (tpm.full), NS on the
+    whole, this rank's shard kept (tpm.local). names: parameter -> the model's name."""
+    def orthogonalize(opt, ps, updates, g):
+        keys = [names[p] for p in ps]
+        if planted("muon-blockwise"):   # plant: NS on each shard as if it were the matrix
+            return local(opt, ps, updates, g)
+        full = tpm.full(dict(zip(keys, updates)))     # T x [A/T, B] -> [A, B] (or columns)
+        shape = {k: (u.shape if planted("muon-lr-by-shard") else full[k].shape)   # plant
+                 for k, u in zip(keys, updates)}
+        return [(tpm.local(k, newton_schulz(full[k], g["ns_steps"], opt.ns_dtype(g, p))),
+                 lr_scale(shape[k])) for k, p in zip(keys, ps)]
+    return orthogonalize
+
+
+def matrix_units(zopt) -> list:
+    """[(index, unit)] of ZeRO's units that hold a Muon matrix (every rank: the same list)."""
+    is_muon = {p: g["muon"] for g in zopt.param_groups for p in g["params"]}
+    return [(ui, u) for ui, u in enumerate(zopt.engine.units)
+            if any(is_muon.get(p, False) for p in u.params)]
+
+
+def zero_gather(zopt):
+    """gather, on ZeRO's flat units: the update shard of each unit holding matrices, flat [s],
+    all-gathered to [W s]; NS on each matrix this rank's shard touches; its slice kept."""
+    is_muon = {p: g["muon"] for g in zopt.param_groups for p in g["params"]}
+    units = matrix_units(zopt)
+
+    def orthogonalize(opt, views, updates, g):
+        where = {id(v): r for v, r in zip(zopt.views, zopt.runs)}
+        shards = {ui: torch.zeros_like(zopt.masters[ui]) for ui, _ in units}   # flat [s] each
+        for v, upd in zip(views, updates):
+            ui, a, n, _ = where[id(v)]
+            shards[ui][a:a + n] = upd
+        out = {}
+        for ui, u in units:
+            full = shards[ui].new_zeros(u.padded)
+            if planted("muon-no-gather"):   # plant: NS on this rank's shard, zeros elsewhere
+                full[u.lo:u.lo + u.shard_numel] = shards[ui]
+            else:
+                dist.all_gather_into_tensor(full, shards[ui], group=u.group)   # [s] -> [W s]
+            mine = torch.zeros_like(shards[ui])                            # flat [s]
+            for p, off in zip(u.params, u.offsets):
+                a, b = max(off, u.lo), min(off + p.numel(), u.lo + u.shard_numel)
+                if is_muon.get(p, False) and a < b:     # a matrix this shard touches
+                    o = newton_schulz(full[off:off + p.numel()].view(p.shape), g["ns_steps"],
+                                      g["ns_dtype"] or full.dtype)         # [A, B]
+                    mine[a - u.lo:b - u.lo] = o.reshape(-1)[a - off:b - off] * lr_scale(p.shape)
+            out[ui] = mine
+        got = []
+        for v in views:
+            ui, a, n, _ = where[id(v)]
+            got.append((out[ui][a:a + n], 1.0))    # (the lr scale is in: runs span matrices)
+        return got
+    return orthogonalize
+
+
+# ----------------------------------------------------------------------------------------------
+# Formulas (rig/zero.py and rig/tp.py count with these)
+# ----------------------------------------------------------------------------------------------
+def gather_comm(unit_numels, b: int) -> tuple[int, int]:
+    """gather's extra traffic per optimizer step under ZeRO: (all_gathers, gathered bytes) = one
+    per unit holding a matrix, its W s padded elements of b bytes (the masters' dtype)."""
+    return len(unit_numels), sum(unit_numels) * b
+
+
+def tp_gather_comm(shard_numels, T: int, b: int) -> tuple[int, int]:
+    """tp-gather's extra traffic per optimizer step: (all_gathers, gathered bytes) = one per
+    T-split matrix, T shards of b bytes per element arriving at every tp rank (A B elements;
+    T/kv_heads copies of each kv head when T > kv heads)."""
+    return len(shard_numels), T * sum(shard_numels) * b
+
+
+if __name__ == "__main__":   # torchrun muon.py --mode ...: the test rig runs it
+    from rig.muon import main
+    main()
