@@ -10,14 +10,17 @@ al. 2025, "Muon is Scalable for LLM Training")
     hidden_matrix: one split rule for the reference and every strategy).
     Everything but NS is elementwise, so it shards like AdamW. NS needs the whole matrix: the
     question each layout must answer is who holds it.
-      replicated  DDP: every rank holds every matrix and the same averaged gradient: NS on each,
-                  duplicated W times, no communication.
-      gather      ZeRO-1/2/3's flat shards cut matrices: each unit's update shard is all-gathered
-                  (flat [s] -> [W s]), NS runs on the matrices this rank's shard touches, the rank
-                  keeps its slice. One all_gather per unit holding matrices, W s elements, per step.
+      replicated  DDP, Ulysses: every rank holds every matrix and the same averaged gradient:
+                  NS on each, duplicated W times, no communication.
+      owner       ZeRO-1/2/3's flat shards cut matrices: each matrix has one owner (balanced by
+                  NS FLOPs); an all_to_all sends the pieces of its update to the owner, the
+                  owner runs NS, a second all_to_all sends the pieces back (OwnerPlan): 2 calls,
+                  ~2 Psi_m / W elements per rank (Psi_m: the matrices' parameters).
+      gather      the same shards, each unit's update all-gathered (flat [s] -> [W s]), NS run on
+                  every matrix the rank's shard touches: one all_gather per unit, Psi_m per rank.
       tp-gather   TP's column/row shards: each matrix's update all-gathered over the tp group
-                  (tp.full: T x [A/T, B] -> [A, B]), NS on the whole, this rank's rows or columns
-                  kept (tp.local). One all_gather per sharded matrix per step; NS duplicated T times.
+                  (tp.full: T x [A/T, B] -> [A, B]), NS on the whole, this rank's shard kept
+                  (tp.local). One all_gather per split matrix; NS duplicated T times.
       blockwise   NS on each shard as if it were the matrix: not Muon (the update depends on the
                   layout). Only a planted bug (muon-blockwise) that must FAIL against one device.
     NS costs steps (4 m^2 n + 2 m^3) FLOPs per matrix, m <= n (ns_flops).
@@ -30,7 +33,7 @@ Public API
         matrices, torch's AdamW on the rest (MuonAdamW; MasterMuon's fp32 masters for bf16);
         tpm = tp.parallelize(...)'s: tp-gather.
     zero.ZeroOptimizer(param_groups(model.named_parameters(), lr, muon_lr), MuonAdamW,
-                       stage=1|2, ...)   gather, on ZeRO's flat shards
+                       stage=1|2, shard_mode="owner"|"gather")   on ZeRO's flat shards
 """
 import math
 
@@ -91,10 +94,11 @@ class MuonAdamW(torch.optim.Optimizer):
     tp_gather for TP)."""
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
-                 ns_steps=NS_STEPS, ns_dtype=None, betas=(0.9, 0.95), eps=1e-8):
+                 ns_steps=NS_STEPS, ns_dtype=None, betas=(0.9, 0.95), eps=1e-8,
+                 shard_mode="owner"):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
                                       nesterov=nesterov, ns_steps=ns_steps, ns_dtype=ns_dtype,
-                                      betas=betas, eps=eps, muon=False))
+                                      betas=betas, eps=eps, muon=False, shard_mode=shard_mode))
         self.orthogonalize = local
         self.names = {}     # parameter -> the model's name (tp_gather; the harness's checks)
 
@@ -141,8 +145,12 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def on_shards(self, zopt):
         """zero.ZeroOptimizer calls this once built: this optimizer's parameters are then flat
-        runs of ZeRO's shards, and NS gathers each unit's updates (gather)."""
-        self.orthogonalize = zero_gather(zopt)
+        runs of ZeRO's shards; shard_mode "owner" (each matrix to one rank: OwnerPlan) or
+        "gather" (every unit's updates to every rank: zero_gather)."""
+        mode = self.param_groups[0]["shard_mode"]
+        if mode not in ("owner", "gather"):
+            raise ValueError(f"MuonAdamW on ZeRO's shards: shard_mode {mode!r} (owner, gather)")
+        self.orthogonalize = OwnerPlan(zopt) if mode == "owner" else zero_gather(zopt)
 
 
 class MasterMuon(Masters, MuonAdamW):
@@ -225,6 +233,95 @@ def zero_gather(zopt):
             got.append((out[ui][a:a + n], 1.0))    # (the lr scale is in: runs span matrices)
         return got
     return orthogonalize
+
+
+class OwnerPlan:
+    """owner, on ZeRO's flat units (Megatron's layer-wise optimizer, torchtitan's DistMuon):
+    each matrix assigned whole to one rank, balanced by its Newton-Schulz FLOPs (largest first,
+    to the least loaded rank). Per step: one all_to_all sends every rank's pieces of each
+    matrix's update to its owner, the owner runs NS on its matrices, a second all_to_all sends
+    each piece of the result back to the rank that holds it. Every rank computes the same plan."""
+
+    def __init__(self, zopt):
+        self.zopt, W = zopt, zopt.engine.units[0].world
+        if len({id(u.group) for u in zopt.engine.units}) > 1:
+            raise ValueError("muon owner mode: the units are sharded over different groups")
+        is_muon = {p: g["muon"] for g in zopt.param_groups for p in g["params"]}
+        # every matrix of the units, in one order: (unit index, unit, offset, parameter)
+        self.mats = [(ui, u, off, p) for ui, u in enumerate(zopt.engine.units)
+                     for p, off in zip(u.params, u.offsets) if is_muon.get(p, False)]
+        self.flops = [0] * W                # each rank's Newton-Schulz FLOPs
+        self.owner = [0] * len(self.mats)
+        for i in sorted(range(len(self.mats)), key=lambda i: -self.mats[i][3].numel()):
+            r = min(range(W), key=lambda r: self.flops[r])
+            self.owner[i] = r
+            self.flops[r] += ns_flops(self.mats[i][3].shape)
+        me = zopt.engine.units[0].rank
+        # (matrix, rank) -> the piece of the matrix in rank's shard: (start, stop) in the unit
+        self.sends = [[] for _ in range(W)]   # to owner d: [(matrix i, start, stop)] of mine
+        self.recvs = [[] for _ in range(W)]   # from rank r: [(matrix i, start, stop)] I own
+        for i, (ui, u, off, p) in enumerate(self.mats):
+            for r in range(W):
+                a = max(off, r * u.shard_numel)
+                b = min(off + p.numel(), (r + 1) * u.shard_numel)
+                if a < b and r == me:
+                    self.sends[self.owner[i]].append((i, a, b))
+                if a < b and self.owner[i] == me:
+                    self.recvs[r].append((i, a, b))
+
+    def __call__(self, opt, views, updates, g):
+        zopt, like = self.zopt, self.zopt.masters[0]
+        where = {id(v): r for v, r in zip(zopt.views, zopt.runs)}
+        shards = {ui: torch.zeros_like(m) for ui, m in enumerate(zopt.masters)}   # flat [s]
+        for v, upd in zip(views, updates):
+            ui, a, n, _ = where[id(v)]
+            shards[ui][a:a + n] = upd
+
+        def piece(t, i, a, b):         # the unit's [start, stop) of matrix i, in t's frame
+            return t[self.mats[i][0]][a - self.mats[i][1].lo:b - self.mats[i][1].lo]
+        send = torch.cat([piece(shards, i, a, b) for d in self.sends for i, a, b in d]
+                         or [like.new_zeros(0)])                        # [my matrix elements]
+        got = self._exchange(send, self.sends, self.recvs)              # [elements I own]
+        full, k = {}, 0                # each owned matrix assembled from its holders' pieces
+        for r in self.recvs:
+            for i, a, b in r:
+                off = self.mats[i][2]
+                full.setdefault(i, like.new_zeros(self.mats[i][3].numel()))[a - off:b - off] = \
+                    got[k:k + b - a]
+                k += b - a
+        out = {}
+        for i, flat in full.items():   # Newton-Schulz on the matrices this rank owns
+            shape = self.mats[i][3].shape
+            o = newton_schulz(flat.view(shape), g["ns_steps"], g["ns_dtype"] or like.dtype)
+            out[i] = (o.to(like.dtype) * lr_scale(shape)).reshape(-1)   # [A, B] -> [A B]
+        back = torch.cat([out[i][a - self.mats[i][2]:b - self.mats[i][2]]
+                          for r in self.recvs for i, a, b in r] or [like.new_zeros(0)])
+        mine = self._exchange(back, self.recvs, self.sends)             # [my matrix elements]
+        result, k = {ui: torch.zeros_like(m) for ui, m in enumerate(zopt.masters)}, 0
+        for d in self.sends:
+            for i, a, b in d:
+                piece(result, i, a, b).copy_(mine[k:k + b - a])
+                k += b - a
+        return [(result[where[id(v)][0]][where[id(v)][1]:where[id(v)][1] + where[id(v)][2]], 1.0)
+                for v in views]                   # (the lr scale is in: runs span matrices)
+
+    def _exchange(self, send, out_plan, in_plan):
+        """One all_to_all: [pieces for rank 0 | rank 1 | ...] -> [pieces from rank 0 | ...]."""
+        out_splits = [sum(b - a for _, a, b in d) for d in out_plan]
+        in_splits = [sum(b - a for _, a, b in r) for r in in_plan]
+        recv = send.new_empty(sum(in_splits))
+        if planted("muon-owner-keeps-update") and in_plan is self.sends:   # plant: not sent back
+            return send.new_zeros(sum(in_splits))
+        dist.all_to_all_single(recv, send, in_splits, out_splits,           # [sum of splits]
+                               group=self.zopt.engine.units[0].group)
+        return recv
+
+    def comm(self, b: int) -> tuple[int, int]:
+        """(all_to_alls, bytes sent by this rank) per step: its pieces of every matrix to their
+        owners, then the owned matrices' pieces back to their holders."""
+        mine = sum(b_ - a for d in self.sends for _, a, b_ in d)
+        owned = sum(b_ - a for r in self.recvs for _, a, b_ in r)
+        return 2, (mine + owned) * b
 
 
 # ----------------------------------------------------------------------------------------------

@@ -87,6 +87,10 @@ def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
                    help="muon: Muon on the hidden matrices, AdamW on the rest (muon.py; the "
                         "reference steps with torch.optim.Muon)")
     p.add_argument("--muon-lr", type=float, default=0.02, help="Muon's learning rate")
+    p.add_argument("--muon-mode", choices=["auto", "owner", "gather"], default="auto",
+                   help="who runs Newton-Schulz on a sharded matrix (muon.py): owner = one rank "
+                        "per matrix, gather = every rank holding a piece; auto = the "
+                        "strategy's default (zero: owner; ddp: replicated; tp, sp: tp-gather)")
     p.add_argument("--muon-ns-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="Newton-Schulz's dtype: auto = bfloat16 for a bf16 model (torch's), the "
                         "parameters' own for float32/float64 (exact); float32 = float32 for a "

@@ -97,8 +97,10 @@ class MasterAdamW(Masters, torch.optim.AdamW):
 def muon_kwargs(args, param_dtype: torch.dtype) -> dict:
     """muon.MuonAdamW's settings from the run's arguments (OracleMuon's: torch.optim.Muon's
     momentum 0.95 with nesterov; AdamW's betas and eps as adamw_kwargs)."""
+    mode = getattr(args, "muon_mode", "auto")
     return dict(weight_decay=args.weight_decay, momentum=0.95, nesterov=True,
-                ns_dtype=ns_dtype(args, param_dtype), betas=(0.9, 0.95), eps=1e-8)
+                ns_dtype=ns_dtype(args, param_dtype), betas=(0.9, 0.95), eps=1e-8,
+                shard_mode="owner" if mode == "auto" else mode)
 
 
 def ns_dtype(args, param_dtype: torch.dtype) -> torch.dtype:

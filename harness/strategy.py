@@ -58,6 +58,7 @@ class Strategy:
     plants: dict = {}     # --plant-bug NAME -> what the planted bug does (correctness must FAIL)
     chunked_ce = False    # takes --ce-chunk N (loss.chunked_loss_sum)
     optimizers = ("adamw",)   # --optimizer values it supports (muon.py's: "muon")
+    muon_modes = ("auto",)    # --muon-mode values it supports
     self_check = None     # ("what", build(model, args) -> fn(ids) -> logits): selfcheck.py
 
     @staticmethod

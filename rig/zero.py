@@ -35,17 +35,39 @@ def zero_constraints(args, world, config) -> list[str]:
     return errs
 
 
+def muon_lines(opt) -> list[str]:
+    """Muon's owner mode: how evenly the matrices' Newton-Schulz FLOPs fall on the ranks."""
+    plan = getattr(getattr(opt, "inner", None), "orthogonalize", None)
+    if not isinstance(plan, muon.OwnerPlan):
+        return []
+    f, total = plan.flops, sum(plan.flops)
+    return [f"Muon owner mode: {len(plan.mats)} matrices, Newton-Schulz FLOPs per rank "
+            f"{', '.join(f'{x / 1e6:.1f}M' for x in f)} (max/mean {max(f) * len(f) / total:.3f}; "
+            f"gather would run {muon_gather_flops(plan) / 1e6:.1f}M on rank 0)"]
+
+
+def muon_gather_flops(plan) -> int:
+    """rank 0's Newton-Schulz FLOPs in the gather mode: every matrix its shard touches."""
+    return sum(muon.ns_flops(p.shape) for ui, u, off, p in plan.mats
+               if off < u.shard_numel and off + p.numel() > 0)
+
+
 class ZeRO(Strategy):
     name = "zero"
-    optimizers = ("adamw", "muon")   # muon.py: rig/muon.py builds it
+    optimizers = ("adamw", "muon")   # muon.py: adamw_on_shards builds it
+    muon_modes = ("auto", "owner", "gather")
     syncs_initial_params = False
     # One configuration catches the first four (stage 2: accumulation; float32 + --clip: the
     # norm and the scale); the misaligned shard needs W=3 (at W=2 no tiny unit is padded).
     _ACCUM_CLIP = ("--stage", "2", "--grad-accum", "2", "--dtype", "float32", "--clip", "0.5")
     plants = {
+        "muon-owner-keeps-update": Plant(
+            "--optimizer muon, owner mode: the owners' Newton-Schulz results are not sent back "
+            "to the ranks holding the pieces", ("--optimizer", "muon")),
         "muon-no-gather": Plant(
             "--optimizer muon: Newton-Schulz on the matrix with only this rank's shard of the "
-            "update (zeros elsewhere) instead of the gathered whole", ("--optimizer", "muon")),
+            "update (zeros elsewhere) instead of the gathered whole",
+            ("--optimizer", "muon", "--muon-mode", "gather")),
         "no-average": Plant("the reduce-scatter sums the gradients instead of averaging "
                             "them (2x at W=2; clipping would hide it)", _ACCUM_CLIP),
         "overwrite-accum": Plant("stages 2/3 overwrite the reduced gradient shard with "
@@ -113,7 +135,7 @@ class ZeRO(Strategy):
         numel, padded = self.psi()
         return [f"flat buffers: {len(self.zero.units)} units, {numel:,} parameters padded to "
                 f"{padded:,} (+{padded - numel} for divisibility by W={self.env.world}); "
-                f"shard per rank {padded // self.env.world:,}"]
+                f"shard per rank {padded // self.env.world:,}"] + muon_lines(self.optimizer)
 
     def psi(self) -> tuple[int, int]:
         """(parameters, padded parameters)."""
@@ -128,10 +150,16 @@ class ZeRO(Strategy):
         rs_times, ag_times = collectives_per_unit(self.args.stage, K)   # zero.py's formula
         full = padded * b
         calls = nbytes = 0
-        if self.args.optimizer == "muon":      # + muon.py's gather of the updates, per unit
-            mb = self.optimizer.masters[0].element_size()
-            calls, nbytes = muon.gather_comm([u.padded for _, u in muon.matrix_units(self.optimizer)],
-                                            mb)
+        owner = getattr(self.optimizer.inner, "orthogonalize", None)
+        mb = self.optimizer.masters[0].element_size()
+        if isinstance(owner, muon.OwnerPlan):   # muon.py's owner: 2 all-to-alls
+            owner = Expect("all_to_all_single", "world", *owner.comm(mb),
+                           "Muon's owner mode: this rank's pieces of each matrix to its owner, "
+                           "the owned matrices' results back")
+        elif self.args.optimizer == "muon":      # its gather: the updates, per unit
+            owner = None
+            calls, nbytes = muon.gather_comm(
+                [u.padded for _, u in muon.matrix_units(self.optimizer)], mb)
         muon_note = (f" + Muon's gather of the updates: {calls} units holding a matrix, "
                      f"{nbytes:,} B" if calls else "")
         rows = [Expect("reduce_scatter_tensor", "world", n * rs_times, padded * rb * rs_times,
@@ -147,6 +175,8 @@ class ZeRO(Strategy):
                                full * ag_times + nbytes,
                                "2 Psi*b: forward + backward gather per unit"
                                + (f", x{K} micro-batches" if K > 1 else "") + muon_note))
+        if isinstance(owner, Expect):
+            rows.append(owner)
         if self.args.clip:
             rows.append(Expect("all_reduce", "world", 1, 8, "clip: squared-norm sum (fp64)"))
         return rows

@@ -105,10 +105,15 @@ SLOW = {
     "ddp.py": Runs("ddp.py", 2, tier="slow", runs={"muon": [*MUON, *BOTH]}),
     "zero.py": Runs("zero.py", 2, tier="slow", runs={
         **{f"muon{s}": ["--stage", s, *MUON, *BOTH] for s in ("1", "3")},
-        "muon-bf16-plants": ["--mode", "plants", "--plants", "muon-no-gather", *MUON,
-                             "--dtype", "bfloat16", "--steps", "8"]}),
+        "muon-gather": ["--stage", "2", *MUON, "--muon-mode", "gather", *BOTH],
+        "muon-bf16-plants": ["--mode", "plants", "--plants", "muon-owner-keeps-update", *MUON,
+                             "--dtype", "bfloat16", "--steps", "8"],
+        "muon-bf16-plants-gather": ["--mode", "plants", "--plants", "muon-no-gather", *MUON,
+                                    "--muon-mode", "gather", "--dtype", "bfloat16",
+                                    "--steps", "8"]}),
     "zero3.py": Runs("zero.py", 3, tier="slow", runs={
-        f"muon-bench{s}": [*BENCH, "--stage", s, "--batch", "6"] for s in ("1", "3")}),
+        **{f"muon-bench{s}": [*BENCH, "--stage", s, "--batch", "6"] for s in ("1", "3")},
+        "muon-bench-gather": [*BENCH, "--stage", "2", "--batch", "6", "--muon-mode", "gather"]}),
     "tp.py": Runs("tp.py", 2, tier="slow", runs={
         "muon-bench": BENCH,
         "muon-bf16-plants": ["--mode", "plants", "--plants", "muon-blockwise,muon-lr-by-shard",
@@ -137,18 +142,21 @@ def test_correct_against_torch_muon(runs, script):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script,key", [("ddp.py", "muon"), ("zero.py", "muon1"),
-                                        ("zero.py", "muon3"), ("tp4.py", "muon"),
+                                        ("zero.py", "muon3"), ("zero.py", "muon-gather"),
+                                        ("tp4.py", "muon"),
                                         ("sp.py", "muon-megatron"), ("sp.py", "muon-ulysses")])
 def test_correct_against_torch_muon_everywhere(runs, script, key):
     assert_pass(runs(SLOW[script], key))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["zero.py", "tp.py"])
-def test_plants_fail_in_bf16(runs, script):
+@pytest.mark.parametrize("script,key", [("zero.py", "muon-bf16-plants"),
+                                        ("zero.py", "muon-bf16-plants-gather"),
+                                        ("tp.py", "muon-bf16-plants")])
+def test_plants_fail_in_bf16(runs, script, key):
     import json
     import os
-    r = runs(SLOW[script], "muon-bf16-plants")
+    r = runs(SLOW[script], key)
     rows = json.load(open(os.path.join(r.out, "plants.json")))
     verdicts = {row["plant"]: row["passed"] for row in rows}
     assert verdicts.pop("(none)") is True, r
@@ -156,16 +164,24 @@ def test_plants_fail_in_bf16(runs, script):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script,key", [("zero3.py", "muon-bench1"), ("zero3.py", "muon-bench3"),
-                                        ("tp.py", "muon-bench"), ("sp.py", "muon-bench")])
-def test_the_gathers_equal_the_formulas(runs, script, key):
-    """The meter's rows equal the formulas, with Muon's gathers in them (muon.gather_comm for
-    ZeRO's units, muon.tp_gather_comm for TP's split matrices)."""
+@pytest.mark.parametrize("script,key,row", [
+    ("zero3.py", "muon-bench1", "all_to_all_single"),
+    ("zero3.py", "muon-bench3", "all_to_all_single"),
+    ("zero3.py", "muon-bench-gather", "all_gather_into_tensor"),
+    ("tp.py", "muon-bench", "all_gather"), ("sp.py", "muon-bench", "all_gather")])
+def test_the_exchanges_equal_the_formulas(runs, script, key, row):
+    """The meter's rows equal the formulas with Muon's traffic in them: the owner mode's two
+    all-to-alls (OwnerPlan.comm), the gather mode's unit all-gathers (muon.gather_comm),
+    tp-gather's per-matrix all-gathers (muon.tp_gather_comm); the owner mode's balance line."""
     r = runs(SLOW[script], key)
     assert r.rc == 0 and "communication matches the formulas" in r.last_line, r
-    assert "Muon's" in r.stdout, r
+    assert any(ln.split()[:1] == [row] and "Muon's" in ln for ln in r.stdout.splitlines()), r
+    if row == "all_to_all_single":
+        assert "Muon owner mode: 28 matrices" in r.stdout and "max/mean 1.0" in r.stdout, r
 
 
 def test_a_strategy_without_muon_refuses_it():
     r = launch("fsdp.py", 2, "--optimizer", "muon", as_rank0=True)
     assert_config_error(r, "--optimizer muon: fsdp steps with adamw", torchrun=False)
+    r = launch("tp.py", 2, "--optimizer", "muon", "--muon-mode", "owner", as_rank0=True)
+    assert_config_error(r, "--muon-mode owner: tp runs Muon's auto mode", torchrun=False)
