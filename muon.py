@@ -36,6 +36,7 @@ Public API
                        stage=1|2, shard_mode="owner"|"gather")   on ZeRO's flat shards
 """
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -91,10 +92,11 @@ class MuonAdamW(torch.optim.Optimizer):
     step, exp_avg, exp_avg_sq (torch's names). NS sees whole matrices through
     `self.orthogonalize(opt, params, updates, group) -> [(O, lr scale)]` (default: each
     parameter is a whole matrix, `local`); a sharded layout swaps it (on_shards for ZeRO,
-    tp_gather for TP)."""
+    tp_gather for TP). ns_dtype: Newton-Schulz's (torch's bfloat16; None: the parameters' own,
+    the exact mode). eps is AdamW's (torch.optim.Muon's eps is Newton-Schulz's, NS_EPS here)."""
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
-                 ns_steps=NS_STEPS, ns_dtype=None, betas=(0.9, 0.95), eps=1e-8,
+                 ns_steps=NS_STEPS, ns_dtype=torch.bfloat16, betas=(0.9, 0.95), eps=1e-8,
                  shard_mode="owner"):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
                                       nesterov=nesterov, ns_steps=ns_steps, ns_dtype=ns_dtype,
@@ -117,7 +119,9 @@ class MuonAdamW(torch.optim.Optimizer):
     def _muon(self, g, ps):
         mu, updates = g["momentum"], []
         for p in ps:
-            buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            buf = self.state[p]["momentum_buffer"]
             buf.lerp_(p.grad, 1 - mu)
             updates.append(p.grad.lerp(buf, mu) if g["nesterov"] else buf)
         for p, (o, scale) in zip(ps, self.orthogonalize(self, ps, updates, g)):
@@ -140,8 +144,10 @@ class MuonAdamW(torch.optim.Optimizer):
             beta2=g["betas"][1], lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"],
             maximize=False, **(kw or {"foreach": False}))
 
-    def ns_dtype(self, g, p):
-        return g["ns_dtype"] or p.dtype
+    @staticmethod
+    def ns_dtype(g, t):
+        """Newton-Schulz's dtype for the group g's matrices held in t's dtype."""
+        return g["ns_dtype"] or t.dtype
 
     def on_shards(self, zopt):
         """zero.ZeroOptimizer calls this once built: this optimizer's parameters are then flat
@@ -150,6 +156,8 @@ class MuonAdamW(torch.optim.Optimizer):
         mode = self.param_groups[0]["shard_mode"]
         if mode not in ("owner", "gather"):
             raise ValueError(f"MuonAdamW on ZeRO's shards: shard_mode {mode!r} (owner, gather)")
+        if sum(g["muon"] for g in self.param_groups) > 1:   # (one plan covers all the matrices)
+            raise ValueError("MuonAdamW on ZeRO's shards: one parameter group with muon=True")
         self.orthogonalize = OwnerPlan(zopt) if mode == "owner" else zero_gather(zopt)
 
 
@@ -162,7 +170,7 @@ def build(model, lr: float, muon_lr: float, tpm=None, **kw) -> MuonAdamW:
     tp.parallelize (tpm: tp-gather): MuonAdamW, or MasterMuon for a bf16/fp16 module; `kw`
     MuonAdamW's settings. ZeRO's flat shards: zero.ZeroOptimizer(param_groups(...), MuonAdamW)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    low = named[0][1].dtype in (torch.bfloat16, torch.float16)
+    low = any(p.dtype in (torch.bfloat16, torch.float16) for _, p in named)
     opt = (MasterMuon if low else MuonAdamW)(param_groups(named, lr, muon_lr), **kw)
     held = [q for g in opt.param_groups for q in g["params"]]         # (the masters, if any)
     name_of = {id(p): n for n, p in named}
@@ -193,18 +201,21 @@ def tp_gather(tpm, names: dict):
     return orthogonalize
 
 
+def muon_params(zopt) -> set:
+    """The parameters of zopt's groups with muon=True."""
+    return {p for g in zopt.param_groups if g["muon"] for p in g["params"]}
+
+
 def matrix_units(zopt) -> list:
     """[(index, unit)] of ZeRO's units that hold a Muon matrix (every rank: the same list)."""
-    is_muon = {p: g["muon"] for g in zopt.param_groups for p in g["params"]}
-    return [(ui, u) for ui, u in enumerate(zopt.engine.units)
-            if any(is_muon.get(p, False) for p in u.params)]
+    mats = muon_params(zopt)
+    return [(ui, u) for ui, u in enumerate(zopt.engine.units) if any(p in mats for p in u.params)]
 
 
 def zero_gather(zopt):
     """gather, on ZeRO's flat units: the update shard of each unit holding matrices, flat [s],
     all-gathered to [W s]; NS on each matrix this rank's shard touches; its slice kept."""
-    is_muon = {p: g["muon"] for g in zopt.param_groups for p in g["params"]}
-    units = matrix_units(zopt)
+    mats, units = muon_params(zopt), matrix_units(zopt)
 
     def orthogonalize(opt, views, updates, g):
         where = {id(v): r for v, r in zip(zopt.views, zopt.runs)}
@@ -222,10 +233,11 @@ def zero_gather(zopt):
             mine = torch.zeros_like(shards[ui])                            # flat [s]
             for p, off in zip(u.params, u.offsets):
                 a, b = max(off, u.lo), min(off + p.numel(), u.lo + u.shard_numel)
-                if is_muon.get(p, False) and a < b:     # a matrix this shard touches
+                if p in mats and a < b:     # a matrix this shard touches
                     o = newton_schulz(full[off:off + p.numel()].view(p.shape), g["ns_steps"],
-                                      g["ns_dtype"] or full.dtype)         # [A, B]
-                    mine[a - u.lo:b - u.lo] = o.reshape(-1)[a - off:b - off] * lr_scale(p.shape)
+                                      opt.ns_dtype(g, full))               # [A, B]
+                    mine[a - u.lo:b - u.lo] = (o.reshape(-1)[a - off:b - off].to(mine.dtype)
+                                               * lr_scale(p.shape))
             out[ui] = mine
         got = []
         for v in views:
@@ -233,6 +245,15 @@ def zero_gather(zopt):
             got.append((out[ui][a:a + n], 1.0))    # (the lr scale is in: runs span matrices)
         return got
     return orthogonalize
+
+
+class Matrix(NamedTuple):
+    """A Muon matrix inside ZeRO's flat unit: the unit's index and itself, the matrix's offset
+    in the unit's flat [W s] buffer, the parameter (its shape and numel)."""
+    unit_index: int
+    unit: object
+    offset: int
+    param: torch.Tensor
 
 
 class OwnerPlan:
@@ -246,24 +267,24 @@ class OwnerPlan:
         self.zopt, W = zopt, zopt.engine.units[0].world
         if len({id(u.group) for u in zopt.engine.units}) > 1:
             raise ValueError("muon owner mode: the units are sharded over different groups")
-        is_muon = {p: g["muon"] for g in zopt.param_groups for p in g["params"]}
-        # every matrix of the units, in one order: (unit index, unit, offset, parameter)
-        self.mats = [(ui, u, off, p) for ui, u in enumerate(zopt.engine.units)
-                     for p, off in zip(u.params, u.offsets) if is_muon.get(p, False)]
-        self.flops = [0] * W                # each rank's Newton-Schulz FLOPs
+        mats = muon_params(zopt)
+        self.mats = [Matrix(ui, u, off, p) for ui, u in enumerate(zopt.engine.units)
+                     for p, off in zip(u.params, u.offsets) if p in mats]
+        self.flops = [0] * W                # each rank's Newton-Schulz FLOPs per step
         self.owner = [0] * len(self.mats)
-        for i in sorted(range(len(self.mats)), key=lambda i: -self.mats[i][3].numel()):
-            r = min(range(W), key=lambda r: self.flops[r])
+        cost = [ns_flops(m.param.shape) for m in self.mats]
+        for i in sorted(range(len(self.mats)), key=lambda i: -cost[i]):   # largest first,
+            r = min(range(W), key=lambda r: self.flops[r])                 # least loaded rank
             self.owner[i] = r
-            self.flops[r] += ns_flops(self.mats[i][3].shape)
+            self.flops[r] += cost[i]
         me = zopt.engine.units[0].rank
-        # (matrix, rank) -> the piece of the matrix in rank's shard: (start, stop) in the unit
+        # matrix i's piece in rank r's shard: [start, stop) of its unit's flat buffer
         self.sends = [[] for _ in range(W)]   # to owner d: [(matrix i, start, stop)] of mine
         self.recvs = [[] for _ in range(W)]   # from rank r: [(matrix i, start, stop)] I own
-        for i, (ui, u, off, p) in enumerate(self.mats):
+        for i, m in enumerate(self.mats):
             for r in range(W):
-                a = max(off, r * u.shard_numel)
-                b = min(off + p.numel(), (r + 1) * u.shard_numel)
+                a = max(m.offset, r * m.unit.shard_numel)
+                b = min(m.offset + m.param.numel(), (r + 1) * m.unit.shard_numel)
                 if a < b and r == me:
                     self.sends[self.owner[i]].append((i, a, b))
                 if a < b and self.owner[i] == me:
@@ -272,38 +293,44 @@ class OwnerPlan:
     def __call__(self, opt, views, updates, g):
         zopt, like = self.zopt, self.zopt.masters[0]
         where = {id(v): r for v, r in zip(zopt.views, zopt.runs)}
-        shards = {ui: torch.zeros_like(m) for ui, m in enumerate(zopt.masters)}   # flat [s]
+        units = {m.unit_index for m in self.mats}
+        shards = {ui: torch.zeros_like(zopt.masters[ui]) for ui in units}   # flat [s] each
         for v, upd in zip(views, updates):
             ui, a, n, _ = where[id(v)]
             shards[ui][a:a + n] = upd
 
-        def piece(t, i, a, b):         # the unit's [start, stop) of matrix i, in t's frame
-            return t[self.mats[i][0]][a - self.mats[i][1].lo:b - self.mats[i][1].lo]
+        def piece(t, i, a, b):         # matrix i's [a, b) of its unit, in this rank's shard t
+            m = self.mats[i]
+            return t[m.unit_index][a - m.unit.lo:b - m.unit.lo]
         send = torch.cat([piece(shards, i, a, b) for d in self.sends for i, a, b in d]
                          or [like.new_zeros(0)])                        # [my matrix elements]
         got = self._exchange(send, self.sends, self.recvs)              # [elements I own]
         full, k = {}, 0                # each owned matrix assembled from its holders' pieces
         for r in self.recvs:
             for i, a, b in r:
-                off = self.mats[i][2]
-                full.setdefault(i, like.new_zeros(self.mats[i][3].numel()))[a - off:b - off] = \
-                    got[k:k + b - a]
+                m = self.mats[i]
+                if i not in full:
+                    full[i] = like.new_empty(m.param.numel())             # [A B]
+                full[i][a - m.offset:b - m.offset] = got[k:k + b - a]
                 k += b - a
         out = {}
         for i, flat in full.items():   # Newton-Schulz on the matrices this rank owns
-            shape = self.mats[i][3].shape
-            o = newton_schulz(flat.view(shape), g["ns_steps"], g["ns_dtype"] or like.dtype)
+            shape = self.mats[i].param.shape
+            o = newton_schulz(flat.view(shape), g["ns_steps"], opt.ns_dtype(g, flat))
             out[i] = (o.to(like.dtype) * lr_scale(shape)).reshape(-1)   # [A, B] -> [A B]
-        back = torch.cat([out[i][a - self.mats[i][2]:b - self.mats[i][2]]
+        back = torch.cat([out[i][a - self.mats[i].offset:b - self.mats[i].offset]
                           for r in self.recvs for i, a, b in r] or [like.new_zeros(0)])
         mine = self._exchange(back, self.recvs, self.sends)             # [my matrix elements]
-        result, k = {ui: torch.zeros_like(m) for ui, m in enumerate(zopt.masters)}, 0
+        result, k = {ui: torch.zeros_like(zopt.masters[ui]) for ui in units}, 0
         for d in self.sends:
             for i, a, b in d:
                 piece(result, i, a, b).copy_(mine[k:k + b - a])
                 k += b - a
-        return [(result[where[id(v)][0]][where[id(v)][1]:where[id(v)][1] + where[id(v)][2]], 1.0)
-                for v in views]                   # (the lr scale is in: runs span matrices)
+        got_views = []
+        for v in views:                # (the lr scale is in: a run spans matrices)
+            ui, a, n, _ = where[id(v)]
+            got_views.append((result[ui][a:a + n], 1.0))
+        return got_views
 
     def _exchange(self, send, out_plan, in_plan):
         """One all_to_all: [pieces for rank 0 | rank 1 | ...] -> [pieces from rank 0 | ...]."""

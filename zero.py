@@ -413,12 +413,12 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
     `step()` finishes the gradient reduce-scatter (the W ranks' gradients averaged), runs
     `optimizer_class` on this rank's 1/W of every parameter group, and all-gathers the updated
     parameters (stages 1, 2). The inner optimizer sees flat slices, so its update must be
-    elementwise: SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop and Adagrad are, and muon.py's
-    MuonAdamW (it gathers whole matrices: `on_shards`); Adafactor, LBFGS or Shampoo are refused. `clip_grad_norm_` clips by the global norm of the
-    averaged gradients; `state_dict()` (collective) is the unsharded optimizer's, which
-    `load_state_dict` and the plain torch optimizer accept (ShardedState, zero_state.py). A
-    parameter with no gradient in a step is stepped with a zero one (momentum and weight decay
-    still apply), not skipped as torch's optimizers skip a None.
+    elementwise: SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, and muon.py's MuonAdamW
+    (`on_shards`: it assembles whole matrices); Adafactor, LBFGS, Shampoo are refused.
+    `clip_grad_norm_` clips by the global norm of the averaged gradients; `state_dict()`
+    (collective) is the unsharded optimizer's, which `load_state_dict` and the plain torch
+    optimizer accept (ShardedState, zero_state.py). A parameter without a gradient in a step
+    gets a zero one, not skipped as in torch (momentum, weight decay, Muon's update still act).
 
     params: tensors or parameter groups. engine: a Zero(model, stage=3) that already shards
     these parameters (fsdp.fully_shard's need no wrapper); without one, stage 1 or 2 over
@@ -428,12 +428,12 @@ class ZeroOptimizer(ShardedState, torch.optim.Optimizer):
     def __init__(self, params, optimizer_class=torch.optim.AdamW, *, group=None, stage: int = 1,
                  engine: "Zero | None" = None, bucket_mb: float = 25.0, reduce_dtype="auto",
                  broadcast: bool = True, average: bool = True, **defaults):
-        if not (isinstance(optimizer_class, type) and (issubclass(optimizer_class, ELEMENTWISE)
-                                                       or hasattr(optimizer_class, "on_shards"))):
+        if not getattr(optimizer_class, "on_shards", None) and not (
+                isinstance(optimizer_class, type) and issubclass(optimizer_class, ELEMENTWISE)):
             raise ValueError(
                 f"ZeroOptimizer: {getattr(optimizer_class, '__name__', optimizer_class)} is not "
                 f"known to update elementwise (its state would not shard along flat slices); "
-                f"use one of {', '.join(c.__name__ for c in ELEMENTWISE)}")
+                f"use one of {', '.join(c.__name__ for c in ELEMENTWISE)} (or muon.MuonAdamW)")
         super().__init__(params, defaults)
         everything = [p for g in self.param_groups for p in g["params"]]
         if engine is None:

@@ -190,8 +190,8 @@ class ShardedState:
     @property
     def steps_taken(self) -> int:
         """The inner optimizer's step count (Adam's bias correction)."""
-        st = self.inner.state.get(self.views[0], {}) if self.views else {}
-        return int(st["step"]) if "step" in st else 0
+        st = next((s for s in map(self.inner.state.get, self.views) if s and "step" in s), {})
+        return int(st["step"]) if st else 0   # (muon.py's Muon runs keep no step)
 
     @steps_taken.setter
     def steps_taken(self, t: int):
@@ -201,13 +201,14 @@ class ShardedState:
                                                        device=v.device)
 
     def _layout(self):
-        """{unit: {key: dtype}} of the elementwise states and {group: {key: value}} of the
-        scalar ones, as every rank needs them for the gathers (one object all-gather)."""
+        """{(unit, group): {key: dtype}} of the elementwise states (a unit's parameters may sit
+        in groups with different states: muon.py's Muon and AdamW) and {group: {key: value}} of
+        the scalar ones, as every rank needs them for the gathers (one object all-gather)."""
         elem, scalar = {}, {}
         for v, (ui, a, n, gi) in zip(self.views, self.runs):
             for k, x in self.inner.state.get(v, {}).items():
                 if torch.is_tensor(x) and x.dim() == 1:
-                    elem.setdefault(ui, {})[k] = x.dtype
+                    elem.setdefault((ui, gi), {})[k] = x.dtype
                 else:   # (on the CPU: a fused kernel's step lives on the device, and a
                     # pickled CUDA tensor would come back on the sender's GPU)
                     scalar.setdefault(gi, {})[k] = x.detach().cpu() if torch.is_tensor(x) else x
@@ -226,21 +227,22 @@ class ShardedState:
         (torch's numbering over the groups) its elementwise states at full shape and the
         group's scalar ones (e.g. step)."""
         elem, scalar = self._layout()
+        group_of = {self.index[p]: gi for gi, g in enumerate(self.param_groups)
+                    for p in g["params"]}
         state: dict = {}
         for ui, u in enumerate(self.engine.units):
-            for key in sorted(elem.get(ui, {})):
-                local = torch.zeros(u.shard_numel, dtype=elem[ui][key], device=u.shard.device)
+            keys = {k: d for (vi, _), kd in elem.items() if vi == ui for k, d in kd.items()}
+            for key in sorted(keys):
+                local = torch.zeros(u.shard_numel, dtype=keys[key], device=u.shard.device)
                 for v, (vi, a, n, _) in zip(self.views, self.runs):
                     if vi == ui and key in self.inner.state.get(v, {}):
                         local[a:a + n] = self.inner.state[v][key]
                 full = torch.empty(u.padded, dtype=local.dtype, device=local.device)
                 dist.all_gather_into_tensor(full, local, group=u.group)   # [s] x W -> [W * s]
-                for p, off in zip(u.params, u.offsets):
-                    if p.requires_grad:
+                for p, off in zip(u.params, u.offsets):   # (only its group's states)
+                    if p.requires_grad and key in elem.get((ui, group_of[self.index[p]]), {}):
                         state.setdefault(self.index[p], {})[key] = \
                             full[off:off + p.numel()].view(p.shape).clone()
-        group_of = {self.index[p]: gi for gi, g in enumerate(self.param_groups)
-                    for p in g["params"]}
         for i in state:
             for k, x in scalar.get(group_of[i], {}).items():
                 state[i][k] = x.clone() if torch.is_tensor(x) else x
@@ -382,7 +384,9 @@ def state_bytes(engine, optimizer) -> dict[str, float]:
     # over each unit's shard group: the world, HSDP's S = W / R ranks (fsdp.py --replicate),
     # compose4d's dp x cp (or, for experts, the ranks that hold the same experts)
     shard = sum(u.shard_numel for u in engine.units)
-    opt = (12 if optimizer.mixed else 2 * b) * shard   # (master +) m + v
+    # (master +) m + v per element; muon.py's Muon keeps one momentum on its matrices' runs
+    muon = sum(n for _, _, n, gi in optimizer.runs if optimizer.param_groups[gi].get("muon"))
+    opt = (4 * shard if optimizer.mixed else 0) + (4 if optimizer.mixed else b) * (2 * shard - muon)
     params = padded * b if engine.stage < 3 else shard * b
     grads = (padded * b + (shard * rb if rb != b else 0) if engine.stage == 1 else shard * rb)
     return {"params": params, "grads": grads, "optimizer": opt,

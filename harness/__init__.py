@@ -24,6 +24,8 @@ The package, one concern per module (a strategy imports its names from here, the
     memory.py       the live-storage tracker (CPU and CUDA), steady-state peak, simulated OOM
     timing.py       timed steps (CUDA events on GPU), ranks aligned, max over ranks; ActionTimeline
     compare.py      the verdicts: each error judged against measured single-device noise
+    oracle.py       the references' optimizers (OracleAdamW; OracleMuon: torch.optim.Muon
+                    itself), sharing no code with the strategies'
     run.py          one run of one mode: arguments, group, config, language; the reference /
                     strategy pair from one set of weights
     correctness.py  modes `correctness` and `plants`
@@ -76,6 +78,8 @@ Optional, by what it serves (class attributes and methods; the defaults do nothi
                               staticmethod: each string names one violated constraint. Checked on
                               every rank before the process group exists; rank 0 prints the first
                               one as a single line and every rank exits with code 2.
+    optimizers, muon_modes    the --optimizer and --muon-mode values it takes (default adamw
+                              only; muon.py's under ddp, zero, tp, sp)
     modes, cpu_dtype, chunked_ce
                               extra --mode values ({name: function(run, cls) -> bool}: compose4d's
                               "train"); a CPU default dtype per mode where MODE_DEFAULTS' does not

@@ -53,6 +53,9 @@ def _validate(cls, args, world: int, rank: int):
     if args.optimizer not in cls.optimizers:
         errs.append(f"--optimizer {args.optimizer}: {cls.name} steps with "
                     f"{' or '.join(cls.optimizers)} (muon: ddp, zero, tp, sp)")
+    if args.optimizer != "adamw" and getattr(args, "compare_native", False):
+        errs.append(f"--compare-native: PyTorch's baselines step with AdamW; --optimizer "
+                    f"{args.optimizer} runs without them")
     if args.optimizer == "muon" and args.muon_mode not in cls.muon_modes:
         errs.append(f"--muon-mode {args.muon_mode}: {cls.name} runs Muon's "
                     f"{' or '.join(cls.muon_modes)} mode")

@@ -98,7 +98,7 @@ def torch_ns_in(dtype: torch.dtype):
 
     def ns(grad, ns_coefficients, ns_steps, eps):    # torch's, line for line, but the cast
         a, b, c = ns_coefficients
-        ortho_grad = grad.to(dtype)                  # (torch: grad.bfloat16())
+        ortho_grad = grad.to(dtype, copy=True)       # (torch: grad.bfloat16(), a copy)
         if grad.size(0) > grad.size(1):
             ortho_grad = ortho_grad.T
         ortho_grad.div_(ortho_grad.norm().clamp(min=eps))

@@ -14,9 +14,9 @@ from zero_state import state_bytes
 from rig.ddp import TorchDDP, batch_constraints
 
 
-def adamw_on_shards(model, engine: Zero, args) -> ZeroOptimizer:
+def optimizer_on_shards(model, engine: Zero, args) -> ZeroOptimizer:
     """The harness's AdamW (the reference's hyperparameters) on an engine's shards, or
-    muon.py's MuonAdamW with --optimizer muon (the gather mode)."""
+    muon.py's MuonAdamW with --optimizer muon (its owner or gather mode, --muon-mode)."""
     params = list(model.parameters())
     if args.optimizer == "muon":
         groups = muon.param_groups(model.named_parameters(), args.lr, args.muon_lr)
@@ -48,13 +48,12 @@ def muon_lines(opt) -> list[str]:
 
 def muon_gather_flops(plan) -> int:
     """rank 0's Newton-Schulz FLOPs in the gather mode: every matrix its shard touches."""
-    return sum(muon.ns_flops(p.shape) for ui, u, off, p in plan.mats
-               if off < u.shard_numel and off + p.numel() > 0)
+    return sum(muon.ns_flops(m.param.shape) for m in plan.mats if m.offset < m.unit.shard_numel)
 
 
 class ZeRO(Strategy):
     name = "zero"
-    optimizers = ("adamw", "muon")   # muon.py: adamw_on_shards builds it
+    optimizers = ("adamw", "muon")   # muon.py: optimizer_on_shards builds it
     muon_modes = ("auto", "owner", "gather")
     syncs_initial_params = False
     # One configuration catches the first four (stage 2: accumulation; float32 + --clip: the
@@ -100,7 +99,7 @@ class ZeRO(Strategy):
             model, stage=args.stage, prefetch=args.prefetch,
             reduce_dtype=grad_reduce_dtype(next(model.parameters()).dtype, args),
             overlap_param_gather=not args.sync_param_gather)
-        self.optimizer = adamw_on_shards(model, self.zero, args)
+        self.optimizer = optimizer_on_shards(model, self.zero, args)
 
     def make_engine(self, model, **kw) -> Zero:
         return Zero(model, **kw)   # (zeropp.py: ZeRO++'s)

@@ -20,7 +20,7 @@ its source and the formula's instance as its path, without spaces:
     <!--fig = 18*131072+3*2048 ,-->2,365,440<!--/fig--> B
     <!--fig = 4*PSI_TINY ,-->723,200<!--/fig--> B       (Ψ counted from the tiny preset's model)
  Its format is a Python format spec, optionally
-followed by a scale: `/MiB` or `/GiB` (bytes), `*100` (a share as a percentage). So a figure
+followed by a scale: `/MiB` or `/GiB` (bytes), `/1e12` (FLOPs as TFLOP), `*100` (a share as a percentage). So a figure
 cannot drift from its results file: editing one by hand, or rerunning a benchmark without
 `--write`, fails tests/test_docs.py.
 """
@@ -37,7 +37,7 @@ from urllib.parse import unquote
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIG = re.compile(r"<!--fig (\S+) (\S+) (\S+?)-->(.*?)<!--/fig-->", re.S)
 TABLE = re.compile(r"(<!--table (\S+)-->\n)(.*?)(<!--/table-->)", re.S)
-SCALES = {"/MiB": 1 / 2**20, "/GiB": 1 / 2**30, "*100": 100.0, "": 1.0}
+SCALES = {"/MiB": 1 / 2**20, "/GiB": 1 / 2**30, "/1e12": 1e-12, "*100": 100.0, "": 1.0}
 
 
 def pages() -> list[str]:
@@ -541,6 +541,16 @@ def _fsdp_designs():
 
 
 TABLES.update({"fsdp-designs": _fsdp_designs})
+
+
+def _muon():
+    if os.path.join(HERE, "scripts") not in sys.path:
+        sys.path.insert(0, os.path.join(HERE, "scripts"))
+    from muon_bench import table
+    return table(load("results/muon-cpu.json"))
+
+
+TABLES.update({"muon": _muon})
 TABLES.update({"strategies-comm": _strategies_comm, "strategies-memory": _strategies_memory,
                "gpu-w1": _gpu_w1, "gpu-perf": _gpu_perf, "gpu-kernels": _gpu_kernels,
                "gpu-oom-tp": _gpu_oom_tp, "gpu-cp-kernels": _gpu_cp_kernels,

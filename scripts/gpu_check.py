@@ -70,6 +70,9 @@ STRATEGIES = [  # (label, module, adapter class, extra arguments): the issue's o
     ("sp-ulysses", "sp", "SP", GQA + ["--variant", "ulysses"]),
     ("sp-async", "sp", "SP", GQA + ["--async-tp"]),
     ("pp-zb", "pp", "PP", ["--schedule", "zb"]),
+    ("ddp-muon", "ddp", "DDP", ["--optimizer", "muon"]),                 # muon.py's modes:
+    ("zero2-muon", "zero", "ZeRO", ["--stage", "2", "--optimizer", "muon"]),   # owner,
+    ("tp-muon", "tp", "TP", GQA + ["--optimizer", "muon"]),                    # tp-gather
 ]
 LEARNING = ["zero2", "zero3"]        # bf16 learning: failed on the GPU on 2026-11-22
 SMOKE_STRATEGIES = ["ddp", "tp", "compose4d"]   # and zero3's learning run

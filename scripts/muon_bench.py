@@ -23,12 +23,16 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 
 
-def torchrun(script, world, args, out):
+def torchrun(script, world, args, out, tries=2):
+    """One launch; a crash without a verdict is retried once (torch 2.13's CPU profiler, which
+    the benchmark's overlap measurement runs, segfaulted once in ~20 launches here)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={world}", os.path.join(HERE, script), *args, "--out", out]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE, timeout=1800)
     last = [ln for ln in r.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
     if r.returncode != 0 and not last:
+        if tries > 1:
+            return torchrun(script, world, args, out, tries - 1)
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return last[-1] if last else ""
 
@@ -52,7 +56,42 @@ def ns_flops_rank0(model, script, world, optimizer, mode):
         for f in sorted(flops, reverse=True):
             load[load.index(min(load))] += f
         return load[0]
-    return None   # gather: from the run's own report line (the shards' cut depends on units)
+    # gather: the matrices rank 0's shard of each layer's flat unit touches (zero_state's units:
+    # each decoder layer one unit, its parameters in order, padded to a multiple of W)
+    from zero_state import pad_to
+    total, layers = 0, {}
+    for n, p in m.named_parameters():
+        if n.startswith("model.layers."):
+            layers.setdefault(n.split(".")[2], []).append((n, p.shape, p.numel()))
+    for params in layers.values():
+        s = pad_to(sum(k for _, _, k in params), world) // world
+        off = 0
+        for n, shape, k in params:
+            if off < s and hidden_matrix(n, shape):
+                total += muon.ns_flops(shape)
+            off += k
+    return total
+
+
+def table(d) -> str:
+    """docs/muon.md's table (scripts/docs.py renders it from results/muon-cpu.json)."""
+    base = {(r["strategy"], r["world"]): r for r in d["rows"] if r["optimizer"] == "adamw"}
+    out = ["| layout | W | optimizer | step (ms) | vs AdamW | Muon's extra traffic per step "
+           "(rank 0, metered) | Newton-Schulz on rank 0 (GFLOP) | optimizer state, rank 0 |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        a = base[r["strategy"], r["world"]]
+        extra = []
+        for op, c in r["comm"].items():
+            was = a["comm"].get(op, {"calls": 0, "bytes": 0})
+            if c["bytes"] != was["bytes"]:
+                extra.append(f"{op.split('|')[0]} {c['calls'] - was['calls']:+.0f} calls, "
+                             f"{c['bytes'] - was['bytes']:+,.0f} B")
+        name = "AdamW" if r["optimizer"] == "adamw" else f"Muon, {r['mode']}"
+        out.append(f"| {r['strategy']} | {r['world']} | {name} | {r['step_ms']:,.1f} | "
+                   f"{r['step_ms'] / a['step_ms']:.2f} | {'; '.join(extra) or '-'} | "
+                   f"{r['ns_flops_rank0'] / 1e9:.2f} | {r['optimizer_bytes'] / 2**20:.2f} MiB |")
+    return "\n".join(out) + "\n"
 
 
 def main():
