@@ -79,7 +79,7 @@ Optional, by what it serves (class attributes and methods; the defaults do nothi
                               every rank before the process group exists; rank 0 prints the first
                               one as a single line and every rank exits with code 2.
     optimizers, muon_modes    the --optimizer and --muon-mode values it takes (default adamw
-                              only; muon.py's under ddp, zero, tp, sp)
+                              only; muon.py's under ddp, zero, tp, sp, pp, cp, ep)
     modes, cpu_dtype, chunked_ce
                               extra --mode values ({name: function(run, cls) -> bool}: compose4d's
                               "train"); a CPU default dtype per mode where MODE_DEFAULTS' does not

@@ -2,10 +2,11 @@
 import torch.distributed as dist
 
 from harness import (DTYPES, Expect, METER, Plant, Strategy, attention_features, kv_heads,
-                     make_adamw, planted)
+                     planted)
 from harness.precision import grad_reduce_dtype
 from harness.timing import CallTimer
 from harness.cli import main as harness_main
+from rig.ddp import make_optimizer
 
 import ddp
 from cp_ring import (ALLGATHER_COLLECTIVES, layout, parallelize, pick_kernel, positions,
@@ -53,6 +54,7 @@ PLANT_ARGS = ("--dtype", "float32", "--clip", "0.5")
 
 
 class CP(Strategy):
+    optimizers = ("adamw", "muon")   # muon.py: replicated weights, NS duplicated
     name = "cp"
     plants = {
         "no-average": Plant("the CP group's gradient all_reduce sums instead of "
@@ -97,7 +99,7 @@ class CP(Strategy):
         # Same weights, different tokens: gradients are summed over the CP group.
         self.dp = ddp.DataParallel(model, broadcast=False, broadcast_buffers=False,
                                    reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
-        self.optimizer = make_adamw(model.parameters(), args)
+        self.optimizer = make_optimizer(model, args)   # (replicated weights)
 
     def step(self, batch):
         return ddp.token_sharded_step(self, batch, self.pos)

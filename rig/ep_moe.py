@@ -2,11 +2,12 @@
 import torch.distributed as dist
 
 from harness import (Batch, Expect, Plant, Reference, Strategy, clip_by_norm, dropout,
-                     global_loss, lm_loss_sum, make_adamw, name_group, phase, planted,
+                     global_loss, lm_loss_sum, name_group, phase, planted,
                      spread_across_ranks)
 from harness.precision import grad_reduce_dtype
 from harness.routing import RoutingStats, drop_over_capacity, hf_moe_objective
 from harness.cli import main as harness_main
+from rig.ddp import make_optimizer
 
 from ddp import DataParallel
 from ep_moe import (COUNT_ALL_TO_ALLS, TOKEN_ALL_TO_ALLS, LocalExperts, ReferenceMoE,
@@ -106,6 +107,7 @@ def add_moe_args(p):
 
 
 class ExpertParallel(Strategy):
+    optimizers = ("adamw", "muon")   # muon.py: dense matrices replicated; expert stacks take AdamW
     name = "ep"
     reference = MoEReference
     # Top-k routing is discontinuous: in float32, rounding differences between the layouts flip
@@ -158,7 +160,7 @@ class ExpertParallel(Strategy):
         self.dp = DataParallel(model, self.dp_group, bucket_mb=args.bucket_mb, broadcast=False,
                                broadcast_buffers=False, average=False, params=dense,
                                reduce_dtype=grad_reduce_dtype(dense[0].dtype, args))
-        self.optimizer = make_adamw(model.parameters(), args)
+        self.optimizer = make_optimizer(model, args)   # (experts: 3-D, AdamW)
         # Routing statistics (loads, drops, off-rank rows), observed from outside the algorithm
         self.routing = RoutingStats(self.blocks, env, args)
 

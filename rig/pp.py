@@ -8,6 +8,7 @@ from harness import (DTYPES, Expect, METER, Plant, Strategy, global_loss, lm_los
 from harness.timeline import ascii_timeline, measured_bubble, plot_timeline
 from harness.timing import ActionTimeline
 from harness.cli import main as harness_main
+from rig.ddp import make_optimizer
 
 from pp import Pipeline, clip_across_stages, stage_loop
 from pp_schedule import (SCHEDULES, boundary_messages, bubble_formula, chunk_owner,
@@ -42,6 +43,7 @@ TIED_PLANT_ARGS = ("--schedule", "zb", "--dtype", "float32", "--clip", "0.5",
 
 
 class PP(Strategy):
+    optimizers = ("adamw", "muon")   # muon.py: each stage holds whole matrices (replicated)
     name = "pp"
     self_check = ("pp's stage loop", stage_loop)
     # One configuration catches them all: ZB-H1 (the stale-gradient bug needs a deferred W on a
@@ -99,7 +101,7 @@ class PP(Strategy):
         tie = (name_group(dist.new_group(sorted(ends)), "tied")   # (DualPipeV: one rank, none)
                if tied and len(ends) > 1 else None)
         self.pipe = Pipeline(model, env.world, V, env.rank, args.schedule, tie_group=tie)
-        self.optimizer = make_adamw([p for p in model.parameters()], args)
+        self.optimizer = make_optimizer(model, args)   # (a stage's matrices are whole)
         # The benchmark's timeline: each action's compute span, the receives and sends left out
         # (waiting for a peer is bubble, not work); two steps kept, for report_lines.
         self.timeline = ActionTimeline(keep=2, cuda=env.device.type == "cuda")

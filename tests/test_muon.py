@@ -119,6 +119,10 @@ SLOW = {
         "muon-bf16-plants": ["--mode", "plants", "--plants", "muon-blockwise,muon-lr-by-shard",
                              *MUON, "--dtype", "bfloat16", "--steps", "8"]}),
     "tp4.py": Runs("tp.py", 4, tier="slow", runs={"muon": [*MUON, *BOTH]}),   # kv heads copied
+    # each stage's matrices whole; cp's and ep's dense weights replicated (experts: AdamW)
+    "pp.py": Runs("pp.py", 2, tier="slow", runs={"muon": [*MUON, *BOTH]}),
+    "cp_ring.py": Runs("cp_ring.py", 2, tier="slow", runs={"muon": [*MUON, *BOTH]}),
+    "ep_moe.py": Runs("ep_moe.py", 2, tier="slow", runs={"muon": [*MUON, *BOTH]}),
     "sp.py": Runs("sp.py", 2, tier="slow", runs={
         **{f"muon-{v}": ["--variant", v, *MUON, *BOTH] for v in ("megatron", "ulysses")},
         "muon-bench": ["--variant", "megatron", *BENCH]}),
@@ -143,7 +147,8 @@ def test_correct_against_torch_muon(runs, script):
 @pytest.mark.slow
 @pytest.mark.parametrize("script,key", [("ddp.py", "muon"), ("zero.py", "muon1"),
                                         ("zero.py", "muon3"), ("zero.py", "muon-gather"),
-                                        ("tp4.py", "muon"),
+                                        ("tp4.py", "muon"), ("pp.py", "muon"),
+                                        ("cp_ring.py", "muon"), ("ep_moe.py", "muon"),
                                         ("sp.py", "muon-megatron"), ("sp.py", "muon-ulysses")])
 def test_correct_against_torch_muon_everywhere(runs, script, key):
     assert_pass(runs(SLOW[script], key))
