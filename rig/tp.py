@@ -34,6 +34,7 @@ def standalone_constraints(args, world, config) -> list[str]:
 # Where each planted bug must FAIL: the tour's model, float32 with clipping (clipping hides a
 # gradient scale error unless gradients are compared before it; float32 is the harder case).
 PLANT_ARGS = ("--model", "configs/tiny-gqa8.json", "--dtype", "float32", "--clip", "0.5")
+MUON_PLANT = ("--optimizer", "muon", "--length", "32")
 
 
 class TP(Strategy):
@@ -49,10 +50,10 @@ class TP(Strategy):
                                        PLANT_ARGS),
         "muon-blockwise": Plant(
             "--optimizer muon: Newton-Schulz on each rank's shard as if it were the matrix (the "
-            "'blockwise' mode): the update then depends on the layout", ("--optimizer", "muon")),
+            "'blockwise' mode): the update then depends on the layout", MUON_PLANT),
         "muon-lr-by-shard": Plant(
             "--optimizer muon: the lr scale sqrt(max(1, A/B)) from the shard's shape, not the "
-            "matrix's (gate/up [I/T, H], o/down [H, I/T])", ("--optimizer", "muon")),
+            "matrix's (gate/up [I/T, H], o/down [H, I/T])", MUON_PLANT),
         "embed-drops-padding-idx": Plant(
             "the vocab-parallel embedding drops HF's padding_idx: the pad token's row trains "
             "under TP and stays frozen on one device (OLMo2's pad id is 1)",

@@ -90,42 +90,46 @@ def test_the_split_rule_and_the_oracle():
 # ---------------------------------------------------------------------------------------------
 # Under torchrun: every supported strategy PASSes against the single-device torch.optim.Muon
 # (float64 with Newton-Schulz in float64; bf16 with torch's bf16 Newton-Schulz), the plants FAIL
-# in float64 (tests/test_plants.py, the rigs' configurations) and in bf16 (here, 5 steps: a bf16
-# Newton-Schulz is noisy, 2 steps do not separate a half-zero update from it), the extra
-# communication equals muon.py's formulas (the benchmark's meter), and the others refuse.
+# in float64 (tests/test_plants.py, the rigs' configurations) and in bf16 (here, 8 steps: Muon's
+# bf16 noise is large, 2 steps do not separate every bug from it), the extra communication
+# equals muon.py's formulas (the benchmark's meter), and the others refuse. make test runs ZeRO
+# at W=3, TP at W=2 and the owner mode's meter; the other layouts are in the heavy tier.
 # ---------------------------------------------------------------------------------------------
 from conftest import Runs, assert_config_error, launch  # noqa: E402
 
 MUON = ["--optimizer", "muon"]
 BOTH = ["--dtype", "float64,bfloat16"]
+SHORT = ["--length", "32"]   # (the heavy tier's budget: the proofs do not need 64 tokens)
 BENCH = ["--mode", "benchmark", "--warmup", "1", "--bench-iters", "1", *MUON]
 QUICK = {"zero.py": Runs("zero.py", 3, {"muon2": ["--stage", "2", "--batch", "6", *MUON, *BOTH]}),
          "tp.py": Runs("tp.py", 2, {"muon": [*MUON, *BOTH]})}
-SLOW = {
-    "ddp.py": Runs("ddp.py", 2, tier="slow", runs={"muon": [*MUON, *BOTH]}),
-    "zero.py": Runs("zero.py", 2, tier="slow", runs={
-        **{f"muon{s}": ["--stage", s, *MUON, *BOTH] for s in ("1", "3")},
-        "muon-gather": ["--stage", "2", *MUON, "--muon-mode", "gather", *BOTH],
+SLOW = {"zero3.py": Runs("zero.py", 3, tier="slow", runs={
+    "muon-bench1": [*BENCH, "--stage", "1", "--batch", "6", *SHORT]})}
+# make test-heavy: the other layouts (float64, the exact proof; bf16 where the layout's own
+# collectives touch the update), the other exchanges' meters, the plants in bf16
+F64 = ["--dtype", "float64", *SHORT]
+HEAVY = {
+    "ddp.py": Runs("ddp.py", 2, tier="heavy", runs={"muon": [*MUON, *F64]}),
+    "zero.py": Runs("zero.py", 2, tier="heavy", runs={
+        "muon3": ["--stage", "3", *MUON, *BOTH, *SHORT],
+        "muon-gather": ["--stage", "2", *MUON, "--muon-mode", "gather", *BOTH, *SHORT],
         "muon-bf16-plants": ["--mode", "plants", "--plants", "muon-owner-keeps-update", *MUON,
-                             "--dtype", "bfloat16", "--steps", "8"],
-        "muon-bf16-plants-gather": ["--mode", "plants", "--plants", "muon-no-gather", *MUON,
-                                    "--muon-mode", "gather", "--dtype", "bfloat16",
-                                    "--steps", "8"]}),
-    "zero3.py": Runs("zero.py", 3, tier="slow", runs={
-        **{f"muon-bench{s}": [*BENCH, "--stage", s, "--batch", "6"] for s in ("1", "3")},
-        "muon-bench-gather": [*BENCH, "--stage", "2", "--batch", "6", "--muon-mode", "gather"]}),
-    "tp.py": Runs("tp.py", 2, tier="slow", runs={
-        "muon-bench": BENCH,
+                             "--dtype", "bfloat16", "--steps", "8", *SHORT]}),
+    "zero3.py": Runs("zero.py", 3, tier="heavy", runs={
+        "muon-bench-gather": [*BENCH, "--stage", "2", "--batch", "6", "--muon-mode", "gather",
+                              *SHORT]}),
+    "tp.py": Runs("tp.py", 2, tier="heavy", runs={
+        "muon-bench": [*BENCH, *SHORT],
         "muon-bf16-plants": ["--mode", "plants", "--plants", "muon-blockwise,muon-lr-by-shard",
-                             *MUON, "--dtype", "bfloat16", "--steps", "8"]}),
-    "tp4.py": Runs("tp.py", 4, tier="slow", runs={"muon": [*MUON, *BOTH]}),   # kv heads copied
+                             *MUON, "--dtype", "bfloat16", "--steps", "8", *SHORT]}),
+    "tp4.py": Runs("tp.py", 4, tier="heavy", runs={"muon": [*MUON, *BOTH, *SHORT]}),  # kv copies
     # each stage's matrices whole; cp's and ep's dense weights replicated (experts: AdamW)
-    "pp.py": Runs("pp.py", 2, tier="slow", runs={"muon": [*MUON, *BOTH]}),
-    "cp_ring.py": Runs("cp_ring.py", 2, tier="slow", runs={"muon": [*MUON, *BOTH]}),
-    "ep_moe.py": Runs("ep_moe.py", 2, tier="slow", runs={"muon": [*MUON, *BOTH]}),
-    "sp.py": Runs("sp.py", 2, tier="slow", runs={
-        **{f"muon-{v}": ["--variant", v, *MUON, *BOTH] for v in ("megatron", "ulysses")},
-        "muon-bench": ["--variant", "megatron", *BENCH]}),
+    "pp.py": Runs("pp.py", 2, tier="heavy", runs={"muon": [*MUON, *F64]}),
+    "cp_ring.py": Runs("cp_ring.py", 2, tier="heavy", runs={"muon": [*MUON, *F64]}),
+    "ep_moe.py": Runs("ep_moe.py", 2, tier="heavy", runs={"muon": [*MUON, *F64]}),
+    "sp.py": Runs("sp.py", 2, tier="heavy", runs={
+        "muon-megatron": ["--variant", "megatron", *MUON, *BOTH, *SHORT],
+        "muon-ulysses": ["--variant", "ulysses", *MUON, *F64]}),
 }
 
 
@@ -144,47 +148,55 @@ def test_correct_against_torch_muon(runs, script):
     assert_pass(runs(batch, next(iter(batch.runs))))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script,key", [("ddp.py", "muon"), ("zero.py", "muon1"),
-                                        ("zero.py", "muon3"), ("zero.py", "muon-gather"),
-                                        ("tp4.py", "muon"), ("pp.py", "muon"),
-                                        ("cp_ring.py", "muon"), ("ep_moe.py", "muon"),
-                                        ("sp.py", "muon-megatron"), ("sp.py", "muon-ulysses")])
-def test_correct_against_torch_muon_everywhere(runs, script, key):
-    assert_pass(runs(SLOW[script], key))
+@pytest.mark.heavy
+@pytest.mark.parametrize("script,key,dtypes", [
+    ("ddp.py", "muon", 1), ("zero.py", "muon3", 2), ("zero.py", "muon-gather", 2),
+    ("tp4.py", "muon", 2), ("pp.py", "muon", 1), ("cp_ring.py", "muon", 1),
+    ("ep_moe.py", "muon", 1), ("sp.py", "muon-megatron", 2), ("sp.py", "muon-ulysses", 1)])
+def test_correct_against_torch_muon_everywhere(runs, script, key, dtypes):
+    assert_pass(runs(HEAVY[script], key), dtypes)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script,key", [("zero.py", "muon-bf16-plants"),
-                                        ("zero.py", "muon-bf16-plants-gather"),
-                                        ("tp.py", "muon-bf16-plants")])
-def test_plants_fail_in_bf16(runs, script, key):
+@pytest.mark.heavy
+@pytest.mark.parametrize("script", ["zero.py", "tp.py"])
+def test_plants_fail_in_bf16(runs, script):
+    """The owner that keeps its result, the blockwise shortcut and the shard's lr scale FAIL
+    in bf16 too (8 steps: Muon's bf16 noise is ~5-15% of a tensor; muon-no-gather, measured by
+    hand, FAILs there at err/tol 1.75)."""
     import json
     import os
-    r = runs(SLOW[script], key)
+    r = runs(HEAVY[script], "muon-bf16-plants")
     rows = json.load(open(os.path.join(r.out, "plants.json")))
     verdicts = {row["plant"]: row["passed"] for row in rows}
     assert verdicts.pop("(none)") is True, r
     assert verdicts and not any(verdicts.values()), verdicts
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script,key,row", [
-    ("zero3.py", "muon-bench1", "all_to_all_single"),
-    ("zero3.py", "muon-bench3", "all_to_all_single"),
-    ("zero3.py", "muon-bench-gather", "all_gather_into_tensor"),
-    ("tp.py", "muon-bench", "all_gather"), ("sp.py", "muon-bench", "all_gather")])
-def test_the_exchanges_equal_the_formulas(runs, script, key, row):
-    """The meter's rows equal the formulas with Muon's traffic in them: the owner mode's two
-    all-to-alls (OwnerPlan.comm), the gather mode's unit all-gathers (muon.gather_comm),
-    tp-gather's per-matrix all-gathers (muon.tp_gather_comm); the owner mode's balance line."""
-    r = runs(SLOW[script], key)
+def exchanges(runs, batch, key, row):
+    r = runs(batch, key)
     assert r.rc == 0 and "communication matches the formulas" in r.last_line, r
     assert any(ln.split()[:1] == [row] and "Muon's" in ln for ln in r.stdout.splitlines()), r
-    if row == "all_to_all_single":
-        import re
-        m = re.search(r"Muon owner mode: (\d+) matrices.*max/mean ([\d.]+)", r.stdout)
-        assert m and m.group(1) == "28" and float(m.group(2)) <= 1.05, r
+    return r
+
+
+@pytest.mark.slow
+def test_the_owner_exchange_equals_its_formula(runs):
+    """ZeRO-1 at W=3 (uneven): the meter's rows equal the formulas with the owner mode's two
+    all-to-alls in them (OwnerPlan.comm); the balance line."""
+    import re
+    r = exchanges(runs, SLOW["zero3.py"], "muon-bench1", "all_to_all_single")
+    m = re.search(r"Muon owner mode: (\d+) matrices.*max/mean ([\d.]+)", r.stdout)
+    assert m and m.group(1) == "28" and float(m.group(2)) <= 1.05, r
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("script,key,row", [
+    ("zero3.py", "muon-bench-gather", "all_gather_into_tensor"),
+    ("tp.py", "muon-bench", "all_gather")])
+def test_the_gathers_equal_their_formulas(runs, script, key, row):
+    """The gather mode's unit all-gathers (muon.gather_comm), tp-gather's per-matrix
+    all-gathers (muon.tp_gather_comm)."""
+    exchanges(runs, HEAVY[script], key, row)
 
 
 def test_a_strategy_without_muon_refuses_it():
@@ -255,7 +267,7 @@ def _zero_muon_resume(rank, world, init_file):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.heavy)])
 def test_zero_muon_state_dict_resumes_bitwise(tmp_path, world):
     """ZeroOptimizer over MuonAdamW (bf16 with fp32 masters; owner mode at stage 1, gather at
     stage 2; matrices cut between shards, a unit holding Muon and AdamW parameters): the state

@@ -280,7 +280,8 @@ def test_sp_with_full_recompute_keeps_only_the_layer_input_chunks(runs, script):
     assert per_layer == [want, want], (per_layer, want)
 
 
-@pytest.mark.parametrize("plant", [None, "sp-unsplit"])
+@pytest.mark.slow
+@pytest.mark.parametrize("plant", [None, pytest.param("sp-unsplit", marks=pytest.mark.heavy)])
 def test_the_activation_model_splits_as_tp_and_sp_ranks_hold(plant):
     """At T = 2 each rank's live storage per layer (tp.py, and sp.py's sequence-sharded norms),
     float32 and bf16, no recompute and selective, equals activation_bytes(tp=2, sp=...) within
