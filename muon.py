@@ -212,17 +212,34 @@ def matrix_units(zopt) -> list:
     return [(ui, u) for ui, u in enumerate(zopt.engine.units) if any(p in mats for p in u.params)]
 
 
+def unit_shards(zopt, units, views, updates) -> dict:
+    """{unit index: flat [s]}: the views' (ZeRO's runs') updates laid into this rank's shard of
+    each of `units`, zeros elsewhere (AdamW's runs, the padding)."""
+    where = {id(v): r for v, r in zip(zopt.views, zopt.runs)}
+    shards = {ui: torch.zeros_like(zopt.masters[ui]) for ui in units}   # flat [s] each
+    for v, upd in zip(views, updates):
+        ui, a, n, _ = where[id(v)]
+        shards[ui][a:a + n] = upd
+    return shards
+
+
+def per_view(zopt, views, result: dict) -> list:
+    """Each view's slice of its unit's flat [s] result, as (O, lr scale 1.0): the scale is in
+    already, since a run spans matrices of different shapes."""
+    where, out = {id(v): r for v, r in zip(zopt.views, zopt.runs)}, []
+    for v in views:
+        ui, a, n, _ = where[id(v)]
+        out.append((result[ui][a:a + n], 1.0))
+    return out
+
+
 def zero_gather(zopt):
     """gather, on ZeRO's flat units: the update shard of each unit holding matrices, flat [s],
     all-gathered to [W s]; NS on each matrix this rank's shard touches; its slice kept."""
     mats, units = muon_params(zopt), matrix_units(zopt)
 
     def orthogonalize(opt, views, updates, g):
-        where = {id(v): r for v, r in zip(zopt.views, zopt.runs)}
-        shards = {ui: torch.zeros_like(zopt.masters[ui]) for ui, _ in units}   # flat [s] each
-        for v, upd in zip(views, updates):
-            ui, a, n, _ = where[id(v)]
-            shards[ui][a:a + n] = upd
+        shards = unit_shards(zopt, [ui for ui, _ in units], views, updates)   # flat [s] each
         out = {}
         for ui, u in units:
             full = shards[ui].new_zeros(u.padded)
@@ -239,11 +256,7 @@ def zero_gather(zopt):
                     mine[a - u.lo:b - u.lo] = (o.reshape(-1)[a - off:b - off].to(mine.dtype)
                                                * lr_scale(p.shape))
             out[ui] = mine
-        got = []
-        for v in views:
-            ui, a, n, _ = where[id(v)]
-            got.append((out[ui][a:a + n], 1.0))    # (the lr scale is in: runs span matrices)
-        return got
+        return per_view(zopt, views, out)
     return orthogonalize
 
 
@@ -292,12 +305,8 @@ class OwnerPlan:
 
     def __call__(self, opt, views, updates, g):
         zopt, like = self.zopt, self.zopt.masters[0]
-        where = {id(v): r for v, r in zip(zopt.views, zopt.runs)}
         units = {m.unit_index for m in self.mats}
-        shards = {ui: torch.zeros_like(zopt.masters[ui]) for ui in units}   # flat [s] each
-        for v, upd in zip(views, updates):
-            ui, a, n, _ = where[id(v)]
-            shards[ui][a:a + n] = upd
+        shards = unit_shards(zopt, units, views, updates)              # flat [s] each
 
         def piece(t, i, a, b):         # matrix i's [a, b) of its unit, in this rank's shard t
             m = self.mats[i]
@@ -326,11 +335,7 @@ class OwnerPlan:
             for i, a, b in d:
                 piece(result, i, a, b).copy_(mine[k:k + b - a])
                 k += b - a
-        got_views = []
-        for v in views:                # (the lr scale is in: a run spans matrices)
-            ui, a, n, _ = where[id(v)]
-            got_views.append((result[ui][a:a + n], 1.0))
-        return got_views
+        return per_view(zopt, views, result)
 
     def _exchange(self, send, out_plan, in_plan):
         """One all_to_all: [pieces for rank 0 | rank 1 | ...] -> [pieces from rank 0 | ...]."""

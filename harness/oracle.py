@@ -10,21 +10,16 @@ from .models import hidden_matrix
 from .precision import LOW_PRECISION, adamw_kwargs, ns_dtype
 
 
-class OracleAdamW(torch.optim.AdamW):
-    """The optimizer of every reference the correctness mode runs (the float64 target and the
-    noise sources): torch.optim.AdamW over fp32 masters kept here, sharing no
-    code with harness/precision.py's MasterAdamW, which the strategies use. A noise source
-    that shared the optimizer under test would share its bugs: a MasterAdamW that never copied
-    its masters back froze the bf16 noise sources as it froze the strategy, so the measured
-    noise equalled the error and the run PASSed. A torch optimizer (lr schedulers drive it)."""
+class _OracleMasters:
+    """The references' fp32 masters (a mixin over a torch optimizer class; this file's own,
+    not harness.precision's): the optimizer steps the masters, the module's parameters get
+    their rounding after each step."""
 
-    def __init__(self, params, args):
+    def _keep_masters(self, params) -> list:
         self.model_params = list(params)
         self.masters = [p.detach().float().clone() if p.dtype in LOW_PRECISION else p
                         for p in self.model_params]
-        # (the strategies' hyper-parameters and kernel: torch's fused AdamW where it runs, so
-        # a float64 DDP at W=1 stays bit-identical to the reference)
-        super().__init__(self.masters, **adamw_kwargs(self.masters, args))
+        return self.masters
 
     def zero_grad(self, set_to_none: bool = True):
         for p in self.model_params + self.masters:
@@ -41,6 +36,29 @@ class OracleAdamW(torch.optim.AdamW):
             m.grad = None
 
 
+class OracleAdamW(_OracleMasters, torch.optim.AdamW):
+    """The optimizer of every reference the correctness mode runs (the float64 target and the
+    noise sources): torch.optim.AdamW over fp32 masters kept here, sharing no
+    code with harness/precision.py's MasterAdamW, which the strategies use. A noise source
+    that shared the optimizer under test would share its bugs: a MasterAdamW that never copied
+    its masters back froze the bf16 noise sources as it froze the strategy, so the measured
+    noise equalled the error and the run PASSed. A torch optimizer (lr schedulers drive it)."""
+
+    def __init__(self, params, args):
+        masters = self._keep_masters(params)
+        # (the strategies' hyper-parameters and kernel: torch's fused AdamW where it runs, so
+        # a float64 DDP at W=1 stays bit-identical to the reference)
+        super().__init__(masters, **adamw_kwargs(masters, args))
+
+
+class _OracleTorchMuon(_OracleMasters, torch.optim.Muon):
+    """torch.optim.Muon over fp32 masters kept here (OracleMuon's matrices)."""
+
+    def __init__(self, params, args):
+        super().__init__(self._keep_masters(params), lr=args.muon_lr,
+                         weight_decay=args.weight_decay, momentum=0.95, nesterov=True)
+
+
 class OracleMuon:
     """The references' optimizer under --optimizer muon: torch.optim.Muon itself on the hidden
     matrices (harness.models.hidden_matrix; fp32 masters of a bf16 model kept here) and
@@ -51,14 +69,10 @@ class OracleMuon:
 
     def __init__(self, named, args):
         named = [(n, p) for n, p in named if p.requires_grad]
-        self.mats = [p for n, p in named if hidden_matrix(n, p.shape)]
+        mats = [p for n, p in named if hidden_matrix(n, p.shape)]
         self.adamw = OracleAdamW([p for n, p in named if not hidden_matrix(n, p.shape)], args)
-        self.masters = [p.detach().float().clone() if p.dtype in LOW_PRECISION else p
-                        for p in self.mats]
-        self.muon = torch.optim.Muon(self.masters, lr=args.muon_lr,
-                                     weight_decay=args.weight_decay, momentum=0.95,
-                                     nesterov=True)
-        self.ns = ns_dtype(args, self.mats[0].dtype) if self.mats else torch.bfloat16
+        self.muon = _OracleTorchMuon(mats, args)
+        self.ns = ns_dtype(args, mats[0].dtype) if mats else torch.bfloat16
 
     @property
     def param_groups(self):
@@ -69,20 +83,13 @@ class OracleMuon:
         return {**self.muon.state, **self.adamw.state}
 
     def zero_grad(self, set_to_none: bool = True):
+        self.muon.zero_grad()
         self.adamw.zero_grad()
-        for p in self.mats + self.masters:
-            p.grad = None
 
     @torch.no_grad()
     def step(self, closure=None):
-        pairs = [(p, m) for p, m in zip(self.mats, self.masters) if m is not p]
-        for p, m in pairs:
-            m.grad = None if p.grad is None else p.grad.float()
         with torch_ns_in(self.ns):
             self.muon.step()
-        for p, m in pairs:
-            p.copy_(m)
-            m.grad = None
         self.adamw.step()
 
 
