@@ -33,12 +33,13 @@ import torch.distributed as dist
 
 from harness import (DTYPES, METER, Batch, all_reduce_flat, clip_by_norm, global_loss, is_moe,
                      name_group, parts, phase, planted)
-from harness.precision import adamw_kwargs, grad_reduce_dtype
+from harness.precision import adamw_kwargs, grad_reduce_dtype, muon_kwargs
 from harness import loading
 import compose_moe
 import cp_ring
 import ep_moe
 import fsdp
+import muon
 import pp
 import sp
 import tp
@@ -167,9 +168,15 @@ class Parallel4D:
                               unit_groups={u[0]: egroup for u in units if u[0].endswith("experts")},
                               reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
         params = list(model.parameters())     # AdamW on the shards, the run's hyperparameters
-        self.optimizer = zero.ZeroOptimizer(
-            params, torch.optim.AdamW, engine=self.zero,
-            **adamw_kwargs([u.shard for u in self.zero.units] or params, args))
+        if args.optimizer == "muon":   # muon.py: each matrix to an owner over dp x cp, whole over tp
+            self.optimizer = zero.ZeroOptimizer(
+                muon.param_groups(model.named_parameters(), args.lr, args.muon_lr),
+                muon.MuonAdamW, engine=self.zero, **muon_kwargs(args, params[0].dtype))
+            self.optimizer.inner.on_shards(self.optimizer, self.tp)
+        else:
+            self.optimizer = zero.ZeroOptimizer(
+                params, torch.optim.AdamW, engine=self.zero,
+                **adamw_kwargs([u.shard for u in self.zero.units] or params, args))
         self._plan_shard_slices()
         self.t = 0              # optimizer steps taken (the schedule's position)
         self.last_norm = float("nan")
@@ -375,7 +382,8 @@ class Parallel4D:
         with phase("optimizer"):
             self.grad_norm = self.last_norm = self.clip(grads, self.args.clip)
             t = self.t + 1 if planted("lr-one-step-ahead") else self.t   # plant
-            self.optimizer.param_groups[0]["lr"] = lr_at(t, self.args)
+            for g in self.optimizer.param_groups:   # (Muon's matrices: from --muon-lr)
+                g["lr"] = lr_at(t, self.args, self.args.muon_lr if g.get("muon") else None)
             self.optimizer.step()     # AdamW on the edited shards, then the all-gather
         compose_moe.after_step(self.blocks, self.args)   # (the aux-free bias)
         self.t += 1

@@ -514,7 +514,8 @@ def _refuse_matrix_optimizers():
 
 def _check_optimizer(optimizer, args, kwargs):
     n = len(optimizer.param_groups)   # (checked again after an add_param_group)
-    if isinstance(optimizer, zero.ELEMENTWISE) or getattr(optimizer, "_fsdp_checked", 0) == n:
+    if isinstance(optimizer, zero.ELEMENTWISE) or getattr(optimizer, "_fsdp_checked", 0) == n \
+            or getattr(optimizer, "shard_aware", False):   # (muon.build's: whole matrices)
         return
     for g in optimizer.param_groups:
         for p in g["params"]:

@@ -12,10 +12,13 @@ al. 2025, "Muon is Scalable for LLM Training")
     question each layout must answer is who holds it.
       replicated  DDP, Ulysses: every rank holds every matrix and the same averaged gradient:
                   NS on each, duplicated W times, no communication.
-      owner       ZeRO-1/2/3's flat shards cut matrices: each matrix has one owner (balanced by
-                  NS FLOPs); an all_to_all sends the pieces of its update to the owner, the
-                  owner runs NS, a second all_to_all sends the pieces back (OwnerPlan): 2 calls,
-                  ~2 Psi_m / W elements per rank (Psi_m: the matrices' parameters).
+      owner       ZeRO-1/2/3's flat shards cut matrices (FSDP's dim-0 shards cut them by rows):
+                  each matrix has one owner (balanced by NS FLOPs); an all_to_all sends the
+                  pieces of its update to the owner, the owner runs NS, a second all_to_all
+                  sends the pieces back (OwnerPlan): 2 calls, ~2 Psi_m / W elements per rank
+                  (Psi_m: the matrices' parameters). compose4d (ZeRO's shards of TP's shards):
+                  owners over dp x cp, each owned matrix then tp-gathered (below) by the tp
+                  ranks that own its other shards.
       gather      the same shards, each unit's update all-gathered (flat [s] -> [W s]), NS run on
                   every matrix the rank's shard touches: one all_gather per unit, Psi_m per rank.
       tp-gather   TP's column/row shards: each matrix's update all-gathered over the tp group
@@ -31,9 +34,10 @@ torch's). More: docs/internals.md, 'muon.py'.
 Public API
     opt = build(model, lr=1e-3, muon_lr=0.02, tpm=None)   a torch optimizer: Muon on the hidden
         matrices, torch's AdamW on the rest (MuonAdamW; MasterMuon's fp32 masters for bf16);
-        tpm = tp.parallelize(...)'s: tp-gather.
+        tpm = tp.parallelize(...)'s: tp-gather; a model after fsdp.fully_shard: owner.
     zero.ZeroOptimizer(param_groups(model.named_parameters(), lr, muon_lr), MuonAdamW,
                        stage=1|2, shard_mode="owner"|"gather")   on ZeRO's flat shards
+    zopt.inner.on_shards(zopt, tpm)   ZeRO's shards of tp shards (compose4d)
 """
 import math
 from typing import NamedTuple
@@ -149,16 +153,19 @@ class MuonAdamW(torch.optim.Optimizer):
         """Newton-Schulz's dtype for the group g's matrices held in t's dtype."""
         return g["ns_dtype"] or t.dtype
 
-    def on_shards(self, zopt):
+    def on_shards(self, zopt, tpm=None):
         """zero.ZeroOptimizer calls this once built: this optimizer's parameters are then flat
         runs of ZeRO's shards; shard_mode "owner" (each matrix to one rank: OwnerPlan) or
-        "gather" (every unit's updates to every rank: zero_gather)."""
+        "gather" (every unit's updates to every rank: zero_gather). Called again with tpm
+        (compose4d: ZeRO's shards of tp.parallelize's shards): owner, each owned matrix then
+        gathered whole over the tp group."""
         mode = self.param_groups[0]["shard_mode"]
-        if mode not in ("owner", "gather"):
-            raise ValueError(f"MuonAdamW on ZeRO's shards: shard_mode {mode!r} (owner, gather)")
+        if mode not in ("owner", "gather") or (tpm is not None and mode != "owner"):
+            raise ValueError(f"MuonAdamW on ZeRO's shards: shard_mode {mode!r} "
+                             f"({'owner' if tpm is not None else 'owner, gather'})")
         if sum(g["muon"] for g in self.param_groups) > 1:   # (one plan covers all the matrices)
             raise ValueError("MuonAdamW on ZeRO's shards: one parameter group with muon=True")
-        self.orthogonalize = OwnerPlan(zopt) if mode == "owner" else zero_gather(zopt)
+        self.orthogonalize = zero_owner(zopt, tpm) if mode == "owner" else zero_gather(zopt)
 
 
 class MasterMuon(Masters, MuonAdamW):
@@ -166,9 +173,10 @@ class MasterMuon(Masters, MuonAdamW):
 
 
 def build(model, lr: float, muon_lr: float, tpm=None, **kw) -> MuonAdamW:
-    """The optimizer for a module this rank holds whole (replicated: DDP), or split by
-    tp.parallelize (tpm: tp-gather): MuonAdamW, or MasterMuon for a bf16/fp16 module; `kw`
-    MuonAdamW's settings. ZeRO's flat shards: zero.ZeroOptimizer(param_groups(...), MuonAdamW)."""
+    """The optimizer for a module this rank holds whole (replicated: DDP), split by
+    tp.parallelize (tpm: tp-gather), or sharded by fsdp.fully_shard (its dim-0 shards: the
+    owner mode, fsdp_owner): MuonAdamW, or MasterMuon for a bf16/fp16 module; `kw` MuonAdamW's
+    settings. ZeRO's flat shards: zero.ZeroOptimizer(param_groups(...), MuonAdamW)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     low = any(p.dtype in (torch.bfloat16, torch.float16) for _, p in named)
     opt = (MasterMuon if low else MuonAdamW)(param_groups(named, lr, muon_lr), **kw)
@@ -177,6 +185,10 @@ def build(model, lr: float, muon_lr: float, tpm=None, **kw) -> MuonAdamW:
     opt.names = {q: name_of[id(p)] for p, q in zip(getattr(opt, "model_params", held), held)}
     if tpm is not None:
         opt.orthogonalize = tp_gather(tpm, opt.names)
+    mats = [p for g in opt.param_groups if g["muon"] for p in g["params"]]
+    if any(hasattr(p, "_fsdp_param") for p in mats):   # fsdp.py's shards
+        opt.orthogonalize = fsdp_owner(mats, opt.names)
+        opt.shard_aware = True   # (fsdp.py refuses a matrix optimizer that is not)
     return opt
 
 
@@ -261,81 +273,95 @@ def zero_gather(zopt):
 
 
 class Matrix(NamedTuple):
-    """A Muon matrix inside ZeRO's flat unit: the unit's index and itself, the matrix's offset
-    in the unit's flat [W s] buffer, the parameter (its shape and numel)."""
-    unit_index: int
-    unit: object
-    offset: int
+    """A Muon matrix that the ranks hold in pieces: its name, its (tp-local) parameter, and
+    `held`, the flat range [a, b) of it (row-major) that each rank of the group holds (empty:
+    a == b). ZeRO: where the flat shards cut its unit (unit_index, unit, offset: its place in
+    the unit's flat [W s] buffer); FSDP: each rank's rows."""
+    name: str
     param: torch.Tensor
+    held: list
+    unit_index: int = -1
+    unit: object = None
+    offset: int = 0
 
 
 class OwnerPlan:
-    """owner, on ZeRO's flat units (Megatron's layer-wise optimizer, torchtitan's DistMuon):
-    each matrix assigned whole to one rank, balanced by its Newton-Schulz FLOPs (largest first,
-    to the least loaded rank). Per step: one all_to_all sends every rank's pieces of each
-    matrix's update to its owner, the owner runs NS on its matrices, a second all_to_all sends
-    each piece of the result back to the rank that holds it. Every rank computes the same plan."""
+    """owner (Megatron's layer-wise optimizer, torchtitan's DistMuon): each matrix assigned
+    whole to one rank, balanced by its Newton-Schulz FLOPs (largest first, to the least loaded
+    rank). Per step: one all_to_all sends every rank's pieces of each matrix's update to its
+    owner, the owner runs NS on its matrices, a second all_to_all sends each piece of the result
+    back to the rank that holds it. Every rank computes the same plan. Built for ZeRO's flat
+    units (zero_owner) and fsdp.py's dim-0 shards (fsdp_owner); called as an orthogonalize hook.
+    tpm (compose4d): the parameters are tp.parallelize's shards too; an owner then holds its
+    matrices' tp shards, and the tp ranks that hold the other shards own the same matrices (the
+    same plan on every tp rank): each owned update is all-gathered over the tp group (tpm.full),
+    NS runs on the whole, each keeps its tp shard (tpm.local). NS duplicated T times."""
 
-    def __init__(self, zopt):
-        self.zopt, W = zopt, zopt.engine.units[0].world
-        if len({id(u.group) for u in zopt.engine.units}) > 1:
-            raise ValueError("muon owner mode: the units are sharded over different groups")
-        mats = muon_params(zopt)
-        self.mats = [Matrix(ui, u, off, p) for ui, u in enumerate(zopt.engine.units)
-                     for p, off in zip(u.params, u.offsets) if p in mats]
+    def __init__(self, mats: list[Matrix], group, rank: int, like: torch.Tensor, pieces, place,
+                 tpm=None):
+        self.mats, self.group, self.me, self.like, self.tpm = mats, group, rank, like, tpm
+        self.pieces = pieces    # (params, updates) -> {i: flat [b - a]}: this rank's pieces
+        self.place = place      # (params, {i: flat [b - a]}) -> [(O, lr scale)] per parameter
+        W = len(mats[0].held) if mats else 1
         self.flops = [0] * W                # each rank's Newton-Schulz FLOPs per step
-        self.owner = [0] * len(self.mats)
-        cost = [ns_flops(m.param.shape) for m in self.mats]
-        for i in sorted(range(len(self.mats)), key=lambda i: -cost[i]):   # largest first,
-            r = min(range(W), key=lambda r: self.flops[r])                 # least loaded rank
+        self.owner = [0] * len(mats)
+        cost = [ns_flops(self.shape(m)) for m in mats]
+        for i in sorted(range(len(mats)), key=lambda i: -cost[i]):   # largest first,
+            r = min(range(W), key=lambda r: self.flops[r])              # least loaded rank
             self.owner[i] = r
             self.flops[r] += cost[i]
-        me = zopt.engine.units[0].rank
-        # matrix i's piece in rank r's shard: [start, stop) of its unit's flat buffer
-        self.sends = [[] for _ in range(W)]   # to owner d: [(matrix i, start, stop)] of mine
-        self.recvs = [[] for _ in range(W)]   # from rank r: [(matrix i, start, stop)] I own
-        for i, m in enumerate(self.mats):
-            for r in range(W):
-                a = max(m.offset, r * m.unit.shard_numel)
-                b = min(m.offset + m.param.numel(), (r + 1) * m.unit.shard_numel)
-                if a < b and r == me:
+        self.sends = [[] for _ in range(W)]   # to owner d: [(matrix i, a, b)] of mine
+        self.recvs = [[] for _ in range(W)]   # from rank r: [(matrix i, a, b)] I own
+        for i, m in enumerate(mats):
+            for r, (a, b) in enumerate(m.held):
+                if a < b and r == rank:
                     self.sends[self.owner[i]].append((i, a, b))
-                if a < b and self.owner[i] == me:
+                if a < b and self.owner[i] == rank:
                     self.recvs[r].append((i, a, b))
 
-    def __call__(self, opt, views, updates, g):
-        zopt, like = self.zopt, self.zopt.masters[0]
-        units = {m.unit_index for m in self.mats}
-        shards = unit_shards(zopt, units, views, updates)              # flat [s] each
-
-        def piece(t, i, a, b):         # matrix i's [a, b) of its unit, in this rank's shard t
-            m = self.mats[i]
-            return t[m.unit_index][a - m.unit.lo:b - m.unit.lo]
-        send = torch.cat([piece(shards, i, a, b) for d in self.sends for i, a, b in d]
+    def __call__(self, opt, params, updates, g):
+        mine, like = self.pieces(params, updates), self.like            # {i: flat [b - a]}
+        send = torch.cat([mine[i] for d in self.sends for i, _, _ in d]
                          or [like.new_zeros(0)])                        # [my matrix elements]
         got = self._exchange(send, self.sends, self.recvs)              # [elements I own]
         full, k = {}, 0                # each owned matrix assembled from its holders' pieces
         for r in self.recvs:
             for i, a, b in r:
-                m = self.mats[i]
                 if i not in full:
-                    full[i] = like.new_empty(m.param.numel())             # [A B]
-                full[i][a - m.offset:b - m.offset] = got[k:k + b - a]
+                    full[i] = like.new_empty(self.mats[i].param.numel())   # [A B]
+                full[i][a:b] = got[k:k + b - a]
                 k += b - a
-        out = {}
-        for i, flat in full.items():   # Newton-Schulz on the matrices this rank owns
-            shape = self.mats[i].param.shape
-            o = newton_schulz(flat.view(shape), g["ns_steps"], opt.ns_dtype(g, flat))
-            out[i] = (o.to(like.dtype) * lr_scale(shape)).reshape(-1)   # [A, B] -> [A B]
-        back = torch.cat([out[i][a - self.mats[i].offset:b - self.mats[i].offset]
-                          for r in self.recvs for i, a, b in r] or [like.new_zeros(0)])
-        mine = self._exchange(back, self.recvs, self.sends)             # [my matrix elements]
-        result, k = {ui: torch.zeros_like(zopt.masters[ui]) for ui in units}, 0
+        out, owned = {}, sorted(full)   # Newton-Schulz on the matrices this rank owns
+        mats = {self.mats[i].name: full[i].view(self.mats[i].param.shape) for i in owned}
+        tpm = None if planted("muon-blockwise") else self.tpm   # plant: NS on the tp shards
+        if tpm is not None:
+            mats = tpm.full(mats)        # T x [A/T, B] -> [A, B] (or columns), over tp
+        for i in owned:
+            name = self.mats[i].name
+            shape = (self.mats[i].param.shape if planted("muon-lr-by-shard")   # plant: the
+                     else mats[name].shape)                                 # tp shard's shape
+            o = newton_schulz(mats[name], g["ns_steps"], opt.ns_dtype(g, full[i]))
+            if tpm is not None:
+                o = tpm.local(name, o)                              # [A, B] -> this tp shard
+            out[i] = (o.to(like.dtype) * lr_scale(shape)).reshape(-1)   # -> flat [A B / T]
+        back = torch.cat([out[i][a:b] for r in self.recvs for i, a, b in r]
+                         or [like.new_zeros(0)])
+        got = self._exchange(back, self.recvs, self.sends)              # [my matrix elements]
+        result, k = {}, 0
         for d in self.sends:
             for i, a, b in d:
-                piece(result, i, a, b).copy_(mine[k:k + b - a])
+                result[i] = got[k:k + b - a]
                 k += b - a
-        return per_view(zopt, views, result)
+        return self.place(params, result)
+
+    def owned(self) -> list[Matrix]:
+        """The matrices this rank owns (runs Newton-Schulz on)."""
+        return [m for m, r in zip(self.mats, self.owner) if r == self.me]
+
+    def shape(self, m: Matrix) -> tuple:
+        """m's whole shape (the tp group's, under tpm)."""
+        return tuple(m.param.shape) if self.tpm is None else self.tpm.full_shape(m.name,
+                                                                                m.param.shape)
 
     def _exchange(self, send, out_plan, in_plan):
         """One all_to_all: [pieces for rank 0 | rank 1 | ...] -> [pieces from rank 0 | ...]."""
@@ -345,7 +371,7 @@ class OwnerPlan:
         if planted("muon-owner-keeps-update") and in_plan is self.sends:   # plant: not sent back
             return send.new_zeros(sum(in_splits))
         dist.all_to_all_single(recv, send, in_splits, out_splits,           # [sum of splits]
-                               group=self.zopt.engine.units[0].group)
+                               group=self.group)
         return recv
 
     def comm(self, b: int) -> tuple[int, int]:
@@ -354,6 +380,75 @@ class OwnerPlan:
         mine = sum(b_ - a for d in self.sends for _, a, b_ in d)
         owned = sum(b_ - a for r in self.recvs for _, a, b_ in r)
         return 2, (mine + owned) * b
+
+
+def cut(lo: int, n: int, a: int, b: int) -> tuple[int, int]:
+    """[lo, lo + n) intersected with [a, b), relative to lo (empty: start == stop)."""
+    start = min(max(lo, a), lo + n) - lo
+    return start, max(min(lo + n, b) - lo, start)
+
+
+def zero_owner(zopt, tpm=None) -> OwnerPlan:
+    """owner on ZeRO's flat units: matrix i's piece on rank r is where r's shard [r s, (r+1) s)
+    of its unit's flat buffer cuts it."""
+    mats = muon_params(zopt)
+    ms = [Matrix(n, p, [cut(off, p.numel(), r * u.shard_numel, (r + 1) * u.shard_numel)
+                        for r in range(u.world)], ui, u, off)
+          for ui, u in enumerate(zopt.engine.units)
+          for p, off, n in zip(u.params, u.offsets, u.names) if p in mats]
+    if len({id(m.unit.group) for m in ms}) > 1:
+        raise ValueError("muon owner mode: the matrices are sharded over different groups")
+    units = sorted({m.unit_index for m in ms})
+
+    def pieces(views, updates):               # the runs' updates -> each matrix's piece
+        shards = unit_shards(zopt, units, views, updates)              # flat [s] each
+        out = {}
+        for i, m in enumerate(ms):
+            a, b = m.held[m.unit.rank]
+            if a < b:
+                lo = m.offset - m.unit.lo
+                out[i] = shards[m.unit_index][lo + a:lo + b]
+        return out
+
+    def place(views, result):                 # each piece back into its unit's shard
+        shards = {ui: torch.zeros_like(zopt.masters[ui]) for ui in units}
+        for i, o in result.items():
+            m = ms[i]
+            a, b = m.held[m.unit.rank]
+            lo = m.offset - m.unit.lo
+            shards[m.unit_index][lo + a:lo + b] = o
+        return per_view(zopt, views, shards)
+    u0 = zopt.engine.units[0]
+    return OwnerPlan(ms, ms[0].unit.group if ms else u0.group, u0.rank, zopt.masters[0], pieces,
+                     place, tpm)
+
+
+def fsdp_owner(params, names: dict) -> OwnerPlan:
+    """owner on fsdp.py's shards: each parameter is rank r's rows [r c, (r+1) c) of its matrix
+    (c = ceil(rows / W), torch.chunk's cut), so its piece on rank r is that row range, flat;
+    over the units' shard group."""
+    groups = {id(p._fsdp_param.sharded._fsdp_unit.group): p._fsdp_param.sharded._fsdp_unit
+              for p in params}
+    if len(groups) > 1:
+        raise ValueError("muon owner mode: the matrices are sharded over different groups")
+    unit = next(iter(groups.values()))
+    group, W, me = unit.group, unit.world, unit.rank
+    ms = []
+    for p in params:
+        sp = p._fsdp_param                     # fsdp.ShardedParam: the whole shape, the cut
+        full = torch.empty(sp.shape, device="meta")
+        held = [(min(r * sp.rows, sp.shape[0]) * sp.rest,
+                 min((r + 1) * sp.rows, sp.shape[0]) * sp.rest) for r in range(W)]
+        ms.append(Matrix(names[p], full, held))
+    index = {p: i for i, p in enumerate(params)}
+
+    def pieces(ps, updates):                   # (rows_r, B) -> flat [rows_r B]
+        return {index[p]: u.reshape(-1) for p, u in zip(ps, updates) if u.numel()}
+
+    def place(ps, result):
+        return [(result[index[p]].view(p.shape) if p.numel() else torch.zeros_like(p), 1.0)
+                for p in ps]
+    return OwnerPlan(ms, group, me, params[0], pieces, place)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -195,6 +195,17 @@ class ShardedTensors:
             out[name] = full
         return out
 
+    def full_shape(self, name: str, shape) -> tuple:
+        """The full tensor's shape from this rank's shard's (what full() returns)."""
+        s = list(shape)
+        if name in self.kv_split:           # one kv head's rows -> every head's
+            s[0] *= self.n_kv
+        elif name in self.split_dim:
+            s[self.split_dim[name]] *= self.world
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                s[0] = self.vocab
+        return tuple(s)
+
     def local_range(self, name: str, full_shape):
         """(dim, start, stop) of the full tensor `name` that this rank holds, or None when it
         holds the whole tensor; a fused projection's is a list of them, one per segment, to be

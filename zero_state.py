@@ -182,10 +182,13 @@ class ShardedState:
                 out[ui][a:a + n] = self.inner.state[v][key]
         return out
 
-    def load_shard_state(self, key: str, shards: list[torch.Tensor]):
-        """The inverse of shard_state for an elementwise state of the inner optimizer."""
-        for v, (ui, a, n, _) in zip(self.views, self.runs):
-            self.inner.state[v][key] = shards[ui][a:a + n].to(v.dtype).clone()
+    def load_shard_state(self, key: str, shards: list[torch.Tensor], where=lambda group: True):
+        """The inverse of shard_state for an elementwise state of the inner optimizer, into the
+        runs of the parameter groups `where` accepts (muon.py's: momentum_buffer for Muon's
+        matrices, AdamW's moments for the rest)."""
+        for v, (ui, a, n, gi) in zip(self.views, self.runs):
+            if where(self.param_groups[gi]):
+                self.inner.state[v][key] = shards[ui][a:a + n].to(v.dtype).clone()
 
     @property
     def steps_taken(self) -> int:
@@ -195,7 +198,9 @@ class ShardedState:
 
     @steps_taken.setter
     def steps_taken(self, t: int):
-        for v in self.views:
+        for v, (_, _, _, gi) in zip(self.views, self.runs):
+            if self.param_groups[gi].get("muon"):   # (torch's Muon counts no steps)
+                continue
             # (on the shard's device: the fused kernel reads it there)
             self.inner.state[v]["step"] = torch.tensor(float(t), dtype=torch.float32,
                                                        device=v.device)

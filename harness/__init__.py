@@ -79,7 +79,8 @@ Optional, by what it serves (class attributes and methods; the defaults do nothi
                               every rank before the process group exists; rank 0 prints the first
                               one as a single line and every rank exits with code 2.
     optimizers, muon_modes    the --optimizer and --muon-mode values it takes (default adamw
-                              only; muon.py's under ddp, zero, tp, sp, pp, cp, ep)
+                              only; muon.py's under ddp, zero, fsdp, tp, sp, pp, cp, ep,
+                              compose4d)
     modes, cpu_dtype, chunked_ce
                               extra --mode values ({name: function(run, cls) -> bool}: compose4d's
                               "train"); a CPU default dtype per mode where MODE_DEFAULTS' does not
@@ -114,6 +115,8 @@ Optional, by what it serves (class attributes and methods; the defaults do nothi
                               default reads self.model and self.optimizer) and their formula.
     native                    PyTorch's own implementation as a Strategy subclass (or a list, or
                               a staticmethod of the args returning one), for --compare-native.
+    wait_comm()               finish the communication step() leaves in flight (ZeRO's parameter
+                              all-gathers for the next forward), before a profiled step ends
     report_lines(), learning_lines()
                               extra lines after a benchmark (self.bench holds its timings) or a
                               learning run (collective).

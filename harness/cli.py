@@ -52,7 +52,8 @@ def _validate(cls, args, world: int, rank: int):
                     f"ddp.py's plain head and tp.py's vocab-parallel head)")
     if args.optimizer not in cls.optimizers:
         errs.append(f"--optimizer {args.optimizer}: {cls.name} steps with "
-                    f"{' or '.join(cls.optimizers)} (muon: ddp, zero, tp, sp, pp, cp, ep)")
+                    f"{' or '.join(cls.optimizers)} (muon: ddp, zero, fsdp, tp, sp, pp, cp, "
+                    f"ep, compose4d)")
     if args.optimizer != "adamw" and getattr(args, "compare_native", False):
         errs.append(f"--compare-native: PyTorch's baselines step with AdamW; --optimizer "
                     f"{args.optimizer} runs without them")

@@ -7,7 +7,9 @@ share varies from run to run: ddp's was 72% in one `make bench` and 51% in the n
               on CPU the `gloo:*` spans (an async collective runs on a gloo worker thread, its span
               from start to finish; a send/recv's span runs from its post to its completion as
               seen by the caller, so for point-to-point the share is an upper bound); on CUDA the
-              NCCL kernels' device intervals.
+              NCCL kernels' device intervals. What the step leaves in flight (ZeRO-1/2's
+              gathers of the updated parameters) is waited for inside the window
+              (Strategy.wait_comm) and counts as exposed: each step is profiled on its own.
     compute   the union of the busy intervals of everything else: on CPU the `aten::` operators
               of the step's main thread (outside the collectives' own launch code), on CUDA the
               other kernels.
@@ -104,6 +106,11 @@ def profile_step(strat, batch, device) -> tuple[dict, tuple[list, list]]:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         strat.step(batch)
+        # A collective still running on a gloo worker thread while the profiler stops can crash
+        # the process (torch 2.13's CPU profiler, seen as a SIGSEGV in profiler_stop), so what
+        # the step left in flight (ZeRO's parameter gathers for the next forward) finishes
+        # here, counted in this step: exposed, its overlap with the next forward unmeasured.
+        strat.wait_comm()
         if cuda:
             torch.cuda.synchronize(device)
     comm, compute = timeline(prof.events(), cuda)

@@ -104,6 +104,11 @@ class Strategy:
         """Textbook resident bytes per rank by model_states() category (benchmark report)."""
         return None
 
+    def wait_comm(self):
+        """Finish this rank's communication still in flight after step() (ZeRO's parameter
+        all-gathers for the next forward); the benchmark's profiled steps call it before the
+        profiler stops (harness/overlap.py)."""
+
     def report_lines(self) -> list[str]:
         """Extra benchmark lines (e.g. padding)."""
         return []

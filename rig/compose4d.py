@@ -33,6 +33,10 @@ def compose_constraints(args, world, config) -> list[str]:
                 f"{T * P * C} (dp = W / (tp pp cp))"]
     D = world // (T * P * C)
     meta = train.saved_meta(args) if args.mode == "train" else None   # (read once, here)
+    if meta is not None and meta.get("optimizer", "adamw") != args.optimizer:
+        return [f"--resume: the checkpoint's run stepped with --optimizer "
+                f"{meta.get('optimizer', 'adamw')}, not {args.optimizer} (its optimizer state "
+                f"would not carry over)"]
     if args.mode == "train" and args.elastic:     # re-plan first: it sets batch and grad-accum
         plan = train.replan(world, config, args, meta)
         if not plan.feasible:
@@ -171,7 +175,13 @@ class Compose4D(Parallel4D, Strategy):
         "tied-sync-skipped": Plant(
             "the first stage's embedding and the last stage's head copy of the tied weight "
             "are not summed: each updates with its own part of the gradient", _PP),
+        "muon-blockwise": Plant(
+            "--optimizer muon: Newton-Schulz on each rank's tp shard of a matrix as if it were "
+            "the matrix (not gathered over tp)", ("--tp", "2", "--optimizer", "muon",
+                                                  "--length", "32")),
     }
+    optimizers = ("adamw", "muon")   # muon.py's owner mode over dp x cp, whole over tp
+    muon_modes = ("auto", "owner")
     modes = {"train": train.run_train}   # --mode train: a logged run with checkpoints
 
     def __init__(self, model, args, env):
@@ -296,6 +306,9 @@ class Compose4D(Parallel4D, Strategy):
         z = self.zero
         return {"params": [u.shard if z.stage == 3 else u.full for u in z.units],
                 "grads": z.grad_tensors(), "optimizer": self.optimizer.state_tensors()}
+
+    def wait_comm(self):
+        self.zero.wait_params()
 
     def memory_formula(self):
         """ZeRO's formula on this rank's units: its stage's layers, TP-local, over dp x cp."""

@@ -6,10 +6,11 @@ import torch
 
 from harness import (Expect, METER, Plant, Strategy, global_loss, parts, phase, ranks_per_node,
                      spread_across_ranks, uneven_nodes)
-from harness.precision import LOW_PRECISION, adamw_kwargs, grad_reduce_dtype
+from harness.precision import LOW_PRECISION, adamw_kwargs, grad_reduce_dtype, muon_kwargs
 from harness.cli import main as harness_main
 
 import ddp
+import muon
 from fsdp import MixedPrecisionPolicy, collectives_per_unit, fully_shard, hsdp_groups
 from fsdp_state import clip_grad_norm_, full_tensors, units
 
@@ -50,6 +51,8 @@ class FSDP(Strategy):
     model.parameters(): the loop a user writes. In bf16 runs the shards are fp32 masters (the
     reference's, exactly) under MixedPrecisionPolicy(bf16, the run's reduce dtype)."""
     name = "fsdp"
+    optimizers = ("adamw", "muon")   # muon.py's owner mode on the shards (muon.build)
+    muon_modes = ("auto", "owner")
     syncs_initial_params = True   # fully_shard broadcasts rank 0's parameters and buffers
     # One configuration catches the first three: float32 + --clip for the scale, --grad-accum 2
     # for the accumulation without sync; the stale root shows from the second step on.
@@ -68,6 +71,9 @@ class FSDP(Strategy):
         "shard-rows": Plant("rank r's shard starts at row r floor(d0 / W), not r ceil(d0 / W): "
                             "shards overlap where W does not divide d0", ("--batch", "6"),
                             world=3),
+        "muon-owner-keeps-update": Plant(
+            "--optimizer muon: the owners' Newton-Schulz results are not sent back to the "
+            "ranks holding the other rows", ("--optimizer", "muon", "--length", "32")),
         "replicas-not-averaged": Plant("HSDP: the reduced shards are not all-reduced over the "
                                        "replicas: each steps on its half of the batch",
                                        ("--replicate", "2"), world=4),
@@ -108,7 +114,10 @@ class FSDP(Strategy):
         fully_shard(model, **kw)
         self.units = units(model)
         params = list(model.parameters())
-        self.optimizer = torch.optim.AdamW(params, **adamw_kwargs(params, self.args))
+        if args.optimizer == "muon":   # muon.py's owner mode on the dim-0 shards (fp32 masters)
+            self.optimizer = muon.build(model, args.lr, args.muon_lr, **muon_kwargs(args, dtype))
+        else:
+            self.optimizer = torch.optim.AdamW(params, **adamw_kwargs(params, self.args))
 
     def step(self, batch) -> float:
         for u in self.units:
@@ -180,16 +189,24 @@ class FSDP(Strategy):
                                f"Psi_g*b_reduce/S = {s['psi_g'] * rb // W:,} B"))
         if self.args.clip:
             rows.append(Expect("all_reduce", g, 1, 8, "clip: squared-norm sum (fp64)"))
+        plan = getattr(self.optimizer, "orthogonalize", None)
+        if isinstance(plan, muon.OwnerPlan):   # muon.py's owner: 2 all-to-alls
+            rows.append(Expect("all_to_all_single", g, *plan.comm(plan.like.element_size()),
+                               "Muon's owner mode: this rank's rows of each matrix to its "
+                               "owner, the owned matrices' results back"))
         return rows
 
     def memory_formula(self) -> dict[str, float]:
         """16 bytes per fp32 shard element with AdamW: shard, gradient, m, v (no extra master:
-        the shard is the master), and torch's 4-byte step count per parameter."""
+        the shard is the master), and torch's 4-byte step count per parameter; Muon's matrices
+        keep one momentum buffer and no step count."""
         e = self.units[0].params[0].sharded.element_size()
         s = self.sizes()
-        n = sum(len(u.trainable) for u in self.units)
+        mats = [p for g in self.optimizer.param_groups if g.get("muon") for p in g["params"]]
+        n = sum(len(u.trainable) for u in self.units) - len(mats)
+        m = sum(p.numel() for p in mats)
         states = {"params": s["shard"] * e, "grads": s["shard_g"] * e,
-                  "optimizer": 2 * s["shard_g"] * e + 4 * n}
+                  "optimizer": (2 * (s["shard_g"] - m) + m) * e + 4 * n}
         return {**states, "model_states": sum(states.values())}
 
     def report_lines(self):

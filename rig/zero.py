@@ -120,6 +120,9 @@ class ZeRO(Strategy):
             opt.step()
         return global_loss(local_sum, batch.n_tokens)
 
+    def wait_comm(self):
+        self.zero.wait_params()
+
     def full_grads(self):
         return self.zero.full_tensors("grad")
 

@@ -341,6 +341,7 @@ class ZeroPlusPlus(ZeRO):
     """zero.py's adapter on the ZeroPP engine: the same step, reassembly and optimizer; its own
     plants, noise model, exact checks (correctness mode: ZeroPPChecks), traffic and memory."""
     name = "zero++"
+    optimizers, muon_modes = ("adamw",), ("auto",)   # (Muon over qwZ's int8 gathers: not built)
     _ZEROPP = ("--stage", "3", "--zeropp", "qwz,hpz,qgz", "--node-size", "2")
     plants = {
         "qwz-local-dequant": Plant("qwZ: each rank dequantizes every rank's int8 blocks "

@@ -23,22 +23,20 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 
 
-def torchrun(script, world, args, out, tries=2):
-    """One launch; a crash without a verdict is retried once (torch 2.13's CPU profiler, which
-    the benchmark's overlap measurement runs, segfaulted once in ~20 launches here)."""
+def torchrun(script, world, args, out):
+    """One launch; its last PASS/FAIL line."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={world}", os.path.join(HERE, script), *args, "--out", out]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE, timeout=1800)
     last = [ln for ln in r.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
     if r.returncode != 0 and not last:
-        if tries > 1:
-            return torchrun(script, world, args, out, tries - 1)
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return last[-1] if last else ""
 
 
-def ns_flops_rank0(model, script, world, optimizer, mode):
-    """rank 0's Newton-Schulz FLOPs per step, from the layout (no process group needed)."""
+def ns_flops_rank0(model, script, world, optimizer, mode, tp=1):
+    """rank 0's Newton-Schulz FLOPs per step, from the layout (no process group needed); tp:
+    compose4d's, whose owners are dp ranks (each tp rank of an owner runs its matrices whole)."""
     if optimizer != "muon":
         return 0
     import torch
@@ -52,7 +50,7 @@ def ns_flops_rank0(model, script, world, optimizer, mode):
     if script in ("ddp.py", "tp.py"):          # replicated / tp-gather: every matrix, every rank
         return sum(flops)
     if mode == "owner":                        # OwnerPlan's balance: largest first, least loaded
-        load = [0] * world
+        load = [0] * (world // tp)
         for f in sorted(flops, reverse=True):
             load[load.index(min(load))] += f
         return load[0]
@@ -108,10 +106,14 @@ def main():
         configs += [("zero.py", world, "adamw", "-", ["--stage", "1"]),
                     ("zero.py", world, "muon", "owner", ["--stage", "1"]),
                     ("zero.py", world, "muon", "gather", ["--stage", "1"])]
-    # (the small model's 6 heads: tp at W=2 only)
+        configs += [("fsdp.py", world, "adamw", "-", []), ("fsdp.py", world, "muon", "owner", [])]
+    # (the small model's 6 heads: tp 2 at most)
     configs += [("tp.py", 2, "adamw", "-", []), ("tp.py", 2, "muon", "tp-gather", []),
-                ("ddp.py", 2, "adamw", "-", []), ("ddp.py", 2, "muon", "replicated", [])]
+                ("ddp.py", 2, "adamw", "-", []), ("ddp.py", 2, "muon", "replicated", []),
+                ("compose4d.py", 4, "adamw", "-", ["--dp", "2", "--tp", "2"]),
+                ("compose4d.py", 4, "muon", "owner", ["--dp", "2", "--tp", "2"])]
     times = {c[:4]: [] for c in configs}
+    tp_of = {c[:4]: int(c[4][c[4].index("--tp") + 1]) if "--tp" in c[4] else 1 for c in configs}
     found = {}
     tmp = tempfile.mkdtemp()
     for rnd in range(a.rounds):
@@ -119,7 +121,7 @@ def main():
         for script, world, opt, mode, extra in order:
             out = os.path.join(tmp, f"{script}-{world}-{opt}-{mode}-{rnd}")
             args = [*common, *extra, "--optimizer", opt]
-            if mode in ("owner", "gather"):
+            if mode in ("owner", "gather") and script == "zero.py":
                 args += ["--muon-mode", mode]
             line = torchrun(script, world, args, out)
             if not line.startswith("PASS"):
@@ -131,12 +133,14 @@ def main():
     for (script, world, opt, mode), ts in times.items():
         b = found[script, world, opt, mode]
         mem = b["ours"]["memory"][0]
-        rows.append(dict(strategy=script[:-3], world=world, optimizer=opt, mode=mode,
+        tp = tp_of[script, world, opt, mode]
+        name = script[:-3] + (f" (dp {world // tp} x tp {tp})" if tp > 1 else "")
+        rows.append(dict(strategy=name, world=world, optimizer=opt, mode=mode,
                          step_ms=round(1e3 * statistics.median(ts), 1),
                          steps_ms=[round(1e3 * t, 1) for t in ts],
                          comm={k: v for k, v in b["ours"]["comm"].items()},
                          optimizer_bytes=mem["optimizer"],
-                         ns_flops_rank0=ns_flops_rank0(a.model, script, world, opt, mode)))
+                         ns_flops_rank0=ns_flops_rank0(a.model, script, world, opt, mode, tp)))
     learning = []
     for opt in ("adamw", "muon"):
         out = os.path.join(tmp, f"learn-{opt}")

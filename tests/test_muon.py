@@ -1,4 +1,6 @@
 """muon.py against torch.optim.Muon, single process; the strategies under torchrun."""
+import os
+
 import pytest
 import torch
 
@@ -104,7 +106,18 @@ BENCH = ["--mode", "benchmark", "--warmup", "1", "--bench-iters", "1", *MUON]
 QUICK = {"zero.py": Runs("zero.py", 3, {"muon2": ["--stage", "2", "--batch", "6", *MUON, *BOTH]}),
          "tp.py": Runs("tp.py", 2, {"muon": [*MUON, *BOTH]})}
 SLOW = {"zero3.py": Runs("zero.py", 3, tier="slow", runs={
-    "muon-bench1": [*BENCH, "--stage", "1", "--batch", "6", *SHORT]})}
+    "muon-bench1": [*BENCH, "--stage", "1", "--batch", "6", *SHORT]}),
+    # compose4d: the owner mode over dp, each owned matrix whole over tp (issue's done-when)
+    "compose4d4.py": Runs("compose4d.py", 4, tier="slow", runs={
+        "muon-dp-tp": ["--tp", "2", "--dp", "2", *MUON, *BOTH, *SHORT]})}
+TRAIN = ["--mode", "train", "--dtype", "float64", "--steps", "4", "--lr-schedule", "cosine",
+         "--lr-warmup", "1", "--log-every", "1", *SHORT]
+
+
+def ck(base):
+    return os.path.join(base, "ck")
+
+
 # make test-heavy: the other layouts (float64, the exact proof; bf16 where the layout's own
 # collectives touch the update), the other exchanges' meters, the plants in bf16
 F64 = ["--dtype", "float64", *SHORT]
@@ -123,6 +136,10 @@ HEAVY = {
         "muon-bf16-plants": ["--mode", "plants", "--plants", "muon-blockwise,muon-lr-by-shard",
                              *MUON, "--dtype", "bfloat16", "--steps", "8", *SHORT]}),
     "tp4.py": Runs("tp.py", 4, tier="heavy", runs={"muon": [*MUON, *BOTH, *SHORT]}),  # kv copies
+    # fsdp.py's dim-0 shards at W=3 (rows cut unevenly): the owner mode, and its meter
+    "fsdp3.py": Runs("fsdp.py", 3, tier="heavy", runs={
+        "muon": ["--batch", "6", *MUON, *BOTH, *SHORT],
+        "muon-bench": [*BENCH, "--batch", "6", *SHORT]}),
     # each stage's matrices whole; cp's and ep's dense weights replicated (experts: AdamW)
     "pp.py": Runs("pp.py", 2, tier="heavy", runs={"muon": [*MUON, *F64]}),
     "cp_ring.py": Runs("cp_ring.py", 2, tier="heavy", runs={"muon": [*MUON, *F64]}),
@@ -130,6 +147,21 @@ HEAVY = {
     "sp.py": Runs("sp.py", 2, tier="heavy", runs={
         "muon-megatron": ["--variant", "megatron", *MUON, *BOTH, *SHORT],
         "muon-ulysses": ["--variant", "ulysses", *MUON, *F64]}),
+    # compose4d's other dimensions; a cosine schedule over both groups (Muon's from
+    # --muon-lr); a resume on another layout (Muon's momentum through the checkpoint)
+    "compose4d.py": Runs("compose4d.py", 2, tier="heavy", runs={
+        "muon-pp": ["--pp", "2", *MUON, *F64],
+        "muon-cp-cosine": ["--cp", "2", "--lr-schedule", "cosine", "--lr-warmup", "2",
+                           "--steps", "3", *MUON, *F64],
+        "muon-zero3-sp": ["--zero", "3", "--tp", "2", "--sp", *MUON, *F64],
+        "muon-moe": ["--model", "tiny-moe", "--ep", "2", *MUON, *F64],
+        "muon-bf16-plants": ["--mode", "plants", "--plants", "muon-blockwise", "--tp", "2",
+                             *MUON, "--dtype", "bfloat16", "--steps", "8", *SHORT],
+        "muon-full": [*TRAIN, "--tp", "2", *MUON],
+        "muon-first": [*TRAIN, "--tp", "2", "--stop-at", "2", "--save", ck, *MUON],
+        "muon-second": [*TRAIN, "--pp", "2", "--resume", ck, *MUON]}),
+    "compose4d4.py": Runs("compose4d.py", 4, tier="heavy", runs={
+        "muon-bench": [*BENCH, "--tp", "2", "--dp", "2", *SHORT]}),
 }
 
 
@@ -138,6 +170,13 @@ def assert_pass(r, dtypes=2):
     res = r.json("correctness.json")
     assert len(res) == dtypes and all(x["ok"] and x["worst_ratio"] <= 1 for x in res), res
     assert all(x["max_param_noise"] > 0 for x in res), res
+
+
+@pytest.mark.slow
+def test_compose4d_dp_tp_against_torch_muon(runs):
+    """compose4d at W=4, dp 2 x tp 2: each matrix's tp shards owned by one dp rank (the same
+    on both tp ranks), gathered whole over tp; float64 and bf16 PASS."""
+    assert_pass(runs(SLOW["compose4d4.py"], "muon-dp-tp"))
 
 
 @pytest.mark.parametrize("script", list(QUICK))
@@ -152,13 +191,15 @@ def test_correct_against_torch_muon(runs, script):
 @pytest.mark.parametrize("script,key,dtypes", [
     ("ddp.py", "muon", 1), ("zero.py", "muon3", 2), ("zero.py", "muon-gather", 2),
     ("tp4.py", "muon", 2), ("pp.py", "muon", 1), ("cp_ring.py", "muon", 1),
-    ("ep_moe.py", "muon", 1), ("sp.py", "muon-megatron", 2), ("sp.py", "muon-ulysses", 1)])
+    ("ep_moe.py", "muon", 1), ("sp.py", "muon-megatron", 2), ("sp.py", "muon-ulysses", 1),
+    ("fsdp3.py", "muon", 2), ("compose4d.py", "muon-pp", 1), ("compose4d.py", "muon-cp-cosine", 1),
+    ("compose4d.py", "muon-zero3-sp", 1), ("compose4d.py", "muon-moe", 1)])
 def test_correct_against_torch_muon_everywhere(runs, script, key, dtypes):
     assert_pass(runs(HEAVY[script], key), dtypes)
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("script", ["zero.py", "tp.py"])
+@pytest.mark.parametrize("script", ["zero.py", "tp.py", "compose4d.py"])
 def test_plants_fail_in_bf16(runs, script):
     """The owner that keeps its result, the blockwise shortcut and the shard's lr scale FAIL
     in bf16 too (8 steps: Muon's bf16 noise is ~5-15% of a tensor; muon-no-gather, measured by
@@ -192,16 +233,38 @@ def test_the_owner_exchange_equals_its_formula(runs):
 @pytest.mark.heavy
 @pytest.mark.parametrize("script,key,row", [
     ("zero3.py", "muon-bench-gather", "all_gather_into_tensor"),
-    ("tp.py", "muon-bench", "all_gather")])
+    ("tp.py", "muon-bench", "all_gather"), ("fsdp3.py", "muon-bench", "all_to_all_single"),
+    ("compose4d4.py", "muon-bench", "all_to_all_single"),
+    ("compose4d4.py", "muon-bench", "all_gather")])
 def test_the_gathers_equal_their_formulas(runs, script, key, row):
     """The gather mode's unit all-gathers (muon.gather_comm), tp-gather's per-matrix
-    all-gathers (muon.tp_gather_comm)."""
+    all-gathers (muon.tp_gather_comm); compose4d's owner all-to-alls over dp and its owned
+    matrices' all-gathers over tp."""
     exchanges(runs, HEAVY[script], key, row)
 
 
+@pytest.mark.heavy
+def test_compose4d_resumes_muon_on_another_layout(runs):
+    """4 steps at tp 2 == 2 steps at tp 2, a checkpoint, 2 steps at pp 2 (Muon's momentum and
+    AdamW's moments saved whole and sliced for the new layout), float64, per step."""
+    def losses(key):
+        r = runs(HEAVY["compose4d.py"], key)
+        assert r.rc == 0, r
+        return dict((s, l) for s, l in r.json("train.json")["losses"]), r
+    (full, _), (first, r), (second, _) = map(losses, ("muon-full", "muon-first", "muon-second"))
+    assert sorted(first) == [0, 1] and sorted(second) == [2, 3], (first, second)
+    for s in range(4):
+        got = first.get(s, second.get(s))
+        assert abs(got - full[s]) <= 1e-9 * full[s], (s, got, full[s])
+    # the checkpoint's optimizer is Muon's: resuming it with AdamW is refused in one line
+    r = launch("compose4d.py", 2, *TRAIN, "--resume", ck(os.path.dirname(r.out)), as_rank0=True)
+    assert_config_error(r, "--resume: the checkpoint's run stepped with --optimizer muon, not "
+                           "adamw", torchrun=False)
+
+
 def test_a_strategy_without_muon_refuses_it():
-    r = launch("fsdp.py", 2, "--optimizer", "muon", as_rank0=True)
-    assert_config_error(r, "--optimizer muon: fsdp steps with adamw", torchrun=False)
+    r = launch("zeropp.py", 2, "--optimizer", "muon", "--node-size", "1", as_rank0=True)
+    assert_config_error(r, "--optimizer muon: zero++ steps with adamw", torchrun=False)
     r = launch("tp.py", 2, "--optimizer", "muon", "--muon-mode", "owner", as_rank0=True)
     assert_config_error(r, "--muon-mode owner: tp runs Muon's auto mode", torchrun=False)
     r = launch("zero.py", 2, "--optimizer", "muon", "--compare-native", as_rank0=True)

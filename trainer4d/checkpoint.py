@@ -47,6 +47,13 @@ def _write_synced(path: str, text: str):
         os.fsync(f.fileno())
 
 
+def state_kinds(args) -> tuple[str, ...]:
+    """The optimizer's elementwise states a checkpoint holds: AdamW's moments, and under
+    --optimizer muon the Muon matrices' momentum (muon.MuonAdamW)."""
+    muon = ("momentum_buffer",) if args.optimizer == "muon" else ()
+    return ("exp_avg", "exp_avg_sq") + muon
+
+
 def save_checkpoint(strat, root: str, step: int, extra: dict | None = None,
                     grads: bool = False, keep: int | None = None) -> str:
     """Collective. Returns the step directory. `extra` goes into meta.json (data position,
@@ -54,7 +61,7 @@ def save_checkpoint(strat, root: str, step: int, extra: dict | None = None,
     how many complete steps to keep (None: all)."""
     env, z, opt = strat.env, strat.zero, strat.optimizer
     t0 = time.time()
-    kinds = {k: opt.shard_state(k) for k in ("param", "exp_avg", "exp_avg_sq")}
+    kinds = {k: opt.shard_state(k) for k in ("param",) + state_kinds(strat.args)}
     if grads:
         kinds["grad"] = [u.grad_shard for u in z.units]
     with METER.paused():
@@ -89,10 +96,12 @@ def save_checkpoint(strat, root: str, step: int, extra: dict | None = None,
     with METER.paused():
         dist.barrier()
     with METER.paused():
-        files = [None] * env.world
-        dist.all_gather_object(files, written)     # each writer's (name, size, digest)
+        files = [None] * env.world   # each writer's (name, size, digest), AdamW's step count
+        dist.all_gather_object(files, (written, opt.steps_taken))   # (a rank may hold no AdamW)
     if env.is_main:
-        meta = dict(step=step, adam_t=opt.steps_taken, layout=strat.grid.size, model=strat.args.model,
+        adam_t, files = max(t for _, t in files), [w for w, _ in files]
+        meta = dict(step=step, adam_t=adam_t, optimizer=strat.args.optimizer,
+                    layout=strat.grid.size, model=strat.args.model,
                     dtype=strat.args.dtype, vocab=strat.model.config.vocab_size,
                     seconds=time.time() - t0, **(extra or {}),
                     dropout=dropout.recorded(strat.model.config, strat.args.seed),
@@ -290,8 +299,9 @@ def restore(strat, meta: dict, full: dict):
         if opt.mixed:
             for m, new in zip(opt.masters, saved):
                 m.copy_(new)
-        for kind in ("exp_avg", "exp_avg_sq"):
-            opt.load_shard_state(kind, z.flat_shards(local(kind)))
+        for kind in state_kinds(strat.args):   # (Muon's state in its groups, AdamW's in theirs)
+            opt.load_shard_state(kind, z.flat_shards(local(kind)),
+                                 lambda g: bool(g.get("muon")) == (kind == "momentum_buffer"))
         for n, b in strat.model.named_buffers():   # (the MoE routers' selection biases)
             if n in full.get("buffers", {}):
                 b.copy_(full["buffers"][n])

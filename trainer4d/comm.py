@@ -4,6 +4,7 @@ compose_moe.py adds a MoE model's ep, count and edp rows)."""
 from harness import DTYPES, Expect, kv_heads
 import compose_moe
 import cp_ring
+import muon
 import sp
 import tp
 import zero
@@ -43,6 +44,7 @@ def expected_comm(self) -> list[Expect]:
                            "HSDP: the dense gradient shards summed over the R replicas, once "
                            "per step"))
     rows.append(Expect("all_reduce", "world", 1, 8, "global gradient norm (fp64)"))
+    rows += _muon_rows(self, dense, T)
     rows += compose_moe.expected_comm(self, self.blocks)
     if P > 1:
         act = (a.batch // D // M) * (a.length // C // (T if a.sp else 1)) * H * b
@@ -81,6 +83,24 @@ def expected_comm(self) -> list[Expect]:
                      Expect("reduce_scatter_tensor", "tp", rs_, rs_ * nhb // M,
                             "SP: row exits (fwd), region entries (bwd)")]
     return rows + (_tp_allreduce_rows(self, M, b, n_tok, L_st) if T > 1 else [])
+
+
+def _muon_rows(self, dense: str, T: int) -> list[Expect]:
+    """--optimizer muon (muon.OwnerPlan over dp x cp): two all-to-alls, and under TP one
+    all-gather over tp per owned split matrix (muon.tp_gather_comm)."""
+    plan = getattr(self.optimizer.inner, "orthogonalize", None)
+    if not isinstance(plan, muon.OwnerPlan):
+        return []
+    b = self.optimizer.masters[0].element_size()
+    rows = [Expect("all_to_all_single", dense, *plan.comm(b),
+                   "Muon's owner mode: this rank's pieces of each matrix to its owner, the "
+                   "owned matrices' results back")]
+    if T > 1:
+        calls, nbytes = muon.tp_gather_comm([m.param.numel() for m in plan.owned()], T, b)
+        rows.append(Expect("all_gather", "tp", calls, nbytes,
+                           f"Muon's owned matrices whole over tp: one per matrix ({calls}), "
+                           f"T shards x {b} B"))
+    return rows
 
 
 def _tp_allreduce_rows(self, M, b, n_tok, L_st) -> list[Expect]:

@@ -5,20 +5,21 @@ import math
 from harness import Reference
 
 
-def lr_at(step: int, args) -> float:
+def lr_at(step: int, args, base: float | None = None) -> float:
     """Linear warm-up over --lr-warmup steps, then constant or cosine down to --lr-min-ratio x lr
-    at --steps."""
+    at --steps; lr is --lr, or `base` (Muon's matrices: --muon-lr)."""
+    lr = args.lr if base is None else base
     if step < args.lr_warmup:
-        return args.lr * (step + 1) / args.lr_warmup
+        return lr * (step + 1) / args.lr_warmup
     if args.lr_schedule == "constant":
-        return args.lr
+        return lr
     span = max(1, args.steps - args.lr_warmup)
     t = min(1.0, (step - args.lr_warmup) / span)
-    lo = args.lr * args.lr_min_ratio
-    return lo + (args.lr - lo) * 0.5 * (1 + math.cos(math.pi * t))
+    lo = lr * args.lr_min_ratio
+    return lo + (lr - lo) * 0.5 * (1 + math.cos(math.pi * t))
 
 
-def torch_schedule(optimizer, args):
+def torch_schedule(optimizer, args, base: float | None = None):
     """The same schedule from torch.optim.lr_scheduler, for the reference: an oracle that shares
     no code with lr_at (a bug there, e.g. the schedule one step ahead, cannot hide by appearing on
     both sides). Stepped once per optimizer step, after it, so step k runs at factor:
@@ -33,7 +34,7 @@ def torch_schedule(optimizer, args):
                                  total_iters=max(1, W - 1)))
     if args.lr_schedule == "cosine":
         phases.append(S.CosineAnnealingLR(optimizer, T_max=max(1, args.steps - W),
-                                          eta_min=args.lr * args.lr_min_ratio))
+                                          eta_min=(base or args.lr) * args.lr_min_ratio))
     if len(phases) == 2:
         return S.SequentialLR(optimizer, phases, milestones=[W])
     return phases[0] if phases else None
@@ -45,12 +46,16 @@ class Scheduled:
 
     def __init__(self, ref_model, args, env):
         super().__init__(ref_model, args, env)
-        self.scheduler = torch_schedule(self.optimizer, args)
+        opt = self.optimizer   # OracleMuon: torch's Muon (from --muon-lr) and AdamW, each its own
+        pairs = ([(opt.muon, args.muon_lr), (opt.adamw, None)] if hasattr(opt, "muon")
+                 else [(opt, None)])
+        self.schedulers = [s for s in (torch_schedule(o, args, base) for o, base in pairs)
+                           if s is not None]
 
     def step(self, batch):
         loss = super().step(batch)
-        if self.scheduler is not None:
-            self.scheduler.step()
+        for s in self.schedulers:
+            s.step()
         return loss
 
 
