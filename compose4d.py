@@ -21,7 +21,8 @@ One step: this rank's dp share of the sequences and cp share of their tokens (zi
 global positions) through its pipeline stage in M micro-batches, each backpropagating
 CE_sum / N_global; then the sums over dp x cp (ZeRO's reduce-scatter), over tp (partial gradients
 of SP's norms), over the tied pair; global-norm clipping (each element counted once,
-`shared_over`); AdamW on the shards; the all-gather of the updated parameters.
+`shared_over`); AdamW (or --optimizer muon: muon.py's owners) on the shards; the all-gather of
+the updated parameters.
 
 Communication per step and rank: the formulas are trainer4d/comm.py's (tp 4 L_r + f + l
 all-reduces of N_r H b; cp 2 (C-1) hops per layer and micro-batch; pp 2 M sends per boundary;
@@ -172,6 +173,7 @@ class Parallel4D:
             self.optimizer = zero.ZeroOptimizer(
                 muon.param_groups(model.named_parameters(), args.lr, args.muon_lr),
                 muon.MuonAdamW, engine=self.zero, **muon_kwargs(args, params[0].dtype))
+            # (ZeroOptimizer planned the owners for ZeRO's shards alone: again, with tp's split)
             self.optimizer.inner.on_shards(self.optimizer, self.tp)
         else:
             self.optimizer = zero.ZeroOptimizer(
@@ -377,14 +379,14 @@ class Parallel4D:
         return lr_at(step, self.args)
 
     def update(self, grads: list[torch.Tensor]):
-        """Clip by the global norm, AdamW on the shards at this step's learning rate, all-gather
-        the updated parameters."""
+        """Clip by the global norm, the optimizer on the shards at this step's learning rate,
+        all-gather the updated parameters."""
         with phase("optimizer"):
             self.grad_norm = self.last_norm = self.clip(grads, self.args.clip)
             t = self.t + 1 if planted("lr-one-step-ahead") else self.t   # plant
             for g in self.optimizer.param_groups:   # (Muon's matrices: from --muon-lr)
                 g["lr"] = lr_at(t, self.args, self.args.muon_lr if g.get("muon") else None)
-            self.optimizer.step()     # AdamW on the edited shards, then the all-gather
+            self.optimizer.step()     # on the edited shards, then the all-gather
         compose_moe.after_step(self.blocks, self.args)   # (the aux-free bias)
         self.t += 1
 

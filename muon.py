@@ -95,8 +95,8 @@ class MuonAdamW(torch.optim.Optimizer):
     one torch optimizer (schedulers, state_dict). Its states are elementwise: momentum_buffer;
     step, exp_avg, exp_avg_sq (torch's names). NS sees whole matrices through
     `self.orthogonalize(opt, params, updates, group) -> [(O, lr scale)]` (default: each
-    parameter is a whole matrix, `local`); a sharded layout swaps it (on_shards for ZeRO,
-    tp_gather for TP). ns_dtype: Newton-Schulz's (torch's bfloat16; None: the parameters' own,
+    parameter is a whole matrix, `local`); a sharded layout swaps it (on_shards for ZeRO and
+    compose4d, tp_gather for TP, fsdp_owner for FSDP: `build` picks). ns_dtype: Newton-Schulz's (torch's bfloat16; None: the parameters' own,
     the exact mode). eps is AdamW's (torch.optim.Muon's eps is Newton-Schulz's, NS_EPS here)."""
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
@@ -185,9 +185,14 @@ def build(model, lr: float, muon_lr: float, tpm=None, **kw) -> MuonAdamW:
     opt.names = {q: name_of[id(p)] for p, q in zip(getattr(opt, "model_params", held), held)}
     if tpm is not None:
         opt.orthogonalize = tp_gather(tpm, opt.names)
-    mats = [p for g in opt.param_groups if g["muon"] for p in g["params"]]
-    if any(hasattr(p, "_fsdp_param") for p in mats):   # fsdp.py's shards
-        opt.orthogonalize = fsdp_owner(mats, opt.names)
+    model_of = dict(zip(held, getattr(opt, "model_params", held)))
+    mats = [q for g in opt.param_groups if g["muon"] for q in g["params"]]
+    sharded = [getattr(model_of[q], "_fsdp_param", None) for q in mats]
+    if any(sp is not None for sp in sharded):          # fsdp.py's shards (or their masters)
+        if tpm is not None or any(sp is None for sp in sharded):
+            raise ValueError("muon.build: Muon's matrices must be all sharded by fsdp.fully_shard "
+                             "(none ignored) and not split by tp as well")
+        opt.orthogonalize = fsdp_owner(mats, opt.names, sharded)
         opt.shard_aware = True   # (fsdp.py refuses a matrix optimizer that is not)
     return opt
 
@@ -273,7 +278,8 @@ def zero_gather(zopt):
 
 
 class Matrix(NamedTuple):
-    """A Muon matrix that the ranks hold in pieces: its name, its (tp-local) parameter, and
+    """A Muon matrix that the ranks hold in pieces: its name, its parameter (tp-local under
+    compose4d; FSDP: a meta tensor of the whole shape), and
     `held`, the flat range [a, b) of it (row-major) that each rank of the group holds (empty:
     a == b). ZeRO: where the flat shards cut its unit (unit_index, unit, offset: its place in
     the unit's flat [W s] buffer); FSDP: each rank's rows."""
@@ -302,7 +308,12 @@ class OwnerPlan:
         self.mats, self.group, self.me, self.like, self.tpm = mats, group, rank, like, tpm
         self.pieces = pieces    # (params, updates) -> {i: flat [b - a]}: this rank's pieces
         self.place = place      # (params, {i: flat [b - a]}) -> [(O, lr scale)] per parameter
-        W = len(mats[0].held) if mats else 1
+        W = dist.get_world_size(group)
+        for m in mats:   # the ranks' pieces tile the matrix, in rank order
+            spans = [(a, b) for a, b in m.held if a < b]
+            starts, stops = [a for a, _ in spans], [b for _, b in spans]
+            if len(m.held) != W or starts != [0] + stops[:-1] or stops[-1:] != [m.param.numel()]:
+                raise ValueError(f"muon owner mode: {m.name}'s pieces do not tile it: {m.held}")
         self.flops = [0] * W                # each rank's Newton-Schulz FLOPs per step
         self.owner = [0] * len(mats)
         cost = [ns_flops(self.shape(m)) for m in mats]
@@ -323,34 +334,35 @@ class OwnerPlan:
         mine, like = self.pieces(params, updates), self.like            # {i: flat [b - a]}
         send = torch.cat([mine[i] for d in self.sends for i, _, _ in d]
                          or [like.new_zeros(0)])                        # [my matrix elements]
-        got = self._exchange(send, self.sends, self.recvs)              # [elements I own]
-        full, k = {}, 0                # each owned matrix assembled from its holders' pieces
+        received = self._exchange(send, self.sends, self.recvs)         # [elements I own]
+        assembled, k = {}, 0        # each owned matrix from its holders' pieces (tp-local)
         for r in self.recvs:
             for i, a, b in r:
-                if i not in full:
-                    full[i] = like.new_empty(self.mats[i].param.numel())   # [A B]
-                full[i][a:b] = got[k:k + b - a]
+                if i not in assembled:
+                    assembled[i] = like.new_empty(self.mats[i].param.numel())   # [A B]
+                assembled[i][a:b] = received[k:k + b - a]
                 k += b - a
-        out, owned = {}, sorted(full)   # Newton-Schulz on the matrices this rank owns
-        mats = {self.mats[i].name: full[i].view(self.mats[i].param.shape) for i in owned}
+        out, owned = {}, sorted(assembled)   # Newton-Schulz on the matrices this rank owns
+        whole = {self.mats[i].name: assembled[i].view(self.mats[i].param.shape) for i in owned}
         tpm = None if planted("muon-blockwise") else self.tpm   # plant: NS on the tp shards
         if tpm is not None:
-            mats = tpm.full(mats)        # T x [A/T, B] -> [A, B] (or columns), over tp
+            whole = tpm.full(whole)      # T x [A/T, B] -> [A, B] (or columns), over tp
         for i in owned:
             name = self.mats[i].name
-            shape = (self.mats[i].param.shape if planted("muon-lr-by-shard")   # plant: the
-                     else mats[name].shape)                                 # tp shard's shape
-            o = newton_schulz(mats[name], g["ns_steps"], opt.ns_dtype(g, full[i]))
+            # (plant muon-lr-by-shard: the scale from the tp shard's shape, not the matrix's)
+            shape = self.mats[i].param.shape if planted("muon-lr-by-shard") else \
+                whole[name].shape
+            o = newton_schulz(whole[name], g["ns_steps"], opt.ns_dtype(g, assembled[i]))
             if tpm is not None:
                 o = tpm.local(name, o)                              # [A, B] -> this tp shard
             out[i] = (o.to(like.dtype) * lr_scale(shape)).reshape(-1)   # -> flat [A B / T]
         back = torch.cat([out[i][a:b] for r in self.recvs for i, a, b in r]
                          or [like.new_zeros(0)])
-        got = self._exchange(back, self.recvs, self.sends)              # [my matrix elements]
+        returned = self._exchange(back, self.recvs, self.sends)         # [my matrix elements]
         result, k = {}, 0
         for d in self.sends:
             for i, a, b in d:
-                result[i] = got[k:k + b - a]
+                result[i] = returned[k:k + b - a]
                 k += b - a
         return self.place(params, result)
 
@@ -382,10 +394,10 @@ class OwnerPlan:
         return 2, (mine + owned) * b
 
 
-def cut(lo: int, n: int, a: int, b: int) -> tuple[int, int]:
-    """[lo, lo + n) intersected with [a, b), relative to lo (empty: start == stop)."""
-    start = min(max(lo, a), lo + n) - lo
-    return start, max(min(lo + n, b) - lo, start)
+def cut(off: int, n: int, a: int, b: int) -> tuple[int, int]:
+    """[off, off + n) intersected with [a, b), relative to off (empty: start == stop)."""
+    start = min(max(off, a), off + n) - off
+    return start, max(min(off + n, b) - off, start)
 
 
 def zero_owner(zopt, tpm=None) -> OwnerPlan:
@@ -406,8 +418,8 @@ def zero_owner(zopt, tpm=None) -> OwnerPlan:
         for i, m in enumerate(ms):
             a, b = m.held[m.unit.rank]
             if a < b:
-                lo = m.offset - m.unit.lo
-                out[i] = shards[m.unit_index][lo + a:lo + b]
+                at = m.offset - m.unit.lo         # the matrix's start, in this rank's shard
+                out[i] = shards[m.unit_index][at + a:at + b]
         return out
 
     def place(views, result):                 # each piece back into its unit's shard
@@ -415,35 +427,35 @@ def zero_owner(zopt, tpm=None) -> OwnerPlan:
         for i, o in result.items():
             m = ms[i]
             a, b = m.held[m.unit.rank]
-            lo = m.offset - m.unit.lo
-            shards[m.unit_index][lo + a:lo + b] = o
+            at = m.offset - m.unit.lo
+            shards[m.unit_index][at + a:at + b] = o
         return per_view(zopt, views, shards)
-    u0 = zopt.engine.units[0]
-    return OwnerPlan(ms, ms[0].unit.group if ms else u0.group, u0.rank, zopt.masters[0], pieces,
-                     place, tpm)
+    group = ms[0].unit.group if ms else zopt.engine.units[0].group
+    return OwnerPlan(ms, group, dist.get_rank(group), zopt.masters[0], pieces, place, tpm)
 
 
-def fsdp_owner(params, names: dict) -> OwnerPlan:
+def fsdp_owner(params, names: dict, sharded) -> OwnerPlan:
     """owner on fsdp.py's shards: each parameter is rank r's rows [r c, (r+1) c) of its matrix
     (c = ceil(rows / W), torch.chunk's cut), so its piece on rank r is that row range, flat;
-    over the units' shard group."""
-    groups = {id(p._fsdp_param.sharded._fsdp_unit.group): p._fsdp_param.sharded._fsdp_unit
-              for p in params}
-    if len(groups) > 1:
+    over the units' shard group. params: what the optimizer steps (the shards, or their fp32
+    masters); sharded: their fsdp.ShardedParam (the whole shape, the cut, the unit)."""
+    units = {id(sp.sharded._fsdp_unit.group): sp.sharded._fsdp_unit for sp in sharded}
+    if len(units) > 1:
         raise ValueError("muon owner mode: the matrices are sharded over different groups")
-    unit = next(iter(groups.values()))
+    unit = next(iter(units.values()))
     group, W, me = unit.group, unit.world, unit.rank
     ms = []
-    for p in params:
-        sp = p._fsdp_param                     # fsdp.ShardedParam: the whole shape, the cut
-        full = torch.empty(sp.shape, device="meta")
+    for p, sp in zip(params, sharded):
+        whole = torch.empty(sp.shape, device="meta")     # (only its shape and numel are read)
         held = [(min(r * sp.rows, sp.shape[0]) * sp.rest,
                  min((r + 1) * sp.rows, sp.shape[0]) * sp.rest) for r in range(W)]
-        ms.append(Matrix(names[p], full, held))
+        ms.append(Matrix(names[p], whole, held))
     index = {p: i for i, p in enumerate(params)}
 
-    def pieces(ps, updates):                   # (rows_r, B) -> flat [rows_r B]
-        return {index[p]: u.reshape(-1) for p, u in zip(ps, updates) if u.numel()}
+    def pieces(ps, updates):                   # (rows_r, B) -> flat [rows_r B]; no gradient
+        got = dict(zip(ps, updates))           # this step: zeros (every rank sends its piece)
+        return {i: (got[p] if p in got else torch.zeros_like(p)).reshape(-1)
+                for p, i in index.items() if p.numel()}
 
     def place(ps, result):
         return [(result[index[p]].view(p.shape) if p.numel() else torch.zeros_like(p), 1.0)
@@ -465,6 +477,23 @@ def tp_gather_comm(shard_numels, T: int, b: int) -> tuple[int, int]:
     T-split matrix, T shards of b bytes per element arriving at every tp rank (A B elements;
     T/kv_heads copies of each kv head when T > kv heads)."""
     return len(shard_numels), T * sum(shard_numels) * b
+
+
+def tp_distributed_comm(shape, split_dim: int, T: int, b: int,
+                        steps: int = NS_STEPS) -> tuple[int, int]:
+    """(tp-distributed, tp-gather): the bytes each rank moves (a ring's wire traffic) per step
+    for one matrix [A, B] split T ways along split_dim. tp-distributed is not built: this
+    formula says it never pays on these models. Newton-Schulz works on the wide X [m, n]
+    (m <= n; X = G^T when A > B). tp-gather: one all-gather of X, (T-1)/T m n b. Split along n
+    (the Gram X X^T = sum_i X_i X_i^T's contracted dimension): one all-reduce of the m x m Gram
+    per iteration, 2 (T-1)/T m^2 b, the update X_i <- a X_i + (bA + cA^2) X_i stays local.
+    Split along m, the Gram needs every row of X: nothing better than gathering X once (which
+    is tp-gather). So the distributed way is cheaper only when split along n and
+    2 steps m < n: a matrix over 10 times wider than tall."""
+    m, n = sorted(shape[:2])
+    gather = m * n * b * (T - 1) // T
+    along_n = (split_dim == 1) == (shape[0] <= shape[1])   # the split dim is X's n
+    return (steps * 2 * m * m * b * (T - 1) // T if along_n else gather), gather
 
 
 if __name__ == "__main__":   # torchrun muon.py --mode ...: the test rig runs it

@@ -18,7 +18,7 @@ into its two classes (zero.py re-exports the functions):
         shard_param_groups(cls, group_of)        the inner optimizer over flat runs of the
                                                  shards, one run per parameter group and unit
         grad_shards(), clip_grad_norm_(max_norm) the reduced shards; global-norm clipping
-        shard_state(key), load_shard_state(key, shards), steps_taken
+        shard_state(key), load_shard_state(key, shards, where), steps_taken
                                                  an elementwise state, one flat shard per unit
                                                  (compose4d's checkpoints: any layout reads them)
         state_dict(), load_state_dict(sd)        torch's unsharded format (collective): a plain

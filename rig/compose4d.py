@@ -179,6 +179,10 @@ class Compose4D(Parallel4D, Strategy):
             "--optimizer muon: Newton-Schulz on each rank's tp shard of a matrix as if it were "
             "the matrix (not gathered over tp)", ("--tp", "2", "--optimizer", "muon",
                                                   "--length", "32")),
+        "muon-lr-by-shard": Plant(
+            "--optimizer muon: the learning rate's shape adjustment sqrt(max(1, A/B)) from the "
+            "tp shard's shape, not the matrix's (gate/up [I/T, H] lose theirs)",
+            ("--tp", "2", "--optimizer", "muon", "--length", "32")),
     }
     optimizers = ("adamw", "muon")   # muon.py's owner mode over dp x cp, whole over tp
     muon_modes = ("auto", "owner")

@@ -543,14 +543,16 @@ def _fsdp_designs():
 TABLES.update({"fsdp-designs": _fsdp_designs})
 
 
-def _muon():
+def _script_table(module: str, results: str):
+    """A table drawn by a measurement script's own table() from its results file."""
     if os.path.join(HERE, "scripts") not in sys.path:
         sys.path.insert(0, os.path.join(HERE, "scripts"))
-    from muon_bench import table
-    return table(load("results/muon-cpu.json"))
+    import importlib
+    return lambda: importlib.import_module(module).table(load(results))
 
 
-TABLES.update({"muon": _muon})
+TABLES.update({"muon": _script_table("muon_bench", "results/muon-cpu.json"),
+               "muon-text": _script_table("muon_text", "results/muon-text-cpu.json")})
 TABLES.update({"strategies-comm": _strategies_comm, "strategies-memory": _strategies_memory,
                "gpu-w1": _gpu_w1, "gpu-perf": _gpu_perf, "gpu-kernels": _gpu_kernels,
                "gpu-oom-tp": _gpu_oom_tp, "gpu-cp-kernels": _gpu_cp_kernels,

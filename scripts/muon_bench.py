@@ -74,9 +74,9 @@ def ns_flops_rank0(model, script, world, optimizer, mode, tp=1):
 def table(d) -> str:
     """docs/muon.md's table (scripts/docs.py renders it from results/muon-cpu.json)."""
     base = {(r["strategy"], r["world"]): r for r in d["rows"] if r["optimizer"] == "adamw"}
-    out = ["| layout | W | optimizer | step (ms) | vs AdamW | Muon's extra traffic per step "
-           "(rank 0, metered) | Newton-Schulz on rank 0 (GFLOP) | optimizer state, rank 0 |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| layout | W | optimizer | step (ms): median [rounds' range] | vs AdamW | Muon's "
+           "extra traffic per step (rank 0, metered) | Newton-Schulz on rank 0 (GFLOP) | "
+           "optimizer state, rank 0 |", "|---|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
         a = base[r["strategy"], r["world"]]
         extra = []
@@ -86,7 +86,8 @@ def table(d) -> str:
                 extra.append(f"{op.split('|')[0]} {c['calls'] - was['calls']:+.0f} calls, "
                              f"{c['bytes'] - was['bytes']:+,.0f} B")
         name = "AdamW" if r["optimizer"] == "adamw" else f"Muon, {r['mode']}"
-        out.append(f"| {r['strategy']} | {r['world']} | {name} | {r['step_ms']:,.1f} | "
+        spread = f"[{min(r['steps_ms']):,.0f}-{max(r['steps_ms']):,.0f}]"
+        out.append(f"| {r['strategy']} | {r['world']} | {name} | {r['step_ms']:,.1f} {spread} | "
                    f"{r['step_ms'] / a['step_ms']:.2f} | {'; '.join(extra) or '-'} | "
                    f"{r['ns_flops_rank0'] / 1e9:.2f} | {r['optimizer_bytes'] / 2**20:.2f} MiB |")
     return "\n".join(out) + "\n"

@@ -155,11 +155,12 @@ HEAVY = {
                            "--steps", "3", *MUON, *F64],
         "muon-zero3-sp": ["--zero", "3", "--tp", "2", "--sp", *MUON, *F64],
         "muon-moe": ["--model", "tiny-moe", "--ep", "2", *MUON, *F64],
-        "muon-bf16-plants": ["--mode", "plants", "--plants", "muon-blockwise", "--tp", "2",
+        "muon-bf16-plants": ["--mode", "plants", "--plants", "muon-blockwise,muon-lr-by-shard",
+                             "--tp", "2",
                              *MUON, "--dtype", "bfloat16", "--steps", "8", *SHORT],
         "muon-full": [*TRAIN, "--tp", "2", *MUON],
         "muon-first": [*TRAIN, "--tp", "2", "--stop-at", "2", "--save", ck, *MUON],
-        "muon-second": [*TRAIN, "--pp", "2", "--resume", ck, *MUON]}),
+        "muon-second": [*TRAIN, "--dp", "2", "--resume", ck, *MUON]}),
     "compose4d4.py": Runs("compose4d.py", 4, tier="heavy", runs={
         "muon-bench": [*BENCH, "--tp", "2", "--dp", "2", *SHORT]}),
 }
@@ -170,6 +171,23 @@ def assert_pass(r, dtypes=2):
     res = r.json("correctness.json")
     assert len(res) == dtypes and all(x["ok"] and x["worst_ratio"] <= 1 for x in res), res
     assert all(x["max_param_noise"] > 0 for x in res), res
+
+
+def test_tp_distributed_newton_schulz_costs_more_than_gathering_on_llama_shapes():
+    """muon.tp_distributed_comm on hand-worked cases (T=2, 1-byte elements, 5 iterations): a
+    [4, 64] matrix split along its 64 columns (the Gram's contracted dimension) all-reduces
+    4 x 4 per iteration, 5 x 2 x 16 / 2 = 80 B on the wire, under tp-gather's 4 x 64 / 2 = 128 B;
+    its transpose split the same way costs the same; split along the short side there is
+    nothing better than tp-gather. On Llama 3 8B's o, gate/up and down at T=8 (split along n)
+    the Gram all-reduces cost more than one gather; q is split along m: why tp.py gathers."""
+    assert muon.tp_distributed_comm((4, 64), 1, 2, 1) == (80, 128)
+    assert muon.tp_distributed_comm((64, 4), 0, 2, 1) == (80, 128)
+    assert muon.tp_distributed_comm((64, 4), 1, 2, 1) == (128, 128)
+    for shape, dim, ratio in (((4096, 4096), 0, 1.0), ((4096, 4096), 1, 10.0),
+                              ((14336, 4096), 0, 10 * 4096 / 14336),
+                              ((4096, 14336), 1, 10 * 4096 / 14336)):
+        dist_, gather = muon.tp_distributed_comm(shape, dim, 8, 2)
+        assert dist_ / gather == pytest.approx(ratio, rel=1e-6), shape
 
 
 @pytest.mark.slow
@@ -245,8 +263,9 @@ def test_the_gathers_equal_their_formulas(runs, script, key, row):
 
 @pytest.mark.heavy
 def test_compose4d_resumes_muon_on_another_layout(runs):
-    """4 steps at tp 2 == 2 steps at tp 2, a checkpoint, 2 steps at pp 2 (Muon's momentum and
-    AdamW's moments saved whole and sliced for the new layout), float64, per step."""
+    """4 steps at tp 2 == 2 steps at tp 2, a checkpoint, 2 steps at dp 2 (Muon's momentum and
+    AdamW's moments saved whole, then cut by ZeRO's shards across matrices), float64, per
+    step."""
     def losses(key):
         r = runs(HEAVY["compose4d.py"], key)
         assert r.rc == 0, r
@@ -339,3 +358,44 @@ def test_zero_muon_state_dict_resumes_bitwise(tmp_path, world):
     and an unsharded MasterMuon loads it."""
     import torch.multiprocessing as mp
     mp.spawn(_zero_muon_resume, args=(world, str(tmp_path / "init")), nprocs=world)
+
+
+def _fsdp_bf16_shards(rank, world, init_file):
+    """Per rank of test_muon_build_over_bf16_fsdp_shards."""
+    import torch.distributed as dist
+    import fsdp
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        def model():
+            torch.manual_seed(0)   # two matrices of 12 and 7 rows: 7 cut unevenly (4 + 3)
+            return torch.nn.Sequential(torch.nn.Linear(8, 12, bias=False),
+                                       torch.nn.Linear(12, 7, bias=False)).bfloat16()
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1)).bfloat16()
+        fp32_sum = fsdp.MixedPrecisionPolicy(reduce_dtype=torch.float32)   # W equal bf16 grads:
+        ref, sharded, blockwise = model(), *(fsdp.fully_shard(model(), mp_policy=fp32_sum)
+                                             for _ in range(2))            # sum / W exact
+        opts = [muon.build(m, 1e-3, 0.05) for m in (ref, sharded, blockwise)]
+        assert type(opts[1]) is muon.MasterMuon and opts[1].shard_aware   # masters of shards
+        opts[2].orthogonalize = muon.local     # (the bug the check must see: NS per shard)
+        for _ in range(3):                     # the same batch on every rank: FSDP's average
+            for m, opt in zip((ref, sharded, blockwise), opts):   # is the one device's grad
+                m(x).float().pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        want = dict(ref.named_parameters())
+        got, bad = fsdp.full_state_dict(sharded), fsdp.full_state_dict(blockwise)
+        assert all(torch.equal(got[n], w) for n, w in want.items()), rank
+        assert not all(torch.equal(bad[n], w) for n, w in want.items()), rank
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_muon_build_over_bf16_fsdp_shards(tmp_path, world=2):
+    """muon.build over a model whose fsdp.fully_shard shards are bf16 (MasterMuon's fp32
+    masters of them): the owner mode finds the cut through the masters, and 3 steps equal one
+    device's MasterMuon bit for bit (the same batch on every rank, reduced in fp32: the
+    average is exact); Newton-Schulz on each rank's rows does not."""
+    import torch.multiprocessing as mp
+    mp.spawn(_fsdp_bf16_shards, args=(world, str(tmp_path / "init")), nprocs=world)

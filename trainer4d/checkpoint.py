@@ -280,7 +280,8 @@ def load_checkpoint(root: str, d: str | None = None) -> tuple[dict, dict[str, di
 
 
 def restore(strat, meta: dict, full: dict):
-    """Parameters, AdamW moments and step counters from full tensors, sliced for this layout."""
+    """Parameters, the optimizer's moments (AdamW's; Muon's momentum) and step counters from
+    full tensors, sliced for this layout."""
     z, opt = strat.zero, strat.optimizer
 
     def local(kind):
@@ -300,8 +301,9 @@ def restore(strat, meta: dict, full: dict):
             for m, new in zip(opt.masters, saved):
                 m.copy_(new)
         for kind in state_kinds(strat.args):   # (Muon's state in its groups, AdamW's in theirs)
+            muon_state = kind == "momentum_buffer"
             opt.load_shard_state(kind, z.flat_shards(local(kind)),
-                                 lambda g: bool(g.get("muon")) == (kind == "momentum_buffer"))
+                                 where=lambda group: bool(group.get("muon")) == muon_state)
         for n, b in strat.model.named_buffers():   # (the MoE routers' selection biases)
             if n in full.get("buffers", {}):
                 b.copy_(full["buffers"][n])

@@ -96,10 +96,12 @@ def _muon_rows(self, dense: str, T: int) -> list[Expect]:
                    "Muon's owner mode: this rank's pieces of each matrix to its owner, the "
                    "owned matrices' results back")]
     if T > 1:
-        calls, nbytes = muon.tp_gather_comm([m.param.numel() for m in plan.owned()], T, b)
+        tpm = self.tp       # (a matrix tp keeps whole, e.g. a MoE router, is not gathered)
+        split = [m for m in plan.owned() if m.name in tpm.split_dim or m.name in tpm.kv_split]
+        calls, nbytes = muon.tp_gather_comm([m.param.numel() for m in split], T, b)
         rows.append(Expect("all_gather", "tp", calls, nbytes,
-                           f"Muon's owned matrices whole over tp: one per matrix ({calls}), "
-                           f"T shards x {b} B"))
+                           f"Muon's owned matrices whole over tp: one per split matrix "
+                           f"({calls}), T shards x {b} B"))
     return rows
 
 

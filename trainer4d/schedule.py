@@ -34,7 +34,7 @@ def torch_schedule(optimizer, args, base: float | None = None):
                                  total_iters=max(1, W - 1)))
     if args.lr_schedule == "cosine":
         phases.append(S.CosineAnnealingLR(optimizer, T_max=max(1, args.steps - W),
-                                          eta_min=(base or args.lr) * args.lr_min_ratio))
+                                          eta_min=(args.lr if base is None else base) * args.lr_min_ratio))
     if len(phases) == 2:
         return S.SequentialLR(optimizer, phases, milestones=[W])
     return phases[0] if phases else None
