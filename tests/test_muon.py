@@ -133,6 +133,8 @@ HEAVY = {
                               *SHORT]}),
     "tp.py": Runs("tp.py", 2, tier="heavy", runs={
         "muon-bench": [*BENCH, *SHORT],
+        # Phi3's fused qkv_proj and gate_up_proj: gathered per segment, orthogonalised whole
+        "muon-phi3": ["--model", "tiny-phi3", *MUON, *F64],
         "muon-bf16-plants": ["--mode", "plants", "--plants", "muon-blockwise,muon-lr-by-shard",
                              *MUON, "--dtype", "bfloat16", "--steps", "8", *SHORT]}),
     "tp4.py": Runs("tp.py", 4, tier="heavy", runs={"muon": [*MUON, *BOTH, *SHORT]}),  # kv copies
@@ -210,7 +212,7 @@ def test_correct_against_torch_muon(runs, script):
     ("ddp.py", "muon", 1), ("zero.py", "muon3", 2), ("zero.py", "muon-gather", 2),
     ("tp4.py", "muon", 2), ("pp.py", "muon", 1), ("cp_ring.py", "muon", 1),
     ("ep_moe.py", "muon", 1), ("sp.py", "muon-megatron", 2), ("sp.py", "muon-ulysses", 1),
-    ("fsdp3.py", "muon", 2), ("compose4d.py", "muon-pp", 1), ("compose4d.py", "muon-cp-cosine", 1),
+    ("fsdp3.py", "muon", 2), ("tp.py", "muon-phi3", 1), ("compose4d.py", "muon-pp", 1), ("compose4d.py", "muon-cp-cosine", 1),
     ("compose4d.py", "muon-zero3-sp", 1), ("compose4d.py", "muon-moe", 1)])
 def test_correct_against_torch_muon_everywhere(runs, script, key, dtypes):
     assert_pass(runs(HEAVY[script], key), dtypes)
