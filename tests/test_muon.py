@@ -168,6 +168,14 @@ HEAVY = {
 }
 
 
+# W=4 (ddp: 3, uneven) for the layouts that hold matrices whole: each joins its script's launch
+# of slow runs at that world size
+WIDE = {"ddp.py": Runs("ddp.py", 3, tier="slow", runs={"muon": ["--batch", "6", *MUON, *F64]}),
+        "pp.py": Runs("pp.py", 4, tier="slow", runs={"muon": [*MUON, *F64]}),
+        "cp_ring.py": Runs("cp_ring.py", 4, tier="slow", runs={"muon": [*MUON, *F64]}),
+        "ep_moe.py": Runs("ep_moe.py", 4, tier="slow", runs={"muon": [*MUON, *F64]})}
+
+
 def assert_pass(r, dtypes=2):
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     res = r.json("correctness.json")
@@ -197,6 +205,13 @@ def test_compose4d_dp_tp_against_torch_muon(runs):
     """compose4d at W=4, dp 2 x tp 2: each matrix's tp shards owned by one dp rank (the same
     on both tp ranks), gathered whole over tp; float64 and bf16 PASS."""
     assert_pass(runs(SLOW["compose4d4.py"], "muon-dp-tp"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", list(WIDE))
+def test_replicated_layouts_at_a_wider_world(runs, script):
+    """Each rank (pp: each stage) orthogonalises the whole matrices it holds: W=3/4 as W=2."""
+    assert_pass(runs(WIDE[script], "muon"), 1)
 
 
 @pytest.mark.parametrize("script", list(QUICK))
