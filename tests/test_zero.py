@@ -388,3 +388,13 @@ def test_zeropp_constraints():
     for argv, msg in cases.items():
         errs = rig.zeropp.zeropp_constraints(p.parse_args(argv.split()), 4, None)
         assert (errs[0].startswith(msg) if msg else errs == []), (argv, errs)
+
+
+@pytest.mark.slow
+def test_zeropp_at_one_rank_checks_qgz_against_the_exact_result():
+    """At W=1 qgZ has no quantizing hop: its check holds it to the exact reduce-scatter (a bound
+    of zero; it read as a failure before, with nothing recorded)."""
+    from conftest import launch
+    r = launch("zeropp.py", 1, "--node-size", "1", "--length", "32", torchrun=False)
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    assert "ok (max |qgZ - exact| / bound = 0.000 (N=1, M=1))" in r.stdout, r
