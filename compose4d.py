@@ -169,7 +169,7 @@ class Parallel4D:
                               unit_groups={u[0]: egroup for u in units if u[0].endswith("experts")},
                               reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
         params = list(model.parameters())     # AdamW on the shards, the run's hyperparameters
-        if args.optimizer == "muon":   # muon.py: each matrix to an owner over dp x cp, whole over tp
+        if args.optimizer == "muon":   # muon.py: an owner per matrix over dp x cp, whole over tp
             self.optimizer = zero.ZeroOptimizer(
                 muon.param_groups(model.named_parameters(), args.lr, args.muon_lr),
                 muon.MuonAdamW, engine=self.zero, **muon_kwargs(args, params[0].dtype))

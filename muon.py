@@ -96,8 +96,9 @@ class MuonAdamW(torch.optim.Optimizer):
     step, exp_avg, exp_avg_sq (torch's names). NS sees whole matrices through
     `self.orthogonalize(opt, params, updates, group) -> [(O, lr scale)]` (default: each
     parameter is a whole matrix, `local`); a sharded layout swaps it (on_shards for ZeRO and
-    compose4d, tp_gather for TP, fsdp_owner for FSDP: `build` picks). ns_dtype: Newton-Schulz's (torch's bfloat16; None: the parameters' own,
-    the exact mode). eps is AdamW's (torch.optim.Muon's eps is Newton-Schulz's, NS_EPS here)."""
+    compose4d, tp_gather for TP, fsdp_owner for FSDP: `build` picks). ns_dtype:
+    Newton-Schulz's (torch's bfloat16; None: the parameters' own, the exact mode). eps is
+    AdamW's (torch.optim.Muon's eps is Newton-Schulz's, NS_EPS here)."""
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_steps=NS_STEPS, ns_dtype=torch.bfloat16, betas=(0.9, 0.95), eps=1e-8,
@@ -181,11 +182,11 @@ def build(model, lr: float, muon_lr: float, tpm=None, **kw) -> MuonAdamW:
     low = any(p.dtype in (torch.bfloat16, torch.float16) for _, p in named)
     opt = (MasterMuon if low else MuonAdamW)(param_groups(named, lr, muon_lr), **kw)
     held = [q for g in opt.param_groups for q in g["params"]]         # (the masters, if any)
+    model_of = dict(zip(held, getattr(opt, "model_params", held)))    # held -> the module's
     name_of = {id(p): n for n, p in named}
-    opt.names = {q: name_of[id(p)] for p, q in zip(getattr(opt, "model_params", held), held)}
+    opt.names = {q: name_of[id(p)] for q, p in model_of.items()}
     if tpm is not None:
         opt.orthogonalize = tp_gather(tpm, opt.names)
-    model_of = dict(zip(held, getattr(opt, "model_params", held)))
     mats = [q for g in opt.param_groups if g["muon"] for q in g["params"]]
     sharded = [getattr(model_of[q], "_fsdp_param", None) for q in mats]
     if any(sp is not None for sp in sharded):          # fsdp.py's shards (or their masters)
@@ -279,10 +280,10 @@ def zero_gather(zopt):
 
 class Matrix(NamedTuple):
     """A Muon matrix that the ranks hold in pieces: its name, its parameter (tp-local under
-    compose4d; FSDP: a meta tensor of the whole shape), and
-    `held`, the flat range [a, b) of it (row-major) that each rank of the group holds (empty:
-    a == b). ZeRO: where the flat shards cut its unit (unit_index, unit, offset: its place in
-    the unit's flat [W s] buffer); FSDP: each rank's rows."""
+    compose4d; FSDP: a meta tensor of the whole shape), and `held`, the flat range [a, b) of it
+    (row-major) that each rank of the group holds (empty: a == b). ZeRO: where the flat shards
+    cut its unit (unit_index, unit, offset: its place in the unit's flat [W s] buffer); FSDP:
+    each rank's rows."""
     name: str
     param: torch.Tensor
     held: list

@@ -17,6 +17,7 @@ import zero
 from compose4d import Parallel4D
 from rig.compose_moe import MoEReference, constraints as moe_constraints
 from rig.cp_ring import ring_refusals
+from rig.ddp import MUON_PLANT
 from rig.ep_moe import add_moe_args
 from rig.tp import tp_constraints
 
@@ -137,6 +138,7 @@ class Compose4D(Parallel4D, Strategy):
            "--lr-schedule", "cosine", "--lr-warmup", "2", "--steps", "3")
     _TP = ("--tp", "2", "--sp", "--model", TIED_MODEL)
     _PP = ("--pp", "2", "--dtype", "float32", "--clip", "0.5", "--model", TIED_MODEL)
+    _MUON = ("--tp", "2", *MUON_PLANT)
     _MOE = ("--model", "tiny-moe", "--ep", "2", "--pp", "2", "--dtype", "float32", "--clip", "0.5")
     plants = {
         "expert-grads-over-dpcp": Plant(
@@ -177,12 +179,10 @@ class Compose4D(Parallel4D, Strategy):
             "are not summed: each updates with its own part of the gradient", _PP),
         "muon-blockwise": Plant(
             "--optimizer muon: Newton-Schulz on each rank's tp shard of a matrix as if it were "
-            "the matrix (not gathered over tp)", ("--tp", "2", "--optimizer", "muon",
-                                                  "--length", "32")),
+            "the matrix (not gathered over tp)", _MUON),
         "muon-lr-by-shard": Plant(
             "--optimizer muon: the learning rate's shape adjustment sqrt(max(1, A/B)) from the "
-            "tp shard's shape, not the matrix's (gate/up [I/T, H] lose theirs)",
-            ("--tp", "2", "--optimizer", "muon", "--length", "32")),
+            "tp shard's shape, not the matrix's (gate/up [I/T, H] lose theirs)", _MUON),
     }
     optimizers = ("adamw", "muon")   # muon.py's owner mode over dp x cp, whole over tp
     muon_modes = ("auto", "owner")

@@ -47,6 +47,10 @@ def clip_and_step(strat):
         strat.optimizer.step()
 
 
+# the Muon plants' configuration (a short sequence: the proofs do not need 64 tokens)
+MUON_PLANT = ("--optimizer", "muon", "--length", "32")
+
+
 def make_optimizer(model, args, tpm=None):
     """The run's optimizer over a module this rank holds whole (replicated) or T-way split
     (tp.py, sp.py: tpm, Muon's tp-gather): AdamW, or muon.build's with --optimizer muon."""

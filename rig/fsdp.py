@@ -14,7 +14,7 @@ import muon
 from fsdp import MixedPrecisionPolicy, collectives_per_unit, fully_shard, hsdp_groups
 from fsdp_state import clip_grad_norm_, full_tensors, units
 
-from rig.ddp import DDP, batch_constraints
+from rig.ddp import DDP, MUON_PLANT, batch_constraints
 from rig.zero import TorchFSDP2
 
 
@@ -73,7 +73,7 @@ class FSDP(Strategy):
                             world=3),
         "muon-owner-keeps-update": Plant(
             "--optimizer muon: the owners' Newton-Schulz results are not sent back to the "
-            "ranks holding the other rows", ("--optimizer", "muon", "--length", "32")),
+            "ranks holding the other rows", MUON_PLANT),
         "replicas-not-averaged": Plant("HSDP: the reduced shards are not all-reduced over the "
                                        "replicas: each steps on its half of the batch",
                                        ("--replicate", "2"), world=4),

@@ -11,7 +11,7 @@ from tp import (LOSS_ALL_REDUCES, TensorParallel, parallelize, region_all_reduce
                 shape_constraints)
 from tp_plan import classify, meta_model
 import muon
-from rig.ddp import make_optimizer
+from rig.ddp import MUON_PLANT, make_optimizer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -34,7 +34,6 @@ def standalone_constraints(args, world, config) -> list[str]:
 # Where each planted bug must FAIL: the tour's model, float32 with clipping (clipping hides a
 # gradient scale error unless gradients are compared before it; float32 is the harder case).
 PLANT_ARGS = ("--model", "configs/tiny-gqa8.json", "--dtype", "float32", "--clip", "0.5")
-MUON_PLANT = ("--optimizer", "muon", "--length", "32")
 
 
 class TP(Strategy):

@@ -11,7 +11,7 @@ import ddp
 from zero import Zero, ZeroOptimizer, collectives_per_unit
 from zero_state import state_bytes
 
-from rig.ddp import TorchDDP, batch_constraints
+from rig.ddp import MUON_PLANT, TorchDDP, batch_constraints
 
 
 def optimizer_on_shards(model, engine: Zero, args) -> ZeroOptimizer:
@@ -62,11 +62,11 @@ class ZeRO(Strategy):
     plants = {
         "muon-owner-keeps-update": Plant(
             "--optimizer muon, owner mode: the owners' Newton-Schulz results are not sent back "
-            "to the ranks holding the pieces", ("--optimizer", "muon", "--length", "32")),
+            "to the ranks holding the pieces", MUON_PLANT),
         "muon-no-gather": Plant(
             "--optimizer muon: Newton-Schulz on the matrix with only this rank's shard of the "
             "update (zeros elsewhere) instead of the gathered whole",
-            ("--optimizer", "muon", "--muon-mode", "gather", "--length", "32")),
+            (*MUON_PLANT, "--muon-mode", "gather")),
         "no-average": Plant("the reduce-scatter sums the gradients instead of averaging "
                             "them (2x at W=2; clipping would hide it)", _ACCUM_CLIP),
         "overwrite-accum": Plant("stages 2/3 overwrite the reduced gradient shard with "

@@ -28,13 +28,13 @@ def torch_schedule(optimizer, args, base: float | None = None):
         constant  LinearLR stays at its end factor 1 (no scheduler at all without warm-up)
     None when the learning rate is constant throughout."""
     from torch.optim import lr_scheduler as S
-    W, phases = args.lr_warmup, []
+    W, phases, lr = args.lr_warmup, [], args.lr if base is None else base
     if W > 0:
         phases.append(S.LinearLR(optimizer, start_factor=1.0 / W, end_factor=1.0,
                                  total_iters=max(1, W - 1)))
     if args.lr_schedule == "cosine":
         phases.append(S.CosineAnnealingLR(optimizer, T_max=max(1, args.steps - W),
-                                          eta_min=(args.lr if base is None else base) * args.lr_min_ratio))
+                                          eta_min=lr * args.lr_min_ratio))
     if len(phases) == 2:
         return S.SequentialLR(optimizer, phases, milestones=[W])
     return phases[0] if phases else None
