@@ -65,6 +65,8 @@ class NaiveDataParallel(torch.nn.Module):
     def sync_gradients(self):
         W = dist.get_world_size(self.group)
         for p in self.module.parameters():
+            if not p.requires_grad and not planted("lora-base-reduced"):   # plant: frozen sent
+                continue                # (a frozen parameter, LoRA's base: nothing to reduce)
             if p.grad is None:          # (every rank sends every parameter: same calls)
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self.group)              # [p.shape], summed over W

@@ -34,6 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import lora
+from lora import param_like
 from tp_plan import classify, head_dims, LocalHeads, pad_vocab, ShardedTensors
 from tp_plan import join_shards, meta_model, shape_constraints   # noqa: F401 (re-exported)
 from harness import all_reduce_flat, IGNORE_INDEX, clip_by_norm, planted
@@ -126,8 +128,9 @@ class ColumnParallelLinear(nn.Module):
         # [out, in] -> [out/T, in]; fused: each segment's slice, concatenated along dim 0
         pick = ((lambda t: torch.cat([t[s] for s in rows])) if isinstance(rows, list)
                 else (lambda t: t[rows or slice(None)]))
-        self.weight = nn.Parameter(pick(linear.weight.detach()).clone())
-        self.bias = (nn.Parameter(pick(linear.bias.detach()).clone())
+        # (param_like: a frozen tensor stays frozen, LoRA's base)
+        self.weight = param_like(pick(linear.weight.detach()), linear.weight)
+        self.bias = (param_like(pick(linear.bias.detach()), linear.bias)
                      if linear.bias is not None else None)
 
     def forward(self, x):                # (B, S, in) -> (B, S, out/T)
@@ -161,7 +164,7 @@ class ShardedRMSNorm(nn.Module):
 
     def __init__(self, norm: nn.Module, rows: slice, width: int, group):
         super().__init__()
-        self.weight = nn.Parameter(norm.weight.detach()[rows].clone())   # [n d] -> [n d/T]
+        self.weight = param_like(norm.weight.detach()[rows], norm.weight)   # [n d] -> [n d/T]
         self.eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
         self.width, self.group = width, group
 
@@ -179,8 +182,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, cols: slice, region: TPRegion):
         super().__init__()
         self.region = region
-        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())   # [out, in/T]
-        self.bias = (nn.Parameter(linear.bias.detach().clone())
+        self.weight = param_like(linear.weight.detach()[:, cols], linear.weight)   # [out, in/T]
+        self.bias = (param_like(linear.bias.detach(), linear.bias)
                      if linear.bias is not None else None)
 
     def forward(self, x):                # (B, S, in/T) -> (B, S, out), reduced by the region
@@ -213,7 +216,7 @@ class VocabParallelEmbedding(nn.Module):
                         device=emb.weight.device)
         rows = emb.weight.detach()[lo:lo + per_rank]   # [V, H] -> [<= V/T, H] (true vocab only)
         w[:rows.shape[0]] = rows  # rows past the true vocabulary stay zero (padding)
-        self.weight = nn.Parameter(w)
+        self.weight = nn.Parameter(w, requires_grad=emb.weight.requires_grad)
 
     def forward(self, ids):              # (B, S) token ids -> (B, S, H)
         outside = (ids < self.lo) | (ids >= self.lo + self.per_rank)
@@ -331,6 +334,7 @@ class TensorParallel(ShardedTensors):
         self._cuts = {"q_proj": q_rows, "o_proj": q_rows, "q_norm": q_rows,
                       "k_proj": kv_rows, "v_proj": kv_rows, "k_norm": kv_rows}
         self._head_dims = (head_dim, hq_full, hkv)
+        lora.split_for_tp(self)   # peft's LoRA layers: base and adapters split by the kinds
         # The layout, once: each module whose weight's kind INSTALL names becomes that kind's
         # parallel module, its tensors split along the kind's dim; the other kinds stay whole
         # (the vocabulary is split below)
@@ -338,7 +342,7 @@ class TensorParallel(ShardedTensors):
             if kind not in INSTALL:
                 continue
             dim, build = INSTALL[kind]
-            if pname.endswith(".weight"):
+            if pname.endswith(".weight") and lora.base_name(pname)[1] is None:
                 name = pname[:-len(".weight")]
                 parent, leaf = name.rsplit(".", 1)
                 setattr(model.get_submodule(parent), leaf,
@@ -350,7 +354,7 @@ class TensorParallel(ShardedTensors):
         base = model.model
         for i, layer in enumerate(base.layers):
             a, m, p = layer.self_attn, layer.mlp, f"model.layers.{i}."
-            if self.kinds.get(p + "self_attn.qkv_proj.weight") == "fused":
+            if self._kind(p + "self_attn.qkv_proj") == "fused":
                 # Phi3 finds its q rows at config.num_attention_heads * head_dim: this rank's
                 # heads, the rest read through from the shared config (cp_ring and recompute
                 # change its attention implementation later)
@@ -364,7 +368,7 @@ class TensorParallel(ShardedTensors):
             # block, its MLP not split, runs whole on every rank, outside any region)
             a.register_forward_pre_hook(self._enter_kwargs, with_kwargs=True)
             a.register_forward_hook(self._leave)
-            if self.kinds.get(p + "mlp.down_proj.weight") == "row":
+            if self._kind(p + "mlp.down_proj") == "row":
                 m.register_forward_pre_hook(self._enter_args)
                 m.register_forward_hook(self._leave)
         named = dict(model.named_parameters())
@@ -387,7 +391,7 @@ class TensorParallel(ShardedTensors):
             w = torch.zeros(per, full.shape[1], dtype=full.dtype, device=full.device)  # [V/T, H]
             mine = full[self.vocab_lo:self.vocab_lo + per]      # [V, H] -> [<= V/T, H]
             w[:mine.shape[0]] = mine
-            head.weight = nn.Parameter(w)
+            head.weight = nn.Parameter(w, requires_grad=model.lm_head.weight.requires_grad)
         model.lm_head = head
         model.lm_head.register_forward_pre_hook(self._enter_args)
         model.lm_head.register_forward_hook(self._leave)
@@ -400,6 +404,10 @@ class TensorParallel(ShardedTensors):
         partial = ("replicated", "partial") if seq_parallel else ("partial",)
         self.group_partials: list[nn.Parameter] = [
             p for n, p in model.named_parameters() if self.kinds.get(n) in partial]
+
+    def _kind(self, module: str) -> str | None:
+        """The kind of a projection's weight (its base's, under a LoRA layer)."""
+        return self.kinds.get(f"{module}.weight") or self.kinds.get(f"{module}.base_layer.weight")
 
     def _mine(self, n_per_rank: int) -> slice:
         return slice(self.rank * n_per_rank, (self.rank + 1) * n_per_rank)
@@ -414,8 +422,10 @@ class TensorParallel(ShardedTensors):
         head_dim, hq_full, hkv = self._head_dims
         segs = ((hq_full * head_dim, hkv * head_dim, hkv * head_dim)
                 if name.endswith("qkv_proj") else (linear.out_features // 2,) * 2)
-        for kind in ("weight", "bias"):
+        for kind in ("weight", "bias", "base_layer.weight", "base_layer.bias"):
             self.segments[f"{name}.{kind}"] = segs
+        for a in getattr(self.model.get_submodule(name), "lora_B", {}):   # a LoRA layer's B:
+            self.segments[f"{name}.lora_B.{a}.weight"] = segs          # rows as W's segments
         return [slice(a, b) for _, a, b in self.local_range(f"{name}.weight", None)]
 
     def _enter_kwargs(self, module, args, kwargs):
@@ -448,6 +458,8 @@ class TensorParallel(ShardedTensors):
             plain = [p for p in plain if self.kinds.get(self._name(p)) != "replicated"]
         if planted("qk-norm-grads-unreduced"):   # plant: per-head q/k norms kept per rank
             plain = [p for p in plain if self.kinds.get(self._name(p)) != "partial"]
+        if planted("lora-a-unsummed"):   # plant: a column base's lora_A gradient kept per rank
+            plain = [p for p in plain if lora.base_name(self._name(p))[1] != "lora_A"]
         if planted("kv-copies-summed-across-heads"):   # plant: every kv head's copies summed
             kv, plain = [], [*kv, *plain]             # with every other head's
         back = []

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import lora
+
 
 # How TP treats each parameter of an HF decoder, by its name inside a layer. Every parameter
 # gets one of these kinds; one that gets none is refused (classify()), never trained wrong.
@@ -59,11 +61,17 @@ def classify(model, T: int) -> tuple[dict[str, str], list[str]]:
                     f"(model.model.layers, model.model.embed_tokens): tensor parallelism does "
                     f"not know its layout (ddp, zero, fsdp and pp run any causal LM)"]
     for name, module in model.named_modules():
-        parts = name.split(".")
-        leaf = parts[-1]
         own = list(module.named_parameters(recurse=False))
         if not own:
             continue
+        # inside a peft LoRA layer: the base is classified as the module it replaced, each
+        # adapter by its base's kind (lora.ADAPTER_KINDS); `module` becomes what peft wrapped
+        at = name
+        wrapped, part = lora.base_name(name)
+        if part is not None:
+            name, module = wrapped, model.get_submodule(wrapped).base_layer
+        parts = name.split(".")
+        leaf = parts[-1]
         in_layer = len(parts) >= 4 and parts[:2] == ["model", "layers"]
         why = None
         if name in ("model.embed_tokens", "lm_head"):
@@ -100,8 +108,14 @@ def classify(model, T: int) -> tuple[dict[str, str], list[str]]:
             kind = "replicated"
         else:
             kind = None
+        if part in lora.ADAPTERS:
+            kind = lora.adapter_kind(kind, part)
+            if kind is None:
+                why = why or "a LoRA adapter on a module tensor parallelism does not split"
+        elif part is not None and kind == "vocab":
+            kind, why = None, "a LoRA layer on the vocabulary is not supported"
         for pname, p in own:
-            full = f"{name}.{pname}"
+            full = f"{at}.{pname}"
             k = kind
             if kind in ("row",) and pname == "bias":
                 k = "replicated"              # added once, after the reduction
@@ -181,8 +195,8 @@ class ShardedTensors:
         out = {}
         for name, t in tensors.items():
             d = self.split_dim.get(name)
-            if d is None and name not in self.kv_split:
-                out[name] = t
+            if t is None or (d is None and name not in self.kv_split):   # (None: a frozen
+                out[name] = t                                              # tensor's gradient)
                 continue
             parts = [torch.empty_like(t) for _ in range(self.world)]
             dist.all_gather(parts, t.contiguous(), group=self.group)   # T x [n/T, m] (d=1 [m, n/T])

@@ -18,6 +18,7 @@ from .correctness import run_correctness, run_plants
 from .data import MarkovLanguage
 from .launch import Env, base_parser, env_from_os, fail_config, launch, resolve_defaults, teardown
 from .learning import run_learning
+from .lora_setup import constraints as lora_constraints
 from .dropout import KNOWN_RATES, rate_fields, rates
 from .models import ConfigError, common_constraints, load_config, resolve_attn
 from .nccl import nccl_checked
@@ -46,10 +47,14 @@ def _validate(cls, args, world: int, rank: int):
     for d in dtypes:
         a = copy.copy(args)
         a.dtype = d
-        errs += common_constraints(a, world, config) + cls.constraints(a, world, config)
+        errs += common_constraints(a, world, config) + lora_constraints(a, config)
+        if not errs:   # (a strategy's own checks may build the model: its options hold first)
+            errs += cls.constraints(a, world, config)
     if getattr(args, "ce_chunk", 0) > 0 and not cls.chunked_ce:
         errs.append(f"--ce-chunk: {cls.name} computes its loss on the full logits (chunked: "
                     f"ddp.py's plain head and tp.py's vocab-parallel head)")
+    if getattr(args, "lora", 0) and not cls.lora:
+        errs.append(f"--lora: {cls.name} does not train LoRA adapters (lora: ddp, tp)")
     if args.optimizer not in cls.optimizers:
         errs.append(f"--optimizer {args.optimizer}: {cls.name} steps with "
                     f"{' or '.join(cls.optimizers)} (muon: ddp, zero, fsdp, tp, sp, pp, cp, "

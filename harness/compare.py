@@ -193,8 +193,11 @@ class Comparison:
 
     KINDS = ("grad", "param")
 
-    def __init__(self, names: list[str], shapes: dict, policy: NoisePolicy):
+    def __init__(self, names: list[str], shapes: dict, policy: NoisePolicy,
+                 frozen: frozenset = frozenset()):
         self.names, self.shapes, self.policy = names, shapes, policy
+        # frozen tensors (--lora's base): no gradient on either side, parameters bit-identical
+        self.frozen, self.thawed = frozenset(frozen), set()
         self.rows = {n: {k: Judged() for k in self.KINDS} for n in names}
         self.scalars: dict[str, Judged] = {}     # "loss", "grad norm"
         self.missing: set[str] = set()
@@ -215,10 +218,14 @@ class Comparison:
     def error(self, kind: str, step: int, got: dict, target: dict):
         """The strategy's tensors at one step against the target's."""
         errs, scale = {}, {}
+        if kind == "grad":   # a frozen tensor the strategy gave a gradient (or the target did)
+            self.thawed |= {n for n in self.frozen
+                            if got.get(n) is not None or target.get(n) is not None}
         for n in self.names:
             t = target.get(n)
             if t is not None and got.get(n) is not None:
-                errs[n] = rel_err(got[n], t)
+                # (a frozen tensor: against the target rounded to the run's dtype, exactly)
+                errs[n] = rel_err(got[n], t.to(got[n].dtype) if n in self.frozen else t)
                 scale[n] = (torch.linalg.vector_norm(t.detach(), float("inf")).item()
                             if t.numel() else 0.0)
         self._err[kind, step] = errs, scale
@@ -266,6 +273,14 @@ class Comparison:
             self.zero_grads |= {n for n, s in scale.items()
                                 if s <= ZERO_GRAD_ULPS * EPS[self.policy.dtype] * top}
         for n in self.names:
+            if n in self.frozen:   # judged exactly: no gradient, the parameter unchanged
+                err = (math.inf if n in self.thawed else 0.0) if kind == "grad" else errs.get(n)
+                if err is None:
+                    self.missing.add(f"{kind}:{n}")
+                elif err > 0 or self.rows[n][kind].step < 0:
+                    self.rows[n][kind] = self._judge(self.rows[n][kind], err, 0.0, step, kind,
+                                                     -self.policy.floor)
+                continue
             if n not in errs or n not in noise:
                 self.missing.add(f"{kind}:{n}")
                 continue

@@ -126,7 +126,7 @@ def _correctness_one(run: Run, cls) -> bool:
     target = _target(run, cls) if env.is_main else None
     release_memory()   # the reference model rank 0 freed
     wait_for_rank0(args.timeout)   # the others wait while rank 0 runs the target
-    cmp = Comparison(target.names, target.shapes, policy) if target else None
+    cmp = Comparison(target.names, target.shapes, policy, target.frozen) if target else None
     _, strat, _ = make_pair(run, cls, perturb=True, with_ref=False)
     run.print(f"correctness: {strat.name} W={env.world} {args.dtype} model={args.model} "
               f"batch={args.batch} length={args.length} steps={args.steps} "
@@ -195,6 +195,7 @@ class Target:
     shapes: dict
     n_params: int
     steps: list   # [Outputs]
+    frozen: frozenset = frozenset()   # --lora: the base's names (no gradient)
 
 
 def _target(run: Run, cls) -> Target:
@@ -203,7 +204,8 @@ def _target(run: Run, cls) -> Target:
     ref = reference_in(run, cls, "float64")
     target = Target([n for n, _ in ref.model.named_parameters()],
                     {n: tuple(p.shape) for n, p in ref.model.named_parameters()},
-                    param_count(ref.model), [])
+                    param_count(ref.model), [],
+                    frozenset(n for n, p in ref.model.named_parameters() if not p.requires_grad))
     for s in range(args.steps):
         target.steps.append(_kept(ref, ref.step(run.batch(s)), args.clip))
     return target
@@ -261,6 +263,12 @@ def _report_correctness(run, name, cmp: Comparison, extra, memory: dict) -> bool
     for check, good, detail in extra:
         run.print(f"check {check}: {'ok' if good else 'FAIL'} ({detail})")
     problems = []
+    if cmp.frozen:
+        run.print(f"frozen: {len(cmp.frozen)} of {n} tensors (no gradient on either side, "
+                  f"parameters bit-identical to the start)")
+    if cmp.thawed:
+        problems.append(f"{len(cmp.thawed)} frozen tensors have a gradient (first: "
+                        f"{sorted(cmp.thawed)[0]})")
     if bad:
         problems.append(f"{len(bad)} tensors over tolerance (first: {bad[0]})")
     if cmp.missing:

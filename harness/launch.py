@@ -95,6 +95,15 @@ def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
                    help="Newton-Schulz's dtype: auto = bfloat16 for a bf16 model (torch's), the "
                         "parameters' own for float32/float64 (exact); float32 = float32 for a "
                         "bf16 model (its masters'); bfloat16 = torch's always")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="LoRA fine-tuning: peft's adapters of rank R on --lora-targets, the "
+                        "rest frozen (harness/lora_setup.py, lora.py); 0: train every weight")
+    p.add_argument("--lora-alpha", type=float, default=None,
+                   help="LoRA's alpha (the adapters' scale is alpha / R); default 2 R")
+    p.add_argument("--lora-targets", default="auto",
+                   help="comma-separated module names peft wraps; auto: the attention and MLP "
+                        "projections the model has")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
     p.add_argument("--seed", type=int, default=0, help="model init, language and sample seed")
     p.add_argument("--branching", type=int, default=4,
                    help="successors per token in the synthetic Markov language")

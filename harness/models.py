@@ -252,7 +252,11 @@ def build_model(args, config, device) -> torch.nn.Module:
         with (torch.device(device) if torch.device(device).type == "cuda"
               else contextlib.nullcontext()):
             model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **kw)
-    return finish_model(model.to(device=device, dtype=dtype), args)
+    model = finish_model(model.to(device=device, dtype=dtype), args)
+    if getattr(args, "lora", 0):   # peft's adapters on the targets, the rest frozen
+        from .lora_setup import wrap
+        wrap(model, args)
+    return model
 
 
 def _no_kv_cache(module, args, kwargs):

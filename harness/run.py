@@ -76,6 +76,8 @@ def make_pair(run: Run, cls, perturb: bool, with_ref: bool):
         setup = METER.snapshot()
     if getattr(run.args, "optimizer", "adamw") != "adamw":   # named in every report line
         strat.name = f"{strat.name}+{run.args.optimizer}"
+    if getattr(run.args, "lora", 0):
+        strat.name = f"{strat.name}+lora{run.args.lora}"
     # after the strategy installed its layers and attention (cp_ring) into `local`, in place
     mode = getattr(run.args, "recompute", "none")
     if mode != "none":

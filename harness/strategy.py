@@ -59,6 +59,7 @@ class Strategy:
     chunked_ce = False    # takes --ce-chunk N (loss.chunked_loss_sum)
     optimizers = ("adamw",)   # --optimizer values it supports (muon.py's: "muon")
     muon_modes = ("auto",)    # --muon-mode values it supports
+    lora = False          # takes --lora R (peft's adapters; lora.py)
     self_check = None     # ("what", build(model, args) -> fn(ids) -> logits): selfcheck.py
 
     @staticmethod
@@ -164,8 +165,8 @@ class Reference(Strategy):
         make = getattr(args, "reference_optimizer", None) or make_adamw
         if getattr(args, "optimizer", "adamw") == "muon":   # torch.optim.Muon + AdamW
             self.optimizer = OracleMuon(self.model.named_parameters(), args)
-        else:
-            self.optimizer = make(self.model.parameters(), args)
+        else:   # (--lora: the adapters; the frozen base has no optimizer state)
+            self.optimizer = make([p for p in self.model.parameters() if p.requires_grad], args)
 
     def objective(self, batch: Batch) -> torch.Tensor:
         """The loss to minimise: mean token cross-entropy (subclasses add terms)."""

@@ -54,8 +54,8 @@ MUON_PLANT = ("--optimizer", "muon", "--length", "32")
 def make_optimizer(model, args, tpm=None):
     """The run's optimizer over a module this rank holds whole (replicated) or T-way split
     (tp.py, sp.py: tpm, Muon's tp-gather): AdamW, or muon.build's with --optimizer muon."""
-    if args.optimizer != "muon":
-        return make_adamw(model.parameters(), args)
+    if args.optimizer != "muon":   # (--lora: the adapters; the frozen base has no state)
+        return make_adamw([p for p in model.parameters() if p.requires_grad], args)
     dtype = next(model.parameters()).dtype
     return muon.build(model, args.lr, args.muon_lr, tpm, **muon_kwargs(args, dtype))
 
@@ -64,6 +64,7 @@ class DDP(Strategy):
     chunked_ce = True
     name = "ddp"
     optimizers = ("adamw", "muon")   # muon.py: rig/muon.py builds it
+    lora = True
     syncs_initial_params = True
     # --plant-bug NAME: known bugs the correctness check must catch (tests/test_plants.py)
     PLANT_CONFIG = ("--grad-accum", "2", "--dtype", "float32", "--clip", "0.5")
@@ -78,6 +79,9 @@ class DDP(Strategy):
                                               PLANT_CONFIG),
         "no-broadcast": Plant("no initial broadcast: replicas keep their own init",
                                      PLANT_CONFIG),
+        "lora-base-reduced": Plant("--variant naive --lora: the frozen base's (zero) "
+                                   "gradients are all-reduced too",
+                                   ("--variant", "naive", "--lora", "4")),
         "naive-no-average": Plant("--variant naive: each gradient's all_reduce sums instead of "
                                   "averaging", ("--variant", "naive", *PLANT_CONFIG)),
     }
@@ -128,8 +132,8 @@ class DDP(Strategy):
         clip_and_step(self)
         return global_loss(local_sum, batch.n_tokens)
 
-    def expected_comm(self):
-        params = list(self.model.parameters())
+    def expected_comm(self):   # (--lora: the adapters only; the frozen base is not reduced)
+        params = [p for p in self.model.parameters() if p.requires_grad]
         if self.naive:
             grad_bytes = sum(p.numel() * p.element_size() for p in params)
             return [Expect("all_reduce", "world", len(params), grad_bytes,

@@ -5,6 +5,7 @@ from harness import (Batch, DTYPES, DTensorBaseline, Expect, Plant, Reference, S
                      clip_by_norm, dropout, full_tensor, is_moe, phase, scalar,
                      spread_across_ranks)
 from harness.loss import chunked_loss_sum
+from harness.lora_setup import wrap as lora_wrap
 from harness.cli import main as harness_main
 
 from tp import (LOSS_ALL_REDUCES, TensorParallel, parallelize, region_all_reduces,
@@ -19,7 +20,10 @@ from rig.ddp import MUON_PLANT, make_optimizer
 # ----------------------------------------------------------------------------------------------
 def tp_constraints(args, world, config) -> list[str]:
     """The shapes T must divide, then every parameter classified (on a meta-device model)."""
-    return shape_constraints(world, config) or classify(meta_model(config), world)[1]
+    model = meta_model(config)
+    if getattr(args, "lora", 0):   # peft's layers, as the run will build them
+        lora_wrap(model, args)
+    return shape_constraints(world, config) or classify(model, world)[1]
 
 
 def standalone_constraints(args, world, config) -> list[str]:
@@ -34,11 +38,13 @@ def standalone_constraints(args, world, config) -> list[str]:
 # Where each planted bug must FAIL: the tour's model, float32 with clipping (clipping hides a
 # gradient scale error unless gradients are compared before it; float32 is the harder case).
 PLANT_ARGS = ("--model", "configs/tiny-gqa8.json", "--dtype", "float32", "--clip", "0.5")
+LORA_PLANT = ("--lora", "4", "--dtype", "float32", "--clip", "0.5")
 
 
 class TP(Strategy):
     name = "tp"
     optimizers = ("adamw", "muon")   # muon.py: rig/muon.py builds it
+    lora = True
     chunked_ce = True
     plants = {
         "dropout-rank-local": Plant(dropout.PLANT_DOC, dropout.PLANT_ARGS),
@@ -47,6 +53,11 @@ class TP(Strategy):
         "embed-unmasked": Plant("the vocab-parallel embedding does not zero the ids "
                                        "another rank owns: they add this shard's row 0",
                                        PLANT_ARGS),
+        "lora-a-unsummed": Plant("--lora: a column base's lora_A gradient (partial: this "
+                                 "rank's output rows only) is not summed over the group",
+                                 LORA_PLANT),
+        "lora-scaled-twice": Plant("--lora: the parallel LoRA layers scale the adapters' "
+                                   "product by (alpha / r)^2 instead of alpha / r", LORA_PLANT),
         "muon-blockwise": Plant(
             "--optimizer muon: Newton-Schulz on each rank's shard as if it were the matrix (the "
             "'blockwise' mode): the update then depends on the layout", MUON_PLANT),

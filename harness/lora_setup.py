@@ -1,0 +1,101 @@
+"""lora_setup.py: `--lora R`: the run trains the HF model wrapped by peft (LoraConfig +
+get_peft_model, the library users already use), on the reference and on every rank alike.
+
+peft replaces each target nn.Linear with a `peft.tuners.lora.Linear` that holds the frozen
+`base_layer` and the trainable `lora_A.default` [r, in] and `lora_B.default` [out, r]:
+
+    y = base_layer(x) + (alpha / r) * lora_B(lora_A(dropout(x)))
+
+so the parameters are named `...q_proj.base_layer.weight`, `...q_proj.lora_A.default.weight`,
+and every parameter outside the adapters is frozen (requires_grad False). The strategy gets the
+inner HF model (peft's `base_model.model`, which carries `peft_config`), so its layout code
+sees an HF decoder as before; lora.py holds what a parallelism must do about the adapters.
+
+The correctness mode initialises lora_B randomly (peft's init_lora_weights=False): peft's
+default, B = 0, makes the adapters' product zero at step 0 and hides lora_A's gradient, so a bug
+in it would pass the first step. The other modes use peft's default (training starts from the
+base model's function). Every rank draws the adapters from the same seed (--seed).
+"""
+from __future__ import annotations
+
+import torch
+
+# --lora-targets auto: the attention and MLP projections of the families the presets cover
+# (Phi3's fused qkv_proj and gate_up_proj included); the ones the model has are targeted
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "qkv_proj", "gate_up_proj")
+ADAPTER_TAGS = (".lora_A.", ".lora_B.")
+
+
+def targets(args, model) -> list[str]:
+    """The module names (leaves) --lora-targets selects on `model`."""
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    if args.lora_targets == "auto":
+        return [t for t in PROJECTIONS if t in names]
+    return [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+
+
+def lora_config(args, model, random_b: bool):
+    import peft   # (imported on use: a run without --lora does not need peft loaded)
+    return peft.LoraConfig(r=args.lora, lora_alpha=alpha(args), lora_dropout=args.lora_dropout,
+                           target_modules=targets(args, model), bias="none",
+                           init_lora_weights=not random_b)
+
+
+def alpha(args) -> float:
+    """--lora-alpha, default 2 R (the scale alpha / r = 2 at every rank R)."""
+    return args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora
+
+
+def wrap(model, args):
+    """The model with peft's LoRA layers injected, in place (the inner HF model is returned:
+    peft's wrapper is model.peft_config's owner, not needed to train). Adapters are made in the
+    model's dtype (autocast_adapter_dtype=False: bf16 adapters keep fp32 masters in the
+    optimizer like every other bf16 parameter) from a generator seeded by --seed."""
+    import peft
+    random_b = args.mode in ("correctness", "plants")
+    devices = [model.device] if model.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(args.seed + 7919)
+        peft.get_peft_model(model, lora_config(args, model, random_b),
+                            autocast_adapter_dtype=False)
+    return model
+
+
+def is_adapter(name: str) -> bool:
+    return any(t in name for t in ADAPTER_TAGS)
+
+
+def constraints(args, config) -> list[str]:
+    """The --lora options' own refusals (one line each), checked on a meta-device model before
+    any process group exists: the targets must name modules the model has and peft can wrap."""
+    if not getattr(args, "lora", 0):
+        return []
+    if args.lora < 0:
+        return [f"--lora {args.lora}: the adapters' rank must be >= 1 (0: no LoRA)"]
+    if not 0.0 <= args.lora_dropout < 1.0:
+        return [f"--lora-dropout {args.lora_dropout}: must be in [0, 1)"]
+    if args.lora_dropout > 0:
+        return [f"--lora-dropout {args.lora_dropout}: the adapters' dropout is not yet "
+                f"layout-independent (harness/dropout.py); run with 0"]
+    if args.optimizer != "adamw":
+        return [f"--optimizer {args.optimizer} with --lora: the adapters train with AdamW"]
+    import copy
+
+    import peft
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    wanted = targets(args, model)
+    if not wanted:
+        return ["--lora: the model has none of the projections --lora-targets auto looks for "
+                f"({', '.join(PROJECTIONS)}); name the targets with --lora-targets"]
+    try:
+        peft.get_peft_model(model, lora_config(args, model, True))
+    except Exception as e:   # peft's own refusal (no such module; a module it cannot wrap)
+        return [f"--lora-targets {','.join(wanted)}: peft refuses it: {e}"]
+    return []
+
+
+def trainable(model) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]

@@ -1,0 +1,132 @@
+"""LoRA (lora.py, harness/lora_setup.py): peft's adapters under the strategies, against the
+single-device peft model; the TP kinds of the adapters; merge and export; the formulas."""
+import copy
+
+import pytest
+import torch
+
+import lora
+import tp_plan
+from conftest import Runs, launch, assert_config_error
+from harness.models import load_config
+
+peft = pytest.importorskip("peft")
+
+
+def peft_model(name="tiny", targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                     "up_proj", "down_proj"), meta=False, seed=0):
+    from transformers import AutoModelForCausalLM
+    cfg = load_config(name)
+    torch.manual_seed(seed)
+    with torch.device("meta") if meta else torch.device("cpu"):
+        m = AutoModelForCausalLM.from_config(copy.deepcopy(cfg))
+    lc = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False)
+    return cfg, lc, peft.get_peft_model(m, lc)
+
+
+def test_tp_classifies_each_adapter_by_its_base():
+    """A column base (q, k, v, gate, up) splits B like W's rows and keeps A whole with a partial
+    gradient; a row base (o, down) splits A like W's columns, B partial; Phi3's fused
+    projections split B by segment; the frozen base keeps its own kind."""
+    _, _, pm = peft_model(meta=True)
+    kinds, errs = tp_plan.classify(pm.base_model.model, 2)
+    assert not errs
+    p = "model.layers.0."
+    for proj, base in (("self_attn.q_proj", "column"), ("self_attn.v_proj", "column"),
+                       ("mlp.up_proj", "column"), ("self_attn.o_proj", "row"),
+                       ("mlp.down_proj", "row")):
+        a, b = lora.ADAPTER_KINDS[base]
+        assert kinds[f"{p}{proj}.base_layer.weight"] == base
+        assert (kinds[f"{p}{proj}.lora_A.default.weight"],
+                kinds[f"{p}{proj}.lora_B.default.weight"]) == (a, b)
+    assert lora.ADAPTER_KINDS["column"] == ("partial", "column")
+    assert lora.ADAPTER_KINDS["row"] == ("row", "partial")
+    _, _, phi = peft_model("tiny-phi3", targets=("qkv_proj", "gate_up_proj", "o_proj"), meta=True)
+    kinds, errs = tp_plan.classify(phi.base_model.model, 2)
+    assert not errs
+    assert kinds["model.layers.0.self_attn.qkv_proj.lora_B.default.weight"] == "fused"
+    assert kinds["model.layers.0.mlp.gate_up_proj.lora_A.default.weight"] == "partial"
+    # more ranks than kv heads: k/v's B follows its base, one kv head per rank
+    kinds, _ = tp_plan.classify(peft_model(meta=True)[2].base_model.model, 4)
+    assert kinds["model.layers.0.self_attn.k_proj.lora_B.default.weight"] == "kv-copy"
+
+
+def test_tp_refuses_a_lora_layer_on_the_vocabulary():
+    _, _, pm = peft_model(targets=("q_proj", "lm_head"), meta=True)
+    _, errs = tp_plan.classify(pm.base_model.model, 2)
+    assert errs and errs[0].startswith("lm_head.base_layer.weight") and "vocabulary" in errs[0]
+
+
+def test_merge_and_export_reload_with_the_same_logits(tmp_path):
+    """lora.merged (W + s B A, by hand) equals peft's merge_and_unload exactly; the exported
+    HF directory reloads with equal logits (float32: 1e-5 relative), and peft loads the adapter
+    directory over the base with equal logits."""
+    from transformers import AutoModelForCausalLM
+    cfg, lc, pm = peft_model(targets=("q_proj", "v_proj", "o_proj", "down_proj"))
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = pm(input_ids=ids).logits
+    full = {n: p.detach() for n, p in pm.base_model.model.named_parameters()}
+    ref = copy.deepcopy(pm).merge_and_unload().state_dict()
+    mine = lora.merged(full, lc.lora_alpha / lc.r)
+    assert set(mine) == set(ref) and all(torch.equal(mine[k], ref[k]) for k in ref)
+    lora.export(full, cfg, lc, str(tmp_path))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    base = AutoModelForCausalLM.from_config(copy.deepcopy(cfg))
+    base.load_state_dict({k.replace(".base_layer", ""): v for k, v in full.items()
+                          if not lora.base_name(k)[1] in lora.ADAPTERS})
+    adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    with torch.no_grad():
+        for m in (merged, adapter):
+            got = m(input_ids=ids).logits
+            assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    # the check can fail: a merge that forgets the scale is far off
+    wrong = lora.merged(full, 1.0)
+    assert any(not torch.equal(wrong[k], ref[k]) for k in ref)
+
+
+def test_the_state_formula_by_hand():
+    """Psi = 1,000 parameters, Psi_a = 100 of them trainable: bf16 with fp32 masters keeps 2 B
+    per parameter and 2 + 4 + 8 B more per trainable one; float32 4 and 4 + 8."""
+    assert lora.state_bytes(1000, 100, 2) == 2000 + 100 * 14
+    assert lora.state_bytes(1000, 1000, 2) == 16 * 1000   # full fine-tuning: 16 Psi
+    assert lora.state_bytes(1000, 100, 4) == 4000 + 100 * 12
+    assert lora.adapter_numel([(64, 64), (128, 64)], 8) == 8 * 128 + 8 * 192
+    assert lora.tp_partial_numel([(64, 64)], [(64, 128)], 8) == 8 * 64 + 8 * 64
+
+
+# the done-when command and its peers, in their scripts' slow launches
+TP = Runs("tp.py", 2, {"lora": ["--mode", "correctness", "--lora", "8",
+                                "--dtype", "float64,bfloat16"]}, tier="slow")
+DDP = Runs("ddp.py", 2, {"lora": ["--mode", "correctness", "--lora", "4"]}, tier="slow")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [TP, DDP], ids=["tp", "ddp"])
+def test_lora_passes_against_the_single_device_peft_model(runs, batch):
+    r = runs(batch, "lora")
+    assert r.rc == 0, r
+    rows = r.json("correctness.json")
+    assert len(rows) == (2 if batch is TP else 1)
+    for row in rows:
+        assert row["ok"] and "+lora" in row["strategy"], row
+        assert row["grads_compared"] == row["tensors"] == row["params_compared"]
+        frozen = [n for n in row["rows"] if not lora.base_name(n)[1] in lora.ADAPTERS]
+        assert frozen and all(row["rows"][n]["param"]["err"] == 0.0 for n in frozen)
+
+
+def test_a_strategy_without_lora_refuses_it():
+    r = launch("zero.py", 1, "--mode", "correctness", "--lora", "4", as_rank0=True)
+    assert_config_error(r, "--lora: zero does not train LoRA adapters", torchrun=False)
+
+
+def test_tp_refuses_an_adapter_on_the_head():
+    r = launch("tp.py", 1, "--mode", "correctness", "--lora", "4", "--lora-targets",
+               "q_proj,lm_head", as_rank0=True)
+    assert_config_error(r, "lm_head.base_layer.weight (Linear): a LoRA layer on the vocabulary", torchrun=False)
+
+
+def test_unknown_targets_are_refused():
+    r = launch("ddp.py", 1, "--mode", "correctness", "--lora", "4", "--lora-targets", "nope",
+               as_rank0=True)
+    assert_config_error(r, "--lora-targets nope: peft refuses it", torchrun=False)
