@@ -55,6 +55,7 @@ PLANT_ARGS = ("--dtype", "float32", "--clip", "0.5")
 
 class CP(Strategy):
     optimizers = ("adamw", "muon")   # muon.py: replicated weights, NS duplicated
+    lora = True
     name = "cp"
     plants = {
         "no-average": Plant("the CP group's gradient all_reduce sums instead of "

@@ -44,6 +44,7 @@ TIED_PLANT_ARGS = ("--schedule", "zb", "--dtype", "float32", "--clip", "0.5",
 
 class PP(Strategy):
     optimizers = ("adamw", "muon")   # muon.py: each stage holds whole matrices (replicated)
+    lora = True
     name = "pp"
     self_check = ("pp's stage loop", stage_loop)
     # One configuration catches them all: ZB-H1 (the stale-gradient bug needs a deferred W on a

@@ -200,6 +200,7 @@ class SP(Strategy):
     """Dispatches to the variant chosen by --variant (the harness builds one class)."""
     name = "sp"
     optimizers = ("adamw", "muon")   # muon.py: rig/muon.py builds it
+    lora = True
     # --compare-native: tensor parallelism alone, for activation memory; with --async-tp the
     # synchronous regions
     native = staticmethod(lambda args: [SyncMegatronSP] if args.async_tp else [TP])

@@ -95,24 +95,59 @@ def test_the_state_formula_by_hand():
     assert lora.tp_partial_numel([(64, 64)], [(64, 128)], 8) == 8 * 64 + 8 * 64
 
 
-# the done-when command and its peers, in their scripts' slow launches
-TP = Runs("tp.py", 2, {"lora": ["--mode", "correctness", "--lora", "8",
-                                "--dtype", "float64,bfloat16"]}, tier="slow")
-DDP = Runs("ddp.py", 2, {"lora": ["--mode", "correctness", "--lora", "4"]}, tier="slow")
+# the done-when command and its peers, in their scripts' slow launches (float64 unless named)
+CORRECT = ["--mode", "correctness", "--lora", "4"]
+SLOW = {
+    "tp": Runs("tp.py", 2, {"lora": ["--mode", "correctness", "--lora", "8",
+                                     "--dtype", "float64,bfloat16"]}, tier="slow"),
+    "ddp": Runs("ddp.py", 2, {"lora": CORRECT}, tier="slow"),
+    "fsdp": Runs("fsdp.py", 2, {"lora": CORRECT}, tier="slow"),
+    "sp-megatron": Runs("sp.py", 2, {"lora": [*CORRECT, "--variant", "megatron"]}, tier="slow"),
+    "sp-ulysses": Runs("sp.py", 2, {"lora-ulysses": [*CORRECT, "--variant", "ulysses"]},
+                       tier="slow"),
+    "cp": Runs("cp_ring.py", 2, {"lora": CORRECT}, tier="slow"),
+    "pp": Runs("pp.py", 2, {"lora": CORRECT}, tier="slow"),
+}
+# the other world sizes (tp W=4: k and v's B replicated per kv head; fsdp W=3: rows cut
+# unevenly), Phi3's fused projections and Qwen3's per-head norms, bf16 beyond tp
+HEAVY = {
+    "tp-W4": Runs("tp.py", 4, {"lora": [*CORRECT, "--dtype", "float64,bfloat16"]}, tier="heavy"),
+    "tp-phi3": Runs("tp.py", 2, {"lora-phi3": [*CORRECT, "--model", "tiny-phi3"]}, tier="heavy"),
+    "tp-qwen3": Runs("tp.py", 2, {"lora-qwen3": [*CORRECT, "--model", "tiny-qwen3"]},
+                     tier="heavy"),
+    "fsdp-W3": Runs("fsdp.py", 3, {"lora": [*CORRECT, "--batch", "6",
+                                            "--dtype", "float64,bfloat16"]}, tier="heavy"),
+    "pp-bf16": Runs("pp.py", 2, {"lora-bf16": [*CORRECT, "--dtype", "bfloat16"]},
+                    tier="heavy"),
+    "cp-bf16": Runs("cp_ring.py", 2, {"lora-bf16": [*CORRECT, "--dtype", "bfloat16"]},
+                    tier="heavy"),
+}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("batch", [TP, DDP], ids=["tp", "ddp"])
-def test_lora_passes_against_the_single_device_peft_model(runs, batch):
-    r = runs(batch, "lora")
+def check_lora_run(r):
     assert r.rc == 0, r
     rows = r.json("correctness.json")
-    assert len(rows) == (2 if batch is TP else 1)
     for row in rows:
         assert row["ok"] and "+lora" in row["strategy"], row
         assert row["grads_compared"] == row["tensors"] == row["params_compared"]
-        frozen = [n for n in row["rows"] if not lora.base_name(n)[1] in lora.ADAPTERS]
+        frozen = [n for n in row["rows"] if lora.base_name(n)[1] not in lora.ADAPTERS]
         assert frozen and all(row["rows"][n]["param"]["err"] == 0.0 for n in frozen)
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW))
+def test_lora_passes_against_the_single_device_peft_model(runs, name):
+    batch = SLOW[name]
+    rows = check_lora_run(runs(batch, next(iter(batch.runs))))
+    assert len(rows) == (2 if name == "tp" else 1)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", list(HEAVY))
+def test_lora_at_other_sizes_families_and_bf16(runs, name):
+    batch = HEAVY[name]
+    check_lora_run(runs(batch, next(iter(batch.runs))))
 
 
 def test_a_strategy_without_lora_refuses_it():
