@@ -54,7 +54,7 @@ def _validate(cls, args, world: int, rank: int):
         errs.append(f"--ce-chunk: {cls.name} computes its loss on the full logits (chunked: "
                     f"ddp.py's plain head and tp.py's vocab-parallel head)")
     if getattr(args, "lora", 0) and not cls.lora:
-        errs.append(f"--lora: {cls.name} does not train LoRA adapters (lora: ddp, tp)")
+        errs.append(f"--lora: {cls.name} does not train LoRA adapters (lora: ddp, fsdp, tp, sp, cp, pp)")
     if args.optimizer not in cls.optimizers:
         errs.append(f"--optimizer {args.optimizer}: {cls.name} steps with "
                     f"{' or '.join(cls.optimizers)} (muon: ddp, zero, fsdp, tp, sp, pp, cp, "

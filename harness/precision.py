@@ -151,7 +151,7 @@ def adamw_kwargs(params, args) -> dict:
 def make_adamw(params, args) -> torch.optim.AdamW:
     """The AdamW every strategy and the reference use: fp32 masters for bf16 parameters. A
     frozen parameter (--lora's base) is left out: no master, no state."""
-    params = [p for p in params if not isinstance(p, torch.Tensor) or p.requires_grad]
+    params = [p for p in params if not isinstance(p, torch.nn.Parameter) or p.requires_grad]
     kw = adamw_kwargs(params, args)
     if any(p.dtype in LOW_PRECISION for p in params):
         return MasterAdamW(params, **kw)

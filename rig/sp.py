@@ -172,6 +172,9 @@ def sp_constraints(args, world, config) -> list[str]:
         return [f"sequence length {args.length} is not divisible by the sequence-parallel "
                 f"size {world}"]
     if args.variant == "megatron":
+        if args.async_tp and getattr(args, "lora", 0):
+            return ["--async-tp with --lora: async TP's rings fuse the base's matmul, not the "
+                    "adapters' (run without --async-tp)"]
         return standalone_constraints(args, world, config)
     if args.async_tp:
         return ["--async-tp decomposes Megatron SP's regions: use --variant megatron"]

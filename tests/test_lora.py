@@ -165,3 +165,9 @@ def test_unknown_targets_are_refused():
     r = launch("ddp.py", 1, "--mode", "correctness", "--lora", "4", "--lora-targets", "nope",
                as_rank0=True)
     assert_config_error(r, "--lora-targets nope: peft refuses it", torchrun=False)
+
+
+def test_async_tp_refuses_lora():
+    r = launch("sp.py", 2, "--mode", "correctness", "--lora", "4", "--variant", "megatron",
+               "--async-tp", as_rank0=True)
+    assert_config_error(r, "--async-tp with --lora", torchrun=False)
