@@ -14,12 +14,13 @@ Models", SC 2020)
 
 Model-state bytes per rank (model_state_bytes below; Psi parameters, N = W): in mixed bf16
 (2 + 2 + 12 bytes) stage 1 2Psi + 2Psi + 12Psi/N, stage 2 2Psi + 14Psi/N, stage 3 16Psi/N (an
-fp32 gradient reduction keeps 4Psi/N more: docs/internals.md's table).
-Communication per optimizer step (collectives_per_unit below; b bytes per element, the
-reduce-scatter's the reduce dtype's): stages 1, 2 reduce_scatter Psi*b + all_gather Psi*b;
-stage 3 all_gather Psi*b forward and backward + reduce_scatter Psi*b = 3 Psi b; one call per
-unit each, stages 2 and 3 on every micro-batch (--grad-accum K), stage 1 once per step.
-More (layout, precision, siblings): docs/internals.md, 'zero.py'; examples/zero_train.py.
+fp32 gradient reduction keeps 4Psi/N more: docs/internals.md's table). Communication per
+optimizer step (collectives_per_unit below; b bytes per element, the reduce-scatter's the reduce
+dtype's): stages 1, 2 reduce_scatter Psi*b + all_gather Psi*b; stage 3 all_gather Psi*b forward
+and backward + reduce_scatter Psi*b = 3 Psi b; one call per unit each, stages 2 and 3 on every
+micro-batch (--grad-accum K), stage 1 once per step. LoRA: frozen parameters sit in no unit
+(stages 1, 2) or in units of their own, gathered and never reduced (stage 3): Psi_a in the
+reduce-scatter. More: docs/internals.md, 'zero.py'; examples/zero_train.py.
 
 Public API
     opt = ZeroOptimizer(params_or_groups, torch.optim.AdamW, stage=1|2, lr=...)   any elementwise
@@ -37,7 +38,7 @@ from harness import planted
 from harness.precision import grad_reduce_dtype
 import ddp
 from zero_state import FlatTensors, ShardedState, clip_shard_grads, state_bytes  # noqa: F401
-from zero_state import decoder_units, pad_to  # noqa: F401  (re-exported)
+from zero_state import decoder_units, pad_to, split_frozen  # noqa: F401  (re-exported)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -54,11 +55,10 @@ class FlatUnit:
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.params = list(params)
         self.names = [names[id(p)] for p in self.params]
-        dtypes = {p.dtype for p in self.params}
-        if len(dtypes) > 1:
+        if len(dtypes := {p.dtype for p in self.params}) > 1:
             raise ValueError(f"ZeRO unit {name!r} mixes parameter dtypes "
-                             f"{sorted(str(d) for d in dtypes)}: one flat buffer holds one "
-                             f"dtype; cast the module to one dtype or split the unit")
+                             f"{sorted(map(str, dtypes))}: one flat buffer holds one dtype; "
+                             f"cast the module to one dtype or split the unit")
         self.index = {p: i for i, p in enumerate(self.params)}
         self.n_grads = sum(p.requires_grad for p in self.params)   # gradients per backward
         self.numel = sum(p.numel() for p in self.params)
@@ -69,6 +69,7 @@ class FlatUnit:
         if planted("shard-offset"):   # plant: the unpadded size, off when W does not divide it
             self.lo = lo = self.rank * (self.numel // self.world)
         self.full = torch.zeros(self.padded, dtype=dtype, device=device)   # flat [W * s]
+        g_numel = self.padded if self.n_grads else 0   # a frozen unit (LoRA's base): no grads
         self.offsets, off = [], 0
         with torch.no_grad():
             for p in self.params:
@@ -80,21 +81,19 @@ class FlatUnit:
         self.shard = self.full[lo:lo + s].clone() if shard_params else self.full[lo:lo + s]
         # Full gradient buffer, every .grad a view into it: stage 1 keeps it; stages 2 and 3
         # allocate it at the unit's first gradient and free it once reduce-scattered.
-        self.grad_full = torch.zeros(self.padded, dtype=dtype, device=device)   # flat [W * s]
+        self.grad_full = torch.zeros(g_numel, dtype=dtype, device=device)   # flat [W * s]
         self.grads_alive = True
         # each parameter's view, made once: `p.grad is slot` tells whether autograd replaced it
-        self.slots = [self.grad_full[off:off + p.numel()].view_as(p)   # [numel] -> p.shape
-                      for p, off in zip(self.params, self.offsets)]
+        self.slots = [self.grad_full[off:off + p.numel()].view_as(p) if p.requires_grad
+                      else None for p, off in zip(self.params, self.offsets)]  # -> p.shape
         for p, slot in zip(self.params, self.slots):
-            if p.requires_grad:   # a frozen parameter keeps .grad None (its slot stays zero)
-                p.grad = slot
+            p.grad = slot   # (a frozen parameter's is None)
         # The reduced gradient shard in the reduce dtype (it accumulates the micro-batches):
         # inside the full buffer for stage 1 when the dtypes agree, else its own tensor.
         rdt = reduce_dtype or dtype
         self.grad_shard = (self.grad_full[lo:lo + s] if stage == 1 and rdt == dtype
-                           else torch.zeros(s, dtype=rdt, device=device))   # flat [s]
-        self.gathered = True
-        self.handle = None   # an in-flight (prefetched) all-gather
+                           else torch.zeros(s if g_numel else 0, dtype=rdt, device=device))  # [s]
+        self.gathered, self.handle = True, None   # handle: an in-flight (prefetched) gather
         self.ready: set = set()   # parameters whose gradient for this micro-batch is complete
         self.launched = False     # stage 1: reduce-scattered in this step (sync backward)
 
@@ -161,17 +160,17 @@ class Zero(FlatTensors):
                  reduce_dtype: torch.dtype | None = None, names: dict | None = None,
                  prefetch: int = 0, overlap_param_gather: bool = False,
                  unit_groups: dict | None = None):
-        """units: [(name, modules)] (default decoder_units(model)), [(name, parameters,
-        hook modules)], or [(name, parameters)] for stages 1 and 2 with model=None (the
-        optimizer wrapper's buckets; `names` maps id(parameter) to a name). reduce_dtype: the
-        reduce-scatter's and the gradient shards' (default: the gradients'). prefetch (stage 3):
-        units whose all-gather is launched ahead of use, the next ones in the forward, the
-        previous ones in the backward. overlap_param_gather (stages 1, 2; units as modules):
-        the all-gather of the updated parameters is launched async after each step, and each
-        module waits for its own units' in a forward pre-hook (Megatron's), so the later units'
-        gathers run behind the earlier units' forward. unit_groups: {unit name: group} for units
-        sharded over a group other than `group` (compose4d's experts, over the ranks that hold
-        the same experts); every collective of a unit runs on its own group."""
+        """units: [(name, modules)] (default decoder_units(model)), [(name, parameters, hook
+        modules)], or [(name, parameters)] for stages 1 and 2 with model=None (the optimizer
+        wrapper's buckets; `names` maps id(parameter) to a name). reduce_dtype: the reduce-scatter's
+        and the gradient shards' (default: the gradients'). prefetch (stage 3): units whose all-
+        gather is launched ahead of use, the next ones in the forward, the previous ones in the
+        backward. overlap_param_gather (stages 1, 2; units as modules): the all-gather of the
+        updated parameters is launched async after each step, and each module waits for its own
+        units' in a forward pre-hook (Megatron's), so the later units' gathers run behind the
+        earlier units' forward. unit_groups: {unit name: group} for units sharded over a group other
+        than `group` (compose4d's experts, over the ranks that hold the same experts); every
+        collective of a unit runs on its own group."""
         self.model, self.group, self.stage, self.prefetch = model, group, stage, prefetch
         self.average = average and not planted("no-average")   # plant: summed, not averaged
         self.overlap_param_gather = overlap_param_gather and stage < 3
@@ -194,12 +193,12 @@ class Zero(FlatTensors):
                         claimed.add(id(p))
                         params.append(p)
             claimed.update(id(p) for p in params)
-            self.units.append(FlatUnit(n, params, (unit_groups or {}).get(n, group), names,
-                                       shard_params=stage == 3,
-                                       stage=stage, reduce_dtype=reduce_dtype, modules=modules))
+            for un, ps in split_frozen(n, params, stage):   # LoRA's frozen base: its own unit
+                self.units.append(FlatUnit(un, ps, (unit_groups or {}).get(n, group), names,
+                                           shard_params=stage == 3, stage=stage,
+                                           reduce_dtype=reduce_dtype, modules=modules))
         if model is not None:
-            covered = sum(len(u.params) for u in self.units)
-            assert covered == len(names), f"units cover {covered} of {len(names)} parameters"
+            assert len(claimed) == len(names), f"units hold {len(claimed)} of {len(names)}"
         self.unit_of = {p: u for u in self.units for p in u.params}
         self.unit_index = {u: i for i, u in enumerate(self.units)}
         for p in self.unit_of:
@@ -220,21 +219,21 @@ class Zero(FlatTensors):
             # that own them (a tied parameter may belong to an earlier unit)
             for u in self.units:
                 for m in u.modules:
-                    deps = list(dict.fromkeys(self.unit_of[p] for p in m.parameters()))
+                    deps = list(dict.fromkeys(self.unit_of[p] for p in m.parameters()
+                                              if p in self.unit_of))
                     m.register_forward_pre_hook(lambda mod, args, deps=deps: self.wait_params(deps))
         if stage >= 2:
             for u in self.units:
                 u.free_grads()
         # Reduce-scatters launch in reverse unit order (the backward's order) on every rank.
-        self.order = list(reversed(self.units))
+        self.order = [u for u in reversed(self.units) if u.n_grads]
         self.consumed = False   # an optimizer step used the shards (ZeroOptimizer.step)
         self.next_launch, self.pending = 0, []
         # Stage 1 reduce-scatters each unit once per step: in finish(), or while `sync` is set
-        # (the step's last backward: reduce_in_backward) as each unit's gradients complete.
-        self.sync = False
-        # A launch waits only for the reductions beyond this many, so the backward computes the
+        # (the step's last backward: reduce_in_backward) as each unit's gradients complete. A
+        # launch waits only for the reductions beyond in_flight, so the backward computes the
         # next unit's gradients while the last two reduce-scatter.
-        self.in_flight = 2
+        self.sync, self.in_flight = False, 2
 
     # -- stage 3: gather before use, free after --
     def _pre_forward(self, u: FlatUnit):
@@ -246,11 +245,11 @@ class Zero(FlatTensors):
         self._hook_backward(u, out)
 
     def _hook_backward(self, u: FlatUnit, out):
-        """Call _pre_backward(u) when the backward reaches u's output."""
-        if torch.is_grad_enabled():
-            t = next(t for t in tree_flatten(out)[0]
-                     if isinstance(t, torch.Tensor) and t.requires_grad)
-            t.register_hook(lambda grad, u=u: self._pre_backward(u))
+        """Call _pre_backward(u) when the backward reaches u's output (if it does: a frozen
+        embedding's output needs no gradient)."""
+        ts = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if ts:   # (none under no_grad)
+            ts[0].register_hook(lambda grad, u=u: self._pre_backward(u))
 
     def _pre_backward(self, u: FlatUnit):
         if planted("reshard-before-backward"):   # plant: re-allocated, never re-gathered
@@ -259,6 +258,7 @@ class Zero(FlatTensors):
             u.gathered = True
         u.wait()
         i = self.unit_index[u]
+        self.free_frozen(self.units[i + 1:])   # frozen units the backward is past
         self._prefetch_units(self.units[max(0, i - self.prefetch):i][::-1])
 
     def _prefetch_units(self, units):

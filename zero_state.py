@@ -57,9 +57,26 @@ def decoder_units(model) -> list[tuple[str, list[torch.nn.Module]]]:
     return [("embed", [p.embed, *rest])] + layers + [("head", head)]
 
 
+def split_frozen(name: str, params: list, stage: int) -> list[tuple[str, list]]:
+    """A unit's parameters as zero.Zero's units: the trainable ones, and the frozen ones (LoRA's
+    base) apart, so no frozen zero gradient is reduce-scattered: their own unit at stage 3
+    (sharded and gathered for compute, never reduced), in no unit at stages 1 and 2 (whole on
+    every rank, like the model outside ZeRO)."""
+    trainable = [p for p in params if p.requires_grad]
+    frozen = [p for p in params if not p.requires_grad] if stage == 3 else []
+    return [(n, ps) for n, ps in ((name, trainable), (f"{name}.frozen", frozen)) if ps]
+
+
 class FlatTensors:
     """Mixed into zero.Zero: reads its `units` (zero.FlatUnit), `group`, `stage` and
     wait_params()."""
+
+    def free_frozen(self, units):
+        """Stage 3: free the gathered frozen units (LoRA's base) among `units`, which the
+        backward has passed: no gradient marks their end, as reduced ones' do."""
+        for v in units:
+            if not v.n_grads and v.gathered and v.handle is None:
+                v.free_params()
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """The resident gradient storage: stage 1's full buffers (and its reduced shards when
@@ -73,14 +90,21 @@ class FlatTensors:
         """Every parameter's ("param") or reduced gradient's ("grad") full tensor (collective)."""
         if self.stage < 3:
             self.wait_params()   # the shards are views of the buffers a gather may still fill
-        return self.gather_flat([u.grad_shard if kind == "grad" else u.shard
-                                 for u in self.units])
+        grad = kind == "grad"   # (a frozen unit has no gradient: None, not gathered)
+        out = self.gather_flat([u.grad_shard if grad else u.shard for u in self.units],
+                               [u for u in self.units if u.n_grads or not grad])
+        for n, p in (self.model.named_parameters() if self.model is not None else ()):
+            if not p.requires_grad or n not in out:   # frozen (outside the units at stage < 3)
+                out[n] = None if grad else out.get(n, p.detach())
+        return out
 
-    def gather_flat(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def gather_flat(self, shards: list[torch.Tensor], units=None) -> dict[str, torch.Tensor]:
         """Per-parameter tensors from one flat shard per unit (parameters, gradients or an
-        optimizer state), all-gathered over the group."""
+        optimizer state), all-gathered over the group (only `units`' when given)."""
         out = {}
         for u, src in zip(self.units, shards):
+            if units is not None and u not in units:
+                continue
             flat = torch.empty(u.padded, dtype=src.dtype, device=src.device)
             dist.all_gather_into_tensor(flat, src.contiguous(), group=u.group)  # [s] x W -> [W * s]
             for n, p, off in zip(u.names, u.params, u.offsets):
@@ -129,8 +153,9 @@ class ShardedState:
         group's trainable parameters: the inner optimizer's parameters. Frozen ones are in no
         run; the padding is in its unit's last run (zeros with zero gradients stay zero)."""
         engine = self.engine
-        self.masters = [u.shard.detach().float().clone() if u.shard.dtype in LOW_PRECISION
-                        else u.shard for u in engine.units]   # flat [s] per unit
+        self.masters = [u.shard.detach().float().clone()   # flat [s] per unit (a frozen
+                        if u.shard.dtype in LOW_PRECISION and u.n_grads   # one: none)
+                        else u.shard for u in engine.units]
         self.mixed = any(m is not u.shard for m, u in zip(self.masters, engine.units))
         runs = []   # [unit index, start in the shard, length, group]
         for ui, u in enumerate(engine.units):
@@ -389,10 +414,20 @@ def state_bytes(engine, optimizer) -> dict[str, float]:
     # over each unit's shard group: the world, HSDP's S = W / R ranks (fsdp.py --replicate),
     # compose4d's dp x cp (or, for experts, the ranks that hold the same experts)
     shard = sum(u.shard_numel for u in engine.units)
+    shard_g = sum(u.shard_numel for u in engine.units if u.n_grads)   # (--lora: trainable)
     # (master +) m + v per element; muon.py's Muon keeps one momentum on its matrices' runs
     muon = sum(n for _, _, n, gi in optimizer.runs if optimizer.param_groups[gi].get("muon"))
-    opt = (4 * shard if optimizer.mixed else 0) + (4 if optimizer.mixed else b) * (2 * shard - muon)
+    opt = ((4 * shard_g if optimizer.mixed else 0)
+           + (4 if optimizer.mixed else b) * (2 * shard_g - muon))
     params = padded * b if engine.stage < 3 else shard * b
-    grads = (padded * b + (shard * rb if rb != b else 0) if engine.stage == 1 else shard * rb)
+    params += sum(t.numel() * t.element_size() for t in outside_units(engine))   # frozen
+    grads = (padded * b + (shard * rb if rb != b else 0) if engine.stage == 1 else shard_g * rb)
     return {"params": params, "grads": grads, "optimizer": opt,
             "model_states": params + grads + opt}
+
+
+def outside_units(engine) -> list[torch.Tensor]:
+    """The model's parameters in no unit (stages 1, 2: LoRA's frozen base, whole on every rank)."""
+    if engine.model is None:
+        return []
+    return [p for p in engine.model.parameters() if p not in engine.unit_of]

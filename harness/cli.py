@@ -44,6 +44,9 @@ def _validate(cls, args, world: int, rank: int):
         fail_config(str(e), rank)
     dtypes = args.dtype.split(",") if args.dtype else [None]
     errs = []
+    if getattr(args, "lora", 0) and not cls.lora:
+        errs.append(f"--lora: {cls.name} does not train LoRA adapters (lora: ddp, zero, fsdp, "
+                    f"tp, sp, cp, pp)")
     for d in dtypes:
         a = copy.copy(args)
         a.dtype = d
@@ -53,8 +56,6 @@ def _validate(cls, args, world: int, rank: int):
     if getattr(args, "ce_chunk", 0) > 0 and not cls.chunked_ce:
         errs.append(f"--ce-chunk: {cls.name} computes its loss on the full logits (chunked: "
                     f"ddp.py's plain head and tp.py's vocab-parallel head)")
-    if getattr(args, "lora", 0) and not cls.lora:
-        errs.append(f"--lora: {cls.name} does not train LoRA adapters (lora: ddp, fsdp, tp, sp, cp, pp)")
     if args.optimizer not in cls.optimizers:
         errs.append(f"--optimizer {args.optimizer}: {cls.name} steps with "
                     f"{' or '.join(cls.optimizers)} (muon: ddp, zero, fsdp, tp, sp, pp, cp, "

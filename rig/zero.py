@@ -9,7 +9,7 @@ import muon
 
 import ddp
 from zero import Zero, ZeroOptimizer, collectives_per_unit
-from zero_state import state_bytes
+from zero_state import outside_units, state_bytes
 
 from rig.ddp import MUON_PLANT, TorchDDP, batch_constraints
 
@@ -54,6 +54,7 @@ def muon_gather_flops(plan) -> int:
 class ZeRO(Strategy):
     name = "zero"
     optimizers = ("adamw", "muon")   # muon.py: optimizer_on_shards builds it
+    lora = True
     muon_modes = ("auto", "owner", "gather")
     syncs_initial_params = False
     # One configuration catches the first four (stage 2: accumulation; float32 + --clip: the
@@ -130,7 +131,8 @@ class ZeRO(Strategy):
         return self.zero.full_tensors("param")
 
     def model_states(self):
-        return {"params": [u.shard if self.args.stage == 3 else u.full for u in self.zero.units],
+        return {"params": [u.shard if self.args.stage == 3 else u.full for u in self.zero.units]
+                + outside_units(self.zero),   # (--lora: the frozen base at stages 1, 2)
                 "grads": self.zero.grad_tensors(), "optimizer": self.optimizer.state_tensors()}
 
     def report_lines(self):
@@ -148,6 +150,11 @@ class ZeRO(Strategy):
         z, K = self.zero, self.args.grad_accum
         _, padded = self.psi()
         b, n = z.units[0].full.element_size(), len(z.units)
+        # --lora: only the trainable parameters reduce, each unit's padded to W (stage 3
+        # gathers the frozen ones too, in units of their own)
+        trainable = [sum(p.numel() for p in u.params if p.requires_grad) for u in z.units]
+        n_rs = sum(1 for n in trainable if n)
+        padded_rs = sum(-(-n // z.world) * z.world for n in trainable)
         rb = z.units[0].grad_shard.element_size()   # the reduce dtype's
         rs_times, ag_times = collectives_per_unit(self.args.stage, K)   # zero.py's formula
         full = padded * b
@@ -164,8 +171,10 @@ class ZeRO(Strategy):
                 [u.padded for _, u in muon.matrix_units(self.optimizer)], mb)
         muon_note = (f" + Muon's gather of the updates: {calls} units holding a matrix, "
                      f"{nbytes:,} B" if calls else "")
-        rows = [Expect("reduce_scatter_tensor", "world", n * rs_times, padded * rb * rs_times,
-                       f"Psi*b_reduce = {padded * rb:,} B per reduction, one per unit ({n})"
+        rows = [Expect("reduce_scatter_tensor", "world", n_rs * rs_times,
+                       padded_rs * rb * rs_times,
+                       f"Psi*b_reduce = {padded_rs * rb:,} B per reduction, one per unit "
+                       f"with gradients ({n_rs})"
                        + (f", x{K} micro-batches" if rs_times > 1 else ""))]
         if self.args.stage < 3:
             rows.append(Expect("all_gather_into_tensor", "world", n * ag_times + calls,

@@ -343,6 +343,7 @@ class ZeroPlusPlus(ZeRO):
     plants, noise model, exact checks (correctness mode: ZeroPPChecks), traffic and memory."""
     name = "zero++"
     optimizers, muon_modes = ("adamw",), ("auto",)   # (Muon over qwZ's int8 gathers: not built)
+    lora = False   # (LoRA's frozen units under qwZ / hpZ / qgZ: not built)
     _ZEROPP = ("--stage", "3", "--zeropp", "qwz,hpz,qgz", "--node-size", "2")
     plants = {
         "qwz-local-dequant": Plant("qwZ: each rank dequantizes every rank's int8 blocks "
