@@ -416,14 +416,15 @@ class Parallel4D:
             stage_tensors = self.tp.full(stage_tensors)
         parts = [None] * self.grid.size["pp"]
         with METER.paused():
-            dist.all_gather_object(parts, {n: t.detach().cpu() for n, t in stage_tensors.items()},
+            dist.all_gather_object(parts, {n: t if t is None else t.detach().cpu()   # (None:
+                                           for n, t in stage_tensors.items()},   # frozen grad)
                                    group=self.groups["pp"])
         out = {}
         for part in parts:
             out.update(part)
         if self.tied:
             out.pop(self.pipe.head_weight, None)   # the reference holds one tied tensor
-        return {n: t.to(self.env.device) for n, t in out.items()}
+        return {n: t if t is None else t.to(self.env.device) for n, t in out.items()}
 
     def local(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full tensor: its experts, its TP shard."""
@@ -431,9 +432,9 @@ class Parallel4D:
             t = compose_moe.expert_local(name, t, self.args.ep, dist.get_rank(self.groups["ep"]))
         return self.tp.local(name, t) if self.tp is not None else t
 
-    def _stage_tensors(self, shards) -> dict[str, torch.Tensor]:
-        with METER.paused():
-            return self.zero.gather_flat(shards)
+    def _stage_tensors(self, kind: str) -> dict[str, torch.Tensor]:
+        with METER.paused():   # ("param" or "grad"; a frozen tensor's gradient: None)
+            return self.zero.full_tensors(kind)
 
 
 if __name__ == "__main__":   # torchrun compose4d.py --mode ...: the test rig runs it

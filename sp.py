@@ -286,14 +286,21 @@ def parallelize_ulysses(model, group=None, **dp_kwargs):
 # Formulas (rig/sp.py, trainer4d/comm.py and trainer4d/plan.py count with these)
 # ----------------------------------------------------------------------------------------------
 def region_collectives(layers: int, first: bool = True, last: bool = True,
-                       async_tp: bool = False) -> dict[str, int]:
+                       async_tp: bool = False, regathered: int | None = None,
+                       input_grad: bool = True) -> dict[str, int]:
     """Megatron SP's collectives per micro-batch, each of one (B, S, H) activation, N H b
     bytes: per layer 2 region entries forward, their 2 re-gathers for the weight gradients and
     the 2 row exits' backward (6 all-gathers), 2 row exits forward and 2 entries backward (4
     reduce-scatters); the LM head's entry on the last stage (2 and 1); the first layer's split
     on the first (its backward all-gather). The embedding's partial sums stay an all-reduce
-    (tp.region_all_reduces). async_tp: every one of them but the split a ring of T-1 hops."""
-    ag, rs = 6 * layers + 2 * int(last) + int(first), 4 * layers + int(last)
+    (tp.region_all_reduces). async_tp: every one of them but the split a ring of T-1 hops.
+    LoRA: only a region whose input a trainable weight reads is re-gathered (`regathered`,
+    default all 2L + 1), and with nothing trainable before the first layer (input_grad False)
+    neither the split's nor the first entry's backward runs."""
+    regathered = 2 * layers + int(last) if regathered is None else regathered
+    no_grad = int(first and not input_grad)
+    ag = 4 * layers + regathered + int(last) + int(first) - no_grad
+    rs = 4 * layers + int(last) - no_grad
     if async_tp:
         return {"all_gather_into_tensor": int(first), "ring": ag - int(first) + rs}
     return {"all_gather_into_tensor": ag, "reduce_scatter_tensor": rs}

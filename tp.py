@@ -480,8 +480,8 @@ class TensorParallel(ShardedTensors):
     def partial_numel(self) -> int:
         """Elements of the partial gradients' all-reduce (the kv heads' buffers and the
         group_partials' gradients)."""
-        return (sum(p.numel() * self.n_kv for p in self.kv_copy_params)
-                + sum(p.numel() for p in self.group_partials))
+        return (sum(p.numel() * self.n_kv for p in self.kv_copy_params if p.requires_grad)
+                + sum(p.numel() for p in self.group_partials if p.requires_grad))
 
     def clip(self, max_norm: float) -> float:
         """Global-norm clipping: sharded grads' squares summed over the group, replicated ones
@@ -537,12 +537,12 @@ LOSS_ALL_REDUCES = 3   # the vocab-parallel CE: max, sum of exp, target logit; N
 
 
 def region_all_reduces(layers: int, first: bool = True, last: bool = True,
-                       moe_layers: int = 0) -> int:
+                       moe_layers: int = 0, embed_trains: bool = True) -> int:
     """Activation all-reduces per micro-batch, each of one (B, S, H) activation, N H b bytes: f
     and g around attention and around the MLP, forward and backward (4 per layer; 2 in a MoE
     layer, whose experts are not split), the embedding's partial sums on the first stage, the
-    LM head's f on the last."""
-    return 4 * (layers - moe_layers) + 2 * moe_layers + int(first) + int(last)
+    LM head's f on the last; less the first f's backward when nothing before it trains (LoRA)."""
+    return 4 * layers - 2 * moe_layers + int(first) + int(last) - int(first and not embed_trains)
 
 
 if __name__ == "__main__":   # torchrun tp.py --mode ...: the test rig runs it

@@ -99,3 +99,31 @@ def constraints(args, config) -> list[str]:
 
 def trainable(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def input_needs_grad(model) -> bool:
+    """Whether the first layer's input carries a gradient: something before its attention's
+    region trains (the embedding, the first norm). LoRA freezes both: the first region's f then
+    has no backward (tp.region_all_reduces' embed_trains), nor SP's first all-gather."""
+    from .anatomy import parts
+    p = parts(model)
+    first = [p.embed] + ([p.layers[0]] if p.layers else [])
+    norm = getattr(first[-1], "input_layernorm", None) if len(first) > 1 else None
+    return any(q.requires_grad for m in (p.embed, norm) if m is not None for q in m.parameters())
+
+
+COLUMN_BY_REGION = (("q_proj", "k_proj", "v_proj", "qkv_proj"), ("gate_proj", "up_proj",
+                                                                 "gate_up_proj"))
+
+
+def regathered_regions(model, last: bool = True) -> int:
+    """Megatron SP's regions whose input is kept for the backward (and re-gathered there):
+    those where a trainable weight reads it (attention's q/k/v, the MLP's gate/up, the head).
+    Every one (2L + 1) when the whole model trains; under LoRA the targeted ones."""
+    from .anatomy import parts
+    p = parts(model)
+    n = 0
+    for layer in p.layers or []:
+        names = [n for n, q in layer.named_parameters() if q.requires_grad]
+        n += sum(any(c in x.split(".") for x in names for c in cols) for cols in COLUMN_BY_REGION)
+    return n + int(last and p.head is not None and p.head.weight.requires_grad)

@@ -14,6 +14,7 @@ from trainer4d.schedule import Scheduled, ScheduledReference
 
 import pp
 import zero
+import zero_state
 from compose4d import Parallel4D
 from rig.compose_moe import MoEReference, constraints as moe_constraints
 from rig.cp_ring import ring_refusals
@@ -33,6 +34,9 @@ def compose_constraints(args, world, config) -> list[str]:
         return [f"world size {world} is not divisible by tp x pp x cp = {T} x {P} x {C} = "
                 f"{T * P * C} (dp = W / (tp pp cp))"]
     D = world // (T * P * C)
+    if getattr(args, "lora", 0) and (args.mode == "train" or is_moe(config)):
+        return ["--lora: compose4d trains adapters in the correctness, learning and benchmark "
+                "modes of a dense model (its train mode's checkpoints and MoE: not built)"]
     meta = train.saved_meta(args) if args.mode == "train" else None   # (read once, here)
     if meta is not None and meta.get("optimizer", "adamw") != args.optimizer:
         return [f"--resume: the checkpoint's run stepped with --optimizer "
@@ -185,6 +189,7 @@ class Compose4D(Parallel4D, Strategy):
             "tp shard's shape, not the matrix's (gate/up [I/T, H] lose theirs)", _MUON),
     }
     optimizers = ("adamw", "muon")   # muon.py's owner mode over dp x cp, whole over tp
+    lora = True
     muon_modes = ("auto", "owner")
     modes = {"train": train.run_train}   # --mode train: a logged run with checkpoints
 
@@ -301,14 +306,15 @@ class Compose4D(Parallel4D, Strategy):
     constraints = staticmethod(compose_constraints)
 
     def full_grads(self):
-        return self._full(self._stage_tensors([u.grad_shard for u in self.zero.units]))
+        return self._full(self._stage_tensors("grad"))
 
     def full_params(self):
-        return self._full(self._stage_tensors([u.shard for u in self.zero.units]))
+        return self._full(self._stage_tensors("param"))
 
     def model_states(self):
         z = self.zero
-        return {"params": [u.shard if z.stage == 3 else u.full for u in z.units],
+        return {"params": [u.shard if z.stage == 3 else u.full for u in z.units]
+                + zero_state.outside_units(z),   # (--lora: the frozen base at stages 1, 2)
                 "grads": z.grad_tensors(), "optimizer": self.optimizer.state_tensors()}
 
     def wait_comm(self):

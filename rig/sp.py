@@ -3,6 +3,7 @@ import copy
 
 import torch
 
+from harness.lora_setup import input_needs_grad, regathered_regions
 from harness import (DTYPES, Expect, Plant, Strategy, attention_features,
                      dropout as harness_dropout, kv_heads, phase, planted)
 from harness.precision import grad_reduce_dtype
@@ -46,7 +47,6 @@ class MegatronSP(TP):
         self.tp = parallelize(model, async_tp=args.async_tp)
         if args.async_tp:
             self.name = "sp-megatron-async"
-        self.seq_partial = self.tp.group_partials
         self.optimizer = make_optimizer(model, args, self.tp)
 
     def my_tokens(self, batch) -> slice:
@@ -68,8 +68,7 @@ class MegatronSP(TP):
         b = DTYPES[a.dtype].itemsize
         b_ce = 4 if a.dtype == "bfloat16" else b
         nhb = N * H * b
-        partial = (sum(p.numel() for p in self.seq_partial)
-                   + sum(p.numel() * self.tp.n_kv for p in self.tp.kv_copy_params))
+        partial = self.tp.partial_numel()   # (frozen tensors, LoRA's, have no gradient)
         norm_calls, norm_bytes = norm_sharded_comm(self.tp, N, a.dtype)
         loss = LOSS_ALL_REDUCES      # the embedding's sum + the loss + the partial gradients
         ar_calls = 1 + loss + 1 + (1 if a.clip else 0) + norm_calls
@@ -86,7 +85,8 @@ class MegatronSP(TP):
                 Expect("all_reduce", "world", ar_calls, ar_bytes,
                        "embedding N*H*b + loss 3 x N*b + norm/bias grads"
                        + (" + clip" if a.clip else ""))] + muon
-        n = region_collectives(L)     # sp.py's formula: 6L + 3 and 4L + 1
+        n = region_collectives(L, regathered=regathered_regions(self.model),   # sp.py's: 6L + 3
+                               input_grad=input_needs_grad(self.model))           # and 4L + 1
         ag, rs = n["all_gather_into_tensor"], n["reduce_scatter_tensor"]
         return [
             Expect("all_gather_into_tensor", "world", ag, ag * nhb,

@@ -5,7 +5,7 @@ from harness import (Batch, DTYPES, DTensorBaseline, Expect, Plant, Reference, S
                      clip_by_norm, dropout, full_tensor, is_moe, phase, scalar,
                      spread_across_ranks)
 from harness.loss import chunked_loss_sum
-from harness.lora_setup import wrap as lora_wrap
+from harness.lora_setup import input_needs_grad, wrap as lora_wrap
 from harness.cli import main as harness_main
 
 from tp import (LOSS_ALL_REDUCES, TensorParallel, parallelize, region_all_reduces,
@@ -141,7 +141,7 @@ class TP(Strategy):
         b_ce = 4 if a.dtype == "bfloat16" else b
         partial = self.tp.kv_copy_params or self.tp.group_partials
         K = -(-N // a.ce_chunk) if a.ce_chunk else 1   # the loss's chunks, 3 all-reduces each
-        regions = region_all_reduces(L)                # 4L + 2 (tp.py's formula)
+        regions = region_all_reduces(L, embed_trains=input_needs_grad(self.model))  # 4L + 2
         calls = regions + LOSS_ALL_REDUCES * K + (1 if partial else 0)
         nbytes = regions * N * H * b + LOSS_ALL_REDUCES * N * b_ce
         if partial:

@@ -2,6 +2,7 @@
 benchmark mode compares with the metered traffic (compose4d.py's docstring states the formulas;
 compose_moe.py adds a MoE model's ep, count and edp rows)."""
 from harness import DTYPES, Expect, kv_heads
+from harness.lora_setup import input_needs_grad, regathered_regions
 import compose_moe
 import cp_ring
 import muon
@@ -32,14 +33,19 @@ def expected_comm(self) -> list[Expect]:
         if not units:
             continue
         padded = sum(u.padded for u in units)
-        rows += [Expect("reduce_scatter_tensor", group, len(units) * rs, padded * rb * rs,
-                        f"ZeRO-{a.zero}: {what}*b_reduce = {padded * rb:,} B, one per unit"
+        # (--lora: only the trainable parameters are reduced, each unit's padded to its group)
+        trained = [sum(p.numel() for p in u.params if p.requires_grad) for u in units]
+        n_rs = sum(1 for n in trained if n)
+        p_rs = sum(-(-n // u.world) * u.world for n, u in zip(trained, units))
+        rows += [Expect("reduce_scatter_tensor", group, n_rs * rs, p_rs * rb * rs,
+                        f"ZeRO-{a.zero}: {what}*b_reduce = {p_rs * rb:,} B, one per unit"
+                        + (" with gradients" if n_rs < len(units) else "")
                         + (f", x{M} micro-batches" if rs > 1 else "")),
                  Expect("all_gather_into_tensor", group, len(units) * ag, padded * b * ag,
                         f"parameters per unit, forward and backward x{M} micro-batches"
                         if a.zero == 3 else "updated parameters, one per unit")]
     if a.replicate > 1:
-        shard = sum(u.shard_numel for u in z.units if u.group is z.group)
+        shard = sum(u.shard_numel for u in z.units if u.group is z.group and u.n_grads)
         rows.append(Expect("all_reduce", "replicate", 1, shard * rb,
                            "HSDP: the dense gradient shards summed over the R replicas, once "
                            "per step"))
@@ -66,7 +72,9 @@ def expected_comm(self) -> list[Expect]:
                         "(C-1) K,V,dK,dV hops backward, dK,dV home") for op in ("isend", "irecv")]
     if T > 1:
         nhb = n_tok * H * b
-        n = sp.region_collectives(L_st, self.first, self.last, a.async_tp)
+        n = sp.region_collectives(L_st, self.first, self.last, a.async_tp,
+                                  regathered=regathered_regions(self.model, self.last),
+                                  input_grad=not self.first or input_needs_grad(self.model))
         if a.sp and a.async_tp:   # async_tp.py: every region collective a ring of T-1 hops
             rings = M * n["ring"]
             hop = nhb // M // T
@@ -116,7 +124,8 @@ def _tp_allreduce_rows(self, M, b, n_tok, L_st) -> list[Expect]:
         calls, nbytes = calls + loss, nbytes + loss * n_tok // M * b_ce
     # f and g of attention (and of a dense MLP), the embedding's sum, the head's f; under SP
     # only the embedding's stays an all-reduce
-    regions = (tp.region_all_reduces(L_st, self.first, self.last, L_st if self.moe else 0)
+    regions = (tp.region_all_reduces(L_st, self.first, self.last, L_st if self.moe else 0,
+                                     embed_trains=not self.first or input_needs_grad(self.model))
                if not a.sp else int(self.first))
     calls, nbytes = calls + M * regions, nbytes + M * regions * nhb_mb
     psl = sum(b_ - a_ for sl in self.partial_slices for a_, b_ in sl)
