@@ -45,8 +45,8 @@ def _validate(cls, args, world: int, rank: int):
     dtypes = args.dtype.split(",") if args.dtype else [None]
     errs = []
     if getattr(args, "lora", 0) and not cls.lora:
-        errs.append(f"--lora: {cls.name} does not train LoRA adapters (lora: ddp, zero, fsdp, compose4d, "
-                    f"tp, sp, cp, pp)")
+        errs.append(f"--lora: {cls.name} does not train LoRA adapters (lora: ddp, zero, fsdp, "
+                    f"tp, sp, cp, pp, compose4d)")
     for d in dtypes:
         a = copy.copy(args)
         a.dtype = d

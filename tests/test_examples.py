@@ -145,3 +145,16 @@ def test_train_4d_matches_one_device(layout):
     assert abs(float(rows[0][1]) - loss) < 2e-4, (rows[0], loss)
     assert abs(float(rows[0][2]) - norm) < 1e-5 * norm, (rows[0], norm)
     assert float(rows[-1][1]) < 0.5 * float(rows[0][1]), out
+
+
+def test_lora_example_fine_tunes_and_exports(tmp_path):
+    """peft's adapters under tp.parallelize in a plain loop: the loss falls, and the merged HF
+    directory it exports computes the tp model's loss (float32: 1e-5 relative)."""
+    out = run_example("lora_train.py", 2, "--out", str(tmp_path))
+    ls = losses("\n".join(x for x in out.splitlines() if x.startswith("step")))
+    assert len(ls) == 4 and ls[-1] < ls[0], out
+    line = next(x for x in out.splitlines() if x.startswith("exported"))
+    merged, tp_loss = map(float, re.findall(r"(\d+\.\d+)", line))
+    assert abs(merged - tp_loss) <= 1e-5 * tp_loss, out
+    assert (tmp_path / "merged" / "config.json").exists()
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
