@@ -75,7 +75,8 @@ def full_tensors(model: nn.Module, what: str = "param") -> dict[str, torch.Tenso
     for name, p in named_params(model).items():
         t = full_of.get(p) if hasattr(p, "sharded") else (p if what == "param" else p.grad)
         out[name] = (t if t is not None else torch.zeros_like(p)).detach()
-        if what == "grad" and not getattr(p, "sharded", p).requires_grad:   # frozen: None
+        q = getattr(p, "sharded", p)   # a frozen parameter without a gradient: None
+        if what == "grad" and not q.requires_grad and q.grad is None:
             out[name] = None
     return out
 

@@ -25,12 +25,16 @@ reduce, no optimizer state)
                    gradient dy (A_i x_i)^T is partial: all-reduced with the others
       fused        (Phi3's qkv_proj, gate_up_proj) B split segment by segment, like W;
       kv-copy      (more ranks than kv heads) B holds this rank's kv head, like W
-    Per step tp all-reduces sum over column targets of r in + over row targets r out elements
-    once (partial_numel), beside the activations' f and g, which LoRA does not change.
+    Per step tp all-reduces the partial gradients once (tp's partial_numel): r in per column
+    target's A and r out per row target's B (tp_partial_numel; with more ranks than kv heads,
+    k and v's B travel in n_kv-head buffers as the base's kv-copy rule has it), and no frozen
+    tensor's. Freezing also removes backward collectives: the regions before the first trainable
+    parameter send no input gradient (tp.region_all_reduces, sp.region_collectives).
 
-Model states per rank, AdamW (bf16 parameters with fp32 masters: b = 2, 12 B of optimizer state
-per trainable parameter; float32: b = 4, 8 B): full fine-tuning Psi (2 b + 12); LoRA Psi b +
-Psi_a (2 b + 12) (state_bytes).
+Model states of a replica under AdamW (state_bytes; Psi: every parameter, the adapters
+included): Psi b, plus for each of the Psi_a trainable ones a gradient (b), two fp32 moments
+(8) and, when b = 2 (bf16), an fp32 master (4): bf16 2 Psi + 14 Psi_a against full
+fine-tuning's 16 Psi; float32 4 Psi + 12 Psi_a.
 
 Public API
     model = peft.get_peft_model(hf_model, LoraConfig(...)).base_model.model   (peft's own)
@@ -98,6 +102,13 @@ def param_like(t: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(t.clone(), requires_grad=like.requires_grad)
 
 
+def _linear(weight: nn.Parameter) -> nn.Linear:
+    """An nn.Linear without bias around `weight` [n, k] (the adapters' modules, as peft's)."""
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    lin.weight = weight
+    return lin
+
+
 class _Holder(nn.Module):
     """Holds a weight (and bias): keeps peft's parameter names (base_layer.weight, lora_A.default.
     weight) on the parallel layers, so checkpoints and the export read them unchanged."""
@@ -113,6 +124,11 @@ class _ParallelLoRA(nn.Module):
     def __init__(self, layer):
         super().__init__()
         self.adapters = [a for a in layer.active_adapters if a in layer.lora_A]
+        extra = [a for a in layer.lora_A if a not in self.adapters]
+        if extra or any(layer.lora_B[a].bias is not None for a in self.adapters) or any(
+                getattr(layer, "use_dora", {}).get(a) for a in self.adapters):
+            raise ValueError(f"lora: {type(layer).__name__} with inactive adapters {extra}, a "
+                             f"bias on B or DoRA: the parallel layers keep plain active LoRA")
         self.scaling = {a: layer.scaling[a] for a in self.adapters}
         self.lora_dropout = layer.lora_dropout
         for part in ADAPTERS:
@@ -122,8 +138,10 @@ class _ParallelLoRA(nn.Module):
         out = 0
         for a in self.adapters:
             h = self.lora_A[a](self.lora_dropout[a](x))    # (B, S, k) @ A^T -> (B, S, r)
-            s = self.scaling[a] ** (2 if planted("lora-scaled-twice") else 1)   # plant: s^2
-            out = out + self.lora_B[a](h) * s          # (B, S, r) @ B^T -> (B, S, n)
+            s = self.scaling[a]                                # alpha / r
+            if planted("lora-scaled-twice"):   # plant: (alpha / r)^2
+                s = s * s
+            out = out + self.lora_B[a](h) * s                  # (B, S, r) @ B^T -> (B, S, n)
         return out
 
 
@@ -140,7 +158,8 @@ class ColumnParallelLoRA(_ParallelLoRA):
         for a in self.adapters:
             A, B = layer.lora_A[a], layer.lora_B[a]
             self.lora_A[a] = _linear(param_like(A.weight.detach(), A.weight))   # [r, in], whole
-            self.lora_B[a] = _linear(param_like(_rows(B.weight.detach(), rows), B.weight))  # [out/T, r]
+            B_i = _rows(B.weight.detach(), rows)                                # [out/T, r]
+            self.lora_B[a] = _linear(param_like(B_i, B.weight))
 
     def forward(self, x):                # (B, S, in) -> (B, S, out/T)
         return (F.linear(x, self.base_layer.weight, self.base_layer.bias)
@@ -156,9 +175,13 @@ class RowParallelLoRA(_ParallelLoRA):
         super().__init__(layer)
         self.region = region
         base = layer.base_layer
-        self.base_layer = _Holder(param_like(base.weight.detach()[:, cols], base.weight),  # [out, in/T]
+        W_i = base.weight.detach()[:, cols]                                      # [out, in/T]
+        self.base_layer = _Holder(param_like(W_i, base.weight),
                                   param_like(base.bias.detach(), base.bias)
                                   if base.bias is not None else None)
+        for d in self.lora_dropout.values():   # (layout-independent masks: by global column)
+            if hasattr(d, "features") and not planted("lora-dropout-local-columns"):   # plant
+                d.features = torch.arange(base.in_features, device=base.weight.device)[cols]
         for a in self.adapters:
             A, B = layer.lora_A[a], layer.lora_B[a]
             self.lora_A[a] = _linear(param_like(A.weight.detach()[:, cols], A.weight))  # [r, in/T]
@@ -173,7 +196,9 @@ class RowParallelLoRA(_ParallelLoRA):
 def split_for_tp(tpm):
     """tp.TensorParallel's step for peft's LoRA layers, in place: each becomes a parallel base
     with its adapters split by the base's kind (tpm.kinds): B like W's rows under a column-like
-    base, A like W's columns under a row base, the other adapter whole, its gradient partial."""
+    base, A like W's columns under a row base, the other adapter whole, its gradient partial.
+    (tp's _cut and _fused_rows give this rank's rows or columns; _fused_rows also records B's
+    segments for tpm.full / tpm.local.)"""
     model = tpm.model
     for name, layer in [(n, m) for n, m in model.named_modules() if is_lora_layer(m)]:
         kind, base = tpm.kinds[f"{name}.base_layer.weight"], layer.base_layer
@@ -184,13 +209,6 @@ def split_for_tp(tpm):
                                      else tpm._cut(name, base.out_features))
         parent, leaf = name.rsplit(".", 1)
         setattr(model.get_submodule(parent), leaf, new)
-
-
-def _linear(weight: nn.Parameter) -> nn.Linear:
-    """An nn.Linear without bias around `weight` [n, k] (the adapters' modules, as peft's)."""
-    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    lin.weight = weight
-    return lin
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,6 +243,9 @@ def export(full: dict[str, torch.Tensor], config, lora_config, out: str):
 
     import peft
     from transformers import AutoModelForCausalLM
+    if lora_config.use_rslora or lora_config.rank_pattern or lora_config.alpha_pattern:
+        raise ValueError("lora.export: one scale alpha / r for every adapter (no rsLoRA, no "
+                         "rank or alpha pattern)")
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     dtype = next(iter(full.values())).dtype
     model.to(dtype).load_state_dict(merged(full, lora_config.lora_alpha / lora_config.r))
@@ -236,7 +257,8 @@ def export(full: dict[str, torch.Tensor], config, lora_config, out: str):
 
 
 # ----------------------------------------------------------------------------------------------
-# Formulas (the rigs' expected comm, the memory rows and the OOM search's predictor call these)
+# Formulas (tests/test_lora.py checks them by hand; the rigs' expected communication and memory
+# rows count the model's own tensors, trainable ones apart)
 # ----------------------------------------------------------------------------------------------
 def adapter_numel(shapes, r: int) -> int:
     """Psi_a: the adapters' parameters for targets of shapes [(out, in), ...] at rank r."""
@@ -244,14 +266,15 @@ def adapter_numel(shapes, r: int) -> int:
 
 
 def state_bytes(psi: int, psi_a: int, b: int) -> int:
-    """Model-state bytes of a replica under AdamW: every parameter b bytes, and each trainable
-    one a gradient (b) and 2 fp32 moments (8), plus an fp32 master (4) when b = 2. Full
-    fine-tuning is state_bytes(psi, psi, b)."""
+    """Model-state bytes of a replica under AdamW: every parameter (psi, adapters included) b
+    bytes, and each trainable one (psi_a) a gradient (b) and 2 fp32 moments (8), plus an fp32
+    master (4) when b = 2. Full fine-tuning is state_bytes(psi, psi, b)."""
     per_trainable = b + 8 + (4 if b == 2 else 0)
     return psi * b + psi_a * per_trainable
 
 
 def tp_partial_numel(column_shapes, row_shapes, r: int) -> int:
     """Elements of TP's all-reduce of the adapters' partial gradients per step: A [r, in] of
-    each column-like target, B [out, r] of each row target."""
+    each column-like target, B [out, r] of each row target (T <= kv heads: replicated kv
+    heads add their B's n_kv-head buffers, tp.TensorParallel.partial_numel)."""
     return sum(r * i for _, i in column_shapes) + sum(r * o for o, _ in row_shapes)

@@ -287,7 +287,7 @@ def parallelize_ulysses(model, group=None, **dp_kwargs):
 # ----------------------------------------------------------------------------------------------
 def region_collectives(layers: int, first: bool = True, last: bool = True,
                        async_tp: bool = False, regathered: int | None = None,
-                       input_grad: bool = True) -> dict[str, int]:
+                       no_grad_inputs: int = 0) -> dict[str, int]:
     """Megatron SP's collectives per micro-batch, each of one (B, S, H) activation, N H b
     bytes: per layer 2 region entries forward, their 2 re-gathers for the weight gradients and
     the 2 row exits' backward (6 all-gathers), 2 row exits forward and 2 entries backward (4
@@ -295,12 +295,13 @@ def region_collectives(layers: int, first: bool = True, last: bool = True,
     on the first (its backward all-gather). The embedding's partial sums stay an all-reduce
     (tp.region_all_reduces). async_tp: every one of them but the split a ring of T-1 hops.
     LoRA: only a region whose input a trainable weight reads is re-gathered (`regathered`,
-    default all 2L + 1), and with nothing trainable before the first layer (input_grad False)
-    neither the split's nor the first entry's backward runs."""
+    default all 2L + 1); the first `no_grad_inputs` regions' inputs need no gradient: no
+    backward for their entries (reduce-scatter), the split, and the exits of all but the last of
+    them (all-gathers: its output trains)."""
     regathered = 2 * layers + int(last) if regathered is None else regathered
-    no_grad = int(first and not input_grad)
-    ag = 4 * layers + regathered + int(last) + int(first) - no_grad
-    rs = 4 * layers + int(last) - no_grad
+    n = no_grad_inputs if first else 0
+    ag = 4 * layers + regathered + int(last) + int(first) - n
+    rs = 4 * layers + int(last) - n
     if async_tp:
         return {"all_gather_into_tensor": int(first), "ring": ag - int(first) + rs}
     return {"all_gather_into_tensor": ag, "reduce_scatter_tensor": rs}

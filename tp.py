@@ -537,12 +537,12 @@ LOSS_ALL_REDUCES = 3   # the vocab-parallel CE: max, sum of exp, target logit; N
 
 
 def region_all_reduces(layers: int, first: bool = True, last: bool = True,
-                       moe_layers: int = 0, embed_trains: bool = True) -> int:
+                       moe_layers: int = 0, no_grad_inputs: int = 0) -> int:
     """Activation all-reduces per micro-batch, each of one (B, S, H) activation, N H b bytes: f
     and g around attention and around the MLP, forward and backward (4 per layer; 2 in a MoE
     layer, whose experts are not split), the embedding's partial sums on the first stage, the
-    LM head's f on the last; less the first f's backward when nothing before it trains (LoRA)."""
-    return 4 * layers - 2 * moe_layers + int(first) + int(last) - int(first and not embed_trains)
+    LM head's f on the last; less the f backward of each region whose input needs none (LoRA)."""
+    return 4 * layers - 2 * moe_layers + int(first) + int(last) - first * no_grad_inputs
 
 
 if __name__ == "__main__":   # torchrun tp.py --mode ...: the test rig runs it

@@ -94,6 +94,7 @@ class FlatUnit:
         self.grad_shard = (self.grad_full[lo:lo + s] if stage == 1 and rdt == dtype
                            else torch.zeros(s if g_numel else 0, dtype=rdt, device=device))  # [s]
         self.gathered, self.handle = True, None   # handle: an in-flight (prefetched) gather
+        self.backward = True   # stage 3: its output takes a backward (not a frozen embedding's)
         self.ready: set = set()   # parameters whose gradient for this micro-batch is complete
         self.launched = False     # stage 1: reduce-scattered in this step (sync backward)
 
@@ -238,17 +239,17 @@ class Zero(FlatTensors):
     # -- stage 3: gather before use, free after --
     def _pre_forward(self, u: FlatUnit):
         u.wait()
-        self._prefetch_units(self.units[self.unit_index[u] + 1:][:self.prefetch])
+        self._prefetch_units(self.ahead(u, +1))
 
     def _post_forward(self, u: FlatUnit, out):
         u.free_params()
         self._hook_backward(u, out)
 
     def _hook_backward(self, u: FlatUnit, out):
-        """Call _pre_backward(u) when the backward reaches u's output (if it does: a frozen
-        embedding's output needs no gradient)."""
+        """_pre_backward(u) when the backward reaches u's output (a frozen embedding's: never)."""
         ts = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if ts:   # (none under no_grad)
+        u.backward = bool(ts) or not torch.is_grad_enabled()
+        if ts:
             ts[0].register_hook(lambda grad, u=u: self._pre_backward(u))
 
     def _pre_backward(self, u: FlatUnit):
@@ -257,9 +258,8 @@ class Zero(FlatTensors):
             u.full.zero_()
             u.gathered = True
         u.wait()
-        i = self.unit_index[u]
-        self.free_frozen(self.units[i + 1:])   # frozen units the backward is past
-        self._prefetch_units(self.units[max(0, i - self.prefetch):i][::-1])
+        self.free_frozen(u)   # the frozen units the backward is past
+        self._prefetch_units(self.ahead(u, -1))
 
     def _prefetch_units(self, units):
         """Launch the all-gathers of `units` (async, one order on every rank): each runs while

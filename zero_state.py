@@ -62,6 +62,8 @@ def split_frozen(name: str, params: list, stage: int) -> list[tuple[str, list]]:
     base) apart, so no frozen zero gradient is reduce-scattered: their own unit at stage 3
     (sharded and gathered for compute, never reduced), in no unit at stages 1 and 2 (whole on
     every rank, like the model outside ZeRO)."""
+    if planted("lora-base-in-units"):   # plant: the frozen base reduced with the adapters
+        return [(name, params)]
     trainable = [p for p in params if p.requires_grad]
     frozen = [p for p in params if not p.requires_grad] if stage == 3 else []
     return [(n, ps) for n, ps in ((name, trainable), (f"{name}.frozen", frozen)) if ps]
@@ -71,11 +73,30 @@ class FlatTensors:
     """Mixed into zero.Zero: reads its `units` (zero.FlatUnit), `group`, `stage` and
     wait_params()."""
 
-    def free_frozen(self, units):
-        """Stage 3: free the gathered frozen units (LoRA's base) among `units`, which the
-        backward has passed: no gradient marks their end, as reduced ones' do."""
-        for v in units:
-            if not v.n_grads and v.gathered and v.handle is None:
+    def ahead(self, u, step: int) -> list:
+        """Stage 3's prefetch: the units of the next `prefetch` module groups after u's (step +1
+        the forward's order, -1 the backward's), u's own skipped: a frozen unit and its
+        trainable twin (LoRA) share their modules and are gathered together; a unit whose output
+        takes no backward (a frozen embedding's) is not gathered for the backward."""
+        out, groups, i = [], [], self.unit_index[u] + step
+        while 0 <= i < len(self.units):
+            v, i = self.units[i], i + step
+            if v.modules == u.modules:
+                continue
+            if v.modules not in groups:
+                if len(groups) == self.prefetch:
+                    break
+                groups.append(v.modules)
+            if step > 0 or v.backward:
+                out.append(v)
+        return out
+
+    def free_frozen(self, u):
+        """Stage 3, as the backward reaches u: free the gathered frozen units (LoRA's base) after
+        u's module group, which the backward has passed (no gradient marks their end, as the
+        reduced units' do)."""
+        for v in self.units[self.unit_index[u] + 1:]:
+            if v.modules != u.modules and not v.n_grads and v.gathered and v.handle is None:
                 v.free_params()
 
     def grad_tensors(self) -> list[torch.Tensor]:
@@ -94,8 +115,8 @@ class FlatTensors:
         out = self.gather_flat([u.grad_shard if grad else u.shard for u in self.units],
                                [u for u in self.units if u.n_grads or not grad])
         for n, p in (self.model.named_parameters() if self.model is not None else ()):
-            if not p.requires_grad or n not in out:   # frozen (outside the units at stage < 3)
-                out[n] = None if grad else out.get(n, p.detach())
+            if n not in out:   # frozen: outside the units (stages 1, 2), or in one not reduced
+                out[n] = None if grad else p.detach()
         return out
 
     def gather_flat(self, shards: list[torch.Tensor], units=None) -> dict[str, torch.Tensor]:
@@ -431,3 +452,13 @@ def outside_units(engine) -> list[torch.Tensor]:
     if engine.model is None:
         return []
     return [p for p in engine.model.parameters() if p not in engine.unit_of]
+
+
+def backward_gathers(units) -> int:
+    """Stage 3: the units gathered again in the backward: from the first that holds a trainable
+    parameter in its modules on (before it, LoRA's frozen embedding, no output takes a gradient)."""
+    seen, n = False, 0
+    for u in units:
+        seen = seen or any(p.requires_grad for m in u.modules for p in m.parameters())
+        n += seen
+    return n

@@ -192,6 +192,28 @@ class HiddenDropout(nn.Module):
         return f"p={self.p}, seed={self.seed}, layer={self.layer}, site={self.site}"
 
 
+class InputDropout(HiddenDropout):
+    """peft's lora_dropout on an adapter's input (b, s, in), keyed by (sample, position,
+    feature) like HiddenDropout: the tokens are the residual stream's, or the whole sequence's
+    inside a Megatron-SP region; `features` the global input features (lora.RowParallelLoRA sets
+    its columns')."""
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        t = current()
+        cols = t.hidden if x.shape[1] == t.hidden.numel() else t.positions
+        if x.dim() != 3 or x.shape[1] != cols.numel() or x.shape[0] != t.samples.numel():
+            raise RuntimeError(f"dropout: an adapter's input dropout expects (rows "
+                               f"{t.samples.numel()}, tokens {cols.numel()}, features), got "
+                               f"{tuple(x.shape)}")
+        f = (torch.arange(x.shape[2], device=x.device) if self.features is None
+             else self.features.to(x.device))
+        key = site_key(self.seed, t.step, self.layer, self.site)
+        return apply(x, self.p, key, t.samples[:, None, None], cols[None, :, None],
+                     f[None, None, :])
+
+
 def attention_dropout(probs: torch.Tensor, p: float, module, heads=None) -> torch.Tensor:
     """Dropout of attention probabilities (b, h, s_q, s_k), over the full sequence on both
     axes, keyed by (sample, head, query position, key position). `heads`: the global ids of

@@ -59,7 +59,26 @@ def wrap(model, args):
         torch.manual_seed(args.seed + 7919)
         peft.get_peft_model(model, lora_config(args, model, random_b),
                             autocast_adapter_dtype=False)
+    if args.lora_dropout > 0:
+        keyed_dropout(model, args.seed)
     return model
+
+
+LORA_SITE = 1000   # the adapters' dropout sites: LORA_SITE + the target's index in its layer
+
+
+def keyed_dropout(model, seed: int):
+    """peft's lora_dropout modules (torch's masks) become harness.dropout.InputDropout: masks
+    keyed by (seed, step, layer, site, sample, position, feature), the same at every layout."""
+    from .anatomy import parts
+    from .dropout import InputDropout
+    for i, layer in enumerate(parts(model).layers):
+        site = LORA_SITE
+        for _, m in layer.named_modules():
+            for a, d in list(getattr(m, "lora_dropout", {}).items()):
+                if isinstance(d, torch.nn.Dropout):
+                    m.lora_dropout[a] = InputDropout(d.p, seed, i, site)
+                    site += 1
 
 
 def is_adapter(name: str) -> bool:
@@ -75,11 +94,12 @@ def constraints(args, config) -> list[str]:
         return [f"--lora {args.lora}: the adapters' rank must be >= 1 (0: no LoRA)"]
     if not 0.0 <= args.lora_dropout < 1.0:
         return [f"--lora-dropout {args.lora_dropout}: must be in [0, 1)"]
-    if args.lora_dropout > 0:
-        return [f"--lora-dropout {args.lora_dropout}: the adapters' dropout is not yet "
-                f"layout-independent (harness/dropout.py); run with 0"]
     if args.optimizer != "adamw":
         return [f"--optimizer {args.optimizer} with --lora: the adapters train with AdamW"]
+    if args.lora_dropout > 0 and args.mode in ("benchmark", "peak", "all"):
+        return [f"--mode {args.mode} with --lora-dropout: the benchmark's communication and "
+                f"memory formulas are for the adapters without dropout (its masks and dropped "
+                f"copies are kept whole-sequence inside a Megatron-SP region)"]
     import copy
 
     import peft
@@ -101,15 +121,25 @@ def trainable(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def input_needs_grad(model) -> bool:
-    """Whether the first layer's input carries a gradient: something before its attention's
-    region trains (the embedding, the first norm). LoRA freezes both: the first region's f then
-    has no backward (tp.region_all_reduces' embed_trains), nor SP's first all-gather."""
+def no_grad_inputs(model) -> int:
+    """How many of TP's regions (attention, then MLP, layer by layer) take an input that carries
+    no gradient: none when something before the first layer trains (the embedding); else the
+    regions up to and including the first that holds a trainable parameter (its norm or its
+    projections). LoRA freezes the embedding: the first region's f (TP), and SP's split, entry
+    and exits before it, then have no backward to run (tp.region_all_reduces,
+    sp.region_collectives)."""
     from .anatomy import parts
     p = parts(model)
-    first = [p.embed] + ([p.layers[0]] if p.layers else [])
-    norm = getattr(first[-1], "input_layernorm", None) if len(first) > 1 else None
-    return any(q.requires_grad for m in (p.embed, norm) if m is not None for q in m.parameters())
+    if p.embed is None or any(q.requires_grad for q in p.embed.parameters()):
+        return 0
+    n = 0
+    for layer in p.layers or []:
+        names = [x for x, q in layer.named_parameters() if q.requires_grad]
+        for attn in (True, False):   # (attention: its input norm and self_attn's projections)
+            n += 1
+            if any(x.startswith(("input_layernorm", "self_attn")) == attn for x in names):
+                return n
+    return n
 
 
 COLUMN_BY_REGION = (("q_proj", "k_proj", "v_proj", "qkv_proj"), ("gate_proj", "up_proj",

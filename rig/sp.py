@@ -3,7 +3,7 @@ import copy
 
 import torch
 
-from harness.lora_setup import input_needs_grad, regathered_regions
+from harness.lora_setup import no_grad_inputs, regathered_regions
 from harness import (DTYPES, Expect, Plant, Strategy, attention_features,
                      dropout as harness_dropout, kv_heads, phase, planted)
 from harness.precision import grad_reduce_dtype
@@ -86,7 +86,7 @@ class MegatronSP(TP):
                        "embedding N*H*b + loss 3 x N*b + norm/bias grads"
                        + (" + clip" if a.clip else ""))] + muon
         n = region_collectives(L, regathered=regathered_regions(self.model),   # sp.py's: 6L + 3
-                               input_grad=input_needs_grad(self.model))           # and 4L + 1
+                               no_grad_inputs=no_grad_inputs(self.model))         # and 4L + 1
         ag, rs = n["all_gather_into_tensor"], n["reduce_scatter_tensor"]
         return [
             Expect("all_gather_into_tensor", "world", ag, ag * nhb,

@@ -5,7 +5,7 @@ from harness import (Batch, DTYPES, DTensorBaseline, Expect, Plant, Reference, S
                      clip_by_norm, dropout, full_tensor, is_moe, phase, scalar,
                      spread_across_ranks)
 from harness.loss import chunked_loss_sum
-from harness.lora_setup import input_needs_grad, wrap as lora_wrap
+from harness.lora_setup import no_grad_inputs, wrap as lora_wrap
 from harness.cli import main as harness_main
 
 from tp import (LOSS_ALL_REDUCES, TensorParallel, parallelize, region_all_reduces,
@@ -56,6 +56,10 @@ class TP(Strategy):
         "lora-a-unsummed": Plant("--lora: a column base's lora_A gradient (partial: this "
                                  "rank's output rows only) is not summed over the group",
                                  LORA_PLANT),
+        "lora-dropout-local-columns": Plant(
+            "--lora-dropout: a row base's adapter input is dropped by its local column index, "
+            "not the global one (its masks then differ from one device's)",
+            ("--lora", "4", "--lora-dropout", "0.1")),
         "lora-scaled-twice": Plant("--lora: the parallel LoRA layers scale the adapters' "
                                    "product by (alpha / r)^2 instead of alpha / r", LORA_PLANT),
         "muon-blockwise": Plant(
@@ -141,7 +145,7 @@ class TP(Strategy):
         b_ce = 4 if a.dtype == "bfloat16" else b
         partial = self.tp.kv_copy_params or self.tp.group_partials
         K = -(-N // a.ce_chunk) if a.ce_chunk else 1   # the loss's chunks, 3 all-reduces each
-        regions = region_all_reduces(L, embed_trains=input_needs_grad(self.model))  # 4L + 2
+        regions = region_all_reduces(L, no_grad_inputs=no_grad_inputs(self.model))  # 4L + 2
         calls = regions + LOSS_ALL_REDUCES * K + (1 if partial else 0)
         nbytes = regions * N * H * b + LOSS_ALL_REDUCES * N * b_ce
         if partial:

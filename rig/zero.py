@@ -9,7 +9,7 @@ import muon
 
 import ddp
 from zero import Zero, ZeroOptimizer, collectives_per_unit
-from zero_state import outside_units, state_bytes
+from zero_state import backward_gathers, outside_units, state_bytes
 
 from rig.ddp import MUON_PLANT, TorchDDP, batch_constraints
 
@@ -68,6 +68,9 @@ class ZeRO(Strategy):
             "--optimizer muon: Newton-Schulz on the matrix with only this rank's shard of the "
             "update (zeros elsewhere) instead of the gathered whole",
             (*MUON_PLANT, "--muon-mode", "gather")),
+        "lora-base-in-units": Plant("--lora: the frozen base shares the adapters' units, its "
+                                    "zero gradients reduce-scattered with theirs",
+                                    ("--stage", "2", "--lora", "4")),
         "no-average": Plant("the reduce-scatter sums the gradients instead of averaging "
                             "them (2x at W=2; clipping would hide it)", _ACCUM_CLIP),
         "overwrite-accum": Plant("stages 2/3 overwrite the reduced gradient shard with "
@@ -181,10 +184,13 @@ class ZeRO(Strategy):
                                full * ag_times + nbytes,
                                f"Psi*b = {full:,} B: updated parameters, one per unit"
                                + muon_note))
-        else:
-            rows.append(Expect("all_gather_into_tensor", "world", n * ag_times + calls,
-                               full * ag_times + nbytes,
-                               "2 Psi*b: forward + backward gather per unit"
+        else:   # forward per unit; backward from the first unit that trains on (LoRA)
+            nb = backward_gathers(z.units)
+            fb = sum(u.padded for u in z.units[n - nb:]) * b
+            rows.append(Expect("all_gather_into_tensor", "world", (n + nb) * K + calls,
+                               (full + fb) * K + nbytes,
+                               "2 Psi*b: forward + backward gather per unit (--lora: no "
+                               "backward gather before the first unit that trains)"
                                + (f", x{K} micro-batches" if K > 1 else "") + muon_note))
         if isinstance(owner, Expect):
             rows.append(owner)

@@ -32,15 +32,14 @@ def test_tp_classifies_each_adapter_by_its_base():
     kinds, errs = tp_plan.classify(pm.base_model.model, 2)
     assert not errs
     p = "model.layers.0."
-    for proj, base in (("self_attn.q_proj", "column"), ("self_attn.v_proj", "column"),
-                       ("mlp.up_proj", "column"), ("self_attn.o_proj", "row"),
-                       ("mlp.down_proj", "row")):
-        a, b = lora.ADAPTER_KINDS[base]
+    for proj, base, a, b in (("self_attn.q_proj", "column", "partial", "column"),
+                             ("self_attn.v_proj", "column", "partial", "column"),
+                             ("mlp.up_proj", "column", "partial", "column"),
+                             ("self_attn.o_proj", "row", "row", "partial"),
+                             ("mlp.down_proj", "row", "row", "partial")):
         assert kinds[f"{p}{proj}.base_layer.weight"] == base
         assert (kinds[f"{p}{proj}.lora_A.default.weight"],
                 kinds[f"{p}{proj}.lora_B.default.weight"]) == (a, b)
-    assert lora.ADAPTER_KINDS["column"] == ("partial", "column")
-    assert lora.ADAPTER_KINDS["row"] == ("row", "partial")
     _, _, phi = peft_model("tiny-phi3", targets=("qkv_proj", "gate_up_proj", "o_proj"), meta=True)
     kinds, errs = tp_plan.classify(phi.base_model.model, 2)
     assert not errs
@@ -102,12 +101,15 @@ SLOW = {
                                      "--dtype", "float64,bfloat16"]}, tier="slow"),
     "ddp": Runs("ddp.py", 2, {"lora": CORRECT}, tier="slow"),
     "fsdp": Runs("fsdp.py", 2, {"lora": CORRECT}, tier="slow"),
-    "sp-megatron": Runs("sp.py", 2, {"lora": [*CORRECT, "--variant", "megatron"]}, tier="slow"),
+    # (--lora-dropout: the adapters' masks keyed by global token and feature, the same at every
+    # layout: a Megatron-SP region's whole sequence, a row base's columns, CP's zig-zag tokens)
+    "sp-megatron": Runs("sp.py", 2, {"lora": [*CORRECT, "--variant", "megatron",
+                                              "--lora-dropout", "0.1"]}, tier="slow"),
     "sp-ulysses": Runs("sp.py", 2, {"lora-ulysses": [*CORRECT, "--variant", "ulysses"]},
                        tier="slow"),
     "zero": Runs("zero.py", 2, {"lora": [*CORRECT, "--stage", "1"],
                                 "lora-zero3": [*CORRECT, "--stage", "3"]}, tier="slow"),
-    "cp": Runs("cp_ring.py", 2, {"lora": CORRECT}, tier="slow"),
+    "cp": Runs("cp_ring.py", 2, {"lora": [*CORRECT, "--lora-dropout", "0.1"]}, tier="slow"),
     "pp": Runs("pp.py", 2, {"lora": CORRECT}, tier="slow"),
     "compose4d": Runs("compose4d.py", 4, {"lora": [*CORRECT, "--tp", "2", "--dp", "2", "--sp",
                                                    "--zero", "2"]}, tier="slow"),
@@ -115,7 +117,11 @@ SLOW = {
 # the other world sizes (tp W=4: k and v's B replicated per kv head; fsdp W=3: rows cut
 # unevenly), Phi3's fused projections and Qwen3's per-head norms, bf16 beyond tp
 HEAVY = {
-    "tp-W4": Runs("tp.py", 4, {"lora": [*CORRECT, "--dtype", "float64,bfloat16"]}, tier="heavy"),
+    "tp-W4": Runs("tp.py", 4, {"lora": [*CORRECT, "--dtype", "float64,bfloat16"],
+                               "lora-dropout": [*CORRECT, "--lora-dropout", "0.1"]},
+                  tier="heavy"),
+    "dropout-plant": Runs("ddp.py", 2, {"lora-dropout-plant": [
+        *CORRECT, "--lora-dropout", "0.1", "--plant-bug", "dropout-rank-local"]}, tier="heavy"),
     "tp-phi3": Runs("tp.py", 2, {"lora-phi3": [*CORRECT, "--model", "tiny-phi3"]}, tier="heavy"),
     "tp-qwen3": Runs("tp.py", 2, {"lora-qwen3": [*CORRECT, "--model", "tiny-qwen3"]},
                      tier="heavy"),
@@ -153,6 +159,15 @@ def test_lora_passes_against_the_single_device_peft_model(runs, name):
     for key in batch.runs:
         rows = check_lora_run(runs(batch, key))
         assert len(rows) == (2 if name == "tp" else 1)
+
+
+@pytest.mark.heavy
+def test_rank_local_adapter_masks_fail(runs):
+    """The adapters' dropout keyed by local rows and positions (harness's dropout-rank-local
+    plant) FAILs under ddp (each rank's rows), as a row base's local columns do under tp
+    (tp's lora-dropout-local-columns, tests/test_plants.py)."""
+    r = runs(HEAVY["dropout-plant"], "lora-dropout-plant")
+    assert r.rc != 0 and r.last_line.startswith("FAIL ddp+lora4"), r
 
 
 BENCH = {st: Runs("zero.py", 2, {f"lora-bench{st}": ["--mode", "benchmark", "--lora", "4",
@@ -200,7 +215,7 @@ def test_only_the_adapters_are_reduced(runs, name):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("name", list(HEAVY))
+@pytest.mark.parametrize("name", [n for n in HEAVY if n != "dropout-plant"])
 def test_lora_at_other_sizes_families_and_bf16(runs, name):
     batch = HEAVY[name]
     for key in batch.runs:

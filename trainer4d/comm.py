@@ -2,13 +2,14 @@
 benchmark mode compares with the metered traffic (compose4d.py's docstring states the formulas;
 compose_moe.py adds a MoE model's ep, count and edp rows)."""
 from harness import DTYPES, Expect, kv_heads
-from harness.lora_setup import input_needs_grad, regathered_regions
+from harness.lora_setup import no_grad_inputs, regathered_regions
 import compose_moe
 import cp_ring
 import muon
 import sp
 import tp
 import zero
+import zero_state
 from pp_schedule import boundary_messages
 
 
@@ -44,6 +45,11 @@ def expected_comm(self) -> list[Expect]:
                  Expect("all_gather_into_tensor", group, len(units) * ag, padded * b * ag,
                         f"parameters per unit, forward and backward x{M} micro-batches"
                         if a.zero == 3 else "updated parameters, one per unit")]
+        if a.zero == 3:   # (--lora: no backward gather before the first unit that trains)
+            nb = zero_state.backward_gathers(units) if self.first else len(units)
+            fb = sum(u.padded for u in units[len(units) - nb:])
+            rows[-1] = Expect("all_gather_into_tensor", group, (len(units) + nb) * M,
+                              (padded + fb) * b * M, rows[-1].formula)
     if a.replicate > 1:
         shard = sum(u.shard_numel for u in z.units if u.group is z.group and u.n_grads)
         rows.append(Expect("all_reduce", "replicate", 1, shard * rb,
@@ -74,7 +80,7 @@ def expected_comm(self) -> list[Expect]:
         nhb = n_tok * H * b
         n = sp.region_collectives(L_st, self.first, self.last, a.async_tp,
                                   regathered=regathered_regions(self.model, self.last),
-                                  input_grad=not self.first or input_needs_grad(self.model))
+                                  no_grad_inputs=no_grad_inputs(self.model))
         if a.sp and a.async_tp:   # async_tp.py: every region collective a ring of T-1 hops
             rings = M * n["ring"]
             hop = nhb // M // T
@@ -125,7 +131,7 @@ def _tp_allreduce_rows(self, M, b, n_tok, L_st) -> list[Expect]:
     # f and g of attention (and of a dense MLP), the embedding's sum, the head's f; under SP
     # only the embedding's stays an all-reduce
     regions = (tp.region_all_reduces(L_st, self.first, self.last, L_st if self.moe else 0,
-                                     embed_trains=not self.first or input_needs_grad(self.model))
+                                     no_grad_inputs=no_grad_inputs(self.model))
                if not a.sp else int(self.first))
     calls, nbytes = calls + M * regions, nbytes + M * regions * nhb_mb
     psl = sum(b_ - a_ for sl in self.partial_slices for a_, b_ in sl)
