@@ -176,8 +176,8 @@ class ZeRO(Strategy):
                      f"{nbytes:,} B" if calls else "")
         rows = [Expect("reduce_scatter_tensor", "world", n_rs * rs_times,
                        padded_rs * rb * rs_times,
-                       f"Psi*b_reduce = {padded_rs * rb:,} B per reduction, one per unit "
-                       f"with gradients ({n_rs})"
+                       f"Psi*b_reduce = {padded_rs * rb:,} B per reduction, one per unit"
+                       + (" with gradients" if n_rs < n else "") + f" ({n_rs})"
                        + (f", x{K} micro-batches" if rs_times > 1 else ""))]
         if self.args.stage < 3:
             rows.append(Expect("all_gather_into_tensor", "world", n * ag_times + calls,
@@ -189,8 +189,9 @@ class ZeRO(Strategy):
             fb = sum(u.padded for u in z.units[n - nb:]) * b
             rows.append(Expect("all_gather_into_tensor", "world", (n + nb) * K + calls,
                                (full + fb) * K + nbytes,
-                               "2 Psi*b: forward + backward gather per unit (--lora: no "
-                               "backward gather before the first unit that trains)"
+                               "2 Psi*b: forward + backward gather per unit"
+                               + (" (none backward before the first unit that trains)"
+                                  if nb < n else "")
                                + (f", x{K} micro-batches" if K > 1 else "") + muon_note))
         if isinstance(owner, Expect):
             rows.append(owner)
