@@ -24,7 +24,6 @@ import torch
 # (Phi3's fused qkv_proj and gate_up_proj included); the ones the model has are targeted
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                "qkv_proj", "gate_up_proj")
-ADAPTER_TAGS = (".lora_A.", ".lora_B.")
 
 
 def targets(args, model) -> list[str]:
@@ -81,10 +80,6 @@ def keyed_dropout(model, seed: int):
                     site += 1
 
 
-def is_adapter(name: str) -> bool:
-    return any(t in name for t in ADAPTER_TAGS)
-
-
 def constraints(args, config) -> list[str]:
     """The --lora options' own refusals (one line each), checked on a meta-device model before
     any process group exists: the targets must name modules the model has and peft can wrap."""
@@ -115,10 +110,6 @@ def constraints(args, config) -> list[str]:
     except Exception as e:   # peft's own refusal (no such module; a module it cannot wrap)
         return [f"--lora-targets {','.join(wanted)}: peft refuses it: {e}"]
     return []
-
-
-def trainable(model) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 def no_grad_inputs(model) -> int:
