@@ -193,7 +193,7 @@ class Parallel4D:
                 return 0, r * n, (r + 1) * n
             return tp_range(name, shape)
         before = loading.rss_now()
-        rep = loading.load_shards(self.model, self.args.model, self.env.device, ranges)
+        rep = loading.load_shards(self.model, self.args.model, self.env.device, ranges, self.args)
         peak = loading.rss_peak()     # (VmHWM: the caller resets it before the build)
         rep["grow"] = None if before is None or peak is None else peak - before
         return rep

@@ -248,11 +248,15 @@ def export(full: dict[str, torch.Tensor], config, lora_config, out: str):
                          "rank or alpha pattern)")
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     dtype = next(iter(full.values())).dtype
-    model.to(dtype).load_state_dict(merged(full, lora_config.lora_alpha / lora_config.r))
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()   # (may hold one copy)
+    miss, extra = model.to(dtype).load_state_dict(
+        merged(full, lora_config.lora_alpha / lora_config.r), strict=False)
+    assert not extra and set(miss) <= tied, (miss, extra)
     model.save_pretrained(os.path.join(out, "merged"))
     pm = peft.get_peft_model(AutoModelForCausalLM.from_config(copy.deepcopy(config)).to(dtype),
                              copy.deepcopy(lora_config), autocast_adapter_dtype=False)
-    pm.base_model.model.load_state_dict(full)
+    miss, extra = pm.base_model.model.load_state_dict(full, strict=False)
+    assert not extra and set(miss) <= tied, (miss, extra)
     pm.save_pretrained(os.path.join(out, "adapter"))
 
 

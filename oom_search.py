@@ -9,7 +9,9 @@ Prediction (--predict; bytes per rank; e bytes/element, b sequences of length S,
 heads, V vocabulary):
     states       zero.model_state_bytes ((e + e + 2e) per parameter; half precision 2 + 2 + 12)
                  as the strategy divides them: ZeRO-1/2/3 and FSDP over W (+ one gathered
-                 unit), TP/SP the layers / T, PP the stage's share (pp_schedule.split_layers)
+                 unit), TP/SP the layers / T, PP the stage's share (pp_schedule.split_layers);
+                 --lora R: e per parameter, gradients and AdamW states for the adapters only
+                 (lora_layer_numel: r (9h + 2kv + 3I) per layer, TP's split)
     activations  harness.recompute.activation_bytes per layer (the suite's one model, exact
                  against the CPU's live storage; on an H100 in bf16 the peak ran 7% above it:
                  docs/gpu.md), its TP/SP split; / W of the tokens under Ulysses and CP; under
@@ -50,7 +52,7 @@ CHUNKED_CE = {"ddp", "tp"}   # the strategies that take --ce-chunk (harness/loss
 
 
 def trial_args(strategy: str, nproc: int, length: int, batch: int,
-               ce_chunk: int = 0) -> list[str]:
+               ce_chunk: int = 0, lora: int = 0) -> list[str]:
     """The strategy's command-line arguments for one trial (--batch = sequences per replica)."""
     script, _, extra = STRATEGIES[strategy]
     glob = batch * nproc if strategy in DATA_PARALLEL or strategy == "pp" else batch
@@ -58,6 +60,8 @@ def trial_args(strategy: str, nproc: int, length: int, batch: int,
         extra = extra + ["--microbatches", str(nproc)]
     if ce_chunk:
         extra = extra + ["--ce-chunk", str(ce_chunk)]
+    if lora:
+        extra = extra + ["--lora", str(lora)]
     return [script, *extra, "--length", str(length), "--batch", str(glob)]
 
 
@@ -76,7 +80,8 @@ def run_trial(strategy, nproc, length, batch, args) -> Outcome:
     cmd = [sys.executable]
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    script, *rest = trial_args(strategy, nproc, length, batch, getattr(args, "ce_chunk", 0))
+    script, *rest = trial_args(strategy, nproc, length, batch, getattr(args, "ce_chunk", 0),
+                               getattr(args, "lora", 0))
     cmd += [os.path.join(HERE, script), *rest, "--mode", "peak", "--model", args.model,
             "--timeout", str(args.timeout)]
     if args.dtype:
@@ -198,18 +203,29 @@ def search(trial, lo: int, hi: int | None, step: int, retries: int = 1,
 # ----------------------------------------------------------------------------------------------
 # Prediction
 # ----------------------------------------------------------------------------------------------
+def lora_layer_numel(cfg, r: int, T: int = 1) -> float:
+    """A layer's adapter parameters on one rank, every projection targeted (q, k, v, o, gate,
+    up, down: r (in + out) each, 9h + 2kv + 3I in all); under TP (T ranks) a column base's B and
+    a row base's A are split, the other adapter whole (lora.py)."""
+    h, I = cfg.hidden_size, cfg.intermediate_size
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    return r * (7 * h + (2 * h + 2 * kv + 3 * I) / T)
+
+
 def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
-                 eager: bool = False, ce_chunk: int = 0) -> dict:
-    """Predicted peak bytes per rank (the largest rank), by category (see the docstring)."""
+                 eager: bool = False, ce_chunk: int = 0, lora: int = 0) -> dict:
+    """Predicted peak bytes per rank (the largest rank), by category (see the docstring).
+    lora: the adapters' rank (--lora R on every projection; 0: full training)."""
     h, I, V, Ly = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
     a = cfg.num_attention_heads
     kv = cfg.num_key_value_heads * (h // a)
     tied = cfg.tie_word_embeddings
+    T = W if strategy in ("tp", "sp") else 1
+    layer_a = lora_layer_numel(cfg, lora, T) if lora else 0   # trainable (LoRA), per rank
     layer_params = 2 * h * h + 2 * kv * h + 3 * h * I + 2 * h       # q,o + k,v + MLP + norms
     embed = V * h
     head = (0 if tied else embed) + h                                # lm_head + final norm
     psi = Ly * layer_params + embed + head
-    T = W if strategy in ("tp", "sp") else 1
     tokens = b * L_seq
     # optimizer bytes per parameter: m and v in the run's dtype, or, in half precision, the
     # fp32 master and fp32 m and v (harness.precision, zero.ZeroOptimizer)
@@ -234,8 +250,10 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
         stages = []
         for r, rng in enumerate(bounds):
             n = len(rng) * layer_params + (embed if r == 0 else 0) + (last if r == W - 1 else 0)
+            n_t = len(rng) * layer_a if lora else n       # the parameters that train
             stages.append(dict(
-                stage=r, states=n * (2 * elem + opt_e), activations=act_layer * len(rng) *
+                stage=r, states=(n + n_t * bool(lora)) * elem + n_t * (elem + opt_e),
+                activations=act_layer * len(rng) *
                 (W - r), attention_blocks=0, logits=tokens * logits_tok if r == W - 1 else 0))
         for d in stages:
             d["peak"] = d["states"] + d["activations"] + d["logits"]
@@ -245,9 +263,14 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
     stage = {"zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}.get(strategy, 0)
     if strategy in ("tp", "sp"):   # the layers' matrices and the vocabulary split T ways
         psi = Ly * (layer_params - 2 * h) / T + Ly * 2 * h + (embed + head - h) / T + h
-    states = sum(model_state_bytes(psi, stage, W, elem, elem, opt_e).values())
-    if stage == 3:
-        states += 2 * max(layer_params, embed) * elem   # one gathered unit and its full gradient
+    # LoRA: every parameter held (the adapters too), gradients and AdamW states for the
+    # adapters only (the formula rig/zero.py and fsdp check: lora.state_bytes per replica)
+    psi_t = Ly * layer_a if lora else psi
+    states = (model_state_bytes(psi + psi_t * bool(lora), stage, W, elem, 0, 0)["params"]
+              + sum(model_state_bytes(psi_t, stage, W, 0, elem, opt_e).values()))
+    if stage == 3:   # one gathered unit and its full gradient (LoRA: the adapters')
+        states += max(layer_params, embed) * elem + (layer_a if lora else
+                                                     max(layer_params, embed)) * elem
     acts = act_layer * Ly
     blocks = 0
     if strategy == "cp":  # cp_ring's pure-torch kernel: score blocks of (S/2C)^2 per head; its
@@ -273,10 +296,10 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
 
 
 def predict_max(strategy, W, b, cfg, budget, lo, hi, step, elem, eager,
-                ce_chunk: int = 0) -> int | None:
+                ce_chunk: int = 0, lora: int = 0) -> int | None:
     """The largest grid length whose predicted peak fits the budget (the formula is monotone)."""
     ok = lambda L: predict_peak(strategy, W, L, b, cfg, elem, eager,  # noqa: E731
-                                ce_chunk)["peak"] <= budget
+                                ce_chunk, lora)["peak"] <= budget
     r = search(lambda x: Outcome("OK" if ok(x) else "OOM"), lo, hi or (1 << 22), step)
     return r.best
 
@@ -286,7 +309,7 @@ def predict_max(strategy, W, b, cfg, budget, lo, hi, step, elem, eager,
 # ----------------------------------------------------------------------------------------------
 def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
                   dtype: str = "float32", attn: str = "sdpa", rank: int = 0,
-                  ce_chunk: int = 0) -> dict:
+                  ce_chunk: int = 0, lora: int = 0) -> dict:
     """Peak bytes of rank 0 of a world of W for one full step, without allocating: the model is
     built on the meta device and materialised as FakeTensors, the process group is torch's fake
     backend (collectives return at once), and the harness's live-tensor tracker counts the fake
@@ -304,7 +327,7 @@ def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
     strat_cls = getattr(importlib.import_module("rig." + script[:-3]), cls_name)
     parser = base_parser(script)
     strat_cls.add_args(parser)
-    argv = trial_args(strategy, W, length, batch, ce_chunk)[1:] + ["--mode", "peak", "--model", model,
+    argv = trial_args(strategy, W, length, batch, ce_chunk, lora)[1:] + ["--mode", "peak", "--model", model,
                                                          "--dtype", dtype, "--device", "cpu",
                                                          "--attn", attn]
     args = resolve_defaults(parser.parse_args(argv), "peak", "cpu", W)
@@ -321,6 +344,9 @@ def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
     try:
         with torch.device("meta"):
             net = AutoModelForCausalLM.from_config(config, **model_kwargs(config, attn))
+        if lora:   # peft's layers on the meta model (the base frozen)
+            from harness.lora_setup import wrap
+            wrap(net, args)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
             made = {}   # id(meta parameter) -> fake one, so tied weights stay one tensor
@@ -329,7 +355,8 @@ def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
                     if p is not None:
                         if id(p) not in made:
                             made[id(p)] = torch.nn.Parameter(
-                                torch.empty(p.shape, dtype=DTYPES[dtype]))
+                                torch.empty(p.shape, dtype=DTYPES[dtype]),
+                                requires_grad=p.requires_grad)
                         m._parameters[k] = made[id(p)]
                 for k, b in list(m._buffers.items()):
                     if b is not None:
@@ -355,12 +382,13 @@ def simulated_trial(strategy, W, length, batch, args, budget) -> Outcome:
         from harness import DTYPES, load_config
         big = predict_peak("pp", W, length, batch, load_config(args.model),
                            DTYPES[args.dtype or "float32"].itemsize,
-                           args.attn == "eager")["stage"]
+                           args.attn == "eager", lora=getattr(args, "lora", 0))["stage"]
         ranks = sorted({0, W - 1, big})
     try:
         peak = max(simulate_peak(strategy, W, length, batch, args.model,
                                  args.dtype or "float32", args.attn, rank=r,
-                                 ce_chunk=getattr(args, "ce_chunk", 0))["peak"]
+                                 ce_chunk=getattr(args, "ce_chunk", 0),
+                                 lora=getattr(args, "lora", 0))["peak"]
                    for r in ranks)
     except Exception as e:  # a strategy whose step needs real values (reported, never an OOM)
         return Outcome("crash", None, time.time() - t0,
@@ -402,6 +430,9 @@ def parse(argv=None):
     p.add_argument("--ce-chunk", type=int, default=0,
                    help="the trials' --ce-chunk (ddp and tp): the loss N tokens of logits at a "
                         "time, and the prediction's logits term follows it")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="trials and predictions fine-tune LoRA adapters of rank R on every "
+                        "projection, the rest frozen (0: full training)")
     p.add_argument("--simulate", action="store_true",
                    help="no real trials: each one is the real step under FakeTensorMode as rank 0 "
                         "of a fake world of N (any model size, on a laptop)")
@@ -418,6 +449,8 @@ def parse(argv=None):
     if a.ce_chunk < 0 or (a.ce_chunk and set(names) - CHUNKED_CE):
         p.exit(2, f"error: --ce-chunk {a.ce_chunk}: >= 0, and for the strategies that chunk "
                   f"their loss ({', '.join(sorted(CHUNKED_CE))})\n")
+    if a.lora < 0:
+        p.exit(2, f"error: --lora {a.lora}: the adapters' rank must be >= 1 (0: full training)\n")
     a.worlds = [int(x) for x in a.nproc.split(",")]
     if a.step is None:
         a.step = 256 if a.search == "length" else 1
@@ -438,7 +471,7 @@ def compare(args, cfg, elem, log) -> int:
         for W in args.worlds:
             o = run_trial(name, W, args.length, args.batch, args)
             pred = predict_peak(name, W, args.length, args.batch, cfg, elem,
-                                args.attn == "eager", args.ce_chunk)["peak"]
+                                args.attn == "eager", args.ce_chunk, args.lora)["peak"]
             sim = simulated_trial(name, W, args.length, args.batch, args, float("inf"))
             rows.append(dict(strategy=name, world=W, measured=o.peak, measured_kind=o.kind,
                              predicted=pred, simulated=sim.peak, simulated_note=sim.detail))
@@ -505,12 +538,14 @@ def main(argv=None):
                 if what == "length":
                     row["predicted_max"] = predict_max(name, W, args.batch, cfg, budget, args.lo,
                                                        args.hi, args.step, elem,
-                                                       args.attn == "eager", args.ce_chunk)
+                                                       args.attn == "eager", args.ce_chunk,
+                                                       args.lora)
                 if r.best:
                     L, b = (r.best, args.batch) if what == "length" else (args.length, r.best)
                     row["predicted_peak_at_max"] = predict_peak(name, W, L, b, cfg, elem,
                                                                 args.attn == "eager",
-                                                                args.ce_chunk)["peak"]
+                                                                args.ce_chunk,
+                                                                args.lora)["peak"]
             rows.append(row)
     if args.json:
         print(json.dumps(dict(model=args.model, search=what, budget_gb=args.mem_budget_gb,

@@ -235,6 +235,7 @@ class Zero(FlatTensors):
         # launch waits only for the reductions beyond in_flight, so the backward computes the
         # next unit's gradients while the last two reduce-scatter.
         self.sync, self.in_flight = False, 2
+        self.end_queued = False   # stage 3: _end_backward is queued for this backward
 
     # -- stage 3: gather before use, free after --
     def _pre_forward(self, u: FlatUnit):
@@ -259,7 +260,19 @@ class Zero(FlatTensors):
             u.gathered = True
         u.wait()
         self.free_frozen(u)   # the frozen units the backward is past
+        if not self.end_queued:   # and those it leaves gathered, once it ends
+            self.end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self._prefetch_units(self.ahead(u, -1))
+
+    def _end_backward(self):
+        """The backward ended: free the frozen units still gathered (LoRA's base in the last
+        module group it reached, whose end no gradient marks)."""
+        self.end_queued = False
+        for v in self.units:
+            if not v.n_grads and v.gathered:
+                v.wait()
+                v.free_params()
 
     def _prefetch_units(self, units):
         """Launch the all-gathers of `units` (async, one order on every rank): each runs while

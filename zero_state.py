@@ -132,12 +132,15 @@ class FlatTensors:
                 out[n] = flat[off:off + p.numel()].view(p.shape)
         return out
 
-    def flat_shards(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    def flat_shards(self, tensors: dict[str, torch.Tensor], units=None) -> list:
         """The inverse of gather_flat: this rank's flat shard of each unit, from per-parameter
         tensors (zero padding), in the tensors' own dtype (fp32 masters and moments stay fp32
-        in a bf16 run: a resume must not round them)."""
+        in a bf16 run: a resume must not round them); None for a unit not in `units`."""
         out = []
         for u in self.units:
+            if units is not None and u not in units:
+                out.append(None)
+                continue
             dtype = tensors[u.names[0]].dtype if u.names else u.full.dtype
             flat = torch.zeros(u.padded, dtype=dtype, device=u.full.device)
             for n, p, off in zip(u.names, u.params, u.offsets):
@@ -454,11 +457,22 @@ def outside_units(engine) -> list[torch.Tensor]:
     return [p for p in engine.model.parameters() if p not in engine.unit_of]
 
 
-def backward_gathers(units) -> int:
-    """Stage 3: the units gathered again in the backward: from the first that holds a trainable
-    parameter in its modules on (before it, LoRA's frozen embedding, no output takes a gradient)."""
-    seen, n = False, 0
+def reduce_scattered(units) -> tuple[int, int]:
+    """(how many of `units` reduce-scatter, the padded elements they carry): those with
+    trainable parameters, each padded to its group (--lora: the adapters only)."""
+    trained = [sum(p.numel() for p in u.params if p.requires_grad) for u in units]
+    return sum(1 for n in trained if n), sum(-(-n // u.world) * u.world
+                                             for n, u in zip(trained, units))
+
+
+def backward_gathers(units, first: bool = True) -> tuple[int, int]:
+    """Stage 3: (how many of `units` are gathered again in the backward, their padded elements):
+    from the first that holds a trainable parameter in its modules on (before it, LoRA's
+    frozen embedding, no output takes a gradient); all of them when they are not the model's
+    first (a pipeline stage after the first: its input takes a gradient)."""
+    seen, again = not first, []
     for u in units:
         seen = seen or any(p.requires_grad for m in u.modules for p in m.parameters())
-        n += seen
-    return n
+        if seen:
+            again.append(u)
+    return len(again), sum(u.padded for u in again)

@@ -10,6 +10,7 @@ import gc
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -181,11 +182,12 @@ def main(cls, argv=None):
             if args.runs:
                 if env.is_main:
                     print(f"{RUN_MARK}{i} {a.out}", flush=True)
+                t0 = time.perf_counter()
                 run_ok = _execute(cls, a, env, config, dtypes)
-                if env.is_main:
+                if env.is_main:   # (seconds: the tests' report of the costliest runs)
                     os.makedirs(a.out, exist_ok=True)
                     with open(os.path.join(a.out, "status.json"), "w") as f:
-                        json.dump({"ok": run_ok}, f)
+                        json.dump({"ok": run_ok, "seconds": time.perf_counter() - t0}, f)
                 ok &= run_ok
             else:
                 ok = _execute(cls, a, env, config, dtypes)

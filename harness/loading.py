@@ -47,7 +47,11 @@ def meta_model(config, args) -> torch.nn.Module:
     config = copy.deepcopy(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, **model_kwargs(config, args.attn))
-    return finish_model(model.to(DTYPES[args.dtype]), args)
+    model = finish_model(model.to(DTYPES[args.dtype]), args)
+    if getattr(args, "lora", 0):   # peft's layers, on the meta device too (load_shards fills)
+        from .lora_setup import wrap
+        wrap(model, args)
+    return model
 
 
 def checkpoint_files(directory: str) -> dict[str, str]:
@@ -140,12 +144,16 @@ class SafetensorsFile:
 
 
 def load_shards(model: torch.nn.Module, directory: str, device,
-                ranges=lambda name, shape: None) -> dict:
+                ranges=lambda name, shape: None, args=None) -> dict:
     """Allocate the parameters `model` (on the meta device) still has on `device` and fill each
     with its range of the checkpoint tensor of the same name (the tied head from the embedding
     when the file has no head), one tensor at a time. `ranges(name, shape)`: None (all of it),
     (dim, start, stop), or a list of those to concatenate (tp.TensorParallel.local_range).
-    Returns counts for the log."""
+    peft's LoRA layers (--lora, `args`): `q_proj.base_layer.weight` reads the file's
+    `q_proj.weight`, and each adapter, which no base checkpoint holds, is drawn whole
+    (lora_setup.adapter_init) and cut the same way. Returns counts for the log."""
+    from lora import ADAPTERS, base_name
+    from .lora_setup import adapter_init, adapter_shape
     files = checkpoint_files(directory)
     materialize(model, device)
     opened: dict[str, SafetensorsFile] = {}
@@ -153,15 +161,24 @@ def load_shards(model: torch.nn.Module, directory: str, device,
     loaded = nbytes = 0
     with torch.no_grad():
         for name, p in model.named_parameters():
-            src = name if name in files else tied.get(name)
+            layer, part = base_name(name)
+            hf = name.replace(".base_layer.", ".") if part == "base_layer" else name
+            src = hf if hf in files else tied.get(hf)
+            if part in ADAPTERS:                  # an adapter: over its base's full shape
+                src = f"{layer}.weight" if f"{layer}.weight" in files else f"{layer}.base_layer.weight"
             if src not in files:
-                raise ConfigError(f"--model {directory}: the checkpoint has no tensor {name}")
+                raise ConfigError(f"--model {directory}: the checkpoint has no tensor {hf}")
             st = opened.setdefault(files[src], SafetensorsFile(files[src]))
-            r = ranges(name, st.shape(src))
-            if isinstance(r, list):   # a fused projection (Phi3's qkv_proj): each segment's
-                t = torch.cat([st.read(src, x) for x in r], dim=r[0][0])   # range, joined
+            if part in ADAPTERS:
+                r_dim = p.shape[0] if part == "lora_A" else p.shape[1]
+                whole = adapter_init(name, adapter_shape(name, st.shape(src), r_dim), args)
+                t = cut(whole, ranges(name, list(whole.shape))).to(p.dtype)
             else:
-                t = st.read(src, r)
+                r = ranges(name, st.shape(src))
+                if isinstance(r, list):   # a fused projection (Phi3's qkv_proj): each segment's
+                    t = torch.cat([st.read(src, x) for x in r], dim=r[0][0])   # range, joined
+                else:
+                    t = st.read(src, r)
             if tuple(t.shape) != tuple(p.shape):
                 raise ConfigError(f"--model {directory}: {name} has shape {st.shape(src)} in "
                                   f"the checkpoint; this layout expects a {tuple(p.shape)} shard")
@@ -170,6 +187,16 @@ def load_shards(model: torch.nn.Module, directory: str, device,
             del t
     reinit_buffers(model, device)
     return dict(tensors=loaded, bytes=nbytes)
+
+
+def cut(t: torch.Tensor, r) -> torch.Tensor:
+    """The range `r` (as load_shards' ranges give it) of a tensor in memory."""
+    if r is None:
+        return t
+    if isinstance(r, list):
+        return torch.cat([t.narrow(d, a, b - a) for d, a, b in r], dim=r[0][0])
+    d, a, b = r
+    return t.narrow(d, a, b - a)
 
 
 def materialize(model, device):

@@ -14,9 +14,13 @@ sees an HF decoder as before; lora.py holds what a parallelism must do about the
 The correctness mode initialises lora_B randomly (peft's init_lora_weights=False): peft's
 default, B = 0, makes the adapters' product zero at step 0 and hides lora_A's gradient, so a bug
 in it would pass the first step. The other modes use peft's default (training starts from the
-base model's function). Every rank draws the adapters from the same seed (--seed).
+base model's function). Each adapter is drawn from a generator keyed by --seed and its name
+(adapter_init), as peft draws it (A ~ U(+-1/sqrt(in)), B zero or ~ U(+-1/sqrt(r))): the same on
+every rank, whether the model was built whole or on the meta device and loaded shard by shard.
 """
 from __future__ import annotations
+
+import zlib
 
 import torch
 
@@ -46,21 +50,68 @@ def alpha(args) -> float:
     return args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora
 
 
+def random_b(args) -> bool:
+    return args.mode in ("correctness", "plants")
+
+
 def wrap(model, args):
     """The model with peft's LoRA layers injected, in place (the inner HF model is returned:
     peft's wrapper is model.peft_config's owner, not needed to train). Adapters are made in the
     model's dtype (autocast_adapter_dtype=False: bf16 adapters keep fp32 masters in the
-    optimizer like every other bf16 parameter) from a generator seeded by --seed."""
+    optimizer like every other bf16 parameter), drawn by adapter_init; on the meta device
+    (loading.meta_model) they are drawn when the shards are read (loading.load_shards)."""
     import peft
-    random_b = args.mode in ("correctness", "plants")
-    devices = [model.device] if model.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(args.seed + 7919)
-        peft.get_peft_model(model, lora_config(args, model, random_b),
+    with torch.random.fork_rng(devices=[]):   # (peft's own draws, overwritten below)
+        peft.get_peft_model(model, lora_config(args, model, random_b(args)),
                             autocast_adapter_dtype=False)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad and not p.is_meta:
+                p.copy_(adapter_init(n, p.shape, args))
     if args.lora_dropout > 0:
         keyed_dropout(model, args.seed)
     return model
+
+
+def adapter_init(name: str, shape, args) -> torch.Tensor:
+    """The full adapter `name` ([r, in] for lora_A, [out, r] for lora_B) at the start of a run,
+    in float32 on the host: peft's draws (nn.Linear's kaiming_uniform(a=sqrt(5)), i.e.
+    U(-1/sqrt(fan_in), 1/sqrt(fan_in)); B zero unless random_b) from a generator keyed by
+    (--seed, name), so the values depend on neither the order of the draws nor the device."""
+    if "lora_B" in name.split(".") and not random_b(args):
+        return torch.zeros(shape)
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + zlib.crc32(name.encode()))
+    bound = shape[1] ** -0.5                                   # fan_in: in (A), r (B)
+    return (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1).mul_(bound).float()
+
+
+def adapter_shape(name: str, base_shape, r: int) -> tuple[int, int]:
+    """The full shape of adapter `name` over a base weight of full shape [out, in]."""
+    return (r, base_shape[1]) if "lora_A" in name.split(".") else (base_shape[0], r)
+
+
+def recorded(args) -> dict | None:
+    """What a checkpoint records of the adapters (None without --lora): a resume must train the
+    same ones (resume_refusal)."""
+    if not getattr(args, "lora", 0):
+        return None
+    return dict(r=args.lora, alpha=alpha(args), targets=args.lora_targets,
+                dropout=args.lora_dropout, seed=args.seed, model=args.model)
+
+
+def resume_refusal(meta: dict, args) -> str | None:
+    """Why `args` cannot resume the checkpoint `meta` (None: it can). A LoRA checkpoint holds
+    the adapters and their optimizer state only: the frozen base is --model again (or, for a
+    random init, the same --seed), and the adapters must be the same ones."""
+    saved, now = meta.get("lora"), recorded(args)
+    if saved == now:
+        return None
+    if saved is None or now is None:
+        return (f"the checkpoint was saved {'with' if saved else 'without'} --lora and this run "
+                f"has {'it' if now else 'none'}: a LoRA checkpoint holds the adapters only")
+    diff = [f"{k} {saved.get(k)!r} (now {now[k]!r})" for k in now if saved.get(k) != now[k]]
+    return (f"the checkpoint's adapters were trained with {', '.join(diff)}: a LoRA checkpoint "
+            f"holds the adapters only, over the same base (--model, --seed) and --lora options")
 
 
 LORA_SITE = 1000   # the adapters' dropout sites: LORA_SITE + the target's index in its layer

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from harness import (METER, Plant, Strategy, dropout, is_moe, kv_heads, spread_across_ranks,
                      train_data)
 from harness.cli import main as harness_main
+from harness import lora_setup
 from harness.flops import mfu_line
 from trainer4d import comm, elastic, train
 from trainer4d.schedule import Scheduled, ScheduledReference
@@ -34,10 +35,12 @@ def compose_constraints(args, world, config) -> list[str]:
         return [f"world size {world} is not divisible by tp x pp x cp = {T} x {P} x {C} = "
                 f"{T * P * C} (dp = W / (tp pp cp))"]
     D = world // (T * P * C)
-    if getattr(args, "lora", 0) and (args.mode == "train" or is_moe(config)):
-        return ["--lora: compose4d trains adapters in the correctness, learning and benchmark "
-                "modes of a dense model (its train mode's checkpoints and MoE: not built)"]
+    if getattr(args, "lora", 0) and is_moe(config):
+        return ["--lora: compose4d trains the adapters of a dense model (MoE experts: not built)"]
     meta = train.saved_meta(args) if args.mode == "train" else None   # (read once, here)
+    why = meta is not None and lora_setup.resume_refusal(meta, args)
+    if why:
+        return [f"--resume {args.resume}: {why}"]
     if meta is not None and meta.get("optimizer", "adamw") != args.optimizer:
         return [f"--resume: the checkpoint's run stepped with --optimizer "
                 f"{meta.get('optimizer', 'adamw')}, not {args.optimizer} (its optimizer state "

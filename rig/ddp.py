@@ -54,8 +54,8 @@ MUON_PLANT = ("--optimizer", "muon", "--length", "32")
 def make_optimizer(model, args, tpm=None):
     """The run's optimizer over a module this rank holds whole (replicated) or T-way split
     (tp.py, sp.py: tpm, Muon's tp-gather): AdamW, or muon.build's with --optimizer muon."""
-    if args.optimizer != "muon":   # (--lora: the adapters; the frozen base has no state)
-        return make_adamw([p for p in model.parameters() if p.requires_grad], args)
+    if args.optimizer != "muon":   # (make_adamw leaves --lora's frozen base out)
+        return make_adamw(model.parameters(), args)
     dtype = next(model.parameters()).dtype
     return muon.build(model, args.lr, args.muon_lr, tpm, **muon_kwargs(args, dtype))
 

@@ -9,7 +9,7 @@ import muon
 
 import ddp
 from zero import Zero, ZeroOptimizer, collectives_per_unit
-from zero_state import backward_gathers, outside_units, state_bytes
+from zero_state import backward_gathers, outside_units, reduce_scattered, state_bytes
 
 from rig.ddp import MUON_PLANT, TorchDDP, batch_constraints
 
@@ -153,11 +153,9 @@ class ZeRO(Strategy):
         z, K = self.zero, self.args.grad_accum
         _, padded = self.psi()
         b, n = z.units[0].full.element_size(), len(z.units)
-        # --lora: only the trainable parameters reduce, each unit's padded to W (stage 3
-        # gathers the frozen ones too, in units of their own)
-        trainable = [sum(p.numel() for p in u.params if p.requires_grad) for u in z.units]
-        n_rs = sum(1 for n in trainable if n)
-        padded_rs = sum(-(-n // z.world) * z.world for n in trainable)
+        # --lora: only the trainable parameters reduce (stage 3 gathers the frozen ones too,
+        # in units of their own)
+        n_rs, padded_rs = reduce_scattered(z.units)
         rb = z.units[0].grad_shard.element_size()   # the reduce dtype's
         rs_times, ag_times = collectives_per_unit(self.args.stage, K)   # zero.py's formula
         full = padded * b
@@ -185,8 +183,8 @@ class ZeRO(Strategy):
                                f"Psi*b = {full:,} B: updated parameters, one per unit"
                                + muon_note))
         else:   # forward per unit; backward from the first unit that trains on (LoRA)
-            nb = backward_gathers(z.units)
-            fb = sum(u.padded for u in z.units[n - nb:]) * b
+            nb, fb = backward_gathers(z.units)
+            fb *= b
             rows.append(Expect("all_gather_into_tensor", "world", (n + nb) * K + calls,
                                (full + fb) * K + nbytes,
                                "2 Psi*b: forward + backward gather per unit"

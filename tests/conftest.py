@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -144,8 +145,9 @@ class RunResult(Result):
     def __init__(self, whole: Result, out_dir, stdout: str):
         self.proc, self.out, self.stdout, self.stderr = whole.proc, out_dir, stdout, whole.stderr
         status = os.path.join(out_dir, "status.json")
-        ok = os.path.exists(status) and json.load(open(status))["ok"]
-        self.rc = 0 if ok else (whole.rc or 1)
+        st = json.load(open(status)) if os.path.exists(status) else {}
+        self.rc = 0 if st.get("ok") else (whole.rc or 1)
+        self.seconds = st.get("seconds")
 
 
 def launch_runs(script, nproc, runs: dict, base, timeout=900) -> dict:
@@ -161,7 +163,9 @@ def launch_runs(script, nproc, runs: dict, base, timeout=900) -> dict:
     spec = os.path.join(str(base), "runs.json")
     with open(spec, "w") as f:
         json.dump(argvs, f)
+    t0 = time.time()
     whole = launch(script, nproc, "--runs", spec, timeout=timeout, fork=True)
+    seconds = time.time() - t0
     parts, cur = {}, None
     for line in whole.stdout.splitlines(keepends=True):
         if line.startswith(harness.RUN_MARK):
@@ -169,7 +173,24 @@ def launch_runs(script, nproc, runs: dict, base, timeout=900) -> dict:
             parts[cur] = ""
         elif cur is not None:
             parts[cur] += line
-    return {k: RunResult(whole, outs[k], parts.get(outs[k], whole.stdout)) for k in keys}
+    out = {k: RunResult(whole, outs[k], parts.get(outs[k], whole.stdout)) for k in keys}
+    for k, r in out.items():
+        RUN_SECONDS.append((f"{script} W={nproc} {k[1] if isinstance(k, tuple) else k}",
+                            r.seconds))
+    RUN_SECONDS.append((f"{script} W={nproc}: the whole launch ({len(keys)} runs)", seconds))
+    return out
+
+
+RUN_SECONDS: list = []   # (run, seconds) of every pooled run: pytest_terminal_summary's report
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The costliest pooled runs (a pool's first test carries the whole launch in --durations):
+    where make test's time goes, run by run."""
+    if RUN_SECONDS:
+        terminalreporter.section("costliest pooled runs (s)")
+        for name, sec in sorted(RUN_SECONDS, key=lambda x: -(x[1] or 0))[:40]:
+            terminalreporter.write_line(f"{sec or 0:8.1f}  {name}")
 
 
 def config_file(name, preset="tiny", **overrides):

@@ -1,6 +1,7 @@
 """LoRA (lora.py, harness/lora_setup.py): peft's adapters under the strategies, against the
 single-device peft model; the TP kinds of the adapters; merge and export; the formulas."""
 import copy
+import os
 
 import pytest
 import torch
@@ -170,9 +171,12 @@ def test_rank_local_adapter_masks_fail(runs):
     assert r.rc != 0 and r.last_line.startswith("FAIL ddp+lora4"), r
 
 
+# (grad-accum 2: the base's last frozen unit is freed when the backward ends, so every
+# micro-batch gathers it again; kept gathered, the second one gathered one unit fewer)
 BENCH = {st: Runs("zero.py", 2, {f"lora-bench{st}": ["--mode", "benchmark", "--lora", "4",
-                                                     "--stage", st, "--bench-iters", "2",
-                                                     "--warmup", "1"]}, tier="slow")
+                                                     "--stage", st, "--grad-accum", "2",
+                                                     "--bench-iters", "2", "--warmup", "1"]},
+                  tier="slow")
          for st in ("3",)}
 BENCH["compose4d"] = Runs("compose4d.py", 4, {"lora-bench": [
     "--mode", "benchmark", "--lora", "4", "--dp", "2", "--cp", "2", "--zero", "3",
@@ -255,3 +259,83 @@ def test_lora_learns_beside_the_reference(runs):
     an eighth of the way to the floor (adapters on a frozen random-init model)."""
     r = runs(LEARN, "lora-learning")
     assert r.rc == 0 and r.last_line.startswith("PASS tp+lora8"), r
+
+
+# -- compose4d's train mode: a local HF directory loaded shard by shard under peft's names, a
+# checkpoint of the adapters only, resumed on another layout, exported merged and as an adapter
+from test_train_text import TEXT, TRAIN, fixtures   # noqa: E402  (its text and models)
+
+
+def lck(base):
+    return str(base) + "/ck-lora"
+
+
+def lhf(base):
+    return str(base) + "/hf-lora"
+
+
+L64 = ["--dtype", "float64", "--lora", "4"]
+TRAIN_LORA = Runs("compose4d.py", 2, tier="slow", runs={
+    # the same steps from the shards each rank reads (adapters drawn, cut like their base)
+    # and from the whole model: uninterrupted on tp 2, 4 steps
+    "lora-whole": [*TEXT, *L64, "--tp", "2", "--steps", "4"],
+    "lora-full": [*TEXT, *L64, "--tp", "2", "--steps", "2", "--load", "full"],
+    # stopped at 2 on tp 2, resumed on dp 2 (ZeRO-3: the base sharded in frozen units)
+    "lora-first": [*TEXT, *L64, "--tp", "2", "--steps", "4", "--stop-at", "2", "--save", lck],
+    "lora-second": [*TEXT, *L64, "--dp", "2", "--zero", "3", "--steps", "4", "--resume", lck,
+                    "--save", lck, "--export-hf", lhf],
+})
+
+
+def losses(r):
+    import json
+    import os
+    assert r.rc == 0, r
+    with open(os.path.join(r.out, "train.jsonl")) as f:
+        return {x["step"]: x["loss"] for x in map(json.loads, f) if "loss" in x}
+
+
+@pytest.mark.slow
+def test_train_mode_loads_resumes_on_another_layout_and_exports(runs):
+    """float64: the shards each rank reads give the whole model's losses (the adapters drawn
+    by name, the same either way); a run stopped at step 2 on tp 2 and resumed on dp 2 (ZeRO-3)
+    equals the uninterrupted one; its checkpoint holds the adapters and their AdamW moments
+    only; the merged export and peft's adapter directory over the base give equal logits."""
+    import os
+    from transformers import AutoModelForCausalLM
+    whole, full = losses(runs(TRAIN_LORA, "lora-whole")), losses(runs(TRAIN_LORA, "lora-full"))
+    assert all(abs(full[s] - whole[s]) <= 1e-12 * whole[s] for s in full), (full, whole)
+    got = {**losses(runs(TRAIN_LORA, "lora-first")), **losses(runs(TRAIN_LORA, "lora-second"))}
+    assert sorted(got) == [0, 1, 2, 3] and whole[3] < whole[0]
+    assert all(abs(got[s] - whole[s]) <= 1e-12 * whole[s] for s in whole), (got, whole)
+    base = os.path.dirname(runs(TRAIN_LORA, "lora-first").out)
+    rec = torch.load(os.path.join(lck(base), "step-2", "pp0-tp0.pt"), weights_only=True)
+    names = set(rec["tensors"]["param"])
+    assert names and all(lora.base_name(n)[1] in lora.ADAPTERS for n in names), names
+    assert set(rec["tensors"]) == {"param", "exp_avg", "exp_avg_sq"}
+    ids = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(0))
+    merged = AutoModelForCausalLM.from_pretrained(os.path.join(lhf(base), "merged"),
+                                                  dtype=torch.float64)
+    over = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(fixtures(base)["llama"], dtype=torch.float64),
+        os.path.join(lhf(base), "adapter"))
+    plain = AutoModelForCausalLM.from_pretrained(fixtures(base)["llama"], dtype=torch.float64)
+    with torch.no_grad():
+        a, b, c = (m(input_ids=ids).logits for m in (merged, over, plain))
+    assert ((a - b).abs().max() / a.abs().max()).item() < 1e-10
+    assert ((a - c).abs().max() / a.abs().max()).item() > 1e-6     # the adapters trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,msg", [
+    ([], "--resume {ck}: the checkpoint was saved with --lora and this run has none"),
+    (["--lora", "8"], "--resume {ck}: the checkpoint's adapters were trained with r 4 (now 8)"),
+])
+def test_a_lora_checkpoint_resumes_only_the_same_adapters(runs, args, msg):
+    runs(TRAIN_LORA, "lora-first")
+    base = os.path.dirname(runs(TRAIN_LORA, "lora-first").out)
+    model = fixtures(base)["llama"]
+    r = launch("compose4d.py", 2, *TRAIN, "--model", model, "--data", fixtures(base)["corpus"],
+               "--val-fraction", "0.1", "--dtype", "float64", "--dp", "2", "--steps", "4",
+               "--resume", lck(base), *args, as_rank0=True)
+    assert_config_error(r, msg.format(ck=lck(base)), torchrun=False)

@@ -31,8 +31,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from harness import DTYPES, METER, dropout, resolve_attn
+from harness import DTYPES, METER, dropout, lora_setup, resolve_attn
 import ep_moe
+import lora
 import tp
 
 
@@ -64,8 +65,8 @@ def save_checkpoint(strat, root: str, step: int, extra: dict | None = None,
     kinds = {k: opt.shard_state(k) for k in ("param",) + state_kinds(strat.args)}
     if grads:
         kinds["grad"] = [u.grad_shard for u in z.units]
-    with METER.paused():
-        local = {k: z.gather_flat(v) for k, v in kinds.items()}    # this stage, TP-local
+    with METER.paused():   # (--lora: the adapters' units only; the frozen base is --model's)
+        local = {k: z.gather_flat(v, trained(z)) for k, v in kinds.items()}   # this stage, TP-local
         if strat.moe and dist.get_rank(strat.groups["edp"]) == 0:   # the writer's ep group:
             local = {k: ep_moe.gather_experts(v, strat.groups["ep"], to_first=True)
                      for k, v in local.items()}   # every expert on the writer, only there
@@ -101,6 +102,7 @@ def save_checkpoint(strat, root: str, step: int, extra: dict | None = None,
     if env.is_main:
         adam_t, files = max(t for _, t in files), [w for w, _ in files]
         meta = dict(step=step, adam_t=adam_t, optimizer=strat.args.optimizer,
+                    lora=lora_setup.recorded(strat.args),
                     layout=strat.grid.size, model=strat.args.model,
                     dtype=strat.args.dtype, vocab=strat.model.config.vocab_size,
                     seconds=time.time() - t0, **(extra or {}),
@@ -279,14 +281,22 @@ def load_checkpoint(root: str, d: str | None = None) -> tuple[dict, dict[str, di
     return meta, full
 
 
+def trained(z) -> list:
+    """The units a checkpoint holds: those with gradients (all of them, unless --lora freezes
+    the base: its units are rebuilt from --model, not saved)."""
+    return [u for u in z.units if u.n_grads]
+
+
 def restore(strat, meta: dict, full: dict):
     """Parameters, the optimizer's moments (AdamW's; Muon's momentum) and step counters from
     full tensors, sliced for this layout."""
     z, opt = strat.zero, strat.optimizer
 
+    units = trained(z)   # (--lora: the adapters'; the frozen base was built from --model)
+
     def local(kind):
         out = {}
-        for u in z.units:
+        for u in units:
             for n in u.names:
                 src = "model.embed_tokens.weight" if (strat.tied and n == "lm_head.weight") else n
                 out[n] = strat.local(n, full[kind][src].to(u.full.device))
@@ -294,15 +304,15 @@ def restore(strat, meta: dict, full: dict):
     with torch.no_grad():
         # "param" holds the fp32 masters in a mixed-precision run: restored as they were saved,
         # and the parameter shards rounded from them as the optimizer step rounds them
-        saved = z.flat_shards(local("param"))
-        for shard, new in zip([u.shard for u in z.units], saved):
-            shard.copy_(new)
-        if opt.mixed:
-            for m, new in zip(opt.masters, saved):
-                m.copy_(new)
+        saved = z.flat_shards(local("param"), units)
+        for u, m, new in zip(z.units, opt.masters, saved):
+            if new is not None:
+                u.shard.copy_(new)
+                if m is not u.shard:
+                    m.copy_(new)
         for kind in state_kinds(strat.args):   # (Muon's state in its groups, AdamW's in theirs)
             muon_state = kind == "momentum_buffer"
-            opt.load_shard_state(kind, z.flat_shards(local(kind)),
+            opt.load_shard_state(kind, z.flat_shards(local(kind), units),
                                  where=lambda group: bool(group.get("muon")) == muon_state)
         for n, b in strat.model.named_buffers():   # (the MoE routers' selection biases)
             if n in full.get("buffers", {}):
@@ -313,10 +323,18 @@ def restore(strat, meta: dict, full: dict):
     opt.steps_taken, strat.t = meta["adam_t"], meta["step"]
 
 
+def lora_config(strat):
+    """peft's LoraConfig of a --lora run (None without adapters)."""
+    return getattr(strat.model, "peft_config", {}).get("default")
+
+
 def hf_model(strat, full: dict[str, torch.Tensor]):
-    """A plain HF model (CPU, the run's dtype, HF's own modules) holding the full tensors."""
+    """A plain HF model (CPU, the run's dtype, HF's own modules) holding the full tensors (a
+    --lora run's adapters merged into their bases: lora.merged)."""
     from transformers import AutoModelForCausalLM
-    cfg = strat.model.config
+    cfg, lc = strat.model.config, lora_config(strat)
+    if lc is not None:
+        full = lora.merged(full, lc.lora_alpha / lc.r)
     attn, _ = resolve_attn(cfg, "auto")           # (not the strategy's own attention)
     model = AutoModelForCausalLM.from_config(
         type(cfg).from_dict({**cfg.to_dict(), "_attn_implementation": attn}))
@@ -330,16 +348,26 @@ def hf_model(strat, full: dict[str, torch.Tensor]):
 def export_hf(strat, out: str, tokenizer: str | None = None,
               full: dict[str, torch.Tensor] | None = None):
     """Collective (unless `full`, the gathered tensors, is given): the full trained model as an
-    HF model directory, with the tokenizer's files when there is one (rank 0 writes)."""
+    HF model directory, with the tokenizer's files when there is one (rank 0 writes). A --lora
+    run writes `out`/merged (the adapters merged: an HF model directory) and `out`/adapter
+    (peft's adapter directory over the base), lora.export's pair."""
     full = strat.full_params() if full is None else full
     if strat.env.is_main:
-        model = hf_model(strat, full)
         tmp = out.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
+        lc = lora_config(strat)
+        if lc is not None:
+            cfg = strat.model.config
+            attn, _ = resolve_attn(cfg, "auto")           # (not the strategy's own attention)
+            lora.export({n: t.cpu() for n, t in full.items()},
+                        type(cfg).from_dict({**cfg.to_dict(), "_attn_implementation": attn}),
+                        lc, tmp)
+        else:
+            hf_model(strat, full).save_pretrained(tmp)
         if tokenizer:
             from transformers import AutoTokenizer
-            AutoTokenizer.from_pretrained(tokenizer).save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(tokenizer).save_pretrained(
+                os.path.join(tmp, "merged") if lc is not None else tmp)
         shutil.rmtree(out, ignore_errors=True)
         os.rename(tmp, out)
     with METER.paused():

@@ -34,10 +34,7 @@ def expected_comm(self) -> list[Expect]:
         if not units:
             continue
         padded = sum(u.padded for u in units)
-        # (--lora: only the trainable parameters are reduced, each unit's padded to its group)
-        trained = [sum(p.numel() for p in u.params if p.requires_grad) for u in units]
-        n_rs = sum(1 for n in trained if n)
-        p_rs = sum(-(-n // u.world) * u.world for n, u in zip(trained, units))
+        n_rs, p_rs = zero_state.reduce_scattered(units)   # (--lora: the adapters only)
         rows += [Expect("reduce_scatter_tensor", group, n_rs * rs, p_rs * rb * rs,
                         f"ZeRO-{a.zero}: {what}*b_reduce = {p_rs * rb:,} B, one per unit"
                         + (" with gradients" if n_rs < len(units) else "")
@@ -46,8 +43,7 @@ def expected_comm(self) -> list[Expect]:
                         f"parameters per unit, forward and backward x{M} micro-batches"
                         if a.zero == 3 else "updated parameters, one per unit")]
         if a.zero == 3:   # (--lora: no backward gather before the first unit that trains)
-            nb = zero_state.backward_gathers(units) if self.first else len(units)
-            fb = sum(u.padded for u in units[len(units) - nb:])
+            nb, fb = zero_state.backward_gathers(units, self.first)
             rows[-1] = Expect("all_gather_into_tensor", group, (len(units) + nb) * M,
                               (padded + fb) * b * M, rows[-1].formula)
     if a.replicate > 1:

@@ -45,7 +45,7 @@ from harness import train_data
 import compose_moe
 from . import elastic
 from .checkpoint import (dropout_of, export_hf, find_checkpoint, hf_model,  # noqa: F401
-                         latest_dir, load_checkpoint, restore, save_checkpoint)
+                         latest_dir, load_checkpoint, restore, save_checkpoint, trained)
 
 
 class Preemption:
@@ -124,7 +124,7 @@ def add_partial(strat, full: dict[str, torch.Tensor]):
     on one rank of the unit's group, ZeRO-2/3 each rank its own shard; a tp-partial gradient
     on tp rank 0, a dense unit under HSDP on replica 0; the tied head's copy nowhere."""
     z = strat.zero
-    for u in z.units:
+    for u in trained(z):   # (--lora: the frozen base has no gradient)
         # in the dtype it is added to: bf16 full gradients (ZeRO-1), fp32 shards (ZeRO-2, bf16)
         flat = torch.zeros(u.padded, device=u.full.device,
                            dtype=u.full.dtype if strat.args.zero == 1 else u.grad_shard.dtype)
