@@ -146,7 +146,8 @@ class Pipeline:
         self.head_weight = p.names["head"] + ".weight"   # (its name: the tied copy's)
         first, last = 0 in self.my_chunks, self.n_chunks - 1 in self.my_chunks
         if self.tied and last and not first:
-            p.head.weight = nn.Parameter(p.embed.weight.detach().clone())
+            p.head.weight = nn.Parameter(p.embed.weight.detach().clone(),   # (frozen under
+                                         requires_grad=p.embed.weight.requires_grad)   # LoRA)
         for i in range(len(p.layers)):  # drop what this rank does not run
             if i not in keep:
                 p.layers[i] = nn.Identity()
@@ -414,7 +415,8 @@ class Pipeline:
         if self.tie_group is None or not (first or last):
             return
         w = self.parts.embed.weight if first else self.parts.head.weight
-        dist.all_reduce(w.grad, group=self.tie_group)   # [V, H]: the tied embedding's gradient
+        if w.requires_grad:   # (--lora freezes it: no gradient to sum)
+            dist.all_reduce(w.grad, group=self.tie_group)   # [V, H]: the tied embedding's gradient
 
 
 def stage_loop(model, args):

@@ -269,9 +269,8 @@ class Zero(FlatTensors):
         """The backward ended: free the frozen units still gathered (LoRA's base in the last
         module group it reached, whose end no gradient marks)."""
         self.end_queued = False
-        for v in self.units:
-            if not v.n_grads and v.gathered:
-                v.wait()
+        for v in self.units:   # (a prefetch still in flight is for the next use: kept)
+            if not v.n_grads and v.gathered and v.handle is None:
                 v.free_params()
 
     def _prefetch_units(self, units):
@@ -287,6 +286,7 @@ class Zero(FlatTensors):
         result is dropped with the rest)."""
         self._complete()
         self.consumed, self.next_launch = False, 0
+        self.end_queued = False   # (a backward that raised ran no final callback)
         for u in self.units:
             u.launched, u.ready = False, set()
             (u.grad_full if self.stage == 1 else u.grad_shard).zero_()   # stage 1: the full one

@@ -225,7 +225,9 @@ class ShardedState:
         shard, or its fp32 master), zeros where the state does not exist (yet)."""
         if key == "param":
             return list(self.masters)
-        out = [torch.zeros_like(m) for m in self.masters]
+        # (a frozen unit, LoRA's base, has no state: an empty tensor, not a shard of zeros)
+        out = [torch.zeros_like(m) if u.n_grads else m[:0]
+               for m, u in zip(self.masters, self.engine.units)]
         for v, (ui, a, n, _) in zip(self.views, self.runs):
             if key in self.inner.state.get(v, {}):
                 out[ui][a:a + n] = self.inner.state[v][key]
@@ -465,14 +467,15 @@ def reduce_scattered(units) -> tuple[int, int]:
                                              for n, u in zip(trained, units))
 
 
-def backward_gathers(units, first: bool = True) -> tuple[int, int]:
+def backward_gathers(units, model, first: bool = True) -> tuple[int, int]:
     """Stage 3: (how many of `units` are gathered again in the backward, their padded elements):
-    from the first that holds a trainable parameter in its modules on (before it, LoRA's
-    frozen embedding, no output takes a gradient); all of them when they are not the model's
-    first (a pipeline stage after the first: its input takes a gradient)."""
-    seen, again = not first, []
-    for u in units:
-        seen = seen or any(p.requires_grad for m in u.modules for p in m.parameters())
-        if seen:
-            again.append(u)
+    those whose last module runs after the first trainable parameter's module (before it,
+    LoRA's frozen embedding, no output takes a gradient; a tied embedding's unit, which ends
+    at the head, is gathered); all of them when they are not the model's first (a pipeline
+    stage after the first: its input takes a gradient)."""
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    first_trained = min((order[id(m)] for u in units for m in u.modules
+                         if any(p.requires_grad for p in m.parameters())), default=None)
+    again = [u for u in units if not first or (first_trained is not None
+                                               and order[id(u.modules[-1])] >= first_trained)]
     return len(again), sum(u.padded for u in again)

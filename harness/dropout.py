@@ -175,6 +175,13 @@ class HiddenDropout(nn.Module):
         self.p, self.seed, self.layer, self.site = p, seed, layer, site
         self.features = None
 
+    def _features_on(self, device) -> torch.Tensor:
+        """`features` on the input's device, moved there once (set on the host, before the
+        model's storage exists: lora.RowParallelLoRA on a meta-device model)."""
+        if self.features.device != device:
+            self.features = self.features.to(device)
+        return self.features
+
     def forward(self, x):
         if not self.training or self.p == 0:
             return x
@@ -183,7 +190,7 @@ class HiddenDropout(nn.Module):
             raise RuntimeError(f"dropout: a hidden-state dropout expects (rows {t.samples.numel()}, "
                                f"tokens {t.hidden.numel()}, features), got {tuple(x.shape)}")
         f = (torch.arange(x.shape[2], device=x.device) if self.features is None
-             else self.features.to(x.device))
+             else self._features_on(x.device))
         key = site_key(self.seed, t.step, self.layer, self.site)
         return apply(x, self.p, key, t.samples[:, None, None], t.hidden[None, :, None],
                      f[None, None, :])
@@ -208,7 +215,7 @@ class InputDropout(HiddenDropout):
                                f"{t.samples.numel()}, tokens {cols.numel()}, features), got "
                                f"{tuple(x.shape)}")
         f = (torch.arange(x.shape[2], device=x.device) if self.features is None
-             else self.features.to(x.device))
+             else self._features_on(x.device))
         key = site_key(self.seed, t.step, self.layer, self.site)
         return apply(x, self.p, key, t.samples[:, None, None], cols[None, :, None],
                      f[None, None, :])

@@ -61,7 +61,8 @@ def wrap(model, args):
     optimizer like every other bf16 parameter), drawn by adapter_init; on the meta device
     (loading.meta_model) they are drawn when the shards are read (loading.load_shards)."""
     import peft
-    with torch.random.fork_rng(devices=[]):   # (peft's own draws, overwritten below)
+    devices = [model.device] if model.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):   # (peft's own draws, overwritten below)
         peft.get_peft_model(model, lora_config(args, model, random_b(args)),
                             autocast_adapter_dtype=False)
     with torch.no_grad():
@@ -92,11 +93,36 @@ def adapter_shape(name: str, base_shape, r: int) -> tuple[int, int]:
 
 def recorded(args) -> dict | None:
     """What a checkpoint records of the adapters (None without --lora): a resume must train the
-    same ones (resume_refusal)."""
+    same ones over the same frozen base (resume_refusal)."""
     if not getattr(args, "lora", 0):
         return None
     return dict(r=args.lora, alpha=alpha(args), targets=args.lora_targets,
-                dropout=args.lora_dropout, seed=args.seed, model=args.model)
+                dropout=args.lora_dropout, seed=args.seed, model=args.model,
+                base=base_fingerprint(args))
+
+
+def base_fingerprint(args) -> str:
+    """The frozen base a LoRA checkpoint's adapters were trained on, cheaply: for a directory,
+    each safetensors file's size and a BLAKE2b of its header and 16 blocks of 4 KiB spread over
+    it (another checkpoint under the same path changes them); for a random init, the device
+    type that drew it (the same seed draws other values on CUDA)."""
+    import hashlib
+    import os
+    if os.path.isdir(args.model):
+        h = hashlib.blake2b(digest_size=8)
+        for fn in sorted(f for f in os.listdir(args.model) if f.endswith(".safetensors")):
+            path = os.path.join(args.model, fn)
+            size = os.path.getsize(path)
+            h.update(f"{fn}:{size}".encode())
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                h.update(f.read(n))
+                for i in range(16):
+                    f.seek(8 + n + (size - 8 - n) * i // 16)
+                    h.update(f.read(4096))
+        return h.hexdigest()
+    device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    return f"random init on {torch.device(device).type}"
 
 
 def resume_refusal(meta: dict, args) -> str | None:
@@ -109,7 +135,9 @@ def resume_refusal(meta: dict, args) -> str | None:
     if saved is None or now is None:
         return (f"the checkpoint was saved {'with' if saved else 'without'} --lora and this run "
                 f"has {'it' if now else 'none'}: a LoRA checkpoint holds the adapters only")
-    diff = [f"{k} {saved.get(k)!r} (now {now[k]!r})" for k in now if saved.get(k) != now[k]]
+    diff = [f"{k} {saved.get(k)!r} (now {now[k]!r})" if k != "base" else
+            "another base under --model (its fingerprint differs)"
+            for k in now if saved.get(k) != now[k]]
     return (f"the checkpoint's adapters were trained with {', '.join(diff)}: a LoRA checkpoint "
             f"holds the adapters only, over the same base (--model, --seed) and --lora options")
 

@@ -153,7 +153,9 @@ class PP(Strategy):
                        f"M x (activations out + gradients back) per chunk boundary to another "
                        f"rank, {act:,} B each"),
                 Expect("irecv", "world", sends, sends * act, "the mirror of the sends")]
-        if self.pipe.tie_group is not None and (0 in mine or C - 1 in mine):
+        ends = [w for w in (self.pipe.parts.embed, self.pipe.parts.head) if w is not None]
+        if self.pipe.tie_group is not None and (0 in mine or C - 1 in mine) \
+                and any(e.weight.requires_grad for e in ends):   # (--lora: frozen, not summed)
             n = self.model.config.vocab_size * cfg.hidden_size * DTYPES[a.dtype].itemsize
             rows.append(Expect("all_reduce", "tied", 1, n, "tied embedding gradient"))
         if a.clip:

@@ -183,7 +183,7 @@ class ZeRO(Strategy):
                                f"Psi*b = {full:,} B: updated parameters, one per unit"
                                + muon_note))
         else:   # forward per unit; backward from the first unit that trains on (LoRA)
-            nb, fb = backward_gathers(z.units)
+            nb, fb = backward_gathers(z.units, self.model)
             fb *= b
             rows.append(Expect("all_gather_into_tensor", "world", (n + nb) * K + calls,
                                (full + fb) * K + nbytes,

@@ -543,16 +543,19 @@ def _fsdp_designs():
 TABLES.update({"fsdp-designs": _fsdp_designs})
 
 
-def _script_table(module: str, results: str):
-    """A table drawn by a measurement script's own table() from its results file."""
+def _script_table(module: str, results: str, fn: str = "table"):
+    """A table drawn by a measurement script's own table() (or `fn`) from its results file."""
     if os.path.join(HERE, "scripts") not in sys.path:
         sys.path.insert(0, os.path.join(HERE, "scripts"))
     import importlib
-    return lambda: importlib.import_module(module).table(load(results))
+    return lambda: getattr(importlib.import_module(module), fn)(load(results))
 
 
 TABLES.update({"muon": _script_table("muon_bench", "results/muon-cpu.json"),
-               "muon-text": _script_table("muon_text", "results/muon-text-cpu.json")})
+               "muon-text": _script_table("muon_text", "results/muon-text-cpu.json"),
+               "lora-text": _script_table("lora_text", "results/lora-text-cpu.json"),
+               "lora-memory": _script_table("lora_text", "results/lora-text-cpu.json",
+                                            "memory_table")})
 TABLES.update({"strategies-comm": _strategies_comm, "strategies-memory": _strategies_memory,
                "gpu-w1": _gpu_w1, "gpu-perf": _gpu_perf, "gpu-kernels": _gpu_kernels,
                "gpu-oom-tp": _gpu_oom_tp, "gpu-cp-kernels": _gpu_cp_kernels,

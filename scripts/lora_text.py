@@ -1,7 +1,7 @@
 """lora_text.py: LoRA against full fine-tuning on real text, and what each holds and sends per
 rank (docs/lora.md's figures).
 
-    python scripts/lora_text.py [--steps 80] [--out results/lora-text-cpu.json]
+    python scripts/lora_text.py [--steps 80] [--out results/lora-text-cpu.json]   (~15 min, 2 cores)
 
 scripts/text_demo.py's corpus, tokenizer and 6-layer Llama; the model is first pre-trained on
 pretrain.jsonl (training.md's step 1: dp 2, 300 steps) and exported; then compose4d.py --mode
@@ -50,9 +50,11 @@ def main():
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--pretrain-steps", type=int, default=300)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "lora-text-cpu.json"))
+    p.add_argument("--out", default=None, help="the results file (default: a temporary "
+                   "directory's; results/lora-text-cpu.json updates the tracked figures)")
     a = p.parse_args()
     tmp = tempfile.mkdtemp()
+    a.out = a.out or os.path.join(tmp, "lora-text-cpu.json")
     subprocess.run([sys.executable, os.path.join(HERE, "scripts", "text_demo.py"), tmp],
                    check=True, cwd=HERE, capture_output=True)
     pre = os.path.join(tmp, "llama-pre")
@@ -106,6 +108,7 @@ def main():
                   runs=runs, memory=memory)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
+    print(f"wrote {a.out}")
 
 
 def table(d) -> str:

@@ -111,7 +111,9 @@ SLOW = {
     "zero": Runs("zero.py", 2, {"lora": [*CORRECT, "--stage", "1"],
                                 "lora-zero3": [*CORRECT, "--stage", "3"]}, tier="slow"),
     "cp": Runs("cp_ring.py", 2, {"lora": [*CORRECT, "--lora-dropout", "0.1"]}, tier="slow"),
-    "pp": Runs("pp.py", 2, {"lora": CORRECT}, tier="slow"),
+    # (tied embeddings: the last stage's head copy frozen like the embedding, no tie summed)
+    "pp": Runs("pp.py", 2, {"lora": [*CORRECT, "--model", "configs/tiny-tied.json"]},
+               tier="slow"),
     "compose4d": Runs("compose4d.py", 4, {"lora": [*CORRECT, "--tp", "2", "--dp", "2", "--sp",
                                                    "--zero", "2"]}, tier="slow"),
 }
@@ -263,7 +265,7 @@ def test_lora_learns_beside_the_reference(runs):
 
 # -- compose4d's train mode: a local HF directory loaded shard by shard under peft's names, a
 # checkpoint of the adapters only, resumed on another layout, exported merged and as an adapter
-from test_train_text import TEXT, TRAIN, fixtures   # noqa: E402  (its text and models)
+from test_train_text import TEXT, TRAIN, fixtures, path   # noqa: E402  (its text, models)
 
 
 def lck(base):
@@ -274,7 +276,7 @@ def lhf(base):
     return str(base) + "/hf-lora"
 
 
-L64 = ["--dtype", "float64", "--lora", "4"]
+L64 = ["--dtype", "float64", "--lora", "4", "--lora-dropout", "0.1"]
 TRAIN_LORA = Runs("compose4d.py", 2, tier="slow", runs={
     # the same steps from the shards each rank reads (adapters drawn, cut like their base)
     # and from the whole model: uninterrupted on tp 2, 4 steps
@@ -284,6 +286,9 @@ TRAIN_LORA = Runs("compose4d.py", 2, tier="slow", runs={
     "lora-first": [*TEXT, *L64, "--tp", "2", "--steps", "4", "--stop-at", "2", "--save", lck],
     "lora-second": [*TEXT, *L64, "--dp", "2", "--zero", "3", "--steps", "4", "--resume", lck,
                     "--save", lck, "--export-hf", lhf],
+    # tied embeddings over two stages: the last stage's head copy frozen, nothing tied summed
+    "lora-tied-pp": [*TRAIN, "--model", path("tied"), "--data", path("corpus"), *L64, "--pp",
+                     "2", "--steps", "2", "--zero", "3"],
 })
 
 
@@ -324,6 +329,8 @@ def test_train_mode_loads_resumes_on_another_layout_and_exports(runs):
         a, b, c = (m(input_ids=ids).logits for m in (merged, over, plain))
     assert ((a - b).abs().max() / a.abs().max()).item() < 1e-10
     assert ((a - c).abs().max() / a.abs().max()).item() > 1e-6     # the adapters trained
+    tied = losses(runs(TRAIN_LORA, "lora-tied-pp"))
+    assert sorted(tied) == [0, 1] and tied[1] == tied[1]
 
 
 @pytest.mark.slow
@@ -339,3 +346,24 @@ def test_a_lora_checkpoint_resumes_only_the_same_adapters(runs, args, msg):
                "--val-fraction", "0.1", "--dtype", "float64", "--dp", "2", "--steps", "4",
                "--resume", lck(base), *args, as_rank0=True)
     assert_config_error(r, msg.format(ck=lck(base)), torchrun=False)
+
+
+def test_a_resume_over_another_base_is_refused(tmp_path):
+    """The checkpoint holds the adapters only: the base's fingerprint (safetensors sizes,
+    header and sampled blocks) must be the one they were trained on."""
+    import argparse
+    import shutil
+    from harness import lora_setup
+    base = fixtures(tmp_path)
+    other = str(tmp_path / "other")
+    shutil.copytree(base["llama"], other)
+    a = argparse.Namespace(lora=4, lora_alpha=None, lora_targets="auto", lora_dropout=0.0,
+                           seed=0, model=other, device="cpu")
+    meta = {"lora": lora_setup.recorded(a)}
+    assert lora_setup.resume_refusal(meta, a) is None
+    path = os.path.join(other, "model.safetensors")
+    with open(path, "r+b") as f:   # the same header, other weights in the middle of the file
+        f.seek(os.path.getsize(path) // 2 - 32768)
+        f.write(bytes(65536))
+    why = lora_setup.resume_refusal(meta, a)
+    assert why and "another base under --model" in why, why

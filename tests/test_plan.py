@@ -203,3 +203,18 @@ def test_the_model_state_formula_is_zeros(monkeypatch):
     assert plan.state_bytes(params_of("tiny"), lay, 2)["dense"]["total"] == 3 * 7.0
     assert elastic.MemoryModel().states(TINY_PSI, 2, 4) == 7.0
     assert oom_search.predict_peak("zero2", 4, 128, 1, cfg, 2)["states"] == 7.0
+
+
+def test_no_fit_verdict_on_a_partial_sum():
+    """Without an activation model (DeepSeek-V3's MLA/MoE layers) the states alone never
+    'fit': only 'does not fit' can be said of a partial sum."""
+    lines = []
+    cfg = plan.load("deepseek-v3")
+    params = plan.count_params(cfg)
+    r = plan.plan(cfg, params, plan.parse_layout("pp=16,dp=128,ep=64,zero=1,seq=4096,m=120"),
+                  2, 80, out=lines.append)
+    assert r["activations"] is None and "fits in" not in r["fits"], r["fits"]
+    assert any(l.strip().startswith("states/GPU") and "no verdict" in l for l in lines), lines
+    r = plan.plan(cfg, params, plan.parse_layout("pp=16,dp=128,ep=64,zero=1,seq=4096,m=120"),
+                  2, 5, out=lines.append)
+    assert "does not fit in 5 GiB" in r["fits"]

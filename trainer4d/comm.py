@@ -43,7 +43,7 @@ def expected_comm(self) -> list[Expect]:
                         f"parameters per unit, forward and backward x{M} micro-batches"
                         if a.zero == 3 else "updated parameters, one per unit")]
         if a.zero == 3:   # (--lora: no backward gather before the first unit that trains)
-            nb, fb = zero_state.backward_gathers(units, self.first)
+            nb, fb = zero_state.backward_gathers(units, self.model, self.first)
             rows[-1] = Expect("all_gather_into_tensor", group, (len(units) + nb) * M,
                               (padded + fb) * b * M, rows[-1].formula)
     if a.replicate > 1:
@@ -61,7 +61,7 @@ def expected_comm(self) -> list[Expect]:
         rows += [Expect("isend", "pp", n, n * act, f"M activations out + gradients back per "
                         f"boundary, {act:,} B each"),
                  Expect("irecv", "pp", n, n * act, "the mirror of the sends")]
-        if self.groups["tied"] is not None and (self.first or self.last):
+        if self.groups["tied"] is not None and (self.first or self.last) and self.tied_trains:
             rows.append(Expect("all_reduce", "tied", 1, z.units[0 if self.first else -1]
                                .shard_numel * rb, "tied embedding gradient shard"))
     if C > 1:

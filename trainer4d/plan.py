@@ -247,9 +247,12 @@ def plan(config, params, lay, elem: int, mem_gib: float | None, out=print) -> di
             f"{acts['layers']} layers x {acts['in_flight']} in flight = "
             f"{acts['total'] / GiB:.2f} GiB; logits (last stage) {logits / GiB:.2f} GiB")
         total += acts["total"] + logits
+    # (never "fits" about a partial sum: without activations only "does not fit" can be said)
     fits = ("" if mem_gib is None else
-            f" ({'fits' if total <= mem_gib * GiB else 'does not fit'} in {mem_gib:g} GiB)")
-    out(f"  total/GPU         {total / GiB:.2f} GiB{fits}")
+            f" ({'fits' if total <= mem_gib * GiB else 'does not fit'} in {mem_gib:g} GiB)"
+            if acts is not None or total > mem_gib * GiB else
+            f" (model states alone; activations not computed: no verdict for {mem_gib:g} GiB)")
+    out(f"  {'total/GPU' if acts is not None else 'states/GPU':<18}{total / GiB:.2f} GiB{fits}")
     if lay["pp"] > 1:
         name, V = lay["schedule"], lay["v"]
         out(f"  bubble            {name} P={lay['pp']} M={lay['m']}"
