@@ -1,7 +1,7 @@
 """lora_text.py: LoRA against full fine-tuning on real text, and what each holds and sends per
 rank (docs/lora.md's figures).
 
-    python scripts/lora_text.py [--steps 80] [--out results/lora-text-cpu.json]   (~15 min, 2 cores)
+    python scripts/lora_text.py [--steps 80] [--out results/lora-text-cpu.json]   (~20 min, 2 cores)
 
 scripts/text_demo.py's corpus, tokenizer and 6-layer Llama; the model is first pre-trained on
 pretrain.jsonl (training.md's step 1: dp 2, 300 steps) and exported; then compose4d.py --mode
@@ -11,8 +11,8 @@ warm-up steps): full fine-tuning at dp 2 (--lr 1e-3, training.md's), LoRA r 8 at
 2 (--lora 8, alpha 16, every projection, --lr 3e-3). The held-out loss every --eval-every steps.
 LoRA at dp 2 and at tp 2 is one computation on two layouts: their losses agree to float32's
 rounding.
-Then compose4d.py --mode benchmark on the pre-trained directory, with and without --lora 8, at
-dp 2 (ZeRO-1 and ZeRO-3) and tp 2: the model states each rank holds (measured by the live-tensor
+Then compose4d.py --mode benchmark on the same model (its initial weights: the bytes depend on
+the shapes only), with and without --lora 8, at dp 2 (ZeRO-1 and ZeRO-3) and tp 2: the model states each rank holds (measured by the live-tensor
 tracker, beside the formula the benchmark checks) and the bytes each collective moves per step.
 """
 import argparse
@@ -50,6 +50,8 @@ def main():
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--pretrain-steps", type=int, default=300)
+    p.add_argument("--memory-only", default=None, metavar="FILE",
+                   help="keep FILE's fine-tuning runs and measure the memory and comm rows again")
     p.add_argument("--out", default=None, help="the results file (default: a temporary "
                    "directory's; results/lora-text-cpu.json updates the tracked figures)")
     a = p.parse_args()
@@ -58,6 +60,46 @@ def main():
     subprocess.run([sys.executable, os.path.join(HERE, "scripts", "text_demo.py"), tmp],
                    check=True, cwd=HERE, capture_output=True)
     pre = os.path.join(tmp, "llama-pre")
+    here = "python scripts/lora_text.py " + " ".join(sys.argv[1:])
+    if a.memory_only:   # (its fine-tuning runs, and the command that made them)
+        kept = json.load(open(a.memory_only))
+        runs, command = kept["runs"], kept["command"]
+    else:
+        runs, command = fine_tunes(a, tmp, pre), here
+    memory = []
+    for name, flags in BENCHES.items():   # (the shapes are what count: the initial weights)
+        for lora in ([], ["--lora", "8"]):
+            out = os.path.join(tmp, "bench")
+            torchrun(["--mode", "benchmark", "--model", os.path.join(tmp, "llama-init"),
+                      "--dtype", "float32", "--batch", "4", "--length", "128", "--bench-iters",
+                      "2", "--warmup", "1", *flags, *lora, "--out", out], f"benchmark {name}")
+            d = json.load(open(os.path.join(out, "benchmark.json")))
+            m = d["ours"]["memory"][0]
+            memory.append(dict(layout=name, lora=bool(lora), params=d["params"],
+                               measured={k: m[k] for k in ("params", "grads", "optimizer",
+                                                           "model_states")},
+                               formula=d["memory_formula"],
+                               comm={k: v["bytes"] for k, v in d["ours"]["comm"].items()},
+                               groups=d["group_sizes"], comm_ok=d["comm_ok"]))
+            print(name, "lora" if lora else "full", m["model_states"], flush=True)
+    import torch
+    result = dict(command=command, memory_command=here,
+                  machine=f"{platform.machine()} CPU, {os.cpu_count()} cores, gloo, torch "
+                          f"{torch.__version__}",
+                  world=2, dtype="float32",
+                  data="scripts/text_demo.py: finetune.jsonl, 10% of its modules held out",
+                  model=f"text_demo's Llama (6 layers, hidden 256, ~6M parameters) pre-trained "
+                        f"{a.pretrain_steps} steps on pretrain.jsonl at dp 2",
+                  budget=f"{a.steps} steps x 16 sequences x 128 tokens",
+                  lora="r 8, alpha 16, every attention and MLP projection",
+                  runs=runs, memory=memory)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {a.out}")
+
+
+def fine_tunes(a, tmp, pre) -> list:
+    """Pre-train, export, then the three fine-tunes: their held-out losses."""
     torchrun(["--mode", "train", "--model", os.path.join(tmp, "llama-init"),
               "--data", os.path.join(tmp, "pretrain.jsonl"), "--val-fraction", "0.05",
               "--dp", "2", "--dtype", "float32", "--batch", "16", "--length", "128",
@@ -79,36 +121,7 @@ def main():
         runs.append(dict(name=name, layout=layout, flags=" ".join(flags), evals=evals,
                          last_train_loss=round(train[-1], 5)))
         print(name, evals, flush=True)
-    memory = []
-    for name, flags in BENCHES.items():
-        for lora in ([], ["--lora", "8"]):
-            out = os.path.join(tmp, "bench")
-            torchrun(["--mode", "benchmark", "--model", pre, "--dtype", "float32", "--batch",
-                      "4", "--length", "128", "--bench-iters", "2", "--warmup", "1", *flags,
-                      *lora, "--out", out], f"benchmark {name}")
-            d = json.load(open(os.path.join(out, "benchmark.json")))
-            m = d["ours"]["memory"][0]
-            memory.append(dict(layout=name, lora=bool(lora), params=d["params"],
-                               measured={k: m[k] for k in ("params", "grads", "optimizer",
-                                                           "model_states")},
-                               formula=d["memory_formula"],
-                               comm={k: v["bytes"] for k, v in d["ours"]["comm"].items()},
-                               comm_ok=d["comm_ok"]))
-            print(name, "lora" if lora else "full", m["model_states"], flush=True)
-    import torch
-    result = dict(command="python scripts/lora_text.py " + " ".join(sys.argv[1:]),
-                  machine=f"{platform.machine()} CPU, {os.cpu_count()} cores, gloo, torch "
-                          f"{torch.__version__}",
-                  world=2, dtype="float32",
-                  data="scripts/text_demo.py: finetune.jsonl, 10% of its modules held out",
-                  model=f"text_demo's Llama (6 layers, hidden 256, ~6M parameters) pre-trained "
-                        f"{a.pretrain_steps} steps on pretrain.jsonl at dp 2",
-                  budget=f"{a.steps} steps x 16 sequences x 128 tokens",
-                  lora="r 8, alpha 16, every attention and MLP projection",
-                  runs=runs, memory=memory)
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {a.out}")
+    return runs
 
 
 def table(d) -> str:
@@ -130,12 +143,14 @@ def memory_table(d) -> str:
            "(formula) | all-reduce | reduce-scatter | all-gather |", "|---" * 9 + "|"]
     for r in d["memory"]:
         m, f = r["measured"], r["formula"]
-        by = {op: sum(v for k, v in r["comm"].items() if k.split("|")[0] == op)
+        by = {op: sum(v for k, v in r["comm"].items() if k.split("|")[0] == op   # (a group of
+                      and r["groups"].get(k.split("|")[1], 2) > 1)          # one sends nothing)
               for op in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")}
         out.append(f"| {r['layout']} | {'LoRA r 8' if r['lora'] else 'full'} | "
                    f"{kib(m['params'])} | {kib(m['grads'])} | {kib(m['optimizer'])} | "
                    f"{kib(m['model_states'])} ({kib(f['model_states'])}) | "
-                   + " | ".join(f"{by[op] / 2**10:,.0f} KiB" for op in by) + " |")
+                   + " | ".join(kib(by[op]) if by[op] >= 2**10 else f"{by[op]:,.0f} B"
+                                for op in by) + " |")
     return "\n".join(out) + "\n"
 
 

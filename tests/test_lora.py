@@ -85,6 +85,29 @@ def test_merge_and_export_reload_with_the_same_logits(tmp_path):
     assert any(not torch.equal(wrong[k], ref[k]) for k in ref)
 
 
+def test_a_bf16_export_reloads_within_the_dtype_noise(tmp_path):
+    """bf16: the merged directory rounds W + s B A once; its logits stay as close to float64's
+    as peft's own bf16 model (base and adapters apart) does: within 2x its error."""
+    from transformers import AutoModelForCausalLM
+    cfg, lc, pm = peft_model(targets=("q_proj", "v_proj", "o_proj", "down_proj"))
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        truth = copy.deepcopy(pm).double()(input_ids=ids).logits
+        full = {n: p.detach().bfloat16() for n, p in pm.base_model.model.named_parameters()}
+        lora.export(full, cfg, lc, str(tmp_path))
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.bfloat16)
+        ref = copy.deepcopy(pm).bfloat16()
+        err = lambda m: ((m(input_ids=ids).logits.double() - truth).abs().max()   # noqa: E731
+                         / truth.abs().max()).item()
+        e_merged, e_peft = err(merged), err(ref)
+    assert 0 < e_peft < 0.05 and e_merged <= 2 * e_peft, (e_merged, e_peft)
+    # the check can fail: the adapters left out of the merge are far beyond the noise
+    wrong = AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).bfloat16()
+    wrong.load_state_dict(lora.merged(full, 0.0))
+    with torch.no_grad():
+        assert err(wrong) > 2 * e_peft
+
+
 def test_the_state_formula_by_hand():
     """Psi = 1,000 parameters, Psi_a = 100 of them trainable: bf16 with fp32 masters keeps 2 B
     per parameter and 2 + 4 + 8 B more per trainable one; float32 4 and 4 + 8."""
