@@ -54,24 +54,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from harness import planted
+from harness.models import ADAPTERS, base_name  # noqa: F401  (peft's names; re-exported)
 
-ADAPTERS = ("lora_A", "lora_B")
 
 
 def is_lora_layer(module) -> bool:
     """A peft LoRA layer (peft.tuners.lora.Linear and its relatives): a base_layer and adapters."""
     return hasattr(module, "base_layer") and hasattr(module, "lora_A")
-
-
-def base_name(name: str) -> tuple[str, str | None]:
-    """(the module peft wrapped, which part) for a module or parameter name inside a LoRA layer:
-    'l.q_proj.base_layer' -> ('l.q_proj', 'base_layer'); 'l.q_proj.lora_A.default' ->
-    ('l.q_proj', 'lora_A'); a name outside one -> (name, None)."""
-    parts = name.split(".")
-    for i, p in enumerate(parts):
-        if p in ("base_layer",) + ADAPTERS:
-            return ".".join(parts[:i]), p
-    return name, None
 
 
 # How TP treats each adapter, by its base's kind (tp_plan's kinds): (A's kind, B's kind).
@@ -267,6 +256,15 @@ def export(full: dict[str, torch.Tensor], config, lora_config, out: str):
 def adapter_numel(shapes, r: int) -> int:
     """Psi_a: the adapters' parameters for targets of shapes [(out, in), ...] at rank r."""
     return sum(r * (o + i) for o, i in shapes)
+
+
+def layer_numel(cfg, r: int, T: int = 1) -> float:
+    """A decoder layer's adapter parameters on one rank, every projection targeted (q, k, v,
+    o, gate, up, down: r (in + out) each, 9h + 2kv + 3I in all); under TP a column base's B and
+    a row base's A are split T ways, the other adapter whole (7h r). oom_search predicts with it."""
+    h, I = cfg.hidden_size, cfg.intermediate_size
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    return r * (7 * h + (2 * h + 2 * kv + 3 * I) / T)
 
 
 def state_bytes(psi: int, psi_a: int, b: int) -> int:

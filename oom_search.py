@@ -11,7 +11,7 @@ heads, V vocabulary):
                  as the strategy divides them: ZeRO-1/2/3 and FSDP over W (+ one gathered
                  unit), TP/SP the layers / T, PP the stage's share (pp_schedule.split_layers);
                  --lora R: e per parameter, gradients and AdamW states for the adapters only
-                 (lora_layer_numel: r (9h + 2kv + 3I) per layer, TP's split)
+                 (lora.layer_numel: r (9h + 2kv + 3I) per layer, TP's split)
     activations  harness.recompute.activation_bytes per layer (the suite's one model, exact
                  against the CPU's live storage; on an H100 in bf16 the peak ran 7% above it:
                  docs/gpu.md), its TP/SP split; / W of the tokens under Ulysses and CP; under
@@ -60,8 +60,7 @@ def trial_args(strategy: str, nproc: int, length: int, batch: int,
         extra = extra + ["--microbatches", str(nproc)]
     if ce_chunk:
         extra = extra + ["--ce-chunk", str(ce_chunk)]
-    if lora:
-        extra = extra + ["--lora", str(lora)]
+    extra = extra + (["--lora", str(lora)] if lora else [])
     return [script, *extra, "--length", str(length), "--batch", str(glob)]
 
 
@@ -203,25 +202,16 @@ def search(trial, lo: int, hi: int | None, step: int, retries: int = 1,
 # ----------------------------------------------------------------------------------------------
 # Prediction
 # ----------------------------------------------------------------------------------------------
-def lora_layer_numel(cfg, r: int, T: int = 1) -> float:
-    """A layer's adapter parameters on one rank, every projection targeted (q, k, v, o, gate,
-    up, down: r (in + out) each, 9h + 2kv + 3I in all); under TP (T ranks) a column base's B and
-    a row base's A are split, the other adapter whole (lora.py)."""
-    h, I = cfg.hidden_size, cfg.intermediate_size
-    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
-    return r * (7 * h + (2 * h + 2 * kv + 3 * I) / T)
-
-
 def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
                  eager: bool = False, ce_chunk: int = 0, lora: int = 0) -> dict:
-    """Predicted peak bytes per rank (the largest rank), by category (see the docstring).
-    lora: the adapters' rank (--lora R on every projection; 0: full training)."""
+    """Predicted peak bytes per rank (the largest rank), by category (see the docstring)."""
     h, I, V, Ly = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
     a = cfg.num_attention_heads
     kv = cfg.num_key_value_heads * (h // a)
     tied = cfg.tie_word_embeddings
     T = W if strategy in ("tp", "sp") else 1
-    layer_a = lora_layer_numel(cfg, lora, T) if lora else 0   # trainable (LoRA), per rank
+    from lora import layer_numel as lora_layer_numel
+    layer_a = lora_layer_numel(cfg, lora, T) if lora else 0   # (LoRA: what trains, per rank)
     layer_params = 2 * h * h + 2 * kv * h + 3 * h * I + 2 * h       # q,o + k,v + MLP + norms
     embed = V * h
     head = (0 if tied else embed) + h                                # lm_head + final norm
@@ -263,14 +253,12 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
     stage = {"zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}.get(strategy, 0)
     if strategy in ("tp", "sp"):   # the layers' matrices and the vocabulary split T ways
         psi = Ly * (layer_params - 2 * h) / T + Ly * 2 * h + (embed + head - h) / T + h
-    # LoRA: every parameter held (the adapters too), gradients and AdamW states for the
-    # adapters only (the formula rig/zero.py and fsdp check: lora.state_bytes per replica)
-    psi_t = Ly * layer_a if lora else psi
-    states = (model_state_bytes(psi + psi_t * bool(lora), stage, W, elem, 0, 0)["params"]
-              + sum(model_state_bytes(psi_t, stage, W, 0, elem, opt_e).values()))
+    # (LoRA: every parameter held, gradients and AdamW states for the adapters only)
+    held, trains = (psi + Ly * layer_a, Ly * layer_a) if lora else (psi, psi)
+    s_held, s_t = (model_state_bytes(n, stage, W, elem, elem, opt_e) for n in (held, trains))
+    states = s_held["params"] + s_t["grads"] + s_t["optimizer"]
     if stage == 3:   # one gathered unit and its full gradient (LoRA: the adapters')
-        states += max(layer_params, embed) * elem + (layer_a if lora else
-                                                     max(layer_params, embed)) * elem
+        states += (max(layer_params, embed) + (layer_a or max(layer_params, embed))) * elem
     acts = act_layer * Ly
     blocks = 0
     if strategy == "cp":  # cp_ring's pure-torch kernel: score blocks of (S/2C)^2 per head; its
@@ -386,9 +374,8 @@ def simulated_trial(strategy, W, length, batch, args, budget) -> Outcome:
         ranks = sorted({0, W - 1, big})
     try:
         peak = max(simulate_peak(strategy, W, length, batch, args.model,
-                                 args.dtype or "float32", args.attn, rank=r,
-                                 ce_chunk=getattr(args, "ce_chunk", 0),
-                                 lora=getattr(args, "lora", 0))["peak"]
+                                 args.dtype or "float32", args.attn, r,
+                                 getattr(args, "ce_chunk", 0), getattr(args, "lora", 0))["peak"]
                    for r in ranks)
     except Exception as e:  # a strategy whose step needs real values (reported, never an OOM)
         return Outcome("crash", None, time.time() - t0,
@@ -430,9 +417,8 @@ def parse(argv=None):
     p.add_argument("--ce-chunk", type=int, default=0,
                    help="the trials' --ce-chunk (ddp and tp): the loss N tokens of logits at a "
                         "time, and the prediction's logits term follows it")
-    p.add_argument("--lora", type=int, default=0, metavar="R",
-                   help="trials and predictions fine-tune LoRA adapters of rank R on every "
-                        "projection, the rest frozen (0: full training)")
+    p.add_argument("--lora", type=int, default=0, metavar="R", help="LoRA adapters of rank R "
+                   "on every projection, the rest frozen (0: full training)")
     p.add_argument("--simulate", action="store_true",
                    help="no real trials: each one is the real step under FakeTensorMode as rank 0 "
                         "of a fake world of N (any model size, on a laptop)")
@@ -450,7 +436,7 @@ def parse(argv=None):
         p.exit(2, f"error: --ce-chunk {a.ce_chunk}: >= 0, and for the strategies that chunk "
                   f"their loss ({', '.join(sorted(CHUNKED_CE))})\n")
     if a.lora < 0:
-        p.exit(2, f"error: --lora {a.lora}: the adapters' rank must be >= 1 (0: full training)\n")
+        p.exit(2, f"error: --lora {a.lora}: the adapters' rank must be >= 1 (0: no LoRA)\n")
     a.worlds = [int(x) for x in a.nproc.split(",")]
     if a.step is None:
         a.step = 256 if a.search == "length" else 1
@@ -536,16 +522,14 @@ def main(argv=None):
                        trials=[(x, o.kind, o.peak, round(o.seconds, 1)) for x, o in r.trials])
             if args.predict:
                 if what == "length":
-                    row["predicted_max"] = predict_max(name, W, args.batch, cfg, budget, args.lo,
-                                                       args.hi, args.step, elem,
-                                                       args.attn == "eager", args.ce_chunk,
-                                                       args.lora)
+                    row["predicted_max"] = predict_max(
+                        name, W, args.batch, cfg, budget, args.lo, args.hi, args.step, elem,
+                        args.attn == "eager", args.ce_chunk, args.lora)
                 if r.best:
                     L, b = (r.best, args.batch) if what == "length" else (args.length, r.best)
-                    row["predicted_peak_at_max"] = predict_peak(name, W, L, b, cfg, elem,
-                                                                args.attn == "eager",
-                                                                args.ce_chunk,
-                                                                args.lora)["peak"]
+                    row["predicted_peak_at_max"] = predict_peak(
+                        name, W, L, b, cfg, elem, args.attn == "eager", args.ce_chunk,
+                        args.lora)["peak"]
             rows.append(row)
     if args.json:
         print(json.dumps(dict(model=args.model, search=what, budget_gb=args.mem_budget_gb,

@@ -234,8 +234,7 @@ class Zero(FlatTensors):
         # (the step's last backward: reduce_in_backward) as each unit's gradients complete. A
         # launch waits only for the reductions beyond in_flight, so the backward computes the
         # next unit's gradients while the last two reduce-scatter.
-        self.sync, self.in_flight = False, 2
-        self.end_queued = False   # stage 3: _end_backward is queued for this backward
+        self.sync, self.in_flight, self.end_queued = False, 2, False   # (end: free_frozen)
 
     # -- stage 3: gather before use, free after --
     def _pre_forward(self, u: FlatUnit):
@@ -259,19 +258,8 @@ class Zero(FlatTensors):
             u.full.zero_()
             u.gathered = True
         u.wait()
-        self.free_frozen(u)   # the frozen units the backward is past
-        if not self.end_queued:   # and those it leaves gathered, once it ends
-            self.end_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self.free_frozen(u)   # the frozen units the backward is past (and at its end, the rest)
         self._prefetch_units(self.ahead(u, -1))
-
-    def _end_backward(self):
-        """The backward ended: free the frozen units still gathered (LoRA's base in the last
-        module group it reached, whose end no gradient marks)."""
-        self.end_queued = False
-        for v in self.units:   # (a prefetch still in flight is for the next use: kept)
-            if not v.n_grads and v.gathered and v.handle is None:
-                v.free_params()
 
     def _prefetch_units(self, units):
         """Launch the all-gathers of `units` (async, one order on every rank): each runs while
@@ -285,8 +273,7 @@ class Zero(FlatTensors):
         """Discard this step's gradients (a reduction still in flight completes first, and its
         result is dropped with the rest)."""
         self._complete()
-        self.consumed, self.next_launch = False, 0
-        self.end_queued = False   # (a backward that raised ran no final callback)
+        self.consumed, self.next_launch, self.end_queued = False, 0, False   # (a raised backward)
         for u in self.units:
             u.launched, u.ready = False, set()
             (u.grad_full if self.stage == 1 else u.grad_shard).zero_()   # stage 1: the full one

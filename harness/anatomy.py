@@ -75,3 +75,19 @@ def kv_heads(config) -> int:
     """The key/value heads of a config: num_key_value_heads, or (GPT-NeoX and other
     pre-GQA families, which have no such field) one per attention head."""
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+# peft's LoRA layers (harness/lora_setup.py, lora.py): a target `q_proj` becomes a module holding
+# `base_layer` (the frozen nn.Linear) and `lora_A.default`, `lora_B.default`
+ADAPTERS = ("lora_A", "lora_B")
+
+
+def base_name(name: str) -> tuple[str, str | None]:
+    """(the module peft wrapped, which part) for a module or parameter name inside a LoRA layer:
+    'l.q_proj.base_layer' -> ('l.q_proj', 'base_layer'); 'l.q_proj.lora_A.default' ->
+    ('l.q_proj', 'lora_A'); a name outside one -> (name, None)."""
+    pieces = name.split(".")
+    for i, p in enumerate(pieces):
+        if p in ("base_layer",) + ADAPTERS:
+            return ".".join(pieces[:i]), p
+    return name, None

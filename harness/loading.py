@@ -152,8 +152,7 @@ def load_shards(model: torch.nn.Module, directory: str, device,
     peft's LoRA layers (--lora, `args`): `q_proj.base_layer.weight` reads the file's
     `q_proj.weight`, and each adapter, which no base checkpoint holds, is drawn whole
     (lora_setup.adapter_init) and cut the same way. Returns counts for the log."""
-    from lora import ADAPTERS, base_name
-    from .lora_setup import adapter_init, adapter_shape
+    from .lora_setup import ADAPTERS, adapter_init, adapter_shape, base_name  # (peft's names)
     files = checkpoint_files(directory)
     materialize(model, device)
     opened: dict[str, SafetensorsFile] = {}

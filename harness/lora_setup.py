@@ -24,6 +24,8 @@ import zlib
 
 import torch
 
+from .anatomy import ADAPTERS, base_name  # noqa: F401  (peft's names inside a LoRA layer)
+
 # --lora-targets auto: the attention and MLP projections of the families the presets cover
 # (Phi3's fused qkv_proj and gate_up_proj included); the ones the model has are targeted
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",

@@ -13,7 +13,7 @@ import types
 
 import torch
 
-from .anatomy import attention_of, kv_heads, parts, set_part  # noqa: F401  (re-exported)
+from .anatomy import ADAPTERS, attention_of, base_name, kv_heads, parts, set_part  # noqa: F401
 from .dropout import IMPL as DROPOUT_IMPL, install as install_dropout
 from .dropout import rates, set_rates as set_dropout
 

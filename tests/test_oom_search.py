@@ -177,6 +177,7 @@ def test_lora_states_by_hand_and_peft_counts_the_same_adapters():
     adapters only; r (9h + 2kv + 3I) adapter parameters per layer is what peft creates on every
     projection, and TP's split keeps 7h r whole (A of a column base, B of a row base)."""
     import copy
+    import lora
     import peft
     import torch
     from transformers import AutoModelForCausalLM
@@ -188,7 +189,7 @@ def test_lora_states_by_hand_and_peft_counts_the_same_adapters():
         harness.lora_setup.PROJECTIONS[:7])))
     psi_a = sum(p.numel() for p in m.parameters() if p.requires_grad)
     L = cfg.num_hidden_layers
-    assert psi_a == L * oom.lora_layer_numel(cfg, 8)
+    assert psi_a == L * lora.layer_numel(cfg, 8)
     full = oom.predict_peak("ddp", 2, 256, 1, cfg, 4)
     lo = oom.predict_peak("ddp", 2, 256, 1, cfg, 4, lora=8)
     assert full["states"] == 16 * psi and lo["states"] == 4 * (psi + psi_a) + 12 * psi_a
@@ -199,7 +200,7 @@ def test_lora_states_by_hand_and_peft_counts_the_same_adapters():
         max(layer, cfg.vocab_size * cfg.hidden_size) + psi_a // L)
     h, I = cfg.hidden_size, cfg.intermediate_size
     kv = cfg.num_key_value_heads * h // cfg.num_attention_heads
-    assert oom.lora_layer_numel(cfg, 8, 2) == 8 * (7 * h + (2 * h + 2 * kv + 3 * I) / 2)
+    assert lora.layer_numel(cfg, 8, 2) == 8 * (7 * h + (2 * h + 2 * kv + 3 * I) / 2)
 
 
 @pytest.mark.heavy
