@@ -16,10 +16,10 @@ tour: setup
 	$(PYTHON) tour.py
 
 test: setup
-	$(PYTHON) -m pytest -q -ra -m "not heavy" --durations=25 tests
+	$(PYTHON) -m pytest -q -ra -m "not heavy" --durations=40 tests
 
 test-heavy: setup
-	$(PYTHON) -m pytest -q -ra -m heavy --durations=10 tests
+	$(PYTHON) -m pytest -q -ra -m heavy --durations=25 tests
 
 test-all: setup
 	$(PYTHON) -m pytest -q -ra tests

@@ -189,7 +189,7 @@ def pytest_terminal_summary(terminalreporter):
     where make test's time goes, run by run."""
     if RUN_SECONDS:
         terminalreporter.section("costliest pooled runs (s)")
-        for name, sec in sorted(RUN_SECONDS, key=lambda x: -(x[1] or 0))[:40]:
+        for name, sec in sorted(RUN_SECONDS, key=lambda x: -(x[1] or 0))[:80]:
             terminalreporter.write_line(f"{sec or 0:8.1f}  {name}")
 
 
