@@ -160,6 +160,7 @@ def main():
                     help="instead: run every strategy's planted bugs (each must FAIL)")
     ap.add_argument("--out", default=None, help="write the summary's rows to this JSON file")
     args = ap.parse_args()
+    start = time.time()
     if args.plants:
         run_plants(args.only, args.out)
     entries = [e for e in TOUR if os.path.exists(os.path.join(HERE, e[1]))
@@ -188,7 +189,8 @@ def main():
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
     print(f"\n{len(rows) - failed} passed, {failed} failed")
     write_rows(args.out, ("strategy", "world", "dtype", "compared", "max_rel_err", "worst_ratio",
-                          "time", "result"), rows, passed=len(rows) - failed, failed=failed)
+                          "time", "result"), rows, passed=len(rows) - failed, failed=failed,
+               seconds=round(time.time() - start))   # (the whole tour, start-ups included)
     sys.exit(1 if failed else 0)
 
 
