@@ -122,8 +122,6 @@ class Parallel4D:
                      f"{f'-ep{args.ep}' if args.ep > 1 else ''}-zero{args.zero}"
                      f"{f'-rep{args.replicate}' if args.replicate > 1 else ''}")
         self.tied = parts(model).tied
-        # (--lora freezes the tied embedding: no gradient to sum over the first-last pair)
-        self.tied_trains = self.tied and parts(model).embed.weight.requires_grad
         g = self.groups = make_groups(self.grid, env.rank, self.tied, args.replicate)
         # Experts (a MoE model): ep groups out of dp x cp, ep_moe's all-to-all in every layer.
         self.moe = is_moe(model.config)
@@ -351,7 +349,7 @@ class Parallel4D:
             grads = self.optimizer.grad_shards()  # [s] per unit, over dp x cp (edp: experts)
             if not planted("sp-partials-unreduced"):   # plant: norms' partials left unsummed
                 self._reduce_slices(grads, self.partial_slices, g["tp"])
-            if g["tied"] is not None and (self.first or self.last) and self.tied_trains \
+            if self.pipe.tie_trains() \
                     and not planted("tied-sync-skipped"):   # plant: the tie forgotten
                 dist.all_reduce(grads[0] if self.first else grads[-1], group=g["tied"])  # [s]
             if "replicate" in g and not planted("replicas-not-summed"):   # plant: HSDP's sum

@@ -57,7 +57,6 @@ from harness import planted
 from harness.models import ADAPTERS, base_name  # noqa: F401  (peft's names; re-exported)
 
 
-
 def is_lora_layer(module) -> bool:
     """A peft LoRA layer (peft.tuners.lora.Linear and its relatives): a base_layer and adapters."""
     return hasattr(module, "base_layer") and hasattr(module, "lora_A")

@@ -409,13 +409,18 @@ class Pipeline:
                     loss_sum += self.loss_sum(out, mb.labels).double()
         return loss_sum
 
-    def sync_tied(self):
-        """The first stage's embedding and the last stage's head are one tied tensor."""
+    def tie_trains(self) -> bool:
+        """This rank holds an end of a tied pair whose gradient is summed over tie_group: the
+        first stage's embedding or the last stage's head copy, trainable (--lora freezes it)."""
         first, last = 0 in self.my_chunks, self.n_chunks - 1 in self.my_chunks
         if self.tie_group is None or not (first or last):
-            return
-        w = self.parts.embed.weight if first else self.parts.head.weight
-        if w.requires_grad:   # (--lora freezes it: no gradient to sum)
+            return False
+        return (self.parts.embed if first else self.parts.head).weight.requires_grad
+
+    def sync_tied(self):
+        """The first stage's embedding and the last stage's head are one tied tensor."""
+        if self.tie_trains():
+            w = self.parts.embed.weight if 0 in self.my_chunks else self.parts.head.weight
             dist.all_reduce(w.grad, group=self.tie_group)   # [V, H]: the tied embedding's gradient
 
 

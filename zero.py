@@ -234,7 +234,7 @@ class Zero(FlatTensors):
         # (the step's last backward: reduce_in_backward) as each unit's gradients complete. A
         # launch waits only for the reductions beyond in_flight, so the backward computes the
         # next unit's gradients while the last two reduce-scatter.
-        self.sync, self.in_flight, self.end_queued = False, 2, False   # (end: free_frozen)
+        self.sync, self.in_flight, self.end_queued = False, 2, False   # (end: end_backward)
 
     # -- stage 3: gather before use, free after --
     def _pre_forward(self, u: FlatUnit):

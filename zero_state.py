@@ -91,20 +91,23 @@ class FlatTensors:
                 out.append(v)
         return out
 
-    def free_frozen(self, u=None):
+    def free_frozen(self, u):
         """Stage 3, as the backward reaches u: free the gathered frozen units (LoRA's base) after
         u's module group, which the backward has passed (no gradient marks their end, as the
-        reduced units' do); and queue the same call without u for the backward's end, which
-        frees the ones it left gathered (the last group it reached). A prefetch still in flight
-        is for the next use: kept."""
-        if u is not None and not self.end_queued:
+        reduced units' do); end_backward, queued once per backward, frees those it leaves."""
+        if not self.end_queued:
             self.end_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.free_frozen)
-        elif u is None:
-            self.end_queued = False
-        for v in self.units[self.unit_index[u] + 1:] if u is not None else self.units:
-            if (u is None or v.modules != u.modules) and not v.n_grads and v.gathered \
-                    and v.handle is None:
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+        self._free_frozen(v for v in self.units[self.unit_index[u] + 1:] if v.modules != u.modules)
+
+    def end_backward(self):
+        """The backward ended: free the frozen units still gathered (the last group it reached)."""
+        self.end_queued = False
+        self._free_frozen(self.units)
+
+    def _free_frozen(self, units):
+        for v in units:   # (a prefetch still in flight is for the next use: kept)
+            if not v.n_grads and v.gathered and v.handle is None:
                 v.free_params()
 
     def grad_tensors(self) -> list[torch.Tensor]:

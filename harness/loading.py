@@ -162,15 +162,14 @@ def load_shards(model: torch.nn.Module, directory: str, device,
         for name, p in model.named_parameters():
             layer, part = base_name(name)
             hf = name.replace(".base_layer.", ".") if part == "base_layer" else name
-            src = hf if hf in files else tied.get(hf)
             if part in ADAPTERS:                  # an adapter: over its base's full shape
-                src = f"{layer}.weight" if f"{layer}.weight" in files else f"{layer}.base_layer.weight"
+                hf = f"{layer}.weight"
+            src = hf if hf in files else tied.get(hf)
             if src not in files:
                 raise ConfigError(f"--model {directory}: the checkpoint has no tensor {hf}")
             st = opened.setdefault(files[src], SafetensorsFile(files[src]))
             if part in ADAPTERS:
-                r_dim = p.shape[0] if part == "lora_A" else p.shape[1]
-                whole = adapter_init(name, adapter_shape(name, st.shape(src), r_dim), args)
+                whole = adapter_init(name, adapter_shape(part, st.shape(src), p.shape), args)
                 t = cut(whole, ranges(name, list(whole.shape))).to(p.dtype)
             else:
                 r = ranges(name, st.shape(src))

@@ -88,9 +88,12 @@ def adapter_init(name: str, shape, args) -> torch.Tensor:
     return (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1).mul_(bound).float()
 
 
-def adapter_shape(name: str, base_shape, r: int) -> tuple[int, int]:
-    """The full shape of adapter `name` over a base weight of full shape [out, in]."""
-    return (r, base_shape[1]) if "lora_A" in name.split(".") else (base_shape[0], r)
+def adapter_shape(part: str, base_shape, local_shape) -> tuple[int, int]:
+    """The full shape of adapter `part` ("lora_A" [r, in] or "lora_B" [out, r]) over a base
+    weight of full shape [out, in], r read from this rank's piece (never split along r)."""
+    if part == "lora_A":
+        return local_shape[0], base_shape[1]
+    return base_shape[0], local_shape[1]
 
 
 def recorded(args) -> dict | None:

@@ -144,18 +144,15 @@ class PP(Strategy):
 
     def expected_comm(self):
         a, cfg = self.args, self.model.config
-        M, C = a.microbatches, self.pipe.n_chunks
+        M = a.microbatches
         act = (a.batch // M) * a.length * cfg.hidden_size * DTYPES[a.dtype].itemsize
-        mine = self.pipe.my_chunks
         # a boundary to another rank (the V's turn, chunks P-1 and P on one rank, is no message)
         sends = M * boundary_messages(a.schedule, self.env.world, a.virtual_stages, self.env.rank)
         rows = [Expect("isend", "world", sends, sends * act,
                        f"M x (activations out + gradients back) per chunk boundary to another "
                        f"rank, {act:,} B each"),
                 Expect("irecv", "world", sends, sends * act, "the mirror of the sends")]
-        ends = [w for w in (self.pipe.parts.embed, self.pipe.parts.head) if w is not None]
-        if self.pipe.tie_group is not None and (0 in mine or C - 1 in mine) \
-                and any(e.weight.requires_grad for e in ends):   # (--lora: frozen, not summed)
+        if self.pipe.tie_trains():   # (--lora freezes the pair: nothing summed)
             n = self.model.config.vocab_size * cfg.hidden_size * DTYPES[a.dtype].itemsize
             rows.append(Expect("all_reduce", "tied", 1, n, "tied embedding gradient"))
         if a.clip:

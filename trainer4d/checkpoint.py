@@ -328,16 +328,21 @@ def lora_config(strat):
     return getattr(strat.model, "peft_config", {}).get("default")
 
 
+def hf_config(strat):
+    """The run's model config with HF's own attention (not the strategy's), for a plain model."""
+    cfg = strat.model.config
+    attn, _ = resolve_attn(cfg, "auto")
+    return type(cfg).from_dict({**cfg.to_dict(), "_attn_implementation": attn})
+
+
 def hf_model(strat, full: dict[str, torch.Tensor]):
     """A plain HF model (CPU, the run's dtype, HF's own modules) holding the full tensors (a
     --lora run's adapters merged into their bases: lora.merged)."""
     from transformers import AutoModelForCausalLM
-    cfg, lc = strat.model.config, lora_config(strat)
+    lc = lora_config(strat)
     if lc is not None:
         full = lora.merged(full, lc.lora_alpha / lc.r)
-    attn, _ = resolve_attn(cfg, "auto")           # (not the strategy's own attention)
-    model = AutoModelForCausalLM.from_config(
-        type(cfg).from_dict({**cfg.to_dict(), "_attn_implementation": attn}))
+    model = AutoModelForCausalLM.from_config(hf_config(strat))
     model.to(DTYPES[strat.args.dtype])            # saved in the run's dtype
     missing, unexpected = model.load_state_dict({n: t.cpu() for n, t in full.items()},
                                                 strict=False)
@@ -357,11 +362,7 @@ def export_hf(strat, out: str, tokenizer: str | None = None,
         shutil.rmtree(tmp, ignore_errors=True)
         lc = lora_config(strat)
         if lc is not None:
-            cfg = strat.model.config
-            attn, _ = resolve_attn(cfg, "auto")           # (not the strategy's own attention)
-            lora.export({n: t.cpu() for n, t in full.items()},
-                        type(cfg).from_dict({**cfg.to_dict(), "_attn_implementation": attn}),
-                        lc, tmp)
+            lora.export({n: t.cpu() for n, t in full.items()}, hf_config(strat), lc, tmp)
         else:
             hf_model(strat, full).save_pretrained(tmp)
         if tokenizer:

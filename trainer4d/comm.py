@@ -61,7 +61,7 @@ def expected_comm(self) -> list[Expect]:
         rows += [Expect("isend", "pp", n, n * act, f"M activations out + gradients back per "
                         f"boundary, {act:,} B each"),
                  Expect("irecv", "pp", n, n * act, "the mirror of the sends")]
-        if self.groups["tied"] is not None and (self.first or self.last) and self.tied_trains:
+        if self.pipe.tie_trains():   # (--lora freezes the pair: nothing summed)
             rows.append(Expect("all_reduce", "tied", 1, z.units[0 if self.first else -1]
                                .shard_numel * rb, "tied embedding gradient shard"))
     if C > 1:
