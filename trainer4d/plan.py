@@ -13,7 +13,10 @@ A layout is comma-separated key=value pairs: tp, cp, pp, dp, ep (expert-parallel
 dp; an MoE model only), seq (length), mb (sequences per micro-batch), m (micro-batches per step
 per pipeline), v (virtual stages, with schedule=interleaved), schedule (1f1b, interleaved, ...),
 zero (0 to 3, over dp x cp as compose4d.py does), sp (1: Megatron sequence parallelism inside
-tp), recompute (none, selective, full). Bytes per element from --dtype.
+tp), recompute (none, selective, full); for the step time (--gpu): tp_overlap (1: TP's
+collectives hidden behind the matmuls, async TP / Megatron's --tp-comm-overlap), pp_scatter (1:
+each TP rank sends 1/tp of a stage boundary's activation, Megatron's scatter/gather). Bytes per
+element from --dtype.
 
 Where each number comes from (imported, not copied; new here: comm_per_step and the TP split):
     parameters     counted: the HF model is built from its config on the meta device
@@ -77,7 +80,7 @@ def load(name: str):
 # One layout
 # ----------------------------------------------------------------------------------------------
 DEFAULTS = dict(tp=1, cp=1, pp=1, dp=1, ep=1, seq=4096, mb=1, m=None, v=1, schedule="1f1b",
-                zero=1, sp=0, recompute="none")
+                zero=1, sp=0, recompute="none", tp_overlap=0, pp_scatter=0)
 
 
 def parse_layout(text: str) -> dict:
@@ -193,12 +196,13 @@ def comm_per_step(config, params: dict, lay, elem: int) -> list[tuple]:
         rows.append(("cp", "reduce_scatter", rs, rs * full,
                      "dK,dV per layer per micro-batch: b S 2kv/T e"))
     if P > 1:
-        msg = act // (T if lay["sp"] else 1)
+        split = lay["sp"] or lay.get("pp_scatter")   # Megatron's scatter/gather: 1/T each
+        msg = act // (T if split else 1)
         sends = M * max(boundary_messages(lay["schedule"], P, lay["v"], r)   # (the busiest)
                         for r in range(P))
         what = ("an activation forward and a gradient back per micro-batch"
                 + (" and chunk" if lay["v"] > 1 else "") + ": b s h e"
-                + (" / tp" if lay["sp"] else ""))
+                + (" / tp" if split else ""))
         rows.append(("pp", "send", sends, sends * msg, what))
     for kind, group, ranks in (("dense", "dp", D * C), ("experts", "edp", D * C // E)):
         psi = params[kind] / ((T if kind == "dense" else E) * P)
@@ -272,6 +276,17 @@ def plan(config, params, lay, elem: int, mem_gib: float | None, out=print) -> di
                 logits=logits, total=total, comm=rows, fits=fits)
 
 
+def step_lines(config, params, lay, gpu: str, elem: int, out=print) -> dict | None:
+    """The step time, tokens/s, TFLOP/s and MFU of the layout on `gpu` (trainer4d.steptime)."""
+    from . import steptime
+    if params["experts"] or not is_llama(config):
+        out("  step time         not modelled (dense Llama-family layers only)")
+        return None
+    r = steptime.report(steptime.shape_of(config), lay, gpu, elem)
+    steptime.print_report(r, out)
+    return r
+
+
 # ----------------------------------------------------------------------------------------------
 # The bubble of every schedule, and the ring all-reduce step by step
 # ----------------------------------------------------------------------------------------------
@@ -342,6 +357,18 @@ def main(argv=None):
         a = p.parse_args(argv[1:])
         return bubbles(a.stages, a.microbatches, a.virtual_stages, a.schedules.split(","),
                        a.target)
+    if argv[:1] == ["validate"]:
+        p = argparse.ArgumentParser(prog="python -m trainer4d.plan validate")
+        p.add_argument("--out", default=None, help="write the rows as JSON here")
+        a = p.parse_args(argv[1:])
+        from .steptime import validate
+        result = validate()
+        if a.out:
+            import json
+            with open(a.out, "w") as f:
+                json.dump(result, f, indent=1)
+                f.write("\n")
+        return result
     if argv[:1] == ["ring"]:
         p = argparse.ArgumentParser(prog="python -m trainer4d.plan ring")
         p.add_argument("--ranks", type=int, default=4)
@@ -357,11 +384,21 @@ def main(argv=None):
                    help="tp=8,pp=16,dp=128,seq=8192,m=16,... (repeatable)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--mem-gib", type=float, default=None, help="memory per GPU, for 'fits'")
+    p.add_argument("--gpu", default=None, help="predict the step time and MFU on this GPU "
+                   "(a100, h100, h100-96gb, h800, h200, b200): trainer4d/steptime.py")
     a = p.parse_args(argv)
+    if a.gpu:
+        from .steptime import gpu_spec
+        gpu_spec(a.gpu)                                 # an unknown name ends here, in one line
     config = load(a.model)
     elem = 4 if a.dtype == "float32" else 2
     params = count_params(config)
-    rows = [plan(config, params, parse_layout(text), elem, a.mem_gib) for text in a.layout]
+    rows = []
+    for text in a.layout:
+        lay = parse_layout(text)
+        rows.append(plan(config, params, lay, elem, a.mem_gib))
+        if a.gpu:
+            rows[-1]["steptime"] = step_lines(config, params, lay, a.gpu, elem)
     if len(rows) > 1:
         print(f"summary ({a.model}, {a.dtype}; GiB per GPU)")
         print(f"  {'layout':<44} {'states':>7} {'acts':>7} {'logits':>7} {'total':>7}")

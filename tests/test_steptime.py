@@ -1,0 +1,153 @@
+"""The step-time model (trainer4d/steptime.py): its arithmetic pinned on hand-worked examples, its
+constants read from the suite's own H100 measurements, and the validation against published runs
+(results/plan-validation.json) reproduced from the code."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trainer4d import steptime as st
+from trainer4d.plan import parse_layout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# a toy model: 2 layers, h 8, 2 heads (kv 2: d 4), gated MLP 16, vocab 32, untied
+TOY = dict(layers=2, hidden=8, heads=2, kv_heads=2, ffn=16, gated=True, vocab=32, tied=False)
+# a toy GPU with round numbers: 100 FLOP/s peak, matmuls at 50, 1,000 B/s HBM, NVLink 10 B/s,
+# network 1 B/s, 4 GPUs per node
+GPU = dict(name="toy", peak=100.0, hbm=1000.0, nvlink=10.0, net=1.0, per_node=4, mamf=50.0)
+
+
+def toy_layout(**kw):
+    lay = parse_layout("tp=1")
+    lay.update(seq=4, mb=1, m=1, zero=0)
+    lay.update(kw)
+    return lay
+
+
+def test_flops_per_token_by_hand():
+    # a layer's matmuls: q, o 8x8 each, k, v 8x8 each (2 kv heads x 4), MLP 3 x 8 x 16 = 640
+    assert st.layer_matmul_params(TOY) == 2 * 64 + 2 * 64 + 3 * 128 == 640
+    # model: 6 (2 x 640 + 32 x 8) + 12 x 2 x 8 x 4 = 6 x 1536 + 768
+    assert st.flops_per_token(TOY, 4, "model") == 6 * 1536 + 768 == 9984
+    # hardware (Narayanan's Eq. 3): 8 x 1280 + 6 x 256 + 16 x 2 x 8 x 4
+    assert st.flops_per_token(TOY, 4, "hardware") == 10240 + 1536 + 1024
+    # parameters: layers (640 + two norms of 8), embedding and head (2 x 256), the final norm
+    assert st.param_count(TOY) == 2 * 656 + 512 + 8 == 1832
+    # Narayanan's own formula: 96 B s l h^2 (1 + s/6h + V/16lh) for GPT (4h MLP, MHA, tied)
+    g = dict(layers=3, hidden=12, heads=3, kv_heads=3, ffn=48, gated=False, vocab=64, tied=True)
+    s, L, h, V = 16, 3, 12, 64
+    assert st.flops_per_token(g, s, "hardware") == pytest.approx(
+        96 * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)) / s)
+
+
+def test_one_gpu_step_by_hand():
+    """One GPU, no elementwise passes: matmuls at the matmul ceiling, causal attention (half the
+    12 L h s) at its efficiency, the optimizer's 30 bytes per parameter through HBM."""
+    r = st.step_time(TOY, toy_layout(), GPU, elem=2, passes=0.0, attn_eff=0.25)
+    n = 4
+    assert r["matmul"] == pytest.approx(6 * 1536 * n / 50.0)
+    assert r["attention"] == pytest.approx(12 * 2 * 8 * 4 * n / 2 / (0.25 * 100.0))
+    assert r["optimizer"] == pytest.approx(30 * 1832 / 1000.0)
+    assert r["step"] == pytest.approx(r["matmul"] + r["attention"] + r["optimizer"])
+    assert r["dp"] == r["tp"] == r["bubble"] == r["elementwise"] == 0
+    # full recompute: the layers' forward again (8 per parameter for them), attention + 1/3
+    f = st.step_time(TOY, toy_layout(recompute="full"), GPU, elem=2, passes=0.0, attn_eff=0.25)
+    assert f["matmul"] == pytest.approx((8 * 1280 + 6 * 256) * n / 50.0)
+    assert f["attention"] == pytest.approx(r["attention"] * 16 / 12)
+
+
+def test_elementwise_is_the_kept_bytes_times_the_passes():
+    lay = toy_layout()
+    kept = st.elementwise_bytes(TOY, lay, 2)
+    r = st.step_time(TOY, lay, GPU, elem=2, passes=3.0, attn_eff=0.25)
+    assert r["elementwise"] == pytest.approx(3.0 * kept / 1000.0)
+
+
+def test_data_parallel_exposure_by_hand():
+    """dp 2 in one node, ZeRO-0: the fp32 all-reduce's wire 2(N-1)/N x 4 Psi over NVLink, behind
+    one micro-batch's backward (2/3 of its compute) except the last layer's bucket."""
+    lay = toy_layout(dp=2)
+    r = st.step_time(TOY, lay, GPU, elem=2, passes=0.0, attn_eff=0.25)
+    t = 2 * (2 - 1) / 2 * 4 * 1832 / 10.0
+    compute = r["matmul"] + r["attention"]
+    assert r["dp"] == pytest.approx(max(0.0, t - 2 * compute / 3) + t / 2)
+    # across nodes (8 GPUs of 4 per node): the network's bandwidth instead
+    far = st.step_time(TOY, toy_layout(dp=8), GPU, elem=2, passes=0.0, attn_eff=0.25)
+    t8 = 2 * 7 / 8 * 4 * 1832 / 1.0
+    assert far["dp"] == pytest.approx(max(0.0, t8 - 2 * compute / 3) + t8 / 2)
+
+
+def test_tensor_parallel_comm_and_its_overlap_by_hand():
+    """tp 2: 4 all-reduces per layer per micro-batch of b s h e bytes, 2(T-1)/T of it on the wire,
+    exposed; with tp_overlap only what exceeds the matmuls' time."""
+    r = st.step_time(TOY, toy_layout(tp=2), GPU, elem=2, passes=0.0, attn_eff=0.25)
+    t = 4 * 2 * (1 * 4 * 8 * 2) * (2 * 1 / 2) / 10.0
+    assert r["tp"] == pytest.approx(t)
+    assert r["matmul"] == pytest.approx(6 * 1536 * 4 / 2 / 50.0)
+    o = st.step_time(TOY, toy_layout(tp=2, tp_overlap=1), GPU, elem=2, passes=0.0, attn_eff=0.25)
+    assert o["tp"] == pytest.approx(max(0.0, t - r["matmul"]))
+
+
+def test_pipeline_bubble_by_hand():
+    """pp 2, M 4, 1F1B: the step is M slots / (1 - (P-1)/(M+P-1)), each slot one micro-batch of
+    half the layers plus its send (b s h e: at P = 2 the first stage sends activations forward,
+    the last gradients back, one per micro-batch each; NVLink)."""
+    lay = toy_layout(pp=2, m=4)
+    r = st.step_time(TOY, lay, GPU, elem=2, passes=0.0, attn_eff=0.25)
+    slot = (r["matmul"] + r["attention"]) / 4 + r["pp_send"] / 4
+    assert r["pp_send"] == pytest.approx(4 * (4 * 8 * 2) / 10.0)
+    assert r["bubble"] == pytest.approx(4 * slot / (1 - 1 / 5) - 4 * slot)
+    assert r["matmul"] == pytest.approx(4 * 6 * 1536 * 4 / 2 / 50.0)
+
+
+def test_link_follows_the_rank_order():
+    g = st.GPUS["h100"]
+    lay = parse_layout("tp=8,pp=16,dp=64")
+    assert st.link(lay, "tp", g) == ("nvlink", 450e9)
+    assert st.link(lay, "dp", g)[0] == "network" and st.link(lay, "pp", g)[0] == "network"
+    assert st.link(parse_layout("tp=2,dp=4"), "dp", g)[0] == "nvlink"      # 2 x 4 = 8 per node
+    assert st.link(parse_layout("tp=2,dp=8"), "dp", g)[0] == "network"
+
+
+def test_constants_come_from_the_h100_measurements():
+    """The attention efficiency is the measured fused SDPA row's; the elementwise passes make the
+    model reproduce the measured reference step exactly (and nothing else is fitted)."""
+    with open(st.ATTENTION_FILE) as f:
+        d = json.load(f)
+    row = [r for r in d["rows"] if r["kernel"] == "fused SDPA, whole sequence"
+           and r["dtype"] == "bfloat16"][0]
+    flops = 3 * 4 * d["heads"] * d["seq"] ** 2 * d["head_dim"] / 2      # causal, fwd + 2 bwd
+    c = st.constants()
+    assert c["attention_efficiency"] == pytest.approx(flops / (row["ms"] / 1e3) / 989.4e12)
+    lay = toy_layout(seq=2048, mb=4)
+    r = st.step_time(st.LLAMA32_1B, lay, "h100")
+    assert r["step"] == pytest.approx(c["reference_step_s"], rel=1e-9)
+    assert 1 < c["elementwise_passes"] < 30     # bytes kept by the forward, moved ~10 times
+
+
+def test_validation_reproduces_the_results_file_and_meets_its_bound():
+    with open(os.path.join(ROOT, "results", "plan-validation.json")) as f:
+        saved = json.load(f)
+    lines = []
+    fresh = st.validate(out=lines.append)
+    assert fresh["rows"] == saved["rows"]          # the committed figures are the code's
+    assert len(fresh["rows"]) >= 12 and len({r["source"] for r in fresh["rows"]}) >= 3
+    assert fresh["median_abs_rel_err"] <= 0.15, fresh["median_abs_rel_err"]
+    for r in fresh["rows"]:
+        assert set(r) >= {"source", "layout", "metric", "published", "predicted", "rel_err"}
+        assert r["rel_err"] == pytest.approx(r["predicted"] / r["published"] - 1, abs=2e-3)
+    assert lines[-1].startswith("median |error| ")
+
+
+def test_cli_step_time_and_a_bad_gpu():
+    run = [sys.executable, "-m", "trainer4d.plan", "--model", "llama2-7b", "--layout", "dp=8"]
+    r = subprocess.run(run + ["--gpu", "h100"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "step time on H100 80GB SXM" in r.stdout and "MFU" in r.stdout
+    bad = subprocess.run(run + ["--gpu", "v100"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().startswith("error: unknown --gpu 'v100'")
+    assert len(bad.stderr.strip().splitlines()) == 1

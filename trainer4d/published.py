@@ -1,0 +1,124 @@
+"""published.py: training runs with published throughput, for `python -m trainer4d.plan validate`.
+
+Each row: its source (a paper's table or a benchmark file, quoted where it is read), the model's
+shape, the layout as published, what the source did not publish and the row assumes (said in
+`assumed`), the GPU (trainer4d.steptime.GPUS) and the published figure in the source's own
+convention: TFLOP/s per GPU counted as the source counts it ("model": 6 Psi_matmul + 12 L h s per
+token, attention in full; "hardware": Narayanan et al.'s, with the recompute's forward), or
+tokens/s per GPU (torchtitan), converted with its own FLOPs per token (6 N without the embedding
++ 12 L h s: the same count as "model") so that every row compares TFLOP/s.
+
+Rules for what a source leaves out, the same for every row:
+    micro-batch     1 sequence, M = the sequences per DP rank (torchtitan: its local batch, M = 1)
+    interleaved V   2 when a source uses the interleaved schedule and does not say V
+    recompute       none unless the source says (Narayanan: full, its FLOP count assumes it)
+    DP sharding     Megatron-LM 2021: all-reduce (ZeRO-0); Megatron-core: its distributed
+                    optimizer with overlapped gathers (ZeRO-1); Llama 3: FSDP that keeps the
+                    parameters after forward and reduce-scatters once per step (ZeRO-1 here);
+                    torchtitan's FSDP2: ZeRO-3 (resharded after forward)
+    MLP             Megatron's GPT: 4h, not gated, multi-head attention (the README's table does
+                    not say; its parameter counts agree)
+"""
+from __future__ import annotations
+
+LLAMA3_405B = dict(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, gated=True,
+                   vocab=128256, tied=False)
+LLAMA3_70B = dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, gated=True,
+                  vocab=128256, tied=False)
+LLAMA3_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, gated=True,
+                 vocab=128256, tied=False)
+
+
+def gpt(layers, hidden, heads, vocab, tied):
+    return dict(layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden,
+                gated=False, vocab=vocab, tied=tied)
+
+
+def lay(**kw):
+    out = dict(tp=1, cp=1, pp=1, dp=1, ep=1, seq=2048, mb=1, m=1, v=1, schedule="1f1b", zero=1,
+               sp=0, recompute="none", tp_overlap=0)
+    out.update(kw)
+    return out
+
+
+SOURCES = {
+    "llama3": "Llama 3 Herd of Models (arXiv 2407.21783v3), Table 4: 405B on H100 80GB HBM3 "
+              "700 W, 8 per server on NVLink, RoCE 400 Gb/s per GPU; [TP, CP, PP, DP] innermost "
+              "first; interleaved pipeline; no activation checkpointing at 8K; 'BF16 MFU'",
+    "narayanan": "Narayanan et al. 2021 (arXiv 2104.04473), Table 1: GPT on A100 80GB "
+                 "(Selene: 8 per node, NVSwitch, eight 200 Gb/s HDR HCAs), seq 2048, vocab "
+                 "51,200, interleaved schedule, activation recomputation, FLOPs by its Eq. 3 "
+                 "(which counts the recompute's forward)",
+    "megatron": "NVIDIA/Megatron-LM README 'Training Speed and Scalability' (images/"
+                "model_table.png, commit f2e5db402c; Megatron-core r0.8.0): GPT, vocab 131,072, "
+                "seq 4096, H100; --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap; "
+                "FLOPs by training.py's num_floating_point_operations (3 x forward, attention in "
+                "full)",
+    "torchtitan": "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (H100 96GB "
+                  "HBM2e at 500 W, 8 per host, 400 Gb/s per GPU; TPS/GPU at the 90th "
+                  "iteration; seq 8192 from train_configs at 9dec370) and docs/performance.md at "
+                  "9dec370 (A100 80GB, FSDP2 on 64 GPUs; 405B on 128 H100 96GB)",
+}
+
+# (id, source, model name, shape, gpu, layout, metric, published, convention, what the row assumes)
+ROWS = [
+    ("A1", "llama3", "Llama 3 405B", LLAMA3_405B, "h100",
+     lay(tp=8, pp=16, dp=64, seq=8192, m=32, schedule="interleaved", v=2),
+     "tflops", 430.0, "model", "V = 2 (unpublished), micro-batch 1 sequence"),
+    ("A2", "llama3", "Llama 3 405B", LLAMA3_405B, "h100",
+     lay(tp=8, pp=16, dp=128, seq=8192, m=16, schedule="interleaved", v=2),
+     "tflops", 400.0, "model", "V = 2, micro-batch 1"),
+    ("A3", "llama3", "Llama 3 405B", LLAMA3_405B, "h100",
+     lay(tp=8, cp=16, pp=16, dp=8, seq=131072, m=16, schedule="interleaved", v=2),
+     "tflops", 380.0, "model", "V = 2, micro-batch 1, DP 8 (v3; the HTML shows 4), no recompute"),
+]
+for rid, (L, h, heads, T, P, gpus, batch, tf) in {
+        "B1": (24, 2304, 24, 1, 1, 32, 512, 137), "B2": (30, 3072, 32, 2, 1, 64, 512, 138),
+        "B3": (36, 4096, 32, 4, 1, 128, 512, 142), "B4": (40, 6144, 48, 8, 1, 256, 1024, 135),
+        "B5": (48, 8192, 64, 8, 2, 512, 1536, 138), "B6": (60, 10240, 80, 8, 4, 1024, 1792, 140),
+        "B7": (80, 12288, 96, 8, 8, 1536, 2304, 148), "B8": (96, 16384, 128, 8, 16, 1920, 2160, 155),
+        "B9": (105, 20480, 128, 8, 35, 2520, 2520, 163),
+        "B10": (128, 25600, 160, 8, 64, 3072, 3072, 163)}.items():
+    D = gpus // (T * P)
+    ROWS.append((rid, "narayanan", f"GPT {L}x{h}", gpt(L, h, heads, 51200, True), "a100",
+                 lay(tp=T, pp=P, dp=D, seq=2048, m=batch // D, zero=0, recompute="full", pp_scatter=1,
+                     schedule="interleaved" if P > 1 else "1f1b", v=2 if P > 1 else 1),
+                 "tflops", float(tf), "hardware",
+                 "micro-batch 1" + (", V = 2" if P > 1 else "") + "; fp32 gradient all-reduce"))
+for rid, (L, h, heads, T, P, D, batch, tf) in {
+        "C1": (24, 2048, 16, 1, 1, 48, 192, 408.8), "C2": (30, 4096, 32, 2, 1, 48, 192, 465.9),
+        "C3": (32, 6144, 48, 4, 1, 48, 192, 489.1), "C4": (48, 7168, 56, 8, 1, 48, 192, 459.6),
+        "C5": (84, 8192, 64, 8, 2, 48, 384, 419.7), "C6": (92, 10240, 80, 8, 4, 48, 768, 420.5),
+        "C7": (96, 12288, 96, 8, 6, 48, 1152, 432.8), "C8": (96, 16384, 128, 8, 8, 48, 1536, 474.4),
+        "C9": (112, 18432, 144, 8, 16, 48, 3072, 459.9)}.items():
+    ROWS.append((rid, "megatron", f"GPT {L}x{h}", gpt(L, h, heads, 131072, False), "h100",
+                 lay(tp=T, pp=P, dp=D, seq=4096, m=batch // D, zero=1, tp_overlap=1,
+                     schedule="interleaved" if P > 1 else "1f1b", v=2 if P > 1 else 1),
+                 "tflops", tf, "model",
+                 "micro-batch 1" + (", V = 2" if P > 1 else "") + ", no recompute, MLP 4h"))
+ROWS += [
+    ("D1", "torchtitan", "Llama 3.1 8B", LLAMA3_8B, "h100-96gb",
+     lay(dp=8, seq=8192, mb=2, zero=3, recompute="selective"), "tokens", 5762.0, "model",
+     "FSDP2 eager; op-level SAC modelled as selective"),
+    ("D2", "torchtitan", "Llama 3.1 8B", LLAMA3_8B, "h100-96gb",
+     lay(dp=8, seq=8192, mb=2, zero=3, recompute="selective"), "tokens", 6667.0, "model",
+     "as D1 with torch.compile (the model has no compile: eager's elementwise passes)"),
+    ("D8", "torchtitan", "Llama 3.1 8B", LLAMA3_8B, "h100-96gb",
+     lay(dp=128, seq=8192, mb=2, zero=3, recompute="selective"), "tokens", 5605.0, "model",
+     "as D1 on 16 hosts"),
+    ("D9", "torchtitan", "Llama 3.1 8B", LLAMA3_8B, "h100-96gb",
+     lay(dp=128, seq=8192, mb=2, zero=3, recompute="selective"), "tokens", 6514.0, "model",
+     "as D8 with torch.compile"),
+    ("D'1", "torchtitan", "Llama 3 8B", LLAMA3_8B, "a100",
+     lay(dp=64, seq=8192, mb=1, zero=3, recompute="selective"), "tokens", 2904.0, "model",
+     "selective layer AC modelled as selective"),
+    ("D'2", "torchtitan", "Llama 3 8B", LLAMA3_8B, "a100",
+     lay(dp=64, seq=8192, mb=1, zero=3, recompute="selective"), "tokens", 2973.0, "model",
+     "selective op AC"),
+    ("D'3", "torchtitan", "Llama 3 70B", LLAMA3_70B, "a100",
+     lay(dp=64, seq=8192, mb=1, zero=3, recompute="full"), "tokens", 331.0, "model",
+     "full AC"),
+    ("D'4", "torchtitan", "Llama 3.1 405B", LLAMA3_405B, "h100-96gb",
+     lay(tp=8, dp=16, seq=8192, mb=2, zero=3, recompute="full"), "tokens", 109.0, "model",
+     "FSDP 16 x TP 8 (TP 8 from its config), full AC, bf16"),
+]

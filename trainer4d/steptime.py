@@ -1,0 +1,390 @@
+"""steptime.py: how long one optimizer step of a layout takes on a cluster, and its MFU.
+
+A roofline model built from the suite's own formulas, for one GPU of the busiest pipeline stage:
+
+    step = M x slot x (1 + bubble ratio) + exposed data-parallel comm + optimizer step
+    slot = matmul + attention + elementwise       (one micro-batch, forward and backward)
+         + exposed TP, CP, pipeline-send and expert all-to-all comm of that micro-batch
+
+    matmul       6 Psi_matmul n / (T P) FLOPs (harness.flops' count; recompute full adds the
+                 layers' forward: 8 instead of 6) at the GPU's measured matmul ceiling (MAMF)
+    attention    causal: the kernel computes half of the s x s scores, so 12 L h s n / 2 / (T P)
+                 FLOPs (full recompute or selective: + the forward's third) at ATTENTION_EFFICIENCY
+    elementwise  every byte a layer's forward keeps (harness.recompute.activation_bytes, the
+                 suite's one activation model) and the logits (oom_search.predict_peak) moved
+                 ELEMENTWISE_PASSES times through HBM (norms, activations, casts, softmax, adds)
+    comm         trainer4d.plan.comm_per_step's rows, wire bytes (harness.meter.RING_FACTOR) over
+                 NVLink when the group fits in a node (rank order TP, CP, PP, DP innermost
+                 first: Llama 3's), else the network's bandwidth per GPU
+    overlap      TP exposed (async TP: hidden behind the matmuls); CP's K,V all-gathers exposed
+                 (Llama 3's variant); pipeline sends and all-to-alls exposed; DP's gradient
+                 reduction behind one micro-batch's backward (ZeRO-2/3: each micro-batch's) except
+                 the last bucket (a layer), the parameter all-gather behind a forward except the
+                 first layer's
+    bubble       pp_schedule.bubble_formula (the fraction of the step), stages balanced
+    optimizer    AdamW with fp32 masters over this GPU's shard: 30 bytes per parameter of HBM
+                 traffic (read grad, master, m, v; write master, m, v, the bf16 parameter)
+
+The reported FLOP/s follow a source's convention: "model" = harness.flops (6 Psi_matmul + 12 L h s
+per token, attention counted in full as Megatron, torchtitan and PaLM do), "hardware" = Narayanan
+et al. 2021's, which also counts the recompute's forward (96 B s l h^2 (1 + s/6h + V/16lh)).
+
+Every GPU figure is a datasheet's (GPUS, each with its source); the three numbers that are not
+(MAMF per GPU, ATTENTION_EFFICIENCY, ELEMENTWISE_PASSES) come from measurements, the same for
+every row, never fitted to a published row: see constants().
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from types import SimpleNamespace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Datasheet figures per GPU: dense bf16 peak FLOP/s (no sparsity), HBM bytes/s, NVLink bytes/s per
+# GPU and direction, network bytes/s per GPU (one NIC per GPU, the HGX reference design), GPUs per
+# node; mamf: the largest bf16 matmul FLOP/s measured (Bekman, ml-engineering,
+# compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table").
+GPUS = {
+    # A100 datasheet (nvidia-a100-datasheet-us-2188504): BF16 Tensor Core 312 TFLOPS (624 with
+    # sparsity), 80GB HBM2e 2,039 GB/s, NVLink 600 GB/s (12 links x 25 GB/s each direction);
+    # HDR InfiniBand 200 Gb/s per GPU (Selene: eight 200Gbps HCAs per node, Narayanan et al. 2021)
+    "a100": dict(name="A100 80GB SXM", peak=312e12, hbm=2.039e12, nvlink=300e9, net=25e9,
+                 per_node=8, mamf=267.9e12),
+    # H100 whitepaper v1.04 Table 1: BF16 Tensor Core 989.4 TFLOPS dense; product page: 80GB
+    # HBM3 3.35 TB/s; 18 NVLink-4 links, 900 GB/s total; 400 Gb/s NDR per GPU (DGX H100)
+    "h100": dict(name="H100 80GB SXM (HBM3, 700 W)", peak=989.4e12, hbm=3.35e12, nvlink=450e9,
+                 net=50e9, per_node=8, mamf=792.1e12),
+    # torchtitan's benchmark GPUs (benchmarks/llama3_h100_202412_torchtitan.md): "96GB HBM2e with
+    # 2.4 TB/sec", 500 W, "400 Gb/s per GPU"; its peak is unpublished: "between SXM and NVL" (the
+    # H100 NVL datasheet: BF16 1,671 TFLOPS with sparsity, 835.5 dense), taken at the middle of
+    # that bracket, 912.5 TFLOPS; its matmul ceiling: the H100 SXM's MAMF scaled the same
+    "h100-96gb": dict(name="H100 96GB HBM2e (500 W)", peak=912.5e12, hbm=2.4e12, nvlink=450e9,
+                      net=50e9, per_node=8, mamf=792.1e12 * 912.5 / 989.4),
+    # H800: the H100 die with NVLink cut to 400 GB/s (no public NVIDIA datasheet; third-party
+    # spec sheets); DeepSeek-V3's report: "IB (50 GB/s)" per GPU
+    "h800": dict(name="H800 SXM", peak=989.4e12, hbm=3.35e12, nvlink=200e9, net=50e9,
+                 per_node=8, mamf=792.1e12),
+    # H200 product page: BF16 1,979 TFLOPS with sparsity (989 dense), 141GB HBM3e 4.8 TB/s;
+    # NVLink 900 GB/s; MAMF: ml-engineering's "H100/H200 SXM 794.5"
+    "h200": dict(name="H200 SXM 141GB", peak=989.4e12, hbm=4.8e12, nvlink=450e9, net=50e9,
+                 per_node=8, mamf=794.5e12),
+    # HGX B200 page: FP16/BF16 36 PFLOPS per 8 GPUs with sparsity ("dense is 1/2"): 2.25 PF per
+    # GPU; DGX B200 64 TB/s HBM3e per 8 GPUs; NVLink 5 1.8 TB/s; ConnectX-7 400 Gb/s per GPU
+    "b200": dict(name="B200 (HGX, 1000 W)", peak=2.25e15, hbm=8.0e12, nvlink=900e9, net=50e9,
+                 per_node=8, mamf=1745e12),
+}
+GPU_ALIASES = {"a100-80gb": "a100", "h100-sxm": "h100", "h200-sxm": "h200"}
+
+
+def gpu_spec(name: str) -> dict:
+    key = GPU_ALIASES.get(name.lower(), name.lower())
+    if key not in GPUS:
+        import sys
+        print(f"error: unknown --gpu {name!r} (known: {', '.join(GPUS)})", file=sys.stderr)
+        raise SystemExit(2)
+    return GPUS[key]
+
+
+# ----------------------------------------------------------------------------------------------
+# The constants that are not datasheet figures: read from the suite's own H100 measurements
+# ----------------------------------------------------------------------------------------------
+OPTIMIZER_BYTES = 30      # AdamW, fp32 masters: read grad 4 + master 4 + m 4 + v 4, write 4+4+4, param 2
+_GPU_RESULTS = os.path.join(ROOT, "results", "gpu")
+ATTENTION_FILE = os.path.join(_GPU_RESULTS, "cp_kernels.json")
+STEP_FILE = os.path.join(_GPU_RESULTS, "2026-11-26-h100", "speed.json")
+
+
+def attention_efficiency(path: str = ATTENTION_FILE) -> float:
+    """The fused causal SDPA kernel, forward and backward, as a fraction of the H100's peak:
+    scripts/gpu_cp_kernels.py's 'fused SDPA, whole sequence' bf16 row (Llama 3.2 1B's heads,
+    head dim 64, one sequence). FLOPs executed: 3 x (2 matmuls x 2 b H s^2 d) / 2 (causal)."""
+    with open(path) as f:
+        d = json.load(f)
+    row = next(r for r in d["rows"] if r["kernel"].startswith("fused SDPA") and
+               r["dtype"] == "bfloat16")
+    b, H, s, hd = d["batch"], d["heads"], d["seq"], d["head_dim"]
+    flops = 3 * 2 * 2 * b * H * s * s * hd / 2
+    return flops / (row["ms"] / 1e3) / GPUS["h100"]["peak"]
+
+
+def constants() -> dict:
+    """GEMM efficiency per GPU (MAMF / peak), the attention efficiency and the elementwise passes.
+    ELEMENTWISE_PASSES is what the measured single-H100 reference step (llama3.2-1b, 4 x 2,048
+    tokens, bf16, HF eager, fused AdamW with fp32 masters: results/gpu/2026-11-26-h100/
+    speed.json) leaves after its matmuls, attention and optimizer step, in units of the bytes its
+    forward keeps: solved once from that one run."""
+    if "value" in _CONSTANTS:
+        return _CONSTANTS["value"]
+    eff = attention_efficiency()
+    with open(STEP_FILE) as f:
+        run = next(r for r in json.load(f)["items"] if r["run"] == "reference, full logits")
+    shape = LLAMA32_1B
+    lay = dict(tp=1, cp=1, pp=1, dp=1, ep=1, seq=run["length"], mb=run["batch"], m=1, v=1,
+               schedule="1f1b", zero=0, sp=0, recompute="none", tp_overlap=0)
+    parts = step_time(shape, lay, "h100", passes=0.0, attn_eff=eff)
+    per_pass = elementwise_bytes(shape, lay, 2) / GPUS["h100"]["hbm"]
+    passes = (run["step_s"] - parts["step"]) / per_pass
+    _CONSTANTS["value"] = dict(attention_efficiency=eff, elementwise_passes=passes,
+                               reference_step_s=run["step_s"], reference=run["run"])
+    return _CONSTANTS["value"]
+
+
+_CONSTANTS: dict = {}
+
+# Llama 3.2 1B (the measured reference step's model): its public config
+LLAMA32_1B = dict(layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, gated=True,
+                  vocab=128256, tied=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# A model's shape and its FLOPs
+# ----------------------------------------------------------------------------------------------
+def shape_of(config) -> dict:
+    """The shape step_time needs, from an HF config (Llama-family layers: gated MLP)."""
+    from harness.anatomy import kv_heads, mlp_width
+    return dict(layers=config.num_hidden_layers, hidden=config.hidden_size,
+                heads=config.num_attention_heads, kv_heads=kv_heads(config),
+                ffn=mlp_width(config), gated=getattr(config, "model_type", "") != "gpt2",
+                vocab=config.vocab_size, tied=bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def layer_matmul_params(sh: dict) -> int:
+    """One decoder layer's matmul parameters: q and o (h x h), k and v (h x kv), the MLP."""
+    h = sh["hidden"]
+    kv = sh["kv_heads"] * (h // sh["heads"])
+    return 2 * h * h + 2 * h * kv + (3 if sh["gated"] else 2) * h * sh["ffn"]
+
+
+def param_count(sh: dict) -> int:
+    """All parameters: the layers (matmuls and two norms), embedding, head unless tied, the norm."""
+    h, V = sh["hidden"], sh["vocab"]
+    return sh["layers"] * (layer_matmul_params(sh) + 2 * h) + V * h * (1 if sh["tied"] else 2) + h
+
+
+def flops_per_token(sh: dict, seq: int, convention: str = "model") -> float:
+    """Training FLOPs per token in a source's convention. model: harness.flops.model_flops's
+    6 Psi_matmul + 12 L h s (the head counted, the embedding not, attention in full); hardware:
+    Narayanan et al. 2021's, the layers' forward once more for the recompute (8 per parameter,
+    16 L h s), the head not."""
+    L, h, V = sh["layers"], sh["hidden"], sh["vocab"]
+    layers, head = L * layer_matmul_params(sh), V * h
+    if convention == "model":
+        return 6 * (layers + head) + 12 * L * h * seq
+    if convention == "hardware":
+        return 8 * layers + 6 * head + 16 * L * h * seq
+    raise ValueError(convention)
+
+
+def config_of(sh: dict):
+    """A Llama-shaped stand-in for the suite's formula functions (plan.comm_per_step,
+    recompute.activation_bytes, oom_search.predict_peak), which read these attributes."""
+    return SimpleNamespace(model_type="llama", hidden_size=sh["hidden"],
+                           num_hidden_layers=sh["layers"], num_attention_heads=sh["heads"],
+                           num_key_value_heads=sh["kv_heads"], intermediate_size=sh["ffn"],
+                           vocab_size=sh["vocab"], head_dim=sh["hidden"] // sh["heads"],
+                           tie_word_embeddings=sh["tied"])
+
+
+def elementwise_bytes(sh: dict, lay: dict, elem: int) -> float:
+    """Bytes this GPU's forward keeps per micro-batch: its layers' saved activations (no
+    recompute) and, on the last stage, the logits and their fp32 log-softmax."""
+    from harness.recompute import activation_bytes
+    from oom_search import predict_peak
+    cfg = config_of(sh)
+    s = lay["seq"] // lay["cp"]
+    per_layer = activation_bytes(cfg, lay["mb"], s, elem, "none", "sdpa", tp=lay["tp"],
+                                 sp=bool(lay["sp"]))["per_layer"]
+    logits = predict_peak("tp" if lay["tp"] > 1 else "ddp", lay["tp"], s, lay["mb"], cfg,
+                          elem)["logits"]
+    return per_layer * sh["layers"] / lay["pp"] + logits / lay["pp"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Where each group's ranks sit, and what a collective costs
+# ----------------------------------------------------------------------------------------------
+ORDER = ("tp", "cp", "pp", "dp")   # innermost first (Llama 3's [TP, CP, PP, DP])
+
+
+def link(lay: dict, group: str, gpu: dict) -> tuple[str, float]:
+    """(link class, bytes/s per GPU and direction) of a group: NVLink when its ranks, at stride
+    (the product of the groups inside it), fit in one node; else the network's."""
+    size = {"tp": lay["tp"], "cp": lay["cp"], "pp": lay["pp"], "dp": lay["dp"] * lay["cp"],
+            "edp": lay["dp"] * lay["cp"] // lay["ep"], "ep": lay["ep"]}[group]
+    inner = {"tp": 1, "cp": lay["tp"], "pp": lay["tp"] * lay["cp"],
+             "dp": lay["tp"] * lay["cp"] * lay["pp"], "ep": lay["tp"],
+             "edp": lay["tp"] * lay["cp"] * lay["pp"]}[group]
+    if group == "dp" and lay["cp"] > 1:     # ZeRO over dp x cp: the cp ranks are inside tp x cp
+        inner = lay["tp"]
+    span = inner * size if group != "pp" else inner * 2     # pp: a send to the next stage
+    return ("nvlink", gpu["nvlink"]) if span <= gpu["per_node"] else ("network", gpu["net"])
+
+
+def comm_seconds(sh: dict, lay: dict, gpu: dict, elem: int) -> dict:
+    """Seconds per optimizer step of each (group, op) of plan.comm_per_step, on its link."""
+    from harness.meter import RING_FACTOR
+    from .plan import comm_per_step
+    params = dict(dense=param_count(sh), experts=0, total=param_count(sh))
+    size = dict(tp=lay["tp"], cp=lay["cp"], pp=2, dp=lay["dp"] * lay["cp"],
+                edp=lay["dp"] * lay["cp"] // lay["ep"], ep=lay["ep"])
+    out = {}
+    for group, op, calls, nbytes, _ in comm_per_step(config_of(sh), params, lay, elem):
+        key = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
+               "all_to_all": "all_to_all_single"}.get(op, op)
+        wire = nbytes * RING_FACTOR[key](size[group]) if key in RING_FACTOR else nbytes
+        kind, bw = link(lay, group, gpu)
+        out[(group, op)] = dict(seconds=wire / bw, calls=calls, link=kind, wire=wire)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The step
+# ----------------------------------------------------------------------------------------------
+def step_time(sh: dict, lay: dict, gpu, elem: int = 2, passes: float | None = None,
+              attn_eff: float | None = None) -> dict:
+    """Seconds of one optimizer step on one GPU of the busiest stage, and its parts (see the
+    module docstring). lay: trainer4d.plan.parse_layout's keys, and tp_overlap (async TP)."""
+    import pp_schedule
+    g = gpu_spec(gpu) if isinstance(gpu, str) else gpu
+    if passes is None or attn_eff is None:
+        c = constants()
+        passes = c["elementwise_passes"] if passes is None else passes
+        attn_eff = c["attention_efficiency"] if attn_eff is None else attn_eff
+    T, C, P, M = lay["tp"], lay["cp"], lay["pp"], lay["m"]
+    L, h = sh["layers"], sh["hidden"]
+    n = lay["mb"] * lay["seq"] // C                 # this GPU's tokens per micro-batch
+    rec = lay.get("recompute", "none")
+    layers_mm = L * layer_matmul_params(sh)
+    head_mm = sh["vocab"] * h
+    # one micro-batch on one GPU: forward F, backward 2F, the recompute's forward again
+    mm = (6 + (2 if rec == "full" else 0)) * layers_mm * n + 6 * head_mm * n
+    att = (12 + (4 if rec in ("full", "selective") else 0)) * L * h * lay["seq"] * n / 2
+    t_mm = mm / (T * P) / g["mamf"]
+    t_att = att / (T * P) / (attn_eff * g["peak"])
+    t_elem = (passes * (4 / 3 if rec == "full" else 1) * elementwise_bytes(sh, lay, elem)
+              / g["hbm"])
+    compute = t_mm + t_att + t_elem
+    comm = comm_seconds(sh, lay, g, elem)
+
+    def total(group, op=None):
+        return sum(v["seconds"] for (gr, o), v in comm.items()
+                   if gr == group and (op is None or o == op))
+    # per micro-batch: TP (hidden behind the matmuls with async TP), CP, pp sends, all-to-alls
+    tp = total("tp") / M
+    tp_exposed = max(0.0, tp - t_mm) if lay.get("tp_overlap") else tp
+    slot = compute + tp_exposed + (total("cp") + total("pp") + total("ep")) / M
+    bubble = (pp_schedule.bubble_formula(lay["schedule"], P, M, lay["v"]) if P > 1 else 0.0)
+    pipeline = M * slot / (1 - bubble)
+    # data parallel: behind the backward (ZeRO-2/3: every micro-batch's) but the last layer's
+    units = max(1, math.ceil(L / P))
+    fwd, bwd = compute / 3, 2 * compute / 3
+    dp = 0.0
+    for group in ("dp", "edp"):
+        for op in ("all_reduce", "reduce_scatter", "all_gather"):
+            t = total(group, op)
+            if not t:
+                continue
+            if op == "all_gather":
+                window = M * compute if lay["zero"] == 3 else fwd
+            else:
+                window = M * bwd if lay["zero"] >= 2 else bwd
+            dp += max(0.0, t - window) + t / (units * (2 * M if lay["zero"] == 3 and
+                                                       op == "all_gather" else 1))
+    # the optimizer step over this GPU's shard (ZeRO-1+: 1/(dp cp) of the stage's parameters)
+    shard = param_count(sh) / (T * P) / (lay["dp"] * lay["cp"] if lay["zero"] >= 1 else 1)
+    optimizer = OPTIMIZER_BYTES * shard / g["hbm"]
+    step = pipeline + dp + optimizer
+    return dict(step=step, matmul=M * t_mm, attention=M * t_att, elementwise=M * t_elem,
+                tp=M * tp_exposed, cp=total("cp"), pp_send=total("pp"), ep=total("ep"),
+                bubble=pipeline - M * slot, dp=dp, optimizer=optimizer, comm=comm)
+
+
+def report(sh: dict, lay: dict, gpu: str, elem: int = 2, convention: str = "model") -> dict:
+    """step_time's parts with the tokens/s, TFLOP/s and MFU of the layout."""
+    g = gpu_spec(gpu)
+    parts = step_time(sh, lay, g, elem)
+    gpus = lay["tp"] * lay["cp"] * lay["pp"] * lay["dp"]
+    tokens = lay["mb"] * lay["seq"] * lay["m"] * lay["dp"]      # per step, all replicas
+    flops = flops_per_token(sh, lay["seq"], convention) * tokens
+    tflops = flops / parts["step"] / gpus
+    return dict(parts, gpus=gpus, tokens=tokens, tokens_per_gpu=tokens / parts["step"] / gpus,
+                tflops=tflops / 1e12, mfu=tflops / g["peak"], gpu=g["name"])
+
+
+BREAKDOWN = ("matmul", "attention", "elementwise", "tp", "cp", "pp_send", "ep", "bubble", "dp",
+             "optimizer")
+
+
+def print_report(r: dict, out=print, width: int = 60) -> None:
+    """The breakdown as a table and one bar (each part's letter, its share of the step)."""
+    out(f"  step time on {r['gpu']}: {r['step']:.3f} s; {r['tokens_per_gpu']:,.0f} tokens/s/GPU, "
+        f"{r['tflops']:.0f} TFLOP/s/GPU, MFU {r['mfu']:.1%} (model FLOPs, attention in full)")
+    bar = ""
+    for i, k in enumerate(BREAKDOWN):
+        share = r[k] / r["step"]
+        if r[k] > 0:
+            out(f"    {k:<12} {r[k]:>9.4f} s  {share:6.1%}  [{'MAETCSXBDO'[i]}]")
+        bar += "MAETCSXBDO"[i] * round(share * width)
+    out(f"    |{bar}|")
+
+
+# ----------------------------------------------------------------------------------------------
+# The model against published runs: python -m trainer4d.plan validate
+# ----------------------------------------------------------------------------------------------
+def layout_text(lay: dict) -> str:
+    dims = " ".join(f"{k}{lay[k]}" for k in ("tp", "cp", "pp", "dp") if lay[k] > 1)
+    sched = (f", {lay['schedule']}" + (f" V={lay['v']}" if lay["schedule"] == "interleaved" else "")
+             if lay["pp"] > 1 else "")
+    extra = "".join(s for k, s in (("tp_overlap", ", TP overlapped"),
+                                   ("pp_scatter", ", scatter/gather")) if lay.get(k))
+    return (f"{dims}, seq {lay['seq']}, mb {lay['mb']} x M {lay['m']}{sched}, ZeRO-{lay['zero']}, "
+            f"recompute {lay['recompute']}{extra}")
+
+
+def validate(out=print) -> dict:
+    """Every published row (trainer4d/published.py) against the model: TFLOP/s per GPU in the
+    source's convention (tokens/s converted with the same FLOPs per token on both sides)."""
+    import statistics
+    from .published import ROWS, SOURCES
+    c = constants()
+    rows = []
+    for rid, source, model, sh, gpu, lay, metric, value, conv, assumed in ROWS:
+        r = report(sh, lay, gpu, 2, conv)
+        per_token = flops_per_token(sh, lay["seq"], conv)
+        published = value * per_token / 1e12 if metric == "tokens" else value
+        rows.append(dict(id=rid, source=source, model=model, gpu=GPUS[gpu]["name"],
+                         layout=layout_text(lay),
+                         metric=f"TFLOP/s per GPU ({conv} FLOPs"
+                                + (f"; from {value:,.0f} tokens/s/GPU)" if metric == "tokens"
+                                   else ")"),
+                         published=round(published, 1), predicted=round(r["tflops"], 1),
+                         rel_err=round(r["tflops"] / published - 1, 4),
+                         step_s=round(r["step"], 4), assumed=assumed,
+                         breakdown={k: round(r[k] / r["step"], 4) for k in BREAKDOWN}))
+    errs = [abs(r["rel_err"]) for r in rows]
+    worst = max(rows, key=lambda r: abs(r["rel_err"]))
+    result = dict(rows=rows, median_abs_rel_err=round(statistics.median(errs), 4),
+                  worst=dict(id=worst["id"], rel_err=worst["rel_err"]),
+                  sources=SOURCES, constants={k: (round(v, 4) if isinstance(v, float) else v)
+                                              for k, v in c.items()},
+                  mamf={k: round(g["mamf"] / g["peak"], 4) for k, g in GPUS.items()})
+    for line in table(result).splitlines():
+        out(line)
+    out(f"median |error| {result['median_abs_rel_err']:.1%} over {len(rows)} rows from "
+        f"{len({r['source'] for r in rows})} sources; worst {worst['id']} {worst['rel_err']:+.1%}")
+    return result
+
+
+def table(data: dict) -> str:
+    """The validation table (docs/steptime.md renders it from results/plan-validation.json)."""
+    lines = ["| row | source | model | GPU | layout (assumed) | published | predicted | error | "
+             "largest parts of the predicted step |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        parts = sorted(r["breakdown"].items(), key=lambda kv: -kv[1])[:3]
+        lines.append(f"| {r['id']} | {r['source']} | {r['model']} | {r['gpu']} | {r['layout']} "
+                     f"({r['assumed']}) | {r['published']:.1f} | {r['predicted']:.1f} | "
+                     f"{r['rel_err']:+.1%} | " + ", ".join(f"{k} {v:.0%}" for k, v in parts)
+                     + " |")
+    return "\n".join(lines)
