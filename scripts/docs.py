@@ -556,6 +556,14 @@ TABLES.update({"muon": _script_table("muon_bench", "results/muon-cpu.json"),
                "lora-text": _script_table("lora_text", "results/lora-text-cpu.json"),
                "lora-memory": _script_table("lora_text", "results/lora-text-cpu.json",
                                             "memory_table")})
+
+
+def _plan_validation():
+    from trainer4d.steptime import table
+    return table(load("results/plan-validation.json"))
+
+
+TABLES["plan-validation"] = _plan_validation
 TABLES.update({"strategies-comm": _strategies_comm, "strategies-memory": _strategies_memory,
                "gpu-w1": _gpu_w1, "gpu-perf": _gpu_perf, "gpu-kernels": _gpu_kernels,
                "gpu-oom-tp": _gpu_oom_tp, "gpu-cp-kernels": _gpu_cp_kernels,

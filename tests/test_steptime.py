@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from trainer4d import steptime as st
-from trainer4d.plan import parse_layout
+from trainer4d.plan import comm_per_step, parse_layout, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,6 +25,13 @@ def toy_layout(**kw):
     lay.update(seq=4, mb=1, m=1, zero=0)
     lay.update(kw)
     return lay
+
+
+def step(lay, passes=0.0, attn_eff=0.25):
+    """The toy model's step on the toy GPU, with plan.comm_per_step's rows for the layout."""
+    n = st.param_count(TOY)
+    rows = comm_per_step(st.config_of(TOY), dict(total=n, dense=n, experts=0), lay, 2)
+    return st.step_time(TOY, lay, GPU, rows, elem=2, passes=passes, attn_eff=attn_eff)
 
 
 def test_flops_per_token_by_hand():
@@ -46,7 +53,7 @@ def test_flops_per_token_by_hand():
 def test_one_gpu_step_by_hand():
     """One GPU, no elementwise passes: matmuls at the matmul ceiling, causal attention (half the
     12 L h s) at its efficiency, the optimizer's 30 bytes per parameter through HBM."""
-    r = st.step_time(TOY, toy_layout(), GPU, elem=2, passes=0.0, attn_eff=0.25)
+    r = step(toy_layout())
     n = 4
     assert r["matmul"] == pytest.approx(6 * 1536 * n / 50.0)
     assert r["attention"] == pytest.approx(12 * 2 * 8 * 4 * n / 2 / (0.25 * 100.0))
@@ -54,7 +61,7 @@ def test_one_gpu_step_by_hand():
     assert r["step"] == pytest.approx(r["matmul"] + r["attention"] + r["optimizer"])
     assert r["dp"] == r["tp"] == r["bubble"] == r["elementwise"] == 0
     # full recompute: the layers' forward again (8 per parameter for them), attention + 1/3
-    f = st.step_time(TOY, toy_layout(recompute="full"), GPU, elem=2, passes=0.0, attn_eff=0.25)
+    f = step(toy_layout(recompute="full"))
     assert f["matmul"] == pytest.approx((8 * 1280 + 6 * 256) * n / 50.0)
     assert f["attention"] == pytest.approx(r["attention"] * 16 / 12)
 
@@ -62,7 +69,7 @@ def test_one_gpu_step_by_hand():
 def test_elementwise_is_the_kept_bytes_times_the_passes():
     lay = toy_layout()
     kept = st.elementwise_bytes(TOY, lay, 2)
-    r = st.step_time(TOY, lay, GPU, elem=2, passes=3.0, attn_eff=0.25)
+    r = step(lay, passes=3.0)
     assert r["elementwise"] == pytest.approx(3.0 * kept / 1000.0)
 
 
@@ -70,12 +77,18 @@ def test_data_parallel_exposure_by_hand():
     """dp 2 in one node, ZeRO-0: the fp32 all-reduce's wire 2(N-1)/N x 4 Psi over NVLink, behind
     one micro-batch's backward (2/3 of its compute) except the last layer's bucket."""
     lay = toy_layout(dp=2)
-    r = st.step_time(TOY, lay, GPU, elem=2, passes=0.0, attn_eff=0.25)
+    r = step(lay)
     t = 2 * (2 - 1) / 2 * 4 * 1832 / 10.0
     compute = r["matmul"] + r["attention"]
     assert r["dp"] == pytest.approx(max(0.0, t - 2 * compute / 3) + t / 2)
+    # ZeRO-3: a forward and a backward gather (Psi e each, (N-1)/N on the wire) and a
+    # reduce-scatter (Psi x 4); the backward's gather and the reduction share the link
+    z3 = step(toy_layout(dp=2, zero=3))
+    ag, rs = 1832 * 2 / 2 / 10.0, 1832 * 4 / 2 / 10.0
+    assert z3["dp"] == pytest.approx(max(0.0, ag - compute / 3)
+                                     + max(0.0, rs + ag - 2 * compute / 3) + rs / 2 + ag / 2)
     # across nodes (8 GPUs of 4 per node): the network's bandwidth instead
-    far = st.step_time(TOY, toy_layout(dp=8), GPU, elem=2, passes=0.0, attn_eff=0.25)
+    far = step(toy_layout(dp=8))
     t8 = 2 * 7 / 8 * 4 * 1832 / 1.0
     assert far["dp"] == pytest.approx(max(0.0, t8 - 2 * compute / 3) + t8 / 2)
 
@@ -83,11 +96,11 @@ def test_data_parallel_exposure_by_hand():
 def test_tensor_parallel_comm_and_its_overlap_by_hand():
     """tp 2: 4 all-reduces per layer per micro-batch of b s h e bytes, 2(T-1)/T of it on the wire,
     exposed; with tp_overlap only what exceeds the matmuls' time."""
-    r = st.step_time(TOY, toy_layout(tp=2), GPU, elem=2, passes=0.0, attn_eff=0.25)
+    r = step(toy_layout(tp=2))
     t = 4 * 2 * (1 * 4 * 8 * 2) * (2 * 1 / 2) / 10.0
     assert r["tp"] == pytest.approx(t)
     assert r["matmul"] == pytest.approx(6 * 1536 * 4 / 2 / 50.0)
-    o = st.step_time(TOY, toy_layout(tp=2, tp_overlap=1), GPU, elem=2, passes=0.0, attn_eff=0.25)
+    o = step(toy_layout(tp=2, tp_overlap=1))
     assert o["tp"] == pytest.approx(max(0.0, t - r["matmul"]))
 
 
@@ -96,7 +109,7 @@ def test_pipeline_bubble_by_hand():
     half the layers plus its send (b s h e: at P = 2 the first stage sends activations forward,
     the last gradients back, one per micro-batch each; NVLink)."""
     lay = toy_layout(pp=2, m=4)
-    r = st.step_time(TOY, lay, GPU, elem=2, passes=0.0, attn_eff=0.25)
+    r = step(lay)
     slot = (r["matmul"] + r["attention"]) / 4 + r["pp_send"] / 4
     assert r["pp_send"] == pytest.approx(4 * (4 * 8 * 2) / 10.0)
     assert r["bubble"] == pytest.approx(4 * slot / (1 - 1 / 5) - 4 * slot)
@@ -123,7 +136,7 @@ def test_constants_come_from_the_h100_measurements():
     c = st.constants()
     assert c["attention_efficiency"] == pytest.approx(flops / (row["ms"] / 1e3) / 989.4e12)
     lay = toy_layout(seq=2048, mb=4)
-    r = st.step_time(st.LLAMA32_1B, lay, "h100")
+    r = st.step_time(st.LLAMA32_1B, lay, "h100", [])
     assert r["step"] == pytest.approx(c["reference_step_s"], rel=1e-9)
     assert 1 < c["elementwise_passes"] < 30     # bytes kept by the forward, moved ~10 times
 
@@ -132,7 +145,7 @@ def test_validation_reproduces_the_results_file_and_meets_its_bound():
     with open(os.path.join(ROOT, "results", "plan-validation.json")) as f:
         saved = json.load(f)
     lines = []
-    fresh = st.validate(out=lines.append)
+    fresh = validate(out=lines.append)
     assert fresh["rows"] == saved["rows"]          # the committed figures are the code's
     assert len(fresh["rows"]) >= 12 and len({r["source"] for r in fresh["rows"]}) >= 3
     assert fresh["median_abs_rel_err"] <= 0.15, fresh["median_abs_rel_err"]
@@ -151,3 +164,16 @@ def test_cli_step_time_and_a_bad_gpu():
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().startswith("error: unknown --gpu 'v100'")
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_the_docs_example_is_the_calculators_output(capsys):
+    """docs/steptime.md's example block is what its command prints today."""
+    from trainer4d import plan
+    with open(os.path.join(ROOT, "docs", "steptime.md")) as f:
+        doc = f.read()
+    command = doc.split("```bash\n")[1].split("\n")[0]
+    assert command.startswith("python -m trainer4d.plan ")
+    plan.main(command.split()[3:])
+    out = capsys.readouterr().out
+    block = doc.split("```text\n")[1].split("```")[0]
+    assert block == out[out.index("  step time"):], out

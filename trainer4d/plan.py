@@ -276,15 +276,67 @@ def plan(config, params, lay, elem: int, mem_gib: float | None, out=print) -> di
                 logits=logits, total=total, comm=rows, fits=fits)
 
 
+# ----------------------------------------------------------------------------------------------
+# The step time (trainer4d/steptime.py's model, fed this file's comm rows), and its validation
+# ----------------------------------------------------------------------------------------------
+def step_report(shape: dict, lay, gpu: str, elem: int, convention: str = "model") -> dict:
+    """steptime.report for a model shape (steptime.shape_of) with comm_per_step's rows."""
+    from . import steptime
+    n = steptime.param_count(shape)
+    rows = comm_per_step(steptime.config_of(shape), dict(total=n, dense=n, experts=0), lay, elem)
+    return steptime.report(shape, lay, gpu, rows, elem, convention)
+
+
 def step_lines(config, params, lay, gpu: str, elem: int, out=print) -> dict | None:
-    """The step time, tokens/s, TFLOP/s and MFU of the layout on `gpu` (trainer4d.steptime)."""
+    """The step time, tokens/s, TFLOP/s and MFU of the layout on `gpu`, and its breakdown."""
     from . import steptime
     if params["experts"] or not is_llama(config):
         out("  step time         not modelled (dense Llama-family layers only)")
         return None
-    r = steptime.report(steptime.shape_of(config), lay, gpu, elem)
+    r = step_report(steptime.shape_of(config), lay, gpu, elem)
     steptime.print_report(r, out)
     return r
+
+
+def validate(out=print, unpublished_v: int | None = None) -> dict:
+    """Every published row (trainer4d/published.py) against the model: TFLOP/s per GPU in the
+    source's convention (tokens/s converted with the same FLOPs per token on both sides).
+    unpublished_v: another V for the rows whose interleaved V is the assumed 2 (sensitivity)."""
+    import statistics
+    from .published import ROWS, SOURCES
+    from .steptime import BREAKDOWN, GPUS, constants, flops_per_token, layout_text, table
+    c = constants()
+    rows = []
+    for rid, source, model, sh, gpu, lay, metric, value, conv, assumed in ROWS:
+        if unpublished_v and lay["schedule"] == "interleaved" and "V = 2" in assumed:
+            lay = dict(lay, v=unpublished_v)
+            assumed = assumed.replace("V = 2", f"V = {unpublished_v}")
+        r = step_report(sh, lay, gpu, 2, conv)
+        per_token = flops_per_token(sh, lay["seq"], conv)
+        published = value * per_token / 1e12 if metric == "tokens" else value
+        rows.append(dict(id=rid, source=source, model=model, gpu=GPUS[gpu]["name"],
+                         layout=layout_text(lay),
+                         metric=f"TFLOP/s per GPU ({conv} FLOPs"
+                                + (f"; from {value:,.0f} tokens/s/GPU)" if metric == "tokens"
+                                   else ")"),
+                         published=round(published, 1), predicted=round(r["tflops"], 1),
+                         rel_err=round(r["tflops"] / published - 1, 4),
+                         step_s=round(r["step"], 4), assumed=assumed,
+                         breakdown={k: round(r[k] / r["step"], 4) for k in BREAKDOWN}))
+    errs = [abs(r["rel_err"]) for r in rows]
+    worst = max(rows, key=lambda r: abs(r["rel_err"]))
+    result = dict(rows=rows, median_abs_rel_err=round(statistics.median(errs), 4),
+                  worst=dict(id=worst["id"], rel_err=worst["rel_err"]),
+                  sources=SOURCES, constants={k: (round(v, 4) if isinstance(v, float) else v)
+                                              for k, v in c.items()},
+                  mamf={k: round(g["mamf"] / g["peak"], 4) for k, g in GPUS.items()})
+    for line in table(result).splitlines():
+        out(line)
+    out(f"median |error| {result['median_abs_rel_err']:.1%} over {len(rows)} rows from "
+        f"{len({r['source'] for r in rows})} sources; worst {worst['id']} {worst['rel_err']:+.1%}")
+    return result
+
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -360,9 +412,10 @@ def main(argv=None):
     if argv[:1] == ["validate"]:
         p = argparse.ArgumentParser(prog="python -m trainer4d.plan validate")
         p.add_argument("--out", default=None, help="write the rows as JSON here")
+        p.add_argument("--unpublished-v", type=int, default=None,
+                       help="another V where a source's interleaved V is unpublished (2)")
         a = p.parse_args(argv[1:])
-        from .steptime import validate
-        result = validate()
+        result = validate(unpublished_v=a.unpublished_v)
         if a.out:
             import json
             with open(a.out, "w") as f:
@@ -385,7 +438,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--mem-gib", type=float, default=None, help="memory per GPU, for 'fits'")
     p.add_argument("--gpu", default=None, help="predict the step time and MFU on this GPU "
-                   "(a100, h100, h100-96gb, h800, h200, b200): trainer4d/steptime.py")
+                   "(a100, a100-40gb, h100, h100-96gb, h800, h200, b200): trainer4d/steptime.py")
     a = p.parse_args(argv)
     if a.gpu:
         from .steptime import gpu_spec
@@ -406,6 +459,8 @@ def main(argv=None):
             lay = r["layout"]
             name = " ".join(f"{k}{lay[k]}" for k in ("tp", "cp", "pp", "dp", "ep") if lay[k] > 1)
             name += f" zero{lay['zero']}{' sp' if lay['sp'] else ''} {lay['recompute']}"
+            if lay["pp"] > 1 and lay["schedule"] != "1f1b":
+                name += f" {lay['schedule']}" + (f" v{lay['v']}" if lay["v"] > 1 else "")
             acts = "-" if r["activations"] is None else f"{r['activations'] / GiB:.2f}"
             print(f"  {name:<44} {r['states'] / GiB:>7.2f} {acts:>7} {r['logits'] / GiB:>7.2f} "
                   f"{r['total'] / GiB:>7.2f}{r['fits']}")

@@ -29,6 +29,9 @@ LLAMA3_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, gated=
                  vocab=128256, tied=False)
 
 
+UNPUBLISHED_V = 2     # the interleaved schedule's chunks per rank where a source does not say
+
+
 def gpt(layers, hidden, heads, vocab, tied):
     return dict(layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden,
                 gated=False, vocab=vocab, tied=tied)
@@ -63,26 +66,28 @@ SOURCES = {
 # (id, source, model name, shape, gpu, layout, metric, published, convention, what the row assumes)
 ROWS = [
     ("A1", "llama3", "Llama 3 405B", LLAMA3_405B, "h100",
-     lay(tp=8, pp=16, dp=64, seq=8192, m=32, schedule="interleaved", v=2),
+     lay(tp=8, pp=16, dp=64, seq=8192, m=32, schedule="interleaved", v=UNPUBLISHED_V),
      "tflops", 430.0, "model", "V = 2 (unpublished), micro-batch 1 sequence"),
     ("A2", "llama3", "Llama 3 405B", LLAMA3_405B, "h100",
-     lay(tp=8, pp=16, dp=128, seq=8192, m=16, schedule="interleaved", v=2),
+     lay(tp=8, pp=16, dp=128, seq=8192, m=16, schedule="interleaved", v=UNPUBLISHED_V),
      "tflops", 400.0, "model", "V = 2, micro-batch 1"),
     ("A3", "llama3", "Llama 3 405B", LLAMA3_405B, "h100",
-     lay(tp=8, cp=16, pp=16, dp=8, seq=131072, m=16, schedule="interleaved", v=2),
+     lay(tp=8, cp=16, pp=16, dp=8, seq=131072, m=16, schedule="interleaved", v=UNPUBLISHED_V),
      "tflops", 380.0, "model", "V = 2, micro-batch 1, DP 8 (v3; the HTML shows 4), no recompute"),
 ]
 for rid, (L, h, heads, T, P, gpus, batch, tf) in {
         "B1": (24, 2304, 24, 1, 1, 32, 512, 137), "B2": (30, 3072, 32, 2, 1, 64, 512, 138),
         "B3": (36, 4096, 32, 4, 1, 128, 512, 142), "B4": (40, 6144, 48, 8, 1, 256, 1024, 135),
         "B5": (48, 8192, 64, 8, 2, 512, 1536, 138), "B6": (60, 10240, 80, 8, 4, 1024, 1792, 140),
-        "B7": (80, 12288, 96, 8, 8, 1536, 2304, 148), "B8": (96, 16384, 128, 8, 16, 1920, 2160, 155),
+        "B7": (80, 12288, 96, 8, 8, 1536, 2304, 148),
+        "B8": (96, 16384, 128, 8, 16, 1920, 2160, 155),
         "B9": (105, 20480, 128, 8, 35, 2520, 2520, 163),
         "B10": (128, 25600, 160, 8, 64, 3072, 3072, 163)}.items():
     D = gpus // (T * P)
     ROWS.append((rid, "narayanan", f"GPT {L}x{h}", gpt(L, h, heads, 51200, True), "a100",
-                 lay(tp=T, pp=P, dp=D, seq=2048, m=batch // D, zero=0, recompute="full", pp_scatter=1,
-                     schedule="interleaved" if P > 1 else "1f1b", v=2 if P > 1 else 1),
+                 lay(tp=T, pp=P, dp=D, seq=2048, m=batch // D, zero=0, recompute="full",
+                     pp_scatter=1, schedule="interleaved" if P > 1 else "1f1b",
+                     v=UNPUBLISHED_V if P > 1 else 1),
                  "tflops", float(tf), "hardware",
                  "micro-batch 1" + (", V = 2" if P > 1 else "") + "; fp32 gradient all-reduce"))
 for rid, (L, h, heads, T, P, D, batch, tf) in {
@@ -93,7 +98,7 @@ for rid, (L, h, heads, T, P, D, batch, tf) in {
         "C9": (112, 18432, 144, 8, 16, 48, 3072, 459.9)}.items():
     ROWS.append((rid, "megatron", f"GPT {L}x{h}", gpt(L, h, heads, 131072, False), "h100",
                  lay(tp=T, pp=P, dp=D, seq=4096, m=batch // D, zero=1, tp_overlap=1,
-                     schedule="interleaved" if P > 1 else "1f1b", v=2 if P > 1 else 1),
+                     schedule="interleaved" if P > 1 else "1f1b", v=UNPUBLISHED_V if P > 1 else 1),
                  "tflops", tf, "model",
                  "micro-batch 1" + (", V = 2" if P > 1 else "") + ", no recompute, MLP 4h"))
 ROWS += [

@@ -17,11 +17,13 @@ A roofline model built from the suite's own formulas, for one GPU of the busiest
                  NVLink when the group fits in a node (rank order TP, CP, PP, DP innermost
                  first: Llama 3's), else the network's bandwidth per GPU
     overlap      TP exposed (async TP: hidden behind the matmuls); CP's K,V all-gathers exposed
-                 (Llama 3's variant); pipeline sends and all-to-alls exposed; DP's gradient
-                 reduction behind one micro-batch's backward (ZeRO-2/3: each micro-batch's) except
-                 the last bucket (a layer), the parameter all-gather behind a forward except the
-                 first layer's
-    bubble       pp_schedule.bubble_formula (the fraction of the step), stages balanced
+                 (Llama 3's variant); pipeline sends and all-to-alls exposed; DP's collectives
+                 share one link per phase: the gradient reduction (and ZeRO-3's backward
+                 gathers) behind the backward of one micro-batch (ZeRO-2/3: of each), the
+                 parameter gathers behind a forward, except the last bucket reduced and the
+                 first unit gathered (a layer each)
+    bubble       pp_schedule.simulate's idle fraction of the schedule (unit costs F=1, B=2; equal to
+                 bubble_formula for 1F1B and interleaved), the stages balanced
     optimizer    AdamW with fp32 masters over this GPU's shard: 30 bytes per parameter of HBM
                  traffic (read grad, master, m, v; write master, m, v, the bf16 parameter)
 
@@ -52,6 +54,9 @@ GPUS = {
     # HDR InfiniBand 200 Gb/s per GPU (Selene: eight 200Gbps HCAs per node, Narayanan et al. 2021)
     "a100": dict(name="A100 80GB SXM", peak=312e12, hbm=2.039e12, nvlink=300e9, net=25e9,
                  per_node=8, mamf=267.9e12),
+    # the same datasheet's 40GB part: HBM2 1,555 GB/s; the rest as the 80GB's
+    "a100-40gb": dict(name="A100 40GB SXM", peak=312e12, hbm=1.555e12, nvlink=300e9, net=25e9,
+                      per_node=8, mamf=267.9e12),
     # H100 whitepaper v1.04 Table 1: BF16 Tensor Core 989.4 TFLOPS dense; product page: 80GB
     # HBM3 3.35 TB/s; 18 NVLink-4 links, 900 GB/s total; 400 Gb/s NDR per GPU (DGX H100)
     "h100": dict(name="H100 80GB SXM (HBM3, 700 W)", peak=989.4e12, hbm=3.35e12, nvlink=450e9,
@@ -90,7 +95,8 @@ def gpu_spec(name: str) -> dict:
 # ----------------------------------------------------------------------------------------------
 # The constants that are not datasheet figures: read from the suite's own H100 measurements
 # ----------------------------------------------------------------------------------------------
-OPTIMIZER_BYTES = 30      # AdamW, fp32 masters: read grad 4 + master 4 + m 4 + v 4, write 4+4+4, param 2
+OPTIMIZER_BYTES = 30   # AdamW, fp32 masters: read grad, master, m, v (4 each), write master, m,
+#                        v (4 each) and the bf16 parameter (2)
 _GPU_RESULTS = os.path.join(ROOT, "results", "gpu")
 ATTENTION_FILE = os.path.join(_GPU_RESULTS, "cp_kernels.json")
 STEP_FILE = os.path.join(_GPU_RESULTS, "2026-11-26-h100", "speed.json")
@@ -123,7 +129,7 @@ def constants() -> dict:
     shape = LLAMA32_1B
     lay = dict(tp=1, cp=1, pp=1, dp=1, ep=1, seq=run["length"], mb=run["batch"], m=1, v=1,
                schedule="1f1b", zero=0, sp=0, recompute="none", tp_overlap=0)
-    parts = step_time(shape, lay, "h100", passes=0.0, attn_eff=eff)
+    parts = step_time(shape, lay, "h100", [], passes=0.0, attn_eff=eff)   # one GPU: no comm
     per_pass = elementwise_bytes(shape, lay, 2) / GPUS["h100"]["hbm"]
     passes = (run["step_s"] - parts["step"]) / per_pass
     _CONSTANTS["value"] = dict(attention_efficiency=eff, elementwise_passes=passes,
@@ -221,15 +227,14 @@ def link(lay: dict, group: str, gpu: dict) -> tuple[str, float]:
     return ("nvlink", gpu["nvlink"]) if span <= gpu["per_node"] else ("network", gpu["net"])
 
 
-def comm_seconds(sh: dict, lay: dict, gpu: dict, elem: int) -> dict:
-    """Seconds per optimizer step of each (group, op) of plan.comm_per_step, on its link."""
+def comm_seconds(rows: list, lay: dict, gpu: dict) -> dict:
+    """Seconds per optimizer step of each (group, op) of trainer4d.plan.comm_per_step's rows, on
+    its link."""
     from harness.meter import RING_FACTOR
-    from .plan import comm_per_step
-    params = dict(dense=param_count(sh), experts=0, total=param_count(sh))
     size = dict(tp=lay["tp"], cp=lay["cp"], pp=2, dp=lay["dp"] * lay["cp"],
                 edp=lay["dp"] * lay["cp"] // lay["ep"], ep=lay["ep"])
     out = {}
-    for group, op, calls, nbytes, _ in comm_per_step(config_of(sh), params, lay, elem):
+    for group, op, calls, nbytes, _ in rows:
         key = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
                "all_to_all": "all_to_all_single"}.get(op, op)
         wire = nbytes * RING_FACTOR[key](size[group]) if key in RING_FACTOR else nbytes
@@ -241,10 +246,11 @@ def comm_seconds(sh: dict, lay: dict, gpu: dict, elem: int) -> dict:
 # ----------------------------------------------------------------------------------------------
 # The step
 # ----------------------------------------------------------------------------------------------
-def step_time(sh: dict, lay: dict, gpu, elem: int = 2, passes: float | None = None,
-              attn_eff: float | None = None) -> dict:
+def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
+              passes: float | None = None, attn_eff: float | None = None) -> dict:
     """Seconds of one optimizer step on one GPU of the busiest stage, and its parts (see the
-    module docstring). lay: trainer4d.plan.parse_layout's keys, and tp_overlap (async TP)."""
+    module docstring). lay: trainer4d.plan.parse_layout's keys; comm_rows: plan.comm_per_step's
+    rows for it (plan.step_report passes them)."""
     import pp_schedule
     g = gpu_spec(gpu) if isinstance(gpu, str) else gpu
     if passes is None or attn_eff is None:
@@ -265,7 +271,7 @@ def step_time(sh: dict, lay: dict, gpu, elem: int = 2, passes: float | None = No
     t_elem = (passes * (4 / 3 if rec == "full" else 1) * elementwise_bytes(sh, lay, elem)
               / g["hbm"])
     compute = t_mm + t_att + t_elem
-    comm = comm_seconds(sh, lay, g, elem)
+    comm = comm_seconds(comm_rows, lay, g)
 
     def total(group, op=None):
         return sum(v["seconds"] for (gr, o), v in comm.items()
@@ -274,23 +280,25 @@ def step_time(sh: dict, lay: dict, gpu, elem: int = 2, passes: float | None = No
     tp = total("tp") / M
     tp_exposed = max(0.0, tp - t_mm) if lay.get("tp_overlap") else tp
     slot = compute + tp_exposed + (total("cp") + total("pp") + total("ep")) / M
-    bubble = (pp_schedule.bubble_formula(lay["schedule"], P, M, lay["v"]) if P > 1 else 0.0)
+    bubble = pp_schedule.simulate(lay["schedule"], P, M, lay["v"])[2] if P > 1 else 0.0
     pipeline = M * slot / (1 - bubble)
-    # data parallel: behind the backward (ZeRO-2/3: every micro-batch's) but the last layer's
+    # data parallel, one link shared by every DP collective of a phase: ZeRO-3's forward gathers
+    # behind the forwards; the gradient reduction (ZeRO-2/3: every micro-batch's, else the last
+    # one's) and ZeRO-3's backward gathers behind the backwards; ZeRO-0..2's gather of the
+    # updated parameters behind the next step's first forward. Exposed besides: the last bucket
+    # reduced (one layer's) and the first unit gathered, which nothing can hide.
     units = max(1, math.ceil(L / P))
     fwd, bwd = compute / 3, 2 * compute / 3
-    dp = 0.0
-    for group in ("dp", "edp"):
-        for op in ("all_reduce", "reduce_scatter", "all_gather"):
-            t = total(group, op)
-            if not t:
-                continue
-            if op == "all_gather":
-                window = M * compute if lay["zero"] == 3 else fwd
-            else:
-                window = M * bwd if lay["zero"] >= 2 else bwd
-            dp += max(0.0, t - window) + t / (units * (2 * M if lay["zero"] == 3 and
-                                                       op == "all_gather" else 1))
+    z = lay["zero"]
+    reduce = sum(total(g, op) for g in ("dp", "edp") for op in ("all_reduce", "reduce_scatter"))
+    gather = sum(total(g, "all_gather") for g in ("dp", "edp"))
+    if z == 3:
+        phases = [(gather / 2, M * fwd), (reduce + gather / 2, M * bwd)]
+        tails = reduce / (M * units) + gather / (2 * M * units)
+    else:
+        phases = [(gather, fwd), (reduce, M * bwd if z == 2 else bwd)]
+        tails = reduce / ((M if z == 2 else 1) * units) + gather / units
+    dp = sum(max(0.0, t - window) for t, window in phases) + tails
     # the optimizer step over this GPU's shard (ZeRO-1+: 1/(dp cp) of the stage's parameters)
     shard = param_count(sh) / (T * P) / (lay["dp"] * lay["cp"] if lay["zero"] >= 1 else 1)
     optimizer = OPTIMIZER_BYTES * shard / g["hbm"]
@@ -300,10 +308,11 @@ def step_time(sh: dict, lay: dict, gpu, elem: int = 2, passes: float | None = No
                 bubble=pipeline - M * slot, dp=dp, optimizer=optimizer, comm=comm)
 
 
-def report(sh: dict, lay: dict, gpu: str, elem: int = 2, convention: str = "model") -> dict:
+def report(sh: dict, lay: dict, gpu: str, comm_rows: list, elem: int = 2,
+           convention: str = "model") -> dict:
     """step_time's parts with the tokens/s, TFLOP/s and MFU of the layout."""
     g = gpu_spec(gpu)
-    parts = step_time(sh, lay, g, elem)
+    parts = step_time(sh, lay, g, comm_rows, elem)
     gpus = lay["tp"] * lay["cp"] * lay["pp"] * lay["dp"]
     tokens = lay["mb"] * lay["seq"] * lay["m"] * lay["dp"]      # per step, all replicas
     flops = flops_per_token(sh, lay["seq"], convention) * tokens
@@ -330,7 +339,7 @@ def print_report(r: dict, out=print, width: int = 60) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The model against published runs: python -m trainer4d.plan validate
+# The validation table (trainer4d.plan.validate computes its rows)
 # ----------------------------------------------------------------------------------------------
 def layout_text(lay: dict) -> str:
     dims = " ".join(f"{k}{lay[k]}" for k in ("tp", "cp", "pp", "dp") if lay[k] > 1)
@@ -340,40 +349,6 @@ def layout_text(lay: dict) -> str:
                                    ("pp_scatter", ", scatter/gather")) if lay.get(k))
     return (f"{dims}, seq {lay['seq']}, mb {lay['mb']} x M {lay['m']}{sched}, ZeRO-{lay['zero']}, "
             f"recompute {lay['recompute']}{extra}")
-
-
-def validate(out=print) -> dict:
-    """Every published row (trainer4d/published.py) against the model: TFLOP/s per GPU in the
-    source's convention (tokens/s converted with the same FLOPs per token on both sides)."""
-    import statistics
-    from .published import ROWS, SOURCES
-    c = constants()
-    rows = []
-    for rid, source, model, sh, gpu, lay, metric, value, conv, assumed in ROWS:
-        r = report(sh, lay, gpu, 2, conv)
-        per_token = flops_per_token(sh, lay["seq"], conv)
-        published = value * per_token / 1e12 if metric == "tokens" else value
-        rows.append(dict(id=rid, source=source, model=model, gpu=GPUS[gpu]["name"],
-                         layout=layout_text(lay),
-                         metric=f"TFLOP/s per GPU ({conv} FLOPs"
-                                + (f"; from {value:,.0f} tokens/s/GPU)" if metric == "tokens"
-                                   else ")"),
-                         published=round(published, 1), predicted=round(r["tflops"], 1),
-                         rel_err=round(r["tflops"] / published - 1, 4),
-                         step_s=round(r["step"], 4), assumed=assumed,
-                         breakdown={k: round(r[k] / r["step"], 4) for k in BREAKDOWN}))
-    errs = [abs(r["rel_err"]) for r in rows]
-    worst = max(rows, key=lambda r: abs(r["rel_err"]))
-    result = dict(rows=rows, median_abs_rel_err=round(statistics.median(errs), 4),
-                  worst=dict(id=worst["id"], rel_err=worst["rel_err"]),
-                  sources=SOURCES, constants={k: (round(v, 4) if isinstance(v, float) else v)
-                                              for k, v in c.items()},
-                  mamf={k: round(g["mamf"] / g["peak"], 4) for k, g in GPUS.items()})
-    for line in table(result).splitlines():
-        out(line)
-    out(f"median |error| {result['median_abs_rel_err']:.1%} over {len(rows)} rows from "
-        f"{len({r['source'] for r in rows})} sources; worst {worst['id']} {worst['rel_err']:+.1%}")
-    return result
 
 
 def table(data: dict) -> str:
