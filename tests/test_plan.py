@@ -197,10 +197,11 @@ def test_the_model_state_formula_is_zeros(monkeypatch):
     cfg = load_config("tiny")
     lay = plan.parse_layout("dp=4,zero=2")
     want = zero.model_state_bytes(TINY_PSI, 2, 4, 2, 2, 12)
-    assert plan.state_bytes(params_of("tiny"), lay, 2)["dense"]["total"] == sum(want.values())
+    assert plan.state_bytes(params_of("tiny"), lay, 2)["dense"]["total"] == (
+        sum(want.values()) - 2 * TINY_PSI / 4 + 4 * TINY_PSI / 4)   # the fp32 gradient shard
     monkeypatch.setattr(zero, "model_state_bytes",
                         lambda *a: dict(params=1.0, grads=2.0, optimizer=4.0))
-    assert plan.state_bytes(params_of("tiny"), lay, 2)["dense"]["total"] == 3 * 7.0
+    assert plan.state_bytes(params_of("tiny"), lay, 2)["dense"]["total"] == 7.0 + 2.0
     assert elastic.MemoryModel().states(TINY_PSI, 2, 4) == 7.0
     assert oom_search.predict_peak("zero2", 4, 128, 1, cfg, 2)["states"] == 7.0
 
@@ -218,3 +219,14 @@ def test_no_fit_verdict_on_a_partial_sum():
     r = plan.plan(cfg, params, plan.parse_layout("pp=16,dp=128,ep=64,zero=1,seq=4096,m=120"),
                   2, 5, out=lines.append)
     assert "does not fit in 5 GiB" in r["fits"]
+
+
+def test_mixed_precision_states_keep_zero_pys_fp32_gradient_shard():
+    """bf16 with zero.py's default fp32 reduction: 2 + 2 + 16/N, 2 + 16/N, 18/N bytes per
+    parameter (docs/interview.md question 3's table, measured byte for byte by test_zero.py);
+    without sharding 16 Psi."""
+    p = params_of("tiny")
+    got = {z: plan.state_bytes(p, plan.parse_layout(f"dp=4,zero={z}"), 2)["dense"]["total"]
+           for z in (0, 1, 2, 3)}
+    assert got == {0: 16 * TINY_PSI, 1: (4 + 16 / 4) * TINY_PSI, 2: (2 + 16 / 4) * TINY_PSI,
+                   3: 18 / 4 * TINY_PSI}

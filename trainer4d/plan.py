@@ -22,9 +22,10 @@ Where each number comes from (imported, not copied; new here: comm_per_step and 
     parameters     counted: the HF model is built from its config on the meta device
     model states   elastic.MemoryModel with the textbook's mixed-precision bytes: 2 params +
                    2 grads + 12 optimizer (fp32 master, m, v) = 16 Psi (fp32: 4 + 4 + 8),
-                   divided by tp x pp, and by dp x cp as the ZeRO stage says. zero.py, which
-                   reduces bf16 gradients in fp32 by default, keeps 4 Psi / N more (an fp32
-                   gradient shard; its docstring's table)
+                   divided by tp x pp, and by dp x cp as the ZeRO stage says; and, as zero.py
+                   reduces bf16 gradients in fp32 by default, its fp32 gradient shard of
+                   4 Psi / N (beside the bf16 gradient at stage 1, instead of its shard at 2
+                   and 3: 2 + 2 + 16/N, 2 + 16/N, 18/N bytes per parameter, zero.py's table)
     activations    harness.recompute.activation_bytes per decoder layer and micro-batch (SDPA
                    attention; equal to the live-storage measurement byte for byte in float32
                    and bf16 at tp = 1), the tokens / cp, its tp split (the heads and MLP width / tp, the
@@ -112,19 +113,24 @@ def is_llama(config) -> bool:
 
 def state_bytes(params: dict, lay, elem: int) -> dict:
     """Model states per GPU: dense parameters over tp x pp (ZeRO over dp x cp), routed experts
-    over ep x pp (ZeRO over the dp x cp / ep replicas of each expert). Each part is
-    elastic.MemoryModel's with the other two coefficients zero."""
-    from .elastic import MemoryModel
-    coef = dict(params=(elem, 0, 0), grads=(0, elem, 0),
-                optimizer=(0, 0, 12 if elem < 4 else 2 * elem))
+    over ep x pp (ZeRO over the dp x cp / ep replicas of each expert), by zero.model_state_bytes
+    (ZeRO's table). In mixed precision zero.py reduces the gradients in fp32 and keeps that
+    shard, 4 Psi / N (ZeRO-2's gradient row at 4 bytes): beside the half-precision gradient at
+    stage 1, instead of its shard at stages 2 and 3."""
+    from zero import model_state_bytes
     zero, dpc = lay["zero"], lay["dp"] * lay["cp"]
+    fp32_shard = elem < 4 and zero >= 1
     out = {}
     for kind, n, dp, split in (("dense", params["dense"], dpc, lay["tp"]),
                                ("experts", params["experts"], dpc // lay["ep"], lay["ep"])):
-        out[kind] = {part: MemoryModel(*c).states(n, zero, dp, split, lay["pp"])
-                     for part, c in coef.items()}
-        out[kind]["psi"] = n / (split * lay["pp"])
-        out[kind]["total"] = sum(out[kind][part] for part in coef)
+        psi = n / (split * lay["pp"])
+        out[kind] = model_state_bytes(psi, zero, dp, elem,
+                                      0 if fp32_shard and zero >= 2 else elem,
+                                      12 if elem < 4 else 2 * elem)
+        if fp32_shard:
+            out[kind]["grads"] += model_state_bytes(psi, 2, dp, 0, 4, 0)["grads"]
+        out[kind]["psi"] = psi
+        out[kind]["total"] = out[kind]["params"] + out[kind]["grads"] + out[kind]["optimizer"]
     return out
 
 
