@@ -13,14 +13,16 @@ A layout is comma-separated key=value pairs: tp, cp, pp, dp, ep (expert-parallel
 dp; an MoE model only), seq (length), mb (sequences per micro-batch), m (micro-batches per step
 per pipeline), v (virtual stages, with schedule=interleaved), schedule (1f1b, interleaved, ...),
 zero (0 to 3, over dp x cp as compose4d.py does), sp (1: Megatron sequence parallelism inside
-tp), recompute (none, selective, full); for the step time (--gpu): tp_overlap (1: TP's
-collectives hidden behind the matmuls, async TP / Megatron's --tp-comm-overlap), pp_scatter (1:
-each TP rank sends 1/tp of a stage boundary's activation, Megatron's scatter/gather). Bytes per
-element from --dtype.
+tp), recompute (none, selective, full), recompute_every (k: one layer in k recomputed),
+reduce_bytes (the gradients' reduction: 4, fp32, by default); for the step time (--gpu):
+tp_overlap (1: TP's collectives hidden behind the matmuls, async TP / Megatron's
+--tp-comm-overlap), pp_scatter (1: each TP rank sends 1/tp of a stage boundary's activation,
+Megatron's scatter/gather), dp_overlap (0: the gradients reduced after the backward), attn
+(flash, or eager: the s x s scores computed whole and kept). Bytes per element from --dtype.
 
 Where each number comes from (imported, not copied; new here: comm_per_step and the TP split):
     parameters     counted: the HF model is built from its config on the meta device
-    model states   elastic.MemoryModel with the textbook's mixed-precision bytes: 2 params +
+    model states   zero.model_state_bytes with the textbook's mixed-precision bytes: 2 params +
                    2 grads + 12 optimizer (fp32 master, m, v) = 16 Psi (fp32: 4 + 4 + 8),
                    divided by tp x pp, and by dp x cp as the ZeRO stage says; and, as zero.py
                    reduces bf16 gradients in fp32 by default, its fp32 gradient shard of
@@ -28,14 +30,16 @@ Where each number comes from (imported, not copied; new here: comm_per_step and 
                    and 3: 2 + 2 + 16/N, 2 + 16/N, 18/N bytes per parameter, zero.py's table)
     activations    harness.recompute.activation_bytes per decoder layer and micro-batch (SDPA
                    attention; equal to the live-storage measurement byte for byte in float32
-                   and bf16 at tp = 1), the tokens / cp, its tp split (the heads and MLP width / tp, the
-                   norms whole under TP alone, / tp with SP); 1F1B: the first stage holds
+                   and bf16 at tp = 1), the tokens / cp, its tp split (the heads and MLP width
+                   / tp, the norms whole under TP alone, / tp with SP); 1F1B: the first stage holds
                    min(M, P) micro-batches of its layers (GPipe: M; the interleaved schedule's
                    extra in-flight chunks are not counted). Llama-family shapes only (not MLA
                    or MoE layers)
     logits         oom_search.predict_peak's logits and loss term, on the last stage
     bubble         pp_schedule.bubble_formula; in-flight micro-batches from pp_schedule.simulate
     wire bytes     harness.meter.RING_FACTOR (ring algorithms)
+    step time      --gpu NAME: trainer4d/steptime.py's model with comm_per_step's rows (step_report;
+                   `validate` holds it against published runs, trainer4d/published.py)
     comm per step  comm_per_step() below, counted with the formula functions of tp.py, sp.py,
                    cp_ring.py, pp_schedule.py and zero.py (the same ones the rig's expected
                    comm and trainer4d/comm.py call; ep_moe's all-to-alls), for one layout
@@ -81,7 +85,9 @@ def load(name: str):
 # One layout
 # ----------------------------------------------------------------------------------------------
 DEFAULTS = dict(tp=1, cp=1, pp=1, dp=1, ep=1, seq=4096, mb=1, m=None, v=1, schedule="1f1b",
-                zero=1, sp=0, recompute="none", tp_overlap=0, pp_scatter=0)
+                zero=1, sp=0, recompute="none", recompute_every=1, tp_overlap=0, pp_scatter=0,
+                dp_overlap=1, attn="flash", reduce_bytes=4)
+WORDS = ("schedule", "recompute", "attn")        # the keys whose values are words
 
 
 def parse_layout(text: str) -> dict:
@@ -90,7 +96,7 @@ def parse_layout(text: str) -> dict:
         key, _, val = item.partition("=")
         if key not in DEFAULTS:
             raise SystemExit(f"error: unknown layout key {key!r} (keys: {', '.join(DEFAULTS)})")
-        lay[key] = val if key in ("schedule", "recompute") else int(val)
+        lay[key] = val if key in WORDS else int(val)
     if lay["m"] is None:   # enough micro-batches to fill the pipeline once
         lay["m"] = lay["pp"]
     if (lay["dp"] * lay["cp"]) % lay["ep"]:
@@ -142,6 +148,10 @@ def activation_bytes(config, lay, elem: int) -> dict | None:
     b, s, T = lay["mb"], lay["seq"] // lay["cp"], lay["tp"]        # s: this GPU's tokens (CP)
     local = per_layer_bytes(config, b, s, elem, lay["recompute"], "sdpa", tp=T,
                             sp=bool(lay["sp"]))["per_layer"]
+    k = lay.get("recompute_every", 1)        # one layer in k recomputed, the others kept whole
+    if k > 1 and lay["recompute"] != "none":
+        kept = per_layer_bytes(config, b, s, elem, "none", "sdpa", tp=T, sp=bool(lay["sp"]))
+        local = (local + (k - 1) * kept["per_layer"]) / k
     layers = math.ceil(config.num_hidden_layers / lay["pp"])
     in_flight = min(lay["m"], lay["pp"]) if lay["schedule"] != "gpipe" else lay["m"]
     return dict(per_layer=local, layers=layers, in_flight=in_flight,
@@ -179,18 +189,25 @@ def comm_per_step(config, params: dict, lay, elem: int) -> list[tuple]:
     n = b * lay["seq"] // C                       # tokens per micro-batch on this GPU
     act = n * h * elem                            # one activation of the residual stream
     rows = []
+    # full recompute runs each recomputed layer's forward again, its 2 forward collectives too
+    again = (2 * math.ceil(L / lay.get("recompute_every", 1))
+             if lay["recompute"] == "full" else 0)
+    x = again / L                                 # the recompute's collectives per layer
+    num = lambda v: f"{v:g}" if v == int(v) else f"{v:.2f}"          # noqa: E731
+    plus = f" + {num(x)} recomputed" if again else ""
     if T > 1:
         if lay["sp"]:     # a middle stage: no embedding, no head (sp.py's formula)
             n = sp.region_collectives(L, first=False, last=False)
-            ag, rs = M * n["all_gather_into_tensor"], M * n["reduce_scatter_tensor"]
-            rows.append(("tp", "all_gather", ag, ag * act,
-                         "6 per layer per micro-batch (4 + 2 backward re-gathers) of b s h e"))
-            rows.append(("tp", "reduce_scatter", rs, rs * act,
-                         "4 per layer per micro-batch of b s h e"))
+            ag = M * (n["all_gather_into_tensor"] + again)
+            rs = M * (n["reduce_scatter_tensor"] + again)
+            rows.append(("tp", "all_gather", ag, ag * act, f"{num(6 + x)} per layer per "
+                         f"micro-batch (4 + 2 backward re-gathers{plus}) of b s h e"))
+            rows.append(("tp", "reduce_scatter", rs, rs * act, f"{num(4 + x)} per layer per "
+                         f"micro-batch{f' (4{plus})' if again else ''} of b s h e"))
         else:
-            n = M * tp.region_all_reduces(L, first=False, last=False)
-            rows.append(("tp", "all_reduce", n, n * act,
-                         "4 per layer per micro-batch (2 forward, 2 backward) of b s h e"))
+            n = M * (tp.region_all_reduces(L, first=False, last=False) + again)
+            rows.append(("tp", "all_reduce", n, n * act, f"{num(4 + x)} per layer per "
+                         f"micro-batch (2 forward, 2 backward{plus}) of b s h e"))
     if C > 1:
         kv = config.num_key_value_heads * (getattr(config, "head_dim", None)
                                            or h // config.num_attention_heads)
@@ -214,13 +231,15 @@ def comm_per_step(config, params: dict, lay, elem: int) -> list[tuple]:
         psi = params[kind] / ((T if kind == "dense" else E) * P)
         if ranks <= 1 or psi == 0:
             continue
-        z, rs, ag = lay["zero"], psi * 4, psi * elem
+        r = lay.get("reduce_bytes", 4)           # the gradients' reduction dtype: fp32 by default
+        z, rs, ag = lay["zero"], psi * r, psi * elem
         if z == 0:
-            rows.append((group, "all_reduce", 1, rs, "the gradients: Psi_r x 4 (fp32)"))
+            rows.append((group, "all_reduce", 1, rs, f"the gradients: Psi_r x {r}"
+                         + (" (fp32)" if r == 4 else "")))
             continue
         k, g = zero.collectives_per_unit(z, M)     # ZeRO-2/3 reduce-scatter per micro-batch
         rows.append((group, "reduce_scatter", k, k * rs,
-                     "gradients, Psi_r x 4" + (" per micro-batch" if k > 1 else "")))
+                     f"gradients, Psi_r x {r}" + (" per micro-batch" if k > 1 else "")))
         rows.append((group, "all_gather", g, g * ag, "parameters, Psi_r x e"
                      + (" forward and backward per micro-batch" if z == 3 else "")))
     if E > 1:

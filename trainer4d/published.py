@@ -66,30 +66,42 @@ SOURCES = {
 # (id, source, model name, shape, gpu, layout, metric, published, convention, what the row assumes)
 ROWS = [
     ("A1", "llama3", "Llama 3 405B", LLAMA3_405B, "h100",
-     lay(tp=8, pp=16, dp=64, seq=8192, m=32, schedule="interleaved", v=UNPUBLISHED_V),
-     "tflops", 430.0, "model", "V = 2 (unpublished), micro-batch 1 sequence"),
+     lay(tp=8, pp=16, dp=64, seq=8192, m=32, schedule="interleaved", v=UNPUBLISHED_V, sp=1),
+     "tflops", 430.0, "model", "V = 2 (unpublished), micro-batch 1 sequence, SP"),
     ("A2", "llama3", "Llama 3 405B", LLAMA3_405B, "h100",
-     lay(tp=8, pp=16, dp=128, seq=8192, m=16, schedule="interleaved", v=UNPUBLISHED_V),
-     "tflops", 400.0, "model", "V = 2, micro-batch 1"),
+     lay(tp=8, pp=16, dp=128, seq=8192, m=16, schedule="interleaved", v=UNPUBLISHED_V, sp=1),
+     "tflops", 400.0, "model", "V = 2, micro-batch 1, SP"),
     ("A3", "llama3", "Llama 3 405B", LLAMA3_405B, "h100",
-     lay(tp=8, cp=16, pp=16, dp=8, seq=131072, m=16, schedule="interleaved", v=UNPUBLISHED_V),
-     "tflops", 380.0, "model", "V = 2, micro-batch 1, DP 8 (v3; the HTML shows 4), no recompute"),
+     lay(tp=8, cp=16, pp=16, dp=8, seq=131072, m=16, schedule="interleaved", v=UNPUBLISHED_V,
+         sp=1), "tflops", 380.0, "model",
+     "V = 2, micro-batch 1, SP, DP 8 (v3; the HTML shows 4), no recompute"),
 ]
-for rid, (L, h, heads, T, P, gpus, batch, tf) in {
-        "B1": (24, 2304, 24, 1, 1, 32, 512, 137), "B2": (30, 3072, 32, 2, 1, 64, 512, 138),
-        "B3": (36, 4096, 32, 4, 1, 128, 512, 142), "B4": (40, 6144, 48, 8, 1, 256, 1024, 135),
-        "B5": (48, 8192, 64, 8, 2, 512, 1536, 138), "B6": (60, 10240, 80, 8, 4, 1024, 1792, 140),
-        "B7": (80, 12288, 96, 8, 8, 1536, 2304, 148),
-        "B8": (96, 16384, 128, 8, 16, 1920, 2160, 155),
-        "B9": (105, 20480, 128, 8, 35, 2520, 2520, 163),
-        "B10": (128, 25600, 160, 8, 64, 3072, 3072, 163)}.items():
+# Narayanan et al.'s runs as NVIDIA/Megatron-LM examples/sc21/run_table_1.sh launches them:
+# micro-batch (MBS), layers per virtual stage (V = layers / P / that; none: plain 1F1B), DDP
+# "torch" (bucketed, overlapped) up to 18B and "local" (reduced after the backward) from 39B,
+# --fp16 (the gradients all-reduced in fp16 by Megatron's 2021 default), seq 2048; attention
+# computed whole (2021's fused softmax over the s x s scores, no flash kernel)
+for rid, (L, h, heads, T, P, gpus, batch, tf, mbs, vp, ddp) in {
+        "B1": (24, 2304, 24, 1, 1, 32, 512, 137, 16, 0, "torch"),
+        "B2": (30, 3072, 32, 2, 1, 64, 512, 138, 16, 0, "torch"),
+        "B3": (36, 4096, 32, 4, 1, 128, 512, 142, 16, 0, "torch"),
+        "B4": (40, 6144, 48, 8, 1, 256, 1024, 135, 8, 0, "torch"),
+        "B5": (48, 8192, 64, 8, 2, 512, 1536, 138, 4, 0, "local"),
+        "B6": (60, 10240, 80, 8, 4, 1024, 1792, 140, 2, 5, "local"),
+        "B7": (80, 12288, 96, 8, 8, 1536, 2304, 148, 2, 5, "local"),
+        "B8": (96, 16384, 128, 8, 16, 1920, 2160, 155, 1, 3, "local"),
+        "B9": (105, 20480, 128, 8, 35, 2520, 2520, 163, 1, 1, "local"),
+        "B10": (128, 25600, 160, 8, 64, 3072, 3072, 163, 1, 0, "local")}.items():
     D = gpus // (T * P)
+    V = L // (P * vp) if vp else 1
     ROWS.append((rid, "narayanan", f"GPT {L}x{h}", gpt(L, h, heads, 51200, True), "a100",
-                 lay(tp=T, pp=P, dp=D, seq=2048, m=batch // D, zero=0, recompute="full",
-                     pp_scatter=1, schedule="interleaved" if P > 1 else "1f1b",
-                     v=UNPUBLISHED_V if P > 1 else 1),
+                 lay(tp=T, pp=P, dp=D, seq=2048, mb=mbs, m=batch // (D * mbs), zero=0,
+                     recompute="full", pp_scatter=1, reduce_bytes=2, attn="eager",
+                     dp_overlap=int(ddp == "torch"),
+                     schedule="interleaved" if V > 1 else "1f1b", v=V),
                  "tflops", float(tf), "hardware",
-                 "micro-batch 1" + (", V = 2" if P > 1 else "") + "; fp32 gradient all-reduce"))
+                 f"run_table_1.sh: micro-batch {mbs}, " + (f"V = {V}, " if V > 1 else "")
+                 + f"{ddp} DDP, fp16 all-reduce"))
 for rid, (L, h, heads, T, P, D, batch, tf) in {
         "C1": (24, 2048, 16, 1, 1, 48, 192, 408.8), "C2": (30, 4096, 32, 2, 1, 48, 192, 465.9),
         "C3": (32, 6144, 48, 4, 1, 48, 192, 489.1), "C4": (48, 7168, 56, 8, 1, 48, 192, 459.6),
@@ -97,33 +109,37 @@ for rid, (L, h, heads, T, P, D, batch, tf) in {
         "C7": (96, 12288, 96, 8, 6, 48, 1152, 432.8), "C8": (96, 16384, 128, 8, 8, 48, 1536, 474.4),
         "C9": (112, 18432, 144, 8, 16, 48, 3072, 459.9)}.items():
     ROWS.append((rid, "megatron", f"GPT {L}x{h}", gpt(L, h, heads, 131072, False), "h100",
-                 lay(tp=T, pp=P, dp=D, seq=4096, m=batch // D, zero=1, tp_overlap=1,
+                 lay(tp=T, pp=P, dp=D, seq=4096, m=batch // D, zero=1, tp_overlap=int(T > 1),
+                     sp=int(T > 1),
                      schedule="interleaved" if P > 1 else "1f1b", v=UNPUBLISHED_V if P > 1 else 1),
                  "tflops", tf, "model",
-                 "micro-batch 1" + (", V = 2" if P > 1 else "") + ", no recompute, MLP 4h"))
+                 "micro-batch 1" + (", V = 2" if P > 1 else "") + ", SP (TP overlap needs it), "
+                 "no recompute, MLP 4h"))
+
+
+def titan(rid, model, shape, gpu, tokens, assumed, dp, mb, **kw):
+    """A torchtitan row: FSDP2 (ZeRO-3) at seq 8192, published as tokens/s per GPU; its
+    selective checkpointing (layer: every other layer; op: every other matmul kept) as one layer
+    in two recomputed."""
+    kw = dict(dict(recompute="full", recompute_every=2), **kw)
+    return (rid, "torchtitan", model, shape, gpu, lay(dp=dp, seq=8192, mb=mb, zero=3, **kw),
+            "tokens", tokens, "model", assumed)
+
+
 ROWS += [
-    ("D1", "torchtitan", "Llama 3.1 8B", LLAMA3_8B, "h100-96gb",
-     lay(dp=8, seq=8192, mb=2, zero=3, recompute="selective"), "tokens", 5762.0, "model",
-     "FSDP2 eager; op-level SAC modelled as selective"),
-    ("D2", "torchtitan", "Llama 3.1 8B", LLAMA3_8B, "h100-96gb",
-     lay(dp=8, seq=8192, mb=2, zero=3, recompute="selective"), "tokens", 6667.0, "model",
-     "as D1 with torch.compile (the model has no compile: eager's elementwise passes)"),
-    ("D8", "torchtitan", "Llama 3.1 8B", LLAMA3_8B, "h100-96gb",
-     lay(dp=128, seq=8192, mb=2, zero=3, recompute="selective"), "tokens", 5605.0, "model",
-     "as D1 on 16 hosts"),
-    ("D9", "torchtitan", "Llama 3.1 8B", LLAMA3_8B, "h100-96gb",
-     lay(dp=128, seq=8192, mb=2, zero=3, recompute="selective"), "tokens", 6514.0, "model",
-     "as D8 with torch.compile"),
-    ("D'1", "torchtitan", "Llama 3 8B", LLAMA3_8B, "a100",
-     lay(dp=64, seq=8192, mb=1, zero=3, recompute="selective"), "tokens", 2904.0, "model",
-     "selective layer AC modelled as selective"),
-    ("D'2", "torchtitan", "Llama 3 8B", LLAMA3_8B, "a100",
-     lay(dp=64, seq=8192, mb=1, zero=3, recompute="selective"), "tokens", 2973.0, "model",
-     "selective op AC"),
-    ("D'3", "torchtitan", "Llama 3 70B", LLAMA3_70B, "a100",
-     lay(dp=64, seq=8192, mb=1, zero=3, recompute="full"), "tokens", 331.0, "model",
-     "full AC"),
-    ("D'4", "torchtitan", "Llama 3.1 405B", LLAMA3_405B, "h100-96gb",
-     lay(tp=8, dp=16, seq=8192, mb=2, zero=3, recompute="full"), "tokens", 109.0, "model",
-     "FSDP 16 x TP 8 (TP 8 from its config), full AC, bf16"),
+    titan("D1", "Llama 3.1 8B", LLAMA3_8B, "h100-96gb", 5762.0, "FSDP2 eager; op-level SAC as "
+          "half the layers recomputed", dp=8, mb=2),
+    titan("D2", "Llama 3.1 8B", LLAMA3_8B, "h100-96gb", 6667.0, "as D1 with torch.compile (the "
+          "model has no compile: eager's elementwise passes)", dp=8, mb=2),
+    titan("D8", "Llama 3.1 8B", LLAMA3_8B, "h100-96gb", 5605.0, "as D1 on 16 hosts", dp=128, mb=2),
+    titan("D9", "Llama 3.1 8B", LLAMA3_8B, "h100-96gb", 6514.0, "as D8 with torch.compile",
+          dp=128, mb=2),
+    titan("D'1", "Llama 3 8B", LLAMA3_8B, "a100", 2904.0, "selective layer AC: every other "
+          "layer recomputed", dp=64, mb=1),
+    titan("D'2", "Llama 3 8B", LLAMA3_8B, "a100", 2973.0, "selective op AC as half the layers "
+          "recomputed", dp=64, mb=1),
+    titan("D'3", "Llama 3 70B", LLAMA3_70B, "a100", 331.0, "full AC", dp=64, mb=1,
+          recompute_every=1),
+    titan("D'4", "Llama 3.1 405B", LLAMA3_405B, "h100-96gb", 109.0, "FSDP 16 x TP 8 (TP 8 from "
+          "its config), full AC, bf16", dp=16, mb=2, tp=8, recompute_every=1),
 ]

@@ -13,6 +13,8 @@ A roofline model built from the suite's own formulas, for one GPU of the busiest
     elementwise  every byte a layer's forward keeps (harness.recompute.activation_bytes, the
                  suite's one activation model) and the logits (oom_search.predict_peak) moved
                  ELEMENTWISE_PASSES times through HBM (norms, activations, casts, softmax, adds)
+    stage        the slower of a stage of ceil(L/P) layers and the last stage (the rest of the
+                 layers and the LM head)
     comm         trainer4d.plan.comm_per_step's rows, wire bytes (harness.meter.RING_FACTOR) over
                  NVLink when the group fits in a node (rank order TP, CP, PP, DP innermost
                  first: Llama 3's), else the network's bandwidth per GPU
@@ -47,32 +49,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Datasheet figures per GPU: dense bf16 peak FLOP/s (no sparsity), HBM bytes/s, NVLink bytes/s per
 # GPU and direction, network bytes/s per GPU (one NIC per GPU, the HGX reference design), GPUs per
 # node; mamf: the largest bf16 matmul FLOP/s measured (Bekman, ml-engineering,
-# compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table").
+# compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table", its torch
+# 2.6-2.7 rows: A100 SXM 271.2, H100 SXM 794.5 ("H200 is the same"), B200 SXM 1,745.0).
 GPUS = {
     # A100 datasheet (nvidia-a100-datasheet-us-2188504): BF16 Tensor Core 312 TFLOPS (624 with
     # sparsity), 80GB HBM2e 2,039 GB/s, NVLink 600 GB/s (12 links x 25 GB/s each direction);
     # HDR InfiniBand 200 Gb/s per GPU (Selene: eight 200Gbps HCAs per node, Narayanan et al. 2021)
     "a100": dict(name="A100 80GB SXM", peak=312e12, hbm=2.039e12, nvlink=300e9, net=25e9,
-                 per_node=8, mamf=267.9e12),
+                 per_node=8, mamf=271.2e12),
     # the same datasheet's 40GB part: HBM2 1,555 GB/s; the rest as the 80GB's
     "a100-40gb": dict(name="A100 40GB SXM", peak=312e12, hbm=1.555e12, nvlink=300e9, net=25e9,
-                      per_node=8, mamf=267.9e12),
+                      per_node=8, mamf=271.2e12),
     # H100 whitepaper v1.04 Table 1: BF16 Tensor Core 989.4 TFLOPS dense; product page: 80GB
     # HBM3 3.35 TB/s; 18 NVLink-4 links, 900 GB/s total; 400 Gb/s NDR per GPU (DGX H100)
     "h100": dict(name="H100 80GB SXM (HBM3, 700 W)", peak=989.4e12, hbm=3.35e12, nvlink=450e9,
-                 net=50e9, per_node=8, mamf=792.1e12),
+                 net=50e9, per_node=8, mamf=794.5e12),
     # torchtitan's benchmark GPUs (benchmarks/llama3_h100_202412_torchtitan.md): "96GB HBM2e with
     # 2.4 TB/sec", 500 W, "400 Gb/s per GPU"; its peak is unpublished: "between SXM and NVL" (the
     # H100 NVL datasheet: BF16 1,671 TFLOPS with sparsity, 835.5 dense), taken at the middle of
     # that bracket, 912.5 TFLOPS; its matmul ceiling: the H100 SXM's MAMF scaled the same
     "h100-96gb": dict(name="H100 96GB HBM2e (500 W)", peak=912.5e12, hbm=2.4e12, nvlink=450e9,
-                      net=50e9, per_node=8, mamf=792.1e12 * 912.5 / 989.4),
+                      net=50e9, per_node=8, mamf=794.5e12 * 912.5 / 989.4),
     # H800: the H100 die with NVLink cut to 400 GB/s (no public NVIDIA datasheet; third-party
     # spec sheets); DeepSeek-V3's report: "IB (50 GB/s)" per GPU
     "h800": dict(name="H800 SXM", peak=989.4e12, hbm=3.35e12, nvlink=200e9, net=50e9,
-                 per_node=8, mamf=792.1e12),
+                 per_node=8, mamf=794.5e12),
     # H200 product page: BF16 1,979 TFLOPS with sparsity (989 dense), 141GB HBM3e 4.8 TB/s;
-    # NVLink 900 GB/s; MAMF: ml-engineering's "H100/H200 SXM 794.5"
+    # NVLink 900 GB/s
     "h200": dict(name="H200 SXM 141GB", peak=989.4e12, hbm=4.8e12, nvlink=450e9, net=50e9,
                  per_node=8, mamf=794.5e12),
     # HGX B200 page: FP16/BF16 36 PFLOPS per 8 GPUs with sparsity ("dense is 1/2"): 2.25 PF per
@@ -130,7 +133,8 @@ def constants() -> dict:
     lay = dict(tp=1, cp=1, pp=1, dp=1, ep=1, seq=run["length"], mb=run["batch"], m=1, v=1,
                schedule="1f1b", zero=0, sp=0, recompute="none", tp_overlap=0)
     parts = step_time(shape, lay, "h100", [], passes=0.0, attn_eff=eff)   # one GPU: no comm
-    per_pass = elementwise_bytes(shape, lay, 2) / GPUS["h100"]["hbm"]
+    per_layer, logits = kept_bytes(shape, lay, 2)
+    per_pass = (per_layer * shape["layers"] + logits) / GPUS["h100"]["hbm"]
     passes = (run["step_s"] - parts["step"]) / per_pass
     _CONSTANTS["value"] = dict(attention_efficiency=eff, elementwise_passes=passes,
                                reference_step_s=run["step_s"], reference=run["run"])
@@ -193,18 +197,28 @@ def config_of(sh: dict):
                            tie_word_embeddings=sh["tied"])
 
 
-def elementwise_bytes(sh: dict, lay: dict, elem: int) -> float:
-    """Bytes this GPU's forward keeps per micro-batch: its layers' saved activations (no
-    recompute) and, on the last stage, the logits and their fp32 log-softmax."""
+def kept_bytes(sh: dict, lay: dict, elem: int) -> tuple[float, float]:
+    """(bytes one layer's forward keeps per micro-batch on this GPU (no recompute), bytes of the
+    logits and their fp32 log-softmax on the last stage)."""
     from harness.recompute import activation_bytes
     from oom_search import predict_peak
     cfg = config_of(sh)
     s = lay["seq"] // lay["cp"]
-    per_layer = activation_bytes(cfg, lay["mb"], s, elem, "none", "sdpa", tp=lay["tp"],
+    attn = "eager" if lay.get("attn") == "eager" else "sdpa"    # eager: the s x s scores too
+    per_layer = activation_bytes(cfg, lay["mb"], s, elem, "none", attn, tp=lay["tp"],
                                  sp=bool(lay["sp"]))["per_layer"]
     logits = predict_peak("tp" if lay["tp"] > 1 else "ddp", lay["tp"], s, lay["mb"], cfg,
                           elem)["logits"]
-    return per_layer * sh["layers"] / lay["pp"] + logits / lay["pp"]
+    return per_layer, logits
+
+
+def stages(L: int, P: int) -> list[tuple[int, bool]]:
+    """(layers, holds the LM head) of the stages that can be the slowest: ceil(L/P) layers each,
+    the last stage the rest and the head (one stage holds everything when P = 1)."""
+    if P == 1:
+        return [(L, True)]
+    per = math.ceil(L / P)
+    return [(per, False), (L - (P - 1) * per, True)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,7 +237,7 @@ def link(lay: dict, group: str, gpu: dict) -> tuple[str, float]:
              "edp": lay["tp"] * lay["cp"] * lay["pp"]}[group]
     if group == "dp" and lay["cp"] > 1:     # ZeRO over dp x cp: the cp ranks are inside tp x cp
         inner = lay["tp"]
-    span = inner * size if group != "pp" else inner * 2     # pp: a send to the next stage
+    span = inner * size     # pp: the whole pipeline; once it spans nodes, a boundary crosses
     return ("nvlink", gpu["nvlink"]) if span <= gpu["per_node"] else ("network", gpu["net"])
 
 
@@ -261,15 +275,23 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
     L, h = sh["layers"], sh["hidden"]
     n = lay["mb"] * lay["seq"] // C                 # this GPU's tokens per micro-batch
     rec = lay.get("recompute", "none")
-    layers_mm = L * layer_matmul_params(sh)
-    head_mm = sh["vocab"] * h
-    # one micro-batch on one GPU: forward F, backward 2F, the recompute's forward again
-    mm = (6 + (2 if rec == "full" else 0)) * layers_mm * n + 6 * head_mm * n
-    att = (12 + (4 if rec in ("full", "selective") else 0)) * L * h * lay["seq"] * n / 2
-    t_mm = mm / (T * P) / g["mamf"]
-    t_att = att / (T * P) / (attn_eff * g["peak"])
-    t_elem = (passes * (4 / 3 if rec == "full" else 1) * elementwise_bytes(sh, lay, elem)
-              / g["hbm"])
+    layer_mm, head_mm = layer_matmul_params(sh), sh["vocab"] * h
+    again = 1 / lay.get("recompute_every", 1) if rec == "full" else 0.0   # layers' forward
+    per_layer, logits = kept_bytes(sh, lay, elem)
+
+    def stage(layers: int, head: bool) -> tuple[float, float, float]:
+        """One micro-batch through a stage on one GPU (forward F, backward 2F, the recompute's
+        forward again): its matmul, attention and elementwise seconds."""
+        mm = ((6 + 2 * again) * layers * layer_mm + 6 * head_mm * head) * n / T
+        att = ((12 + 4 * (again if rec == "full" else rec == "selective"))
+               * layers * h * lay["seq"] * n / T)
+        if lay.get("attn") == "eager":    # the s x s scores as batched matmuls, masked half too
+            t_att = att / g["mamf"]
+        else:                             # a flash kernel skips the masked half
+            t_att = att / 2 / (attn_eff * g["peak"])
+        kept = per_layer * layers + logits * head
+        return mm / g["mamf"], t_att, passes * (1 + again / 3) * kept / g["hbm"]
+    t_mm, t_att, t_elem = max((stage(k, head) for k, head in stages(L, P)), key=sum)
     compute = t_mm + t_att + t_elem
     comm = comm_seconds(comm_rows, lay, g)
 
@@ -299,6 +321,8 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
         phases = [(gather, fwd), (reduce, M * bwd if z == 2 else bwd)]
         tails = reduce / ((M if z == 2 else 1) * units) + gather / units
     dp = sum(max(0.0, t - window) for t, window in phases) + tails
+    if not lay.get("dp_overlap", 1):      # reduced after the backward (Megatron 2021's local DDP)
+        dp = reduce + gather
     # the optimizer step over this GPU's shard (ZeRO-1+: 1/(dp cp) of the stage's parameters)
     shard = param_count(sh) / (T * P) / (lay["dp"] * lay["cp"] if lay["zero"] >= 1 else 1)
     optimizer = OPTIMIZER_BYTES * shard / g["hbm"]
@@ -308,10 +332,10 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
                 bubble=pipeline - M * slot, dp=dp, optimizer=optimizer, comm=comm)
 
 
-def report(sh: dict, lay: dict, gpu: str, comm_rows: list, elem: int = 2,
+def report(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
            convention: str = "model") -> dict:
     """step_time's parts with the tokens/s, TFLOP/s and MFU of the layout."""
-    g = gpu_spec(gpu)
+    g = gpu_spec(gpu) if isinstance(gpu, str) else gpu
     parts = step_time(sh, lay, g, comm_rows, elem)
     gpus = lay["tp"] * lay["cp"] * lay["pp"] * lay["dp"]
     tokens = lay["mb"] * lay["seq"] * lay["m"] * lay["dp"]      # per step, all replicas
