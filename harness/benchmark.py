@@ -24,7 +24,7 @@ from .meter import METER, RING_FACTOR, mark, seconds_between
 from .models import DTYPES, build_model
 from .report import jsonable, fmt_bytes, write_json
 from .run import Run, gather_objects, max_over_ranks, broadcast_verdict, make_pair
-from .overlap import PROFILED_STEPS, plot as plot_overlap, profile_steps
+from .overlap import plot as plot_overlap, profile_steps
 from .plants import planting
 from .strategy import natives, reference_class
 from .timing import sync, timed_steps
@@ -46,9 +46,11 @@ def bench_strategy(run: Run, strat) -> dict:
     # more steps under torch.profiler, the median one kept: the share of communication hidden
     # behind compute
     after = args.warmup + args.bench_iters
-    with METER.paused():
-        ov, spans = profile_steps(strat, [run.batch(after + i) for i in range(PROFILED_STEPS)],
-                                  run.env.device)
+    ov, spans = None, None
+    if args.overlap_steps > 0:   # (the same on every rank: the gather below is collective)
+        with METER.paused():
+            ov, spans = profile_steps(strat, [run.batch(after + i)
+                                              for i in range(args.overlap_steps)], run.env.device)
     mem = measure_memory(run, strat)
     step_t, fwd_t = max_over_ranks(step_t), max_over_ranks(fwd_t)
     comm_sum = {}
@@ -62,11 +64,15 @@ def bench_strategy(run: Run, strat) -> dict:
                 # a key whose totals are not a multiple of the step count varied between steps
                 comm_varied=[k for k, (c, b) in raw_counts.items()
                              if c % args.bench_iters or b % args.bench_iters],
-                memory=gather_objects(mem), overlap=gather_objects(ov), spans=spans)
+                memory=gather_objects(mem),
+                overlap=gather_objects(ov) if ov is not None else None, spans=spans)
 
 
 def overlap_share(r: dict) -> float | None:
-    """The hidden share over all ranks: hidden seconds / communication seconds, summed."""
+    """The hidden share over all ranks: hidden seconds / communication seconds, summed (None:
+    no communication, or not measured)."""
+    if r["overlap"] is None:
+        return None
     comm = sum(o["comm_s"] for o in r["overlap"])
     return sum(o["hidden_s"] for o in r["overlap"]) / comm if comm else None
 
@@ -217,13 +223,16 @@ def _report_benchmark(run, name, cls, n_params, ours, native, ref, expected, set
                   f"p90 {ratios[base]['p90']:.3f}); median steps {ratios[base]['ours_ms']:.1f} "
                   f"/ {ratios[base]['theirs_ms']:.1f} ms")
     for label, r in rows[1:]:
+        if r["overlap"] is None:
+            run.print(f"overlap {label}: not measured (--overlap-steps 0)")
+            continue
         share = overlap_share(r)
         o = r["overlap"][0]
         run.print(f"overlap {label}: " + ("no communication in the step" if share is None else
                   f"{share:.0%} of communication time hidden behind compute (all ranks; rank 0: "
                   f"comm {o['comm_s'] * 1e3:.1f} ms, exposed {o['exposed_s'] * 1e3:.1f} ms; "
-                  f"the median of {PROFILED_STEPS} profiled steps)"))
-    if args.out:
+                  f"the median of {args.overlap_steps} profiled steps)"))
+    if args.out and all(r["spans"] is not None for _, r in rows[1:]):
         path = plot_overlap([(label.split()[0], r["spans"]) for label, r in rows[1:]],
                             os.path.join(args.out, "overlap.png"),
                             f"{name} W={env.world} {args.dtype}: rank 0's step, communication "

@@ -113,6 +113,9 @@ def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
                         "numerics policy)" % 8.0)
     p.add_argument("--warmup", type=int, default=2, help="benchmark warm-up steps")
     p.add_argument("--bench-iters", type=int, default=5, help="benchmark timed steps")
+    p.add_argument("--overlap-steps", type=int, default=3,
+                   help="benchmark: steps profiled for the share of communication hidden behind "
+                        "compute (harness/overlap.py; 0: not measured)")
     p.add_argument("--paired", type=int, default=0,
                    help="benchmark with --compare-native: also N rounds of ours, each baseline "
                         "and the single-device reference, one step each in turn (the order "

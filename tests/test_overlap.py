@@ -13,7 +13,7 @@ import pytest
 from conftest import Runs
 from harness import overlap
 
-BENCH = ["--mode", "benchmark", "--warmup", "1", "--bench-iters", "1"]
+BENCH = ["--mode", "benchmark", "--warmup", "1", "--bench-iters", "1", "--overlap-steps", "3"]
 # the profiled benchmark runs are in the slow tier (each joins its script's slow launch)
 DDP = Runs("ddp.py", 2, tier="slow", runs={"overlap-buckets": BENCH + ["--bucket-mb", "0.05"],
                                           "overlap-one-bucket": BENCH})
