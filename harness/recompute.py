@@ -110,8 +110,10 @@ How the Llama count differs (in elements per token, theirs being bytes / 2):
                output 2 + dropout mask 1 + dropout output 2); SDPA's flash path (also on CPU)
                keeps no s^2 tensor, so selective then saves only its logsumexp.
 
-Measured figures (bytes per layer against the formula, step time per mode):
-results/recompute-tiny-cpu.json, made by `python -m harness.recompute --model tiny ...`.
+Measured figures (bytes per layer against the formula, step time per mode, the extra time's
+median and spread over paired rounds): results/recompute-small-cpu.json, made by
+`python -m harness.recompute --model small ... --out results/recompute-small-cpu.json`, the one
+table docs/training.md renders and the other pages link to.
 """
 from __future__ import annotations
 
@@ -402,8 +404,8 @@ def per_layer_measured(config, mode: str, attn: str, dtype, batch: int, seq: int
 
 
 def interleaved_step_times(models: dict, ids, repeats: int) -> dict:
-    """{key: median forward+backward seconds}, the models timed in turn (one step each, round
-    after round), so that a change in the machine's load falls on every mode alike."""
+    """{key: [forward+backward seconds of each round]}, the models timed in turn (one step each,
+    round after round), so that a change in the machine's load falls on every mode alike."""
     times = {k: [] for k in models}
     for k, m in models.items():                     # warm-up
         step_time(m, ids, 1)
@@ -413,7 +415,21 @@ def interleaved_step_times(models: dict, ids, repeats: int) -> dict:
             t = time.perf_counter()
             _forward_backward(m, ids)
             times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+MIN_SPREAD_REPEATS = 5     # fewer rounds give no spread: no extra time is printed
+
+
+def extra_time(rounds: dict, mode: str) -> dict | None:
+    """A mode's extra time over `none`: the median, 10th and 90th percentile of the per-round
+    ratios (the two timed back to back in each round), minus 1; None under MIN_SPREAD_REPEATS
+    rounds, where one slow step decides the sign."""
+    xs = sorted(a / b for a, b in zip(rounds[mode], rounds["none"]))
+    if len(xs) < MIN_SPREAD_REPEATS:
+        return None
+    q = lambda f: xs[min(len(xs) - 1, int(f * (len(xs) - 1) + 0.5))] - 1     # noqa: E731
+    return dict(median=statistics.median(xs) - 1, p10=q(0.1), p90=q(0.9))
 
 
 def main(argv=None):
@@ -428,7 +444,10 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
     p.add_argument("--repeats", type=int, default=11,
-                   help="timed forward+backward passes per mode (interleaved; median)")
+                   help="timed forward+backward passes per mode, in rounds (each round times "
+                        "every mode once); the extra time over none is the median of the "
+                        "per-round ratios with its p10-p90, printed from %d rounds"
+                        % MIN_SPREAD_REPEATS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None,
                    help="merge the rows into this JSON file (one list per --attn; the docs "
@@ -443,28 +462,34 @@ def main(argv=None):
            for m in MODES}
     ids = torch.randint(0, config.vocab_size, (a.batch, a.length),
                         generator=torch.Generator().manual_seed(a.seed))
-    times = interleaved_step_times({m: _tiny_model(config, L, m, a.attn, dtype, a.seed)
-                                    for m in MODES}, ids, a.repeats) if a.repeats else {}
+    rounds = interleaved_step_times({m: _tiny_model(config, L, m, a.attn, dtype, a.seed)
+                                     for m in MODES}, ids, a.repeats) if a.repeats else {}
+    times = {m: statistics.median(v) for m, v in rounds.items()}
+    extras = {m: extra_time(rounds, m) for m in rounds if m != "none"}
     print(f"{'mode':<10} {'measured':>12} {'formula':>12} {'ratio':>6} {'whole model':>12} "
           f"{'step':>9} {'extra':>7}")
     rows = []
     for mode in MODES:
         m, f = mem[mode], activation_bytes(config, a.batch, a.length, dtype.itemsize, mode, a.attn)
         t = times.get(mode)
+        x = extras.get(mode)
         rows.append(dict(mode=mode, per_layer=m["per_layer"], total=m["total"], step_s=t,
-                         formula=f["per_layer"], formula_layers=f["layers"]))
-        step = "" if t is None else f"{t * 1e3:>7.1f}ms {t / times['none'] - 1:>+7.1%}"
+                         formula=f["per_layer"], formula_layers=f["layers"], extra=x))
+        step = "" if t is None else f"{t * 1e3:>7.1f}ms " + (
+            "      -" if mode == "none" else
+            f"(extra: none below --repeats {MIN_SPREAD_REPEATS})" if x is None else
+            f"{x['median']:>+7.1%} (p10 {x['p10']:+.1%}, p90 {x['p90']:+.1%})")
         print(f"{mode:<10} {m['per_layer']:>12,.0f} {f['per_layer']:>12,} "
               f"{m['per_layer'] / f['per_layer']:>6.3f} {m['total']:>12,} {step}")
     gpt = {m: korthikanti_bytes(config, a.batch, a.length, m) for m in MODES}
     print("Korthikanti's GPT layer of this h, a, b, s (16-bit, GELU MLP, dropout): "
           + ", ".join(f"{m} {v:,}" for m, v in gpt.items()))
     if a.out:
-        _write(a, rows, times)
+        _write(a, rows)
     return rows
 
 
-def _write(a, rows, times):
+def _write(a, rows):
     """--out: this --attn's rows, merged with the file's rows of the other attention."""
     import json
     import os
@@ -473,8 +498,8 @@ def _write(a, rows, times):
     new = [dict(attn=a.attn, mode=r["mode"], measured_bytes_per_layer=r["per_layer"],
                 formula_bytes_per_layer=r["formula"], whole_model_bytes=r["total"],
                 step_ms=None if r["step_s"] is None else round(r["step_s"] * 1e3, 1),
-                extra=(None if r["step_s"] is None or r["mode"] == "none" else
-                       f"{r['step_s'] / times['none'] - 1:+.0%}")) for r in rows]
+                extra=None if r["extra"] is None else
+                {k: round(v, 4) for k, v in r["extra"].items()}) for r in rows]
     with open(a.out, "w") as f:
         json.dump(dict(command=f"python -m harness.recompute --model {a.model} --batch {a.batch} "
                                f"--length {a.length} --dtype {a.dtype} --attn eager|sdpa "

@@ -162,11 +162,14 @@ def _load_memory():
 def _recompute():
     d = load("results/recompute-small-cpu.json")
     lines = ["| attention | mode | per layer, measured = formula | whole model's activation peak "
-             "| step time | extra time |", "|---|---|---|---|---|---|"]
+             "| step time (median) | extra time: median of paired rounds (p10 to p90) |",
+             "|---|---|---|---|---|---|"]
     for r in d["rows"]:
+        x = r["extra"]
+        extra = "-" if x is None else f"{x['median']:+.0%} ({x['p10']:+.0%} to {x['p90']:+.0%})"
         lines.append(f"| {r['attn']} | {r['mode']} | {int(r['measured_bytes_per_layer']):,} B | "
                      f"{r['whole_model_bytes'] / 2**20:,.0f} MiB | {r['step_ms']:,.0f} ms | "
-                     f"{r['extra'] or '-'} |")
+                     f"{extra} |")
     return "\n".join(lines)
 
 

@@ -205,6 +205,18 @@ def test_the_command_prints_the_table(capsys):
     assert all(r["per_layer"] == r["formula"] for r in rows)
     out = capsys.readouterr().out
     assert "ratio" in out and "Korthikanti" in out
+    # one round: no extra time is printed (one slow step would decide its sign)
+    assert "%" not in out and "none below --repeats 5" in out and rows[1]["extra"] is None
+
+
+def test_extra_time_is_the_median_of_paired_rounds():
+    none = [1.0, 1.0, 2.0, 1.0, 1.0, 1.0]          # round 3: the machine slowed both
+    full = [1.3, 1.2, 2.6, 1.25, 1.4, 1.1]
+    x = rc.extra_time({"none": none, "full": full}, "full")
+    ratios = sorted([1.3, 1.2, 1.3, 1.25, 1.4, 1.1])
+    assert x["median"] == pytest.approx((ratios[2] + ratios[3]) / 2 - 1)
+    assert x["p10"] == pytest.approx(ratios[1] - 1) and x["p90"] == pytest.approx(ratios[5] - 1)
+    assert rc.extra_time({"none": none[:4], "full": full[:4]}, "full") is None
 
 
 # -- the strategies with recompute, under torchrun --------------------------------------------
