@@ -28,6 +28,6 @@ quick:
 	$(PYTHON) -m pytest -q -ra -m "not slow and not heavy" tests
 
 bench: setup
-	$(PYTHON) scripts/bench.py --world 2 --pairs 6
-	$(PYTHON) scripts/bench.py --world 4 --pairs 4 --merge
+	$(PYTHON) scripts/bench.py --world 2 --pairs 6 --out results/bench-cpu.json
+	$(PYTHON) scripts/bench.py --world 4 --pairs 4 --merge --out results/bench-cpu.json
 	$(PYTHON) scripts/bench.py --table results/bench-cpu.json --wide

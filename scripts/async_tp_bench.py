@@ -1,6 +1,6 @@
 """async_tp_bench.py: asynchronous TP against the synchronous SP regions, on this machine.
 
-    python scripts/async_tp_bench.py    # results/async-tp-cpu.json (about 4 minutes on 2 cores)
+    python scripts/async_tp_bench.py --out results/async-tp-cpu.json   (about 4 minutes, 2 cores)
 
 For W = 2 (the `small` preset: 8 layers, H 384, 6 heads) and W = 4 (configs/small-gqa8.json, the
 same with 8 heads so that 4 divides them), float32, batch 4 x 512 tokens: one
@@ -44,7 +44,12 @@ def run(world: int) -> dict:
                 sync_tokens_per_s=sync["tokens_per_s"], comm_ok=b["comm_ok"])
 
 
-def main():
+def main(argv=None):
+    import argparse
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None, help="the results file (default: the temporary "
+                   "directory's; results/async-tp-cpu.json updates the tracked figures)")
+    out = p.parse_args(argv).out
     rows = []
     for world in RUNS:
         row = run(world)
@@ -53,7 +58,7 @@ def main():
               f"{row['paired_ratio_median']:.3f} [{row['paired_ratio_p10']:.3f}, "
               f"{row['paired_ratio_p90']:.3f}] over {row['rounds']} rounds")
         rows.append(row)
-    write_results("async-tp-cpu.json", dict(machine=cpu_machine() + ", float32", rows=rows))
+    write_results("async-tp-cpu.json", dict(machine=cpu_machine() + ", float32", rows=rows), out)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """bench.py: every strategy against PyTorch's own implementation and the single-device reference,
 timed interleaved, into results/bench-cpu.json (`make bench`).
 
-    python scripts/bench.py                        # every row, W=2 and 4, 8 rounds each
+    python scripts/bench.py --out results/bench-cpu.json   # every row, W=2 and 4, 8 rounds each
     make bench                                     # the README's: W=2 at 6 rounds, W=4 at 4 (~35 min on 2 cores)
     python scripts/bench.py --world 2 --only ddp,zero-1 --pairs 4 --out /tmp/b.json
     python scripts/bench.py --world 4 --only zero-1 --merge     # redo rows, keep the others
@@ -90,9 +90,11 @@ def torchrun_json(world: int, argv: list[str], result: str = "benchmark.json",
         return json.load(f), f"torchrun --nproc_per_node={world} " + " ".join(argv)
 
 
-def write_results(name: str, res: dict) -> str:
-    """results/NAME, indented JSON; returns its path (printed)."""
-    path = os.path.join(HERE, "results", name)
+def write_results(name: str, res: dict, out: str | None = None) -> str:
+    """Indented JSON at `out` (results/NAME updates the tracked figures), by default the temporary
+    directory's NAME; returns its path (printed)."""
+    path = out or os.path.join(tempfile.gettempdir(), name)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {path}")
@@ -180,7 +182,9 @@ def main():
     p.add_argument("--only", default=None, help="labels to run, comma-separated (default all)")
     p.add_argument("--pairs", type=int, default=8, help="interleaved rounds per run")
     p.add_argument("--model", default="small")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "bench-cpu.json"))
+    p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "bench-cpu.json"),
+                   help="the results file (default: the temporary directory's; "
+                        "results/bench-cpu.json updates the tracked table, as `make bench` does)")
     p.add_argument("--merge", action="store_true",
                    help="keep --out's other rows: replace only the (strategy, W) runs made now")
     p.add_argument("--table", metavar="JSON", default=None,

@@ -1,6 +1,6 @@
 """compose5d.py: compose4d's new layouts measured: expert parallelism and ZeRO-3 in the composition.
 
-    python scripts/compose5d.py          # results/compose5d-cpu.json (about 2 minutes on 2 cores)
+    python scripts/compose5d.py --out results/compose5d-cpu.json     (about 2 minutes on 2 cores)
 
 For each layout, one `compose4d.py --mode benchmark` run (float32, tiny-moe or tiny, W=4): every
 communication row of rank 0 (or summed over the ranks, the all-to-all) beside the formula's
@@ -39,7 +39,12 @@ def run(name: str, args: list[str]) -> dict:
                 memory_formula_rank0=b["memory_formula"], tokens_per_s=b["ours"]["tokens_per_s"])
 
 
-def main():
+def main(argv=None):
+    import argparse
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None, help="the results file (default: the temporary "
+                   "directory's; results/compose5d-cpu.json updates the tracked figures)")
+    out = p.parse_args(argv).out
     rows = []
     for name, args in LAYOUTS.items():
         row = run(name, args)
@@ -48,7 +53,7 @@ def main():
               f"rank 0 model states {m0['model_states']:,} B (formula {f0['model_states']:,.0f})")
         rows.append(row)
     write_results("compose5d-cpu.json", dict(machine=cpu_machine() + ", float32, world 4",
-                                             rows=rows))
+                                             rows=rows), out)
     if not all(r["comm_ok"] and r["memory"][0]["model_states"] ==
                r["memory_formula_rank0"]["model_states"] for r in rows):
         raise SystemExit(1)

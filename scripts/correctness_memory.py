@@ -1,6 +1,7 @@
 """correctness_memory.py: the correctness mode on a real-sized checkpoint, and each rank's peak.
 
-    python scripts/correctness_memory.py          # tp.py, W=3, float64, batch 3, length 32
+    python scripts/correctness_memory.py          # tp.py, W=3, float64, batch 3, length 32 (--out
+                                                  # results/correctness-memory-cpu.json: tracked)
     python scripts/correctness_memory.py --script sp.py --args "--variant ulysses"
 
 The checkpoint has SmolLM-135M's shape (scripts/load_memory.py writes it once to
@@ -8,8 +9,8 @@ The checkpoint has SmolLM-135M's shape (scripts/load_memory.py writes it once to
 parameters, random weights). The run prints each rank's peak resident set (Linux VmHWM) against
 one training replica, 4 x params x 8 bytes in float64 (parameters, gradients, AdamW's two
 states); rank 0, which also runs the float64 reference and the noise sources one after another,
-must stay under 3 replicas. Writes results/correctness-memory-cpu.json (about 10 minutes on
-2 cores).
+must stay under 3 replicas. Writes --out (results/correctness-memory-cpu.json: the tracked
+one; about 10 minutes on 2 cores).
 """
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ def main():
     p.add_argument("--script", default="tp.py")
     p.add_argument("--args", default="", help="more arguments for the script")
     p.add_argument("--world", type=int, default=3)
-    p.add_argument("--out", default=os.path.join(ROOT, "results", "correctness-memory-cpu.json"))
+    p.add_argument("--out", default=os.path.join(tempfile.gettempdir(),
+                                                  "correctness-memory-cpu.json"),
+                   help="the results file (default: the temporary directory's; "
+                        "results/correctness-memory-cpu.json updates the tracked figures)")
     a = p.parse_args()
     load_memory.write_checkpoint(a.checkpoint)
     out = tempfile.mkdtemp(prefix="correctness-memory-")

@@ -1,6 +1,7 @@
 """figures.py: the README's pictures, each from a command anyone can rerun.
 
-    python scripts/figures.py                   # all four into docs/ (+ results/strategies-cpu.json)
+    python scripts/figures.py --out docs --results results/strategies-cpu.json   # all four, tracked
+    python scripts/figures.py                   # all four into a temporary directory
     python scripts/figures.py --only schedules,zigzag     # the two that need no processes
 
     schedules  docs/pp-schedules.png    every pipeline schedule of pp.py on one time axis:
@@ -254,9 +255,13 @@ def main(argv=None):
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="schedules,zigzag,comm,memory",
                     help="comma-separated subset of schedules, zigzag, comm, memory")
-    ap.add_argument("--out", default=os.path.join(HERE, "docs"), help="pictures go here")
-    ap.add_argument("--results", default=os.path.join(HERE, "results", "strategies-cpu.json"),
-                    help="where comm/memory write their data")
+    ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "figures"),
+                    help="pictures go here (default: a temporary directory; docs updates the "
+                         "README's)")
+    ap.add_argument("--results", default=os.path.join(tempfile.gettempdir(), "figures",
+                                                      "strategies-cpu.json"),
+                    help="where comm/memory write their data (results/strategies-cpu.json: "
+                         "the tracked figures)")
     ap.add_argument("--strategies", default=None,
                     help="comma-separated labels of STRATEGIES to benchmark (default: all)")
     ap.add_argument("--bench-args", default="",

@@ -2,6 +2,7 @@
 only its shard (--load shards) or building the whole model and slicing it (--load full).
 
     python scripts/load_memory.py                # writes /tmp/llama-135m-shape once, W = 1, 2, 4
+    python scripts/load_memory.py --dtype float64 --out results/load-memory-float64-cpu.json
     python scripts/load_memory.py --worlds 1 2 --dtype float64
 
 The checkpoint has SmolLM-135M's shape (30 layers, hidden 576, 9 heads / 3 kv heads, SwiGLU
@@ -10,13 +11,16 @@ safetensors. Each world size runs `compose4d.py --mode train --steps 0 --pp W` (
 parallel sizes 2 and 4 do not divide them), which prints, per rank, the bytes of parameters it
 holds and the growth of its peak resident set (Linux VmHWM, reset before the build) while the
 strategy is built: the model, its ZeRO-1 flat buffers (parameters and gradients of the stage)
-and, with --load full, the whole model first. Writes results/load-memory-<dtype>-cpu.json.
+and, with --load full, the whole model first. Writes --out (results/load-memory-<dtype>-cpu.json:
+the tracked ones; default: the temporary directory's).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import tempfile
+import platform
 import re
 import subprocess
 import sys
@@ -57,6 +61,9 @@ def main():
     p.add_argument("--checkpoint", default="/tmp/llama-135m-shape")
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--out", default=None, help="the results file (default: the temporary "
+                   "directory's load-memory-DTYPE-cpu.json; results/load-memory-DTYPE-cpu.json "
+                   "updates the tracked figures)")
     a = p.parse_args()
     write_checkpoint(a.checkpoint)
     table = []
@@ -68,11 +75,11 @@ def main():
                   f"(holds / peak growth during the load / during the whole build) " + ", ".join(
                       f"{r['held_mib']:.0f}/{r['load_growth_mib']:.0f}/{r['build_growth_mib']:.0f}"
                       for r in rows) + " MiB", flush=True)
-    os.makedirs(os.path.join(ROOT, "results"), exist_ok=True)
-    out = os.path.join(ROOT, "results", f"load-memory-{a.dtype}-cpu.json")
+    out = a.out or os.path.join(tempfile.gettempdir(), f"load-memory-{a.dtype}-cpu.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
-        json.dump(dict(machine="CPU (2-core AMD EPYC), gloo", checkpoint_shape=SHAPE,
-                       rows=table), f, indent=1)
+        json.dump(dict(machine=f"{platform.machine()} CPU ({os.cpu_count()} cores), gloo",
+                       checkpoint_shape=SHAPE, rows=table), f, indent=1)
     print(f"wrote {out}")
 
 

@@ -98,7 +98,9 @@ def main():
     p.add_argument("--model", default="small")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--learning-steps", type=int, default=200)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "muon-cpu.json"))
+    p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "muon-cpu.json"),
+                   help="the results file (default: the temporary directory's; "
+                        "results/muon-cpu.json updates the tracked figures)")
     a = p.parse_args()
     common = ["--model", a.model, "--mode", "benchmark", "--dtype", "float32", "--warmup", "2",
               "--bench-iters", "5", "--batch", "8", "--length", "128"]

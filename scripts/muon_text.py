@@ -24,7 +24,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "muon-text-cpu.json"))
+    p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "muon-text-cpu.json"),
+                   help="the results file (default: the temporary directory's; "
+                        "results/muon-text-cpu.json updates the tracked figures)")
     a = p.parse_args()
     tmp = tempfile.mkdtemp()
     subprocess.run([sys.executable, os.path.join(HERE, "scripts", "text_demo.py"), tmp],

@@ -103,3 +103,20 @@ def test_the_command_line():
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip().endswith("0 figure(s) differ from results/"), \
         p.stdout + p.stderr
+
+
+def test_no_script_writes_a_tracked_file_by_default():
+    """A measurement script writes results/ or docs/ only when its --out says so (the README's
+    and docs' commands that update tracked figures pass it); by default a temporary directory."""
+    import re
+    bad = []
+    for name in sorted(os.listdir(os.path.join(ROOT, "scripts"))) + ["../tour.py"]:
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(ROOT, "scripts", name)) as f:
+            src = f.read()
+        if re.search(r'default=os\.path\.join\((HERE|ROOT), "(results|docs)"', src):
+            bad.append(name)
+        if re.search(r'os\.path\.join\((HERE|ROOT), "results", (name|f"load-memory)', src):
+            bad.append(name)
+    assert not bad, bad
