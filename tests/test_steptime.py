@@ -90,6 +90,16 @@ def test_report_by_hand():
     assert r["mfu"] == pytest.approx(r["tflops"] * 1e12 / 100.0)
     hw = st.report(TOY, lay, GPU, rows, 2, "hardware")
     assert hw["tflops"] / r["tflops"] == pytest.approx(12800 / 9984)
+    # MFU with causal attention's half: 6 L h s per token instead of 12; HFU = MFU without
+    # recompute, and Narayanan's count under full recompute
+    assert r["mfu_causal"] / r["mfu"] == pytest.approx((9984 - 6 * 2 * 8 * 4) / 9984)
+    assert r["hfu"] == pytest.approx(r["mfu"])
+    full = toy_layout(dp=2, m=3, recompute="full")
+    f = st.report(TOY, full, GPU, rows, 2, "model")
+    assert f["hfu"] / f["mfu"] == pytest.approx(12800 / 9984)
+    assert st.executed_per_token(TOY, full) == st.flops_per_token(TOY, 4, "hardware")
+    sel = st.executed_per_token(TOY, toy_layout(recompute="selective"))
+    assert sel == 9984 + 4 * 2 * 8 * 4
 
 
 def test_eager_attention_computes_the_whole_square_at_the_matmul_ceiling():

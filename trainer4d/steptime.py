@@ -184,7 +184,21 @@ def flops_per_token(sh: dict, seq: int, convention: str = "model") -> float:
         return 6 * (layers + head) + 12 * L * h * seq
     if convention == "hardware":
         return 8 * layers + 6 * head + 16 * L * h * seq
+    if convention == "causal":      # the model's, attention counted as the causal half
+        return 6 * (layers + head) + 6 * L * h * seq
     raise ValueError(convention)
+
+
+def executed_per_token(sh: dict, lay: dict) -> float:
+    """Hardware FLOPs per token: the model's and the recompute's forward (full: the recomputed
+    layers' 2 per parameter and 4 L h s; selective: attention's 4 L h s), attention in full
+    (Narayanan et al.'s HFU; equal to flops_per_token(..., "hardware") under full recompute)."""
+    L, h, s = sh["layers"], sh["hidden"], lay["seq"]
+    rec = lay.get("recompute", "none")
+    again = 1 / lay.get("recompute_every", 1) if rec == "full" else 0.0
+    att_again = again if rec == "full" else float(rec == "selective")
+    return (flops_per_token(sh, s, "model") + 2 * again * L * layer_matmul_params(sh)
+            + 4 * att_again * L * h * s)
 
 
 def config_of(sh: dict):
@@ -341,8 +355,11 @@ def report(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
     tokens = lay["mb"] * lay["seq"] * lay["m"] * lay["dp"]      # per step, all replicas
     flops = flops_per_token(sh, lay["seq"], convention) * tokens
     tflops = flops / parts["step"] / gpus
+    per_gpu = lambda f: f * tokens / parts["step"] / gpus / g["peak"]      # noqa: E731
     return dict(parts, gpus=gpus, tokens=tokens, tokens_per_gpu=tokens / parts["step"] / gpus,
-                tflops=tflops / 1e12, mfu=tflops / g["peak"], gpu=g["name"])
+                tflops=tflops / 1e12, mfu=tflops / g["peak"], gpu=g["name"],
+                mfu_causal=per_gpu(flops_per_token(sh, lay["seq"], "causal")),
+                hfu=per_gpu(executed_per_token(sh, lay)))
 
 
 BREAKDOWN = ("matmul", "attention", "elementwise", "tp", "cp", "pp_send", "ep", "bubble", "dp",
@@ -353,6 +370,8 @@ def print_report(r: dict, out=print, width: int = 60) -> None:
     """The breakdown as a table and one bar (each part's letter, its share of the step)."""
     out(f"  step time on {r['gpu']}: {r['step']:.3f} s; {r['tokens_per_gpu']:,.0f} tokens/s/GPU, "
         f"{r['tflops']:.0f} TFLOP/s/GPU, MFU {r['mfu']:.1%} (model FLOPs, attention in full)")
+    out(f"    MFU counting causal attention's half (6 L h s per token): {r['mfu_causal']:.1%}; "
+        f"HFU (the recompute's forward counted too): {r['hfu']:.1%}")
     bar = ""
     for i, k in enumerate(BREAKDOWN):
         share = r[k] / r["step"]
