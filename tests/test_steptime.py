@@ -203,6 +203,7 @@ def test_validation_reproduces_the_results_file():
     lines = []
     fresh = validate(out=lines.append)
     assert fresh["rows"] == saved["rows"]          # the committed figures are the code's
+    assert saved["unpublished_v"]["2"] == fresh["median_abs_rel_err"] == saved["median_abs_rel_err"]
     assert len(fresh["rows"]) >= 12 and len({r["source"] for r in fresh["rows"]}) >= 3
     for r in fresh["rows"]:
         assert set(r) >= {"source", "layout", "metric", "published", "predicted", "rel_err"}

@@ -390,8 +390,10 @@ def layout_text(lay: dict) -> str:
              if lay["pp"] > 1 else "")
     extra = "".join(s for k, s in (("tp_overlap", ", TP overlapped"),
                                    ("pp_scatter", ", scatter/gather")) if lay.get(k))
+    k = lay.get("recompute_every", 1)
+    rec = lay["recompute"] + (f" (1 layer in {k})" if k > 1 and lay["recompute"] != "none" else "")
     return (f"{dims}, seq {lay['seq']}, mb {lay['mb']} x M {lay['m']}{sched}, ZeRO-{lay['zero']}, "
-            f"recompute {lay['recompute']}{extra}")
+            f"recompute {rec}{extra}")
 
 
 def table(data: dict) -> str:
