@@ -33,6 +33,18 @@ import lora
 #   replicated     acts on the full residual stream: identical input and complete gradient
 #   partial        replicated, but each rank's gradient covers its own heads only (Qwen3's and
 #                  Gemma3's per-head q/k norms): summed over the group after the backward
+# The same kinds in DTensor's placements (torch.distributed.tensor), over a 1-D mesh of the T
+# ranks: (the parameter, its gradient after the backward). What one placement cannot say is said.
+PLACEMENTS = {
+    "column": ("Shard(0)", "Shard(0)"),
+    "row": ("Shard(1)", "Shard(1)"),
+    "fused": ("Shard(0) within each segment", "the same (a DTensor per segment, or strided)"),
+    "kv-copy": ("Shard(0) over T/n_kv groups, Replicate inside each", "Partial() inside a group"),
+    "vocab": ("Shard(0), rows padded to a multiple of T", "Shard(0)"),
+    "norm-sharded": ("Shard(0)", "Shard(0)"),
+    "replicated": ("Replicate()", "Replicate()"),
+    "partial": ("Replicate()", "Partial(): each rank's own heads, summed after the backward"),
+}
 COLUMN, ROW, FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), \
     ("o_proj", "down_proj"), ("qkv_proj", "gate_up_proj")
 # full-width q/k norms whose formula tp.ShardedRMSNorm computes (weight x normalised, in float32)

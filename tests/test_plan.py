@@ -230,3 +230,17 @@ def test_mixed_precision_states_keep_zero_pys_fp32_gradient_shard():
            for z in (0, 1, 2, 3)}
     assert got == {0: 16 * TINY_PSI, 1: (4 + 16 / 4) * TINY_PSI, 2: (2 + 16 / 4) * TINY_PSI,
                    3: 18 / 4 * TINY_PSI}
+
+
+def test_tp_kinds_as_dtensor_placements():
+    """`python -m trainer4d.plan tp`: every kind tp_plan can assign has a DTensor placement, and
+    Qwen3 at T = 4 shows the kinds a plain Shard/Replicate reading gets wrong."""
+    import tp_plan
+    kinds = plan.tp_kinds(plan.load("tiny-qwen3"), 4, out=lambda *_: None)
+    assert set(tp_plan.PLACEMENTS) >= set(kinds.values())
+    assert {kinds["model.layers.0.self_attn.q_norm.weight"],
+            kinds["model.layers.0.self_attn.k_proj.weight"]} == {"partial", "kv-copy"}
+    assert tp_plan.PLACEMENTS["partial"][1].startswith("Partial()")
+    assert tp_plan.PLACEMENTS["row"][0] == "Shard(1)" and tp_plan.PLACEMENTS["column"][0] == "Shard(0)"
+    phi = plan.tp_kinds(plan.load("tiny-phi3"), 2, out=lambda *_: None)
+    assert "fused" in phi.values() and set(tp_plan.PLACEMENTS) >= set(phi.values())

@@ -8,6 +8,7 @@ cluster-scale questions (Llama 3 405B, a 7B model on 8 A100s, DeepSeek-V3).
     python -m trainer4d.plan --model llama2-7b --mem-gib 40 --layout dp=8,zero=3,recompute=full
     python -m trainer4d.plan bubble --stages 4 --microbatches 8 --virtual-stages 2
     python -m trainer4d.plan ring --ranks 4 --elements 8
+    python -m trainer4d.plan tp --model tiny-qwen3 --tp 4     (each parameter's kind, as DTensor)
 
 A layout is comma-separated key=value pairs: tp, cp, pp, dp, ep (expert-parallel ranks inside
 dp; an MoE model only), seq (length), mb (sequences per micro-batch), m (micro-batches per step
@@ -389,6 +390,24 @@ def bubbles(P: int, M: int, V: int, names, target: float, out=print) -> list[dic
     return rows
 
 
+def tp_kinds(config, T: int, out=print) -> dict:
+    """What tensor parallelism does with each parameter (tp_plan.classify on the meta device, no
+    process group) and the DTensor placement that says the same (tp_plan.PLACEMENTS); the first
+    layer stands for every layer."""
+    import tp_plan
+    kinds, reasons = tp_plan.classify(tp_plan.meta_model(config), T)
+    for r in reasons:
+        out(f"refused: {r}")
+    shown = {n: k for n, k in kinds.items() if ".layers." not in n or ".layers.0." in n}
+    out(f"{getattr(config, 'model_type', '?')} at T={T}: {len(kinds)} parameters, "
+        f"{len(shown)} shown (layer 0 stands for all {config.num_hidden_layers})")
+    out(f"{'parameter':<46} {'kind':<13} {'DTensor placement':<52} gradient")
+    for name, kind in shown.items():
+        param, grad = tp_plan.PLACEMENTS[kind]
+        out(f"{name:<46} {kind:<13} {param:<52} {grad}")
+    return kinds
+
+
 def ring_all_reduce(N: int, S: int, elem: int = 4, out=print) -> dict:
     """The ring all-reduce of N vectors of S elements, step by step in one process: a
     reduce-scatter (N-1 steps: rank r sends chunk (r - t) mod N to r+1, which adds it) then an
@@ -441,7 +460,7 @@ def main(argv=None):
                        help="another V where a source's interleaved V is unpublished (2)")
         a = p.parse_args(argv[1:])
         result = validate(unpublished_v=a.unpublished_v)
-        if a.unpublished_v is None:     # the median's sensitivity to the one assumption that moves it
+        if a.unpublished_v is None:     # the median's sensitivity to the assumption that moves it
             result["unpublished_v"] = {v: validate(out=lambda *_: None, unpublished_v=v)[
                 "median_abs_rel_err"] for v in (1, 2, 4)}
             print("median |error| with the unpublished V = 1, 2, 4: " + ", ".join(
@@ -452,6 +471,12 @@ def main(argv=None):
                 json.dump(result, f, indent=1)
                 f.write("\n")
         return result
+    if argv[:1] == ["tp"]:
+        p = argparse.ArgumentParser(prog="python -m trainer4d.plan tp")
+        p.add_argument("--model", default="tiny-qwen3", help="a preset or an HF config")
+        p.add_argument("--tp", type=int, default=4)
+        a = p.parse_args(argv[1:])
+        return tp_kinds(load(a.model), a.tp)
     if argv[:1] == ["ring"]:
         p = argparse.ArgumentParser(prog="python -m trainer4d.plan ring")
         p.add_argument("--ranks", type=int, default=4)
