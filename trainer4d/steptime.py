@@ -189,14 +189,20 @@ def flops_per_token(sh: dict, seq: int, convention: str = "model") -> float:
     raise ValueError(convention)
 
 
+def recomputed(lay: dict) -> tuple[float, float]:
+    """(the share of the layers' matmul forward, the share of attention's forward) the recompute
+    runs again: full: 1/k of the layers (recompute_every=k); selective: attention alone."""
+    rec = lay.get("recompute", "none")
+    again = 1 / lay.get("recompute_every", 1) if rec == "full" else 0.0
+    return again, again if rec == "full" else float(rec == "selective")
+
+
 def executed_per_token(sh: dict, lay: dict) -> float:
     """Hardware FLOPs per token: the model's and the recompute's forward (full: the recomputed
     layers' 2 per parameter and 4 L h s; selective: attention's 4 L h s), attention in full
     (Narayanan et al.'s HFU; equal to flops_per_token(..., "hardware") under full recompute)."""
     L, h, s = sh["layers"], sh["hidden"], lay["seq"]
-    rec = lay.get("recompute", "none")
-    again = 1 / lay.get("recompute_every", 1) if rec == "full" else 0.0
-    att_again = again if rec == "full" else float(rec == "selective")
+    again, att_again = recomputed(lay)
     return (flops_per_token(sh, s, "model") + 2 * again * L * layer_matmul_params(sh)
             + 4 * att_again * L * h * s)
 
@@ -238,9 +244,6 @@ def stages(L: int, P: int) -> list[tuple[int, bool]]:
 # ----------------------------------------------------------------------------------------------
 # Where each group's ranks sit, and what a collective costs
 # ----------------------------------------------------------------------------------------------
-ORDER = ("tp", "cp", "pp", "dp")   # innermost first (Llama 3's [TP, CP, PP, DP])
-
-
 def link(lay: dict, group: str, gpu: dict) -> tuple[str, float]:
     """(link class, bytes/s per GPU and direction) of a group: NVLink when its ranks, at stride
     (the product of the groups inside it), fit in one node; else the network's."""
@@ -255,17 +258,23 @@ def link(lay: dict, group: str, gpu: dict) -> tuple[str, float]:
     return ("nvlink", gpu["nvlink"]) if span <= gpu["per_node"] else ("network", gpu["net"])
 
 
+def wire_bytes(group: str, op: str, nbytes: float, lay: dict) -> float:
+    """Bytes one rank sends for a row of trainer4d.plan.comm_per_step (harness.meter.RING_FACTOR
+    on the group's size; a point-to-point send: its buffer)."""
+    from harness.meter import RING_FACTOR
+    size = dict(tp=lay["tp"], cp=lay["cp"], pp=2, dp=lay["dp"] * lay["cp"],
+                edp=lay["dp"] * lay["cp"] // lay["ep"], ep=lay["ep"])[group]
+    key = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
+           "all_to_all": "all_to_all_single"}.get(op, op)
+    return nbytes * RING_FACTOR[key](size) if key in RING_FACTOR else nbytes
+
+
 def comm_seconds(rows: list, lay: dict, gpu: dict) -> dict:
     """Seconds per optimizer step of each (group, op) of trainer4d.plan.comm_per_step's rows, on
     its link."""
-    from harness.meter import RING_FACTOR
-    size = dict(tp=lay["tp"], cp=lay["cp"], pp=2, dp=lay["dp"] * lay["cp"],
-                edp=lay["dp"] * lay["cp"] // lay["ep"], ep=lay["ep"])
     out = {}
     for group, op, calls, nbytes, _ in rows:
-        key = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
-               "all_to_all": "all_to_all_single"}.get(op, op)
-        wire = nbytes * RING_FACTOR[key](size[group]) if key in RING_FACTOR else nbytes
+        wire = wire_bytes(group, op, nbytes, lay)
         kind, bw = link(lay, group, gpu)
         out[(group, op)] = dict(seconds=wire / bw, calls=calls, link=kind, wire=wire)
     return out
@@ -288,17 +297,15 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
     T, C, P, M = lay["tp"], lay["cp"], lay["pp"], lay["m"]
     L, h = sh["layers"], sh["hidden"]
     n = lay["mb"] * lay["seq"] // C                 # this GPU's tokens per micro-batch
-    rec = lay.get("recompute", "none")
     layer_mm, head_mm = layer_matmul_params(sh), sh["vocab"] * h
-    again = 1 / lay.get("recompute_every", 1) if rec == "full" else 0.0   # layers' forward
+    again, att_again = recomputed(lay)
     per_layer, logits = kept_bytes(sh, lay, elem)
 
     def stage(layers: int, head: bool) -> tuple[float, float, float]:
         """One micro-batch through a stage on one GPU (forward F, backward 2F, the recompute's
         forward again): its matmul, attention and elementwise seconds."""
         mm = ((6 + 2 * again) * layers * layer_mm + 6 * head_mm * head) * n / T
-        att = ((12 + 4 * (again if rec == "full" else rec == "selective"))
-               * layers * h * lay["seq"] * n / T)
+        att = (12 + 4 * att_again) * layers * h * lay["seq"] * n / T
         if lay.get("attn") == "eager":    # the s x s scores as batched matmuls, masked half too
             t_att = att / g["mamf"]
         else:                             # a flash kernel skips the masked half
