@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .memory import OOM_EXIT, SimulatedOOM, measure_memory, steady_peak
-from .meter import METER, RING_FACTOR, mark, seconds_between
+from .meter import METER, RING_FACTOR, mark, quantile, seconds_between
 from .models import DTYPES, build_model
 from .report import jsonable, fmt_bytes, write_json
 from .run import Run, gather_objects, max_over_ranks, broadcast_verdict, make_pair
@@ -139,15 +139,6 @@ def paired_ratios(run: Run, cls, names: list) -> dict:
 
 def _no_spans(r: dict) -> dict:
     return {k: v for k, v in r.items() if k != "spans"}
-
-
-def quantile(xs: list, q: float) -> float:
-    """The q-quantile of sorted xs, linearly interpolated."""
-    if len(xs) == 1:
-        return xs[0]
-    at = q * (len(xs) - 1)
-    i = min(int(at), len(xs) - 2)
-    return xs[i] + (xs[i + 1] - xs[i]) * (at - i)
 
 
 def run_benchmark(run: Run, cls) -> bool:

@@ -46,6 +46,16 @@ def seconds_between(a, b) -> float:
     return a.elapsed_time(b) / 1e3 if isinstance(a, torch.cuda.Event) else b - a
 
 
+def quantile(xs: list, q: float) -> float:
+    """The q-quantile of sorted xs, linearly interpolated (of timed steps: the benchmark's paired
+    ratios, harness.recompute's extra time)."""
+    if len(xs) == 1:
+        return xs[0]
+    at = q * (len(xs) - 1)
+    i = min(int(at), len(xs) - 2)
+    return xs[i] + (xs[i + 1] - xs[i]) * (at - i)
+
+
 class Phases:
     """Named spans of a step (`with phase("forward"):`), summed per name into `elapsed` seconds.
 

@@ -128,6 +128,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from . import dropout
+from .meter import quantile
 from .models import Float64Kept, attention_of, kv_heads, parts
 
 MODES = ("none", "full", "selective")
@@ -423,13 +424,13 @@ MIN_SPREAD_REPEATS = 5     # fewer rounds give no spread: no extra time is print
 
 def extra_time(rounds: dict, mode: str) -> dict | None:
     """A mode's extra time over `none`: the median, 10th and 90th percentile of the per-round
-    ratios (the two timed back to back in each round), minus 1; None under MIN_SPREAD_REPEATS
-    rounds, where one slow step decides the sign."""
+    ratios (the two timed back to back in each round; the benchmark's --paired quantiles),
+    minus 1; None under MIN_SPREAD_REPEATS rounds, where one slow step decides the sign."""
     xs = sorted(a / b for a, b in zip(rounds[mode], rounds["none"]))
     if len(xs) < MIN_SPREAD_REPEATS:
         return None
-    q = lambda f: xs[min(len(xs) - 1, int(f * (len(xs) - 1) + 0.5))] - 1     # noqa: E731
-    return dict(median=statistics.median(xs) - 1, p10=q(0.1), p90=q(0.9))
+    return dict(median=statistics.median(xs) - 1, p10=quantile(xs, 0.1) - 1,
+                p90=quantile(xs, 0.9) - 1)
 
 
 def main(argv=None):
