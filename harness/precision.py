@@ -40,6 +40,8 @@ class Masters:
             master_groups.append(dict(g, params=ms))
         super().__init__(master_groups, **kw)
         self.low = [(p, m) for p, m in zip(self.model_params, self.masters) if m is not p]
+        self.grad_divisor = 1.0   # float16's loss scale S (harness/loss_scale.py): the
+        #                           gradients arrive times S and are divided in fp32, here
 
     def zero_grad(self, set_to_none: bool = True):
         super().zero_grad(set_to_none)
@@ -53,6 +55,9 @@ class Masters:
     def step(self, closure=None):
         for p, m in self.low:
             m.grad = None if p.grad is None else p.grad.float()
+            if m.grad is not None and self.grad_divisor != 1.0 \
+                    and not planted("loss-scale-no-unscale"):   # plant: Adam steps on S g
+                m.grad.div_(self.grad_divisor)
         loss = super().step(closure)
         if self.low and not planted("master-no-copy"):   # plant: the bf16 weights never move
             # the bf16 copies of the updated masters, in one pass
