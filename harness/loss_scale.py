@@ -1,6 +1,6 @@
 """loss_scale.py: float16 training needs a loss scale, bfloat16 does not; measured on one device.
 
-    python -m harness.loss_scale --model tiny --steps 40 --growth-interval 10
+    python -m harness.loss_scale --batch 4 --steps 20 --init-scale 2^24
 
 The idea (Micikevicius et al. 2018, "Mixed Precision Training")
     float16 keeps 10 mantissa bits but only 5 exponent bits: nothing below 2^-24 survives,
@@ -200,6 +200,11 @@ def train(model32, batches, dtype, lr: float, scaler: DynamicLossScaler | None =
                 model=model)
 
 
+def _scale_arg(text: str) -> float:
+    """A loss scale on the command line: a number, or 2^k."""
+    return 2.0 ** float(text[2:]) if text.startswith("2^") else float(text)
+
+
 def _pow2(x: float) -> str:
     e = math.log2(x)
     return f"2^{e:.0f}" if e == round(e) else f"{x:g}"
@@ -217,8 +222,9 @@ def main(argv=None):
     p.add_argument("--length", type=int, default=64)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--init-scale", type=float, default=2.0 ** 16,
-                   help="the scaler's first S (torch.amp.GradScaler's default)")
+    p.add_argument("--init-scale", type=_scale_arg, default=2.0 ** 16,
+                   help="the scaler's first S, a number or 2^k (default 2^16: "
+                        "torch.amp.GradScaler's)")
     p.add_argument("--growth-interval", type=int, default=2000,
                    help="good steps in a row before S doubles (GradScaler's default 2000)")
     p.add_argument("--seed", type=int, default=0)

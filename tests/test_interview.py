@@ -26,7 +26,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "interview.md")
-QUESTIONS = 30
+QUESTIONS = 33
 NUMBER = r"[-+]?(?:\d[\d,]*)?\.?\d+(?:[eE][-+]?\d+)?"
 APPROX = 0.05   # ≈ figures: the live-tensor tracker's bytes move with torch's autograd internals
 
