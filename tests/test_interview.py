@@ -14,13 +14,21 @@ must appear in its output (the page's rules, stated at its top):
   (ZeRO++, DualPipeV); its test is skipped with that reason.
 
 The commands run in the repository root with `python` and `torchrun` meaning this interpreter; a
-command used by several questions runs once. INTERVIEW_OUTPUTS=DIR keeps each command's output
+command used by several questions runs once. `torchrun --nproc_per_node=N script ...` is launched
+by the tests' forkserver (tests/forkserver.py: the same script in a real gloo group of N forked
+processes, without torchrun's ~5 s of imports and agent per launch; `TEST_LAUNCHER=torchrun`:
+real torchrun): the command's `torchrun` is a small client that hands its launch to this
+process over a unix socket (Relay). INTERVIEW_OUTPUTS=DIR keeps each command's output
 there (to refresh the page's figures)."""
+import json
 import os
 import re
+import socket
 import stat
 import subprocess
 import sys
+import tempfile
+import threading
 
 import pytest
 
@@ -96,22 +104,90 @@ def missing(quoted: list[str], output: str) -> list[str]:
 _OUTPUTS: dict = {}
 
 
+# the command's `torchrun`: a launch it can hand to the relay goes there, anything else (another
+# torchrun option, no relay, TEST_LAUNCHER=torchrun) runs real torchrun
+TORCHRUN_CLIENT = """
+import json, os, socket, sys
+args, nproc, i = sys.argv[1:], 1, 0
+while i < len(args) and args[i].startswith("--"):
+    if args[i].startswith("--nproc_per_node="):
+        nproc = int(args[i].split("=", 1)[1])
+    elif args[i] == "--nproc_per_node" and i + 1 < len(args):
+        i += 1
+        nproc = int(args[i])
+    elif args[i] != "--standalone":
+        break
+    i += 1
+relay = os.environ.get("INTERVIEW_RELAY")
+if (not relay or os.environ.get("TEST_LAUNCHER") == "torchrun" or i >= len(args)
+        or args[i].startswith("-") or not args[i].endswith(".py")):
+    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *sys.argv[1:]])
+req = dict(script=args[i], argv=args[i + 1:], nproc=nproc, env=dict(os.environ))
+with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+    s.connect(relay)
+    s.sendall(json.dumps(req).encode())
+    s.shutdown(socket.SHUT_WR)
+    reply = json.loads(b"".join(iter(lambda: s.recv(1 << 16), b"")))
+sys.stdout.write(reply["out"])
+sys.stdout.flush()
+sys.stderr.write(reply["err"])
+sys.exit(reply["rc"])
+"""
+
+
 def shims(tmp) -> str:
-    """A directory whose `python` and `torchrun` run this interpreter."""
+    """A directory whose `python` runs this interpreter and whose `torchrun` is the client above."""
     os.makedirs(tmp, exist_ok=True)
-    for name, line in (("python", f'exec "{sys.executable}" "$@"'),
-                       ("torchrun", f'exec "{sys.executable}" -m torch.distributed.run "$@"')):
+    for name, text in (("python", f'#!/bin/sh\nexec "{sys.executable}" "$@"\n'),
+                       ("torchrun", f"#!{sys.executable}\n{TORCHRUN_CLIENT}")):
         path = os.path.join(tmp, name)
         with open(path, "w") as f:
-            f.write(f"#!/bin/sh\n{line}\n")
+            f.write(text)
         os.chmod(path, os.stat(path).st_mode | stat.S_IEXEC)
     return tmp
 
 
-def run_command(command: str, bindir: str, timeout: int = 300) -> str:
+class Relay:
+    """A unix socket served by a thread of this process: each connection is one launch from the
+    `torchrun` client, run by conftest's forkserver; the reply carries its exit code (1 when a
+    rank failed, as torchrun's), stdout and stderr."""
+
+    def __init__(self, timeout: int = 600):
+        self.dir = tempfile.mkdtemp(prefix="relay-")
+        self.path, self.timeout = os.path.join(self.dir, "sock"), timeout
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(self.path)
+        self.sock.listen()
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        from conftest import fork_server, launch_env
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return                                  # closed
+            with conn:
+                req = json.loads(b"".join(iter(lambda: conn.recv(1 << 16), b"")))
+                try:
+                    rc, out, err = fork_server(launch_env()).run(
+                        req["script"], req["nproc"], req["argv"], self.timeout, env=req["env"])
+                except subprocess.TimeoutExpired as e:
+                    rc, out, err = 124, str(e.stdout or ""), f"{e.stderr or ''}\nrelay: timed out"
+                except Exception as e:                  # (the command sees it as a failure)
+                    rc, out, err = 1, "", f"relay: {type(e).__name__}: {e}"
+                conn.sendall(json.dumps(dict(rc=rc, out=out, err=err)).encode())
+
+    def close(self):
+        self.sock.close()
+
+
+def run_command(command: str, bindir: str, timeout: int = 300, relay: Relay | None = None) -> str:
     if command not in _OUTPUTS:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                    PATH=bindir + os.pathsep + os.environ.get("PATH", ""))
+        if relay is not None:
+            env["INTERVIEW_RELAY"] = relay.path
         proc = subprocess.run(["bash", "-e", "-c", command],
                               capture_output=True, text=True,
                               timeout=timeout, env=env, cwd=ROOT)
@@ -129,6 +205,13 @@ def run_command(command: str, bindir: str, timeout: int = 300) -> str:
 @pytest.fixture(scope="module")
 def bindir(tmp_path_factory):
     return shims(str(tmp_path_factory.mktemp("bin")))
+
+
+@pytest.fixture(scope="module")
+def relay():
+    r = Relay()
+    yield r
+    r.close()
 
 
 @pytest.fixture(scope="module")
@@ -202,11 +285,27 @@ def test_a_drifted_figure_fails(page):
 
 @pytest.mark.heavy   # each runs the page's command as a reader would (CI: make test-heavy)
 @pytest.mark.parametrize("n", range(1, QUESTIONS + 1))
-def test_question(n, page, bindir):
+def test_question(n, page, bindir, relay):
     q = page[n]
     if q["pending"]:
         pytest.skip(f"question {n}: its command is pending ({q['pending']})")
-    output = run_command(q["command"], bindir)
+    output = run_command(q["command"], bindir, relay=relay)
     gone = missing(q["quoted"], output)
     assert not gone, (f"question {n}: `{q['command']}` no longer prints:\n  "
                       + "\n  ".join(gone) + f"\n--- output\n{output[-6000:]}")
+
+
+def test_the_torchrun_client_hands_launches_to_the_relay(tmp_path, bindir, relay):
+    """A command's `torchrun` runs its script in N ranks through the relay: every rank's output
+    comes back, and a rank that fails fails the command (as under torchrun)."""
+    script = tmp_path / "ranks.py"
+    script.write_text("import os, sys\nprint('rank', os.environ['RANK'], 'of', "
+                      "os.environ['WORLD_SIZE'])\nsys.exit(int(os.environ['RANK']) == 1)\n")
+    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"],
+               INTERVIEW_RELAY=relay.path)
+    p = subprocess.run(["bash", "-c", f"torchrun --standalone --nproc_per_node=3 {script}"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    assert sorted(x for x in p.stdout.splitlines() if x.startswith("rank")) == [
+        "rank 0 of 3", "rank 1 of 3", "rank 2 of 3"], p.stdout
+    assert "rank 1 exitcode" in p.stderr, p.stderr
