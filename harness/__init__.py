@@ -19,6 +19,8 @@ The package, one concern per module (a strategy imports its names from here, the
     data.py         the synthetic Markov language (exact loss floor), `Batch`, ignored labels
     loss.py         the loss normalisation: CE sum over a rank's tokens / global token count
     precision.py    the mixed-precision policy: fp32 master weights (`make_adamw`)
+    loss_scale.py   float16's dynamic loss scale (found_inf agreed over the ranks) and its
+                    measurement against bfloat16 (`python -m harness.loss_scale`)
     meter.py        `phase("forward")` marks; the communication meter (`METER`, `Expect`,
                     `name_group`) that counts every torch.distributed call by op and group
     memory.py       the live-storage tracker (CPU and CUDA), steady-state peak, simulated OOM
