@@ -3,8 +3,8 @@
     python -m harness.loss_scale --batch 4 --steps 20 --init-scale 2^24
 
 The idea (Micikevicius et al. 2018, "Mixed Precision Training")
-    float16 keeps 10 mantissa bits but only 5 exponent bits: nothing below 2^-24 survives,
-    and below 2^-14 (the smallest normal number) a value keeps fewer bits the smaller it is.
+    float16 keeps 10 mantissa bits but only 5 exponent bits: nothing below 2^-25 survives
+    (2^-24 is its smallest subnormal), and below 2^-14 (the smallest normal number) a value keeps fewer bits the smaller it is.
     A language model's gradients are small (the loss is a mean over every token of the batch,
     so each logit's gradient is ~1/N), and a share of them falls there. The fix: multiply the
     loss by S before the backward, so every gradient of the backward is S times larger and
@@ -14,8 +14,9 @@ The idea (Micikevicius et al. 2018, "Mixed Precision Training")
     Megatron's DynamicGradScaler without its hysteresis): an overflow halves S and skips the
     step; `growth_interval` steps in a row without one double it.
     bfloat16 has float32's 8 exponent bits: every gradient float32 can hold, bf16 can too, so
-    no scale is needed; it pays with 7 mantissa bits (8x float16's rounding), which is why
-    the optimizer keeps fp32 masters either way (harness/precision.py).
+    no scale is needed; it pays with 7 mantissa bits (8x float16's rounding). Either way the
+    optimizer keeps fp32 masters (harness/precision.py): an update under half a unit in the
+    last place of its 16-bit weight would otherwise be lost.
 
 Under parallelism
     Ranks that hold different gradients (TP's and pipeline stages' own parameters, ZeRO's and
@@ -24,13 +25,17 @@ Under parallelism
     others step). `found_inf` is all-reduced (MAX) over every rank that steps before anyone
     decides (Megatron: over the model-parallel group, or every gradient-holding rank with
     its distributed optimizer). After DDP's all-reduce the replicas' gradients are equal,
-    and so is their verdict, but not under ZeRO.
+    and so is their verdict, but not under ZeRO. In this suite no strategy trains in float16
+    (`--dtype` is float64, float32 or bfloat16): the rule is shown and tested on its own
+    (tests/loss_scale_check.py: ranks holding different fp16 parameters).
 
 The step (`DynamicLossScaler.step`), given fp16 parameters and harness.precision's masters
     found = any inf/nan in the fp16 gradients        (a device scalar)
     all_reduce(found, MAX, group)                    (every rank the same verdict)
-    read found to the host                           (the step's one host read: Megatron and
-                                                      torch's GradScaler read it too)
+    read found to the host                           (the step's one host read: Megatron reads
+                                                      it too; torch's GradScaler hands found_inf
+                                                      to a fused optimizer instead, which skips
+                                                      on the device)
     found: no step, S <- S * backoff_factor; else the masters' fp32 copies divided by S, the
     optimizer's step, and S <- S * growth_factor after growth_interval good steps in a row
 
@@ -40,7 +45,7 @@ Public API
         .scale_loss(loss) -> loss * S      .step(optimizer) -> True if it stepped
         .scale (float), .skipped (int)
     census(model32, ids, labels, dtype, scale) -> dict   one step's gradients in dtype at loss
-        scale S against float32's: flushed to zero, subnormal, non-finite, relative error
+        scale S against float32's: zero where float32 is not, subnormal, non-finite, relative error
     python -m harness.loss_scale ...   the formats, the census at the first and the last step,
         and float32 / bfloat16 / float16 without and with the scaler trained from one start
 """
@@ -62,7 +67,10 @@ from .precision import make_adamw
 # The scaler
 # ----------------------------------------------------------------------------------------------
 def found_non_finite(grads) -> torch.Tensor:
-    """1.0 if any gradient holds an inf or a nan, else 0.0: a float32 scalar on their device."""
+    """1.0 if any gradient holds an inf or a nan, else 0.0: a float32 scalar on their device
+    (0.0 without gradients: a rank holding none still joins the all-reduce)."""
+    if not grads:
+        return torch.zeros(())
     flags = [torch.logical_not(torch.isfinite(g)).any() for g in grads]
     return torch.stack(flags).any().float()
 
@@ -73,9 +81,11 @@ class DynamicLossScaler:
         loss = scaler.scale_loss(loss); loss.backward(); scaler.step(optimizer)
 
     `optimizer`: harness.precision's MasterAdamW (fp32 masters of fp16 parameters), whose
-    `grad_divisor` divides the masters' gradient copies, so that nothing is divided in
-    float16. `group`: the ranks that must skip together (None: this process alone). Gradient
-    clipping, if any, goes after the division (not done here)."""
+    `grad_divisor` divides the gradients in fp32 inside its step, so that nothing is divided
+    in float16. `group`: the ranks that must skip together (None: this process alone). The
+    division happens inside the optimizer's step, so there is no point between it and the
+    update to clip at: clipping under a loss scale needs the division split out (torch's
+    GradScaler.unscale_), not offered here."""
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, group=None):
@@ -90,6 +100,9 @@ class DynamicLossScaler:
 
     @torch.no_grad()
     def step(self, optimizer) -> bool:
+        if not hasattr(optimizer, "grad_divisor"):
+            raise TypeError("DynamicLossScaler.step needs harness.precision's MasterAdamW "
+                            "(make_adamw over float16 parameters)")
         grads = [p.grad for p in optimizer.model_params if p.grad is not None]
         found = found_non_finite(grads)                       # () float32, on the device
         if self.group is not None and not planted("loss-scale-local-inf"):   # plant: own verdict
@@ -153,19 +166,21 @@ def _layer_output_grads(model, ids, labels, scale: float) -> tuple[list, list]:
 def census(model32, ids, labels, dtype, scale: float) -> dict:
     """One forward and backward of a `dtype` copy of model32 with the loss times `scale`, against
     model32's own in float32: for the parameter gradients and for the layer outputs' gradients,
-    the share of entries flushed to zero where float32's is not and the share subnormal in
-    `dtype` (0 < |g| < its smallest normal, fewer mantissa bits the smaller); the parameter
-    gradients' inf/nan entries, and their relative error ||g/scale - g32|| / ||g32|| (None
-    when any is not finite: the step would be skipped)."""
+    the share of entries that are zero where float32's is not (underflow, or rounding that
+    cancels: a difference of two nearly equal numbers, which both formats show at any scale)
+    and the share subnormal in `dtype` (0 < |g| < its smallest normal: fewer mantissa bits the
+    smaller); the inf/nan entries of both; the parameter gradients' relative error
+    ||g/scale - g32|| / ||g32|| (None when any entry is not finite: the step would be
+    skipped). Shares are of all entries."""
     ref_p, ref_a = _layer_output_grads(model32, ids, labels, 1.0)
     low_p, low_a = _layer_output_grads(copy.deepcopy(model32).to(dtype), ids, labels, scale)
     tiny = torch.finfo(dtype).tiny
 
     def shares(low, ref):
         n = sum(g.numel() for g in ref)
-        flushed = sum(int(((g == 0) & (r != 0)).sum()) for g, r in zip(low, ref))
+        zeroed = sum(int(((g == 0) & (r != 0)).sum()) for g, r in zip(low, ref))
         subnormal = sum(int(((g != 0) & (g.abs() < tiny)).sum()) for g in low)
-        return flushed / n, subnormal / n
+        return zeroed / n, subnormal / n
 
     bad = sum(int((~torch.isfinite(g)).sum()) for g in low_p + low_a)
     err = None
@@ -174,8 +189,8 @@ def census(model32, ids, labels, dtype, scale: float) -> dict:
                   for g, r in zip(low_p, ref_p))
         err = math.sqrt(num / sum(float((r.double() ** 2).sum()) for r in ref_p))
     (pf, ps), (af, as_) = shares(low_p, ref_p), shares(low_a, ref_a)
-    return dict(dtype=str(dtype).split(".")[1], scale=scale, param_flushed=pf,
-                param_subnormal=ps, act_flushed=af, act_subnormal=as_, non_finite=bad,
+    return dict(dtype=str(dtype).split(".")[1], scale=scale, param_zeroed=pf,
+                param_subnormal=ps, act_zeroed=af, act_subnormal=as_, non_finite=bad,
                 rel_error=err)
 
 
@@ -255,18 +270,18 @@ def main(argv=None):
 
     trained = runs["float32"]["model"]
     print("one step's gradients against float32's (the same weights and batch), shares of the "
-          "entries flushed to 0 / subnormal: of the parameters' gradients, of the layer "
-          "outputs' (the backward's activation gradients)")
-    print(f"  {'weights':<8} {'dtype':<9} {'scale':>5} {'params flushed':>14} {'subnormal':>9} "
-          f"{'acts flushed':>12} {'subnormal':>9} {'inf/nan':>7} {'rel. error':>10}")
+          "entries zero where float32's is not / subnormal: of the parameters' gradients, of the "
+          "layer outputs' (the backward's activation gradients)")
+    print(f"  {'weights':<8} {'dtype':<9} {'scale':>5} {'params zeroed':>14} {'subnormal':>9} "
+          f"{'acts zeroed':>12} {'subnormal':>9} {'inf/nan':>7} {'rel. error':>10}")
     ids, labels = batches[-1]
     for when, m in (("step 0", model32), (f"step {a.steps}", trained)):
         for dt, s in ((torch.float16, 1.0), (torch.float16, 2.0 ** 8), (torch.float16, 2.0 ** 16),
                       (torch.float16, 2.0 ** 24), (torch.bfloat16, 1.0)):
             c = census(m, ids, labels, dt, s)
             err = "-" if c["rel_error"] is None else f"{c['rel_error']:.1e}"
-            print(f"  {when:<8} {c['dtype']:<9} {_pow2(s):>5} {c['param_flushed']:>14.2%} "
-                  f"{c['param_subnormal']:>9.2%} {c['act_flushed']:>12.2%} "
+            print(f"  {when:<8} {c['dtype']:<9} {_pow2(s):>5} {c['param_zeroed']:>14.2%} "
+                  f"{c['param_subnormal']:>9.2%} {c['act_zeroed']:>12.2%} "
                   f"{c['act_subnormal']:>9.2%} {c['non_finite']:>7} {err:>10}")
 
     base = sum(runs["float32"]["losses"][-10:]) / len(runs["float32"]["losses"][-10:])

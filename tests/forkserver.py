@@ -45,8 +45,10 @@ PRELOAD = ["rig.ddp", "rig.zero", "rig.zeropp", "rig.fsdp", "rig.tp", "rig.sp", 
 # ----------------------------------------------------------------------------------------------
 class ForkServer:
     def __init__(self, env: dict):
+        import threading
         self.env = env      # the server's (and the default for its workers)
         self.proc = None
+        self.lock = threading.Lock()   # one launch at a time (test_interview's relay thread)
 
     def _start(self):
         import tempfile
@@ -65,6 +67,10 @@ class ForkServer:
         torchrun), with each failed rank's exit code in the last lines of stderr. as_rank0:
         only rank 0 of the `nproc` runs (for configuration errors, which end before any
         process group exists), and rc is its own exit code, as a plain process's."""
+        with self.lock:
+            return self._run(script, nproc, argv, timeout, env, as_rank0)
+
+    def _run(self, script, nproc, argv, timeout, env, as_rank0):
         import tempfile
         if self.proc is None or self.proc.poll() is not None:
             self._start()

@@ -150,7 +150,10 @@ SLOW = {
                           "dp-tp-sp": ["--mode", "correctness", *DROP, "--dp", "2", "--tp", "2",
                                        "--sp", "--grad-accum", "2"]},
 }
-SLOW_RUNS = {k: Runs(s, w, runs, tier="slow") for (s, w), runs in SLOW.items() for k in [(s, w)]}
+# the four-rank worlds and the pipeline's two schedules run in the heavy tier (make test's budget)
+HEAVY = {("tp.py", 4), ("pp.py", 2), ("compose4d.py", 4)}
+SLOW_RUNS = {k: Runs(s, w, runs, tier="heavy" if k in HEAVY else "slow")
+             for (s, w), runs in SLOW.items() for k in [(s, w)]}
 
 
 def _passes(r, rates="{'attention_dropout': 0.1, 'resid_pdrop': 0.1}"):
@@ -164,8 +167,9 @@ def test_tp_with_attention_and_hidden_dropout_passes(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script,world,key", [(s, w, k) for (s, w), rs in SLOW.items()
-                                              for k in rs if "learning" not in k])
+@pytest.mark.parametrize("script,world,key", [
+    pytest.param(s, w, k, marks=[pytest.mark.heavy] if (s, w) in HEAVY else [])
+    for (s, w), rs in SLOW.items() for k in rs if "learning" not in k])
 def test_every_strategy_with_dropout_passes(runs, script, world, key):
     rates = {"cp-hidden": "{'resid_pdrop': 0.1}", "tp-llama": "{'attention_dropout': 0.1}",
              "tp-kv-copies": "{'attention_dropout': 0.1}",

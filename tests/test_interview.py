@@ -23,12 +23,14 @@ there (to refresh the page's figures)."""
 import json
 import os
 import re
+import signal
 import socket
 import stat
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import pytest
 
@@ -120,9 +122,14 @@ while i < len(args) and args[i].startswith("--"):
     i += 1
 relay = os.environ.get("INTERVIEW_RELAY")
 if (not relay or os.environ.get("TEST_LAUNCHER") == "torchrun" or i >= len(args)
-        or args[i].startswith("-") or not args[i].endswith(".py")):
+        or args[i].startswith("-") or not args[i].endswith(".py")
+        or os.getcwd() != os.environ.get("INTERVIEW_ROOT")):    # (the server runs in the root)
     os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *sys.argv[1:]])
-req = dict(script=args[i], argv=args[i + 1:], nproc=nproc, env=dict(os.environ))
+# the workers' environment: the relay's variables left out, so that a script that itself
+# launches torchrun gets real torchrun, not a relay busy with its parent
+env = {k: v for k, v in os.environ.items() if not k.startswith("INTERVIEW_")}
+req = dict(script=args[i], argv=args[i + 1:], nproc=nproc, env=env,
+           deadline=float(os.environ["INTERVIEW_DEADLINE"]))
 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
     s.connect(relay)
     s.sendall(json.dumps(req).encode())
@@ -152,34 +159,51 @@ class Relay:
     `torchrun` client, run by conftest's forkserver; the reply carries its exit code (1 when a
     rank failed, as torchrun's), stdout and stderr."""
 
-    def __init__(self, timeout: int = 600):
+    def __init__(self):
         self.dir = tempfile.mkdtemp(prefix="relay-")
-        self.path, self.timeout = os.path.join(self.dir, "sock"), timeout
+        self.path = os.path.join(self.dir, "sock")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(self.path)
         self.sock.listen()
-        threading.Thread(target=self.serve, daemon=True).start()
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
 
     def serve(self):
-        from conftest import fork_server, launch_env
         while True:
             try:
                 conn, _ = self.sock.accept()
             except OSError:
                 return                                  # closed
             with conn:
-                req = json.loads(b"".join(iter(lambda: conn.recv(1 << 16), b"")))
                 try:
-                    rc, out, err = fork_server(launch_env()).run(
-                        req["script"], req["nproc"], req["argv"], self.timeout, env=req["env"])
-                except subprocess.TimeoutExpired as e:
-                    rc, out, err = 124, str(e.stdout or ""), f"{e.stderr or ''}\nrelay: timed out"
-                except Exception as e:                  # (the command sees it as a failure)
-                    rc, out, err = 1, "", f"relay: {type(e).__name__}: {e}"
-                conn.sendall(json.dumps(dict(rc=rc, out=out, err=err)).encode())
+                    conn.sendall(json.dumps(self.launch(conn)).encode())
+                except OSError:
+                    pass    # the command was killed (its timeout) before the reply: next one
+
+    @staticmethod
+    def launch(conn) -> dict:
+        from conftest import fork_server, launch_env
+        import time
+        req = json.loads(b"".join(iter(lambda: conn.recv(1 << 16), b"")))
+        try:       # the launch ends by the command's own deadline (its ranks killed there)
+            rc, out, err = fork_server(launch_env()).run(
+                req["script"], req["nproc"], req["argv"], max(1.0, req["deadline"] - time.time()),
+                env=req["env"])
+        except subprocess.TimeoutExpired as e:
+            rc, out, err = 124, str(e.stdout or ""), f"{e.stderr or ''}\nrelay: timed out"
+        except Exception as e:                          # (the command sees it as a failure)
+            rc, out, err = 1, "", f"relay: {type(e).__name__}: {e}"
+        return dict(rc=rc, out=out, err=err)
 
     def close(self):
+        import shutil
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)        # (wakes the blocked accept)
+        except OSError:
+            pass
         self.sock.close()
+        self.thread.join(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def run_command(command: str, bindir: str, timeout: int = 300, relay: Relay | None = None) -> str:
@@ -187,10 +211,18 @@ def run_command(command: str, bindir: str, timeout: int = 300, relay: Relay | No
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                    PATH=bindir + os.pathsep + os.environ.get("PATH", ""))
         if relay is not None:
-            env["INTERVIEW_RELAY"] = relay.path
-        proc = subprocess.run(["bash", "-e", "-c", command],
-                              capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd=ROOT)
+            env.update(INTERVIEW_RELAY=relay.path, INTERVIEW_ROOT=ROOT,
+                       INTERVIEW_DEADLINE=str(time.time() + timeout - 5))
+        proc = subprocess.Popen(["bash", "-e", "-c", command], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)          # bash and everything it started
+            proc.communicate()
+            raise
+        proc = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
         assert proc.returncode == 0, (f"{command}\nexit {proc.returncode}\n"
                                       f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         _OUTPUTS[command] = proc.stdout + proc.stderr
@@ -295,6 +327,8 @@ def test_question(n, page, bindir, relay):
                       + "\n  ".join(gone) + f"\n--- output\n{output[-6000:]}")
 
 
+@pytest.mark.skipif(os.environ.get("TEST_LAUNCHER") == "torchrun",
+                    reason="TEST_LAUNCHER=torchrun: the client runs real torchrun")
 def test_the_torchrun_client_hands_launches_to_the_relay(tmp_path, bindir, relay):
     """A command's `torchrun` runs its script in N ranks through the relay: every rank's output
     comes back, and a rank that fails fails the command (as under torchrun)."""
@@ -302,10 +336,27 @@ def test_the_torchrun_client_hands_launches_to_the_relay(tmp_path, bindir, relay
     script.write_text("import os, sys\nprint('rank', os.environ['RANK'], 'of', "
                       "os.environ['WORLD_SIZE'])\nsys.exit(int(os.environ['RANK']) == 1)\n")
     env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"],
-               INTERVIEW_RELAY=relay.path)
+               INTERVIEW_RELAY=relay.path, INTERVIEW_ROOT=ROOT,
+               INTERVIEW_DEADLINE=str(time.time() + 120))
     p = subprocess.run(["bash", "-c", f"torchrun --standalone --nproc_per_node=3 {script}"],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert p.returncode == 1, (p.stdout, p.stderr)
     assert sorted(x for x in p.stdout.splitlines() if x.startswith("rank")) == [
         "rank 0 of 3", "rank 1 of 3", "rank 2 of 3"], p.stdout
     assert "rank 1 exitcode" in p.stderr, p.stderr
+
+
+@pytest.mark.skipif(os.environ.get("TEST_LAUNCHER") == "torchrun",
+                    reason="TEST_LAUNCHER=torchrun: the client runs real torchrun")
+def test_a_command_past_its_time_leaves_the_relay_serving(tmp_path, bindir, relay):
+    """A launch that outlives its command's time is ended by the relay at the command's deadline,
+    the command fails, and the next command's launch is served."""
+    slow = tmp_path / "slow.py"
+    slow.write_text("import time\ntime.sleep(60)\n")
+    with pytest.raises((AssertionError, subprocess.TimeoutExpired)):
+        run_command(f"torchrun --standalone --nproc_per_node=1 {slow}", bindir, timeout=8,
+                    relay=relay)
+    quick = tmp_path / "quick.py"
+    quick.write_text("print('served')\n")
+    assert "served" in run_command(f"torchrun --standalone --nproc_per_node=2 {quick}", bindir,
+                                   timeout=60, relay=relay)

@@ -70,3 +70,21 @@ def test_census_sees_float16s_range_and_not_bfloat16s():
     assert over["rel_error"] is None and scaled["rel_error"] < low["rel_error"] < 1e-2
     assert bf["param_subnormal"] == bf["act_subnormal"] == 0 and bf["non_finite"] == 0
     assert bf["rel_error"] > scaled["rel_error"]      # 7 mantissa bits against 10
+
+
+def test_a_float32_parameter_beside_float16_ones_is_unscaled_too():
+    """A model mixing fp16 parameters with fp32 ones (a router, a norm): the fp32 parameter is
+    its own master, and its gradient is divided by S as the fp16 ones' copies are (Adam feels
+    S on a 1e-6 entry, where its eps is not negligible)."""
+    S, g = 2.0 ** 10, torch.tensor([0.5, 1e-6])
+    half = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+    full = torch.nn.Parameter(torch.ones(2))
+    opt = make_adamw([half, full], argparse.Namespace(lr=0.1, weight_decay=0.0))
+    half.grad, full.grad = (g * S).half(), g * S
+    assert DynamicLossScaler(init_scale=S).step(opt)
+    ref = torch.nn.Parameter(torch.ones(2))
+    ref.grad = g.clone()
+    torch.optim.AdamW([ref], lr=0.1, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8).step()
+    torch.testing.assert_close(full.detach(), ref.detach(), rtol=0, atol=1e-7)
+    with pytest.raises(TypeError, match="MasterAdamW"):
+        DynamicLossScaler().step(torch.optim.AdamW([full]))
