@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -66,11 +67,11 @@ from .precision import make_adamw
 # ----------------------------------------------------------------------------------------------
 # The scaler
 # ----------------------------------------------------------------------------------------------
-def found_non_finite(grads) -> torch.Tensor:
-    """1.0 if any gradient holds an inf or a nan, else 0.0: a float32 scalar on their device
-    (0.0 without gradients: a rank holding none still joins the all-reduce)."""
+def found_non_finite(grads, device) -> torch.Tensor:
+    """1.0 if any gradient holds an inf or a nan, else 0.0: a float32 scalar on `device` (the
+    parameters'; 0.0 without gradients: a rank holding none still joins the all-reduce)."""
     if not grads:
-        return torch.zeros(())
+        return torch.zeros((), device=device)
     flags = [torch.logical_not(torch.isfinite(g)).any() for g in grads]
     return torch.stack(flags).any().float()
 
@@ -104,7 +105,7 @@ class DynamicLossScaler:
             raise TypeError("DynamicLossScaler.step needs harness.precision's MasterAdamW "
                             "(make_adamw over float16 parameters)")
         grads = [p.grad for p in optimizer.model_params if p.grad is not None]
-        found = found_non_finite(grads)                       # () float32, on the device
+        found = found_non_finite(grads, optimizer.model_params[0].device)   # () float32
         if self.group is not None and not planted("loss-scale-local-inf"):   # plant: own verdict
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
         if found.item():                                      # the one host read
@@ -163,7 +164,7 @@ def _layer_output_grads(model, ids, labels, scale: float) -> tuple[list, list]:
     return [p.grad for p in model.parameters()], acts[::-1]   # (backward order -> layer order)
 
 
-def census(model32, ids, labels, dtype, scale: float) -> dict:
+def census(model32, ids, labels, dtype, scale: float, ref=None) -> dict:
     """One forward and backward of a `dtype` copy of model32 with the loss times `scale`, against
     model32's own in float32: for the parameter gradients and for the layer outputs' gradients,
     the share of entries that are zero where float32's is not (underflow, or rounding that
@@ -171,8 +172,9 @@ def census(model32, ids, labels, dtype, scale: float) -> dict:
     and the share subnormal in `dtype` (0 < |g| < its smallest normal: fewer mantissa bits the
     smaller); the inf/nan entries of both; the parameter gradients' relative error
     ||g/scale - g32|| / ||g32|| (None when any entry is not finite: the step would be
-    skipped). Shares are of all entries."""
-    ref_p, ref_a = _layer_output_grads(model32, ids, labels, 1.0)
+    skipped). Shares are of all entries. ref: model32's own gradients on this batch
+    (_layer_output_grads at scale 1), when several rows share them."""
+    ref_p, ref_a = ref or _layer_output_grads(model32, ids, labels, 1.0)
     low_p, low_a = _layer_output_grads(copy.deepcopy(model32).to(dtype), ids, labels, scale)
     tiny = torch.finfo(dtype).tiny
 
@@ -276,25 +278,24 @@ def main(argv=None):
           f"{'acts zeroed':>12} {'subnormal':>9} {'inf/nan':>7} {'rel. error':>10}")
     ids, labels = batches[-1]
     for when, m in (("step 0", model32), (f"step {a.steps}", trained)):
+        ref = _layer_output_grads(m, ids, labels, 1.0)        # float32's, once per weights
         for dt, s in ((torch.float16, 1.0), (torch.float16, 2.0 ** 8), (torch.float16, 2.0 ** 16),
                       (torch.float16, 2.0 ** 24), (torch.bfloat16, 1.0)):
-            c = census(m, ids, labels, dt, s)
+            c = census(m, ids, labels, dt, s, ref)
             err = "-" if c["rel_error"] is None else f"{c['rel_error']:.1e}"
             print(f"  {when:<8} {c['dtype']:<9} {_pow2(s):>5} {c['param_zeroed']:>14.2%} "
                   f"{c['param_subnormal']:>9.2%} {c['act_zeroed']:>12.2%} "
                   f"{c['act_subnormal']:>9.2%} {c['non_finite']:>7} {err:>10}")
 
-    base = sum(runs["float32"]["losses"][-10:]) / len(runs["float32"]["losses"][-10:])
+    means = {name: statistics.mean(r["losses"][-10:]) for name, r in runs.items()}
     print(f"training {a.steps} steps from one start: the loss, mean of the last 10 steps")
     for name, r in runs.items():
-        tail = r["losses"][-10:]
-        mean = sum(tail) / len(tail)
-        extra = ""
+        mean, extra = means[name], ""
         if name.endswith("dynamic scale"):
             extra = (f"; skipped {r['skipped']} steps, scale {_pow2(a.init_scale)} -> "
                      f"{_pow2(scaler.scale)} (min {_pow2(min(r['scales']))}, max "
                      f"{_pow2(max(r['scales']))})")
-        print(f"  {name:<24} {mean:.4f} ({mean - base:+.4f} vs float32){extra}")
+        print(f"  {name:<24} {mean:.4f} ({mean - means['float32']:+.4f} vs float32){extra}")
     return runs
 
 

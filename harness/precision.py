@@ -58,8 +58,8 @@ class Masters:
         if self.grad_divisor != 1.0 and not planted("loss-scale-no-unscale"):   # plant: S g
             # every gradient the step uses, in fp32: the masters' copies, and the gradients of
             # parameters kept in fp32 (a router, a norm), which are their own masters
-            for g in [m.grad for m in self.masters if m.grad is not None]:
-                g.div_(self.grad_divisor)
+            torch._foreach_div_([m.grad for m in self.masters if m.grad is not None],
+                                self.grad_divisor)
         loss = super().step(closure)
         if self.low and not planted("master-no-copy"):   # plant: the bf16 weights never move
             # the bf16 copies of the updated masters, in one pass

@@ -183,7 +183,6 @@ class Relay:
     @staticmethod
     def launch(conn) -> dict:
         from conftest import fork_server, launch_env
-        import time
         req = json.loads(b"".join(iter(lambda: conn.recv(1 << 16), b"")))
         try:       # the launch ends by the command's own deadline (its ranks killed there)
             rc, out, err = fork_server(launch_env()).run(
@@ -206,13 +205,20 @@ class Relay:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def command_env(bindir: str, timeout: int, relay: Relay | None = None) -> dict:
+    """A command's environment: the shims first on PATH, and the relay's address, root and
+    deadline (a few seconds before the command's own timeout) for the `torchrun` client."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PATH=bindir + os.pathsep + os.environ.get("PATH", ""))
+    if relay is not None:
+        env.update(INTERVIEW_RELAY=relay.path, INTERVIEW_ROOT=ROOT,
+                   INTERVIEW_DEADLINE=str(time.time() + timeout - 5))
+    return env
+
+
 def run_command(command: str, bindir: str, timeout: int = 300, relay: Relay | None = None) -> str:
     if command not in _OUTPUTS:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                   PATH=bindir + os.pathsep + os.environ.get("PATH", ""))
-        if relay is not None:
-            env.update(INTERVIEW_RELAY=relay.path, INTERVIEW_ROOT=ROOT,
-                       INTERVIEW_DEADLINE=str(time.time() + timeout - 5))
+        env = command_env(bindir, timeout, relay)
         proc = subprocess.Popen(["bash", "-e", "-c", command], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
                                 start_new_session=True)
@@ -237,6 +243,11 @@ def run_command(command: str, bindir: str, timeout: int = 300, relay: Relay | No
 @pytest.fixture(scope="module")
 def bindir(tmp_path_factory):
     return shims(str(tmp_path_factory.mktemp("bin")))
+
+
+# (under TEST_LAUNCHER=torchrun the client runs real torchrun: no relay to test)
+RELAYED = pytest.mark.skipif(os.environ.get("TEST_LAUNCHER") == "torchrun",
+                             reason="TEST_LAUNCHER=torchrun: the client runs real torchrun")
 
 
 @pytest.fixture(scope="module")
@@ -327,27 +338,23 @@ def test_question(n, page, bindir, relay):
                       + "\n  ".join(gone) + f"\n--- output\n{output[-6000:]}")
 
 
-@pytest.mark.skipif(os.environ.get("TEST_LAUNCHER") == "torchrun",
-                    reason="TEST_LAUNCHER=torchrun: the client runs real torchrun")
+@RELAYED
 def test_the_torchrun_client_hands_launches_to_the_relay(tmp_path, bindir, relay):
     """A command's `torchrun` runs its script in N ranks through the relay: every rank's output
     comes back, and a rank that fails fails the command (as under torchrun)."""
     script = tmp_path / "ranks.py"
     script.write_text("import os, sys\nprint('rank', os.environ['RANK'], 'of', "
                       "os.environ['WORLD_SIZE'])\nsys.exit(int(os.environ['RANK']) == 1)\n")
-    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"],
-               INTERVIEW_RELAY=relay.path, INTERVIEW_ROOT=ROOT,
-               INTERVIEW_DEADLINE=str(time.time() + 120))
     p = subprocess.run(["bash", "-c", f"torchrun --standalone --nproc_per_node=3 {script}"],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+                       capture_output=True, text=True, env=command_env(bindir, 120, relay),
+                       cwd=ROOT, timeout=120)
     assert p.returncode == 1, (p.stdout, p.stderr)
     assert sorted(x for x in p.stdout.splitlines() if x.startswith("rank")) == [
         "rank 0 of 3", "rank 1 of 3", "rank 2 of 3"], p.stdout
     assert "rank 1 exitcode" in p.stderr, p.stderr
 
 
-@pytest.mark.skipif(os.environ.get("TEST_LAUNCHER") == "torchrun",
-                    reason="TEST_LAUNCHER=torchrun: the client runs real torchrun")
+@RELAYED
 def test_a_command_past_its_time_leaves_the_relay_serving(tmp_path, bindir, relay):
     """A launch that outlives its command's time is ended by the relay at the command's deadline,
     the command fails, and the next command's launch is served."""
