@@ -141,6 +141,12 @@ class NoisePolicy:
     def floor(self) -> float:
         return self.floor_ulps * EPS[self.dtype]
 
+    @property
+    def unit_roundoff(self) -> float | None:
+        """u for the rounding floor of the gradients (harness/spread.py): float64 and float32
+        runs; None in bf16, whose measured samples are far above any sum's spread."""
+        return EPS[self.dtype] / 2 if self.dtype in ("float64", "float32") else None
+
     def factor(self, kind: str) -> float:
         return self.k * (PARAM_K_FACTOR if kind == "param" else 1.0)
 
@@ -161,7 +167,9 @@ class NoisePolicy:
         src = (f"single-device {self.noise_dtype} vs float64"
                + (f" x eps ratio {self.scale:.1e}, and float64 on a permuted model"
                   if self.scale != 1 else f", and {self.dtype} on a permuted model"))
-        return (f"err <= {self.k:g} x noise + {self.floor_ulps:g} ulp, params "
+        floor = (" (grads: noise at least sqrt(K) u sum|terms|)"
+                 if self.unit_roundoff else "")
+        return (f"err <= {self.k:g} x noise{floor} + {self.floor_ulps:g} ulp, params "
                 f"{self.factor('param'):g} x + {self.lr_floor_per_step:.0e}"
                 f" lr/step ({src})")
 
@@ -207,6 +215,7 @@ class Comparison:
         self._noise: dict = {}   # (kind, step) -> {name: noise, or None where a source lacks it}
         self._floor: dict = {}   # (kind, step) -> the absolute floor (parameters)
         self._scalar: dict = {}  # (name, step) -> [err, noise, target]
+        self._spread: dict = {}  # step -> {name: the gradient's rounding floor (absolute)}
         self.zero_grads: set[str] = set()   # tensors whose target gradient is a rounding residue
 
     def _judge(self, old: Judged, err: float, noise: float, step: int, kind: str,
@@ -242,6 +251,11 @@ class Comparison:
             elif n not in rec or rec[n] is not None:
                 rec[n] = max(rec.get(n) or 0.0, rel_err(mine, target[n]) * scale)
 
+    def spread(self, step: int, floors: dict):
+        """The gradients' rounding floors at one step (harness/spread.py: sqrt(K) u max M,
+        absolute, from the target's own sums): a tensor's noise is at least its floor."""
+        self._spread[step] = dict(floors)
+
     def floor(self, kind: str, step: int, floor_abs: float):
         """An absolute tolerance (parameters: policy.update_floor), relative to each tensor's
         max |target|; the largest recorded counts."""
@@ -262,8 +276,13 @@ class Comparison:
         noise = {n: e for n, e in self._noise.get((kind, step), {}).items() if e is not None}
         # One noise sample per tensor can be unusually small (a lucky rounding on a tensor whose
         # entries are all alike). Tensors of the same role in other layers (every layer's
-        # mlp.up_proj.weight) have the same conditioning: a tensor is judged against at least
-        # the median noise of its role.
+        # mlp.up_proj.weight) have the same conditioning: a parameter is judged against at least
+        # the median noise of its role, a gradient against the largest. (From the second step
+        # on, a gradient's error is mostly the previous update's: Adam moved a few entries whose
+        # gradient was near its eps by rounding alone, and which entries those are differs from
+        # run to run; measured on an AMD EPYC, family 26: tp.py's layer-0 up_proj gradient at
+        # step 1 came out 2.6e-14 from the target where both its samples measured 2e-15 and the
+        # same role's layer 1 measured 2.9e-14. The largest of the role's samples pools them.)
         by_role: dict[str, list[float]] = {}
         for n, e in noise.items():
             by_role.setdefault(role(n), []).append(e)
@@ -284,7 +303,10 @@ class Comparison:
             if n not in errs or n not in noise:
                 self.missing.add(f"{kind}:{n}")
                 continue
-            level = max(noise[n], float(np.median(by_role[role(n)])))
+            peers = by_role[role(n)]
+            level = max(noise[n], float(max(peers) if kind == "grad" else np.median(peers)))
+            if kind == "grad" and scale[n] > 0:   # (the rounding floor, harness/spread.py)
+                level = max(level, self._spread.get(step, {}).get(n, 0.0) / scale[n])
             extra = floor_abs / scale[n] if scale[n] > 0 else 0.0
             # (less the absolute floor: a zero-initialised tensor's scale after a step is ~lr,
             # and one Adam sign flip in a noise source, which the floor allows, is 2 of it)

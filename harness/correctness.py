@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .compare import (NOISE_MAX, Comparison, Judged, NoisePolicy, noise_sources,
                       preclip_grads, reference_in)
@@ -29,6 +29,7 @@ from .models import DTYPES, loaded_once, param_count
 from .nccl import nccl_checked
 from .plants import planting
 from .report import write_json
+from .spread import Spread
 from .run import (Run, broadcast_verdict, gather_objects, make_pair, rank0_group,
                   wait_for_rank0)
 from .strategy import HARNESS_PLANTS, Plant, full_tensor, natives
@@ -100,6 +101,7 @@ class Outputs:
     grads: dict
     params: dict
     norm: float | None   # the pre-clip gradient norm it reports (with --clip)
+    floors: dict = field(default_factory=dict)   # the target's gradients' rounding floors
 
 
 def _kept(model, loss: float, clip: float) -> Outputs:
@@ -151,6 +153,7 @@ def _correctness_one(run: Run, cls) -> bool:
             t = target.steps[s]
             cmp.error("grad", s, grads, t.grads)
             cmp.error("param", s, params, t.params)
+            cmp.spread(s, t.floors)
             cmp.scalar("loss", s, t.loss, got=loss)
             if args.clip:
                 cmp.scalar("grad norm", s, t.norm, got=norm)
@@ -206,8 +209,12 @@ def _target(run: Run, cls) -> Target:
                     {n: tuple(p.shape) for n, p in ref.model.named_parameters()},
                     param_count(ref.model), [],
                     frozenset(n for n, p in ref.model.named_parameters() if not p.requires_grad))
+    u = NoisePolicy(args.dtype).unit_roundoff
     for s in range(args.steps):
-        target.steps.append(_kept(ref, ref.step(run.batch(s)), args.clip))
+        with Spread(ref.model) as spread:   # (the magnitudes its gradients sum: spread.py)
+            loss = ref.step(run.batch(s))
+        target.steps.append(_kept(ref, loss, args.clip))
+        target.steps[-1].floors = spread.floors(u) if u else {}
     return target
 
 

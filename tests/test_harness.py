@@ -216,9 +216,10 @@ def test_presets_have_expected_sizes():
     assert 7.9e9 <= sizes["llama3-8b"] <= 8.1e9        # 8.03B
 
 
-def test_noise_is_at_least_the_median_of_the_tensors_role():
+def test_noise_is_at_least_its_roles_largest_for_grads_and_median_for_params():
     """One tensor's noise sample can be unusually small; the same tensor in the other layers
-    has the same conditioning, so a tensor is judged against at least its role's median."""
+    has the same conditioning, so a gradient is judged against at least its role's largest
+    sample, a parameter against at least its role's median."""
     assert harness.role("model.layers.11.mlp.up_proj.weight") == "model.layers.*.mlp.up_proj.weight"
     names = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(4)] + ["lm_head.weight"]
     ref = {n: torch.ones(8, dtype=torch.float64) for n in names}
@@ -226,8 +227,10 @@ def test_noise_is_at_least_the_median_of_the_tensors_role():
     got = {n: ref[n] * (1 + 1e-6) for n in names}                     # 1e-6 everywhere
     c = harness.Comparison(names, {n: (8,) for n in names}, harness.NoisePolicy("float32"))
     c.add("grad", 0, got, ref, [(noisy, 1.0)])
-    assert c.rows[names[3]]["grad"].ok          # own noise 1e-8, role median 3.5e-7
-    assert c.rows[names[3]]["grad"].noise == pytest.approx(3.5e-7)
+    c.add("param", 0, got, ref, [(noisy, 1.0)])
+    assert c.rows[names[3]]["grad"].ok          # own noise 1e-8, role largest 1.4e-6
+    assert c.rows[names[3]]["grad"].noise == pytest.approx(1.4e-6)
+    assert c.rows[names[3]]["param"].noise == pytest.approx(3.5e-7)   # role median
     assert not c.rows["lm_head.weight"]["grad"].ok     # a role of one: its own noise
 
 

@@ -1,0 +1,128 @@
+"""spread.py: a floor under each gradient's noise, from the gradient's own computation.
+
+Why (docs/correctness.md, "Numerics policy"): the measured noise samples (compare.noise_sources)
+are single-device runs with the reference's shapes. A parallel strategy computes the same sums
+with other shapes (a rank's slice of the rows, a micro-batch of the tokens), and a BLAS picks
+its blocking, and so its rounding, by shape: on an AMD EPYC (family 26, AVX-512) tp.py's float64
+gradient of one up_proj came out 8.7x further from the target than both samples of that tensor,
+a correct run FAILed, and eight other seeds PASSed. No number of samples in the reference's
+shapes can promise to cover every other shape's kernel.
+
+What covers every summation order is the arithmetic itself. A weight's gradient is a sum of K
+products over the tokens: g_ij = sum_t dY_ti X_tj for a linear layer. Whatever the order,
+Higham & Mary's probabilistic bound (SIAM J. Sci. Comput. 41(5), 2019, Thm 3.1) holds for its
+rounding with probability at least 1 - 2K exp(-lambda^2 / 2):
+
+    |fl(g_ij) - g_ij| <= lambda sqrt(K) u M_ij,     M_ij = sum_t |dY_ti| |X_tj|,
+
+u the unit roundoff. The size is set by the magnitudes summed (M), not by the result (g), which
+is what a sum that cancels heavily needs. `Spread` measures M on the float64 target's own
+step, from hooks on the modules that own parameters, and gives each tensor its floor
+
+    floor = sqrt(K) u max_ij M_ij   (absolute; compare.py divides it by max |g| and judges
+                                     against TOL_K = 8 times it: lambda = 8, under the bound's
+                                     model of independent roundings a chance of 2K e^-32 per
+                                     entry, below 1e-7 for a tiny-model tensor, K = 128 tokens,
+                                     8192 entries, that a correct sum lands beyond it).
+
+The floor covers the last sum; the error a strategy carries into dY and X from the layers before
+is what the measured samples see. It applies to float64 and float32 runs (bf16 rounds every
+input to 8 bits, beyond any sum's spread, and its measured samples are 1e4x coarser).
+
+Modules whose gradient is such a sum, and their M:
+    nn.Linear      weight |dY|^T |X| over the rows, bias sum |dY|
+    nn.Embedding   weight: |dY| summed into the rows of the tokens that used them
+    RMS norms      a leaf module whose only parameter is a 1-D `weight` (Llama's, Gemma's 1 + w,
+                   Qwen3's per-head q/k norms): sum |dY| |x_hat|, |x_hat| being the module's
+                   derivative in w on |x| (an RMS norm of |x| is |x_hat|)
+    nn.LayerNorm   weight sum |dY| |x_hat|, bias sum |dY|
+Other parameters (MoE experts' stacked matrices, a router's bare weight) get no floor: their
+measured samples stand alone. A tied weight sums both uses (M and K)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _rms_like(m: nn.Module) -> bool:
+    own = dict(m.named_parameters(recurse=False))
+    return (not any(True for _ in m.children()) and list(own) == ["weight"]
+            and own["weight"].dim() == 1)
+
+
+class Spread:
+    """`with Spread(model) as s: loss.backward()` (the forward inside too); then
+    `s.floors(u)` -> {parameter name: sqrt(K) u max M}. Hooks are removed on exit."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.names = {id(p): n for n, p in model.named_parameters()}   # (tied: the first name)
+        self.mag: dict[int, torch.Tensor] = {}   # id(parameter) -> M
+        self.terms: dict[int, int] = {}          # id(parameter) -> K
+        self.handles = []
+
+    def __enter__(self):
+        for m in self.model.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding, nn.LayerNorm)) or _rms_like(m):
+                self.handles.append(m.register_forward_hook(self._forward))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _add(self, p, mag: torch.Tensor, rows: int):
+        if p is None or not p.requires_grad:
+            return
+        k = id(p)
+        self.mag[k] = mag if k not in self.mag else self.mag[k] + mag
+        self.terms[k] = self.terms.get(k, 0) + rows
+
+    def _forward(self, m, inputs, out):
+        if not torch.is_grad_enabled() or not isinstance(out, torch.Tensor) or not out.requires_grad:
+            return
+        x = inputs[0].detach()
+        if isinstance(m, nn.LayerNorm):
+            x = F.layer_norm(x, m.normalized_shape, eps=m.eps).abs()   # |x_hat|
+        elif _rms_like(m):
+            x = self._coefficient(m, x.abs())   # |x_hat|, shaped as out
+        out.register_hook(lambda dy: self._backward(m, x, dy.detach()))
+
+    @staticmethod
+    @torch.no_grad()
+    def _coefficient(m, ax):
+        """d out_j / d w_j of a norm whose output is linear in its weight (w x_hat, Gemma's
+        (1 + w) x_hat), on |x|: its forward at w + 1 less its forward at w. (m.forward, not
+        m(...): no hook runs twice; no backward inside the backward, which deadlocks.)"""
+        w = m.weight.data
+        y0 = m.forward(ax)
+        m.weight.data = w + 1
+        try:
+            y1 = m.forward(ax)
+        finally:
+            m.weight.data = w
+        return y1 - y0
+
+    @torch.no_grad()
+    def _backward(self, m, x, dy):
+        rows = dy.numel() // dy.shape[-1]
+        ady = dy.abs().reshape(rows, dy.shape[-1])                  # (K, out)
+        if isinstance(m, nn.Linear):
+            ax = x.abs().reshape(rows, x.shape[-1]).to(ady.dtype)  # (K, in)
+            self._add(m.weight, ady.T @ ax, rows)                  # (out, in)
+            self._add(m.bias, ady.sum(0), rows)
+        elif isinstance(m, nn.Embedding):
+            mag = torch.zeros_like(m.weight, dtype=ady.dtype)      # (V, H)
+            self._add(m.weight, mag.index_add_(0, x.reshape(-1), ady), rows)
+        else:   # a norm: x is |x_hat| here (the forward hook)
+            self._add(m.weight, (ady * x.abs().reshape(rows, -1).to(ady.dtype)).sum(0), rows)
+            self._add(getattr(m, "bias", None), ady.sum(0), rows)
+
+    def floors(self, u: float) -> dict[str, float]:
+        """{name: sqrt(K) u max_ij M_ij}, absolute, for every parameter a hook saw."""
+        return {self.names[k]: math.sqrt(self.terms[k]) * u * float(mag.max())
+                for k, mag in self.mag.items() if k in self.names and mag.numel()}
