@@ -26,6 +26,8 @@ The package, one concern per module (a strategy imports its names from here, the
     memory.py       the live-storage tracker (CPU and CUDA), steady-state peak, simulated OOM
     timing.py       timed steps (CUDA events on GPU), ranks aligned, max over ranks; ActionTimeline
     compare.py      the verdicts: each error judged against measured single-device noise
+    spread.py       each gradient's rounding floor, sqrt(K) u sum |terms|, from the target's
+                    own sums (Higham & Mary's probabilistic bound): the verdict's noise floor
     oracle.py       the references' optimizers (OracleAdamW; OracleMuon: torch.optim.Muon
                     itself), sharing no code with the strategies'
     run.py          one run of one mode: arguments, group, config, language; the reference /

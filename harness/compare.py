@@ -36,7 +36,10 @@ from .strategy import Reference, Strategy, full_tensor, reference_class
 #         err(strategy, target) <= TOL_K * noise + TOL_FLOOR_ULPS * eps(dtype)
 #
 # where err is max |got - target| / max |target| over the tensor, and a tensor's noise is at least
-# the median noise of its role (the same tensor in the other layers). A parallel strategy reorders
+# its role's (the same tensor in the other layers: the largest sample for a gradient, the median
+# for a parameter) and, for a gradient in float64/float32, its rounding floor: sqrt(K) u times
+# the magnitudes its sum adds, measured on the target's own step (harness/spread.py: the samples
+# have the reference's shapes, a strategy's kernels other shapes). A parallel strategy reorders
 # sums (over ranks, over shards, over sequence chunks) and so may be a few times noisier than
 # one device: TOL_K = 8 leaves that room; a real bug (a missing average, a wrong position, one
 # lost micro-batch) is off by 1e-3 to 1, orders of magnitude beyond. The floor keeps a tensor
@@ -276,9 +279,10 @@ class Comparison:
         noise = {n: e for n, e in self._noise.get((kind, step), {}).items() if e is not None}
         # One noise sample per tensor can be unusually small (a lucky rounding on a tensor whose
         # entries are all alike). Tensors of the same role in other layers (every layer's
-        # mlp.up_proj.weight) have the same conditioning: a parameter is judged against at least
-        # the median noise of its role, a gradient against the largest. (From the second step
-        # on, a gradient's error is mostly the previous update's: Adam moved a few entries whose
+        # mlp.up_proj.weight) have the same conditioning: a tensor is judged against at least
+        # the median noise of its role, a gradient after the first step against the largest.
+        # (From the second step on, a gradient's error is mostly the previous update's: Adam
+        # moved a few entries whose
         # gradient was near its eps by rounding alone, and which entries those are differs from
         # run to run; measured on an AMD EPYC, family 26: tp.py's layer-0 up_proj gradient at
         # step 1 came out 2.6e-14 from the target where both its samples measured 2e-15 and the
@@ -304,7 +308,8 @@ class Comparison:
                 self.missing.add(f"{kind}:{n}")
                 continue
             peers = by_role[role(n)]
-            level = max(noise[n], float(max(peers) if kind == "grad" else np.median(peers)))
+            pooled = max(peers) if kind == "grad" and step > 0 else np.median(peers)
+            level = max(noise[n], float(pooled))
             if kind == "grad" and scale[n] > 0:   # (the rounding floor, harness/spread.py)
                 level = max(level, self._spread.get(step, {}).get(n, 0.0) / scale[n])
             extra = floor_abs / scale[n] if scale[n] > 0 else 0.0

@@ -68,7 +68,7 @@ def run_plants(run: Run, cls) -> bool:
                   f"name them with --plants, or run one of: " + "; ".join(
                       sorted({' '.join(p.args) for p in cls.plants.values()})))
         return False
-    rows = []
+    rows, ratios = [], []
     for name in [None] + names:
         args = copy.copy(run.args)
         args.mode, args.plant_bug = "correctness", name
@@ -77,6 +77,8 @@ def run_plants(run: Run, cls) -> bool:
         with planting(name), loaded_once(run.env.is_main):
             passed = (nccl_checked(_correctness_one, sub, cls) if args.nccl_semantics
                       else _correctness_one(sub, cls))
+        done = run.results.get("correctness") or [{}]   # (rank 0's report; None elsewhere)
+        ratios.append(done[-1].get("worst_ratio") if run.env.is_main else None)
         rows.append((name or "(none)", passed, passed == (name is None)))
     run.print(f"\nplants: {cls.name} W={run.env.world} {run.args.dtype}"
               f"{' clip=%g' % run.args.clip if run.args.clip else ''}")
@@ -87,10 +89,17 @@ def run_plants(run: Run, cls) -> bool:
                   f"{'as expected' if good else 'WRONG VERDICT':<15}{doc}")
     ok = all(g for _, _, g in rows)
     caught = sum(1 for n, p, _ in rows[1:] if not p)
-    run.results["plants"] = [dict(plant=n, passed=p, expected=g) for n, p, g in rows]
+    run.results["plants"] = [dict(plant=n, passed=p, expected=g, worst_ratio=r)
+                             for (n, p, g), r in zip(rows, ratios)]
     write_json(run, "plants.json", run.results["plants"])
+    separation = ""
+    if run.env.is_main and ratios[0] is not None and len(ratios) > 1:   # (the margin between
+        # the clean run's worst tensor and the closest plant's: 1 is the verdict's line)
+        separation = (f"; err/tol: clean run {ratios[0]:.2f}, closest plant "
+                      f"{min(r for r in ratios[1:] if r is not None):.3g}")
     run.print(f"{'PASS' if ok else 'FAIL'} plants {cls.name} W={run.env.world}: clean run "
-              f"{'PASS' if rows[0][1] else 'FAIL'}, {caught}/{len(rows) - 1} planted bugs caught")
+              f"{'PASS' if rows[0][1] else 'FAIL'}, {caught}/{len(rows) - 1} planted bugs caught"
+              + separation)
     return ok
 
 

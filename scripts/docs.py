@@ -249,7 +249,36 @@ def _realistic():
     return "\n".join(lines)
 
 
-TABLES.update({"plants": _plants, "plant-count": _plant_count, "realistic": _realistic})
+def _calibration():
+    d = load("results/verdict-calibration-cpu.json")
+    m = d["machine"]
+    lines = ["| strategy | W | float64 runs / fails / max err/tol | float32 | bfloat16 |",
+             "|---|---|---|---|---|"]
+    cells = {(r["strategy"], r["world"], r["dtype"]): r for r in d["rows"]}
+    for key, world in dict.fromkeys((r["strategy"], r["world"]) for r in d["rows"]):
+        lines.append(f"| {key} | {world} | " + " | ".join(
+            f"{c['runs']} / {c['fails']} / {c['max_ratio']:.2f}" if c else "-"
+            for c in (cells.get((key, world, dt)) for dt in ("float64", "float32", "bfloat16")))
+            + " |")
+    s = d["separation"]
+    refused = "; ".join(f"{r['strategy']} W={r['world']}: {r['reason']}" for r in d["refused"])
+    other = "; ".join(f"{p['script']} {p['plant']}: {p['caught_by']}" for p in d["plants"]
+                      if p["plant"] and not p["ok"] and p["caught_by"] != "err/tol")
+    lines += ["", f"Machine: {m['model_name']}, family {m['family']} model {m['model']}, "
+              f"AVX-512 {'yes' if m['avx512'] else 'no'}, {m['cores']} cores, torch {m['torch']}; "
+              f"{d['seconds'] / 60:.0f} min. Runs {sum(r['runs'] for r in d['rows'])}, fails "
+              f"{sum(r['fails'] for r in d['rows'])}. **Margin**: the largest err/tol of a correct "
+              f"run is {s['correct_max_ratio']:.2f}. **Separation**: of {s['plants']} planted-bug "
+              f"runs, {s['caught_on_tensor']} FAIL on a tensor, the closest at err/tol "
+              f"{s['plant_min_ratio']:.3g} ({s['plant_min']}), {s['caught_by_check']} on another "
+              f"check ({other}), {s['missed']} missed; the plants' clean runs: "
+              f"{s['clean_fails']} fails."
+              + (f" Not taken at W=3: {refused}." if refused else "")]
+    return "\n".join(lines)
+
+
+TABLES.update({"plants": _plants, "plant-count": _plant_count, "realistic": _realistic,
+               "calibration": _calibration})
 
 
 # -- docs/benchmarks.md: communication and memory per strategy (results/strategies-cpu.json) ------

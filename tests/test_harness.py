@@ -216,10 +216,10 @@ def test_presets_have_expected_sizes():
     assert 7.9e9 <= sizes["llama3-8b"] <= 8.1e9        # 8.03B
 
 
-def test_noise_is_at_least_its_roles_largest_for_grads_and_median_for_params():
+def test_noise_is_at_least_its_roles_median_and_largest_for_later_grads():
     """One tensor's noise sample can be unusually small; the same tensor in the other layers
-    has the same conditioning, so a gradient is judged against at least its role's largest
-    sample, a parameter against at least its role's median."""
+    has the same conditioning, so a tensor is judged against at least its role's median, and a
+    gradient after the first step (the previous update's error) against its role's largest."""
     assert harness.role("model.layers.11.mlp.up_proj.weight") == "model.layers.*.mlp.up_proj.weight"
     names = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(4)] + ["lm_head.weight"]
     ref = {n: torch.ones(8, dtype=torch.float64) for n in names}
@@ -228,10 +228,15 @@ def test_noise_is_at_least_its_roles_largest_for_grads_and_median_for_params():
     c = harness.Comparison(names, {n: (8,) for n in names}, harness.NoisePolicy("float32"))
     c.add("grad", 0, got, ref, [(noisy, 1.0)])
     c.add("param", 0, got, ref, [(noisy, 1.0)])
-    assert c.rows[names[3]]["grad"].ok          # own noise 1e-8, role largest 1.4e-6
-    assert c.rows[names[3]]["grad"].noise == pytest.approx(1.4e-6)
-    assert c.rows[names[3]]["param"].noise == pytest.approx(3.5e-7)   # role median
+    assert c.rows[names[3]]["grad"].ok          # own noise 1e-8, role median 3.5e-7
+    assert c.rows[names[3]]["grad"].noise == pytest.approx(3.5e-7)
+    assert c.rows[names[3]]["param"].noise == pytest.approx(3.5e-7)
     assert not c.rows["lm_head.weight"]["grad"].ok     # a role of one: its own noise
+    c = harness.Comparison(names, {n: (8,) for n in names}, harness.NoisePolicy("float32"))
+    c.add("grad", 1, got, ref, [(noisy, 1.0)])  # after the first step: the role's largest
+    c.add("param", 1, got, ref, [(noisy, 1.0)])
+    assert c.rows[names[3]]["grad"].noise == pytest.approx(1.4e-6)
+    assert c.rows[names[3]]["param"].noise == pytest.approx(3.5e-7)
 
 
 def test_plants_mode_picks_the_plants_declared_for_the_run():
@@ -532,3 +537,60 @@ def test_master_adamw_resumes_its_fp32_masters():
     plain = dict(sd)
     del plain["fp32_masters"]          # torch's own format still loads
     harness.make_adamw([p.clone() for p in part], _adamw_args(1e-2)).load_state_dict(plain)
+
+
+def test_rounding_floor_is_sqrt_k_u_times_the_summed_magnitudes():
+    """harness/spread.py: each gradient's floor, sqrt(K) u max_ij sum_t |terms|, from hooks on
+    the modules that own parameters, against the sums written out by hand."""
+    from torch import nn
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from harness.spread import Spread
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), LlamaRMSNorm(8), GemmaRMSNorm(8),
+                      nn.LayerNorm(8), nn.Linear(8, 3)).double()
+    for p in m.parameters():
+        p.data.normal_()
+    ids = torch.randint(0, 10, (4, 5))
+    seen = {}
+
+    def keep(i, inp, out):
+        seen[i] = (inp[0], out)
+        if out.requires_grad:
+            out.retain_grad()
+    for i, mod in enumerate(m):
+        mod.register_forward_hook(lambda _m, inp, out, i=i: keep(i, inp, out))
+    with Spread(m) as s:
+        m(ids).pow(2).sum().backward()
+    floors, K = s.floors(1.0), 20   # (u = 1: the floor is sqrt(K) max M)
+    assert not any(h for h in s.handles)   # removed on exit
+    dy = {i: seen[i][1].grad.abs().reshape(-1, seen[i][1].shape[-1]) for i in seen}
+    x = {i: seen[i][0].reshape(-1, seen[i][0].shape[-1]) for i in seen if i}
+    rms = lambda v, eps: v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + eps)  # noqa: E731
+    want = {"0.weight": torch.zeros(10, 8, dtype=torch.float64).index_add_(0, ids.reshape(-1),
+                                                                          dy[0]),
+            "1.weight": dy[1].T @ x[1].abs(), "1.bias": dy[1].sum(0),
+            "2.weight": (dy[2] * rms(x[2], m[2].variance_epsilon).abs()).sum(0),
+            "3.weight": (dy[3] * rms(x[3], m[3].eps).abs()).sum(0),
+            "4.weight": (dy[4] * torch.nn.functional.layer_norm(x[4], (8,)).abs()).sum(0),
+            "4.bias": dy[4].sum(0), "5.weight": dy[5].T @ x[5].abs(), "5.bias": dy[5].sum(0)}
+    assert set(floors) == set(want)
+    for n, w in want.items():   # (HF's RMS norms compute in float32)
+        assert floors[n] == pytest.approx(K ** 0.5 * float(w.max()), rel=1e-6), n
+
+
+def test_rounding_floor_raises_a_lucky_noise_sample_and_still_fails_a_bug():
+    """A gradient whose measured samples are both lucky is judged against its rounding floor
+    (Comparison.spread); an error of a bug's size still FAILs."""
+    names = ["w"]
+    ref = {"w": torch.ones(64, dtype=torch.float64)}
+    noisy = {"w": ref["w"] * (1 + 1e-16)}
+    policy = harness.NoisePolicy("float64")
+    for rel, floor, ok in ((5e-15, 0.0, False), (5e-15, 1e-15, True), (1e-6, 1e-15, False)):
+        c = harness.Comparison(names, {"w": (64,)}, policy)
+        c.error("grad", 0, {"w": ref["w"] * (1 + rel)}, ref)
+        c.noise("grad", 0, noisy, ref, 1.0)
+        c.spread(0, {"w": floor})   # (absolute; max |g| is 1)
+        c.judge()
+        assert c.rows["w"]["grad"].ok is ok, (rel, floor)
+        assert c.rows["w"]["grad"].noise == pytest.approx(max(floor, 1e-16), rel=0.02)

@@ -8,8 +8,12 @@ must appear in its output (the page's rules, stated at its top):
 - a token that starts with `~` is a timing (or a statistic of the timed steps): any number
   matches it, the rest of the token (a unit, `%`, `x`) must be there;
 - a token that starts with `≈` is a measured memory figure (activations, a peak): a number
-  within APPROX (5%) of it matches, the rest of the token must be there; every other token,
-  numbers included, is compared exactly;
+  within APPROX (5%) of it matches, the rest of the token must be there;
+- a token that starts with `^` is a figure the CPU's arithmetic decides (a noise sample, a
+  roundoff-level error, an fp16 subnormal share: they differ between CPUs and BLAS builds): it is
+  held to its order of magnitude, a number of the same sign within a factor of ORDER (10) of it
+  (a quoted 0 matches anything below ORDER units of its last digit); every other token,
+  numbers included (bytes, counts, verdicts), is compared exactly;
 - `<!-- pending: NAME -->` on the line before the ```bash fence: the command is not written yet
   (ZeRO++, DualPipeV); its test is skipped with that reason.
 
@@ -39,6 +43,7 @@ PAGE = os.path.join(ROOT, "docs", "interview.md")
 QUESTIONS = 33
 NUMBER = r"[-+]?(?:\d[\d,]*)?\.?\d+(?:[eE][-+]?\d+)?"
 APPROX = 0.05   # ≈ figures: the live-tensor tracker's bytes move with torch's autograd internals
+ORDER = 10.0    # ^ figures: the arithmetic's, held to their order of magnitude
 
 
 # -- the page -------------------------------------------------------------------------------------
@@ -73,7 +78,7 @@ def pattern(quoted: str) -> re.Pattern:
         elif tok.startswith("~") and re.match(NUMBER, tok[1:]):
             rest = tok[1 + re.match(NUMBER, tok[1:]).end():]
             parts.append(NUMBER + re.escape(rest))
-        elif tok.startswith("≈") and re.match(NUMBER, tok[1:]):
+        elif tok.startswith(("≈", "^")) and re.match(NUMBER, tok[1:]):
             rest = tok[1 + re.match(NUMBER, tok[1:]).end():]
             parts.append(f"({NUMBER})" + re.escape(rest))   # checked by `matches`
         else:
@@ -90,10 +95,21 @@ def matches(quoted: str, line: str) -> bool:
     m = pattern(quoted).search(line)
     if m is None:
         return False
-    want = [float(re.match(NUMBER, t[1:]).group().replace(",", ""))
-            for t in quoted.split() if t.startswith("≈") and re.match(NUMBER, t[1:])]
+    want = [(t[0], re.match(NUMBER, t[1:]).group().replace(",", ""))
+            for t in quoted.split() if t.startswith(("≈", "^")) and re.match(NUMBER, t[1:])]
     got = [float(g.replace(",", "")) for g in m.groups()]
-    return all(abs(g - w) <= APPROX * abs(w) for g, w in zip(got, want))
+    return all(close(g, kind, w) for g, (kind, w) in zip(got, want))
+
+
+def close(got: float, kind: str, quoted: str) -> bool:
+    """`≈`: within APPROX; `^`: the same order of magnitude (the rules above)."""
+    w = float(quoted)
+    if kind == "≈":
+        return abs(got - w) <= APPROX * abs(w)
+    if w == 0:   # (below ORDER units of the quoted last digit: 0.00% -> under 0.1%)
+        digits = len(quoted.split(".")[1]) if "." in quoted and "e" not in quoted.lower() else 0
+        return abs(got) < ORDER * 10.0 ** -digits
+    return got * w > 0 and 1 / ORDER <= got / w <= ORDER
 
 
 def missing(quoted: list[str], output: str) -> list[str]:
@@ -288,13 +304,22 @@ def test_matcher_rules():
     assert not missing(["zero1 (ours) ... ≈7.60 MiB ~2.00x"], out)      # within 5%
     assert missing(["zero1 (ours) ... ≈7.70 MiB ~2.00x"], out)          # 5.2% off
     assert missing(["zero1 (ours) ... ≈7.30 KiB ~2.00x"], out)          # the unit is kept
+    noise = "max err grad 5.7e-01 (noise 4.5e-15), ... 12.51% 0.00% 0"
+    assert not missing(["max err grad 5.7e-01 (noise ^5.6e-15), ... ^3.0% ^0.00% 0"], noise)
+    assert not missing(["(noise ^4.0e-14), ... ^80% ^0.0% 0"], noise)   # within a factor 10
+    assert missing(["max err grad 5.7e-01 (noise ^4.0e-16),"], noise)   # 11x: another order
+    assert missing(["max err grad 5.8e-01 (noise ^4.5e-15),"], noise)   # the error is exact
+    assert missing(["(noise ^-4.5e-15),"], noise)                       # the sign is kept
+    assert missing(["... ^1.0% ^0.00% 0"], noise)                       # 12.51 > 10 x 1.0
+    assert missing(["... ^12% ^0.000% 0"], "... 12.51% 0.01% 0")       # 0.01 >= 10 x 0.001
+    assert not missing(["... ^12% ^0.00% 0"], "... 12.51% 0.01% 0")    # 0.01 < 10 x 0.01
 
 
 def drift(line: str) -> str | None:
-    """The line with the last digit of its last exact figure (not a `~` timing nor a `≈`
-    measured memory figure) changed."""
+    """The line with the last digit of its last exact figure (not a `~` timing, a `≈`
+    measured memory figure nor a `^` order of magnitude) changed."""
     exact = [m for m in re.finditer(r"\S+", line)
-             if not m.group().startswith(("~", "≈")) and re.search(r"\d", m.group())]
+             if not m.group().startswith(("~", "≈", "^")) and re.search(r"\d", m.group())]
     if not exact:
         return None
     tok = exact[-1]
@@ -311,7 +336,8 @@ def test_a_drifted_figure_fails(page):
         if q["pending"]:
             continue
         # the output those lines were quoted from (timings replaced by other numbers)
-        fake = "\n".join(re.sub(r"~(" + NUMBER + ")", "123.4", line).replace("≈", "")
+        fake = "\n".join(re.sub(r"(?<!\S)\^(?=" + NUMBER + ")", "",
+                                re.sub(r"~(" + NUMBER + ")", "123.4", line).replace("≈", ""))
                          for line in q["quoted"])
         fake = fake.replace("...", "elided text")
         assert not missing(q["quoted"], fake), n
