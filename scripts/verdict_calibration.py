@@ -77,15 +77,17 @@ def entries(out_dir: str) -> list:
         return json.load(f)
 
 
-def seeds_phase(only, counts, worlds, tmp) -> tuple[list, list]:
-    """(rows, refusals): correct runs over seeds."""
+def seeds_phase(only, counts, worlds, tmp, extra_args=()) -> tuple[list, list]:
+    """(rows, refusals): correct runs over seeds (extra_args: added to every run, e.g. a
+    --plant-bug, to see the count of fails move)."""
     n64, n32, n16 = counts
     rows, refused = {}, []
     for script, key, extra in QUICK:
         if only and key not in only:
             continue
         for world in worlds:
-            argv = BASE + extra + (["--batch", "6", *W3.get(key, [])] if world == 3 else [])
+            argv = (BASE + extra + (["--batch", "6", *W3.get(key, [])] if world == 3 else [])
+                    + list(extra_args))
             argvs, base = [], tempfile.mkdtemp(prefix=f"cal-{key}-W{world}-", dir=tmp)
             for seed in range(max(counts)):
                 dts = [d for d, n in (("float64", n64), ("float32", n32), ("bfloat16", n16))
@@ -184,13 +186,16 @@ def main():
     ap.add_argument("--seeds", default="20,10,10", help="float64,float32,bfloat16 seed counts")
     ap.add_argument("--worlds", default="2,3")
     ap.add_argument("--no-plants", action="store_true")
+    ap.add_argument("--extra", default="", help="arguments added to every seeded run "
+                    "(tests: '--plant-bug no-average' must count every run as a fail)")
     ap.add_argument("--out", help="write the JSON here (results/verdict-calibration-cpu.json)")
     args = ap.parse_args()
     only = [o for o in args.only.split(",") if o]
     counts = tuple(int(x) for x in args.seeds.split(","))
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        rows, refused = seeds_phase(only, counts, [int(w) for w in args.worlds.split(",")], tmp)
+        rows, refused = seeds_phase(only, counts, [int(w) for w in args.worlds.split(",")], tmp,
+                                    args.extra.split())
         plants = [] if args.no_plants else plants_phase(only, tmp)
     data = dict(command="python scripts/verdict_calibration.py " + " ".join(sys.argv[1:]),
                 machine=cpu(), seconds=round(time.time() - t0), rows=rows, refused=refused,
