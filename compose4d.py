@@ -349,12 +349,13 @@ class Parallel4D:
             grads = self.optimizer.grad_shards()  # [s] per unit, over dp x cp (edp: experts)
             if not planted("sp-partials-unreduced"):   # plant: norms' partials left unsummed
                 self._reduce_slices(grads, self.partial_slices, g["tp"])
-            if self.pipe.tie_trains() \
-                    and not planted("tied-sync-skipped"):   # plant: the tie forgotten
-                dist.all_reduce(grads[0] if self.first else grads[-1], group=g["tied"])  # [s]
-            if "replicate" in g and not planted("replicas-not-summed"):   # plant: HSDP's sum
-                all_reduce_flat([gr for gr, u in zip(grads, self.zero.units)
-                                 if u.group is self.zero.group], g["replicate"])
+            if self.pipe.tie_trains():
+                if not planted("tied-sync-skipped"):   # plant: the tie forgotten
+                    dist.all_reduce(grads[0] if self.first else grads[-1], group=g["tied"])  # [s]
+            if "replicate" in g:
+                if not planted("replicas-not-summed"):   # plant: HSDP's sum
+                    all_reduce_flat([gr for gr, u in zip(grads, self.zero.units)
+                                     if u.group is self.zero.group], g["replicate"])
         return grads
 
     def eval_sum(self, batch: Batch) -> float:
@@ -403,8 +404,10 @@ class Parallel4D:
         for gr, sl in zip(grads, self.norm_slices):
             for a, b in sl:
                 sq += gr[a:b].double().pow(2).sum()
-        over_shards_only = planted("clip-norm-misses-pp")   # plant: each stage's own norm
-        dist.all_reduce(sq, group=self.groups["dpcp"] if over_shards_only else None)  # [1]
+        group = None                              # the world: every stage's and shard's squares
+        if planted("clip-norm-misses-pp"):       # plant: each stage's own norm
+            group = self.groups["dpcp"]
+        dist.all_reduce(sq, group=group)          # [1]
         return clip_by_norm(sq, grads, max_norm)
 
     # -- full tensors (collective) --

@@ -338,8 +338,8 @@ def _pairs(cp, src):
     for qa, qb, qr in cp.offsets(cp.rank):
         for ka, kb, kr in cp.offsets(src):
             rel = relation(qr, kr)
-            if planted("unmasked-diagonal") and rel == "mask":
-                rel = "full"   # plant: the diagonal block attends to its future too
+            if planted("unmasked-diagonal"):   # plant: the diagonal block attends to its future
+                rel = "full" if rel == "mask" else rel
             if rel != "skip":
                 yield (qa, qb, qr), (ka, kb, kr), rel
 
@@ -424,8 +424,9 @@ class RingAttention(torch.autograd.Function):
             if dkv_reqs is not None:                   # the earlier ranks' parts for block src
                 _wait(dkv_reqs)
                 dkv += arrived
-            if step == cp.world - 1 and planted("dkv-not-home"):   # plant: no last hop, the
-                break                                  # neighbour's dK/dV taken as ours
+            if planted("dkv-not-home"):   # plant: no last hop, the neighbour's dK/dV kept
+                if step == cp.world - 1:
+                    break
             (arrived,), dkv_reqs = _hop([dkv], cp)     # the last one brings our dK/dV home
             if step < cp.world - 1:
                 _wait(kv_reqs)

@@ -65,8 +65,9 @@ class NaiveDataParallel(torch.nn.Module):
     def sync_gradients(self):
         W = dist.get_world_size(self.group)
         for p in self.module.parameters():
-            if not p.requires_grad and not planted("lora-base-reduced"):   # plant: frozen sent
-                continue                # (a frozen parameter, LoRA's base: nothing to reduce)
+            if not p.requires_grad:     # (a frozen parameter, LoRA's base: nothing to reduce)
+                if not planted("lora-base-reduced"):   # plant: frozen sent
+                    continue
             if p.grad is None:          # (every rank sends every parameter: same calls)
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self.group)              # [p.shape], summed over W
@@ -230,8 +231,9 @@ class DataParallel(torch.nn.Module):
             [(names.get(id(p), "a parameter"), p) for p in replicated]
             + list(module.named_buffers()), group, "DataParallel")
         cap = int(bucket_mb * 2**20)
-        if broadcast and not planted("no-broadcast"):   # plant: each keeps its own init
-            broadcast_coalesced(replicated + list(module.buffers()), group, cap)   # rank 0's win
+        if broadcast:
+            if not planted("no-broadcast"):   # plant: each keeps its own init
+                broadcast_coalesced(replicated + list(module.buffers()), group, cap)  # rank 0's
         self.broadcast_buffers = broadcast_buffers and any(True for _ in module.buffers())
         self.forward_sync = True
         params = [p for p in replicated if p.requires_grad]
@@ -321,8 +323,9 @@ class DataParallel(torch.nn.Module):
         b.wire = (b.buffer if self.reduce_dtype in (None, b.buffer.dtype)
                   else b.buffer.to(self.reduce_dtype))
         # Pre-divide by W (as torch DDP does) so the sum is the average and stays in range.
-        if self.average and not planted("no-average"):   # plant: the sum, W x the mean
-            b.wire.div_(self.world)
+        if self.average:
+            if not planted("no-average"):   # plant: the sum, W x the mean
+                b.wire.div_(self.world)
         b.handle = dist.all_reduce(b.wire, group=self.group, async_op=True)  # flat [bucket numel]
         self.next_launch += 1
 

@@ -80,8 +80,8 @@ class ShardedParam:
         self.lo = lo                            # this rank's first row
         self.local = (hi - lo) * self.rest      # this rank's elements (rows_r = hi - lo)
         shard = param.detach()[lo:hi]                                 # (hi - lo, *rest)
-        if planted("masters-rounded") and param_dtype is not None:    # plant: masters rounded
-            shard = shard.to(param_dtype)
+        if planted("masters-rounded"):                                # plant: masters rounded
+            shard = shard.to(param_dtype or shard.dtype)
         self.sharded = nn.Parameter(shard.to(param.dtype).clone(),
                                     requires_grad=param.requires_grad)
         self.sharded._fsdp_param = self   # the mark: a shard (the optimizer check reads it)
@@ -163,8 +163,7 @@ class FSDPUnit:
 
     def _count(self, kind: str, nbytes: int):
         c = self.copies.setdefault(kind, [0, 0])
-        c[0] += 1
-        c[1] += nbytes
+        c[0], c[1] = c[0] + 1, c[1] + nbytes
 
     # -- gather and free --
     def unshard(self, async_op: bool = False):
@@ -177,9 +176,10 @@ class FSDPUnit:
         for p in self.params:
             p.full.untyped_storage().resize_(p.full.numel() * p.full.element_size())
             p.unsharded.requires_grad_(p.sharded.requires_grad)   # frozen since the last step?
-        if planted("no-regather") and self.root is not None and self.root.queued:   # plant
-            self.gathered = True   # (in the backward: re-allocated, never re-gathered)
-            return self.wait()
+        if planted("no-regather"):   # plant: in the backward, re-allocated, never re-gathered
+            if self.root is not None and self.root.queued:
+                self.gathered = True
+                return self.wait()
         out, work = self.all_gather([p.sharded for p in self.params], self.dtype)
         self._count("all_gather copy-in", self.shard_numel * out.element_size())
         self.handle, self.gathered = (work, out), True
@@ -320,7 +320,8 @@ class FSDPUnit:
             self._reduce_scatter(grads)
         if self.sync and any(p.requires_grad for p in self.ignored):
             self._all_reduce_ignored()
-        if not (self is self.root and planted("root-stays-gathered")):   # plant: stale root
+        stays = self is self.root if planted("root-stays-gathered") else False   # plant: stale
+        if not stays:
             self.reshard()
 
     def _reduce_scatter(self, grads):
@@ -347,11 +348,13 @@ class FSDPUnit:
 
     def _take_reduced(self, out, ps):
         """The reduced shards (summed over the group) into each parameter's .grad."""
-        if out.dtype != torch.float16 and not planted("no-average"):   # plant: summed
-            out.div_(self.world)
-        if self.replicate is not None and not planted("replicas-not-averaged"):  # plant: HSDP
-            out.div_(self.replicas)
-            dist.all_reduce(out, group=self.replicate)    # [N_g] over the R replicas
+        if out.dtype != torch.float16:
+            if not planted("no-average"):   # plant: summed
+                out.div_(self.world)
+        if self.replicate is not None:
+            if not planted("replicas-not-averaged"):  # plant: HSDP's replicas not reduced
+                out.div_(self.replicas)
+                dist.all_reduce(out, group=self.replicate)    # [N_g] over the R replicas
         off = 0
         for p in ps:
             # [N_g] -> [rows_r rest] -> (rows_r, *rest), a view when the dtypes agree
@@ -392,7 +395,8 @@ class FSDPUnit:
                 raise RuntimeError(f"fully_shard: a gradient of a {tuple(late[0].shape)} "
                                    f"parameter arrived after its unit's backward had finished; "
                                    f"is it used outside the module it was sharded with?")
-            if u.gathered and not (u is self and planted("root-stays-gathered")):
+            stays = u is self if planted("root-stays-gathered") else False   # plant: stale root
+            if u.gathered and not stays:
                 u.reshard()
             u.in_backward, u.finished = False, False
         self.queued = False

@@ -168,8 +168,9 @@ class RowParallelLoRA(_ParallelLoRA):
                                   param_like(base.bias.detach(), base.bias)
                                   if base.bias is not None else None)
         for d in self.lora_dropout.values():   # (layout-independent masks: by global column)
-            if hasattr(d, "features") and not planted("lora-dropout-local-columns"):   # plant
-                d.features = torch.arange(base.in_features)[cols]   # (host; the mask moves it)
+            if hasattr(d, "features"):
+                if not planted("lora-dropout-local-columns"):   # plant: local columns' masks
+                    d.features = torch.arange(base.in_features)[cols]   # (host; the mask moves it)
         for a in self.adapters:
             A, B = layer.lora_A[a], layer.lora_B[a]
             self.lora_A[a] = _linear(param_like(A.weight.detach()[:, cols], A.weight))  # [r, in/T]

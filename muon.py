@@ -381,10 +381,10 @@ class OwnerPlan:
         out_splits = [sum(b - a for _, a, b in d) for d in out_plan]
         in_splits = [sum(b - a for _, a, b in r) for r in in_plan]
         recv = send.new_empty(sum(in_splits))
-        if planted("muon-owner-keeps-update") and in_plan is self.sends:   # plant: not sent back
-            return send.new_zeros(sum(in_splits))
         dist.all_to_all_single(recv, send, in_splits, out_splits,           # [sum of splits]
                                group=self.group)
+        if planted("muon-owner-keeps-update"):   # plant: the update not sent back
+            recv = recv.zero_() if in_plan is self.sends else recv
         return recv
 
     def comm(self, b: int) -> tuple[int, int]:

@@ -196,8 +196,9 @@ class Pipeline:
             h = p.layers[i](h, attention_mask=masks and masks[kind], position_ids=pos,
                             position_embeddings=cos_sin.get(kind))
         if c == self.n_chunks - 1:
-            if p.norm is not None and not planted("pp-skips-final-norm"):   # plant
-                h = p.norm(h)
+            if p.norm is not None:
+                if not planted("pp-skips-final-norm"):   # plant: the final norm skipped
+                    h = p.norm(h)
             h = head_output(p.head(h), config)                                # (B, S, V)
         return h
 
@@ -362,8 +363,8 @@ class Pipeline:
                 if send_key and self.owner(send_key[1]) == self.rank:
                     # the V's turn (DualPipeV): the next chunk is this rank's, no message
                     t_out = sends.pop(send_key)
-                    if planted("v-turn-zero-grad") and send_key[3]:   # plant: the gradient
-                        t_out = torch.zeros_like(t_out)               # dropped
+                    if planted("v-turn-zero-grad"):   # plant: the gradient dropped
+                        t_out = torch.zeros_like(t_out) if send_key[3] else t_out
                     received[send_key] = (t_out, [])
             keep = (lambda k: k[2] < stop_at) if stop_at is not None else (lambda k: True)
             self._post(sends, [k for k in keys_out if keep(k)], [k for k in keys_in if keep(k)],
@@ -441,7 +442,7 @@ def clip_across_stages(model, max_norm, pipe):
     """Global-norm clipping: every stage's squared norm summed; a tied head copy counts once."""
     # on the model's device: NCCL takes no CPU tensors (and no host copy per parameter)
     sq = torch.zeros(1, dtype=torch.float64, device=next(model.parameters()).device)
-    skip_copy = pipe.tied and not planted("clip-tied-twice")   # plant: the copy counted too
+    skip_copy = pipe.tied if not planted("clip-tied-twice") else False   # plant: counted twice
     for n, p in model.named_parameters():
         if p.grad is not None and not (skip_copy and n == pipe.head_weight):
             sq += p.grad.double().pow(2).sum()

@@ -200,8 +200,9 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.lo, self.per_rank, self.region = lo, per_rank, region
         pad = getattr(emb, "padding_idx", None)
-        self.padding_idx = (pad - lo if pad is not None and lo <= pad < lo + per_rank
-                            and not planted("embed-drops-padding-idx") else None)   # plant
+        self.padding_idx = pad - lo if pad is not None and lo <= pad < lo + per_rank else None
+        if planted("embed-drops-padding-idx"):   # plant: the padding row trains
+            self.padding_idx = None
         # Gemma's scaled embedding multiplies by its embed_scale buffer, sqrt(H) as a float32
         # (then cast to the weights' dtype), exactly as HF does
         self.scale = None
@@ -381,8 +382,7 @@ class TensorParallel(ShardedTensors):
         per = self.vocab_padded // T
         self.vocab_lo = r * per
         tied = model.lm_head.weight is base.embed_tokens.weight
-        base.embed_tokens = VocabParallelEmbedding(base.embed_tokens, self.vocab_lo, per,
-                                                   self.region)
+        base.embed_tokens = VocabParallelEmbedding(base.embed_tokens, self.vocab_lo, per, self.region)
         head = nn.Linear(1, 1, bias=False)  # placeholder replaced by the vocab shard below
         if tied:
             head.weight = base.embed_tokens.weight

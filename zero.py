@@ -173,7 +173,7 @@ class Zero(FlatTensors):
         than `group` (compose4d's experts, over the ranks that hold the same experts); every
         collective of a unit runs on its own group."""
         self.model, self.group, self.stage, self.prefetch = model, group, stage, prefetch
-        self.average = average and not planted("no-average")   # plant: summed, not averaged
+        self.average = average if not planted("no-average") else False   # plant: summed
         self.overlap_param_gather = overlap_param_gather and stage < 3
         self.world = dist.get_world_size(group)
         if model is not None:

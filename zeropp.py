@@ -181,7 +181,10 @@ class ZeroPP(Zero):
             fill(u, lambda full: dist.all_gather_into_tensor(full, u.shard, group=u.group))
         if self.hpz:
             n = u.secondary.numel()
-            if not (planted("hpz-stale-secondary") and u.secondary.any()):  # plant: 1st only
+            stale = False
+            if planted("hpz-stale-secondary"):   # plant: the secondary copied once only
+                stale = bool(u.secondary.any())
+            if not stale:
                 u.secondary.copy_(u.full[self.local * n:(self.local + 1) * n])  # flat [W * s / N]
 
     def gather_backward(self, u):

@@ -320,3 +320,41 @@ def test_installed_names_cannot_shadow_a_users_modules():
     assert scripts == {"tour"}, scripts
     g = graph()
     assert not any("tour" in deps for deps in g.values())
+
+
+def woven_plants(path: str) -> list[str]:
+    """Every `planted(...)` call that is not, alone, the test of an `if` or of a one-line
+    conditional (`planted("x")` or `not planted("x")`): a plant woven into a larger expression
+    of the algorithm's own (`if cond and not planted("x"):`), which a reader has to parse to
+    read the correct line (DESIGN.md: the correct line, then `if planted("x"): <the bug>`)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    parent = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+    out = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "planted"):
+            continue
+        test = parent[node]
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            test, up = test, parent[test]
+        else:
+            test, up = node, test
+        if not (isinstance(up, (ast.If, ast.IfExp)) and up.test is test):
+            out.append(f"line {node.lineno}")
+    return out
+
+
+@pytest.mark.parametrize("name", strategy_files())
+def test_a_plant_stands_beside_the_line_it_breaks(name):
+    assert woven_plants(os.path.join(ROOT, name + ".py")) == []
+
+
+def test_the_woven_plant_finder_sees_a_woven_plant(tmp_path):
+    p = tmp_path / "x.py"
+    p.write_text("if planted('a'):\n    x = 1\n"                      # beside: fine
+                 "y = 1 if not planted('b') else 2\n"                 # a one-line conditional
+                 "if ready and not planted('c'):\n    x = 2\n"        # woven
+                 "z = planted('d')\n"                                 # a flag read elsewhere
+                 "if planted('e') and x:\n    pass\n")                # woven
+    assert sorted(woven_plants(str(p))) == ["line 4", "line 6", "line 7"]
