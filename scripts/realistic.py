@@ -3,6 +3,7 @@ each error beside the noise it was judged against (the README's numerics table).
 
     python scripts/realistic.py                 # W=2 and 3, float64 and float32 (~10 min, CPU)
     python scripts/realistic.py --world 2 --only tp,cp-zigzag --model DIR
+    python scripts/realistic.py --world 2 --out results/realistic-cpu.json   # the docs' table
 
 Builds scripts/make_checkpoint.py's checkpoints into --ckpt (once), then runs
 `torchrun --nproc_per_node=W <script> --mode correctness --dtype float64,float32` per strategy
@@ -65,6 +66,8 @@ def main():
     ap.add_argument("--ckpt", default=os.path.join(tempfile.gettempdir(), "realistic-ckpt"))
     ap.add_argument("--world", default="2,3")
     ap.add_argument("--only", default=None, help="comma-separated labels of RUNS")
+    ap.add_argument("--out", help="write the rows as JSON here (results/realistic-cpu.json, "
+                    "which docs/correctness.md's table renders)")
     a = ap.parse_args()
     ck = checkpoints(a.ckpt)
     labels = a.only.split(",") if a.only else list(RUNS)
@@ -95,6 +98,25 @@ def main():
     print("\n| " + " | ".join(hdr) + " |\n|" + "---|" * len(hdr))
     for r in rows:
         print("| " + " | ".join(map(str, r)) + " |")
+    if a.out:
+        import platform
+        keys = ("strategy", "world", "dtype", "grad_err", "grad_noise", "param_err", "param_noise",
+                "loss_err", "loss_noise", "worst_ratio", "verdict")
+        out_rows = [dict(zip(keys, [r[0], r[1], r[2], *map(float, r[3:10]), r[10]]))
+                    for r in rows]
+        with open(a.out, "w") as f:
+            json.dump(dict(
+                command="python scripts/realistic.py " + " ".join(sys.argv[1:]),
+                machine=f"{platform.machine()} CPU ({platform.processor() or 'unknown'}), "
+                        f"{os.cpu_count()} cores, gloo, one thread per rank",
+                world=int(a.world) if a.world.isdigit() else a.world, dtypes="float64,float32",
+                data="batch 6, length 48, 2 steps; scripts/make_checkpoint.py's checkpoints "
+                     "(llama; moe for ep-moe)",
+                what="per strategy and dtype: the largest error over tensors and steps and the "
+                     "largest noise it was judged against, for gradients, parameters and the "
+                     "loss; worst_ratio: the largest err/tol of any row",
+                worst_ratio=max(r["worst_ratio"] for r in out_rows), rows=out_rows), f, indent=1)
+            f.write("\n")
     sys.exit(0 if rows and all(r[-1] == "PASS" for r in rows) else 1)
 
 
