@@ -36,10 +36,10 @@ from .strategy import Reference, Strategy, full_tensor, reference_class
 #         err(strategy, target) <= TOL_K * noise + TOL_FLOOR_ULPS * eps(dtype)
 #
 # where err is max |got - target| / max |target| over the tensor, and a tensor's noise is at least
-# its role's (the same tensor in the other layers: the largest sample for a gradient, the median
-# for a parameter) and, for a gradient in float64/float32, its rounding floor: sqrt(K) u times
-# the magnitudes its sum adds, measured on the target's own step (harness/spread.py: the samples
-# have the reference's shapes, a strategy's kernels other shapes). A parallel strategy reorders
+# its role's median (the same tensor in the other layers; a gradient after the first step in
+# float64/float32: the role's largest) and, for a gradient in float64, its rounding floor:
+# sqrt(K) u times the magnitudes its sum adds, measured on the target's own step
+# (harness/spread.py: the samples have the reference's shapes). A parallel strategy reorders
 # sums (over ranks, over shards, over sequence chunks) and so may be a few times noisier than
 # one device: TOL_K = 8 leaves that room; a real bug (a missing average, a wrong position, one
 # lost micro-batch) is off by 1e-3 to 1, orders of magnitude beyond. The floor keeps a tensor
@@ -146,9 +146,18 @@ class NoisePolicy:
 
     @property
     def unit_roundoff(self) -> float | None:
-        """u for the rounding floor of the gradients (harness/spread.py): float64 and float32
-        runs; None in bf16, whose measured samples are far above any sum's spread."""
-        return EPS[self.dtype] / 2 if self.dtype in ("float64", "float32") else None
+        """u for the rounding floor of the gradients (harness/spread.py): float64 runs only.
+        (float32 runs measure their noise in their own dtype; and where a sum cancels, the
+        floor grows like K u relative to the gradient, ~1e-4 in float32 at 8192 tokens, room
+        enough to hide a 1e-4 normalisation bug.)"""
+        return EPS[self.dtype] / 2 if self.dtype == "float64" else None
+
+    @property
+    def pools_role(self) -> bool:
+        """Whether a gradient after the first step takes its role's largest noise sample: in
+        float64 and float32, where the samples are roundoff (in bf16 one layer's 0.05 would
+        widen every layer's tolerance to 0.4)."""
+        return self.dtype in ("float64", "float32")
 
     def factor(self, kind: str) -> float:
         return self.k * (PARAM_K_FACTOR if kind == "param" else 1.0)
@@ -280,7 +289,8 @@ class Comparison:
         # One noise sample per tensor can be unusually small (a lucky rounding on a tensor whose
         # entries are all alike). Tensors of the same role in other layers (every layer's
         # mlp.up_proj.weight) have the same conditioning: a tensor is judged against at least
-        # the median noise of its role, a gradient after the first step against the largest.
+        # the median noise of its role, a gradient after the first step (float64, float32:
+        # roundoff samples, none a zero gradient's residue) against the largest.
         # (From the second step on, a gradient's error is mostly the previous update's: Adam
         # moved a few entries whose
         # gradient was near its eps by rounding alone, and which entries those are differs from
@@ -295,6 +305,8 @@ class Comparison:
             top = max(scale.values())
             self.zero_grads |= {n for n, s in scale.items()
                                 if s <= ZERO_GRAD_ULPS * EPS[self.policy.dtype] * top}
+        pool = {r: max((e for n, e in noise.items() if role(n) == r and math.isfinite(e)
+                        and n not in self.zero_grads), default=0.0) for r in by_role}
         for n in self.names:
             if n in self.frozen:   # judged exactly: no gradient, the parameter unchanged
                 err = (math.inf if n in self.thawed else 0.0) if kind == "grad" else errs.get(n)
@@ -308,8 +320,9 @@ class Comparison:
                 self.missing.add(f"{kind}:{n}")
                 continue
             peers = by_role[role(n)]
-            pooled = max(peers) if kind == "grad" and step > 0 else np.median(peers)
-            level = max(noise[n], float(pooled))
+            level = max(noise[n], float(np.median(peers)))
+            if kind == "grad" and step > 0 and self.policy.pools_role:
+                level = max(level, pool[role(n)])
             if kind == "grad" and scale[n] > 0:   # (the rounding floor, harness/spread.py)
                 level = max(level, self._spread.get(step, {}).get(n, 0.0) / scale[n])
             extra = floor_abs / scale[n] if scale[n] > 0 else 0.0

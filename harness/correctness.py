@@ -219,8 +219,8 @@ def _target(run: Run, cls) -> Target:
                     param_count(ref.model), [],
                     frozenset(n for n, p in ref.model.named_parameters() if not p.requires_grad))
     u = NoisePolicy(args.dtype).unit_roundoff
-    for s in range(args.steps):
-        with Spread(ref.model) as spread:   # (the magnitudes its gradients sum: spread.py)
+    for s in range(args.steps):   # (float64 runs: the magnitudes its gradients sum, spread.py)
+        with Spread(ref.model) if u else contextlib.nullcontext() as spread:
             loss = ref.step(run.batch(s))
         target.steps.append(_kept(ref, loss, args.clip))
         target.steps[-1].floors = spread.floors(u) if u else {}

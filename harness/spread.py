@@ -3,31 +3,33 @@
 Why (docs/correctness.md, "Numerics policy"): the measured noise samples (compare.noise_sources)
 are single-device runs with the reference's shapes. A parallel strategy computes the same sums
 with other shapes (a rank's slice of the rows, a micro-batch of the tokens), and a BLAS picks
-its blocking, and so its rounding, by shape: on an AMD EPYC (family 26, AVX-512) tp.py's float64
-gradient of one up_proj came out 8.7x further from the target than both samples of that tensor,
-a correct run FAILed, and eight other seeds PASSed. No number of samples in the reference's
-shapes can promise to cover every other shape's kernel.
+its blocking, and so its rounding, by shape; a sample in the reference's shapes need not cover
+another shape's kernel. (The false FAIL that prompted this, tp.py on an AMD EPYC, family 26,
+was not this: its error came from the previous Adam update, which compare.py's role pooling
+covers; this floor is the other half of "cannot fall below the arithmetic's own spread".)
 
-What covers every summation order is the arithmetic itself. A weight's gradient is a sum of K
-products over the tokens: g_ij = sum_t dY_ti X_tj for a linear layer. Whatever the order,
-Higham & Mary's probabilistic bound (SIAM J. Sci. Comput. 41(5), 2019, Thm 3.1) holds for its
-rounding with probability at least 1 - 2K exp(-lambda^2 / 2):
+A weight's gradient is a sum of K products over the tokens: g_ij = sum_t dY_ti X_tj for a
+linear layer. Higham & Mary's probabilistic model of rounding (SIAM J. Sci. Comput. 41(5),
+2019, Thm 3.1: roundings independent and mean zero, a model, not a guarantee; round-to-nearest
+on sums of one sign can do worse) bounds its rounding in any summation order, with probability
+at least 1 - 2K exp(-lambda^2 (1 - u)^2 / 2), by
 
     |fl(g_ij) - g_ij| <= lambda sqrt(K) u M_ij,     M_ij = sum_t |dY_ti| |X_tj|,
 
-u the unit roundoff. The size is set by the magnitudes summed (M), not by the result (g), which
-is what a sum that cancels heavily needs. `Spread` measures M on the float64 target's own
-step, from hooks on the modules that own parameters, and gives each tensor its floor
+u the unit roundoff, to first order in u. The size is set by the magnitudes summed (M), not by
+the result (g), which is what a sum that cancels heavily needs. `Spread` measures M on the
+float64 target's own step, from hooks on the modules that own parameters, and gives each tensor
 
     floor = sqrt(K) u max_ij M_ij   (absolute; compare.py divides it by max |g| and judges
-                                     against TOL_K = 8 times it: lambda = 8, under the bound's
-                                     model of independent roundings a chance of 2K e^-32 per
-                                     entry, below 1e-7 for a tiny-model tensor, K = 128 tokens,
-                                     8192 entries, that a correct sum lands beyond it).
+                                     against TOL_K = 8 times it: lambda = 8 on the strategy's
+                                     side; the float64 target rounds at the same u, so the
+                                     difference of the two is up to sqrt(2) beyond that).
 
 The floor covers the last sum; the error a strategy carries into dY and X from the layers before
-is what the measured samples see. It applies to float64 and float32 runs (bf16 rounds every
-input to 8 bits, beyond any sum's spread, and its measured samples are 1e4x coarser).
+is what the measured samples see. It applies to float64 runs (compare.NoisePolicy.unit_roundoff):
+where a sum cancels, M / |g| grows like sqrt(K) and the floor like K u relative to g, harmless in
+float64 (1e-11 at 131k tokens) but ~1e-4 in float32 at 8192 tokens, room enough to hide a bug;
+float32 and bf16 runs measure their noise in their own dtype.
 
 Modules whose gradient is such a sum, and their M:
     nn.Linear      weight |dY|^T |X| over the rows, bias sum |dY|
@@ -85,6 +87,8 @@ class Spread:
     def _forward(self, m, inputs, out):
         if not torch.is_grad_enabled() or not isinstance(out, torch.Tensor) or not out.requires_grad:
             return
+        if not any(p.requires_grad for p in m.parameters(recurse=False)):
+            return   # (a frozen module, LoRA's base: no gradient to floor)
         x = inputs[0].detach()
         if isinstance(m, nn.LayerNorm):
             x = F.layer_norm(x, m.normalized_shape, eps=m.eps).abs()   # |x_hat|

@@ -138,14 +138,19 @@ def plants_phase(only, tmp) -> list:
         t0 = time.time()
         argv = ["--mode", "plants", "--plants", ",".join(names), *args, "--timeout", "120",
                 "--out", os.path.join(base, "out")]
-        launch(script, world, [argv], base, timeout=600 + 120 * len(names))
+        rc, _ = launch(script, world, [argv], base, timeout=600 + 120 * len(names))
         verdicts = os.path.join(base, "out", "plants.json")   # (the run's verdicts: a check
         # outside the comparison, --nccl-semantics', fails a run its correctness.json PASSes)
         passed = {}
         if os.path.exists(verdicts):
             with open(verdicts) as f:
                 passed = {v["plant"]: v["passed"] for v in json.load(f)}
-        for e in entries(os.path.join(base, "out")):
+        got = entries(os.path.join(base, "out"))
+        for name in {None, *names} - {e["plant_bug"] for e in got}:   # (a crash: no entry)
+            out.append(dict(script=script, world=world, args=" ".join(args), plant=name,
+                            dtype=None, ok=name is not None, ratio=None, worst=None,
+                            caught_by=f"no result (launch exit {rc})"))
+        for e in got:
             ok = passed.get(e["plant_bug"] or "(none)", e["ok"])
             on_tensor = any("over tolerance" in p or " err " in p for p in e["problems"])
             out.append(dict(script=script, world=world, args=" ".join(args),
@@ -202,6 +207,8 @@ def main():
                 plants=plants)
     planted = [p for p in plants if p["plant"]]
     tensor = [p for p in planted if not p["ok"] and p["caught_by"] == "err/tol"]
+    # (a plant with no result counts as missed: ok=True above; a clean run that FAILs, or has
+    # no result, is a false FAIL: both fail the calibration)
     if planted:
         low = min(tensor, key=lambda p: p["ratio"]) if tensor else None
         data["separation"] = dict(
@@ -217,7 +224,8 @@ def main():
         with open(args.out, "w") as f:
             json.dump(data, f, indent=1)
             f.write("\n")
-    bad = sum(r["fails"] for r in rows) + (data.get("separation") or {}).get("missed", 0)
+    sep = data.get("separation") or {}
+    bad = sum(r["fails"] for r in rows) + sep.get("missed", 0) + sep.get("clean_fails", 0)
     sys.exit(1 if bad else 0)
 
 

@@ -237,6 +237,9 @@ def test_noise_is_at_least_its_roles_median_and_largest_for_later_grads():
     c.add("param", 1, got, ref, [(noisy, 1.0)])
     assert c.rows[names[3]]["grad"].noise == pytest.approx(1.4e-6)
     assert c.rows[names[3]]["param"].noise == pytest.approx(3.5e-7)
+    c = harness.Comparison(names, {n: (8,) for n in names}, harness.NoisePolicy("bfloat16"))
+    c.add("grad", 1, got, ref, [(noisy, 1.0)])  # bf16: no pooling (one layer's 0.05 would
+    assert c.rows[names[3]]["grad"].noise == pytest.approx(3.5e-7)   # widen every layer's)
 
 
 def test_plants_mode_picks_the_plants_declared_for_the_run():

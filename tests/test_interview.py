@@ -106,9 +106,10 @@ def close(got: float, kind: str, quoted: str) -> bool:
     w = float(quoted)
     if kind == "≈":
         return abs(got - w) <= APPROX * abs(w)
-    if w == 0:   # (below ORDER units of the quoted last digit: 0.00% -> under 0.1%)
-        digits = len(quoted.split(".")[1]) if "." in quoted and "e" not in quoted.lower() else 0
-        return abs(got) < ORDER * 10.0 ** -digits
+    mant, _, exp = quoted.lower().partition("e")
+    unit = 10.0 ** (int(exp or 0) - (len(mant.split(".")[1]) if "." in mant else 0))
+    if w == 0 or got == 0:   # (a zero printed at the quoted resolution, either side: 0.00% and
+        return abs(got) < ORDER * unit and abs(w) < ORDER * unit   # 0.01% are both under 0.1%)
     return got * w > 0 and 1 / ORDER <= got / w <= ORDER
 
 
@@ -313,6 +314,9 @@ def test_matcher_rules():
     assert missing(["... ^1.0% ^0.00% 0"], noise)                       # 12.51 > 10 x 1.0
     assert missing(["... ^12% ^0.000% 0"], "... 12.51% 0.01% 0")       # 0.01 >= 10 x 0.001
     assert not missing(["... ^12% ^0.00% 0"], "... 12.51% 0.01% 0")    # 0.01 < 10 x 0.01
+    assert not missing(["... ^12% ^0.01% 0"], "... 12.51% 0.00% 0")    # printed 0, either side
+    assert missing(["... ^12% ^0.20% 0"], "... 12.51% 0.00% 0")        # 0.2 >= 10 x 0.01
+    assert missing(["err ^0.0e+00"], "err 3.0e+00")                    # 3 >= 10 x 0.1
 
 
 def drift(line: str) -> str | None:
