@@ -244,3 +244,12 @@ def test_tp_kinds_as_dtensor_placements():
     assert tp_plan.PLACEMENTS["row"][0] == "Shard(1)" and tp_plan.PLACEMENTS["column"][0] == "Shard(0)"
     phi = plan.tp_kinds(plan.load("tiny-phi3"), 2, out=lambda *_: None)
     assert "fused" in phi.values() and set(tp_plan.PLACEMENTS) >= set(phi.values())
+    # kv-copy at T = 8 over 2 kv heads: 2 groups (one per kv head) of 4 ranks (tp.py's
+    # kv_copies = T // n_kv), where "T/n_kv groups" would have said 4
+    wide = plan.load("tiny-qwen3")
+    wide.num_attention_heads, wide.num_key_value_heads = 8, 2
+    lines = []
+    kinds = plan.tp_kinds(wide, 8, out=lines.append)
+    assert kinds["model.layers.0.self_attn.k_proj.weight"] == "kv-copy"
+    kv = next(x for x in lines if x.startswith("model.layers.0.self_attn.k_proj.weight"))
+    assert "Shard(0) over 2 groups of 4 ranks, Replicate inside each" in kv, kv

@@ -396,8 +396,10 @@ def tp_kinds(config, T: int, out=print) -> dict:
     out(f"{getattr(config, 'model_type', '?')} at T={T}: {len(kinds)} parameters, "
         f"{len(shown)} shown (layer 0 stands for all {config.num_hidden_layers})")
     out(f"{'parameter':<46} {'kind':<13} {'DTensor placement':<52} gradient")
-    for name, kind in shown.items():
+    nkv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    for name, kind in shown.items():   # (kv-copy's counts for this T: tp.py's kv_copies)
         param, grad = tp_plan.PLACEMENTS[kind]
+        param = param.replace("T/n_kv", str(T // nkv)).replace("n_kv", str(nkv))
         out(f"{name:<46} {kind:<13} {param:<52} {grad}")
     return kinds
 
