@@ -293,8 +293,9 @@ class Matrix(NamedTuple):
 
 
 class OwnerPlan:
-    """owner (Megatron's layer-wise optimizer, torchtitan's DistMuon): each matrix assigned
-    whole to one rank, balanced by its Newton-Schulz FLOPs (largest first, to the least loaded
+    """owner (one rank per matrix, as Megatron's LayerWiseDistributedOptimizer and nanochat's
+    DistMuon assign them; they align buffers to whole matrices, so need no all-to-all): each
+    matrix assigned whole to one rank, balanced by its Newton-Schulz FLOPs (largest first, to the least loaded
     rank). Per step: one all_to_all sends every rank's pieces of each matrix's update to its
     owner, the owner runs NS on its matrices, a second all_to_all sends each piece of the result
     back to the rank that holds it. Every rank computes the same plan. Built for ZeRO's flat
