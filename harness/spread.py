@@ -89,11 +89,20 @@ class Spread:
             return
         if not any(p.requires_grad for p in m.parameters(recurse=False)):
             return   # (a frozen module, LoRA's base: no gradient to floor)
+        base = next((b for b in (nn.Linear, nn.Embedding, nn.LayerNorm) if isinstance(m, b)), None)
+        if base is not None and type(m).forward is not base.forward:
+            return   # (a subclass with a forward of its own, OPT's learned positions: not the sum)
+        if not inputs or not isinstance(inputs[0], torch.Tensor):
+            return   # (called with keywords: no floor rather than a guess)
         x = inputs[0].detach()
+        if isinstance(m, nn.Embedding) and x.is_floating_point():
+            return
         if isinstance(m, nn.LayerNorm):
             x = F.layer_norm(x, m.normalized_shape, eps=m.eps).abs()   # |x_hat|
         elif _rms_like(m):
             x = self._coefficient(m, x.abs())   # |x_hat|, shaped as out
+            if x.shape != out.shape:
+                return
         out.register_hook(lambda dy: self._backward(m, x, dy.detach()))
 
     @staticmethod
@@ -113,6 +122,8 @@ class Spread:
 
     @torch.no_grad()
     def _backward(self, m, x, dy):
+        if dy.shape[:-1] != x.shape[:(x.dim() if isinstance(m, nn.Embedding) else -1)]:
+            return   # (not one row of x per row of dY: not the sum these formulas write)
         rows = dy.numel() // dy.shape[-1]
         ady = dy.abs().reshape(rows, dy.shape[-1])                  # (K, out)
         if isinstance(m, nn.Linear):

@@ -597,3 +597,20 @@ def test_rounding_floor_raises_a_lucky_noise_sample_and_still_fails_a_bug():
         c.judge()
         assert c.rows["w"]["grad"].ok is ok, (rel, floor)
         assert c.rows["w"]["grad"].noise == pytest.approx(max(floor, 1e-16), rel=0.02)
+
+
+def test_rounding_floor_skips_what_is_not_its_sum():
+    """A module whose forward is its own (OPT's learned positions: an nn.Embedding subclass
+    called with the attention mask), a Linear called with keywords: no floor, no crash (the
+    heavy tier's tiny-opt crashed on the first)."""
+    from torch import nn
+    from harness.spread import Spread
+
+    class Positions(nn.Embedding):
+        def forward(self, mask):   # (OPT: positions from the mask's cumsum, offset by 2)
+            return super().forward((mask.cumsum(1) * mask).long() + 2)
+    pos, lin = Positions(16, 4).double(), nn.Linear(4, 4).double()
+    mask = torch.ones(2, 5, dtype=torch.float64)
+    with Spread(nn.ModuleList([pos, lin])) as s:
+        lin(input=pos(mask)).sum().backward()
+    assert s.floors(1.0) == {}
