@@ -292,9 +292,9 @@ class Comparison:
         # the median noise of its role, a gradient after the first step (float64, float32:
         # roundoff samples, none a zero gradient's residue) against the largest.
         # (From the second step on, a gradient's error is mostly the previous update's: Adam
-        # moved a few entries whose
-        # gradient was near its eps by rounding alone, and which entries those are differs from
-        # run to run; measured on an AMD EPYC, family 26: tp.py's layer-0 up_proj gradient at
+        # moved a few entries whose gradient was near its eps by rounding alone, and which
+        # entries those are differs from run to run; measured on an AMD EPYC, family 26: tp.py's
+        # layer-0 up_proj gradient at
         # step 1 came out 2.6e-14 from the target where both its samples measured 2e-15 and the
         # same role's layer 1 measured 2.9e-14. The largest of the role's samples pools them.)
         by_role: dict[str, list[float]] = {}
@@ -305,8 +305,10 @@ class Comparison:
             top = max(scale.values())
             self.zero_grads |= {n for n, s in scale.items()
                                 if s <= ZERO_GRAD_ULPS * EPS[self.policy.dtype] * top}
-        pool = {r: max((e for n, e in noise.items() if role(n) == r and math.isfinite(e)
-                        and n not in self.zero_grads), default=0.0) for r in by_role}
+        pool: dict[str, float] = {}   # role -> its largest finite sample, residues left out
+        for n, e in noise.items():
+            if math.isfinite(e) and n not in self.zero_grads:
+                pool[role(n)] = max(pool.get(role(n), 0.0), e)
         for n in self.names:
             if n in self.frozen:   # judged exactly: no gradient, the parameter unchanged
                 err = (math.inf if n in self.thawed else 0.0) if kind == "grad" else errs.get(n)
@@ -319,10 +321,9 @@ class Comparison:
             if n not in errs or n not in noise:
                 self.missing.add(f"{kind}:{n}")
                 continue
-            peers = by_role[role(n)]
-            level = max(noise[n], float(np.median(peers)))
+            level = max(noise[n], float(np.median(by_role[role(n)])))
             if kind == "grad" and step > 0 and self.policy.pools_role:
-                level = max(level, pool[role(n)])
+                level = max(level, pool.get(role(n), 0.0))
             if kind == "grad" and scale[n] > 0:   # (the rounding floor, harness/spread.py)
                 level = max(level, self._spread.get(step, {}).get(n, 0.0) / scale[n])
             extra = floor_abs / scale[n] if scale[n] > 0 else 0.0

@@ -134,7 +134,7 @@ def _correctness_one(run: Run, cls) -> bool:
     start = gather_objects(rss_reset())   # the peak counts from here
     rank0_group(args.timeout)   # (made by every rank before rank 0 goes off alone)
     policy = NoisePolicy(args.dtype, k=args.tol_k)
-    target = _target(run, cls) if env.is_main else None
+    target = _target(run, cls, policy) if env.is_main else None
     release_memory()   # the reference model rank 0 freed
     wait_for_rank0(args.timeout)   # the others wait while rank 0 runs the target
     cmp = Comparison(target.names, target.shapes, policy, target.frozen) if target else None
@@ -210,7 +210,7 @@ class Target:
     frozen: frozenset = frozenset()   # --lora: the base's names (no gradient)
 
 
-def _target(run: Run, cls) -> Target:
+def _target(run: Run, cls, policy: NoisePolicy) -> Target:
     """Rank 0: the float64 reference, run alone; the model is freed, its outputs kept."""
     args = run.args
     ref = reference_in(run, cls, "float64")
@@ -218,7 +218,7 @@ def _target(run: Run, cls) -> Target:
                     {n: tuple(p.shape) for n, p in ref.model.named_parameters()},
                     param_count(ref.model), [],
                     frozenset(n for n, p in ref.model.named_parameters() if not p.requires_grad))
-    u = NoisePolicy(args.dtype).unit_roundoff
+    u = policy.unit_roundoff
     for s in range(args.steps):   # (float64 runs: the magnitudes its gradients sum, spread.py)
         with Spread(ref.model) if u else contextlib.nullcontext() as spread:
             loss = ref.step(run.batch(s))

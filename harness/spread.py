@@ -49,10 +49,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _rms_like(m: nn.Module) -> bool:
+def _kind(m: nn.Module) -> str | None:
+    """Which sum a module's gradient is (the table above), or None: a Linear, Embedding or
+    LayerNorm subclass with a forward of its own (OPT's learned positions, called with the
+    attention mask) is not the sum these formulas write."""
+    for base, kind in ((nn.Linear, "linear"), (nn.Embedding, "embedding"),
+                       (nn.LayerNorm, "layernorm")):
+        if isinstance(m, base):
+            return kind if type(m).forward is base.forward else None
     own = dict(m.named_parameters(recurse=False))
-    return (not any(True for _ in m.children()) and list(own) == ["weight"]
-            and own["weight"].dim() == 1)
+    rms = (not any(True for _ in m.children()) and list(own) == ["weight"]
+           and own["weight"].dim() == 1)
+    return "rms" if rms else None
 
 
 class Spread:
@@ -68,8 +76,10 @@ class Spread:
 
     def __enter__(self):
         for m in self.model.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding, nn.LayerNorm)) or _rms_like(m):
-                self.handles.append(m.register_forward_hook(self._forward))
+            kind = _kind(m)
+            if kind is not None:
+                self.handles.append(m.register_forward_hook(
+                    lambda m, inputs, out, kind=kind: self._forward(kind, m, inputs, out)))
         return self
 
     def __exit__(self, *exc):
@@ -84,26 +94,23 @@ class Spread:
         self.mag[k] = mag if k not in self.mag else self.mag[k] + mag
         self.terms[k] = self.terms.get(k, 0) + rows
 
-    def _forward(self, m, inputs, out):
+    def _forward(self, kind, m, inputs, out):
         if not torch.is_grad_enabled() or not isinstance(out, torch.Tensor) or not out.requires_grad:
             return
         if not any(p.requires_grad for p in m.parameters(recurse=False)):
             return   # (a frozen module, LoRA's base: no gradient to floor)
-        base = next((b for b in (nn.Linear, nn.Embedding, nn.LayerNorm) if isinstance(m, b)), None)
-        if base is not None and type(m).forward is not base.forward:
-            return   # (a subclass with a forward of its own, OPT's learned positions: not the sum)
         if not inputs or not isinstance(inputs[0], torch.Tensor):
             return   # (called with keywords: no floor rather than a guess)
         x = inputs[0].detach()
-        if isinstance(m, nn.Embedding) and x.is_floating_point():
+        if kind == "embedding" and x.is_floating_point():
             return
-        if isinstance(m, nn.LayerNorm):
+        if kind == "layernorm":
             x = F.layer_norm(x, m.normalized_shape, eps=m.eps).abs()   # |x_hat|
-        elif _rms_like(m):
+        elif kind == "rms":
             x = self._coefficient(m, x.abs())   # |x_hat|, shaped as out
             if x.shape != out.shape:
                 return
-        out.register_hook(lambda dy: self._backward(m, x, dy.detach()))
+        out.register_hook(lambda dy: self._backward(kind, m, x, dy.detach()))
 
     @staticmethod
     @torch.no_grad()
@@ -121,20 +128,20 @@ class Spread:
         return y1 - y0
 
     @torch.no_grad()
-    def _backward(self, m, x, dy):
-        if dy.shape[:-1] != x.shape[:(x.dim() if isinstance(m, nn.Embedding) else -1)]:
+    def _backward(self, kind, m, x, dy):
+        if dy.shape[:-1] != x.shape[:(x.dim() if kind == "embedding" else -1)]:
             return   # (not one row of x per row of dY: not the sum these formulas write)
         rows = dy.numel() // dy.shape[-1]
         ady = dy.abs().reshape(rows, dy.shape[-1])                  # (K, out)
-        if isinstance(m, nn.Linear):
+        if kind == "linear":
             ax = x.abs().reshape(rows, x.shape[-1]).to(ady.dtype)  # (K, in)
             self._add(m.weight, ady.T @ ax, rows)                  # (out, in)
             self._add(m.bias, ady.sum(0), rows)
-        elif isinstance(m, nn.Embedding):
+        elif kind == "embedding":
             mag = torch.zeros_like(m.weight, dtype=ady.dtype)      # (V, H)
             self._add(m.weight, mag.index_add_(0, x.reshape(-1), ady), rows)
-        else:   # a norm: x is |x_hat| here (the forward hook)
-            self._add(m.weight, (ady * x.abs().reshape(rows, -1).to(ady.dtype)).sum(0), rows)
+        else:   # a norm: x is |x_hat| already (the forward hook)
+            self._add(m.weight, (ady * x.reshape(rows, -1).to(ady.dtype)).sum(0), rows)
             self._add(getattr(m, "bias", None), ady.sum(0), rows)
 
     def floors(self, u: float) -> dict[str, float]:

@@ -80,7 +80,8 @@ def entries(out_dir: str) -> list:
 def seeds_phase(only, counts, worlds, tmp, extra_args=()) -> tuple[list, list]:
     """(rows, refusals): correct runs over seeds (extra_args: added to every run, e.g. a
     --plant-bug, to see the count of fails move)."""
-    n64, n32, n16 = counts
+    def dtypes(seed):   # the dtypes that seed runs in
+        return [d for d, n in zip(("float64", "float32", "bfloat16"), counts) if seed < n]
     rows, refused = {}, []
     for script, key, extra in QUICK:
         if only and key not in only:
@@ -90,9 +91,7 @@ def seeds_phase(only, counts, worlds, tmp, extra_args=()) -> tuple[list, list]:
                     + list(extra_args))
             argvs, base = [], tempfile.mkdtemp(prefix=f"cal-{key}-W{world}-", dir=tmp)
             for seed in range(max(counts)):
-                dts = [d for d, n in (("float64", n64), ("float32", n32), ("bfloat16", n16))
-                       if seed < n]
-                argvs.append(argv + ["--seed", str(seed), "--dtype", ",".join(dts),
+                argvs.append(argv + ["--seed", str(seed), "--dtype", ",".join(dtypes(seed)),
                                      "--timeout", "120",
                                      "--out", os.path.join(base, f"seed{seed}")])
             t0 = time.time()
@@ -105,9 +104,7 @@ def seeds_phase(only, counts, worlds, tmp, extra_args=()) -> tuple[list, list]:
                 continue
             for seed in range(max(counts)):
                 got = entries(os.path.join(base, f"seed{seed}"))
-                want = [d for d, n in (("float64", n64), ("float32", n32), ("bfloat16", n16))
-                        if seed < n]
-                for d in want:
+                for d in dtypes(seed):
                     e = next((x for x in got if x["dtype"] == d), None)
                     r = rows.setdefault((key, d, world), dict(
                         strategy=key, script=script, dtype=d, world=world,

@@ -12,7 +12,7 @@ must appear in its output (the page's rules, stated at its top):
 - a token that starts with `^` is a figure the CPU's arithmetic decides (a noise sample, a
   roundoff-level error, an fp16 subnormal share: they differ between CPUs and BLAS builds): it is
   held to its order of magnitude, a number of the same sign within a factor of ORDER (10) of it
-  (a quoted 0 matches anything below ORDER units of its last digit); every other token,
+  (where either side is 0, both must be below ORDER units of the quoted last digit); every other token,
   numbers included (bytes, counts, verdicts), is compared exactly;
 - `<!-- pending: NAME -->` on the line before the ```bash fence: the command is not written yet
   (ZeRO++, DualPipeV); its test is skipped with that reason.
