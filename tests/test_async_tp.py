@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import async_tp
+import spawned
 from conftest import Runs, assert_config_error, launch
 
 MEGA = ["--variant", "megatron", "--async-tp"]
@@ -103,9 +104,8 @@ def _functions(rank, world, port):
 
 
 def _spawn(fn, world):
-    import torch.multiprocessing as mp
     from harness.launch import _free_port
-    mp.spawn(fn, args=(world, _free_port()), nprocs=world)
+    spawned.spawn(fn, world, _free_port())
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import muon
+import spawned
 from harness.oracle import OracleMuon, torch_ns_in
 from harness.models import hidden_matrix, load_config
 
@@ -373,8 +374,7 @@ def test_zero_muon_state_dict_resumes_bitwise(tmp_path, world):
     dict is torch's format per parameter (momentum_buffer for the matrices, AdamW's states for
     the vector), 3 steps + state_dict + a fresh optimizer + 2 steps == 5 steps, bit for bit,
     and an unsharded MasterMuon loads it."""
-    import torch.multiprocessing as mp
-    mp.spawn(_zero_muon_resume, args=(world, str(tmp_path / "init")), nprocs=world)
+    spawned.spawn(_zero_muon_resume, world, str(tmp_path / "init"))
 
 
 def _fsdp_bf16_shards(rank, world, init_file):
@@ -414,5 +414,4 @@ def test_muon_build_over_bf16_fsdp_shards(tmp_path, world=2):
     masters of them): the owner mode finds the cut through the masters, and 3 steps equal one
     device's MasterMuon bit for bit (the same batch on every rank, reduced in fp32: the
     average is exact); Newton-Schulz on each rank's rows does not."""
-    import torch.multiprocessing as mp
-    mp.spawn(_fsdp_bf16_shards, args=(world, str(tmp_path / "init")), nprocs=world)
+    spawned.spawn(_fsdp_bf16_shards, world, str(tmp_path / "init"))

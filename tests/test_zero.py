@@ -10,6 +10,7 @@ import harness
 import test_plants
 import zero
 import rig.zeropp
+import spawned
 
 from conftest import Runs, assert_config_error
 
@@ -223,8 +224,7 @@ def test_zero_optimizer_resumes_its_fp32_masters(tmp_path):
     fresh model and ZeroOptimizer load it, 2 more steps == 5 uninterrupted steps, bitwise, on
     the parameters and on the fp32 master shards (the state dict carries the masters as
     harness.precision.MasterAdamW's does); without them the run departs."""
-    import torch.multiprocessing as mp
-    mp.spawn(_zero_resume_bf16, args=(2, str(tmp_path / "init")), nprocs=2)
+    spawned.spawn(_zero_resume_bf16, 2, str(tmp_path / "init"))
 
 
 def test_overlapped_param_gather_is_waited_by_each_units_own_forward(group):
