@@ -29,10 +29,13 @@ Communication per layer (s = S/W local tokens, kv = H_kv * d, b bytes, batch B)
 Public API
     cp = parallelize(model, group, seq_len, variant="zigzag"): ring attention in place,
         cp.positions this rank's tokens; gradients summed by ddp.DataParallel(..., average=False)
+    The block kernel is TorchKernel (below, the contract); PyTorch's fused SDPA kernels that
+    keep it, and their self-test, are in cp_kernels.py.
+
+Run:  torchrun --nproc_per_node=2 cp_ring.py --mode correctness   (learning, benchmark, plants)
 """
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from harness import attention_of, parts, phase, planted
 
@@ -75,7 +78,7 @@ class CPContext:
         self.world = dist.get_world_size(group) if world is None else world
         self.rank = dist.get_rank(group) if rank is None else rank
         self.chunks = layout(variant, self.world, seq)
-        self.kernel = kernel or TorchKernel()   # the block kernel (pick_kernel)
+        self.kernel = kernel or TorchKernel()   # the block kernel (cp_kernels.pick_kernel)
 
     def offsets(self, rank):
         """(start, end) of each chunk inside rank's local tensor, with its global range."""
@@ -191,122 +194,6 @@ class TorchKernel:
     def backward(self, q, k, v, do, out, lse, delta, scale, rel, qr, kr):
         dt = do.dtype
         return block_backward(q.to(dt), k.to(dt), v.to(dt), do, lse, delta, scale, rel, qr, kr)
-
-
-class SDPAKernel(TorchKernel):
-    """PyTorch's fused attention kernels that return the log-sum-exp (the ATen ops behind
-    F.scaled_dot_product_attention): FlashAttention-2 for bf16/fp16 on CUDA, the
-    memory-efficient kernel for fp32 on CUDA, the CPU flash kernel on CPU. Inputs stay in their
-    dtype (no fp32 (B, n_h, c_q, c_k) scores); the block's out and lse enter the fp32 merge. A block
-    the fused kernels cannot express (a diagonal whose query and key ranges differ) takes the
-    pure kernel."""
-
-    def __init__(self, device_type: str, dtype):
-        if device_type == "cpu":
-            self.op, self.name = "cpu", "sdpa-cpu-flash"
-        elif dtype in (torch.bfloat16, torch.float16):
-            self.op, self.name = "flash", "sdpa-flash"
-        else:
-            self.op, self.name = "efficient", "sdpa-efficient"
-        self._aux = None   # the last forward's non-varlen placeholders (cu_seqlens, rng state)
-
-    @staticmethod
-    def fused(rel, qr, kr):
-        return rel == "full" or (rel == "mask" and qr == kr)
-
-    def _fwd(self, q, k, v, scale, causal):
-        A = torch.ops.aten
-        if self.op == "cpu":
-            return A._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
-                                                                 scale=scale)
-        if self.op == "flash":
-            out, lse, cq, ck, _, _, seed, off, _ = A._scaled_dot_product_flash_attention(
-                q, k, v, 0.0, causal, False, scale=scale)
-            self._aux = (cq, ck, seed, off)
-            return out, lse
-        out, lse, seed, off = A._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, 0.0, causal, scale=scale)
-        self._aux = (seed, off)
-        return out, lse[..., :q.shape[2]]            # (B, n_h, c_q): lse comes padded to 32s
-
-    def _bwd(self, do, q, k, v, out, lse, scale, causal):
-        A = torch.ops.aten
-        if self.op == "cpu":
-            return A._scaled_dot_product_flash_attention_for_cpu_backward(
-                do, q, k, v, out, lse, 0.0, causal, scale=scale)
-        if self.op == "flash":
-            cq, ck, seed, off = self._aux
-            return A._scaled_dot_product_flash_attention_backward(
-                do, q, k, v, out, lse, cq, ck, q.shape[2], k.shape[2], 0.0, causal, seed, off,
-                scale=scale)
-        seed, off = self._aux
-        pad = -q.shape[2] % 32
-        lse = F.pad(lse, (0, pad)) if pad else lse   # (B, n_h, c_q) -> (B, n_h, c_q + pad)
-        return A._scaled_dot_product_efficient_attention_backward(
-            do, q, k, v, None, out, lse, seed, off, 0.0, [True, True, True, False], causal,
-            scale=scale)[:3]
-
-    def _kv(self, q, k, v):
-        """K/V for the fused op: the CPU flash kernel takes the kv heads as they are (GQA);
-        the CUDA ops get them repeated (not verified on a GPU with fewer kv heads)."""
-        n = 1 if self.op == "cpu" else q.shape[1] // k.shape[1]
-        return _expand(k, n).contiguous(), _expand(v, n).contiguous(), n   # CUDA: (B, n_h, c_k, d)
-
-    def forward(self, q, k, v, scale, rel, qr, kr, acc_dtype):
-        if not self.fused(rel, qr, kr):
-            return super().forward(q, k, v, scale, rel, qr, kr, acc_dtype)
-        k, v, _ = self._kv(q, k, v)
-        out, lse = self._fwd(q.contiguous(), k, v, scale, rel == "mask")
-        lse = lse.to(acc_dtype)
-        return out.to(acc_dtype), torch.ones_like(lse), lse   # (B, n_h, c_q, d), l = 1, lse
-
-    def backward(self, q, k, v, do, out, lse, delta, scale, rel, qr, kr):
-        if not self.fused(rel, qr, kr):
-            return super().backward(q, k, v, do, out, lse, delta, scale, rel, qr, kr)
-        dt = q.dtype
-        k, v, n = self._kv(q, k, v)
-        dq, dk, dv = self._bwd(do.to(dt).contiguous(), q.contiguous(), k, v,
-                               out.to(dt).contiguous(), lse.to(_acc_dtype(q)).contiguous(),
-                               scale, rel == "mask")
-        # dq (B, n_h, c_q, d); dk, dv (B, n_h, c_k, d) -> (B, n_kv, c_k, d)
-        return dq.to(do.dtype), _reduce_rep(dk, n).to(do.dtype), _reduce_rep(dv, n).to(do.dtype)
-
-
-def self_test(kernel, device, dtype) -> str | None:
-    """A fused kernel's forward and backward on one small causal block against the pure one
-    (errors within 8x bf16/fp32 rounding): None when it agrees, else why not."""
-    g = torch.Generator().manual_seed(0)   # (2 query heads on 1 kv head: the GQA path too)
-    q, k, v, do = (torch.randn(1, h, 64, 64, generator=g).to(device, dtype) for h in (2, 1, 1, 2))
-    acc = _acc_dtype(q)
-    try:
-        res = []
-        for kern in (kernel, TorchKernel()):
-            a, l, m = kern.forward(q, k, v, 0.125, "mask", (0, 64), (0, 64), acc)
-            out, lse = a / l[..., None], m + torch.log(l)
-            delta = (do.to(acc) * out).sum(-1)
-            res.append((out, *kern.backward(q, k, v, do.to(acc), out, lse, delta, 0.125,
-                                            "mask", (0, 64), (0, 64))))
-        tol = 8 * torch.finfo(dtype).eps * 64
-        err = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(*res))
-        return None if err <= tol else f"max rel err {err:.1e} > {tol:.1e}"
-    except (RuntimeError, TypeError, NotImplementedError) as e:
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-
-
-def pick_kernel(choice: str, device: torch.device, dtype) -> tuple[TorchKernel, str]:
-    """The block kernel for --attn-kernel auto|sdpa|torch, and a line saying which and why.
-    auto: the fused SDPA kernels on CUDA (after their self-test), pure torch on CPU (the exact
-    float64 proofs). flash-attn's own package is not used: its block API differs between
-    releases, and PyTorch's built-in flash kernel is the same algorithm."""
-    if choice == "torch" or (choice == "auto" and device.type != "cuda") \
-            or dtype == torch.float64:
-        why = "float64" if dtype == torch.float64 and choice != "torch" else choice
-        return TorchKernel(), f"attention block kernel: torch (pure; {why})"
-    kern = SDPAKernel(device.type, dtype)
-    bad = self_test(kern, device, dtype)
-    if bad:
-        return TorchKernel(), f"attention block kernel: torch ({kern.name} failed its self-test: {bad})"
-    return kern, f"attention block kernel: {kern.name} (fused, log-sum-exp; self-test passed)"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -517,14 +404,6 @@ def parallelize(model, group, seq_len: int, variant: str = "zigzag", kernel=None
     install(model, cp)
     cp.positions = positions(cp.chunks[cp.rank])
     return cp
-
-
-def reference_attention(q, k, v, scale):
-    """Full causal attention on one device (for the standalone check): q (B, n_h, S, d),
-    k, v (B, n_kv, S, d) repeated to n_h heads -> (B, n_h, S, d)."""
-    n_rep = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, _expand(k, n_rep), _expand(v, n_rep),
-                                          is_causal=True, scale=scale)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,7 +11,10 @@ rank with every rank of the group. The embedding is vocab-parallel (rank r owns 
 column-parallel over V, and the loss never forms full logits (global max, sum of exponentials,
 target logit: one all-reduce of N values each). Norms are replicated; with T = m x n_kv each
 kv head is replicated on m ranks and its m copies' gradients are summed.
-Why and how, in full: docs/internals.md, 'tp.py'.
+Why and how, in full: docs/internals.md, 'tp.py'. Family adapters (OLMo2's norm over all
+heads, Gemma's embedding scale, per-rank head counts): tp_families.py.
+
+Run:  torchrun --nproc_per_node=2 tp.py --mode correctness   (learning, benchmark, plants)
 
 Communication per step (N = B*S tokens, H hidden, L layers, b bytes; all over the tp group)
     forward   all_reduce  embedding 1 + 2 per layer, each N*H*b; loss 3 of N*b
@@ -22,7 +25,7 @@ Memory: weights and optimizer states / T (norms replicated); activations inside 
 MLP / T, the residual stream and norms full (sp.py shards those too).
 
 Public API
-    tpm = parallelize(model, group)   an HF Llama-family model, split in place
+    tpm = parallelize(model, group)   an HF decoder, split in place by the plan (PLAN below)
     tpm.loss_sum(logits, labels)      the vocab-parallel cross-entropy (sum over tokens)
     tpm.reduce_partial_grads()        after the step's last backward (replicated kv heads)
     tpm.clip(max_norm)                global-norm clipping over the shards
@@ -35,10 +38,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import lora
+import tp_plan
 from lora import param_like
-from tp_plan import classify, head_dims, LocalHeads, pad_vocab, ShardedTensors
+from tp_families import embed_scale, local_heads, ShardedRMSNorm
+from tp_plan import head_dims, pad_vocab, ShardedTensors
 from tp_plan import join_shards, meta_model, shape_constraints   # noqa: F401 (re-exported)
-from harness import all_reduce_flat, IGNORE_INDEX, clip_by_norm, planted
+from harness import all_reduce_flat, IGNORE_INDEX, clip_by_norm, parts, planted
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,44 +142,6 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class SumOverTP(torch.autograd.Function):
-    """A sum of every rank's partial value, forward; its gradient is summed the same way
-    backward (each rank's output fed every rank's input)."""
-
-    @staticmethod
-    def forward(ctx, x, group):          # (B, S, 1) this rank's part -> (B, S, 1) the sum
-        ctx.group = group
-        x = x.clone()
-        dist.all_reduce(x, group=group)                           # (B, S, 1)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):             # (B, S, 1) -> (B, S, 1), summed over T
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=ctx.group)                    # (B, S, 1)
-        return grad, None
-
-
-class ShardedRMSNorm(nn.Module):
-    """An RMSNorm over a feature dimension that TP splits (OLMo2's q_norm / k_norm over all
-    heads' features): each rank holds `rows` of the weight and of the features, and the mean
-    square is the all-reduced sum of squares over the full width, 1 all-reduce of N values
-    forward and 1 backward. Computes as OLMo2's norm does: in at least float32, weight times
-    the normalised features, then the input's dtype."""
-
-    def __init__(self, norm: nn.Module, rows: slice, width: int, group):
-        super().__init__()
-        self.weight = param_like(norm.weight.detach()[rows], norm.weight)   # [n d] -> [n d/T]
-        self.eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-        self.width, self.group = width, group
-
-    def forward(self, x):                # (B, S, n d/T) -> (B, S, n d/T), n = n_h or n_kv
-        dtype = x.dtype
-        h = x.to(torch.promote_types(dtype, torch.float32))
-        sq = SumOverTP.apply(h.pow(2).sum(-1, keepdim=True), self.group)     # (B, S, 1)
-        return (self.weight * (h * torch.rsqrt(sq / self.width + self.eps))).to(dtype)
-
-
 class RowParallelLinear(nn.Module):
     """Columns `cols` of the full weight: each rank's partial product is reduced by
     region.row_linear; the (replicated) bias is added once, after the reduction."""
@@ -203,16 +170,7 @@ class VocabParallelEmbedding(nn.Module):
         self.padding_idx = pad - lo if pad is not None and lo <= pad < lo + per_rank else None
         if planted("embed-drops-padding-idx"):   # plant: the padding row trains
             self.padding_idx = None
-        # Gemma's scaled embedding multiplies by its embed_scale buffer, sqrt(H) as a float32
-        # (then cast to the weights' dtype), exactly as HF does
-        self.scale = None
-        if hasattr(emb, "scalar_embed_scale"):
-            buf = getattr(emb, "embed_scale", None)
-            scale = (buf.item() if buf is not None and not buf.is_meta else
-                     torch.tensor(emb.scalar_embed_scale, dtype=torch.float32).item())
-            # rounded to the weights' dtype once, here: a Python scalar that is exact in that
-            # dtype multiplies as the dtype's tensor would, without a tensor made per forward
-            self.scale = torch.tensor(scale, dtype=emb.weight.dtype).item()
+        self.scale = embed_scale(emb)   # (Gemma's scaled embedding; None elsewhere)
         w = torch.zeros(per_rank, emb.weight.shape[1], dtype=emb.weight.dtype,   # [V/T, H]
                         device=emb.weight.device)
         rows = emb.weight.detach()[lo:lo + per_rank]   # [V, H] -> [<= V/T, H] (true vocab only)
@@ -278,9 +236,27 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------
-# Installing it into an HF Llama
+# Installing it into an HF decoder
 # ----------------------------------------------------------------------------------------------
-# kind (tp_plan.classify) -> (the dim its tensors are split along, the parallel module that
+# The plan (Megatron's, written as torchtitan writes its own): a decoder module's pattern -> its
+# kind. A config that ships transformers' `base_model_tp_plan` (Llama, Qwen, Gemma, Phi3, OLMo,
+# GPT-NeoX, StarCoder2, ...) is read over it (tp_plan.plan_of); the embedding and LM head are
+# vocab, the norms on the residual stream replicated, q/k norms by their width (tp_plan.classify).
+PLAN = {
+    "layers.*.self_attn.q_proj": "column",       "layers.*.mlp.gate_proj": "column",
+    "layers.*.self_attn.k_proj": "column",       "layers.*.mlp.up_proj": "column",
+    "layers.*.self_attn.v_proj": "column",       "layers.*.mlp.down_proj": "row",
+    "layers.*.self_attn.o_proj": "row",
+    "layers.*.self_attn.qkv_proj": "fused",      "layers.*.mlp.gate_up_proj": "fused",
+}
+
+
+def classify(model, T: int) -> tuple[dict[str, str], list[str]]:
+    """(the kind of every parameter, one reason per refusal): tp_plan.classify by this plan."""
+    return tp_plan.classify(model, T, PLAN)
+
+
+# kind -> (the dim its tensors are split along, the parallel module that
 # replaces a module of that kind, given (tp, the module's name, the module)); the other kinds
 # stay whole (the vocabulary: below). A row layer's bias stays whole; kv-copy is split by kv
 # head, each head replicated on T / kv_heads ranks when T > kv heads (kv_split).
@@ -292,7 +268,7 @@ INSTALL = {
     "fused": (0, lambda tp, n, lin: ColumnParallelLinear(lin, tp._fused_rows(n, lin))),
     "row": (1, lambda tp, n, lin: RowParallelLinear(lin, tp._cut(n, lin.in_features),
                                                     tp.region)),
-    "norm-sharded": (0, lambda tp, n, norm: ShardedRMSNorm(norm, tp._cut(n, 0),
+    "norm-sharded": (0, lambda tp, n, norm: ShardedRMSNorm(norm, tp._cut(n, norm.weight.numel()),
                                                            norm.weight.numel(), tp.group)),
 }
 
@@ -327,14 +303,8 @@ class TensorParallel(ShardedTensors):
         # the replicated kv projections (kv_copies of each; rank r holds kv head r // m)
         self.kv_split: set[str] = set()
 
-        kv_rows = (slice(self.kv_head * head_dim, (self.kv_head + 1) * head_dim)
-                   if self.replicate_kv else self._mine(hkv_local * head_dim))
-        q_rows = self._mine(hq * head_dim)
-        # this rank's rows of a column layer (columns of a row layer; features of a norm), by
-        # heads for attention; the MLP's by its intermediate features (_cut)
-        self._cuts = {"q_proj": q_rows, "o_proj": q_rows, "q_norm": q_rows,
-                      "k_proj": kv_rows, "v_proj": kv_rows, "k_norm": kv_rows}
-        self._head_dims = (head_dim, hq_full, hkv)
+        # a replicated kv projection's rows: its kv head's (rank r holds head r // m)
+        self._kv_rows = slice(self.kv_head * head_dim, (self.kv_head + 1) * head_dim)
         lora.split_for_tp(self)   # peft's LoRA layers: base and adapters split by the kinds
         # The layout, once: each module whose weight's kind INSTALL names becomes that kind's
         # parallel module, its tensors split along the kind's dim; the other kinds stay whole
@@ -352,26 +322,18 @@ class TensorParallel(ShardedTensors):
                 self.kv_split.add(pname)
             elif not (kind == "row" and pname.endswith(".bias")):
                 self.split_dim[pname] = dim
-        base = model.model
-        for i, layer in enumerate(base.layers):
-            a, m, p = layer.self_attn, layer.mlp, f"model.layers.{i}."
-            if self._kind(p + "self_attn.qkv_proj") == "fused":
-                # Phi3 finds its q rows at config.num_attention_heads * head_dim: this rank's
-                # heads, the rest read through from the shared config (cp_ring and recompute
-                # change its attention implementation later)
-                a.config = LocalHeads(a.config, hq)
-            a.dropout_heads = torch.arange(r * hq, (r + 1) * hq)   # (dropout.py's mask key)
-            a.num_key_value_groups = hq // hkv_local
-            for attr, n in (("num_heads", hq), ("num_key_value_heads", hkv_local)):
-                if hasattr(a, attr):
-                    setattr(a, attr, n)
-            # Entering each region: f on the shared input of q/k/v, and of gate/up (a MoE
-            # block, its MLP not split, runs whole on every rank, outside any region)
-            a.register_forward_pre_hook(self._enter_kwargs, with_kwargs=True)
+        # Each module holding split projections is a region (a layer's attention, its MLP; a
+        # MoE block, its experts not split, runs whole on every rank outside any region): f on
+        # its input, the row layers' g inside it
+        split = {lora.base_name(n.rpartition(".")[0])[0] for n, k in self.kinds.items()
+                 if k in ("column", "fused", "kv-copy", "row")}
+        for name in sorted({m.rpartition(".")[0] for m in split}):
+            a = model.get_submodule(name)
+            if "Attention" in type(a).__name__:   # its per-rank head counts (tp_families)
+                fused = any(self._kind(f"{name}.{c}") == "fused" for c, _ in a.named_children())
+                local_heads(a, r, hq, hkv_local, fused)
+            a.register_forward_pre_hook(self._enter, with_kwargs=True)
             a.register_forward_hook(self._leave)
-            if self._kind(p + "mlp.down_proj") == "row":
-                m.register_forward_pre_hook(self._enter_args)
-                m.register_forward_hook(self._leave)
         named = dict(model.named_parameters())
         # replicated kv heads: each copy's gradient covers its own q heads only, summed over
         # the m copies
@@ -381,23 +343,29 @@ class TensorParallel(ShardedTensors):
         self.vocab_padded = pad_vocab(cfg.vocab_size, T)
         per = self.vocab_padded // T
         self.vocab_lo = r * per
-        tied = model.lm_head.weight is base.embed_tokens.weight
-        base.embed_tokens = VocabParallelEmbedding(base.embed_tokens, self.vocab_lo, per, self.region)
-        head = nn.Linear(1, 1, bias=False)  # placeholder replaced by the vocab shard below
-        if tied:
-            head.weight = base.embed_tokens.weight
-        else:
-            full = model.lm_head.weight.detach()
-            w = torch.zeros(per, full.shape[1], dtype=full.dtype, device=full.device)  # [V/T, H]
-            mine = full[self.vocab_lo:self.vocab_lo + per]      # [V, H] -> [<= V/T, H]
+        found = parts(model)              # the embedding and head, by HF's accessors
+        embed, head_name = found.names["embed"], found.names["head"]
+        self.vocab_names = (f"{embed}.weight", f"{head_name}.weight", f"{head_name}.bias")
+        emb = VocabParallelEmbedding(found.embed, self.vocab_lo, per, self.region)
+        head = nn.Linear(1, 1, bias=False)  # placeholder: the vocab shard's rows, below
+
+        def rows(t):                        # [V, ...] -> [V_pad/T, ...]: padding rows zero
+            w = t.new_zeros(per, *t.shape[1:])
+            mine = t.detach()[self.vocab_lo:self.vocab_lo + per]   # [<= V/T, ...]
             w[:mine.shape[0]] = mine
-            head.weight = nn.Parameter(w, requires_grad=model.lm_head.weight.requires_grad)
-        model.lm_head = head
-        model.lm_head.register_forward_pre_hook(self._enter_args)
-        model.lm_head.register_forward_hook(self._leave)
-        self.split_dim["model.embed_tokens.weight"] = 0
-        if not tied:
-            self.split_dim["lm_head.weight"] = 0
+            return nn.Parameter(w, requires_grad=t.requires_grad)
+        head.weight = emb.weight if found.tied else rows(found.head.weight)
+        if getattr(found.head, "bias", None) is not None:   # (Phi-2's head has one)
+            head.bias = rows(found.head.bias)
+            self.split_dim[self.vocab_names[2]] = 0
+        for name, new in ((embed, emb), (head_name, head)):
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, new)
+        head.register_forward_pre_hook(self._enter, with_kwargs=True)
+        head.register_forward_hook(self._leave)
+        self.split_dim[self.vocab_names[0]] = 0
+        if not found.tied:
+            self.split_dim[self.vocab_names[1]] = 0
         # Per-head q/k norms see this rank's heads only: their gradients are summed over the
         # group; under sequence parallelism (sp.py) every replicated parameter too (the norms
         # and row biases see this rank's tokens only)
@@ -414,29 +382,24 @@ class TensorParallel(ShardedTensors):
 
     def _cut(self, name: str, n: int) -> slice:
         """This rank's share of the module `name` whose split dim has n entries."""
-        return self._cuts.get(name.rsplit(".", 1)[1]) or self._mine(n // self.world)
+        return self._kv_rows if self._kind(name) == "kv-copy" else self._mine(n // self.world)
 
     def _fused_rows(self, name: str, linear: nn.Linear) -> list[slice]:
         """A fused projection's rows: this rank's slice of each segment ([q; k; v] or
         [gate; up]), recorded in segments for full() / local()."""
-        head_dim, hq_full, hkv = self._head_dims
-        segs = ((hq_full * head_dim, hkv * head_dim, hkv * head_dim)
-                if name.endswith("qkv_proj") else (linear.out_features // 2,) * 2)
+        segs = tp_plan.segments(self.model, name, linear.out_features)
         for kind in ("weight", "bias", "base_layer.weight", "base_layer.bias"):
             self.segments[f"{name}.{kind}"] = segs
         for a in getattr(self.model.get_submodule(name), "lora_B", {}):   # a LoRA layer's B:
             self.segments[f"{name}.lora_B.{a}.weight"] = segs          # rows as W's segments
         return [slice(a, b) for _, a, b in self.local_range(f"{name}.weight", None)]
 
-    def _enter_kwargs(self, module, args, kwargs):
+    def _enter(self, module, args, kwargs):
         if "hidden_states" in kwargs:
             kwargs["hidden_states"] = self.region.region_in(kwargs["hidden_states"])
         else:
             args = (self.region.region_in(args[0]),) + tuple(args[1:])
         return args, kwargs
-
-    def _enter_args(self, module, args):
-        return (self.region.region_in(args[0]),) + tuple(args[1:])
 
     def _leave(self, module, args, out):
         self.region.after_module()
@@ -509,9 +472,9 @@ class TensorParallel(ShardedTensors):
 def parallelize(model, group=None, region: TPRegion | None = None,
                 seq_parallel: bool = False) -> TensorParallel:
     """Split an HF decoder's layers, vocabulary and loss over the ranks of `group`, in place
-    (the one entry the harness, sp.py, compose4d and users call). Llama, Mistral, Qwen2/3,
-    OLMo2, Gemma2 and Phi3 layouts are known (classify()); any parameter that is not raises
-    ValueError naming it, before any collective. In a loop:
+    (the one entry the harness, sp.py, compose4d and users call). Each parameter's kind comes
+    from the plan (the config's base_model_tp_plan where it ships one, else PLAN); one with no
+    kind raises ValueError naming it, before any collective. In a loop:
 
         tpm = tp.parallelize(model, group)              # every rank built the same weights
         logits = model(input_ids=ids).logits             # this rank's vocabulary shard

@@ -8,10 +8,11 @@ gradient is in fact partial (Qwen3's per-head q/k norms see only a rank's heads)
 holds tp.py's plumbing (shape checks, vocabulary padding, full <-> shard conversions).
 
 Public API
-    kinds, reasons = classify(model, T)   name -> kind; reasons: one line per refusal
+    kinds, reasons = classify(model, T, table)   name -> kind (tp.classify: table=tp.PLAN)
     head_dims(config) -> (head_dim, q heads, kv heads)
     join_shards(parts, dim, segments)     the full tensor from every rank's shard
     meta_model(config)                    the architecture on the meta device
+    plan_of(model), segments(...)         the plan that splits a model's layers (HF's or tp.PLAN)
     tpm.full(tensors) / tpm.local(name, full) / tpm.local_range(name, shape)   (ShardedTensors)
 """
 import copy
@@ -46,12 +47,17 @@ PLACEMENTS = {
     "replicated": ("Replicate()", "Replicate()"),
     "partial": ("Replicate()", "Partial(): each rank's own heads, summed after the backward"),
 }
-COLUMN, ROW, FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), \
-    ("o_proj", "down_proj"), ("qkv_proj", "gate_up_proj")
-# full-width q/k norms whose formula tp.ShardedRMSNorm computes (weight x normalised, in float32)
+# HF's words (a config's `base_model_tp_plan`) -> the kinds above. HF gathers the output of a
+# projection whose rows it cannot split in place ("colwise_gather_output": Phi3's fused
+# qkv_proj, OLMo2's q/k/v before a norm over all heads); this project splits those too:
+# "gathered" is a fused projection when its rows are segments (split segment by segment), else
+# a column layer (the norm over all heads then sharded: norm-sharded). HF's MoE words ("packed_colwise", "moe_tp_experts") are not used: TP keeps
+# the experts whole (compose4d --ep shards them).
+HF_KINDS = {"colwise": "column", "colwise_gather_output": "gathered", "rowwise": "row",
+            "rowwise_split_input": "row", "replicated_with_grad_allreduce": "partial",
+            "embedding_rowwise": "vocab"}
+# full-width q/k norms whose formula tp_families.ShardedRMSNorm computes (weight x normalised, in float32)
 FULL_WIDTH_NORMS = ("Olmo2RMSNorm", "Olmo3RMSNorm")   # (the same module, renamed)
-LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-               "post_feedforward_layernorm")
 
 
 def head_dims(config) -> tuple[int, int, int]:
@@ -61,18 +67,50 @@ def head_dims(config) -> tuple[int, int, int]:
             getattr(config, "num_key_value_heads", None) or h)
 
 
-def classify(model, T: int) -> tuple[dict[str, str], list[str]]:
+def plan_of(model, table: dict[str, str]) -> dict[str, str]:
+    """The plan that splits `model`'s layers (module pattern under the decoder -> kind): its
+    config's `base_model_tp_plan` (transformers' own), translated by HF_KINDS, over `table`
+    (tp.PLAN, the canonical one) for the modules HF's plan does not name."""
+    hf = getattr(model.config, "base_model_tp_plan", None) or {}
+    return {**table, **{k: HF_KINDS.get(v, f"HF's {v!r}") for k, v in hf.items()}}
+
+
+def segments(model, name: str, out: int) -> tuple[int, ...] | None:
+    """The row segments of the fused projection `name` of `out` rows (their full sizes along
+    dim 0), from its shape: an attention's [q; k; v] (n_h d, n_kv d, n_kv d) or an MLP's
+    [gate; up] (I, I); None when the projection is neither."""
+    d, hq, hkv = head_dims(model.config)
+    if in_attention(model, name):
+        return (hq * d, hkv * d, hkv * d) if out == (hq + 2 * hkv) * d else None
+    return (out // 2,) * 2 if out == 2 * model.config.intermediate_size else None
+
+
+def in_attention(model, name: str) -> bool:
+    """Whether module `name` sits in a decoder layer's attention (its parent is one)."""
+    return "Attention" in type(model.get_submodule(name.rpartition(".")[0])).__name__
+
+
+def classify(model, T: int, table: dict[str, str]) -> tuple[dict[str, str], list[str]]:
     """(kind of every parameter, the reasons it refuses): a pure walk over the model's modules,
-    no collective, on a meta-device model too. A reason names the parameter and what TP cannot
-    do with it; parallelize() and the scripts refuse on the first one."""
+    no collective, on a meta-device model too. A layer's projections take their kind from the
+    plan (plan_of: HF's, else tp.PLAN), refined by shape (a fused projection's segments, a kv
+    projection replicated when T > kv heads); the embedding and head (found through HF's
+    accessors) are vocab, the norms on the residual stream replicated, q/k norms by their
+    width. A reason names the parameter and what TP cannot do with it; parallelize() and the
+    scripts refuse on the first one."""
+    from fnmatch import fnmatchcase
+    from harness import parts
     d, hq, hkv = head_dims(model.config)
     replicate_kv = hkv % T != 0
     kinds, errs = {}, []
-    base = getattr(model, "model", None)
-    if base is None or not hasattr(base, "layers") or not hasattr(base, "embed_tokens"):
-        return {}, [f"{type(model).__name__} is not an HF decoder laid out as Llama's "
-                    f"(model.model.layers, model.model.embed_tokens): tensor parallelism does "
-                    f"not know its layout (ddp, zero, fsdp and pp run any causal LM)"]
+    found = parts(model)
+    if found.layers is None or found.embed is None or "base" not in found.names:
+        return {}, [f"{type(model).__name__} is not an HF decoder whose layers and input "
+                    f"embedding HF's accessors find: tensor parallelism does not know its "
+                    f"layout (ddp, zero, fsdp and pp run any causal LM)"]
+    plan, vocab = plan_of(model, table), (found.names.get("embed"), found.names.get("head"))
+    layers = found.names["layers"] + "."
+    base = found.names["base"] + "." if found.names["base"] else ""
     for name, module in model.named_modules():
         own = list(module.named_parameters(recurse=False))
         if not own:
@@ -83,24 +121,22 @@ def classify(model, T: int) -> tuple[dict[str, str], list[str]]:
         wrapped, part = lora.base_name(name)
         if part is not None:
             name, module = wrapped, model.get_submodule(wrapped).base_layer
-        parts = name.split(".")
-        leaf = parts[-1]
-        in_layer = len(parts) >= 4 and parts[:2] == ["model", "layers"]
-        why = None
-        if name in ("model.embed_tokens", "lm_head"):
+        inner = name[len(layers):].split(".")[1:] if name.startswith(layers) else None
+        leaf, why = name.rpartition(".")[2], None
+        planned = next((v for k, v in plan.items() if fnmatchcase(name[len(base):], k)), None)
+        if name in vocab:
             known = type(module) in (nn.Embedding, nn.Linear) or (
                 isinstance(module, nn.Embedding) and hasattr(module, "scalar_embed_scale"))
             kind = "vocab" if known else None
-        elif name == "model.norm" or (in_layer and len(parts) == 4 and leaf in LAYER_NORMS):
+        elif name == found.names.get("norm") or (inner is not None and len(inner) == 1
+                                                  and "Norm" in type(module).__name__):
+            kind = "replicated"            # on the residual stream: the same on every rank
+        elif inner and leaf in ("gate", "experts") and hasattr(
+                model.get_submodule(name.rpartition(".")[0]), "experts"):
+            # a Mixture-of-Experts block: router and experts whole on every rank, computing the
+            # same tokens (compose4d --ep shards the experts over data ranks instead)
             kind = "replicated"
-        elif in_layer and len(parts) == 5 and type(module) is nn.Linear and (
-                leaf in COLUMN + ROW + FUSED):
-            kind = ("fused" if leaf in FUSED else "row" if leaf in ROW
-                    else "kv-copy" if replicate_kv and leaf in ("k_proj", "v_proj") else "column")
-            if kind == "fused" and replicate_kv:
-                kind, why = None, (f"a fused projection with more ranks ({T}) than kv heads "
-                                   f"({hkv}) is not supported")
-        elif in_layer and len(parts) == 5 and leaf in ("q_norm", "k_norm"):
+        elif inner and leaf in ("q_norm", "k_norm"):
             n = module.weight.numel()
             heads = hq if leaf == "q_norm" else hkv
             if n == d:
@@ -113,14 +149,24 @@ def classify(model, T: int) -> tuple[dict[str, str], list[str]]:
             else:
                 kind, why = None, (f"a q/k norm over {n} features (neither one head, {d}, nor "
                                    f"all heads, {heads * d}, of a norm whose formula "
-                                   f"tp.ShardedRMSNorm implements: {', '.join(FULL_WIDTH_NORMS)})")
-        elif in_layer and len(parts) == 5 and parts[3] == "mlp" and leaf in ("gate", "experts") \
-                and hasattr(model.get_submodule(".".join(parts[:4])), "experts"):
-            # a Mixture-of-Experts block: router and experts whole on every rank, computing the
-            # same tokens (compose4d --ep shards the experts over data ranks instead)
-            kind = "replicated"
+                                   f"tp_families.ShardedRMSNorm implements: {', '.join(FULL_WIDTH_NORMS)})")
+        elif inner and planned in ("column", "row", "fused", "gathered") and type(module) is nn.Linear:
+            fused = segments(model, name, module.out_features) if planned != "row" else None
+            kind = planned if planned in ("column", "row") else "fused" if fused else None
+            if planned == "gathered" and not fused:
+                kind = "column"            # gathered by HF only for what follows (OLMo2's norm)
+            elif kind is None:
+                why = "a fused projection whose rows are not [q; k; v] or [gate; up]"
+            if (kind == "column" and replicate_kv and in_attention(model, name)
+                    and module.out_features == hkv * d):
+                kind = "kv-copy"           # a k or v projection: one kv head per T/n_kv ranks
+            if kind == "fused" and replicate_kv:
+                kind, why = None, (f"a fused projection with more ranks ({T}) than kv heads "
+                                   f"({hkv}) is not supported")
         else:
             kind = None
+            if planned and planned.startswith("HF's"):
+                why = f"{planned} (in its config's base_model_tp_plan) is not implemented here"
         if part in lora.ADAPTERS:
             kind = lora.adapter_kind(kind, part)
             if kind is None:
@@ -180,27 +226,10 @@ def pad_to(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)   # [n', m] -> [n, m] along dim
 
 
-class LocalHeads:
-    """A model config seen with this rank's number of attention heads; every other attribute
-    is the shared config's, read and written through."""
-
-    def __init__(self, config, heads: int):
-        object.__setattr__(self, "_config", config)
-        object.__setattr__(self, "num_attention_heads", heads)
-
-    def __getattr__(self, name):
-        if name == "_config":
-            raise AttributeError(name)
-        return getattr(self._config, name)
-
-    def __setattr__(self, name, value):
-        setattr(self._config, name, value)
-
-
 class ShardedTensors:
     """TensorParallel's conversions between full tensors and this rank's shards (checkpoints,
     harness/loading.py, the rig's checks), from the layout it records: world (T), rank, group,
-    vocab, vocab_padded, split_dim, segments, kv_split, kv_copies, n_kv, kv_head."""
+    vocab, vocab_names, vocab_padded, split_dim, segments, kv_split, kv_copies, n_kv, kv_head."""
 
     def full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full tensors from this rank's shards (collective): gather along the split dim and
@@ -217,7 +246,7 @@ class ShardedTensors:
                 out[name] = torch.cat(parts[::self.kv_copies], dim=0)
                 continue
             full = join_shards(parts, d, self.segments.get(name))   # -> [n, m] (d=1: [m, n])
-            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name in self.vocab_names:
                 full = full[:self.vocab]                             # [V_pad, H] -> [V, H]
             out[name] = full
         return out
@@ -229,7 +258,7 @@ class ShardedTensors:
             s[0] *= self.n_kv
         elif name in self.split_dim:
             s[self.split_dim[name]] *= self.world
-            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name in self.vocab_names:
                 s[0] = self.vocab
         return tuple(s)
 
@@ -252,7 +281,7 @@ class ShardedTensors:
         d = self.split_dim.get(name)
         if d is None:
             return None
-        size = (self.vocab_padded if name in ("model.embed_tokens.weight", "lm_head.weight")
+        size = (self.vocab_padded if name in self.vocab_names
                 else full_shape[d])
         n = size // self.world
         return d, self.rank * n, (self.rank + 1) * n

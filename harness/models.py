@@ -77,6 +77,20 @@ PRESETS = {
                         residual_multiplier=0.22, attention_multiplier=0.0078125),
         # GPT-NeoX/Pythia: gpt_neox.layers, embed_in / embed_out, qkv fused per head, parallel
         # residual, LayerNorms with biases, rotary on a quarter of each head
+        # StarCoder2: a non-gated MLP (c_fc, c_proj), LayerNorms and every projection with
+        # biases, a sliding window longer than the tests' sequences (HF's default 4096)
+        "starcoder2": dict(),
+        # GLM: a fused gate_up_proj that HF's plan gathers ("colwise_gather_output"), partial
+        # rotary
+        "glm": dict(head_dim=16, pad_token_id=0),
+        # Phi-2: attention and MLP in parallel on one LayerNorm, non-gated fc1 / fc2, "dense"
+        # output projection, biases everywhere, partial rotary; its dropouts off
+        "phi": dict(resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
+        # Nemotron: squared-ReLU non-gated MLP (up, down), LayerNorm1P ((1 + w) with a bias)
+        "nemotron": dict(head_dim=16),
+        # StableLM: no tp plan in its config (the canonical table classifies it), LayerNorms
+        # with biases, partial rotary
+        "stablelm": dict(),
         "neox": dict(model_type="gpt_neox", intermediate_size=256, num_key_value_heads=None),
         # GPT-2: transformer.h, learned position embeddings (wpe), Conv1D projections, biases;
         # its dropouts (0.1, one outside the layers) off, as --dropout 0 sets them

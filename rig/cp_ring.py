@@ -9,8 +9,9 @@ from harness.cli import main as harness_main
 from rig.ddp import make_optimizer
 
 import ddp
-from cp_ring import (ALLGATHER_COLLECTIVES, layout, parallelize, pick_kernel, positions,
-                     ring_bytes, ring_messages)
+from cp_kernels import pick_kernel
+from cp_ring import (ALLGATHER_COLLECTIVES, layout, parallelize, positions, ring_bytes,
+                     ring_messages)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from harness.cli import main as harness_main
 
 from tp import (LOSS_ALL_REDUCES, TensorParallel, parallelize, region_all_reduces,
                 shape_constraints)
-from tp_plan import classify, meta_model
+from tp import classify
+from tp_plan import meta_model
 import muon
 from rig.ddp import MUON_PLANT, make_optimizer
 

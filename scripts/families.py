@@ -21,7 +21,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ["tiny", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-olmo2", "tiny-gemma2",
             "tiny-phi3", "tiny-gemma3", "tiny-olmo3", "tiny-cohere", "tiny-granite", "tiny-neox",
-            "tiny-gpt2", "tiny-opt"]
+            "tiny-gpt2", "tiny-opt", "tiny-starcoder2", "tiny-glm", "tiny-phi", "tiny-nemotron",
+            "tiny-stablelm"]
 # strategy -> (script, extra arguments, world size)
 STRATEGIES = {
     "ddp": ("ddp.py", [], 2),
@@ -72,6 +73,8 @@ def main():
     p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--out", default=None, help="write the rows as JSON")
+    p.add_argument("--update", action="store_true",
+                   help="keep --out's rows for the cells not run now (a few families rerun)")
     a = p.parse_args()
     rows = []
     for s in a.strategies.split(","):
@@ -80,6 +83,11 @@ def main():
             rows.append(r)
             print(f"{s:12} {f:13} {r['verdict']:8} {r['seconds']:6.1f}s  {r['line'][:150]}",
                   flush=True)
+    if a.update and a.out and os.path.exists(a.out):
+        with open(a.out) as fh:
+            old = {(r["strategy"], r["family"]): r for r in json.load(fh)["rows"]}
+        old.update({(r["strategy"], r["family"]): r for r in rows})
+        rows = [old[s, f] for s in STRATEGIES for f in FAMILIES if (s, f) in old]
     print(table(rows))
     if a.out:
         import torch

@@ -30,6 +30,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+import cp_kernels  # noqa: E402
 import cp_ring  # noqa: E402
 from cp_attention_check import ring_local  # noqa: E402
 
@@ -69,7 +70,7 @@ def whole(q, k, v, do, scale, kernel):
 
 def sdpa_full(q, k, v, do, scale):
     leaf = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = cp_ring.reference_attention(*leaf, scale)
+    out = cp_kernels.reference_attention(*leaf, scale)
     out.backward(do)
     return (out.detach(), *(t.grad for t in leaf))
 
@@ -103,7 +104,7 @@ def main():
                          err=err(res, ref), ms=t * 1e3))
         print(f"{str(dt)[6:]:9s} whole-sequence SDPA           err {rows[-1]['err']:.1e}  "
               f"{t * 1e3:8.2f} ms", flush=True)
-        sdpa_kernel, why = cp_ring.pick_kernel("sdpa", dev, dt)
+        sdpa_kernel, why = cp_kernels.pick_kernel("sdpa", dev, dt)
         print(f"          {why}", flush=True)
         kernels = (("pure torch", cp_ring.TorchKernel()), ("fused", sdpa_kernel))
         once = {}

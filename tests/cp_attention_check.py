@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
+import cp_kernels  # noqa: E402
 import cp_ring  # noqa: E402
 from harness import teardown  # noqa: E402
 
@@ -32,7 +33,7 @@ def distributed(args):
                    for h in (H, HKV, HKV, H))
     scale = D ** -0.5
     leaf = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = cp_ring.reference_attention(*leaf, scale)
+    ref = cp_kernels.reference_attention(*leaf, scale)
     ref.backward(do)
     ok = True
     for variant in ("zigzag", "ring", "allgather"):
@@ -90,7 +91,7 @@ def ring_local(q, k, v, do, scale, variant, W, kernel=None):
 
 def sdpa(q, k, v, do, scale):
     leaf = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = cp_ring.reference_attention(*leaf, scale)
+    out = cp_kernels.reference_attention(*leaf, scale)
     out.backward(do)
     return (out.detach(), *(t.grad for t in leaf))
 
@@ -144,7 +145,7 @@ def kernel(args):
                 line = f"|logit| <= {logit:5.0f} key shift {shift:3.1f} {str(dt)[6:]:7s} " \
                        f"sdpa {base:.1e}"
                 for variant, W in layouts:
-                    kern = cp_ring.SDPAKernel("cpu", dt) if args.attn_kernel == "sdpa" else None
+                    kern = cp_kernels.SDPAKernel("cpu", dt) if args.attn_kernel == "sdpa" else None
                     e = max(rel_errs(ring_local(*x, scale, variant, W, kern), ref))
                     r = e / base
                     worst[str(dt)[6:]] = max(worst.get(str(dt)[6:], 0.0), r)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import cp_attention_check
+import cp_kernels
 import cp_ring
 from conftest import ROOT, Runs, assert_config_error, torchrun
 
@@ -34,26 +35,26 @@ def test_kernel_dispatch_and_fallback(monkeypatch):
     fused kernel that raises, or that computes a wrong answer, fails its self-test and the pure
     kernel is used, with the reason in the printed line."""
     cpu = torch.device("cpu")
-    k, line = cp_ring.pick_kernel("auto", cpu, torch.float32)
+    k, line = cp_kernels.pick_kernel("auto", cpu, torch.float32)
     assert type(k) is cp_ring.TorchKernel and line.endswith("torch (pure; auto)")
-    k, line = cp_ring.pick_kernel("sdpa", cpu, torch.float64)
+    k, line = cp_kernels.pick_kernel("sdpa", cpu, torch.float64)
     assert type(k) is cp_ring.TorchKernel and "float64" in line
-    k, line = cp_ring.pick_kernel("sdpa", cpu, torch.float32)
-    assert isinstance(k, cp_ring.SDPAKernel) and k.name == "sdpa-cpu-flash"
+    k, line = cp_kernels.pick_kernel("sdpa", cpu, torch.float32)
+    assert isinstance(k, cp_kernels.SDPAKernel) and k.name == "sdpa-cpu-flash"
     assert "self-test passed" in line
-    assert cp_ring.SDPAKernel("cuda", torch.bfloat16).op == "flash"
-    assert cp_ring.SDPAKernel("cuda", torch.float32).op == "efficient"
+    assert cp_kernels.SDPAKernel("cuda", torch.bfloat16).op == "flash"
+    assert cp_kernels.SDPAKernel("cuda", torch.float32).op == "efficient"
 
     def boom(*a, **kw):
         raise RuntimeError("no kernel image is available")
-    monkeypatch.setattr(cp_ring.SDPAKernel, "_fwd", boom)
-    k, line = cp_ring.pick_kernel("sdpa", cpu, torch.float32)
+    monkeypatch.setattr(cp_kernels.SDPAKernel, "_fwd", boom)
+    k, line = cp_kernels.pick_kernel("sdpa", cpu, torch.float32)
     assert type(k) is cp_ring.TorchKernel and "failed its self-test: RuntimeError" in line
     monkeypatch.undo()
-    real = cp_ring.SDPAKernel._fwd
-    monkeypatch.setattr(cp_ring.SDPAKernel, "_fwd",   # an lse off by 1e-3: a wrong merge
+    real = cp_kernels.SDPAKernel._fwd
+    monkeypatch.setattr(cp_kernels.SDPAKernel, "_fwd",   # an lse off by 1e-3: a wrong merge
                         lambda self, *a: (lambda o, l: (o, l + 1e-3))(*real(self, *a)))
-    k, line = cp_ring.pick_kernel("sdpa", cpu, torch.float32)
+    k, line = cp_kernels.pick_kernel("sdpa", cpu, torch.float32)
     assert type(k) is cp_ring.TorchKernel and "max rel err" in line
 
 

@@ -8,8 +8,11 @@ sublayers), Gemma2 ((1 + w) norms computed in float32, scaled embedding, soft-ca
 window on alternate layers, eager attention only), Phi3 (fused qkv_proj and gate_up_proj); and
 beyond them, with HF's own pad ids: Gemma3 (a rope base per layer type), OLMo3 (sliding layers,
 pad id 1), Cohere (parallel block, logit_scale), Granite (multipliers), GPT-NeoX (other module
-names, per-head fused qkv), GPT-2 (learned positions, Conv1D) and OPT (model.decoder.layers, a
-key bias with no gradient in exact arithmetic): any causal LM under the
+names, per-head fused qkv), GPT-2 (learned positions, Conv1D), OPT (model.decoder.layers, a
+key bias with no gradient in exact arithmetic), StarCoder2 (c_fc / c_proj, biases), GLM (a
+fused gate_up_proj HF's plan gathers), Phi-2 (parallel block, fc1 / fc2, a biased LM head),
+Nemotron (squared ReLU, LayerNorm1P) and StableLM (no plan in its config): 18 families; any
+causal LM under the
 strategies that need no architecture, the self-check (harness/selfcheck.py) where one
 re-implements the forward around the layers."""
 import os
@@ -52,27 +55,30 @@ RUNS_ON = {
 BATCHES = {key: Runs(key[0], key[1], {f: [*ARGS, "--model", f, *key[2]] for f in fams},
                      tier="slow") for key, fams in RUNS_ON.items()}
 
-# The families beyond those (harness.models: Gemma 3, OLMo 3, Cohere, Granite, GPT-NeoX, GPT-2):
-# every PASS cell of results/families-cpu.json in the heavy tier, a few in `make test` (slow).
-# Each strategy that needs no architecture runs every family; pp and compose4d run those whose
-# forward around the layers they know (the self-check refuses GPT-2's position embeddings), tp
-# those whose modules it classifies (GPT-NeoX's per-head fused qkv and GPT-2's Conv1D refused),
-# Ulysses and ring attention those without a sliding window shorter than the sequence.
+# The families beyond those (harness.models: Gemma 3, OLMo 3, Cohere, Granite, GPT-NeoX, GPT-2,
+# OPT, StarCoder2, GLM, Phi-2, Nemotron, StableLM): every PASS cell of
+# results/families-cpu.json in the heavy tier, a few in `make test` (slow). Each strategy that
+# needs no architecture runs every family; pp and compose4d run those whose forward around the
+# layers they know (the self-check refuses GPT-2's and OPT's position embeddings), tp those
+# whose modules its plan classifies (HF's base_model_tp_plan, else tp.PLAN; the learned
+# positions refused), Ulysses and ring attention those without a sliding window shorter than
+# the sequence.
 NEW = ["tiny-gemma3", "tiny-olmo3", "tiny-cohere", "tiny-granite", "tiny-neox", "tiny-gpt2",
-       "tiny-opt"]
-KNOWN_AROUND = ["tiny-gemma3", "tiny-olmo3", "tiny-cohere", "tiny-granite"]
+       "tiny-opt", "tiny-starcoder2", "tiny-glm", "tiny-phi", "tiny-nemotron", "tiny-stablelm"]
+UNSPLIT = ["tiny-gpt2", "tiny-opt"]   # learned position embeddings: tp and pp refuse them
+KNOWN_AROUND = [f for f in NEW if f not in UNSPLIT]
+NO_SHORT_WINDOW = [f for f in NEW if f not in ("tiny-gemma3", "tiny-olmo3")]
 NEW_RUNS_ON = {
     ("ddp.py", 2, ()): NEW, ("zero.py", 2, ("--stage", "3")): NEW, ("fsdp.py", 2, ()): NEW,
     ("tp.py", 2, ()): KNOWN_AROUND, ("sp.py", 2, ("--variant", "megatron")): KNOWN_AROUND,
-    ("sp.py", 2, ("--variant", "ulysses")): ["tiny-cohere", "tiny-granite", "tiny-neox",
-                                             "tiny-gpt2", "tiny-opt"],
-    ("pp.py", 2, ()): [*KNOWN_AROUND, "tiny-neox"],
-    ("cp_ring.py", 2, ()): ["tiny-cohere", "tiny-granite", "tiny-neox", "tiny-gpt2",
-                            "tiny-opt"],
+    ("sp.py", 2, ("--variant", "ulysses")): NO_SHORT_WINDOW,
+    ("pp.py", 2, ()): KNOWN_AROUND,
+    ("cp_ring.py", 2, ()): NO_SHORT_WINDOW,
     ("compose4d.py", 4, ("--tp", "2", "--pp", "2")): KNOWN_AROUND,
 }
 IN_MAKE_TEST = {("pp.py", 2, ()): ["tiny-cohere", "tiny-granite", "tiny-gemma3"],
-                ("ddp.py", 2, ()): ["tiny-neox"], ("tp.py", 2, ()): ["tiny-olmo3"]}
+                ("ddp.py", 2, ()): ["tiny-neox"], ("tp.py", 2, ()): ["tiny-olmo3", "tiny-neox"],
+                ("sp.py", 2, ("--variant", "megatron")): ["tiny-starcoder2"]}
 
 
 def _tier(key, family):
@@ -130,11 +136,11 @@ REFUSED = [
      "projection with more ranks (4) than kv heads (2) is not supported"),
     ("compose4d", "Compose4D", 4, "tiny-gemma2", ("--cp", "2", "--length", "16"),
      "--cp 2: context parallelism's ring attention does not implement attention logit"),
-    ("tp", "TP", 2, "tiny-neox", (), "GPTNeoXForCausalLM is not an HF decoder"),
-    ("tp", "TP", 2, "tiny-gpt2", (), "GPT2LMHeadModel is not an HF decoder"),
-    ("tp", "TP", 2, "tiny-opt", (), "OPTForCausalLM is not an HF decoder"),
-    ("compose4d", "Compose4D", 4, "tiny-neox", ("--tp", "2", "--pp", "2"),
-     "GPTNeoXForCausalLM is not an HF decoder"),
+    # learned position embeddings: no kind in the plan (GPT-2's config ships no tp plan)
+    ("tp", "TP", 2, "tiny-gpt2", (), "transformer.wpe.weight (Embedding): not a module tensor "
+     "parallelism knows how to split"),
+    ("tp", "TP", 2, "tiny-opt", (), "model.decoder.embed_positions.weight "
+     "(OPTLearnedPositionalEmbedding): not a module tensor parallelism knows how to split"),
     ("sp", "SP", 2, "tiny-gemma3", ("--variant", "ulysses"), "ulysses attends with SDPA's "
      "causal mode, which does not implement a sliding window"),
     ("cp_ring", "CP", 2, "tiny-olmo3", (), "context parallelism's ring attention does not "
@@ -164,7 +170,7 @@ def test_sdpa_asked_where_there_is_none():
 
 
 # -- the classification itself -------------------------------------------------------------
-@pytest.mark.parametrize("family", ["tiny", *FAMILIES])
+@pytest.mark.parametrize("family", ["tiny", *FAMILIES, *(f for f in NEW if f not in UNSPLIT)])
 def test_every_parameter_has_a_kind(family):
     model = tp.meta_model(harness.load_config(family))
     kinds, errs = tp.classify(model, 2)
@@ -175,6 +181,39 @@ def test_every_parameter_has_a_kind(family):
             "tiny-gemma2": ("pre_feedforward_layernorm.weight", "replicated")}.get(family)
     if want:
         assert kinds["model.layers.1." + want[0]] == want[1], kinds
+
+
+@pytest.mark.parametrize("family", ["tiny", *FAMILIES, "tiny-starcoder2", "tiny-glm"])
+def test_hf_plan_and_the_canonical_table_agree(family):
+    """A config's base_model_tp_plan (transformers' own) decides a layer's kinds; where the
+    project's table (tp.PLAN) also names the modules, both give every parameter the same kind
+    (HF's "colwise_gather_output" on Phi3's and GLM's fused projections is fused, on OLMo2's
+    q/k/v a column before the norm over all heads); StarCoder2's MLP only HF's plan names."""
+    config = harness.load_config(family)
+    hf = config.base_model_tp_plan
+    assert hf, family
+    kinds, errs = tp.classify(tp.meta_model(config), 2)
+    assert not errs, errs
+    config.base_model_tp_plan = None
+    table, errs_table = tp.classify(tp.meta_model(config), 2)
+    if family == "tiny-starcoder2":     # its MLP's c_fc / c_proj: named by HF's plan only
+        assert errs_table[0].startswith("model.layers.0.mlp.c_fc.weight (Linear)"), errs_table
+    else:
+        assert table == kinds and not errs_table, {n: (k, table.get(n)) for n, k in kinds.items()
+                                                   if table.get(n) != k}
+
+
+def test_the_hf_plan_is_read_not_the_names():
+    """The kinds follow the config's plan: a plan that calls down_proj column-parallel makes it
+    one, and a word of HF's this project does not implement is refused, naming the word."""
+    config = harness.load_config("tiny")
+    config.base_model_tp_plan = {**config.base_model_tp_plan,
+                                 "layers.*.mlp.down_proj": "colwise",
+                                 "layers.*.mlp.up_proj": "local_colwise"}
+    kinds, errs = tp.classify(tp.meta_model(config), 2)
+    assert kinds["model.layers.0.mlp.down_proj.weight"] == "column"
+    assert errs[0] == ("model.layers.0.mlp.up_proj.weight (Linear): HF's 'local_colwise' (in its "
+                       "config's base_model_tp_plan) is not implemented here"), errs
 
 
 class Gate(nn.Module):
@@ -196,7 +235,7 @@ def test_an_unknown_module_is_refused_by_name(group):
     assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
     # and a model that is not an HF decoder at all
     with pytest.raises(ValueError, match="is not an HF decoder"):
-        tp.parallelize(types.SimpleNamespace(config=model.config, named_modules=lambda: []))
+        tp.parallelize(types.SimpleNamespace(config=model.config, named_modules=lambda **kw: []))
 
 
 def test_float64_runs_keep_float64_inside_the_model():

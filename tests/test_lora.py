@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import lora
+import tp
 import tp_plan
 from conftest import Runs, launch, assert_config_error
 from harness.models import load_config
@@ -30,7 +31,7 @@ def test_tp_classifies_each_adapter_by_its_base():
     gradient; a row base (o, down) splits A like W's columns, B partial; Phi3's fused
     projections split B by segment; the frozen base keeps its own kind."""
     _, _, pm = peft_model(meta=True)
-    kinds, errs = tp_plan.classify(pm.base_model.model, 2)
+    kinds, errs = tp.classify(pm.base_model.model, 2)
     assert not errs
     p = "model.layers.0."
     for proj, base, a, b in (("self_attn.q_proj", "column", "partial", "column"),
@@ -42,18 +43,18 @@ def test_tp_classifies_each_adapter_by_its_base():
         assert (kinds[f"{p}{proj}.lora_A.default.weight"],
                 kinds[f"{p}{proj}.lora_B.default.weight"]) == (a, b)
     _, _, phi = peft_model("tiny-phi3", targets=("qkv_proj", "gate_up_proj", "o_proj"), meta=True)
-    kinds, errs = tp_plan.classify(phi.base_model.model, 2)
+    kinds, errs = tp.classify(phi.base_model.model, 2)
     assert not errs
     assert kinds["model.layers.0.self_attn.qkv_proj.lora_B.default.weight"] == "fused"
     assert kinds["model.layers.0.mlp.gate_up_proj.lora_A.default.weight"] == "partial"
     # more ranks than kv heads: k/v's B follows its base, one kv head per rank
-    kinds, _ = tp_plan.classify(peft_model(meta=True)[2].base_model.model, 4)
+    kinds, _ = tp.classify(peft_model(meta=True)[2].base_model.model, 4)
     assert kinds["model.layers.0.self_attn.k_proj.lora_B.default.weight"] == "kv-copy"
 
 
 def test_tp_refuses_a_lora_layer_on_the_vocabulary():
     _, _, pm = peft_model(targets=("q_proj", "lm_head"), meta=True)
-    _, errs = tp_plan.classify(pm.base_model.model, 2)
+    _, errs = tp.classify(pm.base_model.model, 2)
     assert errs and errs[0].startswith("lm_head.base_layer.weight") and "vocabulary" in errs[0]
 
 

@@ -385,11 +385,12 @@ def bubbles(P: int, M: int, V: int, names, target: float, out=print) -> list[dic
 
 
 def tp_kinds(config, T: int, out=print) -> dict:
-    """What tensor parallelism does with each parameter (tp_plan.classify on the meta device, no
+    """What tensor parallelism does with each parameter (tp.classify on the meta device, no
     process group) and the DTensor placement that says the same (tp_plan.PLACEMENTS); the first
     layer stands for every layer."""
+    import tp
     import tp_plan
-    kinds, reasons = tp_plan.classify(tp_plan.meta_model(config), T)
+    kinds, reasons = tp.classify(tp_plan.meta_model(config), T)
     for r in reasons:
         out(f"refused: {r}")
     shown = {n: k for n, k in kinds.items() if ".layers." not in n or ".layers.0." in n}
