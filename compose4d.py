@@ -134,7 +134,8 @@ class Parallel4D:
         if T > 1:
             self.tp = (sp.parallelize(model, g["tp"], async_tp=args.async_tp) if args.sp
                        else tp.parallelize(model, g["tp"]))
-            self.partial = list(self.tp.kv_copy_params) + list(self.tp.group_partials)
+            self.partial = [*self.tp.kv_copy_params.values(),
+                            *self.tp.group_partials.values()]
         # Context parallelism: ring attention over the cp group, this rank's zig-zag tokens.
         self.pos = None
         if C > 1:

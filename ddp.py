@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from harness import Batch, global_loss, lm_loss_sum, phase, planted
+from harness import Batch, lm_loss_sum, phase, planted
 from harness import dropout
 from harness.loss import chunked_loss_sum
 
@@ -376,27 +376,6 @@ def forward_backward(model, batch: Batch, rank: int, world: int, accum: int,
                 (ce * world / batch.n_tokens).backward()
         local_sum += ce.detach().double()
     return local_sum
-
-
-def token_sharded_step(strat, batch: Batch, pos: torch.Tensor) -> float:
-    """One step when ranks hold the same weights but different tokens of every sequence
-    (Ulysses, context parallelism): forward this rank's positions `pos` with their global
-    position ids, backpropagate W * CE_sum / N, average the gradients (strat.dp, DataParallel),
-    clip, step. Returns the global loss."""
-    W, B = strat.env.world, batch.input_ids.shape[0]
-    strat.optimizer.zero_grad(set_to_none=False)   # in place: .grad stays a view of its bucket
-    with phase("forward"), dropout.at(batch, hidden=pos):   # (all columns in attention)
-        logits = strat.dp(input_ids=batch.input_ids[:, pos],   # (B, S) -> (B, S/W)
-                             position_ids=pos[None].expand(B, -1)).logits   # (B, S/W, V)
-        ce = lm_loss_sum(logits, batch.labels[:, pos])
-    with phase("backward"):
-        (ce * W / batch.n_tokens).backward()   # averaged by the end of the backward
-    with phase("optimizer"):
-        if strat.args.clip:
-            strat.grad_norm = torch.nn.utils.clip_grad_norm_(strat.model.parameters(),
-                                                             strat.args.clip)
-        strat.optimizer.step()
-    return global_loss(ce.detach(), batch.n_tokens)
 
 
 if __name__ == "__main__":   # torchrun ddp.py --mode ...: the test rig runs it

@@ -29,36 +29,26 @@ Public API (examples/fsdp_train.py)
     fully_shard(model)                                  # the root: embeddings, norm, head
     opt = torch.optim.AdamW(model.parameters()); loss.backward(); clip_grad_norm_(model, 1.0)
     model.no_sync(), unshard() / reshard(); summon_full_params(model), full_state_dict(model)
+    Around the loop (clipping, full state dicts, HSDP's groups, the policy, FSDPModule's methods,
+    which parameters a call claims): fsdp_state.py.
+
+Run:  torchrun --nproc_per_node=2 fsdp.py --mode correctness   (learning, benchmark, plants)
 """
-import contextlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from harness import all_reduce_flat, planted
+from harness import planted
 import ddp
-import zero
 from fsdp_state import (block_groups, clip_grad_norm_, full_state_dict,  # noqa: F401
                         full_tensors, hsdp_groups, load_full_state_dict, named_params,
                         new_block_groups, summon_full_params, units)
-
-
-@dataclass(frozen=True)
-class MixedPrecisionPolicy:
-    """FSDP2's policy. param_dtype: the gathered compute copies' (None: the parameters' own);
-    reduce_dtype: the reduce-scatter's (None: param_dtype's); output_dtype: the unit's floating
-    outputs are cast to it (None: left as computed); cast_forward_inputs: the unit's floating
-    inputs are cast to param_dtype."""
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    output_dtype: torch.dtype | None = None
-    cast_forward_inputs: bool = True
+from fsdp_state import (FSDPModule, MixedPrecisionPolicy, _cast,  # noqa: F401 (re-exported)
+                        all_reduce_ignored, claim, refuse_matrix_optimizers)
 
 
 class ShardedParam:
@@ -156,10 +146,6 @@ class FSDPUnit:
     @property
     def trainable(self) -> list[ShardedParam]:   # read at each use: requires_grad may change
         return [p for p in self.params if p.sharded.requires_grad]
-
-    @property
-    def grad_shard_numel(self) -> int:   # reduce-scatter elements per rank
-        return sum(p.padded for p in self.trainable)
 
     def _count(self, kind: str, nbytes: int):
         c = self.copies.setdefault(kind, [0, 0])
@@ -319,7 +305,7 @@ class FSDPUnit:
         if self.sync and grads:
             self._reduce_scatter(grads)
         if self.sync and any(p.requires_grad for p in self.ignored):
-            self._all_reduce_ignored()
+            all_reduce_ignored(self)   # (ignored_params: whole, averaged as DDP's)
         stays = self is self.root if planted("root-stays-gathered") else False   # plant: stale
         if not stays:
             self.reshard()
@@ -366,19 +352,6 @@ class FSDPUnit:
             self._count("reduce_scatter copy-out", g.numel() * g.element_size())
             off += p.padded
 
-    def _all_reduce_ignored(self):
-        """Parameters kept whole: their gradients averaged over every rank, as DDP does (a
-        missing one as zeros, so every rank reduces the same buffer)."""
-        ps = [p for p in self.ignored if p.requires_grad]
-        for p in ps:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in ps]
-        for g in grads:   # averaged first: fp16's range
-            g.div_(self.world * self.replicas)
-        for group in (self.group, self.replicate) if self.replicate is not None else (self.group,):
-            all_reduce_flat(grads, group)                      # one flat [sum of numels] each
-
     def _finish_backward(self):
         """The root's, once autograd has finished: the post-backward of the units whose inputs
         needed no gradient (the root's token ids), every reduction waited for, all freed."""
@@ -402,38 +375,6 @@ class FSDPUnit:
         self.queued = False
 
 
-def _cast(tree, dtype):
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
-                    and t.is_floating_point() else t, tree)
-
-
-class FSDPModule:
-    """Mixed into each module fully_shard wraps (as FSDP2's FSDPModule): the methods a user
-    calls on it."""
-
-    def unshard(self):
-        """Gather this unit's full parameters (not its children's) until reshard()."""
-        self._fsdp.unshard()
-
-    def reshard(self):
-        self._fsdp.reshard()
-
-    def set_requires_gradient_sync(self, requires: bool, recurse: bool = True):
-        """False: the following backwards accumulate unreduced gradients; the first backward
-        with True reduces them with its own (gradient accumulation with one reduction)."""
-        for m in (self.modules() if recurse else [self]):
-            if isinstance(m, FSDPModule):
-                m._fsdp.sync = requires
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        self.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.set_requires_gradient_sync(True)
-
-
 _CLASSES: dict = {}
 
 
@@ -451,33 +392,10 @@ def fully_shard(module: nn.Module, *, group=None, replicate_group=None,
     runs first). ignored_params: kept whole on every rank and trained, their gradients averaged
     over all ranks like DDP's (torch's ignored_params are neither sharded nor reduced).
     prefetch: units whose all-gather is launched ahead of use, in the recorded forward order."""
-    slots: dict = {}   # id(parameter) -> (parameter, [(module, attr)]), in module order
-    for m in module.modules():
-        for attr, p in m._parameters.items():
-            if p is not None:
-                slots.setdefault(id(p), (p, []))[1].append((m, attr))
-    ignored = {id(p) for p in ignored_params or ()}
-    mine, new_ignored = [], []
-    for p, holders in slots.values():
-        if getattr(p, "_fsdp_claimed", False):   # an inner call sharded it: a tie across units
-            m, attr = holders[0]
-            raise ValueError(f"fully_shard: {type(m).__name__}.{attr} is tied to a parameter an "
-                             f"inner fully_shard call already sharded; wrap the modules that "
-                             f"share it in one call")
-        if id(p) in ignored and not hasattr(p, "_fsdp_ignored"):
-            new_ignored.append(p)
-        elif not hasattr(p, "_fsdp_param") and not hasattr(p, "_fsdp_ignored"):
-            mine.append(p)   # (ignored by an inner call: ignored here too)
-    ddp.check_devices([(f"parameter of shape {tuple(p.shape)}", p) for p in mine], group,
-                      "fully_shard")
     mp = mp_policy or MixedPrecisionPolicy()
-    if any(p.dim() == 0 for p in mine):
-        raise ValueError("fully_shard: a 0-dimensional parameter has no dim 0 to shard; pass it "
-                         "in ignored_params")
-    if mp.param_dtype is None and len({p.dtype for p in mine}) > 1:
-        raise ValueError(f"fully_shard: the unit mixes parameter dtypes "
-                         f"{sorted({str(p.dtype) for p in mine})}; one all-gather carries one "
-                         f"dtype: set mp_policy's param_dtype or cast the module")
+    # the parameters this call shards (not an inner call's), those it keeps whole, and the
+    # modules holding each (a tied one is held by several); refusals before anything changes
+    slots, mine, new_ignored = claim(module, ignored_params, mp, group)
     synced = [b for b in module.buffers() if not hasattr(b, "_fsdp_synced")]
     with torch.no_grad():   # every rank from rank 0's values (replica 0's, under HSDP)
         for g in (group, replicate_group) if replicate_group is not None else (group,):
@@ -503,35 +421,8 @@ def fully_shard(module: nn.Module, *, group=None, replicate_group=None,
             _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
         module.__class__ = _CLASSES[cls]
     module._fsdp = unit
-    _refuse_matrix_optimizers()
+    refuse_matrix_optimizers()
     return module
-
-
-# -- a matrix optimizer over shards would be silently wrong: refuse it --
-_HOOK = []
-
-
-def _refuse_matrix_optimizers():
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
-
-
-def _check_optimizer(optimizer, args, kwargs):
-    n = len(optimizer.param_groups)   # (checked again after an add_param_group)
-    if isinstance(optimizer, zero.ELEMENTWISE) or getattr(optimizer, "_fsdp_checked", 0) == n \
-            or getattr(optimizer, "shard_aware", False):   # (muon.build's: whole matrices)
-        return
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            sp = getattr(p, "_fsdp_param", None)
-            if sp is not None and sp.sharded._fsdp_unit.world > 1:
-                raise ValueError(
-                    f"fsdp: {type(optimizer).__name__} would update a shard of a "
-                    f"{tuple(sp.shape)} parameter as if it were the whole tensor (it is not "
-                    f"known to update elementwise); use one of "
-                    f"{', '.join(c.__name__ for c in zero.ELEMENTWISE)}, or keep such "
-                    f"parameters whole with fully_shard(..., ignored_params=...)")
-    optimizer._fsdp_checked = n
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,15 +11,22 @@ copy while gathered). fsdp.py imports these functions into its own namespace (fs
     full_tensors(model) / full_state_dict(model): one all-gather per unit, every rank gets all.
     load_full_state_dict(model, sd): each rank copies its rows, no communication.
     hsdp_groups(R), block_groups, new_block_groups: HSDP's shard and replicate groups.
+    MixedPrecisionPolicy, FSDPModule (the methods a wrapped module gains), and the check that
+    refuses a matrix optimizer over shards: what fully_shard hands the user (fsdp.py re-exports).
 """
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_map
 
-from harness import name_group
+import ddp
+import zero
+from harness import all_reduce_flat, name_group
 from harness.collectives import clip_by_norm
 
 
@@ -146,3 +153,125 @@ def hsdp_groups(replicas: int):
     W = dist.get_world_size()
     return new_block_groups([list(range(W))], W // replicas)
 
+
+def all_reduce_ignored(unit):
+    """A unit's (an fsdp.FSDPUnit) parameters kept whole (ignored_params): their
+    gradients averaged over every rank, as DDP does (a missing one as zeros, so every rank
+    reduces the same buffer)."""
+    ps = [p for p in unit.ignored if p.requires_grad]
+    for p in ps:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in ps]
+    for g in grads:   # averaged first: fp16's range
+        g.div_(unit.world * unit.replicas)
+    for group in (unit.group, unit.replicate) if unit.replicate is not None else (unit.group,):
+        all_reduce_flat(grads, group)                      # one flat [sum of numels] each
+
+
+def claim(module, ignored_params, mp, group) -> tuple[dict, list, list]:
+    """fully_shard's bookkeeping before it shards: (slots: id(parameter) -> (parameter,
+    [(module, attr)]) in module order, the parameters this call shards, the ignored ones it
+    keeps whole), refusing in one line what it cannot shard (a tie to an inner call's shard, a
+    0-dimensional parameter, mixed dtypes without param_dtype, a parameter off the device)."""
+    slots: dict = {}   # id(parameter) -> (parameter, [(module, attr)]), in module order
+    for m in module.modules():
+        for attr, p in m._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), (p, []))[1].append((m, attr))
+    ignored = {id(p) for p in ignored_params or ()}
+    mine, new_ignored = [], []
+    for p, holders in slots.values():
+        if getattr(p, "_fsdp_claimed", False):   # an inner call sharded it: a tie across units
+            m, attr = holders[0]
+            raise ValueError(f"fully_shard: {type(m).__name__}.{attr} is tied to a parameter an "
+                             f"inner fully_shard call already sharded; wrap the modules that "
+                             f"share it in one call")
+        if id(p) in ignored and not hasattr(p, "_fsdp_ignored"):
+            new_ignored.append(p)
+        elif not hasattr(p, "_fsdp_param") and not hasattr(p, "_fsdp_ignored"):
+            mine.append(p)   # (ignored by an inner call: ignored here too)
+    ddp.check_devices([(f"parameter of shape {tuple(p.shape)}", p) for p in mine], group,
+                      "fully_shard")
+    if any(p.dim() == 0 for p in mine):
+        raise ValueError("fully_shard: a 0-dimensional parameter has no dim 0 to shard; pass it "
+                         "in ignored_params")
+    if mp.param_dtype is None and len({p.dtype for p in mine}) > 1:
+        raise ValueError(f"fully_shard: the unit mixes parameter dtypes "
+                         f"{sorted({str(p.dtype) for p in mine})}; one all-gather carries one "
+                         f"dtype: set mp_policy's param_dtype or cast the module")
+    return slots, mine, new_ignored
+
+
+# ----------------------------------------------------------------------------------------------
+# What fully_shard gives the user: the policy, the module's methods, the optimizer check
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """FSDP2's policy. param_dtype: the gathered compute copies' (None: the parameters' own);
+    reduce_dtype: the reduce-scatter's (None: param_dtype's); output_dtype: the unit's floating
+    outputs are cast to it (None: left as computed); cast_forward_inputs: the unit's floating
+    inputs are cast to param_dtype."""
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+class FSDPModule:
+    """Mixed into each module fully_shard wraps (as FSDP2's FSDPModule): the methods a user
+    calls on it."""
+
+    def unshard(self):
+        """Gather this unit's full parameters (not its children's) until reshard()."""
+        self._fsdp.unshard()
+
+    def reshard(self):
+        self._fsdp.reshard()
+
+    def set_requires_gradient_sync(self, requires: bool, recurse: bool = True):
+        """False: the following backwards accumulate unreduced gradients; the first backward
+        with True reduces them with its own (gradient accumulation with one reduction)."""
+        for m in (self.modules() if recurse else [self]):
+            if isinstance(m, FSDPModule):
+                m._fsdp.sync = requires
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)
+
+
+def _cast(tree, dtype):
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
+                    and t.is_floating_point() else t, tree)
+
+
+# -- a matrix optimizer over shards would be silently wrong: refuse it --
+_HOOK = []
+
+
+def refuse_matrix_optimizers():
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+
+
+def _check_optimizer(optimizer, args, kwargs):
+    n = len(optimizer.param_groups)   # (checked again after an add_param_group)
+    if isinstance(optimizer, zero.ELEMENTWISE) or getattr(optimizer, "_fsdp_checked", 0) == n \
+            or getattr(optimizer, "shard_aware", False):   # (muon.build's: whole matrices)
+        return
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            sp = getattr(p, "_fsdp_param", None)
+            if sp is not None and sp.sharded._fsdp_unit.world > 1:
+                raise ValueError(
+                    f"fsdp: {type(optimizer).__name__} would update a shard of a "
+                    f"{tuple(sp.shape)} parameter as if it were the whole tensor (it is not "
+                    f"known to update elementwise); use one of "
+                    f"{', '.join(c.__name__ for c in zero.ELEMENTWISE)}, or keep such "
+                    f"parameters whole with fully_shard(..., ignored_params=...)")
+    optimizer._fsdp_checked = n

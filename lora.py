@@ -25,7 +25,7 @@ reduce, no optimizer state)
                    gradient dy (A_i x_i)^T is partial: all-reduced with the others
       fused        (Phi3's qkv_proj, gate_up_proj) B split segment by segment, like W;
       kv-copy      (more ranks than kv heads) B holds this rank's kv head, like W
-    Per step tp all-reduces the partial gradients once (tp's partial_numel): r in per column
+    Per step tp all-reduces the partial gradients once (rig.tp.partial_numel): r in per column
     target's A and r out per row target's B (tp_partial_numel; with more ranks than kv heads,
     k and v's B travel in n_kv-head buffers as the base's kv-copy rule has it), and no frozen
     tensor's. Freezing also removes backward collectives: the regions before the first trainable
@@ -278,5 +278,5 @@ def state_bytes(psi: int, psi_a: int, b: int) -> int:
 def tp_partial_numel(column_shapes, row_shapes, r: int) -> int:
     """Elements of TP's all-reduce of the adapters' partial gradients per step: A [r, in] of
     each column-like target, B [out, r] of each row target (T <= kv heads: replicated kv
-    heads add their B's n_kv-head buffers, tp.TensorParallel.partial_numel)."""
+    heads add their B's n_kv-head buffers, rig.tp.partial_numel)."""
     return sum(r * i for _, i in column_shapes) + sum(r * o for o, _ in row_shapes)

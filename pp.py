@@ -425,19 +425,6 @@ class Pipeline:
             dist.all_reduce(w.grad, group=self.tie_group)   # [V, H]: the tied embedding's gradient
 
 
-def stage_loop(model, args):
-    """The stage loop on one rank, for harness/selfcheck.py: `model` cut into two chunks (an
-    interleaved plan over one rank: no group, no collective), run one after the other."""
-    pipe = Pipeline(model, 1, 2, 0, "interleaved")
-
-    def forward(ids):                    # (B, S) -> (B, S, V), through every chunk in turn
-        h = ids
-        for c in range(pipe.n_chunks):
-            h = pipe.run_chunk(c, h, ids.shape[1])
-        return h
-    return forward
-
-
 def clip_across_stages(model, max_norm, pipe):
     """Global-norm clipping: every stage's squared norm summed; a tied head copy counts once."""
     # on the model's device: NCCL takes no CPU tensors (and no host copy per parameter)

@@ -273,7 +273,7 @@ def parallelize_ulysses(model, group=None, **dp_kwargs):
     forward must run inside harness.dropout.at(batch, hidden=pos), whose masks it keys by the
     global heads. Returns the model wrapped in ddp.DataParallel over the same group
     (the weights are replicated; `dp_kwargs` go to it). Each rank feeds its contiguous 1/W of
-    every sequence with its global position ids (ddp.token_sharded_step shows the loop)."""
+    every sequence with its global position ids (rig/ddp.py's token_sharded_step shows the loop)."""
     from transformers import AttentionInterface
     AttentionInterface.register("ulysses", ulysses_attention)
     model.config._attn_implementation = "ulysses"

@@ -11,8 +11,7 @@ rank with every rank of the group. The embedding is vocab-parallel (rank r owns 
 column-parallel over V, and the loss never forms full logits (global max, sum of exponentials,
 target logit: one all-reduce of N values each). Norms are replicated; with T = m x n_kv each
 kv head is replicated on m ranks and its m copies' gradients are summed.
-Why and how, in full: docs/internals.md, 'tp.py'. Family adapters (OLMo2's norm over all
-heads, Gemma's embedding scale, per-rank head counts): tp_families.py.
+Why and how, in full: docs/internals.md, 'tp.py'. Family adapters: tp_families.py.
 
 Run:  torchrun --nproc_per_node=2 tp.py --mode correctness   (learning, benchmark, plants)
 
@@ -28,8 +27,7 @@ Public API
     tpm = parallelize(model, group)   an HF decoder, split in place by the plan (PLAN below)
     tpm.loss_sum(logits, labels)      the vocab-parallel cross-entropy (sum over tokens)
     tpm.reduce_partial_grads()        after the step's last backward (replicated kv heads)
-    tpm.clip(max_norm)                global-norm clipping over the shards
-    examples/tp_train.py is a complete loop.
+    tpm.clip(max_norm)                global-norm clipping over the shards (examples/tp_train.py)
 """
 
 import torch
@@ -43,7 +41,7 @@ from lora import param_like
 from tp_families import embed_scale, local_heads, ShardedRMSNorm
 from tp_plan import head_dims, pad_vocab, ShardedTensors
 from tp_plan import join_shards, meta_model, shape_constraints   # noqa: F401 (re-exported)
-from harness import all_reduce_flat, IGNORE_INDEX, clip_by_norm, parts, planted
+from harness import all_reduce_flat, IGNORE_INDEX, parts, planted
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,11 +169,7 @@ class VocabParallelEmbedding(nn.Module):
         if planted("embed-drops-padding-idx"):   # plant: the padding row trains
             self.padding_idx = None
         self.scale = embed_scale(emb)   # (Gemma's scaled embedding; None elsewhere)
-        w = torch.zeros(per_rank, emb.weight.shape[1], dtype=emb.weight.dtype,   # [V/T, H]
-                        device=emb.weight.device)
-        rows = emb.weight.detach()[lo:lo + per_rank]   # [V, H] -> [<= V/T, H] (true vocab only)
-        w[:rows.shape[0]] = rows  # rows past the true vocabulary stay zero (padding)
-        self.weight = nn.Parameter(w, requires_grad=emb.weight.requires_grad)
+        self.weight = vocab_rows(emb.weight, lo, per_rank)   # [V/T, H], padding rows zero
 
     def forward(self, ids):              # (B, S) token ids -> (B, S, H)
         outside = (ids < self.lo) | (ids >= self.lo + self.per_rank)
@@ -190,6 +184,15 @@ class VocabParallelEmbedding(nn.Module):
         if self.scale is not None:
             out = out * self.scale
         return out
+
+
+def vocab_rows(t: torch.Tensor, lo: int, per: int) -> nn.Parameter:
+    """Rows [lo, lo + per) of a vocabulary tensor [V, ...] as this rank's parameter [per, ...]:
+    the rows past the true vocabulary (the padding to a multiple of T) zero."""
+    w = t.new_zeros(per, *t.shape[1:])
+    mine = t.detach()[lo:lo + per]                     # [V, ...] -> [<= V/T, ...]
+    w[:mine.shape[0]] = mine
+    return nn.Parameter(w, requires_grad=t.requires_grad)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -256,18 +259,16 @@ def classify(model, T: int) -> tuple[dict[str, str], list[str]]:
     return tp_plan.classify(model, T, PLAN)
 
 
-# kind -> (the dim its tensors are split along, the parallel module that
-# replaces a module of that kind, given (tp, the module's name, the module)); the other kinds
-# stay whole (the vocabulary: below). A row layer's bias stays whole; kv-copy is split by kv
-# head, each head replicated on T / kv_heads ranks when T > kv heads (kv_split).
+# kind -> (its split dim, the parallel module that replaces one, given (tp, name, module)); the
+# other kinds stay whole (the vocabulary: below), a row layer's bias too; kv-copy is split by
+# kv head, each head on T / kv_heads ranks when T > kv heads (kv_split).
 #   column [out, in] -> [out/T, in]   kv-copy -> [d, H], one kv head   fused -> [sum n_i/T, in]
 #   row    [out, in] -> [out, in/T]   norm-sharded [n d] -> [n d/T]
 INSTALL = {
     "column": (0, lambda tp, n, lin: ColumnParallelLinear(lin, tp._cut(n, lin.out_features))),
     "kv-copy": (None, lambda tp, n, lin: ColumnParallelLinear(lin, tp._cut(n, lin.out_features))),
     "fused": (0, lambda tp, n, lin: ColumnParallelLinear(lin, tp._fused_rows(n, lin))),
-    "row": (1, lambda tp, n, lin: RowParallelLinear(lin, tp._cut(n, lin.in_features),
-                                                    tp.region)),
+    "row": (1, lambda tp, n, lin: RowParallelLinear(lin, tp._cut(n, lin.in_features), tp.region)),
     "norm-sharded": (0, lambda tp, n, norm: ShardedRMSNorm(norm, tp._cut(n, norm.weight.numel()),
                                                            norm.weight.numel(), tp.group)),
 }
@@ -286,6 +287,7 @@ class TensorParallel(ShardedTensors):
         cfg = model.config
         self.world, self.rank, self.vocab = T, r, cfg.vocab_size
         self.kinds, errs = classify(model, T)
+        errs = shape_constraints(T, cfg) + errs   # (heads, kv heads, intermediate size first)
         if errs:
             raise ValueError(f"tp.parallelize: {errs[0]}")
         head_dim, hq_full, hkv = head_dims(cfg)
@@ -293,17 +295,12 @@ class TensorParallel(ShardedTensors):
         # More ranks than kv heads (T = m * hkv): each kv head is replicated on m consecutive
         # ranks, the ones whose q heads attend to it (Megatron's GQA with tp > kv heads).
         self.kv_copies = 1 if hkv % T == 0 else T // hkv
-        self.replicate_kv = self.kv_copies > 1
         self.n_kv, self.kv_head = hkv, r // self.kv_copies
-        hkv_local = 1 if self.replicate_kv else hkv // T
-        # sharded: name -> dim along which the full tensor is split (vocab ones are padded)
-        self.split_dim: dict[str, int] = {}
-        # fused projections: name -> the full sizes of its segments along dim 0
-        self.segments: dict[str, tuple[int, ...]] = {}
-        # the replicated kv projections (kv_copies of each; rank r holds kv head r // m)
-        self.kv_split: set[str] = set()
-
-        # a replicated kv projection's rows: its kv head's (rank r holds head r // m)
+        hkv_local = 1 if self.kv_copies > 1 else hkv // T
+        # the layout: name -> the dim it is split along (vocab ones padded); a fused
+        # projection's segment sizes along dim 0; the replicated kv projections, whose rows
+        # are their kv head's (rank r holds head r // m)
+        self.split_dim, self.segments, self.kv_split = {}, {}, set()
         self._kv_rows = slice(self.kv_head * head_dim, (self.kv_head + 1) * head_dim)
         lora.split_for_tp(self)   # peft's LoRA layers: base and adapters split by the kinds
         # The layout, once: each module whose weight's kind INSTALL names becomes that kind's
@@ -336,9 +333,8 @@ class TensorParallel(ShardedTensors):
             a.register_forward_hook(self._leave)
         named = dict(model.named_parameters())
         # replicated kv heads: each copy's gradient covers its own q heads only, summed over
-        # the m copies
-        self.kv_copy_params: list[nn.Parameter] = [named[n] for n, k in self.kinds.items()
-                                                  if k == "kv-copy"]
+        # the m copies (name -> parameter)
+        self.kv_copy_params = {n: named[n] for n, k in self.kinds.items() if k == "kv-copy"}
         # Vocabulary: padded to a multiple of T, embedding and head split by rows.
         self.vocab_padded = pad_vocab(cfg.vocab_size, T)
         per = self.vocab_padded // T
@@ -348,12 +344,7 @@ class TensorParallel(ShardedTensors):
         self.vocab_names = (f"{embed}.weight", f"{head_name}.weight", f"{head_name}.bias")
         emb = VocabParallelEmbedding(found.embed, self.vocab_lo, per, self.region)
         head = nn.Linear(1, 1, bias=False)  # placeholder: the vocab shard's rows, below
-
-        def rows(t):                        # [V, ...] -> [V_pad/T, ...]: padding rows zero
-            w = t.new_zeros(per, *t.shape[1:])
-            mine = t.detach()[self.vocab_lo:self.vocab_lo + per]   # [<= V/T, ...]
-            w[:mine.shape[0]] = mine
-            return nn.Parameter(w, requires_grad=t.requires_grad)
+        rows = lambda t: vocab_rows(t, self.vocab_lo, per)   # noqa: E731
         head.weight = emb.weight if found.tied else rows(found.head.weight)
         if getattr(found.head, "bias", None) is not None:   # (Phi-2's head has one)
             head.bias = rows(found.head.bias)
@@ -370,29 +361,8 @@ class TensorParallel(ShardedTensors):
         # group; under sequence parallelism (sp.py) every replicated parameter too (the norms
         # and row biases see this rank's tokens only)
         partial = ("replicated", "partial") if seq_parallel else ("partial",)
-        self.group_partials: list[nn.Parameter] = [
-            p for n, p in model.named_parameters() if self.kinds.get(n) in partial]
-
-    def _kind(self, module: str) -> str | None:
-        """The kind of a projection's weight (its base's, under a LoRA layer)."""
-        return self.kinds.get(f"{module}.weight") or self.kinds.get(f"{module}.base_layer.weight")
-
-    def _mine(self, n_per_rank: int) -> slice:
-        return slice(self.rank * n_per_rank, (self.rank + 1) * n_per_rank)
-
-    def _cut(self, name: str, n: int) -> slice:
-        """This rank's share of the module `name` whose split dim has n entries."""
-        return self._kv_rows if self._kind(name) == "kv-copy" else self._mine(n // self.world)
-
-    def _fused_rows(self, name: str, linear: nn.Linear) -> list[slice]:
-        """A fused projection's rows: this rank's slice of each segment ([q; k; v] or
-        [gate; up]), recorded in segments for full() / local()."""
-        segs = tp_plan.segments(self.model, name, linear.out_features)
-        for kind in ("weight", "bias", "base_layer.weight", "base_layer.bias"):
-            self.segments[f"{name}.{kind}"] = segs
-        for a in getattr(self.model.get_submodule(name), "lora_B", {}):   # a LoRA layer's B:
-            self.segments[f"{name}.lora_B.{a}.weight"] = segs          # rows as W's segments
-        return [slice(a, b) for _, a, b in self.local_range(f"{name}.weight", None)]
+        self.group_partials = {n: p for n, p in model.named_parameters()
+                               if self.kinds.get(n) in partial}   # name -> parameter
 
     def _enter(self, module, args, kwargs):
         if "hidden_states" in kwargs:
@@ -418,55 +388,25 @@ class TensorParallel(ShardedTensors):
         as they are."""
         kv, plain = self.kv_copy_params, self.group_partials
         if planted("norm-grads-unreduced"):   # plant: SP's norms treated as TP's (not summed)
-            plain = [p for p in plain if self.kinds.get(self._name(p)) != "replicated"]
+            plain = {n: p for n, p in plain.items() if self.kinds[n] != "replicated"}
         if planted("qk-norm-grads-unreduced"):   # plant: per-head q/k norms kept per rank
-            plain = [p for p in plain if self.kinds.get(self._name(p)) != "partial"]
+            plain = {n: p for n, p in plain.items() if self.kinds[n] != "partial"}
         if planted("lora-a-unsummed"):   # plant: a column base's lora_A gradient kept per rank
-            plain = [p for p in plain if lora.base_name(self._name(p))[1] != "lora_A"]
+            plain = {n: p for n, p in plain.items() if lora.base_name(n)[1] != "lora_A"}
         if planted("kv-copies-summed-across-heads"):   # plant: every kv head's copies summed
-            kv, plain = [], [*kv, *plain]             # with every other head's
+            kv, plain = {}, {**kv, **plain}           # with every other head's
         back = []
-        for p in kv:
+        for p in kv.values():
             if p.grad is not None:
                 buf = p.grad.new_zeros(self.n_kv, *p.grad.shape)   # [n_kv, d, H] (bias: [n_kv, d])
                 buf[self.kv_head] = p.grad                         # [d, H]: this rank's head
                 back.append((p, buf))
         # flat [sum of the kv buffers' and the plain grads' numel], summed over T
-        all_reduce_flat([buf for _, buf in back] + [p.grad for p in plain if p.grad is not None],
-                        self.group)
+        all_reduce_flat([buf for _, buf in back]
+                        + [p.grad for p in plain.values() if p.grad is not None], self.group)
         for p, buf in back:
             p.grad.copy_(buf[self.kv_head])                        # [n_kv, d, H] -> [d, H]
 
-    def _name(self, p) -> str:
-        return next(n for n, q in self.model.named_parameters() if q is p)
-
-    def partial_numel(self) -> int:
-        """Elements of the partial gradients' all-reduce (the kv heads' buffers and the
-        group_partials' gradients)."""
-        return (sum(p.numel() * self.n_kv for p in self.kv_copy_params if p.requires_grad)
-                + sum(p.numel() for p in self.group_partials if p.requires_grad))
-
-    def clip(self, max_norm: float) -> float:
-        """Global-norm clipping: sharded grads' squares summed over the group, replicated ones
-        counted once."""
-        sharded = torch.zeros(1, dtype=torch.float64, device=self.device())
-        replicated = torch.zeros(1, dtype=torch.float64, device=self.device())
-        for n, p in self.model.named_parameters():
-            if p.grad is not None:
-                target = sharded if n in self.split_dim else replicated
-                if planted("clip-norm-scale"):   # plant: replicated ones counted T times
-                    target = sharded
-                sq = p.grad.double().pow(2).sum()
-                if n in self.kv_split:   # a kv head's m copies count once
-                    target, sq = sharded, sq / self.kv_copies
-                target += sq
-        dist.all_reduce(sharded, group=self.group)   # (1,) float64: the shards' squares, summed
-        return clip_by_norm(sharded + replicated,
-                            [p.grad for p in self.model.parameters() if p.grad is not None],
-                            max_norm)
-
-    def device(self):
-        return next(self.model.parameters()).device
 
 
 def parallelize(model, group=None, region: TPRegion | None = None,
@@ -487,9 +427,6 @@ def parallelize(model, group=None, region: TPRegion | None = None,
     `tpm.full(...)` / `tpm.local(...)` convert between full tensors and this rank's shards.
     region, seq_parallel: sp.py's (the sequence all-gather / reduce-scatter edges, and every
     replicated parameter's gradient then partial over the group)."""
-    errs = shape_constraints(dist.get_world_size(group), model.config)
-    if errs:
-        raise ValueError(f"tp.parallelize: {errs[0]}")
     return TensorParallel(model, group, region, seq_parallel)
 
 

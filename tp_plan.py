@@ -13,7 +13,8 @@ Public API
     join_shards(parts, dim, segments)     the full tensor from every rank's shard
     meta_model(config)                    the architecture on the meta device
     plan_of(model), segments(...)         the plan that splits a model's layers (HF's or tp.PLAN)
-    tpm.full(tensors) / tpm.local(name, full) / tpm.local_range(name, shape)   (ShardedTensors)
+    tpm.full(tensors) / tpm.local(name, full) / tpm.local_range(name, shape), tpm.clip(c)
+                                          (ShardedTensors: TensorParallel's layout)
 """
 import copy
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import lora
+from harness import clip_by_norm, planted
 
 
 # How TP treats each parameter of an HF decoder, by its name inside a layer. Every parameter
@@ -227,9 +229,32 @@ def pad_to(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
 
 
 class ShardedTensors:
-    """TensorParallel's conversions between full tensors and this rank's shards (checkpoints,
-    harness/loading.py, the rig's checks), from the layout it records: world (T), rank, group,
-    vocab, vocab_names, vocab_padded, split_dim, segments, kv_split, kv_copies, n_kv, kv_head."""
+    """TensorParallel's layout queries (this rank's rows of a module: _cut, _fused_rows),
+    conversions between full tensors and this rank's shards (checkpoints, harness/loading.py,
+    the rig's checks) and global-norm clipping over the shards, from the layout it records:
+    world (T), rank, group, model, kinds, vocab, vocab_names, vocab_padded, split_dim,
+    segments, kv_split, kv_copies, n_kv, kv_head."""
+
+    def _kind(self, module: str) -> str | None:
+        """The kind of a projection's weight (its base's, under a LoRA layer)."""
+        return self.kinds.get(f"{module}.weight") or self.kinds.get(f"{module}.base_layer.weight")
+
+    def _mine(self, n_per_rank: int) -> slice:
+        return slice(self.rank * n_per_rank, (self.rank + 1) * n_per_rank)
+
+    def _cut(self, name: str, n: int) -> slice:
+        """This rank's share of the module `name` whose split dim has n entries."""
+        return self._kv_rows if self._kind(name) == "kv-copy" else self._mine(n // self.world)
+
+    def _fused_rows(self, name: str, linear: nn.Linear) -> list[slice]:
+        """A fused projection's rows: this rank's slice of each segment ([q; k; v] or
+        [gate; up]), recorded in segments for full() / local()."""
+        segs = segments(self.model, name, linear.out_features)
+        for kind in ("weight", "bias", "base_layer.weight", "base_layer.bias"):
+            self.segments[f"{name}.{kind}"] = segs
+        for a in getattr(self.model.get_submodule(name), "lora_B", {}):   # a LoRA layer's B:
+            self.segments[f"{name}.lora_B.{a}.weight"] = segs          # rows as W's segments
+        return [slice(a, b) for _, a, b in self.local_range(f"{name}.weight", None)]
 
     def full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full tensors from this rank's shards (collective): gather along the split dim and
@@ -297,6 +322,28 @@ class ShardedTensors:
         d, a, b = r
         # [n, m] -> [n/T, m] (d=1: [m, n/T]); a vocabulary shard zero-padded to [V_pad/T, H]
         return pad_to(full.narrow(d, a, max(0, min(b, full.shape[d]) - a)), d, b - a)
+
+    def clip(self, max_norm: float) -> float:
+        """Global-norm clipping: sharded grads' squares summed over the group, replicated ones
+        counted once."""
+        sharded = torch.zeros(1, dtype=torch.float64, device=self.device())
+        replicated = torch.zeros(1, dtype=torch.float64, device=self.device())
+        for n, p in self.model.named_parameters():
+            if p.grad is not None:
+                target = sharded if n in self.split_dim else replicated
+                if planted("clip-norm-scale"):   # plant: replicated ones counted T times
+                    target = sharded
+                sq = p.grad.double().pow(2).sum()
+                if n in self.kv_split:   # a kv head's m copies count once
+                    target, sq = sharded, sq / self.kv_copies
+                target += sq
+        dist.all_reduce(sharded, group=self.group)   # (1,) float64: the shards' squares, summed
+        return clip_by_norm(sharded + replicated,
+                            [p.grad for p in self.model.parameters() if p.grad is not None],
+                            max_norm)
+
+    def device(self):
+        return next(self.model.parameters()).device
 
 
 def meta_model(config):

@@ -27,6 +27,9 @@ Public API
         torch optimizer, its state sharded; clip_grad_norm_, state_dict() / load_state_dict()
         in torch's unsharded format; stage 3: ZeroOptimizer(..., engine=Zero(model, stage=3)).
     engine = Zero(model, group=None, stage=1|2|3, units=None, prefetch=0, ...)   the hooks
+    The units (FlatUnit: the flat buffer and its shard) and their bytes: zero_units.py.
+
+Run:  torchrun --nproc_per_node=2 zero.py --mode correctness --stage 3   (learning, benchmark)
 """
 import contextlib
 
@@ -37,121 +40,12 @@ from torch.utils._pytree import tree_flatten
 from harness import planted
 from harness.precision import grad_reduce_dtype
 import ddp
-from zero_state import FlatTensors, ShardedState, clip_shard_grads, state_bytes  # noqa: F401
-from zero_state import decoder_units, pad_to, split_frozen  # noqa: F401  (re-exported)
+from zero_state import FlatTensors, ShardedState, clip_shard_grads  # noqa: F401
+from zero_units import FlatUnit, decoder_units, pad_to, split_frozen, state_bytes  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------
-# Units: modules whose parameters share one flat buffer (zero_state.decoder_units)
-# ----------------------------------------------------------------------------------------------
-class FlatUnit:
-    """One unit's parameters as views into a flat buffer padded to a multiple of W."""
-
-    def __init__(self, name, params, group, names: dict, shard_params: bool, stage: int,
-                 reduce_dtype: torch.dtype | None = None, modules=()):
-        """params: the unit's parameters, in layout order; modules: those whose hooks gather
-        and free them (stage 3)."""
-        self.name, self.modules, self.group = name, list(modules), group
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.params = list(params)
-        self.names = [names[id(p)] for p in self.params]
-        if len(dtypes := {p.dtype for p in self.params}) > 1:
-            raise ValueError(f"ZeRO unit {name!r} mixes parameter dtypes "
-                             f"{sorted(map(str, dtypes))}: one flat buffer holds one dtype; "
-                             f"cast the module to one dtype or split the unit")
-        self.index = {p: i for i, p in enumerate(self.params)}
-        self.n_grads = sum(p.requires_grad for p in self.params)   # gradients per backward
-        self.numel = sum(p.numel() for p in self.params)
-        self.padded = pad_to(self.numel, self.world)
-        self.shard_numel = s = self.padded // self.world
-        dtype, device = self.params[0].dtype, self.params[0].device
-        self.lo = lo = self.rank * s
-        if planted("shard-offset"):   # plant: the unpadded size, off when W does not divide it
-            self.lo = lo = self.rank * (self.numel // self.world)
-        self.full = torch.zeros(self.padded, dtype=dtype, device=device)   # flat [W * s]
-        g_numel = self.padded if self.n_grads else 0   # a frozen unit (LoRA's base): no grads
-        self.offsets, off = [], 0
-        with torch.no_grad():
-            for p in self.params:
-                self.full[off:off + p.numel()].copy_(p.reshape(-1))   # p.shape -> flat [numel]
-                p.data = self.full[off:off + p.numel()].view_as(p)    # flat [numel] -> p.shape
-                self.offsets.append(off)
-                off += p.numel()
-        # this rank's parameter shard, flat [s]: a view of the full buffer, or its own (stage 3)
-        self.shard = self.full[lo:lo + s].clone() if shard_params else self.full[lo:lo + s]
-        # Full gradient buffer, every .grad a view into it: stage 1 keeps it; stages 2 and 3
-        # allocate it at the unit's first gradient and free it once reduce-scattered.
-        self.grad_full = torch.zeros(g_numel, dtype=dtype, device=device)   # flat [W * s]
-        self.grads_alive = True
-        # each parameter's view, made once: `p.grad is slot` tells whether autograd replaced it
-        self.slots = [self.grad_full[off:off + p.numel()].view_as(p) if p.requires_grad
-                      else None for p, off in zip(self.params, self.offsets)]  # -> p.shape
-        for p, slot in zip(self.params, self.slots):
-            p.grad = slot   # (a frozen parameter's is None)
-        # The reduced gradient shard in the reduce dtype (it accumulates the micro-batches):
-        # inside the full buffer for stage 1 when the dtypes agree, else its own tensor.
-        rdt = reduce_dtype or dtype
-        self.grad_shard = (self.grad_full[lo:lo + s] if stage == 1 and rdt == dtype
-                           else torch.zeros(s if g_numel else 0, dtype=rdt, device=device))  # [s]
-        self.gathered, self.handle = True, None   # handle: an in-flight (prefetched) gather
-        self.backward = True   # stage 3: its output takes a backward (not a frozen embedding's)
-        self.ready: set = set()   # parameters whose gradient for this micro-batch is complete
-        self.launched = False     # stage 1: reduce-scattered in this step (sync backward)
-
-    def take_grad(self, p):
-        """p's gradient arrived: move it into the full gradient buffer (re-allocated if freed)."""
-        if not self.grads_alive:
-            self.alloc_grads()
-        ddp.take_fresh_grad(p, self.slots[self.index[p]])
-
-    def clear_stale(self):
-        """Before a reduction: every trainable .grad is its slot, stale slots zeroed."""
-        if not self.grads_alive:
-            self.alloc_grads()
-        ddp.settle_slots(self.params, self.slots)
-
-    # -- parameter storage --
-    def free_params(self):
-        self.full.untyped_storage().resize_(0)
-        self.gathered = False
-
-    def gather_params(self, async_op=False):
-        """All-gather the shards into the full buffer (re-allocated). Autograd saved views of it
-        in the forward, so the write must not bump their version counter."""
-        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
-        with torch.autograd._unsafe_preserve_version_counter(self.full):
-            self.handle = dist.all_gather_into_tensor(self.full, self.shard, group=self.group,
-                                                      async_op=async_op)   # [s] x W -> [W * s]
-        self.gathered = True
-
-    def wait(self):
-        """Make sure the parameters are usable: gather now, or finish a prefetched gather."""
-        if not self.gathered:
-            self.gather_params()
-        if self.handle is not None:
-            self.handle.wait()
-            self.handle = None
-
-    # -- gradient storage (stages 2, 3) --
-    def alloc_grads(self):
-        """Re-allocate the flat gradient buffer, zeroed, and bind every trainable .grad that is
-        None to it (a fresh gradient that just arrived is moved in by take_grad)."""
-        self.grad_full.untyped_storage().resize_(self.padded * self.grad_full.element_size())
-        self.grad_full.zero_()
-        for p, slot in zip(self.params, self.slots):
-            if p.requires_grad and p.grad is None:
-                p.grad = slot
-        self.grads_alive = True
-
-    def free_grads(self):
-        for p in self.params:
-            p.grad = None  # the next backward hands us fresh gradients again
-        self.grad_full.untyped_storage().resize_(0)
-        self.grads_alive = False
-
-
-# ----------------------------------------------------------------------------------------------
-# The engine: hooks that implement the three stages on an HF model
+# The engine: hooks that implement the three stages on an HF model (units: zero_units.py)
 # ----------------------------------------------------------------------------------------------
 class Zero(FlatTensors):
     """Installs ZeRO's hooks into `model`. `units` defaults to decoder_units(model), in

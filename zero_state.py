@@ -5,9 +5,8 @@ zero.py keeps every state (parameters, gradients, the optimizer's) as one flat s
 rank r holds elements [r s, (r+1) s) of the unit's buffer, s = padded / W, and a parameter is
 the range [off, off + numel) of that buffer. What follows is bookkeeping over those ranges
 (plus all-gathers over the shard group), none of it part of ZeRO's algorithm; zero.py mixes it
-into its two classes (zero.py re-exports the functions):
+into its two classes (the units themselves, and their bytes: zero_units.py):
 
-    decoder_units(model), pad_to(n, w)           the default units of an HF model; padding
     FlatTensors   (zero.Zero and its subclass zeropp.ZeroPP)
         full_tensors(kind), gather_flat(shards) -> {name: tensor}   each unit's shard
                                                  all-gathered and cut per parameter
@@ -26,51 +25,18 @@ into its two classes (zero.py re-exports the functions):
                                                  plus "fp32_masters" (MasterAdamW's convention)
         state_tensors()                          the resident optimizer state
     clip_shard_grads(grads, max_norm, group)     global-norm clipping from the shards' norms
-    state_bytes(engine, optimizer)               the model-state bytes per rank, by formula
 """
 import contextlib
 
 import torch
 import torch.distributed as dist
 
-from harness import clip_by_norm, parts, planted
+from harness import clip_by_norm, planted
 from harness.precision import LOW_PRECISION
 
 
-# -- the units: which modules' parameters share one flat buffer --
-def pad_to(n: int, w: int) -> int:
-    return -(-n // w) * w
-
-
-def decoder_units(model) -> list[tuple[str, list[torch.nn.Module]]]:
-    """(name, modules) for any HF causal LM (harness.parts): embeddings (and any module outside
-    the parts: GPT-2's wpe), each layer, head (norm + LM head); embed+head when tied."""
-    p = parts(model)
-    if p.layers is None or p.embed is None:   # (no list of layers found: one unit)
-        return [("model", [model])]
-    layers = [(f"layers.{i}", [m]) for i, m in enumerate(p.layers)]
-    head = [m for m in (p.norm, p.head) if m is not None]
-    known = {id(t) for m in (p.embed, *p.layers, *head) for t in m.parameters()}
-    rest = [m for m in model.modules() if any(id(t) not in known for t in m.parameters(False))]
-    if p.tied:
-        return [("embed+head", [p.embed, *rest, *head])] + layers
-    return [("embed", [p.embed, *rest])] + layers + [("head", head)]
-
-
-def split_frozen(name: str, params: list, stage: int) -> list[tuple[str, list]]:
-    """A unit's parameters as zero.Zero's units: the trainable ones, and the frozen ones (LoRA's
-    base) apart, so no frozen zero gradient is reduce-scattered: their own unit at stage 3
-    (sharded and gathered for compute, never reduced), in no unit at stages 1 and 2 (whole on
-    every rank, like the model outside ZeRO)."""
-    if planted("lora-base-in-units"):   # plant: the frozen base reduced with the adapters
-        return [(name, params)]
-    trainable = [p for p in params if p.requires_grad]
-    frozen = [p for p in params if not p.requires_grad] if stage == 3 else []
-    return [(n, ps) for n, ps in ((name, trainable), (f"{name}.frozen", frozen)) if ps]
-
-
 class FlatTensors:
-    """Mixed into zero.Zero: reads its `units` (zero.FlatUnit), `group`, `stage` and
+    """Mixed into zero.Zero: reads its `units` (zero_units.FlatUnit), `group`, `stage` and
     wait_params()."""
 
     def ahead(self, u, step: int) -> list:
@@ -440,53 +406,3 @@ def clip_shard_grads(grads: list[torch.Tensor], max_norm: float, group=None) -> 
     if not planted("clip-local-norm"):   # plant: each rank clips by its own shard's norm
         dist.all_reduce(sq, group=group)   # [1] float64, summed over W
     return clip_by_norm(sq, grads, max_norm)   # torch.nn.utils.clip_grad_norm_'s formula
-
-
-def state_bytes(engine, optimizer) -> dict[str, float]:
-    """ZeRO's resident model-state bytes per rank for the engine's stage and precision (the
-    docstring's table, with the padding): params, grads, optimizer, model_states."""
-    padded = sum(u.padded for u in engine.units)
-    b = engine.units[0].full.element_size()
-    rb = engine.units[0].grad_shard.element_size()   # the reduce dtype's
-    # over each unit's shard group: the world, HSDP's S = W / R ranks (fsdp.py --replicate),
-    # compose4d's dp x cp (or, for experts, the ranks that hold the same experts)
-    shard = sum(u.shard_numel for u in engine.units)
-    shard_g = sum(u.shard_numel for u in engine.units if u.n_grads)   # (--lora: trainable)
-    # (master +) m + v per element; muon.py's Muon keeps one momentum on its matrices' runs
-    muon = sum(n for _, _, n, gi in optimizer.runs if optimizer.param_groups[gi].get("muon"))
-    opt = ((4 * shard_g if optimizer.mixed else 0)
-           + (4 if optimizer.mixed else b) * (2 * shard_g - muon))
-    params = padded * b if engine.stage < 3 else shard * b
-    params += sum(t.numel() * t.element_size() for t in outside_units(engine))   # frozen
-    grads = (padded * b + (shard * rb if rb != b else 0) if engine.stage == 1 else shard_g * rb)
-    return {"params": params, "grads": grads, "optimizer": opt,
-            "model_states": params + grads + opt}
-
-
-def outside_units(engine) -> list[torch.Tensor]:
-    """The model's parameters in no unit (stages 1, 2: LoRA's frozen base, whole on every rank)."""
-    if engine.model is None:
-        return []
-    return [p for p in engine.model.parameters() if p not in engine.unit_of]
-
-
-def reduce_scattered(units) -> tuple[int, int]:
-    """(how many of `units` reduce-scatter, the padded elements they carry): those with
-    trainable parameters, each padded to its group (--lora: the adapters only)."""
-    trained = [sum(p.numel() for p in u.params if p.requires_grad) for u in units]
-    return sum(1 for n in trained if n), sum(-(-n // u.world) * u.world
-                                             for n, u in zip(trained, units))
-
-
-def backward_gathers(units, model, first: bool = True) -> tuple[int, int]:
-    """Stage 3: (how many of `units` are gathered again in the backward, their padded elements):
-    those whose last module runs after the first trainable parameter's module (before it,
-    LoRA's frozen embedding, no output takes a gradient; a tied embedding's unit, which ends
-    at the head, is gathered); all of them when they are not the model's first (a pipeline
-    stage after the first: its input takes a gradient)."""
-    order = {id(m): i for i, m in enumerate(model.modules())}
-    first_trained = min((order[id(m)] for u in units for m in u.modules
-                         if any(p.requires_grad for p in m.parameters())), default=None)
-    again = [u for u in units if not first or (first_trained is not None
-                                               and order[id(u.modules[-1])] >= first_trained)]
-    return len(again), sum(u.padded for u in again)

@@ -87,7 +87,7 @@ def unpack(buf: torch.Tensor, L: int):
 
 
 def quantized_all_gather(u) -> torch.Tensor:
-    """qwZ: the full buffer of u (a zero.FlatUnit) from every rank's shard, as int8 blocks +
+    """qwZ: the full buffer of u (a zero_units.FlatUnit) from every rank's shard, as int8 blocks +
     float32 scales in one all_gather_into_tensor of W * (s + 4 ceil(s / BLOCK)) bytes, returned
     dequantized (this rank's own slice too: every rank must compute with the same weights).
     The shard itself, the optimizer's master, is untouched."""

@@ -23,7 +23,7 @@ before its first collective. Measured cost on the CPU test models: 0.05-0.3 s pe
 modules tp/sp/cp rebuild (their own correctness verdicts and unit tests check those).
 
 A strategy opts in with `self_check = ("what it checks", build)`, build(model, args) ->
-fn(input_ids) -> logits (pp.stage_loop)."""
+fn(input_ids) -> logits (rig/pp.py's stage_loop)."""
 from __future__ import annotations
 
 import copy

@@ -15,12 +15,13 @@ from trainer4d.schedule import Scheduled, ScheduledReference
 
 import pp
 import zero
-import zero_state
+import zero_units
 from compose4d import Parallel4D
 from rig.compose_moe import MoEReference, constraints as moe_constraints
 from rig.cp_ring import ring_refusals
 from rig.ddp import MUON_PLANT
 from rig.ep_moe import add_moe_args
+from rig.pp import stage_loop
 from rig.tp import tp_constraints
 
 
@@ -134,7 +135,7 @@ def reference(ref_model, args, env):
 
 class Compose4D(Parallel4D, Strategy):
     name = "4d"
-    self_check = ("compose4d's stage loop (pp.py's)", pp.stage_loop)
+    self_check = ("compose4d's stage loop (pp.py's)", stage_loop)
     reference = staticmethod(reference)
     # Realistic one-line bugs, each beside the line it breaks (grep the name), and the
     # configuration in which correctness mode must FAIL with it (tests/test_plants.py). Scale
@@ -317,7 +318,7 @@ class Compose4D(Parallel4D, Strategy):
     def model_states(self):
         z = self.zero
         return {"params": [u.shard if z.stage == 3 else u.full for u in z.units]
-                + zero_state.outside_units(z),   # (--lora: the frozen base at stages 1, 2)
+                + zero_units.outside_units(z),   # (--lora: the frozen base at stages 1, 2)
                 "grads": z.grad_tensors(), "optimizer": self.optimizer.state_tensors()}
 
     def wait_comm(self):

@@ -6,7 +6,7 @@ from harness import (DTYPES, Expect, METER, Plant, Strategy, attention_features,
 from harness.precision import grad_reduce_dtype
 from harness.timing import CallTimer
 from harness.cli import main as harness_main
-from rig.ddp import make_optimizer
+from rig.ddp import make_optimizer, token_sharded_step
 
 import ddp
 from cp_kernels import pick_kernel
@@ -104,7 +104,7 @@ class CP(Strategy):
         self.optimizer = make_optimizer(model, args)   # (replicated weights)
 
     def step(self, batch):
-        return ddp.token_sharded_step(self, batch, self.pos)
+        return token_sharded_step(self, batch, self.pos)
 
     def expected_comm(self):
         cfg, a, W = self.model.config, self.args, self.env.world

@@ -4,8 +4,8 @@ import warnings
 
 import torch
 
-from harness import (Batch, Expect, Plant, Strategy, dropout, global_loss, make_adamw, phase,
-                     spread_across_ranks)
+from harness import (Batch, Expect, Plant, Strategy, dropout, global_loss, lm_loss_sum,
+                     make_adamw, phase, spread_across_ranks)
 from harness.precision import LOW_PRECISION, grad_reduce_dtype, muon_kwargs
 from harness.reduce_probe import ReductionProbe
 from harness.cli import main as harness_main
@@ -195,6 +195,27 @@ class FullLogitsDDP(DDP):
 
 DDP.native = staticmethod(lambda args: [FullLogitsDDP] if args.ce_chunk else [TorchDDP])
 
+
+
+def token_sharded_step(strat, batch: Batch, pos: torch.Tensor) -> float:
+    """One step when ranks hold the same weights but different tokens of every sequence
+    (Ulysses, context parallelism): forward this rank's positions `pos` with their global
+    position ids, backpropagate W * CE_sum / N, average the gradients (strat.dp, DataParallel),
+    clip, step. Returns the global loss."""
+    W, B = strat.env.world, batch.input_ids.shape[0]
+    strat.optimizer.zero_grad(set_to_none=False)   # in place: .grad stays a view of its bucket
+    with phase("forward"), dropout.at(batch, hidden=pos):   # (all columns in attention)
+        logits = strat.dp(input_ids=batch.input_ids[:, pos],   # (B, S) -> (B, S/W)
+                             position_ids=pos[None].expand(B, -1)).logits   # (B, S/W, V)
+        ce = lm_loss_sum(logits, batch.labels[:, pos])
+    with phase("backward"):
+        (ce * W / batch.n_tokens).backward()   # averaged by the end of the backward
+    with phase("optimizer"):
+        if strat.args.clip:
+            strat.grad_norm = torch.nn.utils.clip_grad_norm_(strat.model.parameters(),
+                                                             strat.args.clip)
+        strat.optimizer.step()
+    return global_loss(ce.detach(), batch.n_tokens)
 
 def main():
     """`torchrun ddp.py --mode ...`: ddp.py's __main__ lands here."""

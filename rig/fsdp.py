@@ -157,7 +157,7 @@ class FSDP(Strategy):
         reduced (Psi_g); this rank's shards (all, trainable)."""
         us, W = self.units, self.units[0].world
         return dict(psi=sum(W * u.shard_numel for u in us),
-                    psi_g=sum(W * u.grad_shard_numel for u in us),
+                    psi_g=sum(W * sum(p.padded for p in u.trainable) for u in us),
                     resharded=sum(W * u.shard_numel for u in us if u.reshard_after_forward),
                     shard=sum(p.local for u in us for p in u.params),
                     shard_g=sum(p.local for u in us for p in u.trainable))

@@ -10,7 +10,7 @@ from harness.timing import ActionTimeline
 from harness.cli import main as harness_main
 from rig.ddp import make_optimizer
 
-from pp import Pipeline, clip_across_stages, stage_loop
+from pp import Pipeline, clip_across_stages
 from pp_schedule import (SCHEDULES, boundary_messages, bubble_formula, chunk_owner,
                          chunks_per_rank, simulate)
 
@@ -40,6 +40,19 @@ def pp_constraints(args, world, config) -> list[str]:
 
 TIED_PLANT_ARGS = ("--schedule", "zb", "--dtype", "float32", "--clip", "0.5",
                    "--model", "configs/tiny-tied.json")
+
+
+def stage_loop(model, args):
+    """The stage loop on one rank, for harness/selfcheck.py: `model` cut into two chunks (an
+    interleaved plan over one rank: no group, no collective), run one after the other."""
+    pipe = Pipeline(model, 1, 2, 0, "interleaved")
+
+    def forward(ids):                    # (B, S) -> (B, S, V), through every chunk in turn
+        h = ids
+        for c in range(pipe.n_chunks):
+            h = pipe.run_chunk(c, h, ids.shape[1])
+        return h
+    return forward
 
 
 class PP(Strategy):

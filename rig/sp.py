@@ -9,12 +9,12 @@ from harness import (DTYPES, Expect, Plant, Strategy, attention_features,
 from harness.precision import grad_reduce_dtype
 from harness.cli import main as harness_main
 
-import ddp
 from sp import (ULYSSES_ALL_TO_ALLS, parallelize, parallelize_ulysses, region_collectives,
                 ulysses_bytes)
 
-from rig.ddp import make_optimizer
-from rig.tp import PLANT_ARGS, tp_gather_rows, TP, norm_sharded_comm, standalone_constraints
+from rig.ddp import make_optimizer, token_sharded_step
+from rig.tp import (PLANT_ARGS, tp_gather_rows, TP, norm_sharded_comm, partial_numel,
+                    standalone_constraints)
 from tp import LOSS_ALL_REDUCES
 
 
@@ -68,7 +68,7 @@ class MegatronSP(TP):
         b = DTYPES[a.dtype].itemsize
         b_ce = 4 if a.dtype == "bfloat16" else b
         nhb = N * H * b
-        partial = self.tp.partial_numel()   # (frozen tensors, LoRA's, have no gradient)
+        partial = partial_numel(self.tp)   # (frozen tensors, LoRA's, have no gradient)
         norm_calls, norm_bytes = norm_sharded_comm(self.tp, N, a.dtype)
         loss = LOSS_ALL_REDUCES      # the embedding's sum + the loss + the partial gradients
         ar_calls = 1 + loss + 1 + (1 if a.clip else 0) + norm_calls
@@ -131,7 +131,7 @@ class Ulysses(Strategy):
             self.pos = torch.arange(r, args.length, env.world, device=env.device)
 
     def step(self, batch):
-        return ddp.token_sharded_step(self, batch, self.pos)
+        return token_sharded_step(self, batch, self.pos)
 
     def expected_comm(self):
         cfg, a, W = self.model.config, self.args, self.env.world

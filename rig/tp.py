@@ -150,7 +150,7 @@ class TP(Strategy):
         calls = regions + LOSS_ALL_REDUCES * K + (1 if partial else 0)
         nbytes = regions * N * H * b + LOSS_ALL_REDUCES * N * b_ce
         if partial:
-            nbytes += self.tp.partial_numel() * b
+            nbytes += partial_numel(self.tp) * b
         norm_calls, norm_bytes = norm_sharded_comm(self.tp, N, a.dtype)
         calls, nbytes = calls + norm_calls, nbytes + norm_bytes
         if a.clip:
@@ -176,6 +176,13 @@ def tp_gather_rows(opt, tpm) -> list:
     calls, nbytes = muon.tp_gather_comm([m.numel() for m in split], tpm.world, b)
     return [Expect("all_gather", "world", calls, nbytes,
                    f"Muon's tp-gather: one per split matrix ({calls}), T shards x {b} B")]
+
+
+def partial_numel(tpm: TensorParallel) -> int:
+    """Elements of tp's all-reduce of the partial gradients (reduce_partial_grads): the kv
+    heads' buffers (n_kv x each copy) and the group_partials' gradients."""
+    return (sum(p.numel() * tpm.n_kv for p in tpm.kv_copy_params.values() if p.requires_grad)
+            + sum(p.numel() for p in tpm.group_partials.values() if p.requires_grad))
 
 
 def norm_sharded_comm(tpm: TensorParallel, N: int, dtype: str) -> tuple[int, int]:

@@ -9,7 +9,7 @@ import muon
 
 import ddp
 from zero import Zero, ZeroOptimizer, collectives_per_unit
-from zero_state import backward_gathers, outside_units, reduce_scattered, state_bytes
+from zero_units import backward_gathers, outside_units, reduce_scattered, state_bytes
 
 from rig.ddp import MUON_PLANT, TorchDDP, batch_constraints
 

@@ -56,7 +56,7 @@ def ns_flops_rank0(model, script, world, optimizer, mode, tp=1):
         return load[0]
     # gather: the matrices rank 0's shard of each layer's flat unit touches (zero_state's units:
     # each decoder layer one unit, its parameters in order, padded to a multiple of W)
-    from zero_state import pad_to
+    from zero_units import pad_to
     total, layers = 0, {}
     for n, p in m.named_parameters():
         if n.startswith("model.layers."):

@@ -6,7 +6,7 @@
         OMP_NUM_THREADS=1 python scripts/zero2_alloc_cost.py   # one run, glibc keeps freed pages
 
 Stage 1 keeps one flat gradient buffer per unit and accumulates into it in place. Stage 2 frees
-each unit's buffer once reduce-scattered (zero.py: FlatUnit.free_grads) and allocates it again,
+each unit's buffer once reduce-scattered (zero_units.py: FlatUnit.free_grads) and allocates it again,
 zeroed, when the unit's next gradient arrives (FlatUnit.alloc_grads). Timed here on the small
 preset's units (embedding, head, 8 decoder layers: 72 MiB in float32), the same storage calls.
 glibc serves a buffer this large by mmap, so every step touches fresh pages; the CUDA caching

@@ -9,7 +9,7 @@ import muon
 import sp
 import tp
 import zero
-import zero_state
+import zero_units
 from pp_schedule import boundary_messages
 
 
@@ -34,7 +34,7 @@ def expected_comm(self) -> list[Expect]:
         if not units:
             continue
         padded = sum(u.padded for u in units)
-        n_rs, p_rs = zero_state.reduce_scattered(units)   # (--lora: the adapters only)
+        n_rs, p_rs = zero_units.reduce_scattered(units)   # (--lora: the adapters only)
         rows += [Expect("reduce_scatter_tensor", group, n_rs * rs, p_rs * rb * rs,
                         f"ZeRO-{a.zero}: {what}*b_reduce = {p_rs * rb:,} B, one per unit"
                         + (" with gradients" if n_rs < len(units) else "")
@@ -43,7 +43,7 @@ def expected_comm(self) -> list[Expect]:
                         f"parameters per unit, forward and backward x{M} micro-batches"
                         if a.zero == 3 else "updated parameters, one per unit")]
         if a.zero == 3:   # (--lora: no backward gather before the first unit that trains)
-            nb, fb = zero_state.backward_gathers(units, self.model, self.first)
+            nb, fb = zero_units.backward_gathers(units, self.model, self.first)
             rows[-1] = Expect("all_gather_into_tensor", group, (len(units) + nb) * M,
                               (padded + fb) * b * M, rows[-1].formula)
     if a.replicate > 1:
