@@ -38,7 +38,6 @@ from harness.precision import adamw_kwargs, grad_reduce_dtype, muon_kwargs
 from harness import loading
 import compose_moe
 import cp_ring
-import ep_moe
 import fsdp
 import muon
 import pp
@@ -159,7 +158,7 @@ class Parallel4D:
         # its storage now that it is cut: each rank reads only the ranges it holds.
         self.load_report = None
         if any(p.is_meta for p in model.parameters()):
-            self.load_report = self._load_shards()
+            self.load_report = loading.load_layout_shards(self)   # (this rank's tensors only)
         # ZeRO over dp x cp, on this stage's (TP-sharded) parameters; gradients summed.
         # Experts: over the ranks that hold the same experts (edp).
         zgroup = g["dp"] if planted("grad-sum-misses-cp") else g.get("shard", g["dpcp"])  # plant
@@ -183,21 +182,6 @@ class Parallel4D:
         self._plan_shard_slices()
         self.t = 0              # optimizer steps taken (the schedule's position)
         self.last_norm = float("nan")
-
-    def _load_shards(self) -> dict:
-        """This rank's shard of --model's safetensors (harness/loading.py)."""
-        tp_range = self.tp.local_range if self.tp is not None else (lambda name, shape: None)
-
-        def ranges(name, shape):    # an expert tensor: this ep rank's experts (whole over tp)
-            if self.moe and ep_moe.is_expert(name):
-                n, r = shape[0] // self.args.ep, dist.get_rank(self.groups["ep"])
-                return 0, r * n, (r + 1) * n
-            return tp_range(name, shape)
-        before = loading.rss_now()
-        rep = loading.load_shards(self.model, self.args.model, self.env.device, ranges, self.args)
-        peak = loading.rss_peak()     # (VmHWM: the caller resets it before the build)
-        rep["grow"] = None if before is None or peak is None else peak - before
-        return rep
 
     def _units(self):
         """ZeRO units of this stage in forward order; the tied head copy is a unit of its own, so
@@ -282,13 +266,9 @@ class Parallel4D:
 
     # -- the step --
     def local_batch(self, batch: Batch) -> Batch:
-        return self._cp_tokens(batch.shard(self.me["dp"], self.grid.size["dp"]))
-
-    def _cp_tokens(self, b: Batch) -> Batch:
-        """This rank's zig-zag tokens of every sequence (all of them without CP)."""
-        if self.pos is None:
-            return b
-        return b.cols(self.pos)
+        """This rank's dp share of the sequences and zig-zag tokens of each (all without CP)."""
+        b = batch.shard(self.me["dp"], self.grid.size["dp"])
+        return b if self.pos is None else b.cols(self.pos)
 
     def step(self, batch: Batch) -> float:
         """One optimizer step; returns the global loss (the harness's step)."""
@@ -312,8 +292,11 @@ class Parallel4D:
         n_tokens = local.n_tokens if planted("local-token-mean") else batch.n_tokens   # plant
         self.pipe.stop_check = stop
         try:
-            loss_sum = (self.with_router_terms(self.pipe.run(local, M, n_tokens, mbs=mbs), batch)
-                        if M else torch.zeros((), dtype=torch.float64, device=self.env.device))
+            # the CE sum plus this rank's share of the MoE router losses (as a sum over the
+            # batch's tokens), for the logged objective (the CE sum alone without MoE)
+            loss_sum = (self.pipe.run(local, M, n_tokens, mbs=mbs)
+                        + compose_moe.logged_terms(self.blocks) * batch.n_tokens if M else
+                        torch.zeros((), dtype=torch.float64, device=self.env.device))
         finally:
             self.pipe.stop_check = None
         grads = self.reduce_grads()
@@ -366,16 +349,8 @@ class Parallel4D:
             ce = self.pipe.evaluate(self.local_batch(batch), self.args.grad_accum)
         finally:
             self.model.train()
-        return self.loss_once(ce)
-
-    def with_router_terms(self, loss_sum, batch: Batch):
-        """The step's CE sum plus this rank's share of the MoE router losses (scaled to a sum
-        over the batch's tokens), for the logged objective; the CE sum alone without MoE."""
-        return loss_sum + compose_moe.logged_terms(self.blocks) * batch.n_tokens
-
-    def loss_once(self, loss_sum: torch.Tensor) -> float:
-        """The global CE sum (logging): every tp rank computed the same one, so count it once."""
-        return global_loss(loss_sum if self.first_in([self.groups["tp"]]) else loss_sum * 0, 1)
+        # every tp rank computed the same CE sum: counted once
+        return global_loss(ce if self.first_in([self.groups["tp"]]) else ce * 0, 1)
 
     def learning_rate(self, step: int) -> float:
         return lr_at(step, self.args)
@@ -411,34 +386,11 @@ class Parallel4D:
         dist.all_reduce(sq, group=group)          # [1]
         return clip_by_norm(sq, grads, max_norm)
 
-    # -- full tensors (collective) --
-    def _full(self, stage_tensors: dict) -> dict[str, torch.Tensor]:
-        """This stage's TP-local tensors -> full tensors of the whole model on every rank."""
-        if self.moe:
-            stage_tensors = ep_moe.gather_experts(stage_tensors, self.groups["ep"])
-        if self.tp is not None:
-            stage_tensors = self.tp.full(stage_tensors)
-        parts = [None] * self.grid.size["pp"]
-        with METER.paused():
-            dist.all_gather_object(parts, {n: t if t is None else t.detach().cpu()   # (None:
-                                           for n, t in stage_tensors.items()},   # frozen grad)
-                                   group=self.groups["pp"])
-        out = {}
-        for part in parts:
-            out.update(part)
-        if self.tied:
-            out.pop(self.pipe.head_weight, None)   # the reference holds one tied tensor
-        return {n: t if t is None else t.to(self.env.device) for n, t in out.items()}
-
     def local(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full tensor: its experts, its TP shard."""
         if self.moe:
             t = compose_moe.expert_local(name, t, self.args.ep, dist.get_rank(self.groups["ep"]))
         return self.tp.local(name, t) if self.tp is not None else t
-
-    def _stage_tensors(self, kind: str) -> dict[str, torch.Tensor]:
-        with METER.paused():   # ("param" or "grad"; a frozen tensor's gradient: None)
-            return self.zero.full_tensors(kind)
 
 
 if __name__ == "__main__":   # torchrun compose4d.py --mode ...: the test rig runs it

@@ -10,26 +10,21 @@ al. 2025, "Muon is Scalable for LLM Training")
     hidden_matrix: one split rule for the reference and every strategy).
     Everything but NS is elementwise, so it shards like AdamW. NS needs the whole matrix: the
     question each layout must answer is who holds it.
-      replicated  DDP, Ulysses: every rank holds every matrix and the same averaged gradient:
-                  NS on each, duplicated W times, no communication.
-      owner       ZeRO-1/2/3's flat shards cut matrices (FSDP's dim-0 shards cut them by rows):
-                  each matrix has one owner (balanced by NS FLOPs); an all_to_all sends the
-                  pieces of its update to the owner, the owner runs NS, a second all_to_all
-                  sends the pieces back (OwnerPlan): 2 calls, ~2 Psi_m / W elements per rank
-                  (Psi_m: the matrices' parameters). compose4d (ZeRO's shards of TP's shards):
-                  owners over dp x cp, each owned matrix then tp-gathered (below) by the tp
-                  ranks that own its other shards.
-      gather      the same shards, each unit's update all-gathered (flat [s] -> [W s]), NS run on
-                  every matrix the rank's shard touches: one all_gather per unit, Psi_m per rank.
-      tp-gather   TP's column/row shards: each matrix's update all-gathered over the tp group
-                  (tp.full: T x [A/T, B] -> [A, B]), NS on the whole, this rank's shard kept
-                  (tp.local). One all_gather per split matrix; NS duplicated T times.
-      blockwise   NS on each shard as if it were the matrix: not Muon (the update depends on the
-                  layout). Only a planted bug (muon-blockwise) that must FAIL against one device.
-    NS costs steps (4 m^2 n + 2 m^3) FLOPs per matrix, m <= n (ns_flops).
-Newton-Schulz runs in bfloat16 for bf16 models (torch's), in the parameter's dtype for float32
-and float64 ones (the exact mode the float64 proofs need; --muon-ns-dtype bfloat16 forces
-torch's). More: docs/internals.md, 'muon.py'.
+      replicated  DDP, Ulysses: every rank holds every matrix: NS duplicated W times, no comm.
+      owner       ZeRO's flat shards (FSDP's dim-0 shards) cut matrices: each matrix has one
+                  owner (balanced by NS FLOPs); an all_to_all sends the pieces of its update to
+                  the owner, which runs NS; a second sends them back (OwnerPlan): 2 calls,
+                  ~2 Psi_m / W elements per rank. compose4d: owners over dp x cp, each owned
+                  matrix then tp-gathered by the tp ranks that own its other shards.
+      gather      each unit's update all-gathered (flat [s] -> [W s]), NS on every matrix the
+                  rank's shard touches: one all_gather per unit, Psi_m per rank.
+      tp-gather   TP's shards: each matrix's update all-gathered over the tp group (tp.full),
+                  NS on the whole, this rank's shard kept (tp.local). NS duplicated T times.
+      blockwise   NS on each shard as if it were the matrix: not Muon (a planted bug,
+                  muon-blockwise, that must FAIL against one device).
+    NS costs steps (4 m^2 n + 2 m^3) FLOPs per matrix, m <= n (ns_flops). It runs in bfloat16 for
+    bf16 models (torch's), in the parameter's dtype for float32 and float64 ones (the exact mode
+    the float64 proofs need). More: docs/internals.md, 'muon.py'; docs/muon.md.
 
 Public API
     opt = build(model, lr=1e-3, muon_lr=0.02, tpm=None)   a torch optimizer: Muon on the hidden
@@ -37,18 +32,18 @@ Public API
         tpm = tp.parallelize(...)'s: tp-gather; a model after fsdp.fully_shard: owner.
     zero.ZeroOptimizer(param_groups(model.named_parameters(), lr, muon_lr), MuonAdamW,
                        stage=1|2, shard_mode="owner"|"gather")   on ZeRO's flat shards
-    zopt.inner.on_shards(zopt, tpm)   ZeRO's shards of tp shards (compose4d)
+
+Run:  torchrun --nproc_per_node=2 muon.py --mode correctness   (zero.py's rig, --optimizer muon)
 """
 import math
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.optim.adamw import adamw as torch_adamw
 
 from harness.models import hidden_matrix
 from harness.plants import planted
-from harness.precision import Masters, fused_kwargs
+from harness.precision import Masters, adamw_update
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)   # torch.optim.Muon's (Keller Jordan's) quintic
 NS_STEPS, NS_EPS = 5, 1e-7
@@ -118,7 +113,7 @@ class MuonAdamW(torch.optim.Optimizer):
             if g["muon"]:
                 self._muon(g, ps)
             elif ps:
-                self._adamw(g, ps)
+                adamw_update(self.state, g, ps)   # torch's AdamW (harness.precision)
         return loss
 
     def _muon(self, g, ps):
@@ -132,22 +127,6 @@ class MuonAdamW(torch.optim.Optimizer):
         for p, (o, scale) in zip(ps, self.orthogonalize(self, ps, updates, g)):
             p.mul_(1 - g["lr"] * g["weight_decay"])       # (torch's: the unadjusted lr)
             p.add_(o, alpha=-g["lr"] * scale)
-
-    def _adamw(self, g, ps):
-        kw = fused_kwargs(ps)
-        for p in ps:
-            st = self.state[p]
-            if not st:
-                st["step"] = torch.zeros((), dtype=torch.float32,
-                                         device=p.device if kw else "cpu")
-                st["exp_avg"] = torch.zeros_like(p)
-                st["exp_avg_sq"] = torch.zeros_like(p)
-        sts = [self.state[p] for p in ps]
-        torch_adamw(
-            ps, [p.grad for p in ps], [s["exp_avg"] for s in sts], [s["exp_avg_sq"] for s in sts],
-            [], [s["step"] for s in sts], amsgrad=False, beta1=g["betas"][0],
-            beta2=g["betas"][1], lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"],
-            maximize=False, **(kw or {"foreach": False}))
 
     @staticmethod
     def ns_dtype(g, t):
@@ -230,34 +209,13 @@ def matrix_units(zopt) -> list:
     return [(ui, u) for ui, u in enumerate(zopt.engine.units) if any(p in mats for p in u.params)]
 
 
-def unit_shards(zopt, units, views, updates) -> dict:
-    """{unit index: flat [s]}: the views' (ZeRO's runs') updates laid into this rank's shard of
-    each of `units`, zeros elsewhere (AdamW's runs, the padding)."""
-    where = {id(v): r for v, r in zip(zopt.views, zopt.runs)}
-    shards = {ui: torch.zeros_like(zopt.masters[ui]) for ui in units}   # flat [s] each
-    for v, upd in zip(views, updates):
-        ui, a, n, _ = where[id(v)]
-        shards[ui][a:a + n] = upd
-    return shards
-
-
-def per_view(zopt, views, result: dict) -> list:
-    """Each view's slice of its unit's flat [s] result, as (O, lr scale 1.0): the scale is in
-    already, since a run spans matrices of different shapes."""
-    where, out = {id(v): r for v, r in zip(zopt.views, zopt.runs)}, []
-    for v in views:
-        ui, a, n, _ = where[id(v)]
-        out.append((result[ui][a:a + n], 1.0))
-    return out
-
-
 def zero_gather(zopt):
     """gather, on ZeRO's flat units: the update shard of each unit holding matrices, flat [s],
     all-gathered to [W s]; NS on each matrix this rank's shard touches; its slice kept."""
     mats, units = muon_params(zopt), matrix_units(zopt)
 
     def orthogonalize(opt, views, updates, g):
-        shards = unit_shards(zopt, [ui for ui, _ in units], views, updates)   # flat [s] each
+        shards = zopt.runs_to_shards([ui for ui, _ in units], views, updates)   # flat [s] each
         out = {}
         for ui, u in units:
             full = shards[ui].new_zeros(u.padded)
@@ -274,7 +232,7 @@ def zero_gather(zopt):
                     mine[a - u.lo:b - u.lo] = (o.reshape(-1)[a - off:b - off].to(mine.dtype)
                                                * lr_scale(p.shape))
             out[ui] = mine
-        return per_view(zopt, views, out)
+        return zopt.shards_to_runs(views, out)
     return orthogonalize
 
 
@@ -295,7 +253,7 @@ class Matrix(NamedTuple):
 class OwnerPlan:
     """owner (one rank per matrix, as Megatron's LayerWiseDistributedOptimizer and nanochat's
     DistMuon assign them; they align buffers to whole matrices, so need no all-to-all): each
-    matrix assigned whole to one rank, balanced by its Newton-Schulz FLOPs (largest first, to the least loaded
+    matrix whole to one rank, balanced by Newton-Schulz FLOPs (largest first, to the least loaded
     rank). Per step: one all_to_all sends every rank's pieces of each matrix's update to its
     owner, the owner runs NS on its matrices, a second all_to_all sends each piece of the result
     back to the rank that holds it. Every rank computes the same plan. Built for ZeRO's flat
@@ -368,10 +326,6 @@ class OwnerPlan:
                 k += b - a
         return self.place(params, result)
 
-    def owned(self) -> list[Matrix]:
-        """The matrices this rank owns (runs Newton-Schulz on)."""
-        return [m for m, r in zip(self.mats, self.owner) if r == self.me]
-
     def shape(self, m: Matrix) -> tuple:
         """m's whole shape (the tp group's, under tpm)."""
         return tuple(m.param.shape) if self.tpm is None else self.tpm.full_shape(m.name,
@@ -387,13 +341,6 @@ class OwnerPlan:
         if planted("muon-owner-keeps-update"):   # plant: the update not sent back
             recv = recv.zero_() if in_plan is self.sends else recv
         return recv
-
-    def comm(self, b: int) -> tuple[int, int]:
-        """(all_to_alls, bytes sent by this rank) per step: its pieces of every matrix to their
-        owners, then the owned matrices' pieces back to their holders."""
-        mine = sum(b_ - a for d in self.sends for _, a, b_ in d)
-        owned = sum(b_ - a for r in self.recvs for _, a, b_ in r)
-        return 2, (mine + owned) * b
 
 
 def cut(off: int, n: int, a: int, b: int) -> tuple[int, int]:
@@ -415,7 +362,7 @@ def zero_owner(zopt, tpm=None) -> OwnerPlan:
     units = sorted({m.unit_index for m in ms})
 
     def pieces(views, updates):               # the runs' updates -> each matrix's piece
-        shards = unit_shards(zopt, units, views, updates)              # flat [s] each
+        shards = zopt.runs_to_shards(units, views, updates)              # flat [s] each
         out = {}
         for i, m in enumerate(ms):
             a, b = m.held[m.unit.rank]
@@ -431,7 +378,7 @@ def zero_owner(zopt, tpm=None) -> OwnerPlan:
             a, b = m.held[m.unit.rank]
             at = m.offset - m.unit.lo
             shards[m.unit_index][at + a:at + b] = o
-        return per_view(zopt, views, shards)
+        return zopt.shards_to_runs(views, shards)
     group = ms[0].unit.group if ms else zopt.engine.units[0].group
     return OwnerPlan(ms, group, dist.get_rank(group), zopt.masters[0], pieces, place, tpm)
 

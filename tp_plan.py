@@ -53,12 +53,14 @@ PLACEMENTS = {
 # projection whose rows it cannot split in place ("colwise_gather_output": Phi3's fused
 # qkv_proj, OLMo2's q/k/v before a norm over all heads); this project splits those too:
 # "gathered" is a fused projection when its rows are segments (split segment by segment), else
-# a column layer (the norm over all heads then sharded: norm-sharded). HF's MoE words ("packed_colwise", "moe_tp_experts") are not used: TP keeps
-# the experts whole (compose4d --ep shards them).
+# a column layer (the norm over all heads then sharded: norm-sharded). HF's MoE words
+# ("packed_colwise", "moe_tp_experts") are not used: TP keeps the experts whole (compose4d --ep
+# shards them).
 HF_KINDS = {"colwise": "column", "colwise_gather_output": "gathered", "rowwise": "row",
             "rowwise_split_input": "row", "replicated_with_grad_allreduce": "partial",
             "embedding_rowwise": "vocab"}
-# full-width q/k norms whose formula tp_families.ShardedRMSNorm computes (weight x normalised, in float32)
+# full-width q/k norms whose formula tp_families.ShardedRMSNorm computes (weight x normalised,
+# in float32)
 FULL_WIDTH_NORMS = ("Olmo2RMSNorm", "Olmo3RMSNorm")   # (the same module, renamed)
 
 
@@ -151,8 +153,10 @@ def classify(model, T: int, table: dict[str, str]) -> tuple[dict[str, str], list
             else:
                 kind, why = None, (f"a q/k norm over {n} features (neither one head, {d}, nor "
                                    f"all heads, {heads * d}, of a norm whose formula "
-                                   f"tp_families.ShardedRMSNorm implements: {', '.join(FULL_WIDTH_NORMS)})")
-        elif inner and planned in ("column", "row", "fused", "gathered") and type(module) is nn.Linear:
+                                   f"tp_families.ShardedRMSNorm implements: "
+                                   f"{', '.join(FULL_WIDTH_NORMS)})")
+        elif (inner and planned in ("column", "row", "fused", "gathered")
+              and type(module) is nn.Linear):
             fused = segments(model, name, module.out_features) if planned != "row" else None
             kind = planned if planned in ("column", "row") else "fused" if fused else None
             if planned == "gathered" and not fused:

@@ -396,6 +396,26 @@ class ShardedState:
             with torch.no_grad():
                 self._load_masters(masters)
 
+    # -- an update computed per run, laid into the units' flat shards and back (muon.py's) --
+    def runs_to_shards(self, units, views, updates) -> dict:
+        """{unit index: flat [s]}: the views' (the runs') updates laid into this rank's shard of
+        each of `units`, zeros elsewhere (other runs, the padding)."""
+        where = {id(v): r for v, r in zip(self.views, self.runs)}
+        shards = {ui: torch.zeros_like(self.masters[ui]) for ui in units}   # flat [s] each
+        for v, upd in zip(views, updates):
+            ui, a, n, _ = where[id(v)]
+            shards[ui][a:a + n] = upd
+        return shards
+
+    def shards_to_runs(self, views, result: dict) -> list:
+        """Each view's slice of its unit's flat [s] result, as (update, lr scale 1.0): a scale
+        is in already, since a run may span matrices of different shapes."""
+        where, out = {id(v): r for v, r in zip(self.views, self.runs)}, []
+        for v in views:
+            ui, a, n, _ = where[id(v)]
+            out.append((result[ui][a:a + n], 1.0))
+        return out
+
 
 def clip_shard_grads(grads: list[torch.Tensor], max_norm: float, group=None) -> torch.Tensor:
     """Global-norm clipping from shard norms: one scalar all_reduce, no host read (the norm is

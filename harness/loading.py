@@ -247,6 +247,25 @@ def rss_reset() -> int | None:
     return None if kb is None else kb * 1024
 
 
+def load_layout_shards(strat) -> dict:
+    """compose4d's rank's shard of --model's safetensors (load_shards): its tp shard of each
+    tensor (strat.tp.local_range) and, under --ep, its ep rank's experts (whole over tp); the
+    report gains `grow`, the resident bytes the load added."""
+    import torch.distributed as dist
+    tp_range = strat.tp.local_range if strat.tp is not None else (lambda name, shape: None)
+
+    def ranges(name, shape):
+        if strat.moe and ".experts." in name:     # an expert tensor (ep_moe.is_expert)
+            n, r = shape[0] // strat.args.ep, dist.get_rank(strat.groups["ep"])
+            return 0, r * n, (r + 1) * n
+        return tp_range(name, shape)
+    before = rss_now()
+    rep = load_shards(strat.model, strat.args.model, strat.env.device, ranges, strat.args)
+    peak = rss_peak()     # (VmHWM: the caller resets it before the build)
+    rep["grow"] = None if before is None or peak is None else peak - before
+    return rep
+
+
 def rss_now() -> int | None:
     kb = _status_kb("VmRSS")
     return None if kb is None else kb * 1024

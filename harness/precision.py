@@ -149,6 +149,25 @@ def fused_kwargs(params) -> dict:
     return {"fused": True} if ok else {}   # (DTensor parameters, the baselines': foreach)
 
 
+def adamw_update(state: dict, g: dict, ps: list) -> None:
+    """torch's AdamW (torch.optim.adamw.adamw; fused where fused_kwargs allows) on the
+    parameters `ps` of parameter group `g`, their states in `state` under torch's names (step,
+    exp_avg, exp_avg_sq): muon.MuonAdamW's update of its non-matrix groups."""
+    from torch.optim.adamw import adamw
+    kw = fused_kwargs(ps)
+    for p in ps:
+        st = state[p]
+        if not st:
+            st["step"] = torch.zeros((), dtype=torch.float32, device=p.device if kw else "cpu")
+            st["exp_avg"] = torch.zeros_like(p)
+            st["exp_avg_sq"] = torch.zeros_like(p)
+    sts = [state[p] for p in ps]
+    adamw(ps, [p.grad for p in ps], [s["exp_avg"] for s in sts], [s["exp_avg_sq"] for s in sts],
+          [], [s["step"] for s in sts], amsgrad=False, beta1=g["betas"][0],
+          beta2=g["betas"][1], lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"],
+          maximize=False, **(kw or {"foreach": False}))
+
+
 def adamw_kwargs(params, args) -> dict:
     """The reference's AdamW hyperparameters, on the fused kernel where there is one."""
     return dict(lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95), eps=1e-8,

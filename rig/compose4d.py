@@ -3,6 +3,7 @@ import copy
 import os
 import sys
 
+import torch
 import torch.distributed as dist
 
 from harness import (METER, Plant, Strategy, dropout, is_moe, kv_heads, spread_across_ranks,
@@ -13,6 +14,7 @@ from harness.flops import mfu_line
 from trainer4d import comm, elastic, train
 from trainer4d.schedule import Scheduled, ScheduledReference
 
+import ep_moe
 import pp
 import zero
 import zero_units
@@ -314,6 +316,28 @@ class Compose4D(Parallel4D, Strategy):
 
     def full_params(self):
         return self._full(self._stage_tensors("param"))
+
+    def _full(self, stage_tensors: dict) -> dict[str, torch.Tensor]:
+        """This stage's TP-local tensors -> full tensors of the whole model on every rank."""
+        if self.moe:
+            stage_tensors = ep_moe.gather_experts(stage_tensors, self.groups["ep"])
+        if self.tp is not None:
+            stage_tensors = self.tp.full(stage_tensors)
+        parts = [None] * self.grid.size["pp"]
+        with METER.paused():
+            dist.all_gather_object(parts, {n: t if t is None else t.detach().cpu()   # (None:
+                                           for n, t in stage_tensors.items()},   # frozen grad)
+                                   group=self.groups["pp"])
+        out = {}
+        for part in parts:
+            out.update(part)
+        if self.tied:
+            out.pop(self.pipe.head_weight, None)   # the reference holds one tied tensor
+        return {n: t if t is None else t.to(self.env.device) for n, t in out.items()}
+
+    def _stage_tensors(self, kind: str) -> dict[str, torch.Tensor]:
+        with METER.paused():   # ("param" or "grad"; a frozen tensor's gradient: None)
+            return self.zero.full_tensors(kind)
 
     def model_states(self):
         z = self.zero

@@ -11,6 +11,7 @@ from harness.cli import main as harness_main
 
 import ddp
 import muon
+from trainer4d.comm import owner_comm
 from fsdp import MixedPrecisionPolicy, collectives_per_unit, fully_shard, hsdp_groups
 from fsdp_state import clip_grad_norm_, full_tensors, units
 
@@ -192,7 +193,7 @@ class FSDP(Strategy):
             rows.append(Expect("all_reduce", g, 1, 8, "clip: squared-norm sum (fp64)"))
         plan = getattr(self.optimizer, "orthogonalize", None)
         if isinstance(plan, muon.OwnerPlan):   # muon.py's owner: 2 all-to-alls
-            rows.append(Expect("all_to_all_single", g, *plan.comm(plan.like.element_size()),
+            rows.append(Expect("all_to_all_single", g, *owner_comm(plan, plan.like.element_size()),
                                "Muon's owner mode: this rank's rows of each matrix to its "
                                "owner, the owned matrices' results back"))
         return rows

@@ -6,6 +6,7 @@ from harness import (Batch, DTensorBaseline, Expect, Plant, Strategy, full_tenso
 from harness.precision import adamw_kwargs, grad_reduce_dtype, muon_kwargs
 from harness.cli import main as harness_main
 import muon
+from trainer4d.comm import owner_comm
 
 import ddp
 from zero import Zero, ZeroOptimizer, collectives_per_unit
@@ -163,7 +164,7 @@ class ZeRO(Strategy):
         owner = getattr(self.optimizer.inner, "orthogonalize", None)
         mb = self.optimizer.masters[0].element_size()
         if isinstance(owner, muon.OwnerPlan):   # muon.py's owner: 2 all-to-alls
-            owner = Expect("all_to_all_single", "world", *owner.comm(mb),
+            owner = Expect("all_to_all_single", "world", *owner_comm(owner, mb),
                            "Muon's owner mode: this rank's pieces of each matrix to its owner, "
                            "the owned matrices' results back")
         elif self.args.optimizer == "muon":      # its gather: the updates, per unit

@@ -25,8 +25,8 @@ import pytest
 from conftest import ROOT
 
 HARNESS, RIG, TRAINER = "harness", "rig", "trainer4d"
-MAX_LINES = 550          # a learner file past this gets a sibling for the concept that grew
-COMPOSE_LINES = 450      # compose4d.py: mostly the grid, the step and imports of the others
+MAX_LINES = 450          # a learner file past this gets a sibling for the concept that grew
+COMPOSE_LINES = 400      # compose4d.py: mostly the grid, the step and imports of the others
 # What a learner file may import from the harness: the planted-bug switch, and what the
 # algorithm itself needs (the data's Batch, the loss normalisation, dropout masks that do not
 # depend on the layout, the mixed-precision rules, the meter's phase marks and group names, the

@@ -95,6 +95,14 @@ def expected_comm(self) -> list[Expect]:
     return rows + (_tp_allreduce_rows(self, M, b, n_tok, L_st) if T > 1 else [])
 
 
+def owner_comm(plan, b: int) -> tuple[int, int]:
+    """muon.OwnerPlan's (all_to_alls, bytes this rank sends) per step: its pieces of every matrix
+    to their owners, then the owned matrices' pieces back to their holders."""
+    mine = sum(e - a for d in plan.sends for _, a, e in d)
+    owned = sum(e - a for r in plan.recvs for _, a, e in r)
+    return 2, (mine + owned) * b
+
+
 def _muon_rows(self, dense: str, T: int) -> list[Expect]:
     """--optimizer muon (muon.OwnerPlan over dp x cp): two all-to-alls, and under TP one
     all-gather over tp per owned split matrix (muon.tp_gather_comm)."""
@@ -102,12 +110,13 @@ def _muon_rows(self, dense: str, T: int) -> list[Expect]:
     if not isinstance(plan, muon.OwnerPlan):
         return []
     b = self.optimizer.masters[0].element_size()
-    rows = [Expect("all_to_all_single", dense, *plan.comm(b),
+    rows = [Expect("all_to_all_single", dense, *owner_comm(plan, b),
                    "Muon's owner mode: this rank's pieces of each matrix to its owner, the "
                    "owned matrices' results back")]
     if T > 1:
         tpm = self.tp       # (a matrix tp keeps whole, e.g. a MoE router, is not gathered)
-        split = [m for m in plan.owned() if m.name in tpm.split_dim or m.name in tpm.kv_split]
+        owned = [m for m, r in zip(plan.mats, plan.owner) if r == plan.me]   # NS runs here
+        split = [m for m in owned if m.name in tpm.split_dim or m.name in tpm.kv_split]
         calls, nbytes = muon.tp_gather_comm([m.param.numel() for m in split], T, b)
         rows.append(Expect("all_gather", "tp", calls, nbytes,
                            f"Muon's owned matrices whole over tp: one per split matrix "
