@@ -16,4 +16,9 @@ then
     "$PYTHON" -m pip install -q "torch==2.13.0"
 fi
 "$PYTHON" -m pip install -q -e ".[test]"
+# torchao, the FP8 tests' oracle (tests/fp8_oracle_check.py), beside the environment and not in
+# it: transformers imports an installed torchao with every model it builds
+if [ ! -d .oracles/torchao ]; then
+    "$PYTHON" -m pip install -q --no-deps --target .oracles "torchao==0.18.0"
+fi
 "$PYTHON" -c "import torch, transformers; print(f'setup: torch {torch.__version__}, transformers {transformers.__version__}')"

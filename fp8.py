@@ -1,0 +1,196 @@
+"""fp8.py: FP8 training of a model's linear layers from raw torch, three scaling recipes.
+
+The idea (Micikevicius et al. 2022, "FP8 Formats for Deep Learning"; torchao's Float8 training;
+DeepSeek-AI 2024, "DeepSeek-V3", section 3.3: fine-grained quantization)
+    A linear layer's three GEMMs run on 8-bit floats, each operand cast with its own scale:
+        forward   Y  = X W^T     X, W in e4m3 (max 448, 3 mantissa bits)
+        backward  dX = dY W      dY in e5m2 (max 57344: gradients need range) or e4m3
+                  dW = dY^T X
+    cast: q = fp8(clamp(t s, -max, max)), s = max / amax (amax over the scale's group, in fp32),
+    and the GEMM multiplies back: A B^T ~ (q_A q_B^T) / (s_A s_B), accumulated in fp32
+    (torch._scaled_mm; CPU and CUDA in torch 2.13). Every operand is scaled along the GEMM's
+    contracted dimension K, so one scale per output row/column undoes it exactly.
+    Recipes (which group shares a scale):
+      tensorwise  one dynamic scale per tensor; dY in e5m2 (torchao's "tensorwise")
+      rowwise     one per row of each operand, amax over K, scales rounded down to a power of
+                  2, all e4m3 (torchao's "rowwise"); the backward re-scales along its own K
+      blockwise   DeepSeek-V3's: activations and gradients in 1 x 128 tiles along K, weights in
+                  128 x 128 blocks; each tile's product promoted to fp32 (here the dequantised
+                  product: _scaled_mm takes no block scales on CPU)
+      delayed     tensorwise, the scale from the largest amax of the last `history` steps (the
+                  older recipe: no reduction before the cast); a value above that history
+                  saturates at max, which tests/test_fp8.py shows
+    What stays in high precision (convert's rule, from the model's parts, not from names): the
+    embedding and the LM head (harness.parts), attention's own matmuls (not nn.Linear), norms,
+    MoE expert stacks, and a linear whose in/out features the kernel cannot tile (multiples of
+    16; of 128 for blockwise).
+Memory and traffic per converted linear [out, in] (N tokens): the casts read the bf16 operands
+and write 1-byte copies, three GEMMs at 8 bits (twice bf16's peak rate on H100); the saved
+activation is X in its own dtype here (torchao keeps the e4m3 copy for tensorwise).
+
+Public API
+    fp8.convert(model, recipe="tensorwise")   in place: eligible nn.Linear -> Float8Linear
+    fp8.fp8_mm(x, w, recipe)                  x [N, in] @ w [out, in]^T through the three FP8 GEMMs
+    fp8.quantize(t, fmt, groups, pow2)        (q, inverse scale) of one operand
+
+Run:  python -m pytest tests/test_fp8.py   (torchao as the oracle, and one device in bf16)
+"""
+import torch
+import torch.nn as nn
+
+from harness import parts, planted
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+EPS = 1e-12           # amax floor (torchao's): an all-zero operand gets a finite scale
+BLOCK = 128           # blockwise: DeepSeek-V3's tile and block edge
+RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
+
+
+def quantize(t: torch.Tensor, fmt, groups: str, pow2: bool = False, amax=None):
+    """(q, inv): t [M, K] cast to `fmt` with one scale per group, and the inverse scale shaped
+    to broadcast over t. groups: "tensor" (one), "row" (each row, amax over K), "tile" (1 x
+    BLOCK along K), "block" (BLOCK x BLOCK). `amax`: a given one (delayed scaling)."""
+    x = t.float()
+    M, K = x.shape
+    if groups == "tensor":
+        a = x.abs().amax() if amax is None else amax
+    elif groups == "row":
+        a = x.abs().amax(dim=1, keepdim=True)                           # [M, 1]
+    elif groups == "tile":
+        a = x.view(M, K // BLOCK, BLOCK).abs().amax(dim=2, keepdim=True)  # [M, K/128, 1]
+        a = a.expand(M, K // BLOCK, BLOCK).reshape(M, K)
+    else:                                                               # 128 x 128 blocks
+        a = x.view(M // BLOCK, BLOCK, K // BLOCK, BLOCK).abs().amax(dim=(1, 3), keepdim=True)
+        a = a.expand(M // BLOCK, BLOCK, K // BLOCK, BLOCK).reshape(M, K)
+    fmax = torch.finfo(fmt).max
+    scale = (fmax / a.double().clamp(min=EPS)).float()                  # s = max / amax
+    if pow2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))              # (rowwise: exact 1/s)
+    if planted("fp8-scale-not-inverted"):   # plant: the GEMM multiplied by s, not 1/s
+        return (x * scale).clamp(-fmax, fmax).to(fmt), scale
+    return (x * scale).clamp(-fmax, fmax).to(fmt), scale.reciprocal()
+
+
+def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t [M, K] with zero rows appended to a multiple of n (zeros change neither amax nor a
+    sum over K; the kernel tiles K in 16s, blockwise in 128s)."""
+    pad = -t.shape[0] % n
+    return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, fmt_a, fmt_b, recipe: str, out_dtype, amax=None):
+    """a [M, K] @ b [N, K]^T in FP8, each operand scaled along K by the recipe: [M, N]."""
+    if recipe == "blockwise":
+        # activations / gradients in 1 x 128 tiles, the weight (b when it is [N, K] with N a
+        # multiple of 128) in 128 x 128 blocks; the dequantised product accumulates in fp32
+        qa, ia = quantize(a, fmt_a, "tile")
+        qb, ib = quantize(b, fmt_b, "block" if b.shape[0] % BLOCK == 0 else "tile")
+        return ((qa.float() * ia) @ (qb.float() * ib).t()).to(out_dtype)
+    groups, pow2 = ("row", True) if recipe == "rowwise" else ("tensor", False)
+    qa, ia = quantize(a, fmt_a, groups, pow2, None if amax is None else amax[0])
+    qb, ib = quantize(b, fmt_b, groups, pow2, None if amax is None else amax[1])
+    # [M, K] e4m3 @ [K, N] (column-major: b's rows) -> [M, N], scales [M, 1] x [1, N] (or [])
+    return torch._scaled_mm(qa, qb.t(), scale_a=ia, scale_b=ib.t() if ib.dim() else ib,
+                            out_dtype=out_dtype)
+
+
+class FP8MatMul(torch.autograd.Function):
+    """x [N, in] @ w [out, in]^T with all three GEMMs in FP8 (the module docstring's table);
+    the token dim N, contracted in dW, is padded to the kernel's tile."""
+
+    @staticmethod
+    def forward(ctx, x, w, recipe, history):
+        ctx.save_for_backward(x, w)
+        ctx.recipe, ctx.history = recipe, history
+        amax = None
+        if recipe == "delayed":
+            amax = (history.scale_amax("x", x), history.scale_amax("w", w))
+        rec = "tensorwise" if recipe == "delayed" else recipe
+        return gemm(x, w, E4M3, E4M3, rec, x.dtype, amax)                  # [N, out]
+
+    @staticmethod
+    def backward(ctx, dy):                                              # dy [N, out]
+        x, w = ctx.saved_tensors
+        recipe, history = ctx.recipe, ctx.history
+        rec = "tensorwise" if recipe == "delayed" else recipe
+        g_fmt = E5M2 if rec == "tensorwise" else E4M3                   # gradients: range
+        if planted("fp8-grad-e4m3"):   # plant: tensorwise's gradients in e4m3 (no range)
+            g_fmt = E4M3
+        tile = BLOCK if rec == "blockwise" else 16
+        amax_dx = amax_dw = None
+        if recipe == "delayed":
+            amax_dx = (history.scale_amax("dy", dy), history.scale_amax("w", w, update=False))
+            amax_dw = (amax_dx[0], history.scale_amax("x", x, update=False))
+        # dX = dY W: [N, out] @ [in, out]^T, contracted over out
+        dx = gemm(dy, w.t().contiguous(), g_fmt, E4M3, rec, dy.dtype, amax_dx)
+        # dW = dY^T X: [out, N] @ [in, N]^T, contracted over the tokens (padded to the tile)
+        dyt, xt = _pad_rows(dy, tile).t().contiguous(), _pad_rows(x, tile).t().contiguous()
+        dw = gemm(dyt, xt, g_fmt, E4M3, rec, w.dtype, amax_dw)
+        return dx, dw, None, None
+
+
+class AmaxHistory:
+    """Delayed scaling's state for one layer: per operand (x, w, dy) the amax of the last `n`
+    steps on the device (no host read). The scale uses the history's max; the current amax is
+    recorded after it is used."""
+
+    def __init__(self, n: int = 16):
+        self.n, self.hist = n, {}
+
+    def scale_amax(self, key: str, t: torch.Tensor, update: bool = True) -> torch.Tensor:
+        now = t.detach().float().abs().amax()
+        h = self.hist.get(key)
+        if h is None:                       # the first step: its own amax, as dynamic scaling
+            h = self.hist[key] = now.repeat(self.n)
+        used = h.max()
+        if update:
+            self.hist[key] = torch.cat([h[1:], now[None]])
+        return used
+
+
+class Float8Linear(nn.Module):
+    """An nn.Linear whose matmul runs through FP8MatMul; the same weight and bias Parameters
+    (so optimizers, sharding and checkpoints see the original tensors), the bias added in the
+    input's dtype after the GEMM."""
+
+    def __init__(self, linear: nn.Linear, recipe: str, history: int = 16):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias, self.recipe = linear.weight, linear.bias, recipe
+        self.history = AmaxHistory(history) if recipe == "delayed" else None
+
+    def forward(self, x):                   # (..., in) -> (..., out)
+        y = FP8MatMul.apply(x.reshape(-1, self.in_features), self.weight, self.recipe,
+                            self.history).view(*x.shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+
+def eligible(linear: nn.Linear, recipe: str) -> bool:
+    """The kernel's tiling: in and out features multiples of 16 (blockwise: of 128)."""
+    n = BLOCK if recipe == "blockwise" else 16
+    return linear.in_features % n == 0 and linear.out_features % n == 0
+
+
+def convert(model: nn.Module, recipe: str = "tensorwise", history: int = 16) -> list[str]:
+    """In place: every nn.Linear inside the model's decoder layers (harness.parts: not the
+    embedding, not the LM head) that the kernel can tile becomes a Float8Linear. Returns the
+    converted modules' names; the rest stay in their dtype."""
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8: recipe {recipe!r}: one of {', '.join(RECIPES)}")
+    layers = parts(model).layers
+    if layers is None:
+        raise ValueError(f"fp8: {type(model).__name__} has no decoder layers found by HF's "
+                         f"accessors")
+    done = []
+    for i, layer in enumerate(layers):
+        for name, m in list(layer.named_modules()):
+            if type(m) is nn.Linear and eligible(m, recipe):
+                owner, _, attr = name.rpartition(".")
+                setattr(layer.get_submodule(owner), attr, Float8Linear(m, recipe, history))
+                done.append(f"layers.{i}.{name}")
+    return done
+
+
+def fp8_mm(x: torch.Tensor, w: torch.Tensor, recipe: str = "tensorwise") -> torch.Tensor:
+    """x [N, in] @ w [out, in]^T through the three FP8 GEMMs (autograd)."""
+    return FP8MatMul.apply(x, w, recipe, AmaxHistory() if recipe == "delayed" else None)
