@@ -9,24 +9,27 @@ DeepSeek-AI 2024, "DeepSeek-V3", section 3.3: fine-grained quantization)
     cast: q = fp8(clamp(t s, -max, max)), s = max / amax (amax over the scale's group, in fp32),
     and the GEMM multiplies back: A B^T ~ (q_A q_B^T) / (s_A s_B), accumulated in fp32
     (torch._scaled_mm; CPU and CUDA in torch 2.13). Every operand is scaled along the GEMM's
-    contracted dimension K, so one scale per output row/column undoes it exactly.
+    contracted dimension K, so for per-tensor and per-row scales one factor per output element
+    undoes them (blockwise scales vary along K: each tile's partial product is rescaled).
     Recipes (which group shares a scale):
       tensorwise  one dynamic scale per tensor; dY in e5m2 (torchao's "tensorwise")
       rowwise     one per row of each operand, amax over K, scales rounded down to a power of
                   2, all e4m3 (torchao's "rowwise"); the backward re-scales along its own K
       blockwise   DeepSeek-V3's: activations and gradients in 1 x 128 tiles along K, weights in
-                  128 x 128 blocks; each tile's product promoted to fp32 (here the dequantised
-                  product: _scaled_mm takes no block scales on CPU)
-      delayed     tensorwise, the scale from the largest amax of the last `history` steps (the
-                  older recipe: no reduction before the cast); a value above that history
-                  saturates at max, which tests/test_fp8.py shows
+                  128 x 128 blocks (dW: tiles along the tokens for both); each tile's product
+                  promoted to fp32 (here emulated: the dequantised operands' fp32 product,
+                  since _scaled_mm takes no block scales on CPU)
+      delayed     tensorwise, the scale from the largest amax of the last `history` calls (the
+                  older recipe: the scale is known before this tensor's amax is); a value
+                  above that history saturates at max, which tests/test_fp8.py shows
     What stays in high precision (convert's rule, from the model's parts, not from names): the
     embedding and the LM head (harness.parts), attention's own matmuls (not nn.Linear), norms,
     MoE expert stacks, and a linear whose in/out features the kernel cannot tile (multiples of
     16; of 128 for blockwise).
-Memory and traffic per converted linear [out, in] (N tokens): the casts read the bf16 operands
-and write 1-byte copies, three GEMMs at 8 bits (twice bf16's peak rate on H100); the saved
-activation is X in its own dtype here (torchao keeps the e4m3 copy for tensorwise).
+Memory and traffic per converted linear: each cast reads an operand and (here, through fp32
+temporaries a fused kernel would not make) writes a 1-byte copy; tensorwise and rowwise run
+their three GEMMs at 8 bits (H100: twice bf16's dense peak; blockwise is emulated in fp32);
+X and W are saved in their own dtype for the backward, as torchao 0.18 saves them.
 
 Public API
     fp8.convert(model, recipe="tensorwise")   in place: eligible nn.Linear -> Float8Linear
@@ -78,13 +81,15 @@ def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
 
 
-def gemm(a: torch.Tensor, b: torch.Tensor, fmt_a, fmt_b, recipe: str, out_dtype, amax=None):
+def gemm(a: torch.Tensor, b: torch.Tensor, fmt_a, fmt_b, recipe: str, out_dtype, amax=None,
+         b_is_weight: bool = True):
     """a [M, K] @ b [N, K]^T in FP8, each operand scaled along K by the recipe: [M, N]."""
     if recipe == "blockwise":
-        # activations / gradients in 1 x 128 tiles, the weight (b when it is [N, K] with N a
-        # multiple of 128) in 128 x 128 blocks; the dequantised product accumulates in fp32
+        # activations and gradients in 1 x 128 tiles along K, the weight in 128 x 128 blocks
+        # (dW's operands are both activations: tiles along the tokens); the product of the
+        # dequantised operands, accumulated in fp32 (a numerical emulation: no FP8 GEMM)
         qa, ia = quantize(a, fmt_a, "tile")
-        qb, ib = quantize(b, fmt_b, "block" if b.shape[0] % BLOCK == 0 else "tile")
+        qb, ib = quantize(b, fmt_b, "block" if b_is_weight else "tile")
         return ((qa.float() * ia) @ (qb.float() * ib).t()).to(out_dtype)
     groups, pow2 = ("row", True) if recipe == "rowwise" else ("tensor", False)
     qa, ia = quantize(a, fmt_a, groups, pow2, None if amax is None else amax[0])
@@ -103,8 +108,8 @@ class FP8MatMul(torch.autograd.Function):
         ctx.save_for_backward(x, w)
         ctx.recipe, ctx.history = recipe, history
         amax = None
-        if recipe == "delayed":
-            amax = (history.scale_amax("x", x), history.scale_amax("w", w))
+        if recipe == "delayed":   # the backward casts x and w with these same amaxes
+            amax = ctx.amax = (history.scale_amax("x", x), history.scale_amax("w", w))
         rec = "tensorwise" if recipe == "delayed" else recipe
         return gemm(x, w, E4M3, E4M3, rec, x.dtype, amax)                  # [N, out]
 
@@ -118,33 +123,35 @@ class FP8MatMul(torch.autograd.Function):
             g_fmt = E4M3
         tile = BLOCK if rec == "blockwise" else 16
         amax_dx = amax_dw = None
-        if recipe == "delayed":
-            amax_dx = (history.scale_amax("dy", dy), history.scale_amax("w", w, update=False))
-            amax_dw = (amax_dx[0], history.scale_amax("x", x, update=False))
+        if recipe == "delayed":   # the forward's x and w scales, dy's from its own history
+            a_x, a_w = ctx.amax
+            a_dy = history.scale_amax("dy", dy)
+            amax_dx, amax_dw = (a_dy, a_w), (a_dy, a_x)
         # dX = dY W: [N, out] @ [in, out]^T, contracted over out
         dx = gemm(dy, w.t().contiguous(), g_fmt, E4M3, rec, dy.dtype, amax_dx)
         # dW = dY^T X: [out, N] @ [in, N]^T, contracted over the tokens (padded to the tile)
         dyt, xt = _pad_rows(dy, tile).t().contiguous(), _pad_rows(x, tile).t().contiguous()
-        dw = gemm(dyt, xt, g_fmt, E4M3, rec, w.dtype, amax_dw)
+        dw = gemm(dyt, xt, g_fmt, E4M3, rec, w.dtype, amax_dw, b_is_weight=False)
         return dx, dw, None, None
 
 
 class AmaxHistory:
     """Delayed scaling's state for one layer: per operand (x, w, dy) the amax of the last `n`
-    steps on the device (no host read). The scale uses the history's max; the current amax is
-    recorded after it is used."""
+    calls on the device (no host read). The scale uses the history's max; the current amax is
+    recorded after it is used. A lesson, not a training option: it advances per forward (each
+    micro-batch counts; a recomputed forward would cast with another scale) and is not in the
+    state dict (torchao's delayed recipe syncs once per step: sync_float8_amax_and_scale_history)."""
 
     def __init__(self, n: int = 16):
         self.n, self.hist = n, {}
 
-    def scale_amax(self, key: str, t: torch.Tensor, update: bool = True) -> torch.Tensor:
+    def scale_amax(self, key: str, t: torch.Tensor) -> torch.Tensor:
         now = t.detach().float().abs().amax()
         h = self.hist.get(key)
         if h is None:                       # the first step: its own amax, as dynamic scaling
             h = self.hist[key] = now.repeat(self.n)
         used = h.max()
-        if update:
-            self.hist[key] = torch.cat([h[1:], now[None]])
+        self.hist[key] = torch.cat([h[1:], now[None]])
         return used
 
 
@@ -177,6 +184,10 @@ def convert(model: nn.Module, recipe: str = "tensorwise", history: int = 16) -> 
     converted modules' names; the rest stay in their dtype."""
     if recipe not in RECIPES:
         raise ValueError(f"fp8: recipe {recipe!r}: one of {', '.join(RECIPES)}")
+    if recipe == "rowwise" and any(p.is_cuda and p.dtype == torch.float32
+                                   for p in model.parameters()):
+        raise ValueError("fp8: rowwise on a float32 model on CUDA: _scaled_mm's rowwise kernel "
+                         "gives bfloat16 only; train in bfloat16 or use tensorwise")
     layers = parts(model).layers
     if layers is None:
         raise ValueError(f"fp8: {type(model).__name__} has no decoder layers found by HF's "

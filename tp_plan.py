@@ -17,6 +17,7 @@ Public API
                                           (ShardedTensors: TensorParallel's layout)
 """
 import copy
+import re
 
 import torch
 import torch.distributed as dist
@@ -76,7 +77,13 @@ def plan_of(model, table: dict[str, str]) -> dict[str, str]:
     config's `base_model_tp_plan` (transformers' own), translated by HF_KINDS, over `table`
     (tp.PLAN, the canonical one) for the modules HF's plan does not name."""
     hf = getattr(model.config, "base_model_tp_plan", None) or {}
-    return {**table, **{k: HF_KINDS.get(v, f"HF's {v!r}") for k, v in hf.items()}}
+    plan = {k: HF_KINDS.get(v, f"HF's {v!r}") for k, v in hf.items()}   # HF's entries first
+    return {**plan, **{k: v for k, v in table.items() if k not in plan}}
+
+
+def matches(pattern: str, name: str) -> bool:
+    """HF's plan patterns: `*` stands for one layer index ("layers.*.mlp.up_proj")."""
+    return re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), name) is not None
 
 
 def segments(model, name: str, out: int) -> tuple[int, ...] | None:
@@ -102,16 +109,16 @@ def classify(model, T: int, table: dict[str, str]) -> tuple[dict[str, str], list
     accessors) are vocab, the norms on the residual stream replicated, q/k norms by their
     width. A reason names the parameter and what TP cannot do with it; parallelize() and the
     scripts refuse on the first one."""
-    from fnmatch import fnmatchcase
     from harness import parts
     d, hq, hkv = head_dims(model.config)
     replicate_kv = hkv % T != 0
     kinds, errs = {}, []
     found = parts(model)
-    if found.layers is None or found.embed is None or "base" not in found.names:
-        return {}, [f"{type(model).__name__} is not an HF decoder whose layers and input "
-                    f"embedding HF's accessors find: tensor parallelism does not know its "
-                    f"layout (ddp, zero, fsdp and pp run any causal LM)"]
+    if found.layers is None or found.embed is None or found.head is None \
+            or "base" not in found.names:
+        return {}, [f"{type(model).__name__} is not an HF decoder whose layers, input "
+                    f"embedding and LM head HF's accessors find: tensor parallelism does not "
+                    f"know its layout (ddp, zero, fsdp and pp run any causal LM)"]
     plan, vocab = plan_of(model, table), (found.names.get("embed"), found.names.get("head"))
     layers = found.names["layers"] + "."
     base = found.names["base"] + "." if found.names["base"] else ""
@@ -127,7 +134,7 @@ def classify(model, T: int, table: dict[str, str]) -> tuple[dict[str, str], list
             name, module = wrapped, model.get_submodule(wrapped).base_layer
         inner = name[len(layers):].split(".")[1:] if name.startswith(layers) else None
         leaf, why = name.rpartition(".")[2], None
-        planned = next((v for k, v in plan.items() if fnmatchcase(name[len(base):], k)), None)
+        planned = next((v for k, v in plan.items() if matches(k, name[len(base):])), None)
         if name in vocab:
             known = type(module) in (nn.Embedding, nn.Linear) or (
                 isinstance(module, nn.Embedding) and hasattr(module, "scalar_embed_scale"))
@@ -160,7 +167,13 @@ def classify(model, T: int, table: dict[str, str]) -> tuple[dict[str, str], list
             fused = segments(model, name, module.out_features) if planned != "row" else None
             kind = planned if planned in ("column", "row") else "fused" if fused else None
             if planned == "gathered" and not fused:
-                kind = "column"            # gathered by HF only for what follows (OLMo2's norm)
+                # HF gathers it for a norm over all heads (OLMo2's), which norm-sharded splits
+                par = model.get_submodule(name.rpartition(".")[0])
+                norms = [getattr(par, n, None) for n in ("q_norm", "k_norm")]
+                wide = [m for m in norms if m is not None and m.weight.numel() > d]
+                kind = "column" if wide else None
+                why = None if wide else ("HF's plan gathers its output (colwise_gather_output) "
+                                         "for a computation this project does not split")
             elif kind is None:
                 why = "a fused projection whose rows are not [q; k; v] or [gate; up]"
             if (kind == "column" and replicate_kv and in_attention(model, name)

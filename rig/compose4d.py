@@ -15,7 +15,6 @@ from trainer4d import comm, elastic, train
 from trainer4d.schedule import Scheduled, ScheduledReference
 
 import ep_moe
-import pp
 import zero
 import zero_units
 from compose4d import Parallel4D

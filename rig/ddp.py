@@ -196,7 +196,6 @@ class FullLogitsDDP(DDP):
 DDP.native = staticmethod(lambda args: [FullLogitsDDP] if args.ce_chunk else [TorchDDP])
 
 
-
 def token_sharded_step(strat, batch: Batch, pos: torch.Tensor) -> float:
     """One step when ranks hold the same weights but different tokens of every sequence
     (Ulysses, context parallelism): forward this rank's positions `pos` with their global

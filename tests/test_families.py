@@ -205,7 +205,8 @@ def test_hf_plan_and_the_canonical_table_agree(family):
 
 def test_the_hf_plan_is_read_not_the_names():
     """The kinds follow the config's plan: a plan that calls down_proj column-parallel makes it
-    one, and a word of HF's this project does not implement is refused, naming the word."""
+    one; a word of HF's this project does not implement is refused, naming the word, and so is
+    an output HF gathers for something not split here; a model without its head is refused."""
     config = harness.load_config("tiny")
     config.base_model_tp_plan = {**config.base_model_tp_plan,
                                  "layers.*.mlp.down_proj": "colwise",
@@ -214,6 +215,15 @@ def test_the_hf_plan_is_read_not_the_names():
     assert kinds["model.layers.0.mlp.down_proj.weight"] == "column"
     assert errs[0] == ("model.layers.0.mlp.up_proj.weight (Linear): HF's 'local_colwise' (in its "
                        "config's base_model_tp_plan) is not implemented here"), errs
+    # a gathered output this project would not split whole (no norm over all heads follows)
+    config.base_model_tp_plan["layers.*.mlp.up_proj"] = "colwise_gather_output"
+    _, errs = tp.classify(tp.meta_model(config), 2)
+    assert errs[0].startswith("model.layers.0.mlp.up_proj.weight (Linear): HF's plan gathers"), errs
+    # a decoder without its LM head (AutoModel's): refused, not split half-way
+    from transformers import AutoModel
+    with torch.device("meta"):
+        bare = AutoModel.from_config(harness.load_config("tiny"))
+    assert tp.classify(bare, 2)[1][0].startswith("LlamaModel is not an HF decoder whose layers")
 
 
 class Gate(nn.Module):

@@ -34,12 +34,12 @@ def oracle(*args) -> list[dict]:
 def test_matches_torchao_bit_for_bit():
     """The same scales (fp32 max / amax, rowwise's rounded down to a power of 2), formats (e4m3;
     tensorwise's gradients e5m2) and torch._scaled_mm calls as torchao's Float8Linear: output,
-    input gradient and weight gradient equal exactly, 40 tokens (padded to the kernel's 16 in
-    the weight gradient's GEMM)."""
+    input, weight and bias gradients equal exactly, a (4, 10, in) input (40 tokens, padded to
+    the kernel's 16 in the weight gradient's GEMM)."""
     rows = oracle()
     assert len(rows) == 3 and all(r["torchao_class"] == "Float8Linear" for r in rows), rows
     for r in rows:
-        assert (r["y"], r["dx"], r["dw"]) == (0.0, 0.0, 0.0), r
+        assert (r["y"], r["dx"], r["dw"], r["db"]) == (0.0, 0.0, 0.0, 0.0), r
         assert min(r["y_max"], r["dx_max"], r["dw_max"]) > 1, r   # (not all zeros)
 
 
@@ -67,6 +67,36 @@ def test_each_recipe_is_the_dequantised_product():
         got = fp8.fp8_mm(x, w, recipe)
         assert rel(got, want) < 1e-6, recipe
         assert 0.01 < rel(got, x @ w.t()) < 0.06, recipe
+
+
+def _deq_tiles(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """t through e4m3 with one scale per rows x cols tile, written tile by tile (the test's own
+    reference, independent of fp8.quantize)."""
+    out = torch.empty_like(t)
+    for i in range(0, t.shape[0], rows):
+        for j in range(0, t.shape[1], cols):
+            blk = t[i:i + rows, j:j + cols]
+            s = (448.0 / blk.abs().amax().double().clamp(min=1e-12)).float()
+            out[i:i + rows, j:j + cols] = (blk * s).clamp(-448, 448).to(fp8.E4M3).float() / s
+    return out
+
+
+def test_blockwise_backward_is_deepseek_v3s_tiling():
+    """Blockwise's three GEMMs against a tile-by-tile reference: y from 1 x 128 tiles of x and
+    128 x 128 blocks of w; dX from 1 x 128 tiles of dY along out and w's blocks; dW from 1 x 128
+    tiles along the tokens of both dY^T and X^T (100 tokens, padded to 128)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(100, 256, generator=g, requires_grad=True)
+    w = torch.randn(128, 256, generator=g, requires_grad=True)
+    dy = torch.randn(100, 128, generator=g)
+    y = fp8.fp8_mm(x, w, "blockwise")
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    xd, wd = x.detach(), w.detach()
+    assert rel(y, _deq_tiles(xd, 1, 128) @ _deq_tiles(wd, 128, 128).t()) < 1e-6
+    assert rel(dx, _deq_tiles(dy, 1, 128) @ _deq_tiles(wd.t().contiguous(), 128, 128).t()) < 1e-6
+    pad = lambda t: torch.cat([t, t.new_zeros(28, t.shape[1])]).t().contiguous()  # noqa: E731
+    assert rel(dw, _deq_tiles(pad(dy), 1, 128) @ _deq_tiles(pad(xd), 1, 128).t()) < 1e-6
+    assert rel(dw, _deq_tiles(pad(dy), 1, 128) @ _deq_tiles(pad(xd), 128, 128).t()) > 1e-4
 
 
 def test_blockwise_confines_an_outlier_to_its_tile():
@@ -100,6 +130,33 @@ def test_delayed_scaling_saturates_on_a_jump():
     assert max(errs[s][0] for s in range(8)) < 0.06
     assert errs[8][0] > 0.5 and errs[8][1] < 0.06, errs[8]
     assert errs[9][0] < 0.06, errs[9]
+
+
+def test_delayed_backward_casts_with_the_forwards_scales():
+    """The weight gradient of a delayed step is the gradient of the forward that ran: X cast
+    with the amax the forward used (the history's, before the jump), not the jump's own; and
+    the first call, its history its own amaxes, is tensorwise exactly."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(32, 64, generator=g)
+    x0, dy0 = torch.randn(16, 64, generator=g), torch.randn(16, 32, generator=g)
+    hist = fp8.AmaxHistory(4)
+    first = [t.requires_grad_() for t in (x0.clone(), w.clone())]
+    y = fp8.FP8MatMul.apply(*first, "delayed", hist)
+    y.backward(dy0)
+    ref = [t.requires_grad_() for t in (x0.clone(), w.clone())]
+    y_ref = fp8.fp8_mm(*ref, "tensorwise")
+    y_ref.backward(dy0)
+    assert torch.equal(y, y_ref) and torch.equal(first[0].grad, ref[0].grad)
+    assert torch.equal(first[1].grad, ref[1].grad)
+    x = (x0 * 50.0).requires_grad_()                       # the jump: 50x the history's amax
+    wj = w.clone().requires_grad_()
+    fp8.FP8MatMul.apply(x, wj, "delayed", hist).backward(dy0)
+    a_x = x0.abs().amax()                                    # what the forward cast x with
+    pad = lambda t: torch.cat([t, t.new_zeros(-t.shape[0] % 16, t.shape[1])])  # noqa: E731
+    dyt, xt = pad(dy0).t().contiguous(), pad(x.detach()).t().contiguous()
+    qa, ia = fp8.quantize(dyt, fp8.E5M2, "tensor", amax=dy0.abs().amax())
+    qb, ib = fp8.quantize(xt, fp8.E4M3, "tensor", amax=a_x)
+    assert torch.equal(wj.grad, (qa.float() * ia) @ (qb.float() * ib).t())
 
 
 def test_convert_keeps_the_embedding_head_and_untileable_layers():

@@ -8,7 +8,6 @@ import torch
 
 import lora
 import tp
-import tp_plan
 from conftest import Runs, launch, assert_config_error
 from harness.models import load_config
 

@@ -259,7 +259,7 @@ def exchanges(runs, batch, key, row):
 @pytest.mark.slow
 def test_the_owner_exchange_equals_its_formula(runs):
     """ZeRO-1 at W=3 (uneven): the meter's rows equal the formulas with the owner mode's two
-    all-to-alls in them (OwnerPlan.comm); the balance line."""
+    all-to-alls in them (trainer4d.comm.owner_comm); the balance line."""
     import re
     r = exchanges(runs, SLOW["zero3.py"], "muon-bench1", "all_to_all_single")
     m = re.search(r"Muon owner mode: (\d+) matrices.*max/mean ([\d.]+)", r.stdout)
