@@ -25,6 +25,8 @@ all-gather): (10L+3)(T-1) isend and as many irecv of N H b / T (rig.sp.MegatronS
 Public API
     sp.parallelize(model, group, async_tp=True)   the regions of tp.parallelize, sequence
         sharded, their collectives decomposed; the training loop is unchanged
+
+Run:  torchrun --nproc_per_node=2 sp.py --mode correctness --variant megatron --async-tp
 """
 import torch
 import torch.distributed as dist

@@ -28,6 +28,8 @@ Communication per step and rank: the formulas are trainer4d/comm.py's (tp 4 L_r 
 all-reduces of N_r H b; cp 2 (C-1) hops per layer and micro-batch; pp 2 M sends per boundary;
 dp x cp ZeRO's reduce-scatter and all-gather of Psi_r; the tied pair; one 8-byte norm all-reduce);
 derivation and the checkpoint / train-mode design: docs/internals.md, "compose4d.py".
+
+Run:  torchrun --nproc_per_node=4 compose4d.py --tp 2 --pp 2 --mode correctness
 """
 import torch
 import torch.distributed as dist

@@ -29,6 +29,8 @@ Public API
     model = DataParallel(module, group=None, bucket_mb=25)   a drop-in for torch DDP: rank 0's
         parameters and buffers broadcast, gradients averaged by the end of backward (set_to_none
         either way), no_sync(), find_unused_parameters=; examples/ddp_train.py
+
+Run:  torchrun --nproc_per_node=2 ddp.py --mode correctness   (learning, benchmark, plants)
 """
 import contextlib
 

@@ -29,6 +29,8 @@ Public API
     blocks = parallelize(model, group, capacity_factor=None, ..., experts_impl="auto"): E/W
         experts per rank in every MoE block of an HF Mixtral-family model (the rest replicated
         under ddp.DataParallel); experts_impl "auto" | "grouped_mm" | "bmm" | "loop"
+
+Run:  torchrun --nproc_per_node=2 ep_moe.py --mode correctness   (learning, benchmark)
 """
 import math
 import types

@@ -44,6 +44,8 @@ Public API
     export(full_params, config, lora_config, out)   a merged HF directory and peft's adapter
                                           directory, from any layout's full tensors
     examples/lora_train.py: peft in a plain loop under tp.parallelize.
+
+Run:  torchrun --nproc_per_node=2 tp.py --mode correctness --lora 8   (any strategy's --lora)
 """
 from __future__ import annotations
 

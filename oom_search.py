@@ -20,6 +20,8 @@ heads, V vocabulary):
     cp blocks    4 b a (S/2C)^2 e: cp_ring's pure block kernel's backward
     peak         states + activations + logits + cp blocks (PP: the largest stage)
 More (each term's source, the search, the simulation): docs/internals.md, 'oom_search.py'.
+
+Run:  python oom_search.py --strategy tp --nproc 2 --lo 1024 --mem-budget-gb 1
 """
 from __future__ import annotations
 

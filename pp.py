@@ -3,14 +3,12 @@
 The idea
     Cut the model into stages, one per rank (P ranks), and the batch into M micro-batches.
     Activations flow forward from stage to stage and gradients flow back, so the pipeline fills
-    and drains; the idle share is the bubble. The schedules are data in pp_schedule.py (1F1B's
-    warm-up, steady state and cool-down: pp_schedule._one_f_one_b); with T_F = T_I = T_W, B = I + W:
-      gpipe        GPipe (Huang et al. 2019)                  (P-1)/(M+P-1), M micro-batches held
-      1f1b         PipeDream-Flush (Narayanan et al. 2021)    (P-1)/(M+P-1), at most P held
-      interleaved  Megatron (Narayanan et al. 2021), V chunks per rank      (P-1)/(V*M+P-1)
-      zb           ZB-H1 (Qi et al. 2024), B split into I and a deferred W  (P-1)/(3M+P-1)
-      dualpipev    DualPipeV (DeepSeek-V3 2024), 2 chunks per rank in a V: DualPipe's
-                   (P-1)(F&B + B - 3W) idle per rank, (P-1)/(3M+P-1); M >= 2P
+    and drains; the idle share is the bubble. The schedules (GPipe, 1F1B, interleaved, ZB-H1,
+    DualPipeV), their bubbles and memory are data in pp_schedule.py (its docstring's table).
+    One worked: 1F1B, P = 2, M = 4, on the lockstep grid (pp_schedule.Grid; . is idle):
+        rank 0   F0 F1 .  B0 F2 B1 F3 B2 .  B3       warm-up P-1-r = 1 extra forward, then
+        rank 1   .  F0 B0 F1 B1 F2 B2 F3 B3 .        one forward, one backward; cool-down
+    (the grid orders the actions and their messages, not time: a B costs about two F's)
     This file is the executor: it cuts an HF model into P*V chunks (pp_schedule.split_layers),
     runs any schedule's actions over raw point-to-point, splits the backward for ZB-H1 and
     DualPipeV (I: the input's gradient now; W: grad_W += g^T x per linear, later) and sums the
@@ -26,9 +24,11 @@ Communication per step (mb = B/M sequences, S length, H hidden, b bytes): every 
 
 Public API
     pipe = Pipeline(model, P, V, rank, schedule, group=None, tie_group=None): this rank's
-        chunks of an HF Llama-family model; pipe.run(batch, M, n_tokens) one step's forwards and
+        chunks of an HF decoder; pipe.run(batch, M, n_tokens) one step's forwards and
         backwards, pipe.evaluate(batch, M) a held-out loss, pipe.sync_tied() the tied gradient
     clip_across_stages(model, max_norm, pipe); pp.X re-exports pp_schedule's planning names.
+
+Run:  torchrun --nproc_per_node=2 pp.py --mode correctness --schedule 1f1b   (learning, plants)
 """
 import torch
 import torch.distributed as dist

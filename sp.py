@@ -29,6 +29,8 @@ Public API
         gradients join tpm.reduce_partial_grads())
     dp = parallelize_ulysses(model, group)   Ulysses, under ddp.DataParallel; each rank feeds
         its 1/W of every sequence. Loops: examples/tp_train.py --sp, examples/ulysses_train.py
+
+Run:  torchrun --nproc_per_node=2 sp.py --mode correctness --variant ulysses   (megatron)
 """
 
 import torch

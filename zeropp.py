@@ -29,6 +29,8 @@ Public API
         node and cross groups; over the world group. Then, as for zero.Zero:
     opt = zero.ZeroOptimizer(model.parameters(), torch.optim.AdamW, engine=engine, lr=...)
     torchrun --nproc_per_node=4 zeropp.py --stage 3 --zeropp qwz,hpz,qgz --node-size 2
+
+Run:  torchrun --nproc_per_node=2 zeropp.py --mode correctness   (benchmark, plants)
 """
 
 import torch

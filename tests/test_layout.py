@@ -358,3 +358,32 @@ def test_the_woven_plant_finder_sees_a_woven_plant(tmp_path):
                  "z = planted('d')\n"                                 # a flag read elsewhere
                  "if planted('e') and x:\n    pass\n")                # woven
     assert sorted(woven_plants(str(p))) == ["line 4", "line 6", "line 7"]
+
+
+def test_each_run_line_names_a_script_and_flags_that_exist():
+    """A learner file's `Run:` line (nanoGPT's header) is a command a reader can paste: its
+    script exists and every flag it passes is an argument some parser defines (rig/, harness/);
+    the learner files that run under torchrun have one."""
+    import glob
+    import re
+    defined = set()
+    for path in glob.glob(os.path.join(ROOT, "rig", "*.py")) + glob.glob(
+            os.path.join(ROOT, "harness", "*.py")):
+        with open(path) as f:
+            defined |= set(re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", f.read()))
+    missing = []
+    for name in strategy_files():
+        with open(os.path.join(ROOT, name + ".py")) as f:
+            src = f.read()
+        run = re.search(r"^Run: +(.*)$", src, re.M)
+        if run is None:
+            if "from rig." in src and "__main__" in src:
+                missing.append(f"{name}.py: no Run: line")
+            continue
+        if "torchrun" not in run.group(1):
+            continue
+        script = re.search(r"(\w+\.py)", run.group(1)).group(1)
+        assert os.path.exists(os.path.join(ROOT, script)), run.group(0)
+        missing += [f"{name}.py: {flag}" for flag in re.findall(r"(--[\w-]+)", run.group(1))
+                    if flag != "--nproc_per_node" and flag not in defined]
+    assert missing == [], missing

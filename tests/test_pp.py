@@ -449,3 +449,17 @@ def test_split_backward_is_one_backward():
         assert got[n].grad_fn is None and not got[n].requires_grad, n
     assert flops == ref_flops, (flops, ref_flops)
     assert refs and all(r() is None for r in refs), sum(r() is not None for r in refs)
+
+
+def test_the_docstrings_worked_1f1b_is_the_grids():
+    """pp.py's docstring shows 1F1B at P=2, M=4 on the lockstep grid: the rows it prints are
+    pp_schedule.Grid's."""
+    import re
+    import pp
+    import pp_schedule
+    rows = {int(r): cells.split() for r, cells in
+            re.findall(r"^ +rank (\d) +((?:(?:[FB]\d|\.) +)+)", pp.__doc__, re.M)}
+    grid = pp_schedule.Grid("1f1b", 2, 4, 1)
+    want = {r: ["." if a is None else f"{a[0]}{a[2]}" for a, _, _ in grid.steps[r]]
+            for r in range(2)}
+    assert rows == want, (rows, want)
