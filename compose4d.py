@@ -267,9 +267,9 @@ class Parallel4D:
             self.norm_slices.append(ns)
 
     # -- the step --
-    def local_batch(self, batch: Batch) -> Batch:
-        """This rank's dp share of the sequences and zig-zag tokens of each (all without CP)."""
-        b = batch.shard(self.me["dp"], self.grid.size["dp"])
+    def local_batch(self, batch: Batch, rows=None) -> Batch:
+        """This rank's dp share of the sequences (or `rows`), its zig-zag tokens of each."""
+        b = batch.shard(self.me["dp"], self.grid.size["dp"]) if rows is None else batch.take(rows)
         return b if self.pos is None else b.cols(self.pos)
 
     def step(self, batch: Batch) -> float:

@@ -69,9 +69,10 @@ def quantize(t: torch.Tensor, fmt, groups: str, pow2: bool = False, amax=None):
     scale = (fmax / a.double().clamp(min=EPS)).float()                  # s = max / amax
     if pow2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))              # (rowwise: exact 1/s)
+    inv = scale.reciprocal()                                            # what the GEMM undoes
     if planted("fp8-scale-not-inverted"):   # plant: the GEMM multiplied by s, not 1/s
-        return (x * scale).clamp(-fmax, fmax).to(fmt), scale
-    return (x * scale).clamp(-fmax, fmax).to(fmt), scale.reciprocal()
+        inv = scale
+    return (x * scale).clamp(-fmax, fmax).to(fmt), inv
 
 
 def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:

@@ -100,8 +100,7 @@ def step_rows(strat, batch: Batch, rows=None, mb=None, stop=None, partial=None,
     if rows is not None:
         D, dp = strat.grid.size["dp"], strat.me["dp"]
         my_rows = [list(r) for r in split_even(rows, D)][dp]
-        local = batch.take(my_rows)                     # and this cp rank's tokens of each
-        local = local if strat.pos is None else local.cols(strat.pos)
+        local = strat.local_batch(batch, my_rows)       # and this cp rank's tokens of each
         mbs = [local.rows(i, min(i + mb, len(my_rows))) for i in range(0, len(my_rows), mb)]
     start = (lambda: add_partial(strat, partial)) if partial is not None else None
     loss, ce, stopping = strat.run_step(batch, local, mbs, stop, start, flag, cut)
