@@ -46,6 +46,7 @@ import pp
 import sp
 import tp
 import zero
+from trainer4d import pipeline
 from trainer4d.schedule import lr_at
 
 
@@ -184,6 +185,7 @@ class Parallel4D:
         self._plan_shard_slices()
         self.t = 0              # optimizer steps taken (the schedule's position)
         self.last_norm = float("nan")
+        self.cut_row = None     # the last step's pipeline.Cut (mid-step preemption), if any
 
     def _units(self):
         """ZeRO units of this stage in forward order; the tied head copy is a unit of its own, so
@@ -292,17 +294,14 @@ class Parallel4D:
         local = self.local_batch(batch) if local is None else local
         M = self.args.grad_accum if mbs is None else len(mbs)
         n_tokens = local.n_tokens if planted("local-token-mean") else batch.n_tokens   # plant
-        self.pipe.stop_check = stop
-        try:
-            # the CE sum plus this rank's share of the MoE router losses (as a sum over the
-            # batch's tokens), for the logged objective (the CE sum alone without MoE)
-            loss_sum = (self.pipe.run(local, M, n_tokens, mbs=mbs)
-                        + compose_moe.logged_terms(self.blocks) * batch.n_tokens if M else
-                        torch.zeros((), dtype=torch.float64, device=self.env.device))
-        finally:
-            self.pipe.stop_check = None
+        self.cut_row = pipeline.Cut(self.pipe, M, stop) if stop is not None and M else None
+        # the CE sum plus this rank's share of the MoE router losses (as a sum over the
+        # batch's tokens), for the logged objective (the CE sum alone without MoE)
+        loss_sum = (self.pipe.run(local, M, n_tokens, mbs=mbs, steps=self.cut_row)
+                    + compose_moe.logged_terms(self.blocks) * batch.n_tokens if M else
+                    torch.zeros((), dtype=torch.float64, device=self.env.device))
         grads = self.reduce_grads()
-        if cut and stop is not None and self.pipe.completed < M:     # cut: keep the gradients
+        if cut and self.cut_row is not None and self.cut_row.completed < M:   # cut: keep the grads
             ce, stopping, _ = self.loss_flag_norm(loss_sum, flag())
             return None, ce, stopping
         self.update(grads)    # (clipped on the device: the norm is not read inside the step)
@@ -348,7 +347,7 @@ class Parallel4D:
         """The global CE sum of a held-out batch: forwards only, through the same split."""
         self.model.eval()   # (no dropout in a held-out loss)
         try:
-            ce = self.pipe.evaluate(self.local_batch(batch), self.args.grad_accum)
+            ce = pipeline.evaluate(self.pipe, self.local_batch(batch), self.args.grad_accum)
         finally:
             self.model.train()
         # every tp rank computed the same CE sum: counted once

@@ -25,7 +25,8 @@ Communication per step (mb = B/M sequences, S length, H hidden, b bytes): every 
 Public API
     pipe = Pipeline(model, P, V, rank, schedule, group=None, tie_group=None): this rank's
         chunks of an HF decoder; pipe.run(batch, M, n_tokens) one step's forwards and
-        backwards, pipe.evaluate(batch, M) a held-out loss, pipe.sync_tied() the tied gradient
+        backwards, pipe.sync_tied() the tied gradient (the trainer's held-out loss and
+        mid-step preemption: trainer4d/pipeline.py)
     clip_across_stages(model, max_norm, pipe); pp.X re-exports pp_schedule's planning names.
 
 Run:  torchrun --nproc_per_node=2 pp.py --mode correctness --schedule 1f1b   (learning, plants)
@@ -126,9 +127,7 @@ class Pipeline:
         self.schedule_name, self.n_chunks = schedule_name, P * V
         self.positions, self.seq_shards = positions, seq_shards
         self.hidden_columns, self.loss_sum = hidden_columns, loss_sum or lm_loss_sum
-        self.stop_check = None   # the preemption point, stop_check(m) (see _stop_before())
-        self.completed = 0       # micro-batches run to the end in the last run()
-        self._grids = {}         # (M, schedule) -> Grid
+        self._grids = {}         # M -> Grid
         # the model's parts, found by HF's accessors (any causal LM's names: harness.parts)
         self.parts = p = parts(model)
         self.layers = p.layers
@@ -292,28 +291,23 @@ class Pipeline:
             self.wgrad.flush(self._last_i if planted("w-stale-grad") else (c, m))  # plant: stale
         return x.grad if kind in ("B", "I") and c > 0 else None
 
-    def _stop_before(self, m) -> bool:
-        """The preemption point (compose4d's elastic cut): True when `stop_check(m)` ends the
-        step before micro-batch m. Every rank asks at the grid step where micro-batch m's first
-        forward runs (Grid.first_forward), before that step's action and batch. That step is a
-        consistent cut: every message of an earlier step is posted on both of its ranks and
-        nothing of micro-batches >= m is, so an agreement inside stop_check (a collective) hears
-        from every rank and cannot deadlock under NCCL's rules. run() then drains the
-        micro-batches < m. Never before micro-batch 0, so a step always makes progress.
-        Its price: such an agreement is a global barrier and a host read before every
-        micro-batch, so no stage runs ahead (a larger bubble); train.py asks it only under
-        --preempt-at micro-batch."""
-        return m > 0 and self.stop_check is not None and self.stop_check(m)
-
     # -- one optimizer step's worth of micro-batches --
+    def grid(self, M: int) -> Grid:
+        """The schedule's lockstep grid for M micro-batches (built once per M)."""
+        if M not in self._grids:
+            self._grids[M] = Grid(self.schedule_name, self.stages, M, self.virtual_stages)
+        return self._grids[M]
+
     def run(self, batch: Batch, M: int, n_tokens: int | None = None,
-            mbs: list | None = None) -> torch.Tensor:
+            mbs: list | None = None, steps=None) -> torch.Tensor:
         """This rank's part of one optimizer step over `batch` in M micro-batches (or the given
         list `mbs`, whose sizes may differ when P = 1); each micro-batch backpropagates its CE
         sum / n_tokens (default: the batch's own count). Returns the CE sum of the micro-batches
-        this rank computed the loss of (float64). The schedule loop walks the grid (Grid): at
-        each step, the preemption point when a micro-batch starts there, the step's action
-        (its input taken from a posted receive), then the step's batch of sends and receives."""
+        this rank computed the loss of (float64). The schedule loop walks this rank's row of the
+        grid (Grid): at each step the step's action (its input taken from a posted receive),
+        then the step's batch of sends and receives. `steps`: that row as the caller edits it
+        (default grid(M).steps[rank]; the trainer's preemption cuts it short:
+        trainer4d/pipeline.py)."""
         n_tokens = n_tokens or batch.n_tokens
         mbs = mbs or batch.split(M)             # (B, S) -> M micro-batches, each (B/M, S)
         M = len(mbs)
@@ -321,21 +315,13 @@ class Pipeline:
         shape = (B, S // self.seq_shards, self.model.config.hidden_size)  # (B, S/T, H) on the wire
         dtype = next(self.model.parameters()).dtype
         self.device = batch.input_ids.device
-        if (M, self.schedule_name) not in self._grids:
-            self._grids[(M, self.schedule_name)] = Grid(self.schedule_name, self.stages, M,
-                                                        self.virtual_stages)
-        grid = self._grids[(M, self.schedule_name)]
-        starts = {t: m for m, t in grid.first_forward.items()}
         self.batches = []
         self.wgrad.pending.clear()             # (a stopped step's I's whose W never ran)
         received, sends = {}, {}               # message key -> tensor
         inputs, outputs, grads = {}, {}, {}    # per (chunk, micro-batch), until its B or W
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        stop_at = None
-        for t, (action, keys_out, keys_in) in enumerate(grid.steps[self.rank]):
-            if stop_at is None and t in starts and self._stop_before(starts[t]):
-                stop_at = starts[t]   # at the cut: nothing of micro-batches >= stop_at posted
-            if action is not None and (stop_at is None or action[2] < stop_at):
+        for action, keys_out, keys_in in (steps or self.grid(M).steps[self.rank]):
+            if action is not None:
                 kind, c, m = action
                 recv_key, send_key = messages(kind, c, m, self.n_chunks)
                 if kind == "F":
@@ -366,48 +352,10 @@ class Pipeline:
                     if planted("v-turn-zero-grad"):   # plant: the gradient dropped
                         t_out = torch.zeros_like(t_out) if send_key[3] else t_out
                     received[send_key] = (t_out, [])
-            keep = (lambda k: k[2] < stop_at) if stop_at is not None else (lambda k: True)
-            self._post(sends, [k for k in keys_out if keep(k)], [k for k in keys_in if keep(k)],
-                       shape, dtype, received)
+            self._post(sends, keys_out, keys_in, shape, dtype, received)
         for works, _ in self.batches:
             self._wait(works)
         self.batches = []
-        self.completed = M if stop_at is None else stop_at
-        return loss_sum
-
-    @torch.no_grad()
-    def evaluate(self, batch: Batch, M: int) -> torch.Tensor:
-        """Forward only (held-out loss): this rank's chunks on each of M micro-batches, no graph
-        kept. Returns the CE sum of the micro-batches whose loss this rank computed (float64).
-        Every rank walks micro-batch m's chunks 0..C-1 in order, taking chunk c's input from
-        chunk c-1's rank and handing its output to chunk c+1's: a chain, so each pair of ranks
-        posts its sends and receives in the same order and nothing waits in a cycle (NCCL
-        matches them in issue order; no tags are needed)."""
-        mbs = batch.split(M)                    # (B, S) -> M micro-batches, each (B/M, S)
-        B, S = mbs[0].input_ids.shape           # a micro-batch's: B is its rows from here on
-        shape = (B, S // self.seq_shards, self.model.config.hidden_size)   # (B, S/T, H)
-        dtype = next(self.model.parameters()).dtype
-        device = batch.input_ids.device
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for mb in mbs:
-            for c in self.my_chunks:
-                if c == 0:
-                    x = mb.input_ids
-                elif self.owner(c - 1) == self.rank:     # the V's turn: out of chunk c - 1
-                    x = out
-                else:
-                    x = torch.empty(shape, dtype=dtype, device=device)   # (B, S/T, H)
-                    for w in dist.batch_isend_irecv([dist.P2POp(
-                            dist.irecv, x, group=self.group, group_peer=self.owner(c - 1))]):
-                        w.wait()
-                out = self.run_chunk(c, x, S)
-                if c < self.n_chunks - 1 and self.owner(c + 1) != self.rank:   # out (B, S/T, H)
-                    for w in dist.batch_isend_irecv([dist.P2POp(
-                            dist.isend, out.contiguous(), group=self.group,
-                            group_peer=self.owner(c + 1))]):
-                        w.wait()
-                else:
-                    loss_sum += self.loss_sum(out, mb.labels).double()
         return loss_sum
 
     def tie_trains(self) -> bool:

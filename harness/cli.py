@@ -20,7 +20,7 @@ from .data import MarkovLanguage
 from .launch import Env, base_parser, env_from_os, fail_config, launch, resolve_defaults, teardown
 from .learning import run_learning
 from .lora_setup import constraints as lora_constraints
-from .dropout import KNOWN_RATES, rate_fields, rates
+from .dropout import rate_fields, rates
 from .models import ConfigError, common_constraints, load_config, resolve_attn
 from .nccl import nccl_checked
 from .plants import planting
@@ -91,24 +91,58 @@ def _validate(cls, args, world: int, rank: int):
     return config, dtypes
 
 
+class _TorchMasks(torch.overrides.TorchFunctionMode):
+    """Records each dropout torch would draw itself: entered beneath the keyed ones (a layer's
+    FunctionalDropout and HiddenDropout never call torch's), it sees only the others, and names
+    the model's line that called it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.dropout:
+            a = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
+            if a.get("training", True) and a.get("p", 0.5) > 0:
+                import traceback
+                where = next((f"{os.path.basename(f.filename)}:{f.lineno}"
+                              for f in reversed(traceback.extract_stack()[:-1])
+                              if f"{os.sep}torch{os.sep}" not in f.filename
+                              and f.filename != __file__), "?")
+                self.seen.append(f"p={a.get('p', 0.5)} at {where}")
+        return func(*args, **kwargs)
+
+
 def _dropout_errors(config, args) -> list[str]:
-    """Where the model drops (built on the meta device, no storage): a dropout outside the
-    decoder layers, or one whose rate no config field the harness knows sets (its masks would
-    be torch's, drawn per rank: another function at every layout), is refused."""
-    from .loading import meta_model
+    """Where the model drops, found by running it: one training-mode forward of the config cut
+    short (selfcheck.truncated; random weights, float32, this process's CPU, 0.1-0.3 s) with
+    the keyed dropout installed and a recorder beneath it. A dropout torch would still draw
+    itself (outside the decoder layers, which the layer-by-layer strategies run without the
+    model's forward) or one the keys cannot place (not the residual stream) is refused: its
+    masks would be another function at every layout. A rate the forward never applies (GPT-2's
+    summary_first_dropout, a field the family does not read) draws nothing and passes."""
+    from transformers import AutoModelForCausalLM
+    from .data import Batch
+    from .dropout import at
+    from .models import finish_model, model_kwargs
+    small = selfcheck.truncated(config)
     try:
-        model = meta_model(config, argparse.Namespace(**{**vars(args), "dtype": "float32"}))
-    except ValueError as e:   # (dropout.install: a dropout outside the decoder layers)
+        torch.manual_seed(0)
+        model = finish_model(AutoModelForCausalLM.from_config(
+            small, **model_kwargs(small, args.attn)).float(), args)
+        ids = torch.randint(0, small.vocab_size, (2, min(args.length, 16)),
+                            generator=torch.Generator().manual_seed(0))
+        with _TorchMasks() as rec, at(Batch(ids, ids, 0)):
+            model(input_ids=ids)
+    except (ValueError, RuntimeError) as e:
+        if not str(e).startswith("dropout:"):
+            raise
         return [f"{e} (--dropout 0 turns the model's dropout off)"]
-    unknown = [f"{k}={v}" for k, v in rate_fields(config).items()
-               if k not in KNOWN_RATES and not k.startswith(("summary_", "classifier_"))]
-    # (GPT-2's summary_first_dropout and a classifier's: heads a causal LM does not run)
-    torch_masks = [f"{n} (p={m.p})" for n, m in model.named_modules()
-                   if type(m) is torch.nn.Dropout and m.p > 0]
-    if unknown or torch_masks:
-        what = (f"the config's {unknown[0]}" if unknown else torch_masks[0])
-        return [f"dropout: {what} draws torch's masks, which differ at every layout: a rate "
-                f"the harness does not key by coordinates (set it to 0 in the config)"]
+    if rec.seen:
+        return [f"dropout: {rec.seen[0]} draws torch's masks, which differ at every layout: "
+                f"outside the decoder layers, where the harness does not key it by coordinates "
+                f"(set its rate to 0 in the config)"]
     return []
 
 

@@ -82,10 +82,11 @@ def run_plants(run: Run, cls) -> bool:
         rows.append((name or "(none)", passed, passed == (name is None)))
     run.print(f"\nplants: {cls.name} W={run.env.world} {run.args.dtype}"
               f"{' clip=%g' % run.args.clip if run.args.clip else ''}")
+    width = max(24, *(len(n) + 2 for n, _, _ in rows))
     for name, passed, good in rows:
         doc = ({**HARNESS_PLANTS, **cls.plants}[name].doc if name != "(none)"
                else "no bug planted")
-        run.print(f"  {name:<24}{'PASS' if passed else 'FAIL':<6}"
+        run.print(f"  {name:<{width}}{'PASS' if passed else 'FAIL':<6}"
                   f"{'as expected' if good else 'WRONG VERDICT':<15}{doc}")
     ok = all(g for _, _, g in rows)
     caught = sum(1 for n, p, _ in rows[1:] if not p)

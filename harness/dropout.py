@@ -34,7 +34,9 @@ restores the forward's coordinates for the recomputation.
 
 What a strategy cannot do it refuses in one line (cp_ring.py: the ring's online softmax and
 custom backward would need the mask inside every block). Phi3's two residual dropouts are
-replaced by `HiddenDropout` modules; attention dropout runs through `attention`, eager
+replaced by `HiddenDropout` modules; a dropout a layer calls as a function (StarCoder2's,
+OPT's) is keyed the same way by `FunctionalDropout`, a torch-function mode around the layer's
+forward; attention dropout runs through `attention`, eager
 attention with the mask applied to the probabilities (HF's eager_attention_forward otherwise,
 softmax in float32 as it does), registered as the model's attention implementation.
 """
@@ -162,7 +164,7 @@ def current() -> Tokens:
 def checkpoint_contexts():
     """context_fn for torch.utils.checkpoint: the recomputation in the backward sees the
     coordinates its forward saw."""
-    return contextlib.nullcontext(), _Using(_NOW)
+    return contextlib.nullcontext(), _Recompute(_NOW, _LAYER_MODES[-1] if _LAYER_MODES else None)
 
 
 # -- the two sites --
@@ -185,18 +187,83 @@ class HiddenDropout(nn.Module):
     def forward(self, x):
         if not self.training or self.p == 0:
             return x
-        t = current()
-        if x.dim() != 3 or x.shape[1] != t.hidden.numel() or x.shape[0] != t.samples.numel():
-            raise RuntimeError(f"dropout: a hidden-state dropout expects (rows {t.samples.numel()}, "
-                               f"tokens {t.hidden.numel()}, features), got {tuple(x.shape)}")
-        f = (torch.arange(x.shape[2], device=x.device) if self.features is None
-             else self._features_on(x.device))
-        key = site_key(self.seed, t.step, self.layer, self.site)
-        return apply(x, self.p, key, t.samples[:, None, None], t.hidden[None, :, None],
-                     f[None, None, :])
+        f = None if self.features is None else self._features_on(x.device)
+        return hidden_dropout(x, self.p, self.seed, self.layer, self.site, f)
 
     def extra_repr(self):
         return f"p={self.p}, seed={self.seed}, layer={self.layer}, site={self.site}"
+
+
+def hidden_dropout(x, p: float, seed: int, layer: int, site: int, features=None):
+    """Dropout of a (rows, tokens, features) residual-stream tensor keyed by (sample, position,
+    feature); `features` the global feature ids (None: 0..f-1)."""
+    t = current()
+    if x.dim() != 3 or x.shape[1] != t.hidden.numel() or x.shape[0] != t.samples.numel():
+        raise RuntimeError(f"dropout: a hidden-state dropout expects (rows {t.samples.numel()}, "
+                           f"tokens {t.hidden.numel()}, features), got {tuple(x.shape)}")
+    f = torch.arange(x.shape[2], device=x.device) if features is None else features
+    key = site_key(seed, t.step, layer, site)
+    return apply(x, p, key, t.samples[:, None, None], t.hidden[None, :, None], f[None, None, :])
+
+
+class FunctionalDropout(torch.overrides.TorchFunctionMode):
+    """Dropout called as a function inside one decoder layer's forward, where there is no
+    nn.Dropout module to replace (StarCoder2's residual_dropout, OPT's dropout): each
+    torch.nn.functional.dropout call with p > 0 in training is keyed as HiddenDropout at sites
+    first, first + 1, ... in call order. Entered around the layer's forward by install's hooks,
+    and around its recomputation by checkpoint_contexts (with the count it starts from). Its
+    tensor must be the residual stream's, all `width` features: anything else (a sharded or
+    per-head tensor) raises, it cannot be keyed. Its price: every op of the layer passes
+    through this mode's Python (only models whose config drops pay it)."""
+
+    def __init__(self, seed: int, layer: int, first: int, width: int, calls: int = 0):
+        super().__init__()
+        self.seed, self.layer, self.first, self.width, self.calls = seed, layer, first, width, calls
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is nn.functional.dropout:
+            a = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
+            x, p = a["input"], a.get("p", 0.5)
+            if a.get("training", True) and p > 0:
+                if planted("dropout-functional-torch"):   # plant: torch's masks, per rank
+                    return func(*args, **kwargs)
+                if x.shape[-1] != self.width:
+                    raise RuntimeError(f"dropout: a functional dropout (p={p}) on {tuple(x.shape)} "
+                                       f"in layer {self.layer}: not the residual stream's "
+                                       f"{self.width} features, it cannot be keyed")
+                site, self.calls = self.first + self.calls, self.calls + 1
+                t = current()
+                if x.dim() == 2 and x.shape[0] == t.samples.numel() * t.hidden.numel():
+                    # (rows * tokens, features), OPT's MLP: the same tokens, flattened
+                    return hidden_dropout(x.view(t.samples.numel(), -1, x.shape[-1]), p,
+                                          self.seed, self.layer, site).view(x.shape)
+                return hidden_dropout(x, p, self.seed, self.layer, site)
+        return func(*args, **kwargs)
+
+
+_LAYER_MODES: list = []   # the FunctionalDropout of each decoder-layer forward running now
+
+
+class _Recompute:
+    """The recomputation's context (checkpoint_contexts): the forward's tokens, and the
+    functional dropouts' count where the checkpointed code began; re-enterable."""
+
+    def __init__(self, tokens: Tokens | None, mode: FunctionalDropout | None):
+        self.using, self.modes = _Using(tokens), []
+        self.spec = None if mode is None else (mode.seed, mode.layer, mode.first, mode.width,
+                                               mode.calls)
+
+    def __enter__(self):
+        self.using.__enter__()
+        if self.spec is not None:
+            self.modes.append(FunctionalDropout(*self.spec))
+            self.modes[-1].__enter__()
+
+    def __exit__(self, *exc):
+        if self.spec is not None:
+            self.modes.pop().__exit__(*exc)
+        self.using.__exit__(*exc)
 
 
 class InputDropout(HiddenDropout):
@@ -274,25 +341,20 @@ PLANT_ARGS = ("--model", "tiny-phi3", "--dropout", "0.1")
 
 
 # -- installing it in a model --
-def rates(config) -> dict[str, float]:
-    """The model's dropout probabilities that are not zero, by config name."""
-    names = KNOWN_RATES
-    if getattr(config, "model_type", None) == "phi3":      # (Phi3's embd_pdrop: its model
-        names = tuple(n for n in names if n != "embd_pdrop")   # applies none)
-    return {n: float(getattr(config, n)) for n in names if getattr(config, n, 0) or 0}
-
-
 def rate_fields(config) -> dict[str, float]:
-    """Every config field that reads as a dropout rate and is not zero, known or not (the
-    scripts refuse the ones KNOWN_RATES does not list: harness/cli.py)."""
+    """Every config field that reads as a dropout rate and is not zero. Which of them the
+    forward applies, and where, is found by running it (harness/cli.py: a probe forward)."""
     return {k: v for k, v in config.to_dict().items()
             if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0}
 
 
-# the config fields whose dropout this module keys by coordinates (GPT-2's attn_ / resid_ /
-# embd_pdrop too); a rate in any other field is refused by the scripts (harness/cli.py)
-KNOWN_RATES = ("attention_dropout", "resid_pdrop", "hidden_dropout", "hidden_dropout_prob",
-               "attention_probs_dropout_prob", "attn_pdrop", "embd_pdrop")
+def rates(config) -> dict[str, float]:
+    """The model's dropout probabilities that are not zero, by config name (not the heads a
+    causal LM does not run: GPT-2's summary_*, a classifier's; not Phi3's embd_pdrop, which its
+    model applies nowhere)."""
+    phi3 = getattr(config, "model_type", None) == "phi3"
+    return {k: v for k, v in sorted(rate_fields(config).items())
+            if not k.startswith(("summary_", "classifier_")) and not (phi3 and k == "embd_pdrop")}
 
 
 def recorded(config, seed: int) -> dict:
@@ -305,16 +367,29 @@ def recorded(config, seed: int) -> dict:
 def set_rates(config, p: float):
     """--dropout P: the model's attention dropout, and its hidden dropout where it has one."""
     config.attention_dropout = p
-    for name in ("resid_pdrop", "attn_pdrop", "embd_pdrop"):   # Phi3's two residual
-        if hasattr(config, name):                              # dropouts per layer; GPT-2's
+    for name in ("resid_pdrop", "attn_pdrop", "embd_pdrop",   # Phi3's two residual dropouts
+                 "residual_dropout"):                     # per layer; GPT-2's; StarCoder2's
+        if hasattr(config, name):
             setattr(config, name, p)
+
+
+def _enter_layer(seed: int, layer: int, first: int, width: int):
+    def enter(module, args):
+        _LAYER_MODES.append(FunctionalDropout(seed, layer, first, width))
+        _LAYER_MODES[-1].__enter__()
+    return enter
+
+
+def _exit_layer(module, args, output):
+    _LAYER_MODES.pop().__exit__(None, None, None)
 
 
 def install(model, layers, seed: int) -> bool:
     """In place (also on the meta device): each decoder layer's nn.Dropout modules become
-    HiddenDropout (keyed by the seed, layer and site), its attention module learns its layer
-    and the seed, and the model's attention runs through `attention` when the config has
-    attention dropout. Returns whether anything drops."""
+    HiddenDropout (keyed by the seed, layer and site), its forward runs under FunctionalDropout
+    (the dropouts it calls as functions, keyed at the sites after the modules'), its attention
+    module learns its layer and the seed, and the model's attention runs through `attention`
+    when the config has attention dropout. Returns whether anything drops."""
     cfg = model.config
     if not rates(cfg):
         return False
@@ -330,6 +405,11 @@ def install(model, layers, seed: int) -> bool:
                 site += 1
                 owner, _, attr = name.rpartition(".")
                 setattr(layer.get_submodule(owner), attr, HiddenDropout(m.p, int(seed), i, site))
+        if not hasattr(layer, "dropout_hooks"):   # the functional calls' sites follow the modules'
+            layer.dropout_hooks = (
+                layer.register_forward_pre_hook(_enter_layer(int(seed), i, site + 1,
+                                                             cfg.hidden_size)),
+                layer.register_forward_hook(_exit_layer, always_call=True))
     for name, m in model.named_modules():   # what is left sits outside the layers
         if isinstance(m, nn.Dropout) and m.p > 0:
             raise ValueError(f"dropout: {name} (p={m.p}) sits outside the decoder layers")

@@ -42,6 +42,11 @@ HARNESS_PLANTS = {
     "dropout-host-key": Plant("dropout's keep_mask builds its key tensor from the host at every "
                               "dropout site (torch.tensor(key, device=...)): a host-to-device "
                               "copy inside the step", ("--dropout", "0.1", "--host-syncs")),
+    # dropout.py's FunctionalDropout (StarCoder2's residual_dropout is a function call)
+    "dropout-functional-torch": Plant("a decoder layer's functional dropout is left to torch: "
+                                      "its mask is drawn from the rank's generator, not keyed "
+                                      "by the tokens' global coordinates",
+                                      ("--model", "tiny-starcoder2", "--dropout", "0.1")),
     "master-no-copy": Plant("MasterAdamW.step does not copy the updated fp32 masters back into "
                             "the bf16 weights: the model never changes",
                             ("--dtype", "bfloat16")),

@@ -127,7 +127,10 @@ HIDDEN_ONLY = config_file("phi3-hidden-dropout", preset="tiny-phi3", resid_pdrop
                           attention_dropout=0.0)
 QUICK = Runs("tp.py", 2, {"tp": ["--mode", "correctness", *DROP]})
 SLOW = {
-    ("tp.py", 2): {"tp-llama": ["--mode", "correctness", "--model", "tiny", "--dropout", str(P)]},
+    ("tp.py", 2): {"tp-llama": ["--mode", "correctness", "--model", "tiny", "--dropout", str(P)],
+                   # StarCoder2's residual_dropout: function calls (FunctionalDropout)
+                   "tp-starcoder2": ["--mode", "correctness", "--model", "tiny-starcoder2",
+                                     "--dropout", str(P)]},
     ("tp.py", 4): {"tp-kv-copies": ["--mode", "correctness", "--model", "tiny", "--dropout",
                                     str(P)]},                           # 2 kv heads, 4 ranks
     ("ddp.py", 2): {"ddp": ["--mode", "correctness", *DROP, "--grad-accum", "2"],
@@ -173,6 +176,7 @@ def test_tp_with_attention_and_hidden_dropout_passes(runs):
 def test_every_strategy_with_dropout_passes(runs, script, world, key):
     rates = {"cp-hidden": "{'resid_pdrop': 0.1}", "tp-llama": "{'attention_dropout': 0.1}",
              "tp-kv-copies": "{'attention_dropout': 0.1}",
+             "tp-starcoder2": "{'attention_dropout': 0.1, 'residual_dropout': 0.1}",
              "ep": "{'attention_dropout': 0.1}"}
     kw = {"rates": rates[key]} if key in rates else {}
     _passes(runs(SLOW_RUNS[script, world], key), **kw)
@@ -200,20 +204,71 @@ def test_what_cannot_drop_the_same_everywhere_is_refused(script, args, msg):
     assert_config_error(r, msg, torchrun=False)
 
 
-def test_a_rate_in_a_field_the_harness_does_not_key_is_refused():
-    """A dropout rate in a config field the harness does not key by coordinates would draw
-    torch's masks, another function at every layout: refused in one line; GPT-2's
-    summary_first_dropout (a head a causal LM does not run) is not."""
+def test_where_the_model_drops_is_found_by_running_it():
+    """The probe forward (harness/cli.py): a dropout torch would draw itself (outside the
+    decoder layers, where the layer-by-layer strategies do not run the model's forward) is
+    refused in one line naming the model's line; a rate the forward never applies draws
+    nothing and passes (a field Llama does not read, GPT-2's summary_first_dropout)."""
     from harness.cli import _dropout_errors
     args = harness.base_parser("t").parse_args([])
-    config = harness.load_config("tiny")
-    config.foo_dropout = 0.1
-    assert dropout.rate_fields(config) == {"foo_dropout": 0.1}
-    errs = _dropout_errors(config, args)
-    assert len(errs) == 1 and "the config's foo_dropout=0.1 draws torch's masks" in errs[0], errs
+    sc2 = harness.load_config("tiny-starcoder2")
+    sc2.residual_dropout = sc2.embedding_dropout = P   # in the layers (keyed) and outside
+    errs = _dropout_errors(sc2, args)
+    assert len(errs) == 1 and errs[0].startswith(
+        f"dropout: p={P} at modeling_starcoder2.py:") and "outside the decoder layers" in errs[0]
+    sc2.embedding_dropout = 0.0
+    assert _dropout_errors(sc2, args) == []
+    neox = harness.load_config("tiny-neox")
+    neox.hidden_dropout = P   # GPT-NeoX's emb_dropout module reads it too
+    assert _dropout_errors(neox, args) == [
+        f"dropout: gpt_neox.emb_dropout (p={P}) sits outside the decoder layers (--dropout 0 "
+        f"turns the model's dropout off)"]
+    llama = harness.load_config("tiny")
+    llama.foo_dropout = P
+    assert dropout.rate_fields(llama) == {"foo_dropout": P} and _dropout_errors(llama, args) == []
     gpt2 = harness.load_config("tiny-gpt2")
-    assert dropout.rate_fields(gpt2) == {"summary_first_dropout": 0.1}
+    assert dropout.rate_fields(gpt2) == {"summary_first_dropout": 0.1} and not dropout.rates(gpt2)
     assert _dropout_errors(gpt2, args) == []
+
+
+@pytest.mark.parametrize("family,field", [("tiny-starcoder2", "residual_dropout"),
+                                          ("tiny-opt", "dropout")])
+def test_a_functional_dropout_is_keyed_like_a_module(family, field):
+    """StarCoder2 and OPT drop by function call inside their layers (no nn.Dropout to replace;
+    OPT's on the flattened (rows * tokens, hidden) MLP output): FunctionalDropout keys them by
+    coordinates, so rows 2..3 computed alone draw the masks they draw inside the whole batch,
+    the step changes them, and a recomputed layer draws its forward's. With the calls left to
+    torch (the plant) the rows computed alone draw other masks."""
+    from harness.plants import planting
+    from harness.recompute import apply_recompute
+    cfg = harness.load_config(family)
+    setattr(cfg, field, P)
+    args = harness.base_parser("t").parse_args(["--model", family, "--dtype", "float64"])
+    torch.manual_seed(0)
+    m = harness.build_model(args, cfg, "cpu")
+    ids = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
+    whole, part = harness.Batch(ids, ids, 0), harness.Batch(ids, ids, 0).rows(2, 4)
+
+    def logits(batch, model=m):
+        with dropout.at(batch):
+            return model(input_ids=batch.input_ids).logits
+    ref = logits(whole)
+    torch.testing.assert_close(logits(part), ref[2:4], rtol=1e-12, atol=1e-12)
+    assert not torch.equal(logits(harness.Batch(ids, ids, 1)), ref)        # another step
+    m.eval()
+    assert (m(input_ids=ids).logits - ref).abs().max() > 1e-3             # it drops
+    m.train()
+    with planting("dropout-functional-torch"):
+        assert (logits(part) - ref[2:4]).abs().max() > 1e-3
+    import copy
+    recomputed = apply_recompute(copy.deepcopy(m), "full")
+    grads = []
+    for model in (m, recomputed):
+        logits(whole, model).logsumexp(-1).mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)
+    assert dropout._LAYER_MODES == []    # every layer's mode exited
 
 
 # -- resume: a mask is a function of the step, so 2 + save + 2 equals 4 uninterrupted --

@@ -35,7 +35,7 @@ COMPOSE_LINES = 400      # compose4d.py: mostly the grid, the step and imports o
 LEARNER_HARNESS = {"harness.plants", "harness.data", "harness.loss", "harness.dropout",
                    "harness.precision", "harness.meter", "harness.models", "harness.recompute",
                    "harness.collectives"}
-COMPOSE_EXTRA = {"harness.loading", "trainer4d.schedule"}
+COMPOSE_EXTRA = {"harness.loading", "trainer4d.schedule", "trainer4d.pipeline"}
 # Top-level tools, not learner files: they drive the harness (oom_search runs trials, simulates a
 # step under FakeTensorMode). Short and rig-free like the rest, but any harness module.
 TOOLS = {"oom_search"}

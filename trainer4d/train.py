@@ -8,8 +8,8 @@ preemption and elastic restarts, outside the comparisons (no reference).
 Preemption: SIGTERM sets a flag; the ranks agree on it once per step, at no extra cost: the flag
 rides as a second element of the step's loss all-reduce (compose4d.Parallel4D.loss_flag_norm),
 read with the loss (the step's one host read). The step in flight finishes and is saved at its
-end, then the process exits 0. `--preempt-at micro-batch` also agrees before each micro-batch's first forward (pp.Pipeline's
-stop_check: a MAX all-reduce and a host read per micro-batch, a global barrier that serialises the
+end, then the process exits 0. `--preempt-at micro-batch` also agrees before each micro-batch's first forward (pipeline.Cut,
+the row pp.Pipeline.run walks: a MAX all-reduce and a host read per micro-batch, a global barrier that serialises the
 pipeline), so a 1F1B step can be cut mid-way: the checkpoint then keeps the step's reduced
 gradients and records which rows are done (`cut`), and the resumed run finishes that step from the
 saved gradient sum (`step_rows`), on whatever layout it restarts with, so the result equals the
@@ -21,7 +21,7 @@ Elastic (--elastic): each (re)start re-plans micro-batch, grad-accum and ZeRO st
 size it finds (elastic.plan_world), keeping the checkpoint's global batch within a tolerance.
 Checkpoints: checkpoint.py (layout-independent, atomic; with the data position).
 Real text: --data (harness/corpus.py, harness/train_data.py), --eval-every (held-out loss through
-pp.Pipeline.evaluate), --prompt (a greedy sample from the gathered model, as the export gives it).
+pipeline.evaluate), --prompt (a greedy sample from the gathered model, as the export gives it).
 Loading: with --model a safetensors directory each rank reads only its shard onto a meta-device
 model (harness/loading.py), and prints its peak memory during the build. Logs: --out's
 train.jsonl, TensorBoard events, loss.png (harness/trainlog.py).
@@ -89,7 +89,7 @@ def step_rows(strat, batch: Batch, rows=None, mb=None, stop=None, partial=None,
     """compose4d.Parallel4D.run_step over rows. Over the global batch's rows `rows` (default: all
     of them, split into contiguous dp shares of --grad-accum micro-batches; else each dp rank
     takes its contiguous share of `rows` in micro-batches of at most `mb`). `stop(m) -> bool`,
-    asked on every rank before forward m (pp.Pipeline.stop_check), may end the step once
+    asked on every rank before forward m (trainer4d.pipeline.Cut), may end the step once
     micro-batches 0..m-1 are drained (`cut`: its answer agreed across ranks; else it is a local
     callback that must return False): the gradients are then reduced and kept, nothing is
     updated, and the processed rows are returned, for a mid-step checkpoint. `partial`: a
@@ -105,7 +105,7 @@ def step_rows(strat, batch: Batch, rows=None, mb=None, stop=None, partial=None,
     start = (lambda: add_partial(strat, partial)) if partial is not None else None
     loss, ce, stopping = strat.run_step(batch, local, mbs, stop, start, flag, cut)
     if loss is None:     # cut: the gradients kept, the rows done returned
-        return None, (processed(strat, batch, strat.pipe.completed), ce), stopping
+        return None, (processed(strat, batch, strat.cut_row.completed), ce), stopping
     return loss, None, stopping
 
 
