@@ -27,10 +27,12 @@ copy, the computing unit's and `prefetch` more. More: docs/internals.md, 'fsdp.p
 Public API (examples/fsdp_train.py)
     for block in model.model.layers: fully_shard(block, mp_policy=MixedPrecisionPolicy(...))
     fully_shard(model)                                  # the root: embeddings, norm, head
-    opt = torch.optim.AdamW(model.parameters()); loss.backward(); clip_grad_norm_(model, 1.0)
+    opt = torch.optim.AdamW(model.parameters()); loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # or fsdp.clip_grad_norm_(model)
+    dcp.save(get_state_dict(model, opt)); torch.compile(model)  # as on FSDP2 (DTensor shards)
     model.no_sync(), unshard() / reshard(); summon_full_params(model), full_state_dict(model)
-    Around the loop (clipping, full state dicts, HSDP's groups, the policy, FSDPModule's methods,
-    which parameters a call claims): fsdp_state.py.
+    Around the loop (full state dicts, HSDP's groups, the policy, FSDPModule, claims):
+    fsdp_state.py.
 
 Run:  torchrun --nproc_per_node=2 fsdp.py --mode correctness   (learning, benchmark, plants)
 """
@@ -40,24 +42,31 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from harness import planted
+from harness.collectives import local_part
 import ddp
 from fsdp_state import (block_groups, clip_grad_norm_, full_state_dict,  # noqa: F401
                         full_tensors, hsdp_groups, load_full_state_dict, named_params,
                         new_block_groups, summon_full_params, units)
 from fsdp_state import (FSDPModule, MixedPrecisionPolicy, _cast,  # noqa: F401 (re-exported)
-                        all_reduce_ignored, claim, refuse_matrix_optimizers)
+                        all_reduce_ignored, claim, collectives_per_unit,
+                        refuse_matrix_optimizers)
 
 
 class ShardedParam:
     """One parameter under fully_shard: `sharded`, the nn.Parameter with this rank's dim-0 rows
     (registered on the module between forwards: what the optimizer steps), and `unsharded`, the
     full-shape compute copy in param_dtype, a view of `full`, whose storage exists only while the
-    unit is gathered (autograd's saved references to it stay valid across a free and re-gather)."""
+    unit is gathered (autograd's saved references to it stay valid across a free and re-gather).
+    `sharded` is a DTensor (Shard(0) over the group's mesh), as FSDP2's, so torch's utilities on
+    model.parameters() see whole tensors in rows (clip_grad_norm_'s global norm, DCP's resharding
+    save and load). Only a label: every collective here runs on the local rows (`shard`,
+    `grad_shard`), none through DTensor's redistribution."""
 
-    def __init__(self, param: nn.Parameter, slots, rank: int, W: int, param_dtype):
+    def __init__(self, param: nn.Parameter, slots, rank: int, W: int, param_dtype, mesh):
         self.slots = slots                      # [(module, attribute name)] that hold it
         self.shape, d0 = param.shape, param.shape[0]
         self.rest = math.prod(param.shape[1:])
@@ -72,7 +81,8 @@ class ShardedParam:
         shard = param.detach()[lo:hi]                                 # (hi - lo, *rest)
         if planted("masters-rounded"):                                # plant: masters rounded
             shard = shard.to(param_dtype or shard.dtype)
-        self.sharded = nn.Parameter(shard.to(param.dtype).clone(),
+        self.mesh, self.stride = mesh, param.stride()
+        self.sharded = nn.Parameter(self.label(shard.to(param.dtype).clone()),
                                     requires_grad=param.requires_grad)
         self.sharded._fsdp_param = self   # the mark: a shard (the optimizer check reads it)
         # The gathered layout [W, c rest]: row r = rank r's rows, zero-padded to c. The shards
@@ -86,6 +96,15 @@ class ShardedParam:
         self.unsharded._fsdp_param = self
         self.full.untyped_storage().resize_(0)
         self.acc = None        # the unreduced gradient accumulated without sync (reduce dtype)
+
+    def label(self, rows: torch.Tensor) -> DTensor:   # (rows_r, *rest) -> the whole (d0, *rest)
+        if planted("shard-unlabelled"):   # plant: a plain tensor, torch's utilities see rows
+            return rows
+        return DTensor.from_local(rows, self.mesh, [Shard(0)], shape=self.shape,
+                                  stride=self.stride, run_check=False)
+
+    shard = property(lambda self: local_part(self.sharded))          # (rows_r, *rest)
+    grad_shard = property(lambda self: local_part(self.sharded.grad))   # or None
 
     def register(self, unsharded: bool):
         for module, attr in self.slots:   # (a tied parameter is held by several modules)
@@ -137,15 +156,15 @@ class FSDPUnit:
         self.root = None          # the root of the forward this unit last ran in
         self.order = None         # the root's: units in their first forward's order
         self.pending: list = []   # the root's: reductions in flight
-        self.in_backward, self.queued = False, False   # backward reached it; the root's callback
-        self.finished = False     # its post-backward ran in this backward
+        # backward reached it; the root's callback is queued; its post-backward ran
+        self.in_backward, self.queued, self.finished = False, False, False
         self.copies = {}          # {kind: [copies, bytes]} (the benchmark's copy count)
-        module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
-        module.register_forward_hook(self._post_forward)
+        # eager under torch.compile (graph breaks, as FSDP2's): compiled code sees gathered ones
+        module.register_forward_pre_hook(torch.compiler.disable(self._pre_forward),
+                                         with_kwargs=True)
+        module.register_forward_hook(torch.compiler.disable(self._post_forward))
 
-    @property
-    def trainable(self) -> list[ShardedParam]:   # read at each use: requires_grad may change
-        return [p for p in self.params if p.sharded.requires_grad]
+    trainable = property(lambda self: [p for p in self.params if p.sharded.requires_grad])  # live
 
     def _count(self, kind: str, nbytes: int):
         c = self.copies.setdefault(kind, [0, 0])
@@ -181,7 +200,7 @@ class FSDPUnit:
         for p, t in zip(self.params, shards):
             if t is not None and p.local:
                 views.append(inp[off:off + p.local])       # [rows_r rest] at off of [N]
-                srcs.append(t.detach().reshape(-1))        # (rows_r, *rest) -> [rows_r rest]
+                srcs.append(local_part(t).detach().reshape(-1))   # (rows_r, *rest) -> [rows_r rest]
             off += p.padded
         if views:
             torch._foreach_copy_(views, srcs)
@@ -344,11 +363,11 @@ class FSDPUnit:
         off = 0
         for p in ps:
             # [N_g] -> [rows_r rest] -> (rows_r, *rest), a view when the dtypes agree
-            g = out[off:off + p.local].view(p.sharded.shape).to(p.sharded.dtype)
+            g = out[off:off + p.local].view(p.shard.shape).to(p.sharded.dtype)
             if p.sharded.grad is None:
-                p.sharded.grad = g
+                p.sharded.grad = p.label(g)
             else:   # as torch accumulates onto an existing .grad
-                p.sharded.grad += g
+                p.grad_shard.add_(g)
             self._count("reduce_scatter copy-out", g.numel() * g.element_size())
             off += p.padded
 
@@ -405,10 +424,11 @@ def fully_shard(module: nn.Module, *, group=None, replicate_group=None,
     for p in new_ignored:
         p._fsdp_ignored = True
     rank, W = dist.get_rank(group), dist.get_world_size(group)
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, mine[0].device.type if mine else "cpu")
     params = []
     for p in mine:
         p._fsdp_claimed = True
-        sp = ShardedParam(p, slots[id(p)][1], rank, W, mp.param_dtype)
+        sp = ShardedParam(p, slots[id(p)][1], rank, W, mp.param_dtype, mesh)
         sp.register(unsharded=False)
         params.append(sp)
     unit = FSDPUnit(module, params, new_ignored, group, replicate_group, mp,
@@ -423,17 +443,6 @@ def fully_shard(module: nn.Module, *, group=None, replicate_group=None,
     module._fsdp = unit
     refuse_matrix_optimizers()
     return module
-
-
-# ----------------------------------------------------------------------------------------------
-# Formulas (rig/fsdp.py counts with this)
-# ----------------------------------------------------------------------------------------------
-def collectives_per_unit(reshard_after_forward: bool, micro_batches: int) -> tuple[int, int]:
-    """(reduce-scatters, all-gathers) of one unit per optimizer step of M micro-batches, the
-    gradient sync off on all but the last (zero.collectives_per_unit's order): one
-    reduce-scatter, in the last backward; a gather before every forward and, resharded after
-    it, again before every backward."""
-    return 1, micro_batches * (1 + int(reshard_after_forward))
 
 
 if __name__ == "__main__":   # torchrun fsdp.py --mode ...: the test rig runs it

@@ -36,12 +36,13 @@ def units(model: nn.Module) -> list:
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ for a sharded model (torch's own would clip each rank by
-    its shards' norm): the squared norm of the shards summed over the shard group (one 8-byte
-    all_reduce) plus the ignored parameters' (whole on every rank, counted once); returns the
-    total norm (a device tensor, no host read)."""
+    """torch.nn.utils.clip_grad_norm_ for a sharded model, its one collective in view (torch's
+    own reaches the same norm through the DTensor shards, but not with ignored parameters): the
+    squared norm of the shards summed over the shard group (one 8-byte all_reduce) plus the
+    ignored parameters' (whole on every rank, counted once); returns the total norm (a device
+    tensor, no host read)."""
     us = units(model)
-    sharded = [p.sharded.grad for u in us for p in u.params if p.sharded.grad is not None]
+    sharded = [p.grad_shard for u in us for p in u.params if p.sharded.grad is not None]
     whole = [p.grad for u in us for p in u.ignored if p.grad is not None]
     device = next(t.device for u in us for t in [p.full for p in u.params] + u.ignored)
     sq = torch.zeros(1, dtype=torch.float64, device=device)
@@ -103,7 +104,7 @@ def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]):
         u.reshard()
     for name, p in named_params(model).items():
         if hasattr(p, "sharded"):
-            p.sharded.copy_(sd[name][p.lo:p.lo + p.sharded.shape[0]])
+            p.shard.copy_(sd[name][p.lo:p.lo + p.shard.shape[0]])
         else:
             p.copy_(sd[name])
     for name, b in model.named_buffers():
@@ -275,3 +276,14 @@ def _check_optimizer(optimizer, args, kwargs):
                     f"{', '.join(c.__name__ for c in zero.ELEMENTWISE)}, or keep such "
                     f"parameters whole with fully_shard(..., ignored_params=...)")
     optimizer._fsdp_checked = n
+
+
+# ----------------------------------------------------------------------------------------------
+# Formulas (rig/fsdp.py counts with this; fsdp.collectives_per_unit)
+# ----------------------------------------------------------------------------------------------
+def collectives_per_unit(reshard_after_forward: bool, micro_batches: int) -> tuple[int, int]:
+    """(reduce-scatters, all-gathers) of one unit per optimizer step of M micro-batches, the
+    gradient sync off on all but the last (zero.collectives_per_unit's order): one
+    reduce-scatter, in the last backward; a gather before every forward and, resharded after
+    it, again before every backward."""
+    return 1, micro_batches * (1 + int(reshard_after_forward))

@@ -80,8 +80,7 @@ def param_groups(named, lr: float, muon_lr: float):
     """Two groups by the one split rule (harness.models.hidden_matrix): the hidden matrices
     (muon=True, lr muon_lr) and the rest (AdamW, lr). Named parameters -> torch groups."""
     named = [(n, p) for n, p in named if p.requires_grad]
-    mats = [p for n, p in named if hidden_matrix(n, p.shape)]
-    rest = [p for n, p in named if not hidden_matrix(n, p.shape)]
+    mats, rest = ([p for n, p in named if hidden_matrix(n, p.shape) == m] for m in (True, False))
     return [dict(params=mats, muon=True, lr=muon_lr), dict(params=rest, muon=False, lr=lr)]
 
 
@@ -384,10 +383,10 @@ def zero_owner(zopt, tpm=None) -> OwnerPlan:
 
 
 def fsdp_owner(params, names: dict, sharded) -> OwnerPlan:
-    """owner on fsdp.py's shards: each parameter is rank r's rows [r c, (r+1) c) of its matrix
-    (c = ceil(rows / W), torch.chunk's cut), so its piece on rank r is that row range, flat;
-    over the units' shard group. params: what the optimizer steps (the shards, or their fp32
-    masters); sharded: their fsdp.ShardedParam (the whole shape, the cut, the unit)."""
+    """owner on fsdp.py's shards: rank r's piece of a matrix is its rows [r c, (r+1) c), flat
+    (c = ceil(rows / W), torch.chunk's cut), over the units' shard group. params: the DTensors
+    the optimizer steps (shards or fp32 masters; their local rows are the pieces, each result
+    labelled again); sharded: their fsdp.ShardedParam (the whole shape, the cut, the unit)."""
     units = {id(sp.sharded._fsdp_unit.group): sp.sharded._fsdp_unit for sp in sharded}
     if len(units) > 1:
         raise ValueError("muon owner mode: the matrices are sharded over different groups")
@@ -399,17 +398,18 @@ def fsdp_owner(params, names: dict, sharded) -> OwnerPlan:
         held = [(min(r * sp.rows, sp.shape[0]) * sp.rest,
                  min((r + 1) * sp.rows, sp.shape[0]) * sp.rest) for r in range(W)]
         ms.append(Matrix(names[p], whole, held))
-    index = {p: i for i, p in enumerate(params)}
+    index, sp_of = {p: i for i, p in enumerate(params)}, dict(zip(params, sharded))
+    rows = {p: p.to_local() for p in params}   # (rows_r, B): each DTensor's local rows
 
     def pieces(ps, updates):                   # (rows_r, B) -> flat [rows_r B]; no gradient
-        got = dict(zip(ps, updates))           # this step: zeros (every rank sends its piece)
-        return {i: (got[p] if p in got else torch.zeros_like(p)).reshape(-1)
-                for p, i in index.items() if p.numel()}
+        got = {p: u.to_local() for p, u in zip(ps, updates)}   # no gradient this step: zeros
+        return {i: (got[p] if p in got else torch.zeros_like(rows[p])).reshape(-1)
+                for p, i in index.items() if rows[p].numel()}
 
     def place(ps, result):
-        return [(result[index[p]].view(p.shape) if p.numel() else torch.zeros_like(p), 1.0)
-                for p in ps]
-    return OwnerPlan(ms, group, me, params[0], pieces, place)
+        return [(sp_of[p].label(result[index[p]].view(rows[p].shape) if rows[p].numel()
+                                else torch.zeros_like(rows[p])), 1.0) for p in ps]
+    return OwnerPlan(ms, group, me, rows[params[0]], pieces, place)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,6 +5,12 @@ import torch
 import torch.distributed as dist
 
 
+def local_part(t):
+    """A DTensor's local part (its storage; fsdp.py's shards are DTensors); any other tensor
+    (or None) as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def all_reduce_flat(tensors: list[torch.Tensor], group=None):
     """Sum `tensors` over the group in place with one all_reduce of their concatenation
     (many small gradients: one call instead of one each)."""

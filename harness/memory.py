@@ -15,9 +15,15 @@ from torch.utils._pytree import tree_flatten
 from .meter import phase
 
 
+def _storage_tensor(t):
+    """The tensor that owns the storage: a DTensor's local part (fsdp.py's shards), else t."""
+    return getattr(t, "_local_tensor", t)
+
+
 def unique_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
+        t = _storage_tensor(t)
         if t is None or t.device.type == "meta":
             continue
         st = t.untyped_storage()
@@ -44,7 +50,7 @@ class MemoryTracker(TorchDispatchMode):
     def _track(self, t, is_act):
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
-        self._track_storage(t.untyped_storage(), is_act)
+        self._track_storage(_storage_tensor(t).untyped_storage(), is_act)
 
     def _track_storage(self, st, is_act):
         key = id(st)

@@ -15,6 +15,7 @@ fp32 by default (`grad_reduce_dtype`).
 from __future__ import annotations
 
 import torch
+from .collectives import local_part
 from .plants import planted
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -58,12 +59,14 @@ class Masters:
         if self.grad_divisor != 1.0 and not planted("loss-scale-no-unscale"):   # plant: S g
             # every gradient the step uses, in fp32: the masters' copies, and the gradients of
             # parameters kept in fp32 (a router, a norm), which are their own masters
-            torch._foreach_div_([m.grad for m in self.masters if m.grad is not None],
-                                self.grad_divisor)
+            torch._foreach_div_([local_part(m.grad) for m in self.masters
+                                 if m.grad is not None], self.grad_divisor)
         loss = super().step(closure)
         if self.low and not planted("master-no-copy"):   # plant: the bf16 weights never move
             # the bf16 copies of the updated masters, in one pass
-            torch._foreach_copy_([p for p, _ in self.low], [m for _, m in self.low])
+            # (a DTensor's local part: torch has no sharding rule for _foreach_copy_)
+            torch._foreach_copy_([local_part(p) for p, _ in self.low],
+                                 [local_part(m) for _, m in self.low])
         for _, m in self.low:
             m.grad = None
         return loss
@@ -145,8 +148,11 @@ def fused_kwargs(params) -> dict:
     params = list(params)
     kinds = {p.device.type for p in params}
     ok = params and len(kinds) == 1 and kinds <= {"cpu", "cuda"} and all(
-        p.is_floating_point() and not isinstance(p, DTensor) for p in params)
-    return {"fused": True} if ok else {}   # (DTensor parameters, the baselines': foreach)
+        p.is_floating_point() for p in params)
+    # all DTensors (fsdp.py's shards, FSDP2's) or none: a mix (DTensor TP's replicated norms
+    # beside its shards) stays on foreach
+    ok = ok and len({isinstance(p, DTensor) for p in params}) == 1
+    return {"fused": True} if ok else {}
 
 
 def adamw_update(state: dict, g: dict, ps: list) -> None:

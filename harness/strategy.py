@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import dropout
+from .collectives import local_part
 from .data import Batch
 from .loss import lm_loss_sum
 from .meter import Expect, METER, phase
@@ -127,7 +128,7 @@ class Strategy:
 def spread_across_ranks(tensors, group=None) -> float:
     """Max over tensors of (max - min across ranks) of each tensor's sum: 0.0 when every rank
     holds identical replicas (a checksum, for extra_checks; not metered)."""
-    sums = torch.stack([t.detach().double().sum() for t in tensors])
+    sums = torch.stack([local_part(t).detach().double().sum() for t in tensors])
     lo, hi = sums.clone(), sums.clone()
     with METER.paused():
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
@@ -151,8 +152,7 @@ class DTensorBaseline(Strategy):
         return {n: full_tensor(p.detach()) for n, p in self.model.named_parameters()}
 
     def model_states(self):
-        local = lambda ts: [t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-                            for t in ts if t is not None]
+        local = lambda ts: [local_part(t) for t in ts if t is not None]  # noqa: E731
         opt = [v for s in self.optimizer.state.values() for v in s.values()
                if isinstance(v, torch.Tensor) and v.dim() > 0]
         return {"params": local(self.model.parameters()),

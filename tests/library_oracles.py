@@ -417,7 +417,8 @@ def check_fsdp(rank, W):
         report(name, err if tol is None else err * TOL / tol)   # tol: mapped onto TOL
 
     def shards_vs_to_local(ours, theirs) -> float:
-        """Each shard and its .grad against FSDP2's to_local(): shape, dtype and value."""
+        """Each shard and its .grad against FSDP2's: both DTensors of the whole shape, their
+        to_local() equal in shape, dtype and value."""
         err = 0.0
         for (n, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters()):
             for x, y in ((p, q), (p.grad, q.grad)):
@@ -426,7 +427,9 @@ def check_fsdp(rank, W):
                 elif (x is None) != (y is None):
                     err = float("inf")
                 elif x is not None:
-                    y = y.to_local()
+                    if not hasattr(x, "to_local") or x.shape != y.shape:
+                        return float("inf")
+                    x, y = x.to_local(), y.to_local()
                     same = x.shape == y.shape and x.dtype == y.dtype
                     err = max(err, rel_diff([x.detach()], [y.detach()]) if same and x.numel()
                               else (0.0 if same else float("inf")))
@@ -525,7 +528,8 @@ def check_fsdp(rank, W):
     _, ours = run(True, "sgd", steps=1)
     ours.zero_grad()   # (run() ends with a backward)
     sharded = ours.state_dict()
-    err = max(0.0 if sharded[n].shape == q.to_local().shape else float("inf")
+    err = max(0.0 if sharded[n].shape == q.shape
+              and sharded[n].to_local().shape == q.to_local().shape else float("inf")
               for n, q in theirs.named_parameters())
     whole = {n: t.clone() for n, t in fsdp.full_state_dict(ours).items()}
     torch.manual_seed(50 + rank)
