@@ -368,9 +368,13 @@ def forward_backward(model, batch: Batch, rank: int, world: int, accum: int,
     for k, mb in enumerate(batch.shard(rank, world).split(accum)):  # (B, S) -> (B/(W K), S)
         last = 0 if planted("sync-first-microbatch") else accum - 1   # plant: syncs the first
         set_sync(k == last)
+        pos = mb.doc_positions   # packed documents (--doc-mask): their position ids, or None
+        if planted("doc-positions-dropped"):   # plant: the documents attend across boundaries
+            pos = None
         with phase("forward"), dropout.at(mb):
-            ce = (chunked_loss_sum(model, mb.input_ids, mb.labels, ce_chunk) if ce_chunk else
-                  lm_loss_sum(model(input_ids=mb.input_ids).logits, mb.labels))
+            ce = (chunked_loss_sum(model, mb.input_ids, mb.labels, ce_chunk, position_ids=pos)
+                  if ce_chunk else
+                  lm_loss_sum(model(input_ids=mb.input_ids, position_ids=pos).logits, mb.labels))
         with phase("backward"):
             if planted("mean-of-means"):   # plant: each micro-batch's own mean, averaged
                 (ce / mb.n_tokens / accum).backward()

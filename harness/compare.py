@@ -543,8 +543,9 @@ class PermutedReference:
         rows, token = self.rows.to(batch.input_ids.device), self.token.to(batch.input_ids.device)
         ids, labels = batch.input_ids[rows], batch.labels[rows]
         labels = torch.where(labels == IGNORE_INDEX, labels, token[labels.clamp(min=0)])
+        docs = None if batch.doc_positions is None else batch.doc_positions[rows]
         return self.ref.step(type(batch)(token[ids], labels, batch.index,
-                                         batch.row_ids()[self.rows], batch.positions))
+                                         batch.row_ids()[self.rows], batch.positions, docs))
 
     @property
     def grad_norm(self):

@@ -69,6 +69,11 @@ class Batch:
     # 0..S-1): a rank's share keeps them, so dropout.py can key its masks by them
     sample_ids: torch.Tensor | None = None   # (B,)
     positions: torch.Tensor | None = None    # (S,)
+    # packed documents (--doc-mask): each token's position in its own document, restarting at
+    # 0 at each boundary (None: one document per row). Passed to HF's forward as position_ids,
+    # it restarts the rotary positions and makes HF's mask block-diagonal: causal within a
+    # document only (transformers' find_packed_sequence_indices)
+    doc_positions: torch.Tensor | None = None   # (B, S)
 
     def row_ids(self) -> torch.Tensor:
         return (torch.arange(self.input_ids.shape[0], device=self.input_ids.device)
@@ -83,12 +88,14 @@ class Batch:
     def take(self, rows) -> "Batch":
         """The rows `rows` (a slice, a list or an index tensor), their ids kept."""
         return Batch(self.input_ids[rows], self.labels[rows], self.index,
-                     self.row_ids()[rows], self.positions)
+                     self.row_ids()[rows], self.positions,
+                     None if self.doc_positions is None else self.doc_positions[rows])
 
     def cols(self, idx: torch.Tensor) -> "Batch":
         """The columns `idx` of every row (a context-parallel rank's tokens), positions kept."""
         return Batch(self.input_ids[:, idx], self.labels[:, idx], self.index, self.sample_ids,
-                     self.column_positions().to(idx.device)[idx])
+                     self.column_positions().to(idx.device)[idx],
+                     None if self.doc_positions is None else self.doc_positions[:, idx])
 
     @functools.cached_property
     def n_tokens(self) -> int:
@@ -97,10 +104,11 @@ class Batch:
         return targets(self.labels)
 
     @classmethod
-    def on_device(cls, inputs, labels, index: int, device) -> "Batch":
+    def on_device(cls, inputs, labels, index: int, device, doc_positions=None) -> "Batch":
         """The batch of host tensors `inputs`, `labels` on `device`, its target count taken on
         the host first: a step that reads `n_tokens` then makes no host read for it."""
-        b = cls(inputs.to(device).contiguous(), labels.to(device).contiguous(), index)
+        b = cls(inputs.to(device).contiguous(), labels.to(device).contiguous(), index,
+                doc_positions=None if doc_positions is None else doc_positions.to(device))
         b.__dict__["n_tokens"] = targets(labels)   # (the cached property, from host labels)
         return b
 
@@ -146,16 +154,43 @@ def ignore_spans(seed: int, start: int, count: int, length: int) -> np.ndarray:
     return out
 
 
+# Packed documents: each row is cut into documents whose lengths follow a long tail, as real
+# SFT and pretraining data do: Pareto(alpha = 1.2) floored to whole tokens, at least DOC_MIN
+# (median 6-7 tokens, a tail to the row's end, which cuts the last document), a pure function of
+# (seed, sample).
+DOC_ALPHA, DOC_MIN = 1.2, 4
+
+
+def doc_lengths(seed: int, sample: int, length: int) -> list[int]:
+    """The documents' lengths of sample `sample`'s row of `length` tokens (they sum to it)."""
+    rng = np.random.default_rng([seed, sample, 0xD0C])
+    out, left = [], length
+    while left > 0:
+        n = int(DOC_MIN * (1.0 - rng.random()) ** (-1.0 / DOC_ALPHA))
+        out.append(min(max(n, DOC_MIN), left))
+        left -= out[-1]
+    return out
+
+
+def doc_positions(seed: int, start: int, count: int, length: int) -> torch.Tensor:
+    """(count, length) int64: each token's position in its document, for samples
+    start..start+count-1 (0 at each document's first token)."""
+    rows = [torch.cat([torch.arange(n) for n in doc_lengths(seed, i, length)])
+            for i in range(start, start + count)]
+    return torch.stack(rows)
+
+
 def make_batch(lang: MarkovLanguage, step: int, batch: int, length: int, device,
                offset: int | None = None, ignore: bool = False,
-               pad_id: int | None = None) -> Batch:
+               pad_id: int | None = None, doc_mask: bool = False) -> Batch:
     """Samples [step*batch, (step+1)*batch), or [offset, offset+batch) when the global batch
     has not been the same every step (compose4d's elastic restarts). ignore=True (correctness
     mode) pads and masks targets as `ignore_spans` says. `pad_id`, the model's pad token
     (data.pad_id): the padded tail's inputs, and the first input of each ignored span (packed
     documents separated by a pad token), where later tokens attend to it: its embedding row's
     gradient (zero in HF's nn.Embedding(padding_idx=...)) is then part of every verdict. A
-    tail alone would not do: nothing attends to it and its labels are ignored."""
+    tail alone would not do: nothing attends to it and its labels are ignored. doc_mask: the
+    rows are packed documents (doc_lengths), each attending within itself only."""
     start = step * batch if offset is None else offset
     x = torch.from_numpy(lang.sample(start, batch, length))
     inputs, labels = x[:, :-1].clone(), x[:, 1:].clone()
@@ -171,4 +206,5 @@ def make_batch(lang: MarkovLanguage, step: int, batch: int, length: int, device,
         if pad_id is not None:   # each ignored span's first input (the tail's is the last
             starts = m & ~torch.nn.functional.pad(m, (1, 0))[:, :-1]   # real token: kept)
             inputs[starts & ~to_end] = pad_id
-    return Batch.on_device(inputs, labels, step, device)
+    docs = doc_positions(lang.seed, start, batch, length) if doc_mask else None
+    return Batch.on_device(inputs, labels, step, device, docs)

@@ -76,6 +76,10 @@ def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
                    help="set the model's dropout (attention, and hidden where the family has "
                         "it, e.g. Phi3's residual dropout) to P; the masks are the same at every "
                         "layout (harness/dropout.py). Default: the model config's own")
+    p.add_argument("--doc-mask", action="store_true",
+                   help="packed documents: each row is cut into documents of long-tailed "
+                        "lengths (harness/data.py), positions restart at 0 in each and "
+                        "attention stays within a document (HF's packed-sequence mask)")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     p.add_argument("--length", type=int, default=64, help="sequence length")
     p.add_argument("--steps", type=int, default=None,

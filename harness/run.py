@@ -41,7 +41,8 @@ class Run:
     def batch(self, step: int) -> Batch:
         return make_batch(self.lang, step, self.args.batch, self.args.length, self.env.device,
                           ignore=self.args.mode in ("correctness", "plants"),
-                          pad_id=pad_id(self.config))
+                          pad_id=pad_id(self.config),
+                          doc_mask=getattr(self.args, "doc_mask", False))
 
     def print(self, *a, **k):
         if self.env.is_main:

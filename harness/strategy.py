@@ -66,6 +66,7 @@ class Strategy:
     optimizers = ("adamw",)   # --optimizer values it supports (muon.py's: "muon")
     muon_modes = ("auto",)    # --muon-mode values it supports
     lora = False          # takes --lora R (peft's adapters; lora.py)
+    doc_mask = False      # takes --doc-mask (packed documents through HF's forward)
     self_check = None     # ("what", build(model, args) -> fn(ids) -> logits): selfcheck.py
 
     @staticmethod
@@ -176,7 +177,7 @@ class Reference(Strategy):
     def objective(self, batch: Batch) -> torch.Tensor:
         """The loss to minimise: mean token cross-entropy (subclasses add terms)."""
         with dropout.at(batch):
-            logits = self.model(input_ids=batch.input_ids).logits
+            logits = self.model(input_ids=batch.input_ids, position_ids=batch.doc_positions).logits
         return lm_loss_sum(logits, batch.labels) / batch.n_tokens
 
     def after_step(self):

@@ -62,6 +62,7 @@ def make_optimizer(model, args, tpm=None):
 
 class DDP(Strategy):
     chunked_ce = True
+    doc_mask = True
     name = "ddp"
     optimizers = ("adamw", "muon")   # muon.py: rig/muon.py builds it
     lora = True
@@ -70,6 +71,9 @@ class DDP(Strategy):
     PLANT_CONFIG = ("--grad-accum", "2", "--dtype", "float32", "--clip", "0.5")
     plants = {
         "dropout-rank-local": Plant(dropout.PLANT_DOC, dropout.PLANT_ARGS),
+        "doc-positions-dropped": Plant("packed documents' position ids not passed to the "
+                                       "model: each token attends to the documents before it "
+                                       "and its rotary position runs on", ("--doc-mask",)),
         "no-average": Plant("all_reduce sums the gradients instead of averaging them "
                                    "(2x at W=2; clipping would hide it)", PLANT_CONFIG),
         "mean-of-means": Plant("each micro-batch's own mean loss, averaged, instead of "

@@ -54,6 +54,7 @@ class FSDP(Strategy):
     name = "fsdp"
     optimizers = ("adamw", "muon")   # muon.py's owner mode on the shards (muon.build)
     lora = True
+    doc_mask = True
     muon_modes = ("auto", "owner")
     syncs_initial_params = True   # fully_shard broadcasts rank 0's parameters and buffers
     # One configuration catches the first three: float32 + --clip for the scale, --grad-accum 2

@@ -58,7 +58,8 @@ class MegatronSP(TP):
         self.optimizer.zero_grad(set_to_none=True)
         with phase("forward"):
             with harness_dropout.at(batch, hidden=self.my_tokens(batch)):
-                logits = self.model(input_ids=batch.input_ids).logits
+                logits = self.model(input_ids=batch.input_ids,
+                                    position_ids=batch.doc_positions).logits
             ce = self.tp.loss_sum(logits, batch.labels)
         return self.backward_and_step(ce, batch)
 
@@ -178,6 +179,9 @@ def sp_constraints(args, world, config) -> list[str]:
         return standalone_constraints(args, world, config)
     if args.async_tp:
         return ["--async-tp decomposes Megatron SP's regions: use --variant megatron"]
+    if getattr(args, "doc_mask", False):
+        return ["--doc-mask: ulysses attends with SDPA's causal mode over the whole sequence, "
+                "not within each document (--variant megatron runs HF's packed-sequence mask)"]
     feats = attention_features(config, args.length)
     if feats:
         return [f"ulysses attends with SDPA's causal mode, which does not implement {feats[0]}"]
@@ -204,6 +208,7 @@ class SP(Strategy):
     name = "sp"
     optimizers = ("adamw", "muon")   # muon.py: rig/muon.py builds it
     lora = True
+    doc_mask = True   # (megatron: HF's forward and mask; ulysses refuses, sp_constraints)
     # --compare-native: tensor parallelism alone, for activation memory; with --async-tp the
     # synchronous regions
     native = staticmethod(lambda args: [SyncMegatronSP] if args.async_tp else [TP])

@@ -47,6 +47,7 @@ class TP(Strategy):
     optimizers = ("adamw", "muon")   # muon.py: rig/muon.py builds it
     lora = True
     chunked_ce = True
+    doc_mask = True
     plants = {
         "dropout-rank-local": Plant(dropout.PLANT_DOC, dropout.PLANT_ARGS),
         "no-f": Plant("a region's input enters without f: the backward misses the "
@@ -107,9 +108,11 @@ class TP(Strategy):
             with dropout.at(batch):
                 if self.args.ce_chunk:   # the vocab-parallel loss, ce_chunk tokens at a time
                     ce = chunked_loss_sum(self.model, batch.input_ids, batch.labels,
-                                          self.args.ce_chunk, self.tp.loss_sum)
+                                          self.args.ce_chunk, self.tp.loss_sum,
+                                          position_ids=batch.doc_positions)
                 else:
-                    ce = self.tp.loss_sum(self.model(input_ids=batch.input_ids).logits,
+                    ce = self.tp.loss_sum(self.model(input_ids=batch.input_ids,
+                                                     position_ids=batch.doc_positions).logits,
                                           batch.labels)
         return self.backward_and_step(ce, batch)
 

@@ -56,6 +56,7 @@ class ZeRO(Strategy):
     name = "zero"
     optimizers = ("adamw", "muon")   # muon.py: optimizer_on_shards builds it
     lora = True
+    doc_mask = True
     muon_modes = ("auto", "owner", "gather")
     syncs_initial_params = False
     # One configuration catches the first four (stage 2: accumulation; float32 + --clip: the

@@ -344,6 +344,7 @@ class ZeroPlusPlus(ZeRO):
     name = "zero++"
     optimizers, muon_modes = ("adamw",), ("auto",)   # (Muon over qwZ's int8 gathers: not built)
     lora = False   # (LoRA's frozen units under qwZ / hpZ / qgZ: not built)
+    doc_mask = False   # (its step runs its own micro-batch loop)
     _ZEROPP = ("--stage", "3", "--zeropp", "qwz,hpz,qgz", "--node-size", "2")
     plants = {
         "qwz-local-dequant": Plant("qwZ: each rank dequantizes every rank's int8 blocks "

@@ -1,0 +1,93 @@
+"""Packed documents (--doc-mask, harness/data.py): each row cut into documents of long-tailed
+lengths, each attending within itself, positions restarting at 0. The oracle: a packed row's
+per-token losses and gradients are those of its documents run one by one without packing
+(float64, HF's eager and SDPA attention). Then every strategy that runs HF's forward (ddp, zero,
+fsdp, tp, sp megatron) against the single-device reference with the same documents, at W=2 and
+an uneven W=3; the plant `doc-positions-dropped` (tests/test_plants.py) FAILs ddp; the
+strategies that run their own attention refuse in one line."""
+import numpy as np
+import pytest
+import torch
+
+import harness
+from harness.data import DOC_MIN, doc_lengths, doc_positions
+from conftest import Runs, assert_config_error, launch
+
+
+def test_documents_tile_each_row_with_a_long_tail():
+    lens = [doc_lengths(0, i, 64) for i in range(200)]
+    assert all(sum(l) == 64 for l in lens)
+    inner = [n for l in lens for n in l[:-1]]        # (the last is cut by the row's end)
+    assert min(inner) >= DOC_MIN and 5 <= np.median(inner) <= 8 and max(inner) > 32, inner
+    assert doc_lengths(0, 5, 64) == doc_lengths(0, 5, 64) != doc_lengths(1, 5, 64)
+    pos = doc_positions(0, 3, 2, 64)                  # restarts at each boundary
+    for row, l in zip(pos, (doc_lengths(0, 3, 64), doc_lengths(0, 4, 64))):
+        assert row.tolist() == [t for n in l for t in range(n)]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_packed_row_computes_its_documents_one_by_one(attn):
+    """The oracle, independent of the strategies: HF's forward with the documents' position ids
+    equals running each document alone (per-token CE and the gradients of their sum, float64);
+    without them (the plant's mistake) it does not. HF finds the documents only without a KV
+    cache (use_cache=False: the harness's models never make one) and without a 2-D mask."""
+    from transformers import AutoModelForCausalLM
+    from harness.models import Float64Kept   # (HF's norms would compute in float32)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(harness.load_config("tiny"),
+                                             attn_implementation=attn).double()
+    S = 48
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 256, (1, S + 1), generator=g)
+    x, y = ids[:, :-1], ids[:, 1:]
+    lens = doc_lengths(0, 7, S)
+    assert len(lens) >= 3
+    pos = doc_positions(0, 7, 1, S)
+
+    def ce(logits, labels):
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 labels.reshape(-1), reduction="none")
+    run = lambda ids, **kw: model(input_ids=ids, use_cache=False, **kw).logits   # noqa: E731
+    with Float64Kept():
+        packed = ce(run(x, position_ids=pos), y)
+    packed.sum().backward()
+    g_packed = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    alone, a = [], 0
+    with Float64Kept():
+        for n in lens:
+            alone.append(ce(run(x[:, a:a + n]), y[:, a:a + n]))
+            a += n
+        leaky = ce(run(x), y)                          # one document: attends across
+    alone = torch.cat(alone)
+    alone.sum().backward()
+    torch.testing.assert_close(packed, alone, rtol=1e-12, atol=1e-12)
+    for p, gp in zip(model.parameters(), g_packed):
+        torch.testing.assert_close(gp, p.grad, rtol=1e-10, atol=1e-12)
+    assert (leaky - alone).abs().max() > 1e-3
+
+
+PACKED = ["--mode", "correctness", "--doc-mask", "--dtype", "float64"]
+W2 = {s: Runs(s, 2, {"packed": PACKED + list(extra)}, tier="slow")
+      for s, extra in (("ddp.py", ["--grad-accum", "2"]), ("zero.py", ["--stage", "3"]),
+                       ("fsdp.py", []), ("tp.py", []), ("sp.py", ["--variant", "megatron"]))}
+W3 = Runs("ddp.py", 3, {"packed": PACKED + ["--batch", "6"]}, tier="slow")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,world", [(s, 2) for s in W2] + [("ddp.py", 3)])
+def test_every_strategy_on_hfs_forward_masks_the_documents(runs, script, world):
+    r = runs(W2[script] if world == 2 else W3, "packed")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    assert r.json("correctness.json")[0]["ok"], r
+
+
+@pytest.mark.parametrize("script,args,msg", [
+    ("pp.py", [], "--doc-mask: pp does not mask packed documents yet"),
+    ("cp_ring.py", [], "--doc-mask: cp"),
+    ("sp.py", ["--variant", "ulysses"], "--doc-mask: ulysses attends with SDPA's causal mode"),
+    ("compose4d.py", [], "--doc-mask: 4d does not mask packed documents yet"),
+])
+def test_a_strategy_with_its_own_attention_refuses_packed_documents(script, args, msg):
+    r = launch(script, 2, "--mode", "correctness", "--doc-mask", *args, as_rank0=True)
+    assert_config_error(r, msg, torchrun=False)
