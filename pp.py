@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness import Batch, attention_masks, clip_by_norm, lm_loss_sum, parts, phase, planted
+from harness import (Batch, attention_masks, clip_by_norm, document_masks, lm_loss_sum, parts,
+                     phase, planted)
 from harness.models import embed_output, head_output, rotary_by_type, set_part
 from harness import dropout
 # the pure plan (re-exported: pp.schedule, pp.simulate, pp.Grid, ... keep working)
@@ -175,21 +176,25 @@ class Pipeline:
         return chunk_owner(self.schedule_name, c, self.stages)
 
     # -- the model, cut into chunks --
-    def run_chunk(self, c, x, S):
+    def run_chunk(self, c, x, S, docs=None):
         """Chunk c's share of the model's own forward: x (B, S) token ids on the first chunk,
         else (B, S, H) hidden states -> (B, S, H), or (B, S, V) logits on the last (B: the
-        micro-batch's rows; S/T under Megatron SP, T = seq_shards). Around
+        micro-batch's rows; S/T under Megatron SP, T = seq_shards). docs (B, S): packed
+        documents' position ids (--doc-mask), their masks HF's own (document_masks). Around
         the layers it does what the family's forward does (harness.models: the embedding's
         multiplier, a rotary pair per layer type, the final norm, the logits' scale and cap);
         selfcheck.py proves it on the run's model before training."""
         p, config = self.parts, self.model.config
         pos = (torch.arange(S, device=x.device) if self.positions is None
-               else self.positions)[None]                                     # (1, S)
+               else self.positions)[None] if docs is None else docs           # (1 or B, S)
         h = embed_output(p, x) if c == 0 else x                               # (B, S, H)
         types = getattr(config, "layer_types", None)
-        cos_sin = rotary_by_type(p, h, pos, types)      # {type: ((1, S, d), (1, S, d))}
+        cos_sin = rotary_by_type(p, h, pos, types)      # {type: ((1 or B, S, d), ...)}
         masks = (None if self.positions is not None    # (context parallel: its own attention)
-                 else attention_masks(config, S, h.dtype, h.device))
+                 else attention_masks(config, S, h.dtype, h.device) if docs is None
+                 else document_masks(config, h, docs))
+        if planted("doc-mask-causal-only") and docs is not None:   # plant: attends across docs
+            masks = attention_masks(config, S, h.dtype, h.device)
         for i in self.chunk_layers[c]:
             kind = types[i] if types else "full_attention"
             h = p.layers[i](h, attention_mask=masks and masks[kind], position_ids=pos,
@@ -260,7 +265,7 @@ class Pipeline:
         sum / n_tokens (so the sum over micro-batches is the global mean), and the CE sum to
         report; the other chunks return their output activations and None."""
         with dropout.at(mbs[m], hidden=self.hidden_columns):
-            out = self.run_chunk(c, x, mbs[m].input_ids.shape[1])
+            out = self.run_chunk(c, x, mbs[m].input_ids.shape[1], mbs[m].doc_positions)
         if c < self.n_chunks - 1:
             return out, None
         ce = self.loss_sum(out, mbs[m].labels)

@@ -142,6 +142,7 @@ from .loss import IGNORE_INDEX, global_loss, lm_loss_sum, scalar  # noqa: F401
 from .memory import OOM_EXIT, MemoryTracker, SimulatedOOM, steady_peak  # noqa: F401
 from .meter import METER, CommMeter, Expect, group_name, name_group, phase  # noqa: F401
 from .models import (DTYPES, PRESETS, ConfigError, attention_features, attention_masks,  # noqa: F401
+                     document_masks,
                      attention_of, kv_heads, parts,
                      build_model,
                      common_constraints, soft_cap, resolve_attn,

@@ -395,6 +395,24 @@ def attention_masks(config, length: int, dtype, device) -> dict | None:
     return _MASKS[key]
 
 
+def document_masks(config, h: torch.Tensor, doc_positions: torch.Tensor) -> dict:
+    """The masks a decoder layer called on its own needs over packed documents (--doc-mask:
+    doc_positions (B, S), restarting at 0 in each document), by attention type: HF's own
+    (create_causal_mask / create_sliding_window_causal_mask with those position ids, its
+    packed-sequence path: causal within a document only), as the model's forward builds them.
+    h (B, S, H): only its shape, dtype and device are read."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    cfg = copy.copy(config)   # (the implementation whose mask HF builds, as attention_masks')
+    impl = (config._attn_implementation or "eager").removeprefix("recompute_")
+    cfg._attn_implementation = "eager" if impl == DROPOUT_IMPL else impl
+    kw = dict(config=cfg, inputs_embeds=h, attention_mask=None, cache=None,
+              position_ids=doc_positions)
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    build = {"full_attention": create_causal_mask,
+             "sliding_attention": create_sliding_window_causal_mask}
+    return {kind: build[kind](**kw) for kind in kinds}
+
+
 def soft_cap(logits: torch.Tensor, config) -> torch.Tensor:
     """Gemma2's final logit soft-capping, cap * tanh(logits / cap), as its model applies it."""
     cap = getattr(config, "final_logit_softcapping", None)

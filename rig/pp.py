@@ -59,11 +59,15 @@ class PP(Strategy):
     optimizers = ("adamw", "muon")   # muon.py: each stage holds whole matrices (replicated)
     lora = True
     name = "pp"
+    doc_mask = True   # (HF's packed-sequence masks around its own stage loop: document_masks)
     self_check = ("pp's stage loop", stage_loop)
     # One configuration catches them all: ZB-H1 (the stale-gradient bug needs a deferred W on a
     # middle stage, so 3 stages), tied embeddings (a first and a last stage copy), float32 with
     # clipping (a scale bug must not hide behind clipping).
     plants = {
+        "doc-mask-causal-only": Plant(
+            "packed documents' positions restart but the stage loop keeps the plain causal "
+            "mask: each token attends to the documents before it", ("--doc-mask",)),
         "microbatch-scale": Plant(
             "each micro-batch's loss divided by M on top of the global token count (gradients "
             "1/M; clipping would hide it)", TIED_PLANT_ARGS, world=3),

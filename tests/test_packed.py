@@ -2,9 +2,10 @@
 lengths, each attending within itself, positions restarting at 0. The oracle: a packed row's
 per-token losses and gradients are those of its documents run one by one without packing
 (float64, HF's eager and SDPA attention). Then every strategy that runs HF's forward (ddp, zero,
-fsdp, tp, sp megatron) against the single-device reference with the same documents, at W=2 and
-an uneven W=3; the plant `doc-positions-dropped` (tests/test_plants.py) FAILs ddp; the
-strategies that run their own attention refuse in one line."""
+fsdp, tp, sp megatron) and pp (its stage loop with HF's own document masks, document_masks)
+against the single-device reference with the same documents, at W=2 and an uneven W=3; the
+plants `doc-positions-dropped` (ddp) and `doc-mask-causal-only` (pp) FAIL (tests/test_plants.py);
+the strategies that run their own attention refuse in one line."""
 import numpy as np
 import pytest
 import torch
@@ -70,7 +71,8 @@ def test_a_packed_row_computes_its_documents_one_by_one(attn):
 PACKED = ["--mode", "correctness", "--doc-mask", "--dtype", "float64"]
 W2 = {s: Runs(s, 2, {"packed": PACKED + list(extra)}, tier="slow")
       for s, extra in (("ddp.py", ["--grad-accum", "2"]), ("zero.py", ["--stage", "3"]),
-                       ("fsdp.py", []), ("tp.py", []), ("sp.py", ["--variant", "megatron"]))}
+                       ("fsdp.py", []), ("tp.py", []), ("sp.py", ["--variant", "megatron"]),
+                       ("pp.py", ["--schedule", "zb"]))}
 W3 = Runs("ddp.py", 3, {"packed": PACKED + ["--batch", "6"]}, tier="slow")
 
 
@@ -83,7 +85,7 @@ def test_every_strategy_on_hfs_forward_masks_the_documents(runs, script, world):
 
 
 @pytest.mark.parametrize("script,args,msg", [
-    ("pp.py", [], "--doc-mask: pp does not mask packed documents yet"),
+    ("ep_moe.py", [], "--doc-mask: ep does not mask packed documents yet"),
     ("cp_ring.py", [], "--doc-mask: cp"),
     ("sp.py", ["--variant", "ulysses"], "--doc-mask: ulysses attends with SDPA's causal mode"),
     ("compose4d.py", [], "--doc-mask: 4d does not mask packed documents yet"),

@@ -66,7 +66,7 @@ def evaluate(pipe, batch: Batch, M: int) -> torch.Tensor:
                 for w in dist.batch_isend_irecv([dist.P2POp(
                         dist.irecv, x, group=pipe.group, group_peer=pipe.owner(c - 1))]):
                     w.wait()
-            out = pipe.run_chunk(c, x, S)
+            out = pipe.run_chunk(c, x, S, mb.doc_positions)
             if c < pipe.n_chunks - 1 and pipe.owner(c + 1) != pipe.rank:   # out (B, S/T, H)
                 for w in dist.batch_isend_irecv([dist.P2POp(
                         dist.isend, out.contiguous(), group=pipe.group,
