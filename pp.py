@@ -193,7 +193,7 @@ class Pipeline:
         masks = (None if self.positions is not None    # (context parallel: its own attention)
                  else attention_masks(config, S, h.dtype, h.device) if docs is None
                  else document_masks(config, h, docs))
-        if planted("doc-mask-causal-only") and docs is not None:   # plant: attends across docs
+        if planted("doc-mask-causal-only"):   # plant: packed documents attend across
             masks = attention_masks(config, S, h.dtype, h.device)
         for i in self.chunk_layers[c]:
             kind = types[i] if types else "full_attention"
