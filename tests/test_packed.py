@@ -2,8 +2,9 @@
 lengths, each attending within itself, positions restarting at 0. The oracle: a packed row's
 per-token losses and gradients are those of its documents run one by one without packing
 (float64, HF's eager and SDPA attention). Then every strategy that runs HF's forward (ddp, zero,
-fsdp, tp, sp megatron) and pp (its stage loop with HF's own document masks, document_masks)
-against the single-device reference with the same documents, at W=2 and an uneven W=3; the
+fsdp, tp, sp megatron), pp (its stage loop with HF's own document masks, document_masks) and
+compose4d's tp x pp against the single-device reference with the same documents, at W=2, an
+uneven W=3 and W=4; the
 plants `doc-positions-dropped` (ddp) and `doc-mask-causal-only` (pp) FAIL (tests/test_plants.py);
 the strategies that run their own attention refuse in one line."""
 import numpy as np
@@ -74,12 +75,14 @@ W2 = {s: Runs(s, 2, {"packed": PACKED + list(extra)}, tier="slow")
                        ("fsdp.py", []), ("tp.py", []), ("sp.py", ["--variant", "megatron"]),
                        ("pp.py", ["--schedule", "zb"]))}
 W3 = Runs("ddp.py", 3, {"packed": PACKED + ["--batch", "6"]}, tier="slow")
+W4 = Runs("compose4d.py", 4, {"packed": PACKED + ["--tp", "2", "--pp", "2"]}, tier="slow")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script,world", [(s, 2) for s in W2] + [("ddp.py", 3)])
+@pytest.mark.parametrize("script,world", [(s, 2) for s in W2] + [("ddp.py", 3),
+                                                                 ("compose4d.py", 4)])
 def test_every_strategy_on_hfs_forward_masks_the_documents(runs, script, world):
-    r = runs(W2[script] if world == 2 else W3, "packed")
+    r = runs(W2[script] if world == 2 else W3 if world == 3 else W4, "packed")
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     assert r.json("correctness.json")[0]["ok"], r
 
@@ -88,7 +91,8 @@ def test_every_strategy_on_hfs_forward_masks_the_documents(runs, script, world):
     ("ep_moe.py", [], "--doc-mask: ep does not mask packed documents yet"),
     ("cp_ring.py", [], "--doc-mask: cp"),
     ("sp.py", ["--variant", "ulysses"], "--doc-mask: ulysses attends with SDPA's causal mode"),
-    ("compose4d.py", [], "--doc-mask: 4d does not mask packed documents yet"),
+    ("compose4d.py", ["--cp", "2"], "--doc-mask with --cp: ring attention does not mask"),
+    ("compose4d.py", ["--tp", "2", "--sp"], "--doc-mask with --sp: the layers see 1/tp"),
 ])
 def test_a_strategy_with_its_own_attention_refuses_packed_documents(script, args, msg):
     r = launch(script, 2, "--mode", "correctness", "--doc-mask", *args, as_rank0=True)
