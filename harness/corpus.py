@@ -59,7 +59,7 @@ import tempfile
 import numpy as np
 import torch
 
-from .data import Batch
+from .data import Batch, eos_positions
 from .models import ConfigError
 
 VAL, PERM = 0x7A1, 0x9E6          # the seeded streams' tags: held-out draws, epoch permutations
@@ -521,10 +521,12 @@ class TextCorpus:
         return out
 
     def batch(self, split: str, step: int, batch: int, length: int, device,
-              offset: int | None = None) -> Batch:
+              offset: int | None = None, doc_mask: bool = False) -> Batch:
         """Samples [step*batch, (step+1)*batch), or [offset, offset+batch): like
         harness.data.make_batch, inputs x[:, :-1] and labels x[:, 1:] (every position has a
-        target; across a document boundary the target is EOS, then the next document)."""
+        target; across a document boundary the target is EOS, then the next document).
+        doc_mask: the documents' positions, restarting after each EOS (--doc-mask)."""
         start = step * batch if offset is None else offset
         x = torch.from_numpy(self.sample(split, start, batch, length))
-        return Batch.on_device(x[:, :-1], x[:, 1:], step, device)
+        docs = eos_positions(x[:, :-1], self.eos_id) if doc_mask else None
+        return Batch.on_device(x[:, :-1], x[:, 1:], step, device, docs)

@@ -180,6 +180,16 @@ def doc_positions(seed: int, start: int, count: int, length: int) -> torch.Tenso
     return torch.stack(rows)
 
 
+def eos_positions(inputs: torch.Tensor, eos: int) -> torch.Tensor:
+    """(B, S) int64: each token's position in its document when documents end with `eos`
+    (a corpus's stream doc0 EOS doc1 EOS ...): 0 after each EOS and at the window's start (a
+    document cut by the window starts there), the EOS the last position of its document."""
+    t = torch.arange(inputs.shape[1]).expand_as(inputs)
+    after = torch.where(inputs == eos, t + 1, 0)     # a document starts after each EOS
+    start = torch.cummax(torch.nn.functional.pad(after[:, :-1], (1, 0)), dim=1).values
+    return t - start
+
+
 def make_batch(lang: MarkovLanguage, step: int, batch: int, length: int, device,
                offset: int | None = None, ignore: bool = False,
                pad_id: int | None = None, doc_mask: bool = False) -> Batch:

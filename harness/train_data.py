@@ -98,14 +98,16 @@ class DataSource:
         self.fingerprint = corpus.fingerprint if corpus is not None else "synthetic"
 
     def train(self, step: int, batch: int, offset: int):
+        docs = getattr(self.args, "doc_mask", False)   # packed documents (--doc-mask)
         if self.corpus is None:
             return make_batch(self.lang, step, batch, self.args.length, self.device,
-                              offset=offset)
+                              offset=offset, doc_mask=docs)
         return self.corpus.batch("train", step, batch, self.args.length, self.device,
-                                 offset=offset)
+                                 offset=offset, doc_mask=docs)
 
     def val(self, k: int):
-        return self.corpus.batch("val", k, self.args.batch, self.args.length, self.device)
+        return self.corpus.batch("val", k, self.args.batch, self.args.length, self.device,
+                                 doc_mask=getattr(self.args, "doc_mask", False))
 
 
 def evaluate(strat, data: DataSource) -> tuple[float, float]:

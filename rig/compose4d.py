@@ -63,8 +63,7 @@ def compose_constraints(args, world, config) -> list[str]:
     if getattr(args, "doc_mask", False):   # (dp x tp x pp: pp.py's stage loop, HF's masks)
         why = ("--cp: ring attention does not mask documents yet" if C > 1 else
                "--sp: the layers see 1/tp of the sequence, the document masks the whole"
-               if args.sp else "a MoE model's router loss" if is_moe(config) else
-               "--mode train reads its own data" if args.mode == "train" else None)
+               if args.sp else "a MoE model's router loss" if is_moe(config) else None)
         if why:
             return [f"--doc-mask with {why}"]
     errs = tp_constraints(args, T, config) if T > 1 else []
@@ -143,7 +142,7 @@ def reference(ref_model, args, env):
 
 class Compose4D(Parallel4D, Strategy):
     name = "4d"
-    doc_mask = True   # (dp x tp x pp; refused with cp, sp, MoE and the train mode: constraints)
+    doc_mask = True   # (dp x tp x pp, the train mode too; refused with cp, sp, MoE: constraints)
     self_check = ("compose4d's stage loop (pp.py's)", stage_loop)
     reference = staticmethod(reference)
     # Realistic one-line bugs, each beside the line it breaks (grep the name), and the

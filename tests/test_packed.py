@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import harness
-from harness.data import DOC_MIN, doc_lengths, doc_positions
+from harness.data import DOC_MIN, doc_lengths, doc_positions, eos_positions
 from conftest import Runs, assert_config_error, launch
 
 
@@ -25,6 +25,14 @@ def test_documents_tile_each_row_with_a_long_tail():
     pos = doc_positions(0, 3, 2, 64)                  # restarts at each boundary
     for row, l in zip(pos, (doc_lengths(0, 3, 64), doc_lengths(0, 4, 64))):
         assert row.tolist() == [t for n in l for t in range(n)]
+
+
+def test_a_corpus_document_ends_at_its_eos():
+    """A corpus window (doc0 EOS doc1 EOS ...): positions restart after each EOS, the EOS the
+    last position of its document; a window starting mid-document starts at 0."""
+    x = torch.tensor([[5, 6, 2, 7, 8, 9, 2, 3], [2, 1, 1, 2, 2, 4, 4, 4]])
+    assert eos_positions(x, eos=2).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0],
+                                                [0, 0, 1, 2, 0, 0, 1, 2]]
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
