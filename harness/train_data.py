@@ -87,6 +87,10 @@ def constraints(args, config) -> list[str]:
         if meta.get("length", args.length) != args.length:
             return [f"--resume {args.resume}: the checkpoint was trained at --length "
                     f"{meta['length']}, not {args.length} (its samples would differ)"]
+        if meta.get("doc_mask", False) != getattr(args, "doc_mask", False):
+            was = "with" if meta.get("doc_mask", False) else "without"
+            return [f"--resume {args.resume}: the checkpoint was trained {was} --doc-mask (the "
+                    f"documents' masks are part of the objective: give the same flag)"]
     return []
 
 

@@ -241,6 +241,12 @@ def test_resume_refuses_a_checkpoint_of_other_data(tmp_path, runs):
                "--resume", ck(os.path.dirname(first.out)), as_rank0=True)
     assert_config_error(r, "--resume", torchrun=False)
     assert "trained on other data" in r.stderr
+    # the same data, but its documents masked: another objective
+    r = launch("compose4d.py", 2, *TRAIN, "--model", p["llama"], "--data", p["corpus"],
+               "--val-fraction", "0.1", "--doc-mask", "--resume", ck(os.path.dirname(first.out)),
+               as_rank0=True)
+    assert_config_error(r, f"--resume {ck(os.path.dirname(first.out))}: the checkpoint was "
+                           f"trained without --doc-mask", torchrun=False)
 
 
 @pytest.mark.slow

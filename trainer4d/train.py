@@ -275,7 +275,7 @@ def run_train(run: Run, cls) -> bool:
     pre = Preemption()
     extra = lambda off, **kw: dict(samples=off, global_batch=target, restarts=restarts,  # noqa
                                    batch=args.batch, grad_accum=args.grad_accum,
-                                   data=data.fingerprint,
+                                   data=data.fingerprint, doc_mask=bool(args.doc_mask),
                                    length=args.length, **kw)
     t0, tok = time.time(), 0
     end = min(args.steps, args.stop_at or args.steps)
