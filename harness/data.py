@@ -161,21 +161,23 @@ def ignore_spans(seed: int, start: int, count: int, length: int) -> np.ndarray:
 DOC_ALPHA, DOC_MIN = 1.2, 4
 
 
-def doc_lengths(seed: int, sample: int, length: int) -> list[int]:
-    """The documents' lengths of sample `sample`'s row of `length` tokens (they sum to it)."""
+def doc_lengths(seed: int, sample: int, length: int, minimum: int = DOC_MIN) -> list[int]:
+    """The documents' lengths of sample `sample`'s row of `length` tokens (they sum to it);
+    `minimum`, the Pareto's scale (cp_balance.py's study scales it with the sequence)."""
     rng = np.random.default_rng([seed, sample, 0xD0C])
     out, left = [], length
     while left > 0:
-        n = int(DOC_MIN * (1.0 - rng.random()) ** (-1.0 / DOC_ALPHA))
-        out.append(min(max(n, DOC_MIN), left))
+        n = int(minimum * (1.0 - rng.random()) ** (-1.0 / DOC_ALPHA))
+        out.append(min(max(n, minimum), left))
         left -= out[-1]
     return out
 
 
-def doc_positions(seed: int, start: int, count: int, length: int) -> torch.Tensor:
+def doc_positions(seed: int, start: int, count: int, length: int,
+                  minimum: int = DOC_MIN) -> torch.Tensor:
     """(count, length) int64: each token's position in its document, for samples
     start..start+count-1 (0 at each document's first token)."""
-    rows = [torch.cat([torch.arange(n) for n in doc_lengths(seed, i, length)])
+    rows = [torch.cat([torch.arange(n) for n in doc_lengths(seed, i, length, minimum)])
             for i in range(start, start + count)]
     return torch.stack(rows)
 
