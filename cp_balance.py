@@ -27,7 +27,7 @@ Public API
     rank_work(work, chunks)         (C,) pairs per rank; imbalance(...) max / mean
     permutation(chunks)             the row's positions in rank order (and its inverse: argsort)
 
-Run:  python scripts/cp_balance.py   (zig-zag's and the balancer's max/mean work, C = 2, 4, 8)
+Run:  python scripts/cp_balance_study.py   (zig-zag's and the balancer's max/mean work, C = 2, 4, 8)
 """
 import torch
 

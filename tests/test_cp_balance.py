@@ -59,8 +59,8 @@ def test_the_permutation_puts_each_ranks_tokens_together_and_inverts():
 
 def test_the_results_file_is_its_commands_output():
     import importlib.util
-    spec = importlib.util.spec_from_file_location("cp_balance_run",
-                                                  os.path.join(ROOT, "scripts", "cp_balance.py"))
+    spec = importlib.util.spec_from_file_location("cp_balance_study",
+                                                  os.path.join(ROOT, "scripts", "cp_balance_study.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     saved = json.load(open(os.path.join(ROOT, "results", "cp-balance-cpu.json")))["rows"]

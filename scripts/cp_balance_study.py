@@ -1,7 +1,7 @@
-"""cp_balance.py: context parallelism's work per rank on packed documents, zig-zag against the
+"""cp_balance_study.py: context parallelism's work per rank on packed documents, zig-zag against the
 greedy balancer (cp_balance.py at the root: the formulas and the design).
 
-    python scripts/cp_balance.py --out results/cp-balance-cpu.json
+    python scripts/cp_balance_study.py --out results/cp-balance-cpu.json
 
 Batches of B = 8 rows of S = 4096 tokens, each row packed with documents whose lengths follow
 harness.data's long tail (Pareto, alpha = 1.2) scaled to the sequence (at least S / 32 = 128
@@ -54,7 +54,7 @@ def main():
               f" (worst batch {r['worst']:.3f})")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(dict(command="python scripts/cp_balance.py --out " + a.out,
+            json.dump(dict(command="python scripts/cp_balance_study.py --out " + a.out,
                            machine=f"{platform.machine()} CPU (arithmetic only)",
                            B=B, S=S, batches=BATCHES, doc_min=S // 32, rows=table), f, indent=1)
 
