@@ -28,7 +28,8 @@ Public API
     tpm = parallelize(model, group, async_tp=False)   Megatron SP; tp.py's loop (the norms'
         gradients join tpm.reduce_partial_grads())
     dp = parallelize_ulysses(model, group)   Ulysses, under ddp.DataParallel; each rank feeds
-        its 1/W of every sequence. Loops: examples/tp_train.py --sp, examples/ulysses_train.py
+        its 1/W of every sequence; set_documents(model, doc_positions) for packed documents.
+        Loops: examples/tp_train.py --sp, examples/ulysses_train.py
 
 Run:  torchrun --nproc_per_node=2 sp.py --mode correctness --variant ulysses   (megatron)
 """
@@ -253,19 +254,42 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     group = module.sp_group
     q, k, v = (SeqToHeads.apply(t, group) for t in (query, key, value))   # -> (B, n/W, S, d)
-    # All tokens of the sequence are here now: plain causal attention over them.
+    # All tokens of the sequence are here now: plain causal attention over them, or causal
+    # within each packed document (set_documents): (B, 1, S, S), True where a query may attend
+    mask = documents_mask(module.sp_documents) if module.sp_documents is not None else None
+    if planted("ulysses-causal-only"):   # plant: packed documents attend across boundaries
+        mask = None
     if dropout > 0 and module.training:   # (dropout.py: masks keyed by global heads)
         h, r = q.shape[1], dist.get_rank(group)
         heads = getattr(module, "dropout_heads", None)
         heads = (torch.arange(h * dist.get_world_size(group)) if heads is None else heads)
-        out, _ = harness_dropout.attention(module, q, k, v, None, scaling, dropout,
+        additive = None if mask is None else torch.zeros(
+            mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
+        out, _ = harness_dropout.attention(module, q, k, v, additive, scaling, dropout,
                                            heads=heads[r * h:(r + 1) * h])   # [n_h] -> [n_h/W]
     else:
-        out, _ = sdpa_attention_forward(module, q, k, v, None, scaling=scaling, dropout=dropout,
-                                        is_causal=True)
+        out, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=scaling, dropout=dropout,
+                                        is_causal=mask is None)
     # out (B, S, n_h/W, d) -> (B, n_h/W, S, d) -> (B, n_h, S/W, d)
     out = HeadsToSeq.apply(out.transpose(1, 2).contiguous(), group)
     return out.transpose(1, 2).contiguous(), None                    # -> (B, S/W, n_h, d)
+
+
+def documents_mask(doc_positions: torch.Tensor) -> torch.Tensor:
+    """(B, S) positions within packed documents (0 at each document's first token) -> (B, 1,
+    S, S) bool: query i may attend to key j when j <= i in the same document."""
+    doc = (doc_positions == 0).cumsum(-1)                             # (B, S) document index
+    i = torch.arange(doc.shape[1], device=doc.device)
+    return (doc[:, None, :, None] == doc[:, None, None, :]) & (i[:, None] >= i[None, :])
+
+
+def set_documents(model, doc_positions):
+    """Packed documents for the next forwards (--doc-mask): the whole sequences' (B, S)
+    positions within their documents (None: one document per row). Ulysses attends over the
+    whole sequence, so it masks by them itself; HF's forward gets each rank's own columns of
+    them as position_ids (the rotary restarts)."""
+    for layer in parts(model).layers:
+        attention_of(layer).sp_documents = doc_positions
 
 
 def parallelize_ulysses(model, group=None, **dp_kwargs):
@@ -281,6 +305,7 @@ def parallelize_ulysses(model, group=None, **dp_kwargs):
     model.config._attn_implementation = "ulysses"
     for layer in parts(model).layers:
         attention_of(layer).sp_group = group
+    set_documents(model, None)
     return ddp.DataParallel(model, group, **dp_kwargs)
 
 

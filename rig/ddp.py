@@ -207,9 +207,11 @@ def token_sharded_step(strat, batch: Batch, pos: torch.Tensor) -> float:
     clip, step. Returns the global loss."""
     W, B = strat.env.world, batch.input_ids.shape[0]
     strat.optimizer.zero_grad(set_to_none=False)   # in place: .grad stays a view of its bucket
+    # global positions, or within each packed document (--doc-mask): (B, S/W)
+    where = pos[None].expand(B, -1) if batch.doc_positions is None else batch.doc_positions[:, pos]
     with phase("forward"), dropout.at(batch, hidden=pos):   # (all columns in attention)
         logits = strat.dp(input_ids=batch.input_ids[:, pos],   # (B, S) -> (B, S/W)
-                             position_ids=pos[None].expand(B, -1)).logits   # (B, S/W, V)
+                          position_ids=where).logits           # (B, S/W, V)
         ce = lm_loss_sum(logits, batch.labels[:, pos])
     with phase("backward"):
         (ce * W / batch.n_tokens).backward()   # averaged by the end of the backward

@@ -10,7 +10,7 @@ from harness.precision import grad_reduce_dtype
 from harness.cli import main as harness_main
 
 from sp import (ULYSSES_ALL_TO_ALLS, parallelize, parallelize_ulysses, region_collectives,
-                ulysses_bytes)
+                set_documents, ulysses_bytes)
 
 from rig.ddp import make_optimizer, token_sharded_step
 from rig.tp import (PLANT_ARGS, tp_gather_rows, TP, norm_sharded_comm, partial_numel,
@@ -118,6 +118,10 @@ class Ulysses(Strategy):
                                       "positions) while the all-to-all lays shards out as "
                                       "contiguous chunks: causal attention sees them out of "
                                       "order", ULYSSES_ARGS),
+        "ulysses-causal-only": Plant("packed documents' positions restart but the gathered "
+                                     "sequence is attended with the plain causal mask: each "
+                                     "token sees the documents before it",
+                                     ("--variant", "ulysses", "--doc-mask")),
     }
 
     def __init__(self, model, args, env):
@@ -132,6 +136,7 @@ class Ulysses(Strategy):
             self.pos = torch.arange(r, args.length, env.world, device=env.device)
 
     def step(self, batch):
+        set_documents(self.model, batch.doc_positions)   # (--doc-mask: packed documents)
         return token_sharded_step(self, batch, self.pos)
 
     def expected_comm(self):
@@ -179,9 +184,6 @@ def sp_constraints(args, world, config) -> list[str]:
         return standalone_constraints(args, world, config)
     if args.async_tp:
         return ["--async-tp decomposes Megatron SP's regions: use --variant megatron"]
-    if getattr(args, "doc_mask", False):
-        return ["--doc-mask: ulysses attends with SDPA's causal mode over the whole sequence, "
-                "not within each document (--variant megatron runs HF's packed-sequence mask)"]
     feats = attention_features(config, args.length)
     if feats:
         return [f"ulysses attends with SDPA's causal mode, which does not implement {feats[0]}"]
