@@ -16,7 +16,8 @@ The idea
     rank still holds S / C tokens (the ring's shapes stay equal). One assignment per batch (its
     rows share the layout). Applying it permutes the rows into rank order (`permutation`)
     before the model; the labels and the gradients must follow the same permutation, so that
-    the loss is the unpermuted batch's (cp_ring does not apply it yet: it refuses --doc-mask).
+    the loss is the unpermuted batch's (cp_ring masks the documents on zig-zag's layout and does
+    not apply this one yet).
     torchtitan's context-parallel package ships a processing-time round-robin balancer for
     document masks beside its head-tail one (zig-zag); this is its greedy cousin.
 

@@ -79,6 +79,7 @@ class CPContext:
         self.rank = dist.get_rank(group) if rank is None else rank
         self.chunks = layout(variant, self.world, seq)
         self.kernel = kernel or TorchKernel()   # the block kernel (cp_kernels.pick_kernel)
+        self.blocks = {}   # (q range, k range) -> packed documents' mask or "skip" (set_documents)
 
     def offsets(self, rank):
         """(start, end) of each chunk inside rank's local tensor, with its global range."""
@@ -120,8 +121,11 @@ def _ungroup(x, n_rep):
 
 
 def _scores(q, k, scale, rel, qr, kr, n_rep=1):
-    """Scores of grouped queries (rows: n_rep heads x the positions qr) against k."""
+    """Scores of grouped queries (rows: n_rep heads x the positions qr) against k; rel a
+    (B, c_q, c_k) tensor: packed documents' own mask (doc_blocks), True where a query sees."""
     s = (q @ k.transpose(-1, -2)) * scale   # q (B, n_kv, n_rep*c_q, d) -> (B, n_kv, n_rep*c_q, c_k)
+    if isinstance(rel, torch.Tensor):       # (B, c_q, c_k) -> (B, 1, n_rep*c_q, c_k)
+        return s.masked_fill(~rel.repeat(1, n_rep, 1)[:, None], NEG_INF)
     if rel == "mask":
         qpos = torch.arange(*qr, device=q.device).repeat(n_rep)   # (n_rep*c_q,)
         kpos = torch.arange(*kr, device=q.device)
@@ -219,15 +223,32 @@ def _wait(reqs):
         r.wait()
 
 
+def set_documents(cp, doc_positions):
+    """Packed documents for the next forwards (--doc-mask): the whole sequences' (B, S)
+    positions within their documents (None: one document per row). Each block pair then gets
+    its own mask, causal within a document (B, c_q, c_k), and a pair in which no query may see
+    any key is skipped, not computed and masked (decided here, with one host read per step)."""
+    cp.blocks = {}
+    doc = None if doc_positions is None else (doc_positions == 0).cumsum(-1)   # (B, S) doc index
+    for qr, kr in ((qr, kr) for _, _, qr in cp.offsets(cp.rank) for r in range(cp.world)
+                   for _, _, kr in cp.offsets(r) if doc is not None):
+        qi, ki = (torch.arange(*x, device=doc.device) for x in (qr, kr))
+        cp.blocks[qr, kr] = (doc[:, qi, None] == doc[:, None, ki]) & (ki <= qi[:, None])
+    seen = torch.stack([m.any() for m in cp.blocks.values()]).tolist() if doc is not None else []
+    cp.blocks = {key: m if any_ else "skip" for (key, m), any_ in zip(cp.blocks.items(), seen)}
+
+
 def _pairs(cp, src):
     """(query chunk, key chunk, relation) for this rank's queries against rank src's K/V,
     each chunk as (local start, local end, global range); pairs with no causal work left out."""
     for qa, qb, qr in cp.offsets(cp.rank):
         for ka, kb, kr in cp.offsets(src):
-            rel = relation(qr, kr)
+            rel = cp.blocks.get((qr, kr), relation(qr, kr))   # (packed documents: their mask)
             if planted("unmasked-diagonal"):   # plant: the diagonal block attends to its future
-                rel = "full" if rel == "mask" else rel
-            if rel != "skip":
+                rel = "full" if isinstance(rel, str) and rel == "mask" else rel
+            if planted("doc-mask-own-rank-only"):   # plant: other ranks' blocks causal only
+                rel = rel if src == cp.rank else relation(qr, kr)
+            if not (isinstance(rel, str) and rel == "skip"):
                 yield (qa, qb, qr), (ka, kb, kr), rel
 
 

@@ -61,7 +61,7 @@ def compose_constraints(args, world, config) -> list[str]:
     if errs:
         return errs
     if getattr(args, "doc_mask", False):   # (dp x tp x pp: pp.py's stage loop, HF's masks)
-        why = ("--cp: ring attention does not mask documents yet" if C > 1 else
+        why = ("--cp: compose4d does not hand the documents to the ring yet" if C > 1 else
                "--sp: the layers see 1/tp of the sequence, the document masks the whole"
                if args.sp else "a MoE model's router loss" if is_moe(config) else None)
         if why:

@@ -11,7 +11,7 @@ from rig.ddp import make_optimizer, token_sharded_step
 import ddp
 from cp_kernels import pick_kernel
 from cp_ring import (ALLGATHER_COLLECTIVES, layout, parallelize, positions, ring_bytes,
-                     ring_messages)
+                     ring_messages, set_documents)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -57,6 +57,7 @@ PLANT_ARGS = ("--dtype", "float32", "--clip", "0.5")
 class CP(Strategy):
     optimizers = ("adamw", "muon")   # muon.py: replicated weights, NS duplicated
     lora = True
+    doc_mask = True   # (each block pair its documents' mask: cp_ring.set_documents; torch kernel)
     name = "cp"
     plants = {
         "no-average": Plant("the CP group's gradient all_reduce sums instead of "
@@ -71,6 +72,10 @@ class CP(Strategy):
         "contiguous-tokens": Plant("tokens split into contiguous chunks (with their "
                                           "positions) while attention assumes the zig-zag "
                                           "layout", PLANT_ARGS),
+        "doc-mask-own-rank-only": Plant("packed documents: only the blocks of the rank's own "
+                                        "K/V get the documents' mask, the other ranks' blocks "
+                                        "stay causal (a leak across a boundary at a chunk edge)",
+                                        ("--doc-mask", *PLANT_ARGS)),
         "no-reduce-scatter": Plant("allgather: dK/dV keep only this rank's queries' "
                                           "share instead of the reduce-scatter's sum",
                                           ("--variant", "allgather", *PLANT_ARGS)),
@@ -86,7 +91,9 @@ class CP(Strategy):
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
         self.name = f"cp-{args.variant}"
-        kernel, self.kernel_line = pick_kernel(args.attn_kernel, env.device, DTYPES[args.dtype])
+        # (packed documents: their masks go to the pure-torch block kernel)
+        kernel, self.kernel_line = pick_kernel("torch" if args.doc_mask else args.attn_kernel,
+                                               env.device, DTYPES[args.dtype])
         if env.is_main:
             print(self.kernel_line, flush=True)
         # Instrumentation from outside the algorithm: time inside the block kernel, and its
@@ -104,6 +111,7 @@ class CP(Strategy):
         self.optimizer = make_optimizer(model, args)   # (replicated weights)
 
     def step(self, batch):
+        set_documents(self.cp, batch.doc_positions)   # (--doc-mask: packed documents)
         return token_sharded_step(self, batch, self.pos)
 
     def expected_comm(self):

@@ -3,7 +3,8 @@ lengths, each attending within itself, positions restarting at 0. The oracle: a 
 per-token losses and gradients are those of its documents run one by one without packing
 (float64, HF's eager and SDPA attention). Then every strategy that runs HF's forward (ddp, zero,
 fsdp, tp, sp megatron), pp (its stage loop with HF's own document masks, document_masks),
-Ulysses (its own mask over the gathered sequence, sp.documents_mask) and compose4d's tp x pp against the single-device reference with the same documents, at W=2, an
+Ulysses (its own mask over the gathered sequence, sp.documents_mask), ring attention (each
+block pair its documents' mask, cp_ring.set_documents) and compose4d's tp x pp against the single-device reference with the same documents, at W=2, an
 uneven W=3 and W=4; the
 plants `doc-positions-dropped` (ddp) and `doc-mask-causal-only` (pp) FAIL (tests/test_plants.py);
 the strategies that run their own attention refuse in one line."""
@@ -77,12 +78,31 @@ def test_a_packed_row_computes_its_documents_one_by_one(attn):
     assert (leaky - alone).abs().max() > 1e-3
 
 
+def test_ring_attention_skips_a_block_pair_no_query_can_see():
+    """cp_ring.set_documents: two documents of 8 tokens over a zig-zag of 2 ranks (chunks of 4):
+    rank 0's last chunk (12-16, document 1) against its first (0-4, document 0) has no allowed
+    pair and is skipped; the diagonal blocks keep the causal mask within their document."""
+    import cp_ring
+    cp = cp_ring.CPContext("zigzag", None, 16, world=2, rank=0)
+    cp_ring.set_documents(cp, torch.cat([torch.arange(8), torch.arange(8)])[None])
+    assert cp.blocks[(12, 16), (0, 4)] == "skip" and cp.blocks[(12, 16), (8, 12)] != "skip"
+    diag = cp.blocks[(0, 4), (0, 4)]
+    assert torch.equal(diag[0], torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+    # against rank 1's chunks 4-8 (document 0) and 8-12 (document 1): only 12-16 sees 8-12,
+    # in full; the other three pairs are skipped (two by causality, one by the documents)
+    rels = [rel for _, _, rel in cp_ring._pairs(cp, 1)]
+    assert len(rels) == 1 and bool(rels[0].all())
+    cp_ring.set_documents(cp, None)
+    assert cp.blocks == {}
+
+
 PACKED = ["--mode", "correctness", "--doc-mask", "--dtype", "float64"]
 W2 = {s: Runs(s.split()[0], 2, {"packed": PACKED + list(extra)}, tier="slow")
       for s, extra in (("ddp.py", ["--grad-accum", "2"]), ("zero.py", ["--stage", "3"]),
                        ("fsdp.py", []), ("tp.py", []), ("sp.py", ["--variant", "megatron"]),
                        ("sp.py ulysses", ["--variant", "ulysses", "--dropout", "0.1"]),
-                       ("pp.py", ["--schedule", "zb"]))}
+                       ("pp.py", ["--schedule", "zb"]),
+                       ("cp_ring.py", []), ("cp_ring.py allgather", ["--variant", "allgather"]))}
 W3 = Runs("ddp.py", 3, {"packed": PACKED + ["--batch", "6"]}, tier="slow")
 W4 = Runs("compose4d.py", 4, {"packed": PACKED + ["--tp", "2", "--pp", "2"]}, tier="slow")
 
@@ -98,8 +118,7 @@ def test_every_strategy_on_hfs_forward_masks_the_documents(runs, script, world):
 
 @pytest.mark.parametrize("script,args,msg", [
     ("ep_moe.py", [], "--doc-mask: ep does not mask packed documents yet"),
-    ("cp_ring.py", [], "--doc-mask: cp"),
-    ("compose4d.py", ["--cp", "2"], "--doc-mask with --cp: ring attention does not mask"),
+    ("compose4d.py", ["--cp", "2"], "--doc-mask with --cp: compose4d does not hand"),
     ("compose4d.py", ["--tp", "2", "--sp"], "--doc-mask with --sp: the layers see 1/tp"),
 ])
 def test_a_strategy_with_its_own_attention_refuses_packed_documents(script, args, msg):
