@@ -16,8 +16,8 @@ The idea
     rank still holds S / C tokens (the ring's shapes stay equal). One assignment per batch (its
     rows share the layout). Applying it permutes the rows into rank order (`permutation`)
     before the model; the labels and the gradients must follow the same permutation, so that
-    the loss is the unpermuted batch's (cp_ring masks the documents on zig-zag's layout and does
-    not apply this one yet).
+    the loss is the unpermuted batch's: each rank gathers its columns of the inputs and of the
+    labels with the same positions (`apply`; cp_ring's --cp-balance greedy).
     torchtitan's context-parallel package ships a processing-time round-robin balancer for
     document masks beside its head-tail one (zig-zag); this is its greedy cousin.
 
@@ -27,6 +27,7 @@ Public API
     balanced(doc_pos, C, m=4)       the greedy assignment for this batch's documents
     rank_work(work, chunks)         (C,) pairs per rank; imbalance(...) max / mean
     permutation(chunks)             the row's positions in rank order (and its inverse: argsort)
+    apply(cp, chunks)               cp_ring's context takes the layout (then set_documents)
 
 Run:  python scripts/cp_balance_study.py   (zig-zag's and the balancer's max/mean work, C = 2, 4, 8)
 """
@@ -71,6 +72,14 @@ def imbalance(work: torch.Tensor, chunks) -> float:
     """max / mean of the ranks' work: 1 is perfect; the ring's step waits for the max."""
     w = rank_work(work, chunks).double()
     return float(w.max() / w.mean())
+
+
+def apply(cp, chunks):
+    """Give cp_ring's context (cp_ring.CPContext) this batch's layout: every rank's chunks
+    (its blocks' global ranges) and this rank's positions, the columns of the batch it feeds
+    and whose labels it scores (one gather for both: the loss is the batch's, unpermuted)."""
+    cp.chunks = chunks
+    cp.positions = permutation([chunks[cp.rank]])
 
 
 def permutation(chunks) -> torch.Tensor:

@@ -8,6 +8,7 @@ from harness.timing import CallTimer
 from harness.cli import main as harness_main
 from rig.ddp import make_optimizer, token_sharded_step
 
+import cp_balance
 import ddp
 from cp_kernels import pick_kernel
 from cp_ring import (ALLGATHER_COLLECTIVES, layout, parallelize, positions, ring_bytes,
@@ -37,6 +38,11 @@ def cp_constraints(args, world, config) -> list[str]:
                     f"({args.variant} layout over {world} ranks)")
     errs += [f"context parallelism's ring attention does not implement {f}"
              for f in ring_refusals(config, args.length)]
+    if args.cp_balance != "none" and not args.doc_mask:
+        errs.append("--cp-balance greedy balances packed documents' work: give --doc-mask")
+    elif args.cp_balance != "none" and args.length % (2 * world * 4):
+        errs.append(f"--cp-balance greedy: sequence length {args.length} is not divisible by "
+                    f"2 x cp x 4 = {8 * world} chunks")
     return errs
 
 
@@ -76,6 +82,10 @@ class CP(Strategy):
                                         "K/V get the documents' mask, the other ranks' blocks "
                                         "stay causal (a leak across a boundary at a chunk edge)",
                                         ("--doc-mask", *PLANT_ARGS)),
+        "balanced-labels-zigzag": Plant("--cp-balance greedy: the inputs take the balanced "
+                                        "layout's columns, the labels keep zig-zag's (the "
+                                        "permutation not applied to the labels)",
+                                        ("--doc-mask", "--cp-balance", "greedy", *PLANT_ARGS)),
         "no-reduce-scatter": Plant("allgather: dK/dV keep only this rank's queries' "
                                           "share instead of the reduce-scatter's sum",
                                           ("--variant", "allgather", *PLANT_ARGS)),
@@ -84,13 +94,16 @@ class CP(Strategy):
     @staticmethod
     def add_args(p):
         p.add_argument("--variant", default="zigzag", choices=["zigzag", "ring", "allgather"])
+        p.add_argument("--cp-balance", default="none", choices=["none", "greedy"],
+                       help="with --doc-mask: each batch's layout by its documents' causal "
+                            "work (cp_balance.py) instead of the variant's")
         add_kernel_arg(p)
 
     constraints = staticmethod(cp_constraints)
 
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
-        self.name = f"cp-{args.variant}"
+        self.name = f"cp-{args.variant}" + ("-greedy" if args.cp_balance == "greedy" else "")
         # (packed documents: their masks go to the pure-torch block kernel)
         kernel, self.kernel_line = pick_kernel("torch" if args.doc_mask else args.attn_kernel,
                                                env.device, DTYPES[args.dtype])
@@ -102,7 +115,7 @@ class CP(Strategy):
         kernel.forward = self.kernel_time.wrap(kernel.forward, work=_block_flops)
         kernel.backward = self.kernel_time.wrap(kernel.backward)
         self.cp = parallelize(model, None, args.length, args.variant, kernel)
-        self.pos = self.cp.positions.to(env.device)
+        self.pos = self.zigzag_pos = self.cp.positions.to(env.device)
         if planted("contiguous-tokens"):   # plant: the usual contiguous split
             self.pos = positions(layout("ring", env.world, args.length)[env.rank]).to(env.device)
         # Same weights, different tokens: gradients are summed over the CP group.
@@ -111,8 +124,14 @@ class CP(Strategy):
         self.optimizer = make_optimizer(model, args)   # (replicated weights)
 
     def step(self, batch):
+        label_pos = None
+        if self.args.cp_balance == "greedy":   # this batch's layout, by its documents' work
+            cp_balance.apply(self.cp, cp_balance.balanced(batch.doc_positions, self.env.world))
+            self.pos = label_pos = self.cp.positions.to(self.env.device)
+            if planted("balanced-labels-zigzag"):   # plant: the labels keep zig-zag's columns
+                label_pos = self.zigzag_pos
         set_documents(self.cp, batch.doc_positions)   # (--doc-mask: packed documents)
-        return token_sharded_step(self, batch, self.pos)
+        return token_sharded_step(self, batch, self.pos, label_pos)
 
     def expected_comm(self):
         cfg, a, W = self.model.config, self.args, self.env.world

@@ -200,11 +200,11 @@ class FullLogitsDDP(DDP):
 DDP.native = staticmethod(lambda args: [FullLogitsDDP] if args.ce_chunk else [TorchDDP])
 
 
-def token_sharded_step(strat, batch: Batch, pos: torch.Tensor) -> float:
+def token_sharded_step(strat, batch: Batch, pos: torch.Tensor, label_pos=None) -> float:
     """One step when ranks hold the same weights but different tokens of every sequence
     (Ulysses, context parallelism): forward this rank's positions `pos` with their global
     position ids, backpropagate W * CE_sum / N, average the gradients (strat.dp, DataParallel),
-    clip, step. Returns the global loss."""
+    clip, step. Returns the global loss. label_pos: the labels' columns (default pos)."""
     W, B = strat.env.world, batch.input_ids.shape[0]
     strat.optimizer.zero_grad(set_to_none=False)   # in place: .grad stays a view of its bucket
     # global positions, or within each packed document (--doc-mask): (B, S/W)
@@ -212,7 +212,7 @@ def token_sharded_step(strat, batch: Batch, pos: torch.Tensor) -> float:
     with phase("forward"), dropout.at(batch, hidden=pos):   # (all columns in attention)
         logits = strat.dp(input_ids=batch.input_ids[:, pos],   # (B, S) -> (B, S/W)
                           position_ids=where).logits           # (B, S/W, V)
-        ce = lm_loss_sum(logits, batch.labels[:, pos])
+        ce = lm_loss_sum(logits, batch.labels[:, pos if label_pos is None else label_pos])
     with phase("backward"):
         (ce * W / batch.n_tokens).backward()   # averaged by the end of the backward
     with phase("optimizer"):

@@ -4,7 +4,8 @@ per-token losses and gradients are those of its documents run one by one without
 (float64, HF's eager and SDPA attention). Then every strategy that runs HF's forward (ddp, zero,
 fsdp, tp, sp megatron), pp (its stage loop with HF's own document masks, document_masks),
 Ulysses (its own mask over the gathered sequence, sp.documents_mask), ring attention (each
-block pair its documents' mask, cp_ring.set_documents) and compose4d's tp x pp against the single-device reference with the same documents, at W=2, an
+block pair its documents' mask, cp_ring.set_documents; on zig-zag's layout and on the greedy
+balancer's, cp_balance.py) and compose4d's tp x pp against the single-device reference with the same documents, at W=2, an
 uneven W=3 and W=4; the
 plants `doc-positions-dropped` (ddp) and `doc-mask-causal-only` (pp) FAIL (tests/test_plants.py);
 the strategies that run their own attention refuse in one line."""
@@ -102,7 +103,8 @@ W2 = {s: Runs(s.split()[0], 2, {"packed": PACKED + list(extra)}, tier="slow")
                        ("fsdp.py", []), ("tp.py", []), ("sp.py", ["--variant", "megatron"]),
                        ("sp.py ulysses", ["--variant", "ulysses", "--dropout", "0.1"]),
                        ("pp.py", ["--schedule", "zb"]),
-                       ("cp_ring.py", []), ("cp_ring.py allgather", ["--variant", "allgather"]))}
+                       ("cp_ring.py", []), ("cp_ring.py allgather", ["--variant", "allgather"]),
+                       ("cp_ring.py greedy", ["--cp-balance", "greedy"]))}
 W3 = Runs("ddp.py", 3, {"packed": PACKED + ["--batch", "6"]}, tier="slow")
 W4 = Runs("compose4d.py", 4, {"packed": PACKED + ["--tp", "2", "--pp", "2"]}, tier="slow")
 
@@ -119,6 +121,8 @@ def test_every_strategy_on_hfs_forward_masks_the_documents(runs, script, world):
 @pytest.mark.parametrize("script,args,msg", [
     ("ep_moe.py", [], "--doc-mask: ep does not mask packed documents yet"),
     ("compose4d.py", ["--cp", "2"], "--doc-mask with --cp: compose4d does not hand"),
+    ("cp_ring.py", ["--cp-balance", "greedy", "--length", "40"],
+     "--cp-balance greedy: sequence length 40 is not divisible by 2 x cp x 4 = 16"),
     ("compose4d.py", ["--tp", "2", "--sp"], "--doc-mask with --sp: the layers see 1/tp"),
 ])
 def test_a_strategy_with_its_own_attention_refuses_packed_documents(script, args, msg):
