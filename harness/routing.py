@@ -204,7 +204,8 @@ def hf_moe_objective(model, batch, aux_coef: float, z_coef: float) -> torch.Tens
     experts) on the whole batch: mean token CE + aux_coef aux + z_coef z (hf_router_losses)."""
     cfg = model.config
     with dropout.at(batch):
-        out = model(input_ids=batch.input_ids, output_router_logits=True)
+        out = model(input_ids=batch.input_ids, position_ids=batch.doc_positions,
+                    output_router_logits=True)
     loss = lm_loss_sum(out.logits, batch.labels) / batch.n_tokens
     aux, z = hf_router_losses(out, cfg.num_local_experts, cfg.num_experts_per_tok)
     if aux_coef:

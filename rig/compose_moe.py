@@ -74,7 +74,8 @@ class MoEReference(MoEReference):
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
         cfg = self.model.config
         with dropout.at(batch):
-            out = self.model(input_ids=batch.input_ids, output_router_logits=True)
+            out = self.model(input_ids=batch.input_ids, position_ids=batch.doc_positions,
+                             output_router_logits=True)
         loss = lm_loss_sum(out.logits, batch.labels) / batch.n_tokens
         B, S = batch.input_ids.shape
         parts = micro_batch_rows(B, S, self.D, self.args.grad_accum, out.logits.device)

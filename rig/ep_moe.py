@@ -109,6 +109,7 @@ def add_moe_args(p):
 class ExpertParallel(Strategy):
     optimizers = ("adamw", "muon")   # muon.py: dense matrices replicated; expert stacks take AdamW
     name = "ep"
+    doc_mask = True   # (HF's forward: its packed-sequence mask from the documents' positions)
     reference = MoEReference
     # Top-k routing is discontinuous: in float32, rounding differences between the layouts flip
     # a few expert choices within tens of steps and the two loss curves drift apart by ~1%
@@ -180,7 +181,7 @@ class ExpertParallel(Strategy):
         mb = batch.shard(self.env.rank, self.env.world)
         with phase("forward"):
             with dropout.at(mb):
-                logits = self.model(input_ids=mb.input_ids).logits
+                logits = self.model(input_ids=mb.input_ids, position_ids=mb.doc_positions).logits
             ce = lm_loss_sum(logits, mb.labels)
             obj = ce / batch.n_tokens
             counts, aux, z = router_losses(self.stats, batch.input_ids.numel(),

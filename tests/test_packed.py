@@ -104,7 +104,8 @@ W2 = {s: Runs(s.split()[0], 2, {"packed": PACKED + list(extra)}, tier="slow")
                        ("sp.py ulysses", ["--variant", "ulysses", "--dropout", "0.1"]),
                        ("pp.py", ["--schedule", "zb"]),
                        ("cp_ring.py", []), ("cp_ring.py allgather", ["--variant", "allgather"]),
-                       ("cp_ring.py greedy", ["--cp-balance", "greedy"]))}
+                       ("cp_ring.py greedy", ["--cp-balance", "greedy"]),
+                       ("ep_moe.py", []))}
 W3 = Runs("ddp.py", 3, {"packed": PACKED + ["--batch", "6"]}, tier="slow")
 W4 = Runs("compose4d.py", 4, {"packed": PACKED + ["--tp", "2", "--pp", "2"]}, tier="slow")
 
@@ -119,7 +120,7 @@ def test_every_strategy_on_hfs_forward_masks_the_documents(runs, script, world):
 
 
 @pytest.mark.parametrize("script,args,msg", [
-    ("ep_moe.py", [], "--doc-mask: ep does not mask packed documents yet"),
+    ("zeropp.py", ["--zeropp", "qwz"], "--doc-mask: zero++ does not mask"),
     ("compose4d.py", ["--cp", "2"], "--doc-mask with --cp: compose4d does not hand"),
     ("cp_ring.py", ["--cp-balance", "greedy", "--length", "40"],
      "--cp-balance greedy: sequence length 40 is not divisible by 2 x cp x 4 = 16"),
