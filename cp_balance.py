@@ -33,6 +33,8 @@ Run:  python scripts/cp_balance_study.py   (zig-zag's and the balancer's max/mea
 """
 import torch
 
+import cp_ring
+
 
 def token_work(doc_pos: torch.Tensor) -> torch.Tensor:
     """(B, S) positions within each document -> (S,) the (query, key) pairs each column's
@@ -42,8 +44,7 @@ def token_work(doc_pos: torch.Tensor) -> torch.Tensor:
 
 def zigzag(C: int, S: int) -> list[list[tuple[int, int]]]:
     """Rank r: chunks r and 2C-1-r of 2C (cp_ring.layout's zig-zag)."""
-    c = S // (2 * C)
-    return [[(r * c, (r + 1) * c), ((2 * C - 1 - r) * c, (2 * C - r) * c)] for r in range(C)]
+    return cp_ring.layout("zigzag", C, S)
 
 
 def balanced(doc_pos: torch.Tensor, C: int, m: int = 4) -> list[list[tuple[int, int]]]:
@@ -79,10 +80,10 @@ def apply(cp, chunks):
     (its blocks' global ranges) and this rank's positions, the columns of the batch it feeds
     and whose labels it scores (one gather for both: the loss is the batch's, unpermuted)."""
     cp.chunks = chunks
-    cp.positions = permutation([chunks[cp.rank]])
+    cp.positions = cp_ring.positions(chunks[cp.rank])
 
 
 def permutation(chunks) -> torch.Tensor:
     """(S,) the row's positions in rank order: x[:, perm] puts rank 0's tokens first, then
     rank 1's, ... (each rank then takes a contiguous S / C); argsort(perm) undoes it."""
-    return torch.cat([torch.arange(a, b) for rank in chunks for a, b in rank])
+    return cp_ring.positions([c for rank in chunks for c in rank])

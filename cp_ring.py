@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from harness import attention_of, parts, phase, planted
+from harness.data import document_mask
 
 NEG_INF = float("-inf")
 
@@ -122,7 +123,7 @@ def _ungroup(x, n_rep):
 
 def _scores(q, k, scale, rel, qr, kr, n_rep=1):
     """Scores of grouped queries (rows: n_rep heads x the positions qr) against k; rel a
-    (B, c_q, c_k) tensor: packed documents' own mask (doc_blocks), True where a query sees."""
+    (B, c_q, c_k) tensor: packed documents' own mask (set_documents), True where a query sees."""
     s = (q @ k.transpose(-1, -2)) * scale   # q (B, n_kv, n_rep*c_q, d) -> (B, n_kv, n_rep*c_q, c_k)
     if isinstance(rel, torch.Tensor):       # (B, c_q, c_k) -> (B, 1, n_rep*c_q, c_k)
         return s.masked_fill(~rel.repeat(1, n_rep, 1)[:, None], NEG_INF)
@@ -228,13 +229,12 @@ def set_documents(cp, doc_positions):
     positions within their documents (None: one document per row). Each block pair then gets
     its own mask, causal within a document (B, c_q, c_k), and a pair in which no query may see
     any key is skipped, not computed and masked (decided here, with one host read per step)."""
-    cp.blocks = {}
-    doc = None if doc_positions is None else (doc_positions == 0).cumsum(-1)   # (B, S) doc index
+    cp.blocks, docs = {}, doc_positions
     for qr, kr in ((qr, kr) for _, _, qr in cp.offsets(cp.rank) for r in range(cp.world)
-                   for _, _, kr in cp.offsets(r) if doc is not None):
-        qi, ki = (torch.arange(*x, device=doc.device) for x in (qr, kr))
-        cp.blocks[qr, kr] = (doc[:, qi, None] == doc[:, None, ki]) & (ki <= qi[:, None])
-    seen = torch.stack([m.any() for m in cp.blocks.values()]).tolist() if doc is not None else []
+                   for _, _, kr in cp.offsets(r) if docs is not None):
+        qi, ki = (torch.arange(*x, device=docs.device) for x in (qr, kr))
+        cp.blocks[qr, kr] = document_mask(docs, qi, ki)        # (B, c_q, c_k)
+    seen = torch.stack([m.any() for m in cp.blocks.values()]).tolist() if docs is not None else []
     cp.blocks = {key: m if any_ else "skip" for (key, m), any_ in zip(cp.blocks.items(), seen)}
 
 

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from harness import attention_of, parts, planted
+from harness.data import document_mask
 from harness import dropout as harness_dropout
 from harness import recompute
 import async_tp as async_tp_
@@ -256,7 +257,8 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
     q, k, v = (SeqToHeads.apply(t, group) for t in (query, key, value))   # -> (B, n/W, S, d)
     # All tokens of the sequence are here now: plain causal attention over them, or causal
     # within each packed document (set_documents): (B, 1, S, S), True where a query may attend
-    mask = documents_mask(module.sp_documents) if module.sp_documents is not None else None
+    docs = module.sp_documents             # (B, S) positions within packed documents, or None
+    mask = None if docs is None else document_mask(docs)[:, None]   # -> (B, 1, S, S)
     if planted("ulysses-causal-only"):   # plant: packed documents attend across boundaries
         mask = None
     if dropout > 0 and module.training:   # (dropout.py: masks keyed by global heads)
@@ -275,19 +277,11 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.transpose(1, 2).contiguous(), None                    # -> (B, S/W, n_h, d)
 
 
-def documents_mask(doc_positions: torch.Tensor) -> torch.Tensor:
-    """(B, S) positions within packed documents (0 at each document's first token) -> (B, 1,
-    S, S) bool: query i may attend to key j when j <= i in the same document."""
-    doc = (doc_positions == 0).cumsum(-1)                             # (B, S) document index
-    i = torch.arange(doc.shape[1], device=doc.device)
-    return (doc[:, None, :, None] == doc[:, None, None, :]) & (i[:, None] >= i[None, :])
-
-
 def set_documents(model, doc_positions):
     """Packed documents for the next forwards (--doc-mask): the whole sequences' (B, S)
     positions within their documents (None: one document per row). Ulysses attends over the
-    whole sequence, so it masks by them itself; HF's forward gets each rank's own columns of
-    them as position_ids (the rotary restarts)."""
+    whole sequence, so it masks by them itself (harness.data.document_mask); HF's forward gets
+    each rank's own columns of them as position_ids (the rotary restarts)."""
     for layer in parts(model).layers:
         attention_of(layer).sp_documents = doc_positions
 

@@ -20,7 +20,7 @@ from .data import MarkovLanguage
 from .launch import Env, base_parser, env_from_os, fail_config, launch, resolve_defaults, teardown
 from .learning import run_learning
 from .lora_setup import constraints as lora_constraints
-from .dropout import rate_fields, rates
+from .dropout import dropping, rate_fields, rates
 from .models import ConfigError, common_constraints, load_config, resolve_attn
 from .nccl import nccl_checked
 from .plants import planting
@@ -105,15 +105,14 @@ class _TorchMasks(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.nn.functional.dropout:
-            a = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
-            if a.get("training", True) and a.get("p", 0.5) > 0:
-                import traceback
-                where = next((f"{os.path.basename(f.filename)}:{f.lineno}"
-                              for f in reversed(traceback.extract_stack()[:-1])
-                              if f"{os.sep}torch{os.sep}" not in f.filename
-                              and f.filename != __file__), "?")
-                self.seen.append(f"p={a.get('p', 0.5)} at {where}")
+        call = dropping(func, args, kwargs)
+        if call is not None:
+            import traceback
+            where = next((f"{os.path.basename(f.filename)}:{f.lineno}"
+                          for f in reversed(traceback.extract_stack()[:-1])
+                          if f"{os.sep}torch{os.sep}" not in f.filename
+                          and f.filename != __file__), "?")
+            self.seen.append(f"p={call[1]} at {where}")
         return func(*args, **kwargs)
 
 
@@ -130,10 +129,11 @@ def _dropout_errors(config, args) -> list[str]:
     from .dropout import at
     from .models import finish_model, model_kwargs
     small = selfcheck.truncated(config)
-    try:
-        torch.manual_seed(0)
-        model = finish_model(AutoModelForCausalLM.from_config(
-            small, **model_kwargs(small, args.attn)).float(), args)
+    try:   # (the random init from its own generator state: the run's is left as it was)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = finish_model(AutoModelForCausalLM.from_config(
+                small, **model_kwargs(small, args.attn)).float(), args)
         ids = torch.randint(0, small.vocab_size, (2, min(args.length, 16)),
                             generator=torch.Generator().manual_seed(0))
         with _TorchMasks() as rec, at(Batch(ids, ids, 0)):

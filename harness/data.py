@@ -182,6 +182,19 @@ def doc_positions(seed: int, start: int, count: int, length: int,
     return torch.stack(rows)
 
 
+def document_mask(doc_positions: torch.Tensor, rows=None, cols=None) -> torch.Tensor:
+    """(B, S) positions within packed documents (0 at each document's first token) -> (B,
+    len(rows), len(cols)) bool: query i may attend to key j when j <= i in the same document;
+    `rows`, `cols` the query and key columns (index tensors; default all S). The one rule
+    behind every strategy that masks the documents itself (sp.py's Ulysses, cp_ring.py's
+    blocks); HF's forward builds the same from the position ids."""
+    doc = (doc_positions == 0).cumsum(-1)                     # (B, S) each token's document
+    all_ = torch.arange(doc.shape[1], device=doc.device)
+    q = all_ if rows is None else rows
+    k = all_ if cols is None else cols
+    return (doc[:, q, None] == doc[:, None, k]) & (k[None, None, :] <= q[None, :, None])
+
+
 def eos_positions(inputs: torch.Tensor, eos: int) -> torch.Tensor:
     """(B, S) int64: each token's position in its document when documents end with `eos`
     (a corpus's stream doc0 EOS doc1 EOS ...): 0 after each EOS and at the window's start (a

@@ -206,6 +206,16 @@ def hidden_dropout(x, p: float, seed: int, layer: int, site: int, features=None)
     return apply(x, p, key, t.samples[:, None, None], t.hidden[None, :, None], f[None, None, :])
 
 
+def dropping(func, args, kwargs) -> tuple | None:
+    """(input, p) when a torch-function call is torch.nn.functional.dropout that drops (p > 0,
+    training), else None: what FunctionalDropout keys and harness/cli.py's probe records."""
+    if func is not nn.functional.dropout:
+        return None
+    a = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
+    p = a.get("p", 0.5)
+    return (a["input"], p) if a.get("training", True) and p > 0 else None
+
+
 class FunctionalDropout(torch.overrides.TorchFunctionMode):
     """Dropout called as a function inside one decoder layer's forward, where there is no
     nn.Dropout module to replace (StarCoder2's residual_dropout, OPT's dropout): each
@@ -222,24 +232,23 @@ class FunctionalDropout(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is nn.functional.dropout:
-            a = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
-            x, p = a["input"], a.get("p", 0.5)
-            if a.get("training", True) and p > 0:
-                if planted("dropout-functional-torch"):   # plant: torch's masks, per rank
-                    return func(*args, **kwargs)
-                if x.shape[-1] != self.width:
-                    raise RuntimeError(f"dropout: a functional dropout (p={p}) on {tuple(x.shape)} "
-                                       f"in layer {self.layer}: not the residual stream's "
-                                       f"{self.width} features, it cannot be keyed")
-                site, self.calls = self.first + self.calls, self.calls + 1
-                t = current()
-                if x.dim() == 2 and x.shape[0] == t.samples.numel() * t.hidden.numel():
-                    # (rows * tokens, features), OPT's MLP: the same tokens, flattened
-                    return hidden_dropout(x.view(t.samples.numel(), -1, x.shape[-1]), p,
-                                          self.seed, self.layer, site).view(x.shape)
-                return hidden_dropout(x, p, self.seed, self.layer, site)
-        return func(*args, **kwargs)
+        call = dropping(func, args, kwargs)
+        if call is None:
+            return func(*args, **kwargs)
+        if planted("dropout-functional-torch"):   # plant: torch's masks, per rank
+            return func(*args, **kwargs)
+        x, p = call
+        if x.shape[-1] != self.width:
+            raise RuntimeError(f"dropout: a functional dropout (p={p}) on {tuple(x.shape)} in "
+                               f"layer {self.layer}: not the residual stream's {self.width} "
+                               f"features, it cannot be keyed")
+        site, self.calls = self.first + self.calls, self.calls + 1
+        t = current()
+        if x.dim() == 2 and x.shape[0] == t.samples.numel() * t.hidden.numel():
+            # (rows * tokens, features), OPT's MLP: the same tokens, flattened
+            return hidden_dropout(x.view(t.samples.numel(), -1, x.shape[-1]), p, self.seed,
+                                  self.layer, site).view(x.shape)
+        return hidden_dropout(x, p, self.seed, self.layer, site)
 
 
 _LAYER_MODES: list = []   # the FunctionalDropout of each decoder-layer forward running now

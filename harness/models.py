@@ -367,6 +367,13 @@ def attention_features(config, length: int) -> list[str]:
 _MASKS: dict = {}
 
 
+def _mask_impl(config) -> str:
+    """The attention implementation whose mask a layer needs: the model's, through recompute's
+    wrapper (recompute.py) and dropout's eager-with-masks (dropout.py)."""
+    impl = (config._attn_implementation or "eager").removeprefix("recompute_")
+    return "eager" if impl == DROPOUT_IMPL else impl
+
+
 def attention_masks(config, length: int, dtype, device) -> dict | None:
     """The additive masks a decoder layer needs when it is called on its own over positions
     0..length-1, by attention type: none with SDPA and no sliding window (its causal mode),
@@ -375,8 +382,7 @@ def attention_masks(config, length: int, dtype, device) -> dict | None:
     build them. Built once per (length, dtype, device, implementation, window), from shapes
     only (no host read in the step). A composition that installs its own attention (context
     parallelism) masks by itself: None."""
-    impl = (config._attn_implementation or "eager").removeprefix("recompute_")   # (recompute.py)
-    impl = "eager" if impl == DROPOUT_IMPL else impl   # (dropout.py: eager with its masks)
+    impl = _mask_impl(config)
     if impl not in ("eager", "sdpa"):
         return None
     window, every_layer = sliding_window(config, length)
@@ -403,8 +409,7 @@ def document_masks(config, h: torch.Tensor, doc_positions: torch.Tensor) -> dict
     h (B, S, H): only its shape, dtype and device are read."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
     cfg = copy.copy(config)   # (the implementation whose mask HF builds, as attention_masks')
-    impl = (config._attn_implementation or "eager").removeprefix("recompute_")
-    cfg._attn_implementation = "eager" if impl == DROPOUT_IMPL else impl
+    cfg._attn_implementation = _mask_impl(config)
     kw = dict(config=cfg, inputs_embeds=h, attention_mask=None, cache=None,
               position_ids=doc_positions)
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])

@@ -3,7 +3,7 @@ lengths, each attending within itself, positions restarting at 0. The oracle: a 
 per-token losses and gradients are those of its documents run one by one without packing
 (float64, HF's eager and SDPA attention). Then every strategy that runs HF's forward (ddp, zero,
 fsdp, tp, sp megatron), pp (its stage loop with HF's own document masks, document_masks),
-Ulysses (its own mask over the gathered sequence, sp.documents_mask), ring attention (each
+Ulysses (its own mask over the gathered sequence, harness.data.document_mask), ring attention (each
 block pair its documents' mask, cp_ring.set_documents; on zig-zag's layout and on the greedy
 balancer's, cp_balance.py) and compose4d's tp x pp against the single-device reference with the same documents, at W=2, an
 uneven W=3 and W=4; the
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import harness
-from harness.data import DOC_MIN, doc_lengths, doc_positions, eos_positions
+from harness.data import DOC_MIN, doc_lengths, doc_positions, document_mask, eos_positions
 from conftest import Runs, assert_config_error, launch
 
 
@@ -35,6 +35,17 @@ def test_a_corpus_document_ends_at_its_eos():
     x = torch.tensor([[5, 6, 2, 7, 8, 9, 2, 3], [2, 1, 1, 2, 2, 4, 4, 4]])
     assert eos_positions(x, eos=2).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0],
                                                 [0, 0, 1, 2, 0, 0, 1, 2]]
+
+
+def test_the_document_mask_is_causal_within_each_document():
+    """harness.data.document_mask, the rule Ulysses and the ring apply themselves: documents of
+    2 and 3 tokens give a block-diagonal lower triangle; a block of it equals the slice."""
+    pos = torch.tensor([[0, 1, 0, 1, 2]])
+    want = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0],
+                         [0, 0, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(document_mask(pos)[0], want)
+    q, k = torch.tensor([3, 4]), torch.tensor([1, 2, 3])
+    assert torch.equal(document_mask(pos, q, k)[0], want[3:5, 1:4])
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
