@@ -134,8 +134,8 @@ class Parallel4D:
         # Tensor (and sequence) parallelism: split the linear layers, the vocabulary, the loss.
         self.tp, self.partial = None, []
         if T > 1:
-            self.tp = (sp.parallelize(model, g["tp"], async_tp=args.async_tp) if args.sp
-                       else tp.parallelize(model, g["tp"]))
+            self.tp = (sp.parallelize(model, g["tp"], async_tp=args.async_tp, dtensor=False)
+                       if args.sp else tp.parallelize(model, g["tp"], dtensor=False))
             self.partial = [*self.tp.kv_copy_params.values(),
                             *self.tp.group_partials.values()]
         # Context parallelism: ring attention over the cp group, this rank's zig-zag tokens.

@@ -20,8 +20,7 @@ al. 2025, "Muon is Scalable for LLM Training")
                   rank's shard touches: one all_gather per unit, Psi_m per rank.
       tp-gather   TP's shards: each matrix's update all-gathered over the tp group (tp.full),
                   NS on the whole, this rank's shard kept (tp.local). NS duplicated T times.
-      blockwise   NS on each shard as if it were the matrix: not Muon (a planted bug,
-                  muon-blockwise, that must FAIL against one device).
+      blockwise   NS on each shard as if it were the matrix: not Muon (plant muon-blockwise).
     NS costs steps (4 m^2 n + 2 m^3) FLOPs per matrix, m <= n (ns_flops). It runs in bfloat16 for
     bf16 models (torch's), in the parameter's dtype for float32 and float64 ones (the exact mode
     the float64 proofs need). More: docs/internals.md, 'muon.py'; docs/muon.md.
@@ -41,6 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from harness.collectives import like, local_part
 from harness.models import hidden_matrix
 from harness.plants import planted
 from harness.precision import Masters, adamw_update
@@ -190,10 +190,10 @@ def tp_gather(tpm, names: dict):
         if planted("muon-blockwise"):   # plant: NS on each shard as if it were the matrix
             return local(opt, ps, updates, g)
         full = tpm.full(dict(zip(keys, updates)))     # T x [A/T, B] -> [A, B] (or columns)
-        shape = {k: (u.shape if planted("muon-lr-by-shard") else full[k].shape)   # plant
-                 for k, u in zip(keys, updates)}
-        return [(tpm.local(k, newton_schulz(full[k], g["ns_steps"], opt.ns_dtype(g, p))),
-                 lr_scale(shape[k])) for k, p in zip(keys, ps)]
+        shape = {k: (local_part(u).shape if planted("muon-lr-by-shard") else full[k].shape)
+                 for k, u in zip(keys, updates)}   # (plant: the shard's)
+        return [(like(p, tpm.local(k, newton_schulz(full[k], g["ns_steps"], opt.ns_dtype(g, p)))),
+                 lr_scale(shape[k])) for k, p in zip(keys, ps)]   # (like p: tp's DTensor labels)
     return orthogonalize
 
 

@@ -165,7 +165,8 @@ class SPRegion(tp.TPRegion):
         return ReduceScatterToSP.apply(x, self.group)  # (B, S, H) partial -> (B, S/T, H)
 
 
-def parallelize(model, group=None, async_tp: bool = False) -> tp.TensorParallel:
+def parallelize(model, group=None, async_tp: bool = False,
+                dtensor: bool = True) -> tp.TensorParallel:
     """Megatron sequence parallelism: tp.parallelize with all-gather / reduce-scatter regions,
     and the residual stream sequence-sharded between them. The loop is tp's (the norms'
     gradients join tpm.reduce_partial_grads()); each rank still feeds the whole sequence.
@@ -174,7 +175,7 @@ def parallelize(model, group=None, async_tp: bool = False) -> tp.TensorParallel:
     region = SPRegion(group)
     if async_tp:
         region = async_tp_.AsyncSPRegion(group, region)
-    tpm = tp.parallelize(model, group, region=region, seq_parallel=True)
+    tpm = tp.parallelize(model, group, region=region, seq_parallel=True, dtensor=dtensor)
     if async_tp:
         async_tp_.fuse_columns(model, region)
     shard_residual_stream(model, group)

@@ -28,6 +28,7 @@ Public API
     tpm.loss_sum(logits, labels)      the vocab-parallel cross-entropy (sum over tokens)
     tpm.reduce_partial_grads()        after the step's last backward (replicated kv heads)
     tpm.clip(max_norm)                global-norm clipping over the shards (examples/tp_train.py)
+    torch's clip_grad_norm_, torch.distributed.checkpoint, torch.compile: as on DTensor TP
 """
 
 import torch
@@ -36,12 +37,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import lora
+import tp_dtensor
 import tp_plan
 from lora import param_like
 from tp_families import embed_scale, local_heads, ShardedRMSNorm
 from tp_plan import head_dims, pad_vocab, ShardedTensors
 from tp_plan import join_shards, meta_model, shape_constraints   # noqa: F401 (re-exported)
-from harness import all_reduce_flat, IGNORE_INDEX, parts, planted
+from harness import all_reduce_flat, IGNORE_INDEX, local_part, parts, planted
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,7 +282,8 @@ class TensorParallel(ShardedTensors):
     heads unchanged, since it reshapes with view(..., -1, head_dim). `kinds` says how each
     parameter is treated (classify()): INSTALL splits by it, and the reductions follow it."""
 
-    def __init__(self, model, group, region: TPRegion | None = None, seq_parallel: bool = False):
+    def __init__(self, model, group, region: TPRegion | None = None, seq_parallel: bool = False,
+                 dtensor: bool = True):
         self.model, self.group = model, group
         self.region = region or TPRegion(group)
         T, r = dist.get_world_size(group), dist.get_rank(group)
@@ -331,10 +334,6 @@ class TensorParallel(ShardedTensors):
                 local_heads(a, r, hq, hkv_local, fused)
             a.register_forward_pre_hook(self._enter, with_kwargs=True)
             a.register_forward_hook(self._leave)
-        named = dict(model.named_parameters())
-        # replicated kv heads: each copy's gradient covers its own q heads only, summed over
-        # the m copies (name -> parameter)
-        self.kv_copy_params = {n: named[n] for n, k in self.kinds.items() if k == "kv-copy"}
         # Vocabulary: padded to a multiple of T, embedding and head split by rows.
         self.vocab_padded = pad_vocab(cfg.vocab_size, T)
         per = self.vocab_padded // T
@@ -357,6 +356,12 @@ class TensorParallel(ShardedTensors):
         self.split_dim[self.vocab_names[0]] = 0
         if not found.tied:
             self.split_dim[self.vocab_names[1]] = 0
+        if dtensor:   # every parameter a DTensor over its shard, a label (tp_dtensor.py)
+            tp_dtensor.label(self)
+        named = dict(model.named_parameters())
+        # replicated kv heads: each copy's gradient covers its own q heads only, summed over
+        # the m copies (name -> parameter)
+        self.kv_copy_params = {n: named[n] for n, k in self.kinds.items() if k == "kv-copy"}
         # Per-head q/k norms see this rank's heads only: their gradients are summed over the
         # group; under sequence parallelism (sp.py) every replicated parameter too (the norms
         # and row biases see this rank's tokens only)
@@ -396,38 +401,33 @@ class TensorParallel(ShardedTensors):
         if planted("kv-copies-summed-across-heads"):   # plant: every kv head's copies summed
             kv, plain = {}, {**kv, **plain}           # with every other head's
         back = []
-        for p in kv.values():
-            if p.grad is not None:
-                buf = p.grad.new_zeros(self.n_kv, *p.grad.shape)   # [n_kv, d, H] (bias: [n_kv, d])
-                buf[self.kv_head] = p.grad                         # [d, H]: this rank's head
-                back.append((p, buf))
+        for g in map(local_part, (p.grad for p in kv.values())):   # (a DTensor's local part)
+            if g is not None:
+                buf = g.new_zeros(self.n_kv, *g.shape)   # [n_kv, d, H] (bias: [n_kv, d])
+                buf[self.kv_head] = g                    # [d, H]: this rank's head
+                back.append((g, buf))
         # flat [sum of the kv buffers' and the plain grads' numel], summed over T
-        all_reduce_flat([buf for _, buf in back]
-                        + [p.grad for p in plain.values() if p.grad is not None], self.group)
-        for p, buf in back:
-            p.grad.copy_(buf[self.kv_head])                        # [n_kv, d, H] -> [d, H]
-
+        all_reduce_flat([buf for _, buf in back] + [local_part(p.grad) for p in plain.values()
+                                                     if p.grad is not None], self.group)
+        for g, buf in back:
+            g.copy_(buf[self.kv_head])                        # [n_kv, d, H] -> [d, H]
 
 
 def parallelize(model, group=None, region: TPRegion | None = None,
-                seq_parallel: bool = False) -> TensorParallel:
-    """Split an HF decoder's layers, vocabulary and loss over the ranks of `group`, in place
-    (the one entry the harness, sp.py, compose4d and users call). Each parameter's kind comes
-    from the plan (the config's base_model_tp_plan where it ships one, else PLAN); one with no
-    kind raises ValueError naming it, before any collective. In a loop:
+                seq_parallel: bool = False, dtensor: bool = True) -> TensorParallel:
+    """Split an HF decoder's layers, vocabulary and loss over the ranks of `group`, in place.
+    Each parameter's kind comes from the plan (the config's base_model_tp_plan where it ships
+    one, else PLAN); one with no kind raises ValueError naming it, before any collective.
 
-        tpm = tp.parallelize(model, group)              # every rank built the same weights
-        logits = model(input_ids=ids).logits             # this rank's vocabulary shard
-        loss = tpm.loss_sum(logits, labels) / n_tokens   # vocab-parallel cross-entropy
-        loss.backward()
-        tpm.reduce_partial_grads()                       # once per step: replicated kv
-                                                         # heads, per-head q/k norms
-        tpm.clip(max_norm); optimizer.step()             # the norm over all shards
+        tpm = tp.parallelize(model, group)               # every rank built the same weights
+        loss = tpm.loss_sum(model(input_ids=ids).logits, labels) / n_tokens   # vocab-parallel
+        loss.backward(); tpm.reduce_partial_grads()       # replicated kv heads, q/k norms
+        torch.nn.utils.clip_grad_norm_(model.parameters(), c); optimizer.step()
 
-    `tpm.full(...)` / `tpm.local(...)` convert between full tensors and this rank's shards.
-    region, seq_parallel: sp.py's (the sequence all-gather / reduce-scatter edges, and every
-    replicated parameter's gradient then partial over the group)."""
-    return TensorParallel(model, group, region, seq_parallel)
+    dtensor: every parameter a DTensor over its shard (tp_dtensor.py): torch's clip, DCP and
+    compile work as on DTensor TP (False: plain shards and tpm.clip, compose4d's for now).
+    region, seq_parallel: sp.py's (sequence-sharded edges, replicated gradients partial)."""
+    return TensorParallel(model, group, region, seq_parallel, dtensor)
 
 
 # ----------------------------------------------------------------------------------------------

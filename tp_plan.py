@@ -25,6 +25,7 @@ import torch.nn as nn
 
 import lora
 from harness import clip_by_norm, planted
+from harness.collectives import local_part
 
 
 # How TP treats each parameter of an HF decoder, by its name inside a layer. Every parameter
@@ -42,7 +43,7 @@ from harness import clip_by_norm, planted
 PLACEMENTS = {
     "column": ("Shard(0)", "Shard(0)"),
     "row": ("Shard(1)", "Shard(1)"),
-    "fused": ("Shard(0) within each segment", "the same (a DTensor per segment, or strided)"),
+    "fused": ("Shard(0) within each segment (labelled Shard(0): DCP refused)", "the same"),
     "kv-copy": ("Shard(0) over n_kv groups of T/n_kv ranks, Replicate inside each",
                 "Partial() inside a group"),
     "vocab": ("Shard(0), rows padded to a multiple of T", "Shard(0)"),
@@ -278,7 +279,7 @@ class ShardedTensors:
         drop the vocabulary padding."""
         out = {}
         for name, t in tensors.items():
-            d = self.split_dim.get(name)
+            t, d = local_part(t), self.split_dim.get(name)   # (a DTensor's local part)
             if t is None or (d is None and name not in self.kv_split):   # (None: a frozen
                 out[name] = t                                              # tensor's gradient)
                 continue
@@ -345,19 +346,18 @@ class ShardedTensors:
         counted once."""
         sharded = torch.zeros(1, dtype=torch.float64, device=self.device())
         replicated = torch.zeros(1, dtype=torch.float64, device=self.device())
-        for n, p in self.model.named_parameters():
-            if p.grad is not None:
-                target = sharded if n in self.split_dim else replicated
-                if planted("clip-norm-scale"):   # plant: replicated ones counted T times
-                    target = sharded
-                sq = p.grad.double().pow(2).sum()
-                if n in self.kv_split:   # a kv head's m copies count once
-                    target, sq = sharded, sq / self.kv_copies
-                target += sq
+        grads = {n: local_part(p.grad) for n, p in self.model.named_parameters()
+                 if p.grad is not None}   # (the DTensor labels' local parts)
+        for n, g in grads.items():
+            target = sharded if n in self.split_dim else replicated
+            if planted("clip-norm-scale"):   # plant: replicated ones counted T times
+                target = sharded
+            sq = g.double().pow(2).sum()
+            if n in self.kv_split:   # a kv head's m copies count once
+                target, sq = sharded, sq / self.kv_copies
+            target += sq
         dist.all_reduce(sharded, group=self.group)   # (1,) float64: the shards' squares, summed
-        return clip_by_norm(sharded + replicated,
-                            [p.grad for p in self.model.parameters() if p.grad is not None],
-                            max_norm)
+        return clip_by_norm(sharded + replicated, list(grads.values()), max_norm)
 
     def device(self):
         return next(self.model.parameters()).device

@@ -3,7 +3,9 @@
 tp.parallelize splits every attention and MLP block, the embedding and the LM head over the
 ranks, in place; HF's own forward then runs on each rank's shards. All ranks of a tensor-
 parallel group see the same tokens. --sp: Megatron sequence parallelism (sp.parallelize), the
-same loop, with the residual stream between the blocks split along the sequence too."""
+same loop, with the residual stream between the blocks split along the sequence too. Every
+parameter is a DTensor over its shard, so torch's clip_grad_norm_ (and torch.distributed.checkpoint,
+torch.compile) see whole tensors, as on PyTorch's DTensor TP."""
 import argparse
 
 import torch
@@ -27,7 +29,7 @@ for step in range(STEPS):
     loss = tpm.loss_sum(logits, seq[:, 1:]) / seq[:, 1:].numel()
     loss.backward()
     tpm.reduce_partial_grads()                         # replicated kv heads, SP's norms
-    tpm.clip(1.0)                                      # the global norm over every shard
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # DTensor labels: the global norm
     opt.step()
     opt.zero_grad()
     log(step, loss)

@@ -62,7 +62,7 @@ tp_group, cp_group, pp_group, dpcp_group = (group_over("tp"), group_over("cp"), 
 # ---- the model, cut four ways ----
 torch.manual_seed(0)                                   # the same full weights on every rank
 model = LlamaForCausalLM(cfg).to(device)
-tpm = tp.parallelize(model, tp_group)
+tpm = tp.parallelize(model, tp_group, dtensor=False)   # plain shards: ZeRO flattens them
 pos = cp_ring.parallelize(model, cp_group, SEQ).positions.to(device) if C > 1 else None
 pipe = pp.Pipeline(model, P, 1, me["pp"], "1f1b", group=pp_group,
                    loss_sum=tpm.loss_sum,              # the last stage: vocab-parallel CE

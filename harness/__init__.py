@@ -10,7 +10,7 @@ The package, one concern per module (a strategy imports its names from here, the
 
     strategy.py     the adapter contract (`Strategy`), the single-device `Reference`, `Plant`,
                     and the helpers adapters share (make_adamw, spread_across_ranks, ...)
-    collectives.py  all_reduce_flat, clip_by_norm: the two helpers strategy files call
+    collectives.py  all_reduce_flat, clip_by_norm, local_part: the helpers strategy files call
     plants.py       `planted(NAME)`: the switch for a planted bug, set by the harness for a run
     models.py       presets (tiny-<family>: one small model per HF decoder family), HF configs
                     and checkpoint directories, the reference model; --attn auto; float64 kept
@@ -150,7 +150,7 @@ from .models import (DTYPES, PRESETS, ConfigError, attention_features, attention
 from .plants import planted, planting  # noqa: F401
 from .precision import MasterAdamW  # noqa: F401
 from .run import Env, Run  # noqa: F401
-from .collectives import all_reduce_flat, clip_by_norm  # noqa: F401
+from .collectives import all_reduce_flat, clip_by_norm, local_part  # noqa: F401
 from .strategy import (HARNESS_PLANTS, DTensorBaseline, Plant, Reference,  # noqa: F401
                        Strategy, full_tensor, make_adamw, spread_across_ranks)
 

@@ -11,6 +11,16 @@ def local_part(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def like(param, t):
+    """t (a plain tensor, this rank's part) labelled as `param` is: a DTensor of the same
+    placements when param is one (tp.py's and fsdp.py's parameters), else t itself."""
+    if not hasattr(param, "to_local"):
+        return t
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(t, param.device_mesh, param.placements, shape=param.shape,
+                              stride=param.stride(), run_check=False)
+
+
 def all_reduce_flat(tensors: list[torch.Tensor], group=None):
     """Sum `tensors` over the group in place with one all_reduce of their concatenation
     (many small gradients: one call instead of one each)."""

@@ -134,12 +134,14 @@ def chunked_loss_sum(model, input_ids, labels, chunk: int, loss_sum=lm_loss_sum,
     `chunk` tokens of logits at a time (ChunkedCrossEntropy); the same value and gradients as
     loss_sum(model(input_ids).logits, labels). `loss_sum`: the CE sum of a chunk's logits
     (tp.py passes its vocab-parallel one with its local head shard)."""
+    from .collectives import local_part
     from .models import parts
     head = parts(model).head
     with head_deferred(head):
         hidden = model(input_ids=input_ids, **kwargs).logits
+    w = local_part(head.weight)   # (tp's DTensor label: its local rows, differentiable)
     if not torch.is_grad_enabled():   # evaluation: the chunks' losses, no gradients formed
-        h, y, w = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), head.weight
+        h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
         return sum(loss_sum(h[i:i + chunk] @ w.t(), y[i:i + chunk])
                    for i in range(0, h.shape[0], chunk))
-    return ChunkedCrossEntropy.apply(hidden, head.weight, labels, chunk, loss_sum)
+    return ChunkedCrossEntropy.apply(hidden, w, labels, chunk, loss_sum)

@@ -4,6 +4,7 @@ import torch
 from harness import (Batch, DTYPES, DTensorBaseline, Expect, Plant, Reference, Strategy,
                      clip_by_norm, dropout, full_tensor, is_moe, phase, scalar,
                      spread_across_ranks)
+from harness.collectives import local_part
 from harness.loss import chunked_loss_sum
 from harness.lora_setup import no_grad_inputs, wrap as lora_wrap
 from harness.cli import main as harness_main
@@ -176,7 +177,7 @@ def tp_gather_rows(opt, tpm) -> list:
     split = [m for g in opt.param_groups if g["muon"] for m in g["params"]
              if opt.names[m] in tpm.split_dim or opt.names[m] in tpm.kv_split]
     b = split[0].element_size() if split else 0
-    calls, nbytes = muon.tp_gather_comm([m.numel() for m in split], tpm.world, b)
+    calls, nbytes = muon.tp_gather_comm([local_part(m).numel() for m in split], tpm.world, b)
     return [Expect("all_gather", "world", calls, nbytes,
                    f"Muon's tp-gather: one per split matrix ({calls}), T shards x {b} B")]
 
@@ -184,8 +185,9 @@ def tp_gather_rows(opt, tpm) -> list:
 def partial_numel(tpm: TensorParallel) -> int:
     """Elements of tp's all-reduce of the partial gradients (reduce_partial_grads): the kv
     heads' buffers (n_kv x each copy) and the group_partials' gradients."""
-    return (sum(p.numel() * tpm.n_kv for p in tpm.kv_copy_params.values() if p.requires_grad)
-            + sum(p.numel() for p in tpm.group_partials.values() if p.requires_grad))
+    n = lambda p: local_part(p).numel()   # noqa: E731 (this rank's part of a DTensor label)
+    return (sum(n(p) * tpm.n_kv for p in tpm.kv_copy_params.values() if p.requires_grad)
+            + sum(n(p) for p in tpm.group_partials.values() if p.requires_grad))
 
 
 def norm_sharded_comm(tpm: TensorParallel, N: int, dtype: str) -> tuple[int, int]:

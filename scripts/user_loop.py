@@ -1,4 +1,5 @@
-"""user_loop.py: a user's own loop with PyTorch's utilities on fsdp.fully_shard and on FSDP2.
+"""user_loop.py: a user's own loop with PyTorch's utilities on fsdp.fully_shard and on FSDP2, on
+tp.parallelize and on PyTorch's DTensor TP.
 
     python scripts/user_loop.py --out results/user-loop-cpu.json
 
@@ -7,8 +8,9 @@ torch.distributed.checkpoint save of get_state_dict(model, opt) at W=2 after ste
 W=1 (unsharded) and W=4 into fresh models, steps 3-4. Per implementation: the largest relative
 difference of its losses from one device's, of each loaded run's from the saving run's, the
 largest absolute difference of a loaded tensor (model and AdamW state) from the saved one; and
-for ours the planted bug `shard-unlabelled` (plain tensors: torch's clip takes each rank's
-norm). tests/test_torch_utils.py asserts the same numbers."""
+for ours the planted bug `shard-unlabelled` / `tp-unlabelled` (plain tensors: torch's clip
+takes each rank's norm). DTensor TP loads at W=1 only (its plan cannot split tiny's 2 kv heads
+4 ways; tp.py puts each on 2 ranks). tests/test_torch_utils.py asserts the same numbers."""
 from __future__ import annotations
 
 import argparse
@@ -43,13 +45,14 @@ def main():
     import torch
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for impl in ("ours", "torch"):
-            extra = ["--plant-bug", "shard-unlabelled"] if impl == "ours" else []
+        plants = {"ours": "shard-unlabelled", "ours-tp": "tp-unlabelled"}
+        for impl in ("ours", "torch", "ours-tp", "torch-tp"):
+            extra = ["--plant-bug", plants[impl]] if impl in plants else []
             saved = phase(tmp, impl, "save", 2, *extra)
             row = dict(impl=impl, vs_one_device=rel(saved["losses"], saved["reference"]))
             if "planted" in saved:
                 row["planted_vs_one_device"] = rel(saved["planted"], saved["reference"])
-            for W in (1, 4):
+            for W in ((1,) if impl == "torch-tp" else (1, 4)):
                 got = phase(tmp, impl, "load", W)
                 row[f"load_W{W}_max_abs_diff"] = got["max_abs_diff"]
                 row[f"load_W{W}_vs_saving_run"] = rel(got["losses"], saved["losses"])

@@ -1,10 +1,12 @@
 """A sharded model keeps PyTorch's own promises: a user's loop with torch.compile, torch's
 clip_grad_norm_, AdamW and torch.distributed.checkpoint (tests/user_loop_check.py) runs on
-fsdp.fully_shard as on PyTorch's FSDP2. Its losses equal one device's within what FSDP2's reach
-in the same loop; the checkpoint saved at W=2 loads at W=1 (unsharded) and at W=4 into fresh
-models, every tensor of the model and of AdamW's state exactly the saved one, and the loaded run
-goes on as the saving one did. The planted bug `shard-unlabelled` (the shards plain tensors,
-as before: torch's clip then takes each rank's own norm) FAILs it."""
+fsdp.fully_shard as on PyTorch's FSDP2, and on tp.parallelize as on PyTorch's DTensor TP. Its
+losses equal one device's within what PyTorch's own reach in the same loop; the checkpoint
+saved at W=2 loads at W=1 (unsharded) and at W=4 into fresh models (for tp: each kv head then
+on two ranks, a 2-D mesh), every tensor of the model and of AdamW's state exactly the saved
+one, and the loaded run goes on as the saving one did. The planted bugs `shard-unlabelled` and
+`tp-unlabelled` (the shards plain tensors, as before: torch's clip then takes each rank's own
+norm) FAIL it. What DCP cannot take (a fused projection's shards) is refused in one line."""
 import json
 import os
 
@@ -27,24 +29,42 @@ def rel(got: dict, want: dict) -> float:
     return max(abs(got[k] - want[k]) / abs(want[k]) for k in got)
 
 
+# ours, its planted bug, and PyTorch's own, per strategy
+PAIRS = {"fsdp": ("ours", "shard-unlabelled", "torch"), "tp": ("ours-tp", "tp-unlabelled",
+                                                             "torch-tp")}
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """The W=2 runs, ours (and its planted loop) and FSDP2's, into one directory."""
-    tmp = str(tmp_path_factory.mktemp("user-loop"))
-    return tmp, {"ours": phase(tmp, "ours", "save", 2, "--plant-bug", "shard-unlabelled"),
-                 "torch": phase(tmp, "torch", "save", 2)}
+def tmp(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("user-loop"))
 
 
-def tolerance(saved) -> float:
-    """What FSDP2 reaches against one device in the same loop (compiled, float32), at least
-    the floor: ours must stay within twice that."""
-    theirs = saved["torch"]
+@pytest.fixture(scope="module")
+def saved(tmp):
+    """The W=2 runs, ours (and its planted loop) and PyTorch's, into one directory (lazily,
+    per strategy)."""
+    done = {}
+
+    def get(strategy):
+        if strategy not in done:
+            ours, plant, theirs = PAIRS[strategy]
+            done[strategy] = {"ours": phase(tmp, ours, "save", 2, "--plant-bug", plant),
+                              "torch": phase(tmp, theirs, "save", 2)}
+        return done[strategy]
+    return get
+
+
+def tolerance(res) -> float:
+    """What PyTorch's own reaches against one device in the same loop (compiled, float32), at
+    least the floor: ours must stay within twice that."""
+    theirs = res["torch"]
     return 2 * max(rel(theirs["losses"], theirs["reference"]), FLOOR)
 
 
 @pytest.mark.slow
-def test_the_users_loop_matches_one_device_as_fsdp2_does(saved):
-    tmp, res = saved
+@pytest.mark.parametrize("strategy", ["fsdp", "tp"])
+def test_the_users_loop_matches_one_device_as_pytorchs_own_does(saved, strategy):
+    res = saved(strategy)
     ours, tol = res["ours"], tolerance(res)
     assert rel(ours["losses"], ours["reference"]) <= tol, (ours, tol)
     # the planted bug (torch's clip over each rank's own rows) leaves one device's run
@@ -52,12 +72,43 @@ def test_the_users_loop_matches_one_device_as_fsdp2_does(saved):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("impl,W", [("ours", 1), pytest.param("ours", 4, marks=pytest.mark.heavy),
-                                    pytest.param("torch", 1, marks=pytest.mark.heavy),
-                                    pytest.param("torch", 4, marks=pytest.mark.heavy)])
-def test_a_checkpoint_saved_at_two_ranks_loads_exactly_at_another_world_size(saved, impl, W):
-    tmp, res = saved
+@pytest.mark.parametrize("strategy,impl,W", [
+    ("fsdp", "ours", 1), ("tp", "ours-tp", 4),
+    pytest.param("fsdp", "ours", 4, marks=pytest.mark.heavy),
+    pytest.param("fsdp", "torch", 1, marks=pytest.mark.heavy),
+    pytest.param("fsdp", "torch", 4, marks=pytest.mark.heavy),
+    pytest.param("tp", "ours-tp", 1, marks=pytest.mark.heavy),
+    pytest.param("tp", "torch-tp", 1, marks=pytest.mark.heavy)])   # (DTensor TP cannot split
+def test_a_checkpoint_saved_at_two_ranks_loads_exactly_at_another_world_size(  # 2 kv heads 4
+        tmp, saved, strategy, impl, W):                                    # ways: no W=4)
+    res = saved(strategy)
     got = phase(tmp, impl, "load", W)
     assert got["keys_differ"] == [] and got["max_abs_diff"] == 0.0, got
     # steps 3-4 from the loaded state: the saving run's, within the loop's noise
-    assert rel(got["losses"], res[impl]["losses"]) <= tolerance(res), (got, res[impl])
+    which = "torch" if impl.startswith("torch") else "ours"
+    assert rel(got["losses"], res[which]["losses"]) <= tolerance(res), (got, res[which])
+
+
+@pytest.mark.heavy
+def test_the_users_loop_on_megatron_sp(tmp, saved):
+    """sp.parallelize labels as tp.parallelize does (its norms' gradients summed by
+    reduce_partial_grads first): the loop within DTensor TP's reach of one device, and its
+    checkpoint loads unsharded exactly."""
+    res = saved("tp")
+    ours = phase(tmp, "ours-sp", "save", 2)
+    assert rel(ours["losses"], ours["reference"]) <= tolerance(res), (ours, tolerance(res))
+    got = phase(tmp, "ours-sp", "load", 1)
+    assert got["keys_differ"] == [] and got["max_abs_diff"] == 0.0, got
+
+
+@pytest.mark.slow
+def test_what_dcp_cannot_take_is_refused_in_one_line(tmp_path):
+    """Phi3's fused qkv_proj and gate_up_proj: each rank holds its rows of every segment, which
+    no DTensor placement says. model.state_dict() (get_state_dict's first call) refuses, naming
+    the project's own save, before DCP writes anything."""
+    tmp = str(tmp_path)
+    r = torchrun(CHECK, 2, "--impl", "ours-tp", "--phase", "save", "--dir", tmp, "--model",
+                 "tiny-phi3")
+    lines = [x for x in r.stderr.splitlines() if x.startswith("tp: ")]
+    assert r.returncode != 0 and lines and "fused projection" in lines[0], r.stderr[-2000:]
+    assert "tpm.full" in lines[0] and not os.path.exists(os.path.join(tmp, "ours-tp-ckpt"))
