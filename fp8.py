@@ -26,6 +26,11 @@ DeepSeek-AI 2024, "DeepSeek-V3", section 3.3: fine-grained quantization)
     embedding and the LM head (harness.parts), attention's own matmuls (not nn.Linear), norms,
     MoE expert stacks, and a linear whose in/out features the kernel cannot tile (multiples of
     16; of 128 for blockwise).
+Under a strategy (`Scopes`, `scope`): a rank holding part of a scale's group of elements
+sees part of its amax; the amax is MAXed over the groups that hold the rest (tensorwise: every
+split of the tensor; rowwise: the splits of the contracted dim K), so a rank casts exactly as
+one device does on the whole batch, and a float64 run meets the single-device FP8 run at
+float64's noise (docs/internals.md, 'fp8.py', the table of each GEMM's splits).
 Memory and traffic per converted linear: each cast reads an operand and (here, through fp32
 temporaries a fused kernel would not make) writes a 1-byte copy; tensorwise and rowwise run
 their three GEMMs at 8 bits (H100: twice bf16's dense peak; blockwise is emulated in fp32);
@@ -35,10 +40,14 @@ Public API
     fp8.convert(model, recipe="tensorwise")   in place: eligible nn.Linear -> Float8Linear
     fp8.fp8_mm(x, w, recipe)                  x [N, in] @ w [out, in]^T through the three FP8 GEMMs
     fp8.quantize(t, fmt, groups, pow2)        (q, inverse scale) of one operand
+    fp8.scope(model, tokens=[group])          the groups a data-parallel run splits tokens over
 
 Run:  python -m pytest tests/test_fp8.py   (torchao as the oracle, and one device in bf16)
 """
+from typing import NamedTuple
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from harness import parts, planted
@@ -49,11 +58,36 @@ BLOCK = 128           # blockwise: DeepSeek-V3's tile and block edge
 RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed")
 
 
-def quantize(t: torch.Tensor, fmt, groups: str, pow2: bool = False, amax=None):
+class Scopes(NamedTuple):
+    """Which process groups split a converted layer's dimensions (empty: held whole):
+    tokens (data, context parallel: every operand's token dim), out and in (the weight's rows
+    and columns: tensor parallel's column and row layers, or FSDP's shards cast before the
+    all-gather). A scale spans its group of elements (module docstring), so its amax is the
+    MAX over every rank that holds some of them: tensorwise over all the splits of the tensor,
+    rowwise over the splits of the contracted dim K (a row's amax runs over K)."""
+    tokens: tuple = ()
+    out: tuple = ()
+    inn: tuple = ()
+
+
+def global_amax(a: torch.Tensor, over) -> torch.Tensor:
+    """a (a local amax: a scalar or per row) made the MAX over the groups `over`, in place."""
+    if planted("fp8-amax-per-rank"):   # plant: each rank scales by its own part's amax
+        return a
+    for g in over:
+        dist.all_reduce(a, op=dist.ReduceOp.MAX, group=g)
+    return a
+
+
+def quantize(t: torch.Tensor, fmt, groups: str, pow2: bool = False, amax=None, over=()):
     """(q, inv): t [M, K] cast to `fmt` with one scale per group, and the inverse scale shaped
     to broadcast over t. groups: "tensor" (one), "row" (each row, amax over K), "tile" (1 x
-    BLOCK along K), "block" (BLOCK x BLOCK). `amax`: a given one (delayed scaling)."""
-    x = t.float()
+    BLOCK along K), "block" (BLOCK x BLOCK). `amax`: a given one (delayed scaling). `over`:
+    the process groups that hold the rest of each scale's group (see `Scopes`): the amax is
+    their MAX, so every rank casts with the scale one device would. In fp32 (torchao's); a
+    float64 operand in float64 (the proofs': fp32's rounding of t s would flip FP8 roundings
+    between layouts whose operands differ by a constant factor, a loss scaled by W)."""
+    x = t if t.dtype == torch.float64 else t.float()
     M, K = x.shape
     if groups == "tensor":
         a = x.abs().amax() if amax is None else amax
@@ -65,8 +99,10 @@ def quantize(t: torch.Tensor, fmt, groups: str, pow2: bool = False, amax=None):
     else:                                                               # 128 x 128 blocks
         a = x.view(M // BLOCK, BLOCK, K // BLOCK, BLOCK).abs().amax(dim=(1, 3), keepdim=True)
         a = a.expand(M // BLOCK, BLOCK, K // BLOCK, BLOCK).reshape(M, K)
+    if amax is None:
+        a = global_amax(a, over)
     fmax = torch.finfo(fmt).max
-    scale = (fmax / a.double().clamp(min=EPS)).float()                  # s = max / amax
+    scale = (fmax / a.double().clamp(min=EPS)).to(x.dtype)              # s = max / amax
     if pow2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))              # (rowwise: exact 1/s)
     inv = scale.reciprocal()                                            # what the GEMM undoes
@@ -83,18 +119,24 @@ def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, fmt_a, fmt_b, recipe: str, out_dtype, amax=None,
-         b_is_weight: bool = True):
-    """a [M, K] @ b [N, K]^T in FP8, each operand scaled along K by the recipe: [M, N]."""
+         b_is_weight: bool = True, split_a=((), ()), split_b=((), ())):
+    """a [M, K] @ b [N, K]^T in FP8, each operand scaled along K by the recipe: [M, N].
+    split_a, split_b: (the groups splitting its rows, those splitting K). A tensorwise scale
+    spans the whole operand (every split), a rowwise one a whole row (the splits of K)."""
     if recipe == "blockwise":
         # activations and gradients in 1 x 128 tiles along K, the weight in 128 x 128 blocks
         # (dW's operands are both activations: tiles along the tokens); the product of the
         # dequantised operands, accumulated in fp32 (a numerical emulation: no FP8 GEMM)
         qa, ia = quantize(a, fmt_a, "tile")
         qb, ib = quantize(b, fmt_b, "block" if b_is_weight else "tile")
-        return ((qa.float() * ia) @ (qb.float() * ib).t()).to(out_dtype)
+        acc = torch.float64 if out_dtype == torch.float64 else torch.float32
+        return ((qa.to(acc) * ia) @ (qb.to(acc) * ib).t()).to(out_dtype)
     groups, pow2 = ("row", True) if recipe == "rowwise" else ("tensor", False)
-    qa, ia = quantize(a, fmt_a, groups, pow2, None if amax is None else amax[0])
-    qb, ib = quantize(b, fmt_b, groups, pow2, None if amax is None else amax[1])
+    over = (lambda split: split[1]) if recipe == "rowwise" else (lambda split: split[0] + split[1])
+    qa, ia = quantize(a, fmt_a, groups, pow2, None if amax is None else amax[0], over(split_a))
+    qb, ib = quantize(b, fmt_b, groups, pow2, None if amax is None else amax[1], over(split_b))
+    if out_dtype == torch.float64:   # (no FP8 GEMM into float64: the dequantised product,
+        return (qa.double() * ia) @ (qb.double() * ib).t()    # each term exact in float64)
     # [M, K] e4m3 @ [K, N] (column-major: b's rows) -> [M, N], scales [M, 1] x [1, N] (or [])
     return torch._scaled_mm(qa, qb.t(), scale_a=ia, scale_b=ib.t() if ib.dim() else ib,
                             out_dtype=out_dtype)
@@ -105,14 +147,15 @@ class FP8MatMul(torch.autograd.Function):
     the token dim N, contracted in dW, is padded to the kernel's tile."""
 
     @staticmethod
-    def forward(ctx, x, w, recipe, history):
+    def forward(ctx, x, w, recipe, history, scopes=None):
         ctx.save_for_backward(x, w)
         ctx.recipe, ctx.history = recipe, history
+        t, o, i = ctx.scopes = scopes or Scopes()   # tokens, out features, in features
         amax = None
         if recipe == "delayed":   # the backward casts x and w with these same amaxes
             amax = ctx.amax = (history.scale_amax("x", x), history.scale_amax("w", w))
         rec = "tensorwise" if recipe == "delayed" else recipe
-        return gemm(x, w, E4M3, E4M3, rec, x.dtype, amax)                  # [N, out]
+        return gemm(x, w, E4M3, E4M3, rec, x.dtype, amax, split_a=(t, i), split_b=(o, i))
 
     @staticmethod
     def backward(ctx, dy):                                              # dy [N, out]
@@ -128,12 +171,15 @@ class FP8MatMul(torch.autograd.Function):
             a_x, a_w = ctx.amax
             a_dy = history.scale_amax("dy", dy)
             amax_dx, amax_dw = (a_dy, a_w), (a_dy, a_x)
+        t, o, i = ctx.scopes
         # dX = dY W: [N, out] @ [in, out]^T, contracted over out
-        dx = gemm(dy, w.t().contiguous(), g_fmt, E4M3, rec, dy.dtype, amax_dx)
+        dx = gemm(dy, w.t().contiguous(), g_fmt, E4M3, rec, dy.dtype, amax_dx,
+                  split_a=(t, o), split_b=(i, o))
         # dW = dY^T X: [out, N] @ [in, N]^T, contracted over the tokens (padded to the tile)
         dyt, xt = _pad_rows(dy, tile).t().contiguous(), _pad_rows(x, tile).t().contiguous()
-        dw = gemm(dyt, xt, g_fmt, E4M3, rec, w.dtype, amax_dw, b_is_weight=False)
-        return dx, dw, None, None
+        dw = gemm(dyt, xt, g_fmt, E4M3, rec, w.dtype, amax_dw, b_is_weight=False,
+                  split_a=(o, t), split_b=(i, t))
+        return dx, dw, None, None, None
 
 
 class AmaxHistory:
@@ -166,10 +212,11 @@ class Float8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias, self.recipe = linear.weight, linear.bias, recipe
         self.history = AmaxHistory(history) if recipe == "delayed" else None
+        self.scopes = Scopes()              # set by scope(): the groups that split it
 
     def forward(self, x):                   # (..., in) -> (..., out)
         y = FP8MatMul.apply(x.reshape(-1, self.in_features), self.weight, self.recipe,
-                            self.history).view(*x.shape[:-1], self.out_features)
+                            self.history, self.scopes).view(*x.shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
 
 
@@ -201,6 +248,19 @@ def convert(model: nn.Module, recipe: str = "tensorwise", history: int = 16) -> 
                 setattr(layer.get_submodule(owner), attr, Float8Linear(m, recipe, history))
                 done.append(f"layers.{i}.{name}")
     return done
+
+
+def scope(model: nn.Module, tokens=()) -> int:
+    """Every converted layer of `model` learns the groups over which its tokens are split (a
+    data-parallel rank holds some of the batch's rows: its amaxes of x and dy are MAXed over
+    `tokens`, so each rank casts with the whole batch's scale). Returns the layers scoped."""
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    for m in layers:
+        m.scopes = m.scopes._replace(tokens=tuple(tokens))
+        if m.recipe == "delayed" and tokens:
+            raise ValueError("fp8: delayed scaling is a single-device lesson here (its history "
+                             "would need the same reduction); use tensorwise under a strategy")
+    return len(layers)
 
 
 def fp8_mm(x: torch.Tensor, w: torch.Tensor, recipe: str = "tensorwise") -> torch.Tensor:

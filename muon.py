@@ -40,9 +40,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from harness.collectives import like, local_part
+from harness import like, local_part, planted
 from harness.models import hidden_matrix
-from harness.plants import planted
 from harness.precision import Masters, adamw_update
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)   # torch.optim.Muon's (Keller Jordan's) quintic
@@ -177,9 +176,10 @@ def build(model, lr: float, muon_lr: float, tpm=None, **kw) -> MuonAdamW:
 
 
 def local(opt, ps, updates, g):
-    """Each parameter is a whole matrix (replicated, or one owner's): NS on it, scaled."""
-    return [(newton_schulz(u, g["ns_steps"], opt.ns_dtype(g, p)), lr_scale(p.shape))
-            for p, u in zip(ps, updates)]
+    """Each parameter is a whole matrix (replicated, or one owner's): NS on it, scaled (the
+    blockwise plant: on a DTensor label's local shard, as if it were the matrix)."""
+    return [(like(p, newton_schulz(local_part(u), g["ns_steps"], opt.ns_dtype(g, p))),
+             lr_scale(local_part(p).shape)) for p, u in zip(ps, updates)]
 
 
 def tp_gather(tpm, names: dict):

@@ -57,6 +57,8 @@ def _validate(cls, args, world: int, rank: int):
     if getattr(args, "doc_mask", False) and not cls.doc_mask:
         errs.append(f"--doc-mask: {cls.name} does not mask packed documents yet (ddp, zero, "
                     f"fsdp, tp, sp, pp, cp, ep, compose4d do)")
+    if getattr(args, "fp8", None) and cls.convert_fp8 is None:
+        errs.append(f"--fp8: {cls.name} does not train in FP8 yet (ddp, zero, fsdp do)")
     if getattr(args, "ce_chunk", 0) > 0 and not cls.chunked_ce:
         errs.append(f"--ce-chunk: {cls.name} computes its loss on the full logits (chunked: "
                     f"ddp.py's plain head and tp.py's vocab-parallel head)")

@@ -416,6 +416,8 @@ def reference_in(run: Run, cls, dtype: str, prepare=None):
     model = build_model(a, run.config, run.env.device)
     if prepare is not None:
         prepare(model)
+    if getattr(a, "fp8", None):   # (the strategy's FP8 layers, on one device)
+        cls.convert_fp8(model, a.fp8)
     a.reference_optimizer = OracleAdamW   # (harness.Reference builds it)
     return reference_class(cls)(model, a, run.env)
 
@@ -476,6 +478,10 @@ class PermutedReference:
         masters from them when it is built, and masters of the unpermuted weights (the bug
         this order fixes) made every bf16 parameter's noise sample 1.4-1.6 of the tensor's
         scale after one step, a tolerance that accepted anything."""
+        if getattr(run.args, "fp8", None) == "blockwise":
+            return None   # (FP8's 128 x 128 blocks and 1 x 128 tiles do not follow a
+            # permutation of the units: not an equivalent model; tensorwise's and rowwise's
+            # scales do, a whole tensor's or a whole row's amax)
         built = {}
 
         def permute(model):

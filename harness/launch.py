@@ -76,6 +76,9 @@ def base_parser(prog: str, modes=(), plants=None) -> argparse.ArgumentParser:
                    help="set the model's dropout (attention, and hidden where the family has "
                         "it, e.g. Phi3's residual dropout) to P; the masks are the same at every "
                         "layout (harness/dropout.py). Default: the model config's own")
+    p.add_argument("--fp8", default=None, choices=["tensorwise", "rowwise", "blockwise"],
+                   help="FP8 GEMMs in the decoder layers' linears (fp8.py), the reference's "
+                        "too; every scale global over the ranks that split its tensor")
     p.add_argument("--doc-mask", action="store_true",
                    help="packed documents: each row is cut into documents of long-tailed "
                         "lengths (harness/data.py), positions restart at 0 in each and "

@@ -65,6 +65,8 @@ def make_pair(run: Run, cls, perturb: bool, with_ref: bool):
     """(reference on rank 0 or None, strategy) from one reference build. A rank that keeps no
     reference hands the build itself to the strategy (no second copy of the model)."""
     ref_model = build_model(run.args, run.config, run.env.device)
+    if getattr(run.args, "fp8", None):   # (both sides: the reference trains in FP8 too)
+        cls.convert_fp8(ref_model, run.args.fp8)
     keep_ref = with_ref and run.env.is_main
     local = copy.deepcopy(ref_model) if keep_ref else ref_model
     if perturb and cls.syncs_initial_params and run.env.rank != 0:

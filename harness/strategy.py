@@ -67,6 +67,9 @@ class Strategy:
     muon_modes = ("auto",)    # --muon-mode values it supports
     lora = False          # takes --lora R (peft's adapters; lora.py)
     doc_mask = False      # takes --doc-mask (packed documents through HF's forward)
+    # --fp8 RECIPE: fp8.convert (the rig's, which imports the learner file), applied to the one
+    # build before the reference and the strategy copy it; the strategy scopes its own layers
+    convert_fp8 = None
     self_check = None     # ("what", build(model, args) -> fn(ids) -> logits): selfcheck.py
 
     @staticmethod

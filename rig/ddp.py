@@ -3,6 +3,7 @@ import copy
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from harness import (Batch, Expect, Plant, Strategy, dropout, global_loss, lm_loss_sum,
                      make_adamw, phase, spread_across_ranks)
@@ -11,6 +12,7 @@ from harness.reduce_probe import ReductionProbe
 from harness.cli import main as harness_main
 
 from ddp import DataParallel, NaiveDataParallel, forward_backward
+import fp8
 import muon
 
 
@@ -25,7 +27,36 @@ def batch_constraints(args, world) -> list[str]:
     if args.batch % (world * k):
         return [f"global batch {args.batch} is not divisible by world size x grad-accum = "
                 f"{world} x {k} = {world * k}"]
+    return fp8_constraints(args, args.batch // (world * k) * args.length, k, world)
+
+
+def fp8_constraints(args, tokens: int, micro_batches: int, world: int) -> list[str]:
+    """--fp8: a rank's scales equal one device's on the whole batch (fp8.scope) only when each
+    scale's group of elements is whole somewhere: one micro-batch per step, and under blockwise
+    the weight gradient's 1 x 128 tiles along the tokens not cut between ranks. Rowwise's scales
+    are powers of 2: a rank's loss gradient is W times one device's (W CE_sum / N, averaged
+    after the backward), which casts on the same grid only when W is a power of 2."""
+    if not getattr(args, "fp8", None):
+        return []
+    if args.fp8 == "rowwise" and world & (world - 1):
+        return [f"--fp8 rowwise at W={world}: its power-of-2 scales cast a rank's gradient "
+                f"(W times one device's, before the average) on another grid unless W is a "
+                f"power of 2"]
+    if micro_batches > 1:
+        return [f"--fp8 with {micro_batches} micro-batches per step: each would be cast with "
+                f"its own amax, the single-device reference's whole batch with one"]
+    if args.fp8 == "blockwise" and tokens % fp8.BLOCK:
+        return [f"--fp8 blockwise: a rank's {tokens} tokens per step are not a multiple of "
+                f"{fp8.BLOCK} (the weight gradient's 1 x {fp8.BLOCK} tiles along the tokens "
+                f"would straddle two ranks)"]
     return []
+
+
+def fp8_data_parallel(model, args):
+    """--fp8: the batch's rows are split over the world, so every converted layer's amaxes of
+    x and dy are MAXed over it (fp8.scope): each rank casts with the whole batch's scales."""
+    if getattr(args, "fp8", None):
+        fp8.scope(model, tokens=[dist.group.WORLD])
 
 
 def ddp_constraints(args, world, config) -> list[str]:
@@ -63,6 +94,7 @@ def make_optimizer(model, args, tpm=None):
 class DDP(Strategy):
     chunked_ce = True
     doc_mask = True
+    convert_fp8 = staticmethod(fp8.convert)
     name = "ddp"
     optimizers = ("adamw", "muon")   # muon.py: rig/muon.py builds it
     lora = True
@@ -74,6 +106,9 @@ class DDP(Strategy):
         "doc-positions-dropped": Plant("packed documents' position ids not passed to the "
                                        "model: each token attends to the documents before it "
                                        "and its rotary position runs on", ("--doc-mask",)),
+        "fp8-amax-per-rank": Plant("--fp8: each rank casts x and dy with the amax of its own "
+                                   "rows, not the whole batch's (one device's scale)",
+                                   ("--fp8", "tensorwise", "--dtype", "float64")),
         "no-average": Plant("all_reduce sums the gradients instead of averaging them "
                                    "(2x at W=2; clipping would hide it)", PLANT_CONFIG),
         "mean-of-means": Plant("each micro-batch's own mean loss, averaged, instead of "
@@ -106,6 +141,7 @@ class DDP(Strategy):
     def __init__(self, model, args, env):
         self.args, self.env = args, env
         self.model = model
+        fp8_data_parallel(model, args)
         self.naive = getattr(args, "variant", "bucketed") == "naive"
         if self.naive:
             self.name = "ddp-naive"

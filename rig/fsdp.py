@@ -10,12 +10,13 @@ from harness.precision import LOW_PRECISION, adamw_kwargs, grad_reduce_dtype, mu
 from harness.cli import main as harness_main
 
 import ddp
+import fp8
 import muon
 from trainer4d.comm import owner_comm
 from fsdp import MixedPrecisionPolicy, collectives_per_unit, fully_shard, hsdp_groups
 from fsdp_state import clip_grad_norm_, full_tensors, units
 
-from rig.ddp import DDP, MUON_PLANT, batch_constraints
+from rig.ddp import DDP, MUON_PLANT, batch_constraints, fp8_data_parallel
 from rig.zero import TorchFSDP2
 
 
@@ -51,6 +52,7 @@ class FSDP(Strategy):
     """fully_shard on each decoder layer and on the model, and a plain torch.optim.AdamW over
     model.parameters(): the loop a user writes. In bf16 runs the shards are fp32 masters (the
     reference's, exactly) under MixedPrecisionPolicy(bf16, the run's reduce dtype)."""
+    convert_fp8 = staticmethod(fp8.convert)
     name = "fsdp"
     optimizers = ("adamw", "muon")   # muon.py's owner mode on the shards (muon.build)
     lora = True
@@ -97,6 +99,7 @@ class FSDP(Strategy):
 
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
+        fp8_data_parallel(model, args)
         group = replicate = None
         args.replicate, line = replicas(args, env.world)
         if line and env.is_main:

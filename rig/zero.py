@@ -5,6 +5,7 @@ from harness import (Batch, DTensorBaseline, Expect, Plant, Strategy, full_tenso
                      make_adamw, parts, phase)
 from harness.precision import adamw_kwargs, grad_reduce_dtype, muon_kwargs
 from harness.cli import main as harness_main
+import fp8
 import muon
 from trainer4d.comm import owner_comm
 
@@ -12,7 +13,7 @@ import ddp
 from zero import Zero, ZeroOptimizer, collectives_per_unit
 from zero_units import backward_gathers, outside_units, reduce_scattered, state_bytes
 
-from rig.ddp import MUON_PLANT, TorchDDP, batch_constraints
+from rig.ddp import MUON_PLANT, TorchDDP, batch_constraints, fp8_data_parallel
 
 
 def optimizer_on_shards(model, engine: Zero, args) -> ZeroOptimizer:
@@ -53,6 +54,7 @@ def muon_gather_flops(plan) -> int:
 
 
 class ZeRO(Strategy):
+    convert_fp8 = staticmethod(fp8.convert)
     name = "zero"
     optimizers = ("adamw", "muon")   # muon.py: optimizer_on_shards builds it
     lora = True
@@ -100,6 +102,7 @@ class ZeRO(Strategy):
 
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
+        fp8_data_parallel(model, args)
         self.name = f"zero{args.stage}"
         self.zero = self.make_engine(
             model, stage=args.stage, prefetch=args.prefetch,

@@ -38,26 +38,47 @@ def rel(got: dict, want: dict) -> float:
     return max(abs(got[k] - want[k]) / abs(want[k]) for k in got)
 
 
+IMPLS = ("ours", "torch", "ours-tp", "torch-tp")
+
+
+def line(row: dict) -> str:
+    """One implementation's figures, readable."""
+    out = f"{row['impl']:<9} vs one device {row['vs_one_device']:.1e}"
+    if "planted_vs_one_device" in row:
+        out += f"  planted {row['planted_vs_one_device']:.1e}"
+    out += f"  saved at W=2 in {row['save_s']:.3f} s"
+    for W in (1, 4):
+        if f"load_W{W}_max_abs_diff" in row:
+            out += (f"  loaded at W={W} in {row[f'load_W{W}_s']:.3f} s: max |diff| "
+                    f"{row[f'load_W{W}_max_abs_diff']:.1f}, steps 3-4 vs the saving run "
+                    f"{row[f'load_W{W}_vs_saving_run']:.1e}")
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
+    p.add_argument("--impl", default=",".join(IMPLS), help="a comma-separated subset of "
+                   + ", ".join(IMPLS))
     a = p.parse_args()
     import torch
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         plants = {"ours": "shard-unlabelled", "ours-tp": "tp-unlabelled"}
-        for impl in ("ours", "torch", "ours-tp", "torch-tp"):
+        for impl in a.impl.split(","):
             extra = ["--plant-bug", plants[impl]] if impl in plants else []
             saved = phase(tmp, impl, "save", 2, *extra)
-            row = dict(impl=impl, vs_one_device=rel(saved["losses"], saved["reference"]))
+            row = dict(impl=impl, vs_one_device=rel(saved["losses"], saved["reference"]),
+                       save_s=saved["save_s"])
             if "planted" in saved:
                 row["planted_vs_one_device"] = rel(saved["planted"], saved["reference"])
             for W in ((1,) if impl == "torch-tp" else (1, 4)):
                 got = phase(tmp, impl, "load", W)
                 row[f"load_W{W}_max_abs_diff"] = got["max_abs_diff"]
                 row[f"load_W{W}_vs_saving_run"] = rel(got["losses"], saved["losses"])
+                row[f"load_W{W}_s"] = got["load_s"]
             rows.append(row)
-            print(json.dumps(row))
+            print(line(row), flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(command="python scripts/user_loop.py --out " + a.out,

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import fp8
 import harness
-from conftest import ROOT
+from conftest import ROOT, Runs, assert_config_error, launch
 
 ORACLES = os.path.join(ROOT, ".oracles")
 
@@ -202,3 +202,63 @@ def test_training_stays_with_bf16():
     for recipe in ("tensorwise", "rowwise"):
         last, _ = run(torch.bfloat16, recipe)
         assert abs(last - bf16) < gap and last < first - 0.5, (recipe, last, bf16, gap)
+
+
+# ------------------------------------------------------------------------------------------------
+# Under the data-parallel strategies (--fp8 R): every scale global over the ranks that split its
+# tensor (fp8.scope), so a rank casts exactly as one device does on the whole batch, and the
+# float64 correctness run meets the single-device FP8 reference at float64's own noise.
+# ------------------------------------------------------------------------------------------------
+F64 = ["--dtype", "float64"]
+DP2 = Runs("ddp.py", 2, tier="slow", runs={
+    "fp8-tensorwise": ["--fp8", "tensorwise", *F64],
+    "fp8-rowwise": ["--fp8", "rowwise", *F64],
+    "fp8-blockwise": ["--fp8", "blockwise", "--model", "configs/tiny-fp8.json", *F64]})
+HEAVY = {"ddp.py W=3": Runs("ddp.py", 3, tier="heavy", runs={
+             "fp8": ["--fp8", "tensorwise", "--batch", "6", *F64]}),
+         "zero.py": Runs("zero.py", 2, tier="heavy", runs={
+             "fp8": ["--stage", "3", "--fp8", "tensorwise", *F64]}),
+         "fsdp.py": Runs("fsdp.py", 2, tier="heavy", runs={
+             "fp8": ["--fp8", "rowwise", *F64]}),
+         "ddp.py bf16": Runs("ddp.py", 2, tier="heavy", runs={
+             "fp8-bf16": ["--fp8", "tensorwise", "--dtype", "bfloat16"]})}
+
+
+def exact(r):
+    """PASS, and the gradients within float64's roundoff of one device's (err <= 1e-12: FP8's
+    own rounding is 2^-4, so a single cast with another scale shows at 1e-3 or above)."""
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    (row,) = r.json("correctness.json")
+    assert row["ok"] and row["max_grad_err"] <= 1e-12, (row["max_grad_err"], r.last_line)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_ddp_in_fp8_matches_one_device_in_fp8(runs, recipe):
+    exact(runs(DP2, f"fp8-{recipe}"))
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("key", list(HEAVY))
+def test_fp8_under_more_layouts(runs, key):
+    """ZeRO-3 and FSDP (the gathered weights: whole, their scales one device's), DDP at an
+    uneven W=3, and a bf16 run (within bf16 and FP8's noise against the float64 FP8 target)."""
+    batch = HEAVY[key]
+    r = runs(batch, next(iter(batch.runs)))
+    if "bf16" in key:
+        assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    else:
+        exact(r)
+
+
+@pytest.mark.parametrize("script,world,args,msg", [
+    ("ddp.py", 3, ["--fp8", "rowwise", "--batch", "6"], "--fp8 rowwise at W=3: its power-of-2"),
+    ("zero.py", 3, ["--fp8", "blockwise", "--batch", "6", "--length", "32"],
+     "--fp8 blockwise: a rank's 64 tokens per step are not a multiple of 128"),
+    ("fsdp.py", 2, ["--fp8", "tensorwise", "--grad-accum", "2"],
+     "--fp8 with 2 micro-batches per step"),
+    ("tp.py", 2, ["--fp8", "tensorwise"], "--fp8: tp does not train in FP8 yet"),
+])
+def test_a_layout_fp8_cannot_match_is_refused_in_one_line(script, world, args, msg):
+    r = launch(script, world, "--mode", "correctness", *args, as_rank0=True)
+    assert_config_error(r, msg, torchrun=False)

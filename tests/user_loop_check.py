@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,7 +157,9 @@ def main():
         except ValueError as e:   # what DCP would save wrong is refused (tp_dtensor.py)
             print(e, file=sys.stderr)
             sys.exit(2)
+        t0 = time.perf_counter()
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+        res["save_s"] = time.perf_counter() - t0
         state = full_state(model, opt)
         if r == 0:
             torch.save(state, os.path.join(a.dir, f"{a.impl}-full.pt"))
@@ -172,8 +175,10 @@ def main():
         model, loss_of, after = build(1, a.impl, W)   # other weights: the load replaces them
         opt = adamw(model)
         msd, osd = get_state_dict(model, opt)   # (initialises the optimizer's state)
+        t0 = time.perf_counter()
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt)
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        res["load_s"] = time.perf_counter() - t0
         saved = torch.load(os.path.join(a.dir, f"{a.impl}-full.pt"))
         got = full_state(model, opt)
         res["keys_differ"] = sorted(set(saved) ^ set(got))
