@@ -162,10 +162,13 @@ def broadcast_coalesced(tensors: list[torch.Tensor], group=None, cap_bytes: int 
 
 
 def check_devices(tensors, group, what: str) -> torch.device | None:
-    """The one device every tensor lives on, and one a collective of `group` can use
-    (ValueError naming the first tensor that is not)."""
+    """The one device every tensor lives on, and one a collective of `group` can use, each a
+    plain tensor (ValueError naming the first tensor that is not)."""
     device = None
     for name, t in tensors:
+        if hasattr(t, "to_local"):   # a DTensor (tp.parallelize's label): its numel is global
+            raise ValueError(f"{what}: {name} is a DTensor, and {what} reads plain tensors; "
+                             f"split with tp.parallelize(..., dtensor=False) under it")
         if t.device.type == "meta":
             raise ValueError(f"{what}: {name} is on the meta device; materialise the module "
                              f"(to_empty() and load its weights) before wrapping it")

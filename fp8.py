@@ -154,6 +154,8 @@ class FP8MatMul(torch.autograd.Function):
         amax = None
         if recipe == "delayed":   # the backward casts x and w with these same amaxes
             amax = ctx.amax = (history.scale_amax("x", x), history.scale_amax("w", w))
+        elif recipe == "tensorwise":   # one amax per tensor, reduced once; X^T's is X's
+            amax = ctx.amax = (tensor_amax(x, t + i), tensor_amax(w, o + i))
         rec = "tensorwise" if recipe == "delayed" else recipe
         return gemm(x, w, E4M3, E4M3, rec, x.dtype, amax, split_a=(t, i), split_b=(o, i))
 
@@ -166,12 +168,13 @@ class FP8MatMul(torch.autograd.Function):
         if planted("fp8-grad-e4m3"):   # plant: tensorwise's gradients in e4m3 (no range)
             g_fmt = E4M3
         tile = BLOCK if rec == "blockwise" else 16
-        amax_dx = amax_dw = None
-        if recipe == "delayed":   # the forward's x and w scales, dy's from its own history
-            a_x, a_w = ctx.amax
-            a_dy = history.scale_amax("dy", dy)
-            amax_dx, amax_dw = (a_dy, a_w), (a_dy, a_x)
         t, o, i = ctx.scopes
+        amax_dx = amax_dw = None
+        if rec == "tensorwise":   # the forward's x and w amaxes; dy's (delayed: its history)
+            a_x, a_w = ctx.amax
+            a_dy = (history.scale_amax("dy", dy) if recipe == "delayed"
+                    else tensor_amax(dy, t + o))
+            amax_dx, amax_dw = (a_dy, a_w), (a_dy, a_x)
         # dX = dY W: [N, out] @ [in, out]^T, contracted over out
         dx = gemm(dy, w.t().contiguous(), g_fmt, E4M3, rec, dy.dtype, amax_dx,
                   split_a=(t, o), split_b=(i, o))
@@ -180,6 +183,13 @@ class FP8MatMul(torch.autograd.Function):
         dw = gemm(dyt, xt, g_fmt, E4M3, rec, w.dtype, amax_dw, b_is_weight=False,
                   split_a=(o, t), split_b=(i, t))
         return dx, dw, None, None, None
+
+
+def tensor_amax(t: torch.Tensor, over) -> torch.Tensor:
+    """max |t| over the whole tensor, its parts on the groups `over` included (a scalar, in
+    float32; float64's own for a float64 tensor, as quantize casts it)."""
+    a = t.detach().abs().amax()
+    return global_amax(a if a.dtype == torch.float64 else a.float(), over)
 
 
 class AmaxHistory:

@@ -176,10 +176,9 @@ def build(model, lr: float, muon_lr: float, tpm=None, **kw) -> MuonAdamW:
 
 
 def local(opt, ps, updates, g):
-    """Each parameter is a whole matrix (replicated, or one owner's): NS on it, scaled (the
-    blockwise plant: on a DTensor label's local shard, as if it were the matrix)."""
-    return [(like(p, newton_schulz(local_part(u), g["ns_steps"], opt.ns_dtype(g, p))),
-             lr_scale(local_part(p).shape)) for p, u in zip(ps, updates)]
+    """Each parameter is a whole matrix (replicated, or one owner's): NS on it, scaled."""
+    return [(newton_schulz(u, g["ns_steps"], opt.ns_dtype(g, p)), lr_scale(p.shape))
+            for p, u in zip(ps, updates)]
 
 
 def tp_gather(tpm, names: dict):
@@ -187,8 +186,9 @@ def tp_gather(tpm, names: dict):
     whole, this rank's shard kept (tpm.local). names: parameter -> the model's name."""
     def orthogonalize(opt, ps, updates, g):
         keys = [names[p] for p in ps]
-        if planted("muon-blockwise"):   # plant: NS on each shard as if it were the matrix
-            return local(opt, ps, updates, g)
+        if planted("muon-blockwise"):   # plant: NS on each (local) shard as if the matrix
+            return [(like(p, o), c) for p, (o, c) in zip(ps, local(
+                opt, [local_part(p) for p in ps], [local_part(u) for u in updates], g))]
         full = tpm.full(dict(zip(keys, updates)))     # T x [A/T, B] -> [A, B] (or columns)
         shape = {k: (local_part(u).shape if planted("muon-lr-by-shard") else full[k].shape)
                  for k, u in zip(keys, updates)}   # (plant: the shard's)

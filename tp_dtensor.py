@@ -22,7 +22,8 @@ Placements over the tp group (tp_plan.PLACEMENTS), a 1-D mesh of its T ranks:
     split along dim d (column 0, row 1, vocab 0, norm-sharded 0)    Shard(d)
     replicated, partial (their gradients summed by reduce_partial_grads)   Replicate()
 With more ranks than kv heads (T = m n_kv) the kv projections hold one head on m ranks,
-which no 1-D placement says: the mesh is then 2-D, (n_kv, m), rank r at (r // m, r % m):
+which no 1-D placement says: the mesh is then 2-D, (n_kv, m), rank r at (r // m, r % m), its
+groups made by every rank (so the tp group must be the whole world; else refused):
     kv-copy (Shard(0), Replicate())    split (Shard(d), Shard(d))    replicated (Replicate(),)*2
 What a DTensor cannot say, DCP refuses in one line (model.state_dict() raises): a fused
 projection (Phi3's qkv_proj: this rank's rows of each segment, not one chunk) and a vocabulary
@@ -57,13 +58,12 @@ def _mesh(tpm) -> DeviceMesh:
     ranks = dist.get_process_group_ranks(group)
     m, n_kv = tpm.kv_copies, tpm.world // tpm.kv_copies
     grid = torch.tensor(ranks).view(n_kv, m)           # grid[i, j]: group rank i m + j
-    i, j = tpm.rank // m, tpm.rank % m
-    # (local synchronisation: only the new groups' members call; every rank calls both in
-    # the same order)
-    heads = dist.new_group(grid[:, j].tolist(), use_local_synchronization=True)
-    copies = dist.new_group(grid[i].tolist(), use_local_synchronization=True)
-    return DeviceMesh.from_group([heads, copies], device, mesh=grid,
-                                 mesh_dim_names=("kv_head", "kv_copy"))
+    # every rank creates every group of both dimensions, in the same order (new_group's
+    # contract, which NCCL's communicator split enforces): the tp group is the whole world
+    heads = [dist.new_group(grid[:, j].tolist()) for j in range(m)]
+    copies = [dist.new_group(grid[i].tolist()) for i in range(n_kv)]
+    return DeviceMesh.from_group([heads[tpm.rank % m], copies[tpm.rank // m]], device,
+                                 mesh=grid, mesh_dim_names=("kv_head", "kv_copy"))
 
 
 def placements(tpm, name: str, mesh: DeviceMesh) -> tuple[list, int | None]:
@@ -90,6 +90,10 @@ def label(tpm):
     and let each module compute on the local parts (the hooks below)."""
     if planted("tp-unlabelled"):   # plant: plain shards, torch's utilities see one rank's rows
         return
+    if tpm.kv_copies > 1 and tpm.world != dist.get_world_size():
+        raise ValueError(f"tp.parallelize: kv heads replicated over a tp group of {tpm.world} "
+                         f"inside a world of {dist.get_world_size()}: the 2-D mesh of the labels "
+                         f"needs groups every rank creates; pass dtensor=False (then tpm.clip)")
     mesh = mesh_of(tpm)
     made = {}                         # id(plain parameter) -> its label (tied ones: one)
     for mname, module in tpm.model.named_modules():
@@ -112,7 +116,12 @@ def label(tpm):
         if module._tp_held:
             module._tp_views = []
             module.register_forward_pre_hook(_local_views)
-            module.register_forward_hook(_drop_views)
+            # always_call: a forward that raises (a recomputation torch's checkpoint stops
+            # early, by raising) leaves no view behind
+            always = True
+            if planted("tp-views-linger"):   # plant: the views of a raising forward stay
+                always = False
+            module.register_forward_hook(_drop_views, always_call=always)
     tpm.mesh = mesh
     tpm.model.register_state_dict_post_hook(lambda m, sd, prefix, meta: _dcp_check(tpm))
 

@@ -27,10 +27,10 @@ def batch_constraints(args, world) -> list[str]:
     if args.batch % (world * k):
         return [f"global batch {args.batch} is not divisible by world size x grad-accum = "
                 f"{world} x {k} = {world * k}"]
-    return fp8_constraints(args, args.batch // (world * k) * args.length, k, world)
+    return fp8_constraints(args, world, k)
 
 
-def fp8_constraints(args, tokens: int, micro_batches: int, world: int) -> list[str]:
+def fp8_constraints(args, world: int, micro_batches: int) -> list[str]:
     """--fp8: a rank's scales equal one device's on the whole batch (fp8.scope) only when each
     scale's group of elements is whole somewhere: one micro-batch per step, and under blockwise
     the weight gradient's 1 x 128 tiles along the tokens not cut between ranks. Rowwise's scales
@@ -38,6 +38,7 @@ def fp8_constraints(args, tokens: int, micro_batches: int, world: int) -> list[s
     after the backward), which casts on the same grid only when W is a power of 2."""
     if not getattr(args, "fp8", None):
         return []
+    tokens = args.batch // (world * micro_batches) * args.length   # a rank's, per micro-batch
     if args.fp8 == "rowwise" and world & (world - 1):
         return [f"--fp8 rowwise at W={world}: its power-of-2 scales cast a rank's gradient "
                 f"(W times one device's, before the average) on another grid unless W is a "

@@ -84,6 +84,10 @@ class TP(Strategy):
             "Qwen3's per-head q/k norms keep each rank's gradient (its own heads' share) "
             "instead of the sum over the group", ("--model", "tiny-qwen3", "--dtype", "float32",
                                                   "--clip", "0.5")),
+        "tp-views-linger": Plant(
+            "tp_dtensor's forward hook that removes a module's local views is skipped when the "
+            "forward raises (torch's checkpoint stops a recomputation early by raising): the "
+            "views stay, shadowing the DTensor parameters", ("--recompute", "full")),
         "kv-copies-summed-across-heads": Plant(
             "with more ranks than kv heads, a replicated kv head's gradient is all-reduced "
             "over the whole group: summed with the other heads' copies, not its own only",
@@ -140,8 +144,14 @@ class TP(Strategy):
         rep = [p for n, p in self.model.named_parameters() if n not in self.tp.split_dim
                and (n not in self.tp.kv_split or self.tp.kv_copies == self.tp.world)]
         spread = spread_across_ranks(rep)
+        # tp_dtensor's local views live for a forward only: one left in a module's __dict__
+        # would shadow its DTensor parameter (and be computed with after a reload)
+        stale = [f"{type(m).__name__}.{n}" for m in self.model.modules()
+                 for n in m._parameters if n in m.__dict__]
         return [(f"{len(rep)} replicated tensors identical across ranks", spread == 0.0,
-                 f"max spread of per-tensor sums {spread:.1e}")]
+                 f"max spread of per-tensor sums {spread:.1e}"),
+                ("no parameter's local view left in a module after the step", not stale,
+                 f"{len(stale)} left{': ' + stale[0] if stale else ''}")]
 
     def expected_comm(self):
         cfg, a = self.model.config, self.args

@@ -258,6 +258,7 @@ def test_fp8_under_more_layouts(runs, key):
     ("fsdp.py", 2, ["--fp8", "tensorwise", "--grad-accum", "2"],
      "--fp8 with 2 micro-batches per step"),
     ("tp.py", 2, ["--fp8", "tensorwise"], "--fp8: tp does not train in FP8 yet"),
+    ("ddp.py", 2, ["--fp8", "tensorwise", "--compare-native"], "--fp8: --mode correctness,"),
 ])
 def test_a_layout_fp8_cannot_match_is_refused_in_one_line(script, world, args, msg):
     r = launch(script, world, "--mode", "correctness", *args, as_rank0=True)
