@@ -119,7 +119,9 @@ def classify(rc: int, out: str, err: str, seconds: float = 0.0) -> Outcome:
     if errors:
         return Outcome("invalid", None, seconds, errors[0])
     last = [l for l in text.splitlines() if l.strip()][-1:] or [""]
-    return Outcome("crash", None, seconds, f"exit {rc}: {last[0][:160]}")
+    why = [l.strip() for l in text.splitlines() if "Error" in l and "errors/__init__" not in l]
+    return Outcome("crash", None, seconds, f"exit {rc}: {last[0][:160]}"
+                   + (f" ({why[0][:200]})" if why else ""))
 
 
 # ----------------------------------------------------------------------------------------------
