@@ -41,6 +41,7 @@ Public API
     fp8.fp8_mm(x, w, recipe)                  x [N, in] @ w [out, in]^T through the three FP8 GEMMs
     fp8.quantize(t, fmt, groups, pow2)        (q, inverse scale) of one operand
     fp8.scope(model, tokens=[group])          the groups a data-parallel run splits tokens over
+    fp8.gather_in_fp8(model)                  before fsdp.fully_shard: weights all-gathered in e4m3
 
 Run:  python -m pytest tests/test_fp8.py   (torchao as the oracle, and one device in bf16)
 """
@@ -49,6 +50,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from harness import parts, planted
 
@@ -101,14 +103,19 @@ def quantize(t: torch.Tensor, fmt, groups: str, pow2: bool = False, amax=None, o
         a = a.expand(M // BLOCK, BLOCK, K // BLOCK, BLOCK).reshape(M, K)
     if amax is None:
         a = global_amax(a, over)
+    scale = scale_of(a, fmt, x.dtype)                                   # s = max / amax
     fmax = torch.finfo(fmt).max
-    scale = (fmax / a.double().clamp(min=EPS)).to(x.dtype)              # s = max / amax
     if pow2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))              # (rowwise: exact 1/s)
     inv = scale.reciprocal()                                            # what the GEMM undoes
     if planted("fp8-scale-not-inverted"):   # plant: the GEMM multiplied by s, not 1/s
         inv = scale
     return (x * scale).clamp(-fmax, fmax).to(fmt), inv
+
+
+def scale_of(amax: torch.Tensor, fmt, dtype) -> torch.Tensor:
+    """s = max / amax in `dtype` (fp32, or float64 for float64 operands), amax floored at EPS."""
+    return (torch.finfo(fmt).max / amax.double().clamp(min=EPS)).to(dtype)
 
 
 def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -147,7 +154,7 @@ class FP8MatMul(torch.autograd.Function):
     the token dim N, contracted in dW, is padded to the kernel's tile."""
 
     @staticmethod
-    def forward(ctx, x, w, recipe, history, scopes=None):
+    def forward(ctx, x, w, recipe, history, scopes=None, w_amax=None):
         ctx.save_for_backward(x, w)
         ctx.recipe, ctx.history = recipe, history
         t, o, i = ctx.scopes = scopes or Scopes()   # tokens, out features, in features
@@ -155,7 +162,8 @@ class FP8MatMul(torch.autograd.Function):
         if recipe == "delayed":   # the backward casts x and w with these same amaxes
             amax = ctx.amax = (history.scale_amax("x", x), history.scale_amax("w", w))
         elif recipe == "tensorwise":   # one amax per tensor, reduced once; X^T's is X's
-            amax = ctx.amax = (tensor_amax(x, t + i), tensor_amax(w, o + i))
+            amax = ctx.amax = (tensor_amax(x, t + i),   # (w's: FSDP's FP8 gather's, if given)
+                               tensor_amax(w, o + i) if w_amax is None else w_amax)
         rec = "tensorwise" if recipe == "delayed" else recipe
         return gemm(x, w, E4M3, E4M3, rec, x.dtype, amax, split_a=(t, i), split_b=(o, i))
 
@@ -182,7 +190,7 @@ class FP8MatMul(torch.autograd.Function):
         dyt, xt = _pad_rows(dy, tile).t().contiguous(), _pad_rows(x, tile).t().contiguous()
         dw = gemm(dyt, xt, g_fmt, E4M3, rec, w.dtype, amax_dw, b_is_weight=False,
                   split_a=(o, t), split_b=(i, t))
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def tensor_amax(t: torch.Tensor, over) -> torch.Tensor:
@@ -223,10 +231,13 @@ class Float8Linear(nn.Module):
         self.weight, self.bias, self.recipe = linear.weight, linear.bias, recipe
         self.history = AmaxHistory(history) if recipe == "delayed" else None
         self.scopes = Scopes()              # set by scope(): the groups that split it
+        self.gather = None                  # gather_in_fp8(): FSDP all-gathers it in e4m3
 
     def forward(self, x):                   # (..., in) -> (..., out)
         y = FP8MatMul.apply(x.reshape(-1, self.in_features), self.weight, self.recipe,
-                            self.history, self.scopes).view(*x.shape[:-1], self.out_features)
+                            self.history, self.scopes,
+                            self.gather and self.gather.amax_in(self.weight.dtype)
+                            ).view(*x.shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
 
 
@@ -270,6 +281,72 @@ def scope(model: nn.Module, tokens=()) -> int:
         if m.recipe == "delayed" and tokens:
             raise ValueError("fp8: delayed scaling is a single-device lesson here (its history "
                              "would need the same reduction); use tensorwise under a strategy")
+    return len(layers)
+
+
+class GatherFP8:
+    """FSDP's FP8 all-gather of one tensorwise Float8Linear's weight (torchao's
+    enable_fsdp_float8_all_gather): each rank casts its rows to e4m3 with the whole weight's
+    scale before the all-gather, so the wire carries 1 byte per element (bf16: 2) and the bytes
+    gathered are those one device casts. The scale comes first: at the model's forward, one
+    all-reduce MAX of every marked weight's amax over its shards' group (precompute_scales;
+    torchao's precompute_float8_dynamic_scale_for_fsdp, called by the user after the step).
+    fsdp.py then calls quantize() on each shard and dequantize() into its compute buffer; the
+    layer casts that buffer with the same amax, which gives the gathered bytes back exactly
+    (q s^-1 s is within 2^-8 of q, under half of e4m3's spacing): only the wire changes here
+    (torchao hands the bytes to the GEMM and keeps no high-precision copy)."""
+    fmt = E4M3
+
+    def __init__(self):
+        self.amax = None   # the whole weight's, in its own dtype (set by precompute_scales)
+
+    def amax_in(self, dtype) -> torch.Tensor:
+        """The amax of the weight cast to `dtype` (the compute copy's): rounding is monotone,
+        so it is the rounded amax. In float32 (float64's own), as tensor_amax gives it."""
+        a = self.amax.to(dtype)
+        return a if a.dtype == torch.float64 else a.float()
+
+    def quantize(self, rows: torch.Tensor) -> torch.Tensor:   # [n] in the compute dtype -> e4m3
+        q, _ = quantize(rows.view(1, -1), E4M3, "tensor", amax=self.amax_in(rows.dtype))
+        return q.view(-1)
+
+    def dequantize(self, q: torch.Tensor, dtype) -> torch.Tensor:   # [n] e4m3 -> [n] dequantised
+        a = self.amax_in(dtype)
+        return q.to(a.dtype) * scale_of(a, E4M3, a.dtype).reciprocal()
+
+
+def precompute_scales(model: nn.Module, *_) -> None:
+    """Every marked weight's amax over the whole tensor: its local rows' (a DTensor's local
+    part: FSDP's shard), one all-reduce MAX per group holding the rest (its mesh's)."""
+    marked = [m for m in model.modules() if isinstance(m, Float8Linear) and m.gather]
+    by_group = {}
+    for m in marked:
+        w = m.weight
+        rows = w.to_local() if isinstance(w, DTensor) else w
+        g = w.device_mesh.get_group() if isinstance(w, DTensor) else None
+        by_group.setdefault(g, []).append((m, rows.detach().abs().amax() if rows.numel()
+                                           else rows.new_zeros(())))
+    for g, pairs in by_group.items():
+        a = torch.stack([x for _, x in pairs])
+        if g is not None:
+            global_amax(a, [g])
+        if planted("fp8-gather-local-scale"):   # plant: each rank's rows scaled by their own amax
+            a = torch.stack([x for _, x in pairs])
+        for (m, _), x in zip(pairs, a):
+            m.gather.amax = x
+
+
+def gather_in_fp8(model: nn.Module) -> int:
+    """Before fsdp.fully_shard: every tensorwise Float8Linear's weight is all-gathered in e4m3
+    (GatherFP8), its scale computed at each forward of `model` before FSDP's hooks run (a
+    forward pre-hook, prepended). Returns the weights so marked."""
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    if any(m.recipe != "tensorwise" for m in layers):
+        raise ValueError("fp8: the FP8 all-gather casts with one scale per weight: tensorwise "
+                         "only (as torchao's)")
+    for m in layers:
+        m.gather = m.weight.fsdp_cast = GatherFP8()
+    model.register_forward_pre_hook(precompute_scales, prepend=True)
     return len(layers)
 
 

@@ -52,8 +52,8 @@ from fsdp_state import (block_groups, clip_grad_norm_, full_state_dict,  # noqa:
                         full_tensors, hsdp_groups, load_full_state_dict, named_params,
                         new_block_groups, summon_full_params, units)
 from fsdp_state import (FSDPModule, MixedPrecisionPolicy, _cast,  # noqa: F401 (re-exported)
-                        all_reduce_ignored, claim, collectives_per_unit,
-                        refuse_matrix_optimizers)
+                        all_reduce_ignored, as_fsdp_module, claim, collectives_per_unit,
+                        refuse_late_gradients, refuse_matrix_optimizers)
 
 
 class ShardedParam:
@@ -96,6 +96,7 @@ class ShardedParam:
         self.unsharded._fsdp_param = self
         self.full.untyped_storage().resize_(0)
         self.acc = None        # the unreduced gradient accumulated without sync (reduce dtype)
+        self.cast = getattr(param, "fsdp_cast", None)   # FP8 all-gather (fp8.GatherFP8), or None
 
     def label(self, rows: torch.Tensor) -> DTensor:   # (rows_r, *rest) -> the whole (d0, *rest)
         if planted("shard-unlabelled"):   # plant: a plain tensor, torch's utilities see rows
@@ -185,42 +186,53 @@ class FSDPUnit:
             if self.root is not None and self.root.queued:
                 self.gathered = True
                 return self.wait()
-        out, work = self.all_gather([p.sharded for p in self.params], self.dtype)
-        self._count("all_gather copy-in", self.shard_numel * out.element_size())
-        self.handle, self.gathered = (work, out), True
+        out, work, wires = self.all_gather([p.sharded for p in self.params], self.dtype, cast=True)
+        self._count("all_gather copy-in", out.numel() // self.world)
+        self.handle, self.gathered = (work, out, wires), True
         if not async_op:
             self.wait()
 
-    def all_gather(self, shards, dtype, async_op=True):
+    def all_gather(self, shards, dtype, async_op=True, cast=False):
         """Launch one all-gather of these per-parameter shards (parameters or gradients; None
-        reads as zeros), each copied in at its offset and cast to `dtype`: ([W * N], work)."""
+        reads as zeros), each copied in at its offset in `dtype`, or with `cast` in its wire
+        format (p.cast: FP8 all-gather, 1 byte): (flat bytes [W * N b], work, the formats)."""
         device = self.params[0].full.device
-        inp = torch.zeros(self.shard_numel, dtype=dtype, device=device)                   # [N]
+        wires = [p.cast.fmt if cast and p.cast else dtype for p in self.params]
+        nbytes = [p.padded * w.itemsize for p, w in zip(self.params, wires)]   # per rank
+        inp = torch.zeros(sum(nbytes), dtype=torch.uint8, device=device)            # [N b]
         views, srcs, off = [], [], 0
-        for p, t in zip(self.params, shards):
+        for p, t, w, n in zip(self.params, shards, wires, nbytes):
             if t is not None and p.local:
-                views.append(inp[off:off + p.local])       # [rows_r rest] at off of [N]
-                srcs.append(local_part(t).detach().reshape(-1))   # (rows_r, *rest) -> [rows_r rest]
-            off += p.padded
+                views.append(inp[off:off + p.local * w.itemsize].view(w))  # [rows_r rest] at off
+                src = local_part(t).detach().reshape(-1)    # (rows_r, *rest) -> [rows_r rest]
+                srcs.append(p.cast.quantize(src.to(dtype)) if w != dtype else src)
+            off += n
         if views:
             torch._foreach_copy_(views, srcs)
-        out = torch.empty(self.world * self.shard_numel, dtype=dtype,
-                          device=device)                  # [N] x W -> flat [W * N]
-        return out, dist.all_gather_into_tensor(out, inp, group=self.group, async_op=async_op)
+        out = torch.empty(self.world * inp.numel(), dtype=torch.uint8,
+                          device=device)                  # [N b] x W -> flat [W * N b]
+        work = dist.all_gather_into_tensor(out, inp, group=self.group, async_op=async_op)
+        return out, work, wires
 
     def wait(self):
         """Finish a launched all-gather: copy out, and put the full parameters in the module."""
         if self.handle is not None:
-            work, out = self.handle
+            work, out, wires = self.handle
             work.wait()
-            fulls = [p.full.view(self.world, p.padded) for p in self.params]       # [W, c_i rest_i]
+            # each parameter's bytes into its full buffer; an FP8 wire's into its own, dequantised
+            fulls = [p.full if w == p.full.dtype else torch.empty_like(p.full, dtype=w)
+                     for p, w in zip(self.params, wires)]                # [W c_i rest_i] each
             # autograd saved the full parameters in the forward: refilling them is no change
             with torch.autograd._unsafe_preserve_version_counter(
                     tuple(p.unsharded for p in self.params)):
-                torch.split_with_sizes_copy(out.view(self.world, self.shard_numel),   # [W, N]
-                                            [p.padded for p in self.params], dim=1,
-                                            out=fulls)          # -> [W, c_i rest_i] each
-            self._count("all_gather copy-out", out.numel() * out.element_size())
+                torch.split_with_sizes_copy(out.view(self.world, -1),      # [W, N b] -> bytes
+                                            [f.numel() // self.world * f.itemsize for f in fulls],
+                                            dim=1, out=[f.view(torch.uint8).view(self.world, -1)
+                                                        for f in fulls])
+                for p, f in zip(self.params, fulls):
+                    if f is not p.full:
+                        p.full.copy_(p.cast.dequantize(f, p.full.dtype))
+            self._count("all_gather copy-out", out.numel())
             self.handle = None
         for p in self.params:
             p.register(unsharded=True)
@@ -382,19 +394,12 @@ class FSDPUnit:
             w.wait()
             finish()
         for u in self.order:
-            late = [p for p in u.params if p.unsharded.grad is not None]
-            if late:   # a gradient that reached a parameter after its unit's post-backward
-                raise RuntimeError(f"fully_shard: a gradient of a {tuple(late[0].shape)} "
-                                   f"parameter arrived after its unit's backward had finished; "
-                                   f"is it used outside the module it was sharded with?")
+            refuse_late_gradients(u)   # one that arrived after its unit's post-backward
             stays = u is self if planted("root-stays-gathered") else False   # plant: stale root
             if u.gathered and not stays:
                 u.reshard()
             u.in_backward, u.finished = False, False
         self.queued = False
-
-
-_CLASSES: dict = {}
 
 
 def fully_shard(module: nn.Module, *, group=None, replicate_group=None,
@@ -435,12 +440,7 @@ def fully_shard(module: nn.Module, *, group=None, replicate_group=None,
                     reshard_after_forward, prefetch)
     for sp in params:
         sp.sharded._fsdp_unit = unit
-    cls = type(module)
-    if not isinstance(module, FSDPModule):
-        if cls not in _CLASSES:
-            _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-        module.__class__ = _CLASSES[cls]
-    module._fsdp = unit
+    as_fsdp_module(module, unit)   # its class gains FSDPModule's methods
     refuse_matrix_optimizers()
     return module
 

@@ -73,9 +73,10 @@ def full_tensors(model: nn.Module, what: str = "param") -> dict[str, torch.Tenso
     full_of = {}
     for u in units(model):
         if u.params:
-            flat, _ = u.all_gather([p.sharded if what == "param" else p.sharded.grad
-                                    for p in u.params], u.params[0].sharded.dtype, False)
-            pieces = flat.view(u.world, u.shard_numel).split(              # [W, N]
+            dtype = u.params[0].sharded.dtype
+            flat, _, _ = u.all_gather([p.sharded if what == "param" else p.sharded.grad
+                                       for p in u.params], dtype, False)
+            pieces = flat.view(dtype).view(u.world, u.shard_numel).split(   # [W, N]
                 [p.padded for p in u.params], dim=1)
             for p, piece in zip(u.params, pieces):   # [W, c rest] -> the first numel
                 full_of[p] = piece.reshape(-1)[:math.prod(p.shape)].view(p.shape)
@@ -217,6 +218,30 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+
+
+_CLASSES: dict = {}
+
+
+def as_fsdp_module(module: nn.Module, unit) -> None:
+    """fully_shard's last act: `module`'s class becomes FSDP<its class>, with FSDPModule's
+    methods (as FSDP2 swaps it), and the module keeps its unit."""
+    cls = type(module)
+    if not isinstance(module, FSDPModule):
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        module.__class__ = _CLASSES[cls]
+    module._fsdp = unit
+
+
+def refuse_late_gradients(u) -> None:
+    """A unit's full parameters hold no gradient once its post-backward has run: one that
+    did arrive later was used outside the module it was sharded with."""
+    late = [p for p in u.params if p.unsharded.grad is not None]
+    if late:
+        raise RuntimeError(f"fully_shard: a gradient of a {tuple(late[0].shape)} parameter "
+                           f"arrived after its unit's backward had finished; is it used outside "
+                           f"the module it was sharded with?")
 
 
 class FSDPModule:

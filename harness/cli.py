@@ -59,12 +59,14 @@ def _validate(cls, args, world: int, rank: int):
                     f"fsdp, tp, sp, pp, cp, ep, compose4d do)")
     if getattr(args, "fp8", None) and cls.convert_fp8 is None:
         errs.append(f"--fp8: {cls.name} does not train in FP8 yet (ddp, zero, fsdp do)")
+    bench = args.mode == "benchmark" and cls.fp8_benchmark and args.fp8 == "tensorwise"
     if getattr(args, "fp8", None) and (args.mode not in ("correctness", "learning", "plants")
-                                       or getattr(args, "compare_native", False)
+                                       and not bench or getattr(args, "compare_native", False)
                                        or getattr(args, "paired", False)):
-        errs.append(f"--fp8: --mode correctness, learning or plants, without PyTorch's "
-                    f"baselines (the benchmark's formulas do not count the amax all-reduces "
-                    f"yet, and the baselines do not train in FP8)")
+        errs.append(f"--fp8: --mode correctness, learning or plants (fsdp: benchmark with "
+                    f"tensorwise), without PyTorch's baselines (the other benchmarks' formulas "
+                    f"do not count the amax all-reduces yet, and the baselines do not train in "
+                    f"FP8)")
     if getattr(args, "ce_chunk", 0) > 0 and not cls.chunked_ce:
         errs.append(f"--ce-chunk: {cls.name} computes its loss on the full logits (chunked: "
                     f"ddp.py's plain head and tp.py's vocab-parallel head)")

@@ -70,6 +70,7 @@ class Strategy:
     # --fp8 RECIPE: fp8.convert (the rig's, which imports the learner file), applied to the one
     # build before the reference and the strategy copy it; the strategy scopes its own layers
     convert_fp8 = None
+    fp8_benchmark = False   # --mode benchmark --fp8 tensorwise: its formulas count FP8's traffic
     self_check = None     # ("what", build(model, args) -> fn(ids) -> logits): selfcheck.py
 
     @staticmethod

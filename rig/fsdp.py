@@ -30,6 +30,9 @@ def fsdp_constraints(args, world, config) -> list[str]:
     if args.replicate is not None and (args.replicate < 1 or world % args.replicate):
         errs.append(f"--replicate {args.replicate}: the replicas must divide world size {world} "
                     f"(HSDP shards over W / R ranks)")
+    if args.fp8_all_gather and args.fp8 != "tensorwise":
+        errs.append(f"--fp8-all-gather casts each weight with one scale: with --fp8 tensorwise "
+                    f"(got --fp8 {args.fp8})")
     if args.replicate is None and uneven_nodes(world):
         errs.append(f"HSDP's default --replicate (one per node): {uneven_nodes(world)}; give "
                     f"--replicate R")
@@ -53,6 +56,7 @@ class FSDP(Strategy):
     model.parameters(): the loop a user writes. In bf16 runs the shards are fp32 masters (the
     reference's, exactly) under MixedPrecisionPolicy(bf16, the run's reduce dtype)."""
     convert_fp8 = staticmethod(fp8.convert)
+    fp8_benchmark = True   # its formulas count the amax all-reduces and the FP8 all-gather
     name = "fsdp"
     optimizers = ("adamw", "muon")   # muon.py's owner mode on the shards (muon.build)
     lora = True
@@ -79,6 +83,10 @@ class FSDP(Strategy):
         "muon-owner-keeps-update": Plant(
             "--optimizer muon: the owners' Newton-Schulz results are not sent back to the "
             "ranks holding the other rows", MUON_PLANT),
+        "fp8-gather-local-scale": Plant("--fp8-all-gather: each rank casts its rows of a weight "
+                                        "with its own rows' amax, not the whole weight's",
+                                        ("--fp8", "tensorwise", "--fp8-all-gather",
+                                         "--dtype", "float64")),
         "replicas-not-averaged": Plant("HSDP: the reduced shards are not all-reduced over the "
                                        "replicas: each steps on its half of the batch",
                                        ("--replicate", "2"), world=4),
@@ -94,12 +102,17 @@ class FSDP(Strategy):
         p.add_argument("--replicate", type=int, default=None,
                        help="HSDP: R replicas, each sharded over W / R ranks (default: one per "
                             "node of the launcher's layout, so 1 on one node)")
+        p.add_argument("--fp8-all-gather", action="store_true",
+                       help="with --fp8 tensorwise: all-gather the converted weights in e4m3 "
+                            "(fp8.gather_in_fp8), 1 byte per element")
 
     constraints = staticmethod(fsdp_constraints)
 
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
         fp8_data_parallel(model, args)
+        if args.fp8_all_gather:
+            fp8.gather_in_fp8(model)
         group = replicate = None
         args.replicate, line = replicas(args, env.world)
         if line and env.is_main:
@@ -173,15 +186,19 @@ class FSDP(Strategy):
         s, W, b, rb = self.sizes(), u0.world, u0.dtype.itemsize, u0.reduce_dtype.itemsize
         per_unit = [collectives_per_unit(u.reshard_after_forward, K) for u in us]  # fsdp.py's
         calls = sum(ag for _, ag in per_unit)
-        gathered = sum(ag * W * u.shard_numel for (_, ag), u in zip(per_unit, us)) * b
+        wire = [sum(p.padded * (1 if p.cast else b) for p in u.params) for u in us]  # bytes
+        gathered = sum(ag * W * n for (_, ag), n in zip(per_unit, wire))
         n_rs = sum(rs for (rs, _), u in zip(per_unit, us) if u.trainable)
         rows = [Expect("all_gather_into_tensor", g, calls, gathered,
-                       f"forward Psi*b = {s['psi'] * b:,} B; backward (Psi - Psi_root)*b"
+                       f"forward Psi*b = {s['psi'] * b:,} B"
+                       + (f" (FP8 all-gather: {sum(wire) * W:,} B, the cast weights at 1 B)"
+                          if self.args.fp8_all_gather else "") + "; backward (Psi - Psi_root)*b"
                        + ("" if s["resharded"] else " (none: no resharding)")
                        + (f"; x{K} micro-batches" if K > 1 else "")),
                 Expect("reduce_scatter_tensor", g, n_rs, s["psi_g"] * rb,
                        f"Psi_g*b_reduce = {s['psi_g'] * rb:,} B, once per step"),
-                Expect("all_gather copy-in", "local", calls, gathered // W, "Psi*b/W per gather"),
+                Expect("all_gather copy-in", "local", calls, gathered // W,
+                       "Psi*b/W per gather (FP8 all-gather: 1 B per cast element)"),
                 Expect("all_gather copy-out", "local", calls, gathered, "Psi*b per gather"),
                 Expect("reduce_scatter copy-in", "local", n_rs, s["psi_g"] * rb,
                        "Psi_g*b_reduce (padded)"),
@@ -193,8 +210,21 @@ class FSDP(Strategy):
             rows.append(Expect("all_reduce", "replicate", n_rs, s["psi_g"] * rb // W,
                                f"HSDP: each reduced shard over the {u0.replicas} replicas, "
                                f"Psi_g*b_reduce/S = {s['psi_g'] * rb // W:,} B"))
+        reduce = {}   # all-reduces by group: [calls, bytes, formula]
         if self.args.clip:
-            rows.append(Expect("all_reduce", g, 1, 8, "clip: squared-norm sum (fp64)"))
+            reduce[g] = [1, 8, "clip: squared-norm sum (fp64)"]
+        if self.args.fp8:   # tensorwise (cli): scalar amaxes, MAX
+            a = 8 if self.dtype == torch.float64 else 4
+            n = sum(isinstance(m, fp8.Float8Linear) for m in self.model.modules())
+            c, nb, f = reduce.setdefault("world", [0, 0, ""])
+            reduce["world"] = [c + 2 * n, nb + 2 * n * a, f + f"; fp8: x and dy amax of {n} "
+                               f"linears over the tokens' ranks"]
+            casts = sum(1 for u in us for p in u.params if p.cast)
+            if casts:   # fp8.precompute_scales
+                c, nb, f = reduce.setdefault(g, [0, 0, ""])
+                reduce[g] = [c + 1, nb + casts * a, f + f"; FP8 all-gather: the {casts} weights' "
+                             f"amaxes, once per step"]
+        rows += [Expect("all_reduce", k, c, nb, f.lstrip("; ")) for k, (c, nb, f) in reduce.items()]
         plan = getattr(self.optimizer, "orthogonalize", None)
         if isinstance(plan, muon.OwnerPlan):   # muon.py's owner: 2 all-to-alls
             rows.append(Expect("all_to_all_single", g, *owner_comm(plan, plan.like.element_size()),
