@@ -40,7 +40,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "interview.md")
-QUESTIONS = 37
+QUESTIONS = 40
 NUMBER = r"[-+]?(?:\d[\d,]*)?\.?\d+(?:[eE][-+]?\d+)?"
 APPROX = 0.05   # ≈ figures: the live-tensor tracker's bytes move with torch's autograd internals
 ORDER = 10.0    # ^ figures: the arithmetic's, held to their order of magnitude
