@@ -154,7 +154,7 @@ class FP8MatMul(torch.autograd.Function):
     the token dim N, contracted in dW, is padded to the kernel's tile."""
 
     @staticmethod
-    def forward(ctx, x, w, recipe, history, scopes=None, w_amax=None):
+    def forward(ctx, x, w, recipe, history, scopes=None):
         ctx.save_for_backward(x, w)
         ctx.recipe, ctx.history = recipe, history
         t, o, i = ctx.scopes = scopes or Scopes()   # tokens, out features, in features
@@ -162,8 +162,7 @@ class FP8MatMul(torch.autograd.Function):
         if recipe == "delayed":   # the backward casts x and w with these same amaxes
             amax = ctx.amax = (history.scale_amax("x", x), history.scale_amax("w", w))
         elif recipe == "tensorwise":   # one amax per tensor, reduced once; X^T's is X's
-            amax = ctx.amax = (tensor_amax(x, t + i),   # (w's: FSDP's FP8 gather's, if given)
-                               tensor_amax(w, o + i) if w_amax is None else w_amax)
+            amax = ctx.amax = (tensor_amax(x, t + i), tensor_amax(w, o + i))
         rec = "tensorwise" if recipe == "delayed" else recipe
         return gemm(x, w, E4M3, E4M3, rec, x.dtype, amax, split_a=(t, i), split_b=(o, i))
 
@@ -190,7 +189,7 @@ class FP8MatMul(torch.autograd.Function):
         dyt, xt = _pad_rows(dy, tile).t().contiguous(), _pad_rows(x, tile).t().contiguous()
         dw = gemm(dyt, xt, g_fmt, E4M3, rec, w.dtype, amax_dw, b_is_weight=False,
                   split_a=(o, t), split_b=(i, t))
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None
 
 
 def tensor_amax(t: torch.Tensor, over) -> torch.Tensor:
@@ -235,9 +234,7 @@ class Float8Linear(nn.Module):
 
     def forward(self, x):                   # (..., in) -> (..., out)
         y = FP8MatMul.apply(x.reshape(-1, self.in_features), self.weight, self.recipe,
-                            self.history, self.scopes,
-                            self.gather and self.gather.amax_in(self.weight.dtype)
-                            ).view(*x.shape[:-1], self.out_features)
+                            self.history, self.scopes).view(*x.shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
 
 
@@ -288,31 +285,44 @@ class GatherFP8:
     """FSDP's FP8 all-gather of one tensorwise Float8Linear's weight (torchao's
     enable_fsdp_float8_all_gather): each rank casts its rows to e4m3 with the whole weight's
     scale before the all-gather, so the wire carries 1 byte per element (bf16: 2) and the bytes
-    gathered are those one device casts. The scale comes first: at the model's forward, one
-    all-reduce MAX of every marked weight's amax over its shards' group (precompute_scales;
-    torchao's precompute_float8_dynamic_scale_for_fsdp, called by the user after the step).
-    fsdp.py then calls quantize() on each shard and dequantize() into its compute buffer; the
-    layer casts that buffer with the same amax, which gives the gathered bytes back exactly
-    (q s^-1 s is within 2^-8 of q, under half of e4m3's spacing): only the wire changes here
-    (torchao hands the bytes to the GEMM and keeps no high-precision copy)."""
+    gathered are those one device casts from the weight as it is now. The scale comes first: at
+    each forward of the model, one all-reduce MAX of every marked weight's amax over its shards'
+    group (precompute_scales; torchao's precompute_float8_dynamic_scale_for_fsdp, which its
+    user calls after the optimizer step); a gather of rows changed since (the step, without a
+    forward of the model) is refused. fsdp.py calls quantize() on each shard and dequantize()
+    into its compute buffer, in place; the layer then casts that buffer with its own amax, the
+    gathered 448 / s, and gets the gathered bytes back: a dequantised value times the new
+    scale is q (1 + e), |e| <= 2^-8 (the compute dtype's rounding of q / s and of the amax),
+    under e4m3's smallest relative half-spacing, 2^-5 (and 448 stays 448). Not in fp16, whose
+    range cannot hold q / s for every amax (refused). The memory is not saved here: the
+    compute buffer stays in param_dtype beside a transient 1-byte one (torchao hands the bytes
+    to the GEMM and keeps no high-precision copy)."""
     fmt = E4M3
 
     def __init__(self):
-        self.amax = None   # the whole weight's, in its own dtype (set by precompute_scales)
+        self.amax = None      # the whole weight's, in its own dtype (set by precompute_scales)
+        self.version = None   # of the local rows it was taken from (an optimizer step bumps it)
 
-    def amax_in(self, dtype) -> torch.Tensor:
-        """The amax of the weight cast to `dtype` (the compute copy's): rounding is monotone,
-        so it is the rounded amax. In float32 (float64's own), as tensor_amax gives it."""
+    def quantize(self, rows: torch.Tensor, dtype) -> torch.Tensor:
+        """This rank's rows [n] (the shard itself) -> [n] e4m3, cast from the compute dtype
+        with the whole weight's amax (rounding is monotone: that of the rows in `dtype` is the
+        rounded amax)."""
+        if self.amax is None or rows._version != self.version:
+            raise RuntimeError("fp8: an FP8 all-gather of a weight whose scale predates its "
+                               "rows (changed since the model's last forward): call the model, "
+                               "or fp8.precompute_scales(model) after the optimizer step")
+        if dtype == torch.float16:
+            raise ValueError("fp8: the FP8 all-gather dequantises into param_dtype, and "
+                             "float16's range cannot hold every q / s: bfloat16 or float32")
         a = self.amax.to(dtype)
-        return a if a.dtype == torch.float64 else a.float()
-
-    def quantize(self, rows: torch.Tensor) -> torch.Tensor:   # [n] in the compute dtype -> e4m3
-        q, _ = quantize(rows.view(1, -1), E4M3, "tensor", amax=self.amax_in(rows.dtype))
+        q, _ = quantize(rows.to(dtype).view(1, -1), E4M3, "tensor",
+                        amax=a if a.dtype == torch.float64 else a.float())
         return q.view(-1)
 
-    def dequantize(self, q: torch.Tensor, dtype) -> torch.Tensor:   # [n] e4m3 -> [n] dequantised
-        a = self.amax_in(dtype)
-        return q.to(a.dtype) * scale_of(a, E4M3, a.dtype).reciprocal()
+    def dequantize(self, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """q [n] e4m3 -> out [n] in its dtype, q / s, in place (no fp32 temporary)."""
+        a = self.amax.to(out.dtype)
+        return out.copy_(q).mul_(scale_of(a, E4M3, a.dtype).reciprocal())
 
 
 def precompute_scales(model: nn.Module, *_) -> None:
@@ -324,6 +334,7 @@ def precompute_scales(model: nn.Module, *_) -> None:
         w = m.weight
         rows = w.to_local() if isinstance(w, DTensor) else w
         g = w.device_mesh.get_group() if isinstance(w, DTensor) else None
+        m.gather.version = rows._version
         by_group.setdefault(g, []).append((m, rows.detach().abs().amax() if rows.numel()
                                            else rows.new_zeros(())))
     for g, pairs in by_group.items():
@@ -344,6 +355,11 @@ def gather_in_fp8(model: nn.Module) -> int:
     if any(m.recipe != "tensorwise" for m in layers):
         raise ValueError("fp8: the FP8 all-gather casts with one scale per weight: tensorwise "
                          "only (as torchao's)")
+    if any(hasattr(m.weight, "_fsdp_param") for m in layers):
+        raise ValueError("fp8: gather_in_fp8 after fsdp.fully_shard: call it before, the "
+                         "shards read their wire format when they are made")
+    if any(m.in_features % 16 for m in layers):   # (each shard's bytes keep the buffer aligned)
+        raise ValueError("fp8: the FP8 all-gather needs in_features that are multiples of 16")
     for m in layers:
         m.gather = m.weight.fsdp_cast = GatherFP8()
     model.register_forward_pre_hook(precompute_scales, prepend=True)

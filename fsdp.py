@@ -172,9 +172,9 @@ class FSDPUnit:
         c[0], c[1] = c[0] + 1, c[1] + nbytes
 
     # -- gather and free --
-    def unshard(self, async_op: bool = False):
+    def unshard(self, async_op: bool = False, cast: bool = True):
         """All-gather this unit's shards into the full parameters (launch only, with async_op:
-        wait() finishes it)."""
+        wait() finishes it; cast=False: FP8 weights too in param_dtype, a user's gather)."""
         if self.gathered or not self.params:
             if not async_op:
                 self.wait()
@@ -186,7 +186,7 @@ class FSDPUnit:
             if self.root is not None and self.root.queued:
                 self.gathered = True
                 return self.wait()
-        out, work, wires = self.all_gather([p.sharded for p in self.params], self.dtype, cast=True)
+        out, work, wires = self.all_gather([p.sharded for p in self.params], self.dtype, cast=cast)
         self._count("all_gather copy-in", out.numel() // self.world)
         self.handle, self.gathered = (work, out, wires), True
         if not async_op:
@@ -205,7 +205,7 @@ class FSDPUnit:
             if t is not None and p.local:
                 views.append(inp[off:off + p.local * w.itemsize].view(w))  # [rows_r rest] at off
                 src = local_part(t).detach().reshape(-1)    # (rows_r, *rest) -> [rows_r rest]
-                srcs.append(p.cast.quantize(src.to(dtype)) if w != dtype else src)
+                srcs.append(p.cast.quantize(src, dtype) if cast and p.cast else src)
             off += n
         if views:
             torch._foreach_copy_(views, srcs)
@@ -230,8 +230,8 @@ class FSDPUnit:
                                             dim=1, out=[f.view(torch.uint8).view(self.world, -1)
                                                         for f in fulls])
                 for p, f in zip(self.params, fulls):
-                    if f is not p.full:
-                        p.full.copy_(p.cast.dequantize(f, p.full.dtype))
+                    if f is not p.full:   # in place: q, then q / s (the layer recasts it)
+                        p.cast.dequantize(f, out=p.full)
             self._count("all_gather copy-out", out.numel())
             self.handle = None
         for p in self.params:

@@ -75,7 +75,7 @@ def full_tensors(model: nn.Module, what: str = "param") -> dict[str, torch.Tenso
         if u.params:
             dtype = u.params[0].sharded.dtype
             flat, _, _ = u.all_gather([p.sharded if what == "param" else p.sharded.grad
-                                       for p in u.params], dtype, False)
+                                       for p in u.params], dtype, async_op=False)
             pieces = flat.view(dtype).view(u.world, u.shard_numel).split(   # [W, N]
                 [p.padded for p in u.params], dim=1)
             for p, piece in zip(u.params, pieces):   # [W, c rest] -> the first numel
@@ -118,7 +118,7 @@ def summon_full_params(model: nn.Module):
     them, run a forward without gradients. Writes are not kept (the shards are the state)."""
     us = units(model)
     for u in us:
-        u.unshard()
+        u.unshard(cast=False)
     try:
         yield model
     finally:
@@ -250,7 +250,7 @@ class FSDPModule:
 
     def unshard(self):
         """Gather this unit's full parameters (not its children's) until reshard()."""
-        self._fsdp.unshard()
+        self._fsdp.unshard(cast=False)
 
     def reshard(self):
         self._fsdp.reshard()

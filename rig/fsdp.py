@@ -213,7 +213,7 @@ class FSDP(Strategy):
         reduce = {}   # all-reduces by group: [calls, bytes, formula]
         if self.args.clip:
             reduce[g] = [1, 8, "clip: squared-norm sum (fp64)"]
-        if self.args.fp8:   # tensorwise (cli): scalar amaxes, MAX
+        if self.args.fp8:   # tensorwise (cli), one micro-batch (rig.ddp): scalar amaxes, MAX
             a = 8 if self.dtype == torch.float64 else 4
             n = sum(isinstance(m, fp8.Float8Linear) for m in self.model.modules())
             c, nb, f = reduce.setdefault("world", [0, 0, ""])
@@ -223,7 +223,7 @@ class FSDP(Strategy):
             if casts:   # fp8.precompute_scales
                 c, nb, f = reduce.setdefault(g, [0, 0, ""])
                 reduce[g] = [c + 1, nb + casts * a, f + f"; FP8 all-gather: the {casts} weights' "
-                             f"amaxes, once per step"]
+                             f"amaxes at the model's forward"]
         rows += [Expect("all_reduce", k, c, nb, f.lstrip("; ")) for k, (c, nb, f) in reduce.items()]
         plan = getattr(self.optimizer, "orthogonalize", None)
         if isinstance(plan, muon.OwnerPlan):   # muon.py's owner: 2 all-to-alls

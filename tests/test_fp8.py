@@ -237,29 +237,74 @@ GATHER = Runs("fsdp.py", 2, tier="slow", runs={
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_fp8_all_gather_gives_one_devices_bytes(dtype):
-    """A weight cut in rows, each part cast with the whole weight's amax (GatherFP8.quantize),
-    gathered and dequantised into the compute dtype, then cast by the layer with the same amax:
-    exactly the bytes one device casts from the whole weight. With each part's own amax (the
-    plant fp8-gather-local-scale's rule) the bytes differ."""
+    """A weight cut in uneven rows, each part cast with the whole weight's amax
+    (GatherFP8.quantize), gathered and dequantised into the compute dtype: exactly the bytes one
+    device casts from the whole weight, and the layer's own cast of the dequantised weight (its
+    amax the gathered 448 / s) gives them back. With each part's own amax (the plant
+    fp8-gather-local-scale's rule) the bytes differ."""
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(96, 64, generator=g, dtype=torch.float64)
          * torch.logspace(-3, 1, 64, dtype=torch.float64)).to(dtype)
     whole, _ = fp8.quantize(w, fp8.E4M3, "tensor")
     for own in (False, True):
-        parts = []
-        for rows in w.split(40):   # 3 uneven shards
+        qs, deq = [], torch.empty_like(w)
+        for rows, into in zip(w.split(40), deq.split(40)):   # 3 uneven shards
             c = fp8.GatherFP8()
-            c.amax = (rows if own else w).abs().amax()
-            parts.append(c.dequantize(c.quantize(rows.reshape(-1)), dtype).view(rows.shape))
-        deq = torch.cat(parts).to(dtype)          # FSDP's compute buffer
-        c.amax = w.abs().amax()
-        again, _ = fp8.quantize(deq, fp8.E4M3, "tensor", amax=c.amax_in(dtype))
-        same = torch.equal(again.view(torch.uint8), whole.view(torch.uint8))
-        assert same != own, (dtype, own)
+            c.amax, c.version = (rows if own else w).abs().amax(), rows._version
+            q = c.quantize(rows.reshape(-1), dtype)
+            qs.append(q.view(rows.shape))
+            c.dequantize(q, out=into.view(-1))                # FSDP's compute buffer, in place
+        gathered = torch.cat(qs).view(torch.uint8)
+        assert torch.equal(gathered, whole.view(torch.uint8)) != own, (dtype, own)
+        if not own:
+            again, _ = fp8.quantize(deq, fp8.E4M3, "tensor")   # the layer's cast
+            assert torch.equal(again.view(torch.uint8), gathered), dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_every_e4m3_code_survives_the_round_trip(dtype):
+    """Every finite e4m3 value q, dequantised into `dtype` with amaxes over 12 decades and
+    recast with the dequantised tensor's own amax, comes back as q: the bound the docstring
+    states (|e| <= 2^-8 against a half-spacing of at least 2^-5), checked exhaustively."""
+    codes = torch.arange(256, dtype=torch.uint8).view(fp8.E4M3)
+    q = codes[torch.isfinite(codes.float())]                 # 254 finite values, 448 included
+    c = fp8.GatherFP8()
+    for amax in torch.logspace(-6, 6, 97, dtype=torch.float64):
+        c.amax = amax
+        deq = c.dequantize(q, out=torch.empty(q.shape, dtype=dtype))
+        back, _ = fp8.quantize(deq.view(1, -1), fp8.E4M3, "tensor")
+        assert torch.equal(back.view(-1).view(torch.uint8), q.view(torch.uint8)), (dtype, amax)
+
+
+def test_float16_would_not_survive_it():
+    """Why float16 is refused: its range loses q / s at small and large amaxes."""
+    codes = torch.arange(256, dtype=torch.uint8).view(fp8.E4M3)
+    q = codes[torch.isfinite(codes.float())]
+    c, lost = fp8.GatherFP8(), 0
+    for amax in torch.logspace(-6, 6, 97, dtype=torch.float64):
+        c.amax = amax
+        back, _ = fp8.quantize(c.dequantize(q, out=torch.empty(q.shape, dtype=torch.float16))
+                               .view(1, -1), fp8.E4M3, "tensor")
+        lost += int((back.view(-1).view(torch.uint8) != q.view(torch.uint8)).sum())
+    assert lost > 0
+
+
+def test_fp8_all_gather_refuses_what_it_cannot_cast_exactly():
+    c = fp8.GatherFP8()
+    rows = torch.randn(32)
+    with pytest.raises(RuntimeError, match="scale predates its rows"):
+        c.quantize(rows, torch.float32)                      # no scale taken yet
+    c.amax, c.version = rows.abs().amax(), rows._version
+    rows.mul_(1.1)                                           # an optimizer step since
+    with pytest.raises(RuntimeError, match="scale predates its rows"):
+        c.quantize(rows, torch.float32)
+    c.version = rows._version
+    with pytest.raises(ValueError, match="float16's range"):
+        c.quantize(rows, torch.float16)
 
 
 @pytest.mark.slow
-def test_fsdp_fp8_all_gather_matches_one_device_and_halves_the_bytes(runs):
+def test_fsdp_fp8_all_gather_matches_one_device_and_cuts_the_bytes(runs):
     """float64: the run meets the single-device FP8 run at float64's roundoff; bf16 benchmark:
     the meter's all-gather bytes equal the formula's (rig/fsdp.py), and the cast weights travel
     at 1 byte: the bytes drop by half of the converted weights' share."""
