@@ -42,6 +42,19 @@ def chunks_per_rank(name: str, V: int) -> int:
     return V if name == "interleaved" else 2 if name == "dualpipev" else 1
 
 
+def schedule_error(name: str, P: int, M: int) -> str | None:
+    """Why schedule `name` cannot run M micro-batches over P stages (one line), or None."""
+    if name == "interleaved" and P < 2:
+        return "interleaved 1F1B needs at least 2 pipeline ranks"
+    if name == "interleaved" and (M % P or M < P):
+        return (f"interleaved 1F1B needs the micro-batches ({M}) to be a multiple of the "
+                f"pipeline size {P}")
+    if name == "dualpipev" and M < 2 * P:
+        return (f"DualPipeV needs the micro-batches ({M}) >= 2 x the pipeline size ({2 * P}): "
+                f"each rank's steady state pairs micro-batches from both arms of the V")
+    return None
+
+
 def chunk_owner(name: str, c: int, P: int) -> int:
     """The rank that holds chunk c: looped (c % P), or for DualPipeV the V (c on the way down,
     2P-1-c on the way up)."""

@@ -11,7 +11,7 @@ from harness.cli import main as harness_main
 from rig.ddp import make_optimizer
 
 from pp import Pipeline, clip_across_stages
-from pp_schedule import (SCHEDULES, boundary_messages, bubble_formula, chunk_owner,
+from pp_schedule import (SCHEDULES, schedule_error, boundary_messages, bubble_formula, chunk_owner,
                          chunks_per_rank, simulate)
 
 
@@ -27,15 +27,8 @@ def pp_constraints(args, world, config) -> list[str]:
         return [f"{L} decoder layers cannot fill {P * V} pipeline chunks ({P} stages x {V} {per})"]
     if args.batch % M:
         return [f"global batch {args.batch} is not divisible by --microbatches {M}"]
-    if args.schedule == "interleaved" and P < 2:
-        return ["interleaved 1F1B needs at least 2 pipeline ranks"]
-    if args.schedule == "interleaved" and (M % P or M < P):
-        return [f"interleaved 1F1B needs --microbatches ({M}) to be a multiple of the "
-                f"pipeline size {P}"]
-    if args.schedule == "dualpipev" and M < 2 * P:
-        return [f"DualPipeV needs --microbatches ({M}) >= 2 x the pipeline size ({2 * P}): each "
-                f"rank's steady state pairs micro-batches from both arms of the V"]
-    return []
+    err = schedule_error(args.schedule, P, M)
+    return [err] if err else []
 
 
 TIED_PLANT_ARGS = ("--schedule", "zb", "--dtype", "float32", "--clip", "0.5",

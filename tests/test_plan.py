@@ -5,6 +5,7 @@ import harness
 from trainer4d import plan
 from harness.models import load_config
 import pp
+from conftest import ROOT
 
 TINY_PSI = 180_800   # tiny's parameters: the benchmarks print 180,800
 
@@ -85,12 +86,31 @@ def test_ring_all_reduce_steps_and_bytes():
         assert r["sent"] == [2 * (N - 1) * (60 // N) * 4] * N
 
 
-def test_bad_layout_is_one_line():
+def test_bad_layout_is_one_line(capsys):
     import pytest
-    with pytest.raises(SystemExit, match="unknown layout key"):
-        plan.parse_layout("tp=2,xx=3")
-    with pytest.raises(SystemExit, match="must divide"):
-        plan.parse_layout("dp=6,ep=4")
+    for text, msg in [("tp=2,xx=3", "unknown layout key 'xx'"), ("dp=6,ep=4", "ep=4 must divide"),
+                      ("pp=4,m=6,schedule=interleaved", "interleaved 1F1B needs the "
+                       "micro-batches (6) to be a multiple of the pipeline size 4"),
+                      ("pp=4,m=6,schedule=dualpipev", "DualPipeV needs the micro-batches (6)")]:
+        with pytest.raises(SystemExit) as e:
+            plan.parse_layout(text)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: " + msg), err
+    plan.parse_layout("pp=4,m=8,schedule=interleaved")   # a multiple: priced
+
+
+def test_a_layout_the_schedule_cannot_run_ends_before_any_report():
+    """The CLI, as a user runs it: exit 2 and one line, nothing printed before it (the
+    simulator's deadlock used to end it in a traceback after the memory report)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "trainer4d.plan", "--model", "llama3-70b", "--gpu",
+                        "h100", "--layout", "tp=8,pp=4,dp=32,m=6,schedule=interleaved"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr.strip().splitlines() == [
+        "error: interleaved 1F1B needs the micro-batches (6) to be a multiple of the pipeline "
+        "size 4 (layout tp=8,pp=4,dp=32,m=6,schedule=interleaved)"], r.stderr
 
 
 def test_the_planners_take_their_activations_from_one_model(monkeypatch):

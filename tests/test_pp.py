@@ -381,9 +381,9 @@ def test_dualpipev_benchmark_comm_and_bubble(runs):
 @pytest.mark.parametrize("args,world,msg", [
     (["--layers2"], 3, "2 decoder layers cannot fill 3 pipeline chunks"),
     (["--schedule", "interleaved", "--microbatches", "3", "--batch", "6"], 2,
-     "interleaved 1F1B needs --microbatches (3) to be a multiple of the pipeline size 2"),
+     "interleaved 1F1B needs the micro-batches (3) to be a multiple of the pipeline size 2"),
     (["--schedule", "dualpipev", "--microbatches", "3", "--batch", "6"], 2,
-     "DualPipeV needs --microbatches (3) >= 2 x the pipeline size (4)"),
+     "DualPipeV needs the micro-batches (3) >= 2 x the pipeline size (4)"),
     (["--schedule", "dualpipev", "--microbatches", "6", "--batch", "6"], 3,
      "4 decoder layers cannot fill 6 pipeline chunks (3 stages x 2 chunks)"),
     (["--schedule", "1f1b", "--microbatches", "1", "--batch", "2", "--compare-native"], 2,

@@ -91,17 +91,27 @@ DEFAULTS = dict(tp=1, cp=1, pp=1, dp=1, ep=1, seq=4096, mb=1, m=None, v=1, sched
 WORDS = ("schedule", "recompute", "attn")        # the keys whose values are words
 
 
+def refuse(line: str):
+    """A layout the calculator cannot price: one line on stderr, exit code 2."""
+    print(f"error: {line}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def parse_layout(text: str) -> dict:
     lay = dict(DEFAULTS)
     for item in filter(None, text.split(",")):
         key, _, val = item.partition("=")
         if key not in DEFAULTS:
-            raise SystemExit(f"error: unknown layout key {key!r} (keys: {', '.join(DEFAULTS)})")
+            refuse(f"unknown layout key {key!r} (keys: {', '.join(DEFAULTS)})")
         lay[key] = val if key in WORDS else int(val)
     if lay["m"] is None:   # enough micro-batches to fill the pipeline once
         lay["m"] = lay["pp"]
     if (lay["dp"] * lay["cp"]) % lay["ep"]:
-        raise SystemExit(f"error: ep={lay['ep']} must divide dp x cp = {lay['dp'] * lay['cp']}")
+        refuse(f"ep={lay['ep']} must divide dp x cp = {lay['dp'] * lay['cp']}")
+    from pp_schedule import schedule_error
+    err = schedule_error(lay["schedule"], lay["pp"], lay["m"]) if lay["pp"] > 1 else None
+    if err:   # (before any report: the simulator would find the deadlock after the memory lines)
+        refuse(f"{err} (layout {text})")
     return lay
 
 
