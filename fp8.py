@@ -233,9 +233,38 @@ class Float8Linear(nn.Module):
         self.gather = None                  # gather_in_fp8(): FSDP all-gathers it in e4m3
 
     def forward(self, x):                   # (..., in) -> (..., out)
-        y = FP8MatMul.apply(x.reshape(-1, self.in_features), self.weight, self.recipe,
-                            self.history, self.scopes).view(*x.shape[:-1], self.out_features)
-        return y + self.bias if self.bias is not None else y
+        return linear(x, self.weight, self.bias, self.recipe, self.scopes, self.history)
+
+
+def linear(x, w, b, recipe: str, scopes=None, history=None):
+    """(..., in) @ w [out, in]^T (+ b, in x's dtype after the GEMM) -> (..., out), in FP8."""
+    y = FP8MatMul.apply(x.reshape(-1, w.shape[1]), w, recipe, history,
+                        scopes).view(*x.shape[:-1], w.shape[0])
+    return y + b if b is not None else y
+
+
+class SplitFP8(NamedTuple):
+    """The FP8 GEMMs of a Float8Linear that tp.py replaced by a parallel layer (carry): its
+    recipe, and its Scopes with the tensor-parallel group on the split dimension."""
+    recipe: str
+    scopes: Scopes
+
+    def __call__(self, x, w, b=None):   # (..., in_local) -> (..., out_local)
+        return linear(x, w, b, self.recipe, self.scopes)
+
+
+def carry(old: nn.Module, new: nn.Module, kind: str, group) -> None:
+    """tp.py, as it replaces `old` by its parallel layer `new`: a Float8Linear's GEMMs stay in
+    FP8 (new.fp8), every amax MAXed over the group that splits the weight: a column layer's
+    output features (W's rows, dY's columns), a row layer's input features (X's and W's
+    columns). Then each rank casts with the scales one device uses on the whole weight."""
+    if not isinstance(old, Float8Linear):
+        return
+    if kind not in ("column", "fused", "row"):
+        raise ValueError(f"fp8: a {kind} layer under TP has no FP8 split (kv heads replicated "
+                         f"over T > kv heads)")
+    split = dict(out=(group,)) if kind != "row" else dict(inn=(group,))
+    new.fp8 = SplitFP8(old.recipe, old.scopes._replace(**split))
 
 
 def eligible(linear: nn.Linear, recipe: str) -> bool:

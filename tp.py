@@ -36,12 +36,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import fp8
 import lora
 import tp_dtensor
 import tp_plan
 from lora import param_like
 from tp_families import embed_scale, local_heads, ShardedRMSNorm
-from tp_plan import head_dims, pad_vocab, ShardedTensors
+from tp_plan import head_dims, pad_vocab, ShardedTensors, vocab_rows
 from tp_plan import join_shards, meta_model, shape_constraints   # noqa: F401 (re-exported)
 from harness import all_reduce_flat, IGNORE_INDEX, local_part, parts, planted
 
@@ -126,7 +127,9 @@ class ColumnParallelLinear(nn.Module):
     """Rows `rows` of the full (out, in) weight and bias: this rank computes a slice of the
     output features. `rows=None` replicates the layer (MQA's single kv head); a list of slices
     takes one slice of each segment of a fused projection (Phi3's qkv_proj: its q, k and v
-    rows; gate_up_proj: its gate and up rows), so the local output keeps the fused order."""
+    rows; gate_up_proj: its gate and up rows), so the local output keeps the fused order.
+    `fp8`: a Float8Linear's GEMMs, carried over (fp8.carry: its scales over the group)."""
+    fp8 = None
 
     def __init__(self, linear: nn.Linear, rows):
         super().__init__()
@@ -139,12 +142,14 @@ class ColumnParallelLinear(nn.Module):
                      if linear.bias is not None else None)
 
     def forward(self, x):                # (B, S, in) -> (B, S, out/T)
-        return F.linear(x, self.weight, self.bias)
+        return (self.fp8 or F.linear)(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """Columns `cols` of the full weight: each rank's partial product is reduced by
-    region.row_linear; the (replicated) bias is added once, after the reduction."""
+    region.row_linear (in FP8: fp8, then region_out); the (replicated) bias is added once,
+    after the reduction."""
+    fp8 = None
 
     def __init__(self, linear: nn.Linear, cols: slice, region: TPRegion):
         super().__init__()
@@ -154,7 +159,8 @@ class RowParallelLinear(nn.Module):
                      if linear.bias is not None else None)
 
     def forward(self, x):                # (B, S, in/T) -> (B, S, out), reduced by the region
-        y = self.region.row_linear(x, self.weight)
+        y = (self.region.region_out(self.fp8(x, self.weight)) if self.fp8
+             else self.region.row_linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
 
@@ -186,15 +192,6 @@ class VocabParallelEmbedding(nn.Module):
         if self.scale is not None:
             out = out * self.scale
         return out
-
-
-def vocab_rows(t: torch.Tensor, lo: int, per: int) -> nn.Parameter:
-    """Rows [lo, lo + per) of a vocabulary tensor [V, ...] as this rank's parameter [per, ...]:
-    the rows past the true vocabulary (the padding to a multiple of T) zero."""
-    w = t.new_zeros(per, *t.shape[1:])
-    mine = t.detach()[lo:lo + per]                     # [V, ...] -> [<= V/T, ...]
-    w[:mine.shape[0]] = mine
-    return nn.Parameter(w, requires_grad=t.requires_grad)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -316,8 +313,9 @@ class TensorParallel(ShardedTensors):
             if pname.endswith(".weight") and lora.base_name(pname)[1] is None:
                 name = pname[:-len(".weight")]
                 parent, leaf = name.rsplit(".", 1)
-                setattr(model.get_submodule(parent), leaf,
-                        build(self, name, model.get_submodule(name)))
+                old = model.get_submodule(name)
+                setattr(model.get_submodule(parent), leaf, new := build(self, name, old))
+                fp8.carry(old, new, kind, group)   # an FP8 layer's GEMMs stay in FP8
             if dim is None:
                 self.kv_split.add(pname)
             elif not (kind == "row" and pname.endswith(".bias")):

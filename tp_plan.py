@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import fp8
 import lora
 from harness import clip_by_norm, planted
 from harness.collectives import local_part
@@ -164,7 +165,7 @@ def classify(model, T: int, table: dict[str, str]) -> tuple[dict[str, str], list
                                    f"tp_families.ShardedRMSNorm implements: "
                                    f"{', '.join(FULL_WIDTH_NORMS)})")
         elif (inner and planned in ("column", "row", "fused", "gathered")
-              and type(module) is nn.Linear):
+              and type(module) in (nn.Linear, fp8.Float8Linear)):   # (FP8's: fp8.carry)
             fused = segments(model, name, module.out_features) if planned != "row" else None
             kind = planned if planned in ("column", "row") else "fused" if fused else None
             if planned == "gathered" and not fused:
@@ -235,6 +236,15 @@ def shape_constraints(T: int, config) -> list[str]:
 
 def pad_vocab(vocab: int, t: int) -> int:
     return -(-vocab // t) * t
+
+
+def vocab_rows(t: torch.Tensor, lo: int, per: int) -> nn.Parameter:
+    """Rows [lo, lo + per) of a vocabulary tensor [V, ...] as this rank's parameter [per, ...]:
+    the rows past the true vocabulary (the padding to a multiple of T) zero."""
+    w = t.new_zeros(per, *t.shape[1:])
+    mine = t.detach()[lo:lo + per]                     # [V, ...] -> [<= V/T, ...]
+    w[:mine.shape[0]] = mine
+    return nn.Parameter(w, requires_grad=t.requires_grad)
 
 
 def pad_to(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:

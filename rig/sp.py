@@ -12,7 +12,8 @@ from harness.cli import main as harness_main
 from sp import (ULYSSES_ALL_TO_ALLS, parallelize, parallelize_ulysses, region_collectives,
                 set_documents, ulysses_bytes)
 
-from rig.ddp import make_optimizer, token_sharded_step
+import fp8
+from rig.ddp import fp8_constraints, fp8_data_parallel, make_optimizer, token_sharded_step
 from rig.tp import (PLANT_ARGS, tp_gather_rows, TP, norm_sharded_comm, partial_numel,
                     standalone_constraints)
 from tp import LOSS_ALL_REDUCES
@@ -126,6 +127,7 @@ class Ulysses(Strategy):
 
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
+        fp8_data_parallel(model, args)   # --fp8: x's and dy's amaxes over the split tokens
         # Replicated weights, different tokens: DDP's bucketed gradient all-reduce.
         self.dp = parallelize_ulysses(model, None, broadcast=False, broadcast_buffers=False,
                                       reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
@@ -191,7 +193,11 @@ def sp_constraints(args, world, config) -> list[str]:
     if h % world or kv % world:
         return [f"ulysses needs num_attention_heads ({h}) and num_key_value_heads ({kv}) "
                 f"divisible by the sequence-parallel size {world}"]
-    return []
+    if getattr(args, "fp8", None) == "blockwise" and (args.length // world) % fp8.BLOCK:
+        return [f"--fp8 blockwise under ulysses: a rank's {args.length // world} positions of "
+                f"each row are not a multiple of {fp8.BLOCK} (the weight gradient's tiles along "
+                f"the tokens would not be one device's)"]
+    return fp8_constraints(args, world, 1)   # (its linears whole, its tokens split: as DDP's)
 
 
 class SyncMegatronSP(MegatronSP):
@@ -208,6 +214,7 @@ class SyncMegatronSP(MegatronSP):
 class SP(Strategy):
     """Dispatches to the variant chosen by --variant (the harness builds one class)."""
     name = "sp"
+    convert_fp8 = staticmethod(fp8.convert)   # megatron: fp8.carry; ulysses: fp8.scope
     optimizers = ("adamw", "muon")   # muon.py: rig/muon.py builds it
     lora = True
     doc_mask = True   # (megatron: HF's forward and mask; ulysses refuses, sp_constraints)

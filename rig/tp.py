@@ -12,7 +12,8 @@ from harness.cli import main as harness_main
 from tp import (LOSS_ALL_REDUCES, TensorParallel, parallelize, region_all_reduces,
                 shape_constraints)
 from tp import classify
-from tp_plan import meta_model
+from tp_plan import head_dims, meta_model
+import fp8
 import muon
 from rig.ddp import MUON_PLANT, make_optimizer
 
@@ -28,13 +29,45 @@ def tp_constraints(args, world, config) -> list[str]:
     return shape_constraints(world, config) or classify(model, world)[1]
 
 
+def fp8_tp_constraints(args, world, config) -> list[str]:
+    """--fp8 under TP (fp8.carry): each split layer's scales MAXed over the group make a rank
+    cast as one device does, provided its shard is a whole number of the kernel's tiles (16;
+    blockwise: 128 x 128 blocks, which a cut must not split) and no kv head is replicated."""
+    if not getattr(args, "fp8", None):
+        return []
+    if getattr(args, "async_tp", False):
+        return ["--fp8 with --async-tp: async TP's rings fuse the layers' bf16 matmuls"]
+    if getattr(args, "lora", 0):
+        return ["--fp8 with --lora: peft's adapters wrap the base linears fp8.convert replaces"]
+    _, _, hkv = head_dims(config)
+    if world > hkv:
+        return [f"--fp8 at T={world} > {hkv} kv heads: a replicated kv head's scales would "
+                f"span its copies, not the group (fp8.carry refuses kv-copy layers)"]
+    tile = fp8.BLOCK if args.fp8 == "blockwise" else 16
+    model = meta_model(config)
+    fp8.convert(model, args.fp8)
+    kinds = classify(model, world)[0]
+    for name, m in model.named_modules():
+        kind = kinds.get(f"{name}.weight")
+        if isinstance(m, fp8.Float8Linear) and kind in ("column", "fused", "row"):
+            local = m.in_features // world if kind == "row" else m.out_features // world
+            if local % tile:
+                return [f"--fp8 {args.fp8} at T={world}: {name}'s shard has {local} "
+                        f"{'input' if kind == 'row' else 'output'} features, not a multiple of "
+                        f"the kernel's {tile}"]
+    tokens = args.batch * args.length   # (every tp rank holds every token)
+    if args.fp8 == "blockwise" and tokens % fp8.BLOCK:
+        return [f"--fp8 blockwise: {tokens} tokens per step are not a multiple of {fp8.BLOCK}"]
+    return []
+
+
 def standalone_constraints(args, world, config) -> list[str]:
     """tp.py (and sp.py's Megatron variant) on their own refuse a MoE model: its blocks would
     run whole on every rank, which only compose4d.py (--ep, compose_moe.py) accounts for."""
     if is_moe(config):
         return [f"--model {args.model} is a Mixture-of-Experts model: tp.py splits attention and "
                 f"dense MLPs, not experts; use compose4d.py --ep (or ep_moe.py)"]
-    return tp_constraints(args, world, config)
+    return tp_constraints(args, world, config) or fp8_tp_constraints(args, world, config)
 
 
 # Where each planted bug must FAIL: the tour's model, float32 with clipping (clipping hides a
@@ -45,6 +78,7 @@ LORA_PLANT = ("--lora", "4", "--dtype", "float32", "--clip", "0.5")
 
 class TP(Strategy):
     name = "tp"
+    convert_fp8 = staticmethod(fp8.convert)   # fp8.carry keeps them in FP8 as TP splits them
     optimizers = ("adamw", "muon")   # muon.py: rig/muon.py builds it
     lora = True
     chunked_ce = True
@@ -88,6 +122,9 @@ class TP(Strategy):
             "tp_dtensor's forward hook that removes a module's local views is skipped when the "
             "forward raises (torch's checkpoint stops a recomputation early by raising): the "
             "views stay, shadowing the DTensor parameters", ("--recompute", "full")),
+        "fp8-amax-per-rank": Plant("--fp8: each rank casts its shard of a split weight (and "
+                                   "of dY, X) with its own part's amax, not the whole tensor's",
+                                   ("--fp8", "tensorwise", "--dtype", "float64")),
         "kv-copies-summed-across-heads": Plant(
             "with more ranks than kv heads, a replicated kv head's gradient is all-reduced "
             "over the whole group: summed with the other heads' copies, not its own only",

@@ -82,8 +82,10 @@ def main():
         rs = [r for r in runs if r["recipe"] == v]
         excess = [(r["final_loss"] - base[r["seed"]]["final_loss"])
                   / (base[r["seed"]]["final_loss"] - r["floor"]) for r in rs]
+        paired = [r["final_loss"] - base[r["seed"]]["final_loss"] for r in rs]
         recipes.append(dict(recipe=v, final_loss_mean=statistics.mean(r["final_loss"] for r in rs),
-                            excess_of_gap_max=max(excess), excess_of_gap_mean=statistics.mean(excess)))
+                            excess_of_gap_max=max(excess), excess_of_gap_mean=statistics.mean(excess),
+                            paired_diff_min=min(paired), paired_diff_max=max(paired)))
         print(f"{v:<10} final loss {recipes[-1]['final_loss_mean']:.4f} (bf16 "
               f"{statistics.mean(b['final_loss'] for b in base.values()):.4f}); excess over "
               f"bf16's gap to the floor: mean {recipes[-1]['excess_of_gap_mean']:+.1%}, worst "
@@ -97,6 +99,7 @@ def main():
                            bf16_final_loss_mean=statistics.mean(b["final_loss"]
                                                                 for b in base.values()),
                            bf16_final_loss_min=min(b["final_loss"] for b in base.values()),
+                           floor=runs[0]["floor"],
                            bf16_final_loss_max=max(b["final_loss"] for b in base.values()),
                            recipes=recipes, runs=runs,
                            all_gather_ratio=bench["all_gather_bytes_fp8"]["measured"]

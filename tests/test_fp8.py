@@ -221,7 +221,13 @@ HEAVY = {"ddp.py W=3": Runs("ddp.py", 3, tier="heavy", runs={
          "fsdp.py": Runs("fsdp.py", 2, tier="heavy", runs={
              "fp8": ["--fp8", "rowwise", *F64]}),
          "ddp.py bf16": Runs("ddp.py", 2, tier="heavy", runs={
-             "fp8-bf16": ["--fp8", "tensorwise", "--dtype", "bfloat16"]})}
+             "fp8-bf16": ["--fp8", "tensorwise", "--dtype", "bfloat16"]}),
+         "tp.py blockwise": Runs("tp.py", 2, tier="heavy", runs={
+             "fp8": ["--fp8", "blockwise", "--model", "configs/tiny-fp8-tp.json", *F64]}),
+         "sp.py megatron": Runs("sp.py", 2, tier="heavy", runs={
+             "fp8": ["--variant", "megatron", "--fp8", "tensorwise", *F64]}),
+         "sp.py ulysses": Runs("sp.py", 2, tier="heavy", runs={
+             "fp8": ["--variant", "ulysses", "--fp8", "rowwise", *F64]})}
 
 
 # FSDP's FP8 all-gather (--fp8-all-gather, fp8.gather_in_fp8): each shard cast with the whole
@@ -338,6 +344,20 @@ def test_the_fp8_results_file_holds_what_the_docs_quote():
     assert len(d["runs"]) == 4 * len(d["seeds"]) >= 12
 
 
+# Under tensor parallelism: fp8.carry keeps a Float8Linear's GEMMs in FP8 in the parallel layer
+# that replaces it, every amax MAXed over the tp group on the split dimension (a column layer's
+# output features, a row layer's input features), so the float64 run is one device's FP8 run.
+TP2 = Runs("tp.py", 2, tier="slow", runs={
+    "fp8-tensorwise": ["--fp8", "tensorwise", *F64],
+    "fp8-rowwise": ["--fp8", "rowwise", *F64]})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_tp_in_fp8_matches_one_device_in_fp8(runs, recipe):
+    exact(runs(TP2, f"fp8-{recipe}"))
+
+
 def exact(r):
     """PASS, and the gradients within float64's roundoff of one device's (err <= 1e-12: FP8's
     own rounding is 2^-4, so a single cast with another scale shows at 1e-3 or above)."""
@@ -356,7 +376,9 @@ def test_ddp_in_fp8_matches_one_device_in_fp8(runs, recipe):
 @pytest.mark.parametrize("key", list(HEAVY))
 def test_fp8_under_more_layouts(runs, key):
     """ZeRO-3 and FSDP (the gathered weights: whole, their scales one device's), DDP at an
-    uneven W=3, and a bf16 run (within bf16 and FP8's noise against the float64 FP8 target)."""
+    uneven W=3, a bf16 run (within bf16 and FP8's noise against the float64 FP8 target), TP's
+    blockwise (128-wide shards: tiles whole on each rank), Megatron SP (tp.py's layers), and
+    Ulysses (whole linears, split tokens: DDP's scopes)."""
     batch = HEAVY[key]
     r = runs(batch, next(iter(batch.runs)))
     if "bf16" in key:
@@ -371,7 +393,13 @@ def test_fp8_under_more_layouts(runs, key):
      "--fp8 blockwise: a rank's 64 tokens per step are not a multiple of 128"),
     ("fsdp.py", 2, ["--fp8", "tensorwise", "--grad-accum", "2"],
      "--fp8 with 2 micro-batches per step"),
-    ("tp.py", 2, ["--fp8", "tensorwise"], "--fp8: tp does not train in FP8 yet"),
+    ("pp.py", 2, ["--fp8", "tensorwise"], "--fp8: pp does not train in FP8 yet"),
+    ("tp.py", 4, ["--fp8", "tensorwise"], "--fp8 at T=4 > 2 kv heads"),
+    ("tp.py", 2, ["--fp8", "blockwise", "--model", "configs/tiny-fp8.json"],
+     "--fp8 blockwise at T=2: model.layers.0.self_attn.q_proj's shard has 64 output features"),
+    ("sp.py", 2, ["--fp8", "tensorwise", "--async-tp"], "--fp8 with --async-tp"),
+    ("sp.py", 2, ["--variant", "ulysses", "--fp8", "blockwise", "--model",
+                  "configs/tiny-fp8.json"], "--fp8 blockwise under ulysses"),
     ("ddp.py", 2, ["--fp8", "tensorwise", "--compare-native"], "--fp8: --mode correctness,"),
 ])
 def test_a_layout_fp8_cannot_match_is_refused_in_one_line(script, world, args, msg):
