@@ -370,7 +370,7 @@ def precompute_scales(model: nn.Module, *_) -> None:
         a = torch.stack([x for _, x in pairs])
         if g is not None:
             global_amax(a, [g])
-        if planted("fp8-gather-local-scale"):   # plant: each rank's rows scaled by their own amax
+        if planted("fp8-gather-shard-amax"):   # plant: each rank's rows scaled by their own amax
             a = torch.stack([x for _, x in pairs])
         for (m, _), x in zip(pairs, a):
             m.gather.amax = x

@@ -30,7 +30,7 @@ def fsdp_constraints(args, world, config) -> list[str]:
     if args.replicate is not None and (args.replicate < 1 or world % args.replicate):
         errs.append(f"--replicate {args.replicate}: the replicas must divide world size {world} "
                     f"(HSDP shards over W / R ranks)")
-    if args.fp8_all_gather and args.fp8 != "tensorwise":
+    if getattr(args, "fp8_all_gather", False) and args.fp8 != "tensorwise":
         errs.append(f"--fp8-all-gather casts each weight with one scale: with --fp8 tensorwise "
                     f"(got --fp8 {args.fp8})")
     if args.replicate is None and uneven_nodes(world):
@@ -83,7 +83,7 @@ class FSDP(Strategy):
         "muon-owner-keeps-update": Plant(
             "--optimizer muon: the owners' Newton-Schulz results are not sent back to the "
             "ranks holding the other rows", MUON_PLANT),
-        "fp8-gather-local-scale": Plant("--fp8-all-gather: each rank casts its rows of a weight "
+        "fp8-gather-shard-amax": Plant("--fp8-all-gather: each rank casts its rows of a weight "
                                         "with its own rows' amax, not the whole weight's",
                                         ("--fp8", "tensorwise", "--fp8-all-gather",
                                          "--dtype", "float64")),

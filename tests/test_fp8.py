@@ -247,7 +247,7 @@ def test_fp8_all_gather_gives_one_devices_bytes(dtype):
     (GatherFP8.quantize), gathered and dequantised into the compute dtype: exactly the bytes one
     device casts from the whole weight, and the layer's own cast of the dequantised weight (its
     amax the gathered 448 / s) gives them back. With each part's own amax (the plant
-    fp8-gather-local-scale's rule) the bytes differ."""
+    fp8-gather-shard-amax's rule) the bytes differ."""
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(96, 64, generator=g, dtype=torch.float64)
          * torch.logspace(-3, 1, 64, dtype=torch.float64)).to(dtype)
