@@ -6,10 +6,11 @@ from harness import (DTYPES, Expect, METER, Plant, Strategy, attention_features,
 from harness.precision import grad_reduce_dtype
 from harness.timing import CallTimer
 from harness.cli import main as harness_main
-from rig.ddp import make_optimizer, token_sharded_step
+from rig.ddp import fp8_constraints, fp8_data_parallel, make_optimizer, token_sharded_step
 
 import cp_balance
 import ddp
+import fp8
 from cp_kernels import pick_kernel
 from cp_ring import (ALLGATHER_COLLECTIVES, layout, parallelize, positions, ring_bytes,
                      ring_messages, set_documents)
@@ -43,7 +44,12 @@ def cp_constraints(args, world, config) -> list[str]:
     elif args.cp_balance != "none" and args.length % (2 * world * 4):
         errs.append(f"--cp-balance greedy: sequence length {args.length} is not divisible by "
                     f"2 x cp x 4 = {8 * world} chunks")
-    return errs
+    chunk = args.length // (parts * (4 if args.cp_balance != "none" else 1))
+    if getattr(args, "fp8", None) == "blockwise" and chunk % fp8.BLOCK:
+        errs.append(f"--fp8 blockwise under cp: a chunk of {chunk} positions is not a multiple "
+                    f"of {fp8.BLOCK} (the weight gradient's tiles along the tokens would not be "
+                    f"one device's)")
+    return errs + fp8_constraints(args, world, 1)   # (linears whole, tokens split: DDP's)
 
 
 def ring_refusals(config, length: int) -> list[str]:
@@ -61,11 +67,15 @@ PLANT_ARGS = ("--dtype", "float32", "--clip", "0.5")
 
 
 class CP(Strategy):
+    convert_fp8 = staticmethod(fp8.convert)   # (the ring's attention itself stays in bf16)
     optimizers = ("adamw", "muon")   # muon.py: replicated weights, NS duplicated
     lora = True
     doc_mask = True   # (each block pair its documents' mask: cp_ring.set_documents; torch kernel)
     name = "cp"
     plants = {
+        "fp8-amax-per-rank": Plant("--fp8: each rank casts its zig-zag chunks' x and dy with "
+                                   "their own amax, not the whole sequence's",
+                                   ("--fp8", "tensorwise", "--dtype", "float64")),
         "no-average": Plant("the CP group's gradient all_reduce sums instead of "
                                    "averaging (W x; clipping would hide it)", PLANT_ARGS),
         "unmasked-diagonal": Plant("the diagonal block attends in full: each query "
@@ -103,6 +113,7 @@ class CP(Strategy):
 
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
+        fp8_data_parallel(model, args)   # --fp8: x's and dy's amaxes over the split tokens
         self.name = f"cp-{args.variant}" + ("-greedy" if args.cp_balance == "greedy" else "")
         # (packed documents: their masks go to the pure-torch block kernel)
         kernel, self.kernel_line = pick_kernel("torch" if args.doc_mask else args.attn_kernel,

@@ -30,16 +30,17 @@ def batch_constraints(args, world) -> list[str]:
     return fp8_constraints(args, world, k)
 
 
-def fp8_constraints(args, world: int, micro_batches: int) -> list[str]:
+def fp8_constraints(args, world: int, micro_batches: int, averaged: bool = True) -> list[str]:
     """--fp8: a rank's scales equal one device's on the whole batch (fp8.scope) only when each
     scale's group of elements is whole somewhere: one micro-batch per step, and under blockwise
     the weight gradient's 1 x 128 tiles along the tokens not cut between ranks. Rowwise's scales
     are powers of 2: a rank's loss gradient is W times one device's (W CE_sum / N, averaged
-    after the backward), which casts on the same grid only when W is a power of 2."""
+    after the backward), which casts on the same grid only when W is a power of 2 (averaged:
+    False where the ranks' gradients are summed, each rank's loss its share of the whole)."""
     if not getattr(args, "fp8", None):
         return []
     tokens = args.batch // (world * micro_batches) * args.length   # a rank's, per micro-batch
-    if args.fp8 == "rowwise" and world & (world - 1):
+    if args.fp8 == "rowwise" and averaged and world & (world - 1):
         return [f"--fp8 rowwise at W={world}: its power-of-2 scales cast a rank's gradient "
                 f"(W times one device's, before the average) on another grid unless W is a "
                 f"power of 2"]

@@ -7,7 +7,8 @@ from harness import (Batch, Expect, Plant, Reference, Strategy, clip_by_norm, dr
 from harness.precision import grad_reduce_dtype
 from harness.routing import RoutingStats, drop_over_capacity, hf_moe_objective
 from harness.cli import main as harness_main
-from rig.ddp import make_optimizer
+import fp8
+from rig.ddp import fp8_constraints, fp8_data_parallel, make_optimizer
 
 from ddp import DataParallel
 from ep_moe import (COUNT_ALL_TO_ALLS, TOKEN_ALL_TO_ALLS, LocalExperts, ReferenceMoE,
@@ -84,6 +85,7 @@ def ep_constraints(args, world, config) -> list[str]:
     if args.batch % world:
         errs.append(f"global batch {args.batch} is not divisible by world size {world}")
     errs += routing_constraints(args, config)
+    errs += fp8_constraints(args, world, 1, averaged=False)   # (dense linears: DDP's scopes)
     if getattr(args, "recompute", "none") == "full":   # (harness/recompute.py)
         errs.append("--recompute full: the routing statistics are recorded in each MoE layer's "
                     "forward and a recomputed layer would record them twice; use selective")
@@ -109,6 +111,7 @@ def add_moe_args(p):
 class ExpertParallel(Strategy):
     optimizers = ("adamw", "muon")   # muon.py: dense matrices replicated; expert stacks take AdamW
     name = "ep"
+    convert_fp8 = staticmethod(fp8.convert)   # the dense linears; expert stacks stay
     doc_mask = True   # (HF's forward: its packed-sequence mask from the documents' positions)
     reference = MoEReference
     # Top-k routing is discontinuous: in float32, rounding differences between the layouts flip
@@ -146,6 +149,7 @@ class ExpertParallel(Strategy):
 
     def __init__(self, model, args, env):
         self.args, self.env, self.model = args, env, model
+        fp8_data_parallel(model, args)   # --fp8: the dense linears' tokens are split
         ranks = list(range(env.world))
         # all-to-all over "ep"; replicated gradients and router counts over "dp" (the same ranks
         # here; compose4d would pass its data x context group for both)

@@ -227,7 +227,11 @@ HEAVY = {"ddp.py W=3": Runs("ddp.py", 3, tier="heavy", runs={
          "sp.py megatron": Runs("sp.py", 2, tier="heavy", runs={
              "fp8": ["--variant", "megatron", "--fp8", "tensorwise", *F64]}),
          "sp.py ulysses": Runs("sp.py", 2, tier="heavy", runs={
-             "fp8": ["--variant", "ulysses", "--fp8", "rowwise", *F64]})}
+             "fp8": ["--variant", "ulysses", "--fp8", "rowwise", *F64]}),
+         "cp_ring.py": Runs("cp_ring.py", 2, tier="heavy", runs={
+             "fp8": ["--fp8", "rowwise", *F64]}),
+         "ep_moe.py": Runs("ep_moe.py", 2, tier="heavy", runs={
+             "fp8": ["--fp8", "tensorwise", *F64]})}
 
 
 # FSDP's FP8 all-gather (--fp8-all-gather, fp8.gather_in_fp8): each shard cast with the whole
@@ -378,7 +382,7 @@ def test_fp8_under_more_layouts(runs, key):
     """ZeRO-3 and FSDP (the gathered weights: whole, their scales one device's), DDP at an
     uneven W=3, a bf16 run (within bf16 and FP8's noise against the float64 FP8 target), TP's
     blockwise (128-wide shards: tiles whole on each rank), Megatron SP (tp.py's layers), and
-    Ulysses (whole linears, split tokens: DDP's scopes)."""
+    Ulysses, CP's zig-zag and EP's dense layers (whole linears, split tokens: DDP's scopes)."""
     batch = HEAVY[key]
     r = runs(batch, next(iter(batch.runs)))
     if "bf16" in key:
@@ -398,6 +402,8 @@ def test_fp8_under_more_layouts(runs, key):
     ("tp.py", 2, ["--fp8", "blockwise", "--model", "configs/tiny-fp8.json"],
      "--fp8 blockwise at T=2: model.layers.0.self_attn.q_proj's shard has 64 output features"),
     ("sp.py", 2, ["--fp8", "tensorwise", "--async-tp"], "--fp8 with --async-tp"),
+    ("cp_ring.py", 2, ["--fp8", "blockwise", "--model", "configs/tiny-fp8.json"],
+     "--fp8 blockwise under cp: a chunk of 16 positions"),
     ("sp.py", 2, ["--variant", "ulysses", "--fp8", "blockwise", "--model",
                   "configs/tiny-fp8.json"], "--fp8 blockwise under ulysses"),
     ("ddp.py", 2, ["--fp8", "tensorwise", "--compare-native"], "--fp8: --mode correctness,"),
