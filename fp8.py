@@ -30,7 +30,9 @@ Under a strategy (`Scopes`, `scope`): a rank holding part of a scale's group of 
 sees part of its amax; the amax is MAXed over the groups that hold the rest (tensorwise: every
 split of the tensor; rowwise: the splits of the contracted dim K), so a rank casts exactly as
 one device does on the whole batch, and a float64 run meets the single-device FP8 run at
-float64's noise (docs/internals.md, 'fp8.py', the table of each GEMM's splits).
+float64's noise (docs/internals.md, 'fp8.py', the table of each GEMM's splits). tp.py's
+parallel layers keep a converted layer's GEMMs (carry: the tp group on the split dimension);
+FSDP can all-gather the weights in e4m3 (GatherFP8).
 Memory and traffic per converted linear: each cast reads an operand and (here, through fp32
 temporaries a fused kernel would not make) writes a 1-byte copy; tensorwise and rowwise run
 their three GEMMs at 8 bits (H100: twice bf16's dense peak; blockwise is emulated in fp32);
@@ -42,6 +44,7 @@ Public API
     fp8.quantize(t, fmt, groups, pow2)        (q, inverse scale) of one operand
     fp8.scope(model, tokens=[group])          the groups a data-parallel run splits tokens over
     fp8.gather_in_fp8(model)                  before fsdp.fully_shard: weights all-gathered in e4m3
+    fp8.convert, then tp.parallelize          the parallel layers stay in FP8 (carry, automatic)
 
 Run:  python -m pytest tests/test_fp8.py   (torchao as the oracle, and one device in bf16)
 """

@@ -214,24 +214,19 @@ DP2 = Runs("ddp.py", 2, tier="slow", runs={
     "fp8-tensorwise": ["--fp8", "tensorwise", *F64],
     "fp8-rowwise": ["--fp8", "rowwise", *F64],
     "fp8-blockwise": ["--fp8", "blockwise", "--model", "configs/tiny-fp8.json", *F64]})
-HEAVY = {"ddp.py W=3": Runs("ddp.py", 3, tier="heavy", runs={
-             "fp8": ["--fp8", "tensorwise", "--batch", "6", *F64]}),
-         "zero.py": Runs("zero.py", 2, tier="heavy", runs={
-             "fp8": ["--stage", "3", "--fp8", "tensorwise", *F64]}),
-         "fsdp.py": Runs("fsdp.py", 2, tier="heavy", runs={
-             "fp8": ["--fp8", "rowwise", *F64]}),
-         "ddp.py bf16": Runs("ddp.py", 2, tier="heavy", runs={
-             "fp8-bf16": ["--fp8", "tensorwise", "--dtype", "bfloat16"]}),
-         "tp.py blockwise": Runs("tp.py", 2, tier="heavy", runs={
-             "fp8": ["--fp8", "blockwise", "--model", "configs/tiny-fp8-tp.json", *F64]}),
-         "sp.py megatron": Runs("sp.py", 2, tier="heavy", runs={
-             "fp8": ["--variant", "megatron", "--fp8", "tensorwise", *F64]}),
-         "sp.py ulysses": Runs("sp.py", 2, tier="heavy", runs={
-             "fp8": ["--variant", "ulysses", "--fp8", "rowwise", *F64]}),
-         "cp_ring.py": Runs("cp_ring.py", 2, tier="heavy", runs={
-             "fp8": ["--fp8", "rowwise", *F64]}),
-         "ep_moe.py": Runs("ep_moe.py", 2, tier="heavy", runs={
-             "fp8": ["--fp8", "tensorwise", *F64]})}
+HEAVY = {key: Runs(script, world, tier="heavy", runs={"fp8": list(args)})
+         for key, script, world, args in [
+             ("ddp.py W=3", "ddp.py", 3, ["--fp8", "tensorwise", "--batch", "6", *F64]),
+             ("zero.py", "zero.py", 2, ["--stage", "3", "--fp8", "tensorwise", *F64]),
+             ("fsdp.py", "fsdp.py", 2, ["--fp8", "rowwise", *F64]),
+             ("ddp.py bf16", "ddp.py", 2, ["--fp8", "tensorwise", "--dtype", "bfloat16"]),
+             ("tp.py blockwise", "tp.py", 2, ["--fp8", "blockwise", "--model",
+                                              "configs/tiny-fp8-tp.json", *F64]),
+             ("sp.py megatron", "sp.py", 2, ["--variant", "megatron", "--fp8", "tensorwise",
+                                             *F64]),
+             ("sp.py ulysses", "sp.py", 2, ["--variant", "ulysses", "--fp8", "rowwise", *F64]),
+             ("cp_ring.py", "cp_ring.py", 2, ["--fp8", "rowwise", *F64]),
+             ("ep_moe.py", "ep_moe.py", 2, ["--fp8", "tensorwise", *F64])]}
 
 
 # FSDP's FP8 all-gather (--fp8-all-gather, fp8.gather_in_fp8): each shard cast with the whole
