@@ -77,6 +77,24 @@ def test_elementwise_is_the_kept_bytes_times_the_passes():
     assert h["matmul"] == pytest.approx((7 * 1280 + 6 * 256) * 4 / 50.0)
 
 
+def test_fp8_by_hand():
+    """fp8=1: the decoder linears' matmuls at the ceiling times the FP8 / bf16 peak ratio (the LM
+    head stays bf16), and each linear's casts, 6 bytes per input and output feature and token,
+    through HBM; a GPU without FP8 is refused."""
+    g8 = dict(GPU, fp8=200.0)   # FP8 twice the toy's bf16 peak
+    n = st.param_count(TOY)
+    lay = toy_layout(fp8=1)
+    rows = comm_per_step(st.config_of(TOY), dict(total=n, dense=n, experts=0), lay, 2)
+    r = st.step_time(TOY, lay, g8, rows, elem=2, passes=0.0, attn_eff=0.25)
+    tokens = 4
+    assert r["matmul"] == pytest.approx((6 * 1280 / 2 + 6 * 256) * tokens / 50.0)
+    # q, k, v, o, gate, up in 8 each + down in 16; out: q 8, k 8, v 8, o 8, gate 16, up 16, down 8
+    assert st.layer_linear_features(TOY) == (6 * 8 + 16) + (8 * 4 + 2 * 16 + 8) == 136
+    assert r["elementwise"] == pytest.approx(6 * 136 * tokens * 2 / 1000.0)
+    with pytest.raises(SystemExit):
+        st.step_time(TOY, lay, dict(GPU, fp8=None), rows, elem=2, passes=0.0, attn_eff=0.25)
+
+
 def test_report_by_hand():
     """tokens/s per GPU, TFLOP/s per GPU and MFU from the step, in both conventions."""
     n = st.param_count(TOY)
@@ -220,6 +238,10 @@ def test_cli_step_time_and_a_bad_gpu():
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().startswith("error: unknown --gpu 'v100'")
     assert len(bad.stderr.strip().splitlines()) == 1
+    fp8 = subprocess.run(run[:-1] + ["dp=8,fp8=1", "--gpu", "a100"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert fp8.returncode == 2 and fp8.stdout == "", fp8
+    assert fp8.stderr.strip() == "error: fp8=1 on A100 80GB SXM: it has no FP8 tensor cores"
 
 
 def test_the_docs_example_is_the_calculators_output(capsys):

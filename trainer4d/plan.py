@@ -87,7 +87,7 @@ def load(name: str):
 # ----------------------------------------------------------------------------------------------
 DEFAULTS = dict(tp=1, cp=1, pp=1, dp=1, ep=1, seq=4096, mb=1, m=None, v=1, schedule="1f1b",
                 zero=1, sp=0, recompute="none", recompute_every=1, tp_overlap=0, pp_scatter=0,
-                dp_overlap=1, attn="flash", reduce_bytes=4)
+                dp_overlap=1, attn="flash", reduce_bytes=4, fp8=0)
 WORDS = ("schedule", "recompute", "attn")        # the keys whose values are words
 
 
@@ -505,12 +505,16 @@ def main(argv=None):
     if a.gpu:
         from .steptime import gpu_spec
         gpu_spec(a.gpu)                                 # an unknown name ends here, in one line
+    layouts = [parse_layout(text) for text in a.layout]   # every refusal before any report
+    if a.gpu and any(lay["fp8"] for lay in layouts):
+        from .steptime import gpu_spec
+        if not gpu_spec(a.gpu).get("fp8"):
+            refuse(f"fp8=1 on {gpu_spec(a.gpu)['name']}: it has no FP8 tensor cores")
     config = load(a.model)
     elem = 4 if a.dtype == "float32" else 2
     params = count_params(config)
     rows = []
-    for text in a.layout:
-        lay = parse_layout(text)
+    for lay in layouts:
         rows.append(plan(config, params, lay, elem, a.mem_gib))
         if a.gpu:
             rows[-1]["steptime"] = step_lines(config, params, lay, a.gpu, elem)

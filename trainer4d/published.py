@@ -131,6 +131,9 @@ ROWS += [
           "half the layers recomputed", dp=8, mb=2),
     titan("D2", "Llama 3.1 8B", LLAMA3_8B, "h100-96gb", 6667.0, "as D1 with torch.compile (the "
           "model has no compile: eager's elementwise passes)", dp=8, mb=2),
+    titan("D3", "Llama 3.1 8B", LLAMA3_8B, "h100-96gb", 8532.0, "as D2 with Float8 (torchao's "
+          "tensorwise recipe on the decoder linears, FP8 at twice the bf16 matmul ceiling)",
+          dp=8, mb=2, fp8=1),
     titan("D8", "Llama 3.1 8B", LLAMA3_8B, "h100-96gb", 5605.0, "as D1 on 16 hosts", dp=128, mb=2),
     titan("D9", "Llama 3.1 8B", LLAMA3_8B, "h100-96gb", 6514.0, "as D8 with torch.compile",
           dp=128, mb=2),

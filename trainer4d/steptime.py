@@ -28,6 +28,8 @@ A roofline model built from the suite's own formulas, for one GPU of the busiest
                  bubble_formula for 1F1B and interleaved), the stages balanced
     optimizer    AdamW with fp32 masters over this GPU's shard: 30 bytes per parameter of HBM
                  traffic (read grad, master, m, v; write master, m, v, the bf16 parameter)
+    fp8          (layout fp8=1) the decoder linears' matmuls at the ceiling x the datasheet's
+                 FP8 / bf16 peak, their casts FP8_CAST_BYTES per feature and token through HBM
 
 The reported FLOP/s follow a source's convention: "model" = harness.flops (6 Psi_matmul + 12 L h s
 per token, attention counted in full as Megatron, torchtitan and PaLM do), "hardware" = Narayanan
@@ -56,32 +58,35 @@ GPUS = {
     # sparsity), 80GB HBM2e 2,039 GB/s, NVLink 600 GB/s (12 links x 25 GB/s each direction);
     # HDR InfiniBand 200 Gb/s per GPU (Selene: eight 200Gbps HCAs per node, Narayanan et al. 2021)
     "a100": dict(name="A100 80GB SXM", peak=312e12, hbm=2.039e12, nvlink=300e9, net=25e9,
-                 per_node=8, mamf=271.2e12),
+                 per_node=8, mamf=271.2e12, fp8=None),   # (no FP8 tensor cores)
     # the same datasheet's 40GB part: HBM2 1,555 GB/s; the rest as the 80GB's
     "a100-40gb": dict(name="A100 40GB SXM", peak=312e12, hbm=1.555e12, nvlink=300e9, net=25e9,
-                      per_node=8, mamf=271.2e12),
+                      per_node=8, mamf=271.2e12, fp8=None),
     # H100 whitepaper v1.04 Table 1: BF16 Tensor Core 989.4 TFLOPS dense; product page: 80GB
-    # HBM3 3.35 TB/s; 18 NVLink-4 links, 900 GB/s total; 400 Gb/s NDR per GPU (DGX H100)
+    # HBM3 3.35 TB/s; 18 NVLink-4 links, 900 GB/s total; 400 Gb/s NDR per GPU (DGX H100); FP8
+    # Tensor Core 1,978.9 TFLOPS dense (3,957.8 with sparsity)
     "h100": dict(name="H100 80GB SXM (HBM3, 700 W)", peak=989.4e12, hbm=3.35e12, nvlink=450e9,
-                 net=50e9, per_node=8, mamf=794.5e12),
+                 net=50e9, per_node=8, mamf=794.5e12, fp8=1978.9e12),
     # torchtitan's benchmark GPUs (benchmarks/llama3_h100_202412_torchtitan.md): "96GB HBM2e with
     # 2.4 TB/sec", 500 W, "400 Gb/s per GPU"; its peak is unpublished: "between SXM and NVL" (the
     # H100 NVL datasheet: BF16 1,671 TFLOPS with sparsity, 835.5 dense), taken at the middle of
-    # that bracket, 912.5 TFLOPS; its matmul ceiling: the H100 SXM's MAMF scaled the same
+    # that bracket, 912.5 TFLOPS; its matmul ceiling: the H100 SXM's MAMF scaled the same (FP8:
+    # twice the bf16 peak, as on every Hopper datasheet)
     "h100-96gb": dict(name="H100 96GB HBM2e (500 W)", peak=912.5e12, hbm=2.4e12, nvlink=450e9,
-                      net=50e9, per_node=8, mamf=794.5e12 * 912.5 / 989.4),
+                      net=50e9, per_node=8, mamf=794.5e12 * 912.5 / 989.4, fp8=2 * 912.5e12),
     # H800: the H100 die with NVLink cut to 400 GB/s (no public NVIDIA datasheet; third-party
     # spec sheets); DeepSeek-V3's report: "IB (50 GB/s)" per GPU
     "h800": dict(name="H800 SXM", peak=989.4e12, hbm=3.35e12, nvlink=200e9, net=50e9,
-                 per_node=8, mamf=794.5e12),
-    # H200 product page: BF16 1,979 TFLOPS with sparsity (989 dense), 141GB HBM3e 4.8 TB/s;
-    # NVLink 900 GB/s
+                 per_node=8, mamf=794.5e12, fp8=1978.9e12),
+    # H200 product page: BF16 1,979 TFLOPS with sparsity (989 dense), FP8 3,958 (1,979 dense),
+    # 141GB HBM3e 4.8 TB/s; NVLink 900 GB/s
     "h200": dict(name="H200 SXM 141GB", peak=989.4e12, hbm=4.8e12, nvlink=450e9, net=50e9,
-                 per_node=8, mamf=794.5e12),
+                 per_node=8, mamf=794.5e12, fp8=1978.9e12),
     # HGX B200 page: FP16/BF16 36 PFLOPS per 8 GPUs with sparsity ("dense is 1/2"): 2.25 PF per
-    # GPU; DGX B200 64 TB/s HBM3e per 8 GPUs; NVLink 5 1.8 TB/s; ConnectX-7 400 Gb/s per GPU
+    # GPU; DGX B200 64 TB/s HBM3e per 8 GPUs; NVLink 5 1.8 TB/s; ConnectX-7 400 Gb/s per GPU;
+    # FP8 72 PFLOPS with sparsity per 8 GPUs: 4.5 PF dense per GPU
     "b200": dict(name="B200 (HGX, 1000 W)", peak=2.25e15, hbm=8.0e12, nvlink=900e9, net=50e9,
-                 per_node=8, mamf=1745e12),
+                 per_node=8, mamf=1745e12, fp8=4.5e15),
 }
 GPU_ALIASES = {"a100-80gb": "a100", "h100-sxm": "h100", "h200-sxm": "h200"}
 
@@ -165,6 +170,19 @@ def layer_matmul_params(sh: dict) -> int:
     h = sh["hidden"]
     kv = sh["kv_heads"] * (h // sh["heads"])
     return 2 * h * h + 2 * h * kv + (3 if sh["gated"] else 2) * h * sh["ffn"]
+
+
+FP8_CAST_BYTES = 6   # per feature and token of an FP8 linear: X cast for the forward and X^T
+#                      for dW (each a 2-byte read and a 1-byte write), dY and dY^T the same
+
+
+def layer_linear_features(sh: dict) -> int:
+    """One decoder layer's linears' input plus output features (q, k, v, o, the MLP's): the
+    activation features an FP8 layer casts per token."""
+    h, f = sh["hidden"], sh["ffn"]
+    kv = sh["kv_heads"] * (h // sh["heads"])
+    up = 2 if sh["gated"] else 1
+    return (4 * h + up * h + f) + (3 * h + 2 * kv + up * f)
 
 
 def param_count(sh: dict) -> int:
@@ -301,17 +319,28 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
     again, att_again = recomputed(lay)
     per_layer, logits = kept_bytes(sh, lay, elem)
 
+    fp8 = lay.get("fp8", 0)
+    if fp8 and not g.get("fp8"):
+        import sys
+        print(f"error: fp8=1 on {g['name']}: it has no FP8 tensor cores", file=sys.stderr)
+        raise SystemExit(2)
+    # FP8 (fp8=1, fp8.py's rule): the decoder layers' linears run at the matmul ceiling scaled
+    # by the datasheet's FP8 / bf16 peak (an assumption: no FP8 MAMF is measured), the LM head
+    # and attention in bf16; each FP8 linear's casts add FP8_CAST_BYTES per feature and token
+    speed = g["fp8"] / g["peak"] if fp8 else 1.0
+
     def stage(layers: int, head: bool) -> tuple[float, float, float]:
         """One micro-batch through a stage on one GPU (forward F, backward 2F, the recompute's
         forward again): its matmul, attention and elementwise seconds."""
-        mm = ((6 + 2 * again) * layers * layer_mm + 6 * head_mm * head) * n / T
+        mm = ((6 + 2 * again) * layers * layer_mm / speed + 6 * head_mm * head) * n / T
         att = (12 + 4 * att_again) * layers * h * lay["seq"] * n / T
         if lay.get("attn") == "eager":    # the s x s scores as batched matmuls, masked half too
             t_att = att / g["mamf"]
         else:                             # a flash kernel skips the masked half
             t_att = att / 2 / (attn_eff * g["peak"])
         kept = per_layer * layers + logits * head
-        return mm / g["mamf"], t_att, passes * (1 + again / 3) * kept / g["hbm"]
+        cast = fp8 * FP8_CAST_BYTES * layer_linear_features(sh) / T * n * layers
+        return mm / g["mamf"], t_att, (passes * kept + cast) * (1 + again / 3) / g["hbm"]
     t_mm, t_att, t_elem = max((stage(k, head) for k, head in stages(L, P)), key=sum)
     compute = t_mm + t_att + t_elem
     comm = comm_seconds(comm_rows, lay, g)
@@ -366,7 +395,8 @@ def report(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
     return dict(parts, gpus=gpus, tokens=tokens, tokens_per_gpu=tokens / parts["step"] / gpus,
                 tflops=tflops / 1e12, mfu=tflops / g["peak"], gpu=g["name"],
                 mfu_causal=per_gpu(flops_per_token(sh, lay["seq"], "causal")),
-                hfu=per_gpu(executed_per_token(sh, lay)))
+                hfu=per_gpu(executed_per_token(sh, lay)),
+                mfu_fp8=tflops / g["fp8"] if lay.get("fp8") else None)
 
 
 BREAKDOWN = ("matmul", "attention", "elementwise", "tp", "cp", "pp_send", "ep", "bubble", "dp",
@@ -379,6 +409,9 @@ def print_report(r: dict, out=print, width: int = 60) -> None:
         f"{r['tflops']:.0f} TFLOP/s/GPU, MFU {r['mfu']:.1%} (model FLOPs, attention in full)")
     out(f"    MFU counting causal attention's half (6 L h s per token): {r['mfu_causal']:.1%}; "
         f"HFU (the recompute's forward counted too): {r['hfu']:.1%}")
+    if r.get("mfu_fp8") is not None:
+        out(f"    FP8 (the decoder linears; head and attention in bf16): MFU above divides by "
+            f"the bf16 peak (torchtitan's convention); by the FP8 peak: {r['mfu_fp8']:.1%}")
     bar = ""
     for i, k in enumerate(BREAKDOWN):
         share = r[k] / r["step"]
@@ -396,7 +429,8 @@ def layout_text(lay: dict) -> str:
     sched = (f", {lay['schedule']}" + (f" V={lay['v']}" if lay["schedule"] == "interleaved" else "")
              if lay["pp"] > 1 else "")
     extra = "".join(s for k, s in (("tp_overlap", ", TP overlapped"),
-                                   ("pp_scatter", ", scatter/gather")) if lay.get(k))
+                                   ("pp_scatter", ", scatter/gather"), ("fp8", ", FP8"))
+                    if lay.get(k))
     k = lay.get("recompute_every", 1)
     rec = lay["recompute"] + (f" (1 layer in {k})" if k > 1 and lay["recompute"] != "none" else "")
     return (f"{dims}, seq {lay['seq']}, mb {lay['mb']} x M {lay['m']}{sched}, ZeRO-{lay['zero']}, "
