@@ -419,7 +419,10 @@ def reference_in(run: Run, cls, dtype: str, prepare=None):
     if getattr(a, "fp8", None):   # (the strategy's FP8 layers, on one device)
         cls.convert_fp8(model, a.fp8)
     a.reference_optimizer = OracleAdamW   # (harness.Reference builds it)
-    return reference_class(cls)(model, a, run.env)
+    ref = reference_class(cls)(model, a, run.env)
+    if getattr(a, "fp8", None) and cls.fp8_micro_rows:   # (the strategy's micro-batches)
+        ref.micro_rows = cls.fp8_micro_rows(a, run.env.world)
+    return ref
 
 
 @dataclass
@@ -468,6 +471,9 @@ class PermutedReference:
 
     def __init__(self, ref, perms: dict, rows: torch.Tensor, plan: dict):
         self.ref, self.perms, self.rows, self.plan = ref, perms, rows, plan
+        if ref.micro_rows:   # --fp8's micro-batches: the same rows, at their permuted places
+            at = torch.argsort(rows)   # original row -> its row in the permuted batch
+            ref.micro_rows = [at[torch.tensor(r)].tolist() for r in ref.micro_rows]
         self.model = ref.model
         self.token = torch.argsort(perms["v"])   # old token id -> its row in the permuted model
 

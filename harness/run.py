@@ -72,6 +72,8 @@ def make_pair(run: Run, cls, perturb: bool, with_ref: bool):
     if perturb and cls.syncs_initial_params and run.env.rank != 0:
         local = perturbed(local, 1000 + run.env.rank, copy_first=False)
     ref = reference_class(cls)(ref_model, run.args, run.env) if keep_ref else None
+    if ref is not None and getattr(run.args, "fp8", None) and cls.fp8_micro_rows:
+        ref.micro_rows = cls.fp8_micro_rows(run.args, run.env.world)
     del ref_model
     with METER.measuring():  # count the one-time set-up traffic (e.g. the initial broadcast)
         METER.reset()

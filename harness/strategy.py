@@ -71,6 +71,9 @@ class Strategy:
     # build before the reference and the strategy copy it; the strategy scopes its own layers
     convert_fp8 = None
     fp8_benchmark = False   # --mode benchmark --fp8 tensorwise: its formulas count FP8's traffic
+    # --fp8 with micro-batches: (args, world) -> the global batch's rows of each micro-batch the
+    # strategy casts with its own amaxes (None: one), which the reference then runs one by one
+    fp8_micro_rows = None
     self_check = None     # ("what", build(model, args) -> fn(ids) -> logits): selfcheck.py
 
     @staticmethod
@@ -168,6 +171,8 @@ class Reference(Strategy):
     """The plain HF model and torch.optim.AdamW on the whole global batch, on one device."""
     name = "reference"
 
+    micro_rows = None   # --fp8: the strategy's micro-batches (rows each), run one at a time
+
     def __init__(self, ref_model, args, env):
         self.model, self.args = ref_model, args
         # (the correctness mode's references step with compare.OracleAdamW, which shares no
@@ -179,10 +184,16 @@ class Reference(Strategy):
             self.optimizer = make([p for p in self.model.parameters() if p.requires_grad], args)
 
     def objective(self, batch: Batch) -> torch.Tensor:
-        """The loss to minimise: mean token cross-entropy (subclasses add terms)."""
-        with dropout.at(batch):
-            logits = self.model(input_ids=batch.input_ids, position_ids=batch.doc_positions).logits
-        return lm_loss_sum(logits, batch.labels) / batch.n_tokens
+        """The loss to minimise: mean token cross-entropy (subclasses add terms). Under --fp8
+        with micro-batches, the sum of each micro-batch's (each cast with its own amaxes, as the
+        strategy casts them)."""
+        ce = 0.0
+        for mb in ([batch.take(rows) for rows in self.micro_rows] if self.micro_rows
+                   else [batch]):
+            with dropout.at(mb):
+                logits = self.model(input_ids=mb.input_ids, position_ids=mb.doc_positions).logits
+            ce = ce + lm_loss_sum(logits, mb.labels)
+        return ce / batch.n_tokens
 
     def after_step(self):
         """Non-gradient state updates after the optimizer step (none here)."""

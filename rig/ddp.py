@@ -31,9 +31,10 @@ def batch_constraints(args, world) -> list[str]:
 
 
 def fp8_constraints(args, world: int, micro_batches: int, averaged: bool = True) -> list[str]:
-    """--fp8: a rank's scales equal one device's on the whole batch (fp8.scope) only when each
-    scale's group of elements is whole somewhere: one micro-batch per step, and under blockwise
-    the weight gradient's 1 x 128 tiles along the tokens not cut between ranks. Rowwise's scales
+    """--fp8: a rank's scales equal one device's on the same micro-batch (fp8.scope; the
+    reference runs the strategy's micro-batches one by one: data_parallel_micro_rows) only when
+    each scale's group of elements is whole somewhere: under blockwise the weight gradient's
+    1 x 128 tiles along the tokens not cut between ranks. Rowwise's scales
     are powers of 2: a rank's loss gradient is W times one device's (W CE_sum / N, averaged
     after the backward), which casts on the same grid only when W is a power of 2 (averaged:
     False where the ranks' gradients are summed, each rank's loss its share of the whole)."""
@@ -44,14 +45,23 @@ def fp8_constraints(args, world: int, micro_batches: int, averaged: bool = True)
         return [f"--fp8 rowwise at W={world}: its power-of-2 scales cast a rank's gradient "
                 f"(W times one device's, before the average) on another grid unless W is a "
                 f"power of 2"]
-    if micro_batches > 1:
-        return [f"--fp8 with {micro_batches} micro-batches per step: each would be cast with "
-                f"its own amax, the single-device reference's whole batch with one"]
     if args.fp8 == "blockwise" and tokens % fp8.BLOCK:
         return [f"--fp8 blockwise: a rank's {tokens} tokens per step are not a multiple of "
                 f"{fp8.BLOCK} (the weight gradient's 1 x {fp8.BLOCK} tiles along the tokens "
                 f"would straddle two ranks)"]
     return []
+
+
+def data_parallel_micro_rows(args, world: int) -> list[list[int]] | None:
+    """--fp8 --grad-accum K: global micro-batch k is every rank's k-th (forward_backward: rank r
+    holds rows [r n, (r+1) n), n = B / W, in K chunks), its amaxes MAXed over the world; the
+    reference runs these K row sets one by one. None for one micro-batch."""
+    K = getattr(args, "grad_accum", 1)
+    if K == 1:
+        return None
+    n = args.batch // world
+    return [[r * n + k * (n // K) + j for r in range(world) for j in range(n // K)]
+            for k in range(K)]
 
 
 def fp8_data_parallel(model, args):
@@ -97,6 +107,7 @@ class DDP(Strategy):
     chunked_ce = True
     doc_mask = True
     convert_fp8 = staticmethod(fp8.convert)
+    fp8_micro_rows = staticmethod(data_parallel_micro_rows)   # (--grad-accum K)
     name = "ddp"
     optimizers = ("adamw", "muon")   # muon.py: rig/muon.py builds it
     lora = True

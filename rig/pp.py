@@ -8,6 +8,7 @@ from harness import (DTYPES, Expect, METER, Plant, Strategy, global_loss, lm_los
 from harness.timeline import ascii_timeline, measured_bubble, plot_timeline
 from harness.timing import ActionTimeline
 from harness.cli import main as harness_main
+import fp8
 from rig.ddp import make_optimizer
 
 from pp import Pipeline, clip_across_stages
@@ -28,7 +29,20 @@ def pp_constraints(args, world, config) -> list[str]:
     if args.batch % M:
         return [f"global batch {args.batch} is not divisible by --microbatches {M}"]
     err = schedule_error(args.schedule, P, M)
-    return [err] if err else []
+    if err:
+        return [err]
+    tokens = args.batch // M * args.length   # a micro-batch's, every stage casting it whole
+    if getattr(args, "fp8", None) == "blockwise" and tokens % fp8.BLOCK:
+        return [f"--fp8 blockwise: a micro-batch's {tokens} tokens are not a multiple of "
+                f"{fp8.BLOCK} (the weight gradient's 1 x {fp8.BLOCK} tiles along the tokens)"]
+    return []
+
+
+def pp_micro_rows(args, world: int) -> list[list[int]]:
+    """--fp8: each micro-batch (batch.split(M): contiguous rows) is cast with its own amaxes
+    on every stage; the reference runs the same M row sets one by one."""
+    n = args.batch // args.microbatches
+    return [list(range(m * n, (m + 1) * n)) for m in range(args.microbatches)]
 
 
 TIED_PLANT_ARGS = ("--schedule", "zb", "--dtype", "float32", "--clip", "0.5",
@@ -49,6 +63,8 @@ def stage_loop(model, args):
 
 
 class PP(Strategy):
+    convert_fp8 = staticmethod(fp8.convert)   # each stage's layers; the head and embedding stay
+    fp8_micro_rows = staticmethod(pp_micro_rows)
     optimizers = ("adamw", "muon")   # muon.py: each stage holds whole matrices (replicated)
     lora = True
     name = "pp"
