@@ -46,7 +46,8 @@ Public API
     fp8.gather_in_fp8(model)                  before fsdp.fully_shard: weights all-gathered in e4m3
     fp8.convert, then tp.parallelize          the parallel layers stay in FP8 (carry, automatic)
 
-Run:  python -m pytest tests/test_fp8.py   (torchao as the oracle, and one device in bf16)
+Run:  torchrun --nproc_per_node=2 fp8.py --mode correctness   (DDP in FP8; --fp8 R on any strategy)
+      python -m pytest tests/test_fp8.py   (torchao as the oracle, and one device in bf16)
 """
 from typing import NamedTuple
 
@@ -301,16 +302,20 @@ def convert(model: nn.Module, recipe: str = "tensorwise", history: int = 16) -> 
 
 
 def scope(model: nn.Module, tokens=()) -> int:
-    """Every converted layer of `model` learns the groups over which its tokens are split (a
-    data-parallel rank holds some of the batch's rows: its amaxes of x and dy are MAXed over
-    `tokens`, so each rank casts with the whole batch's scale). Returns the layers scoped."""
+    """Every converted layer of `model` (and every parallel layer carrying one: carry) learns
+    the groups over which its tokens are split (a data-parallel rank holds some of the batch's
+    rows: its amaxes of x and dy are MAXed over `tokens`, so each rank casts with the whole
+    batch's scale). Returns the layers scoped."""
     layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
     for m in layers:
         m.scopes = m.scopes._replace(tokens=tuple(tokens))
         if m.recipe == "delayed" and tokens:
             raise ValueError("fp8: delayed scaling is a single-device lesson here (its history "
                              "would need the same reduction); use tensorwise under a strategy")
-    return len(layers)
+    carried = [m for m in model.modules() if isinstance(getattr(m, "fp8", None), SplitFP8)]
+    for m in carried:   # (tp.py's parallel layers, carry: their tp scopes kept)
+        m.fp8 = m.fp8._replace(scopes=m.fp8.scopes._replace(tokens=tuple(tokens)))
+    return len(layers) + len(carried)
 
 
 class GatherFP8:
@@ -401,3 +406,8 @@ def gather_in_fp8(model: nn.Module) -> int:
 def fp8_mm(x: torch.Tensor, w: torch.Tensor, recipe: str = "tensorwise") -> torch.Tensor:
     """x [N, in] @ w [out, in]^T through the three FP8 GEMMs (autograd)."""
     return FP8MatMul.apply(x, w, recipe, AmaxHistory() if recipe == "delayed" else None)
+
+
+if __name__ == "__main__":   # torchrun fp8.py --mode ...: DDP in FP8, the test rig runs it
+    from rig.fp8 import main
+    main()

@@ -15,15 +15,16 @@ from trainer4d import comm, elastic, train
 from trainer4d.schedule import Scheduled, ScheduledReference
 
 import ep_moe
+import fp8
 import zero
 import zero_units
 from compose4d import Parallel4D
 from rig.compose_moe import MoEReference, constraints as moe_constraints
 from rig.cp_ring import ring_refusals
-from rig.ddp import MUON_PLANT
+from rig.ddp import MUON_PLANT, data_parallel_micro_rows
 from rig.ep_moe import add_moe_args
 from rig.pp import stage_loop
-from rig.tp import tp_constraints
+from rig.tp import fp8_tp_constraints, tp_constraints
 
 
 # ----------------------------------------------------------------------------------------------
@@ -66,7 +67,8 @@ def compose_constraints(args, world, config) -> list[str]:
                if args.sp else "a MoE model's router loss" if is_moe(config) else None)
         if why:
             return [f"--doc-mask with {why}"]
-    errs = tp_constraints(args, T, config) if T > 1 else []
+    errs = fp8_compose_constraints(args, T, config)
+    errs = errs or (tp_constraints(args, T, config) if T > 1 else [])
     kv = kv_heads(config)
     if T > 1 and not errs and kv % T and kv != 1:
         errs = [f"compose4d: tensor parallel size {T} replicates kv heads "
@@ -134,6 +136,23 @@ class ScheduledMoEReference(Scheduled, MoEReference):
     """compose_moe's reference (HF's MoE model, the router losses per layer and micro-batch)."""
 
 
+def fp8_compose_constraints(args, T: int, config) -> list[str]:
+    """--fp8 under compose4d: tp's rules (fp8.carry), the tokens' amaxes over dp x cp (fp8.scope),
+    each micro-batch cast with its own (compose_micro_rows); blockwise and MoE not yet."""
+    if not getattr(args, "fp8", None):
+        return []
+    if args.fp8 == "blockwise" or is_moe(config):
+        return [f"--fp8 under compose4d: {'blockwise' if args.fp8 == 'blockwise' else 'a MoE model'}"
+                f" is not built yet (tensorwise and rowwise on a dense model are)"]
+    return fp8_tp_constraints(args, T, config) if T > 1 else []
+
+
+def compose_micro_rows(args, world: int):
+    """--fp8: compose4d's micro-batches are data parallelism's (each dp rank's rows in
+    --grad-accum chunks, through its pipeline), over dp = W / (tp pp cp) ranks."""
+    return data_parallel_micro_rows(args, world // (args.tp * args.pp * args.cp))
+
+
 def reference(ref_model, args, env):
     """The single-device reference, scheduled by torch: compose_moe's for a MoE model."""
     moe = is_moe(ref_model.config)
@@ -142,6 +161,8 @@ def reference(ref_model, args, env):
 
 class Compose4D(Parallel4D, Strategy):
     name = "4d"
+    convert_fp8 = staticmethod(fp8.convert)   # tp's carry, dp x cp's token scopes, micro rows
+    fp8_micro_rows = staticmethod(compose_micro_rows)
     doc_mask = True   # (dp x tp x pp, the train mode too; refused with cp, sp, MoE: constraints)
     self_check = ("compose4d's stage loop (pp.py's)", stage_loop)
     reference = staticmethod(reference)
@@ -157,6 +178,10 @@ class Compose4D(Parallel4D, Strategy):
     _MUON = ("--tp", "2", *MUON_PLANT)
     _MOE = ("--model", "tiny-moe", "--ep", "2", "--pp", "2", "--dtype", "float32", "--clip", "0.5")
     plants = {
+        "fp8-amax-per-rank": Plant(
+            "--fp8: each rank casts its shards and tokens with its own part's amax, not the "
+            "whole tensor's (over tp's split and dp x cp's tokens)",
+            ("--fp8", "tensorwise", "--dtype", "float64", "--tp", "2", "--dp", "2"), world=4),
         "expert-grads-over-dpcp": Plant(
             "the experts' gradients reduced (and sharded) over dp x cp, like the dense ones, "
             "instead of over the ranks that hold the same experts: other experts' gradients "
@@ -207,6 +232,8 @@ class Compose4D(Parallel4D, Strategy):
 
     def __init__(self, model, args, env):
         super().__init__(model, args, env)
+        if getattr(args, "fp8", None):   # the tokens are split over dp x cp (rows, zig-zag)
+            fp8.scope(model, tokens=[self.groups["dpcp"]])
         self.print_coordinates()
 
     def print_coordinates(self):

@@ -227,7 +227,13 @@ HEAVY = {key: Runs(script, world, tier="heavy", runs={"fp8": list(args)})
                                              *F64]),
              ("sp.py ulysses", "sp.py", 2, ["--variant", "ulysses", "--fp8", "rowwise", *F64]),
              ("cp_ring.py", "cp_ring.py", 2, ["--fp8", "rowwise", *F64]),
-             ("ep_moe.py", "ep_moe.py", 2, ["--fp8", "tensorwise", *F64])]}
+             ("ep_moe.py", "ep_moe.py", 2, ["--fp8", "tensorwise", *F64]),
+             ("compose4d.py tp pp", "compose4d.py", 4, ["--fp8", "tensorwise", "--tp", "2",
+                                                        "--pp", "2", *F64]),
+             ("compose4d.py dp tp", "compose4d.py", 4, ["--fp8", "rowwise", "--tp", "2", "--dp",
+                                                        "2", "--grad-accum", "2", *F64]),
+             ("compose4d.py sp cp", "compose4d.py", 4, ["--fp8", "tensorwise", "--tp", "2",
+                                                        "--sp", "--cp", "2", *F64])]}
 
 
 # FSDP's FP8 all-gather (--fp8-all-gather, fp8.gather_in_fp8): each shard cast with the whole
@@ -344,6 +350,17 @@ def test_the_fp8_results_file_holds_what_the_docs_quote():
     assert len(d["runs"]) == 4 * len(d["seeds"]) >= 12
 
 
+# fp8.py's own command: DDP in FP8 (--fp8 tensorwise unless another is given)
+OWN = Runs("fp8.py", 2, tier="slow", runs={"own": [*F64]})
+
+
+@pytest.mark.slow
+def test_fp8_py_runs_ddp_in_fp8(runs):
+    r = runs(OWN, "own")
+    exact(r)
+    assert "fp8-ddp W=2 float64" in r.last_line, r.last_line
+
+
 # Micro-batches (--grad-accum under DDP, ZeRO and FSDP; a pipeline's): each is cast with its own
 # amaxes, so the reference runs the same row sets one by one (Strategy.fp8_micro_rows).
 PP2 = Runs("pp.py", 2, tier="slow", runs={"fp8": ["--fp8", "tensorwise", *F64]})
@@ -411,7 +428,8 @@ def test_fp8_under_more_layouts(runs, key):
     micro-batches), a zero-bubble pipeline (its split backward in FP8 too), DDP at an
     uneven W=3, a bf16 run (within bf16 and FP8's noise against the float64 FP8 target), TP's
     blockwise (128-wide shards: tiles whole on each rank), Megatron SP (tp.py's layers), and
-    Ulysses, CP's zig-zag and EP's dense layers (whole linears, split tokens: DDP's scopes)."""
+    Ulysses, CP's zig-zag and EP's dense layers (whole linears, split tokens: DDP's scopes), and
+    compose4d at W=4 (tp x pp, dp x tp with two micro-batches, tp+sp x cp)."""
     batch = HEAVY[key]
     r = runs(batch, next(iter(batch.runs)))
     if "bf16" in key:
@@ -424,7 +442,8 @@ def test_fp8_under_more_layouts(runs, key):
     ("ddp.py", 3, ["--fp8", "rowwise", "--batch", "6"], "--fp8 rowwise at W=3: its power-of-2"),
     ("zero.py", 3, ["--fp8", "blockwise", "--batch", "6", "--length", "32"],
      "--fp8 blockwise: a rank's 64 tokens per step are not a multiple of 128"),
-    ("compose4d.py", 2, ["--fp8", "tensorwise"], "--fp8: 4d does not train in FP8 yet"),
+    ("compose4d.py", 2, ["--fp8", "blockwise", "--model", "configs/tiny-fp8.json"],
+     "--fp8 under compose4d: blockwise is not built yet"),
     ("pp.py", 2, ["--fp8", "blockwise", "--model", "configs/tiny-fp8.json", "--batch", "8",
                   "--microbatches", "4", "--length", "32"],
      "--fp8 blockwise: a micro-batch's 64 tokens are not a multiple of 128"),
