@@ -25,6 +25,9 @@ OUT/gpu_check.log. The exit code is 0 only if every section that ran passed.
           prediction for this card, a few each, against the prediction.
   cp      scripts/gpu_cp_kernels.py at C = 2, 4, 8: ring attention's block loop against one
           fused call on the whole sequence.
+  fp8     the reference step on llama3.2-1b in bf16 and with each FP8 recipe (fp8.convert:
+          tensorwise and rowwise through torch._scaled_mm, blockwise emulated in fp32),
+          tokens/s and the loss after the timed steps side by side.
 
 One GPU means world size 1: these prove the device paths, the bf16 numerics, host-sync freedom
 and single-GPU speed and memory; the multi-rank semantics are proven on CPU.
@@ -52,7 +55,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 SECTIONS = [  # (name, nominal seconds at --budget-s 330, minimum seconds to start it)
-    ("device", 130, 40), ("speed", 80, 30), ("memory", 90, 30), ("cp", 30, 15)]
+    ("device", 130, 40), ("speed", 80, 30), ("memory", 90, 30), ("cp", 30, 15), ("fp8", 40, 20)]
 NOMINAL = sum(s for _, s, _ in SECTIONS)
 GQA = ["--model", "configs/tiny-gqa8.json"]
 STRATEGIES = [  # (label, module, adapter class, extra arguments): the issue's order first
@@ -335,16 +338,32 @@ def top_kernels(fn, device, n=12):
     return [(e.key[:100], round(key(e) / tot, 4)) for e in sorted(ev, key=key, reverse=True)[:n]]
 
 
+def reference_run(a, model: str, S: int, B: int):
+    """(args, config, env, run, batch): compose4d's parser and run at W=1, bf16, SDPA, for the
+    reference step's sections (speed, fp8)."""
+    from harness import cli
+    from harness.launch import base_parser, launch, resolve_defaults
+    from harness.run import Run
+    from harness.data import MarkovLanguage
+    import rig.compose4d
+    C4 = rig.compose4d.Compose4D
+    parser = base_parser("compose4d.py", C4.modes, C4.plants)
+    C4.add_args(parser)
+    argv = ["--model", model, "--dtype", "bfloat16", "--attn", "sdpa", "--batch", str(B),
+            "--length", str(S), "--device", a.device, "--mode", "benchmark"]
+    args = resolve_defaults(parser.parse_args(argv), "benchmark", a.device, 1)
+    config, _ = cli._validate(C4, args, 1, 0)
+    env = launch(args)
+    run = Run(args, env, config, MarkovLanguage(config.vocab_size, 0, 4))
+    return args, config, env, run, run.batch(0)
+
+
 def speed_section(a, rec: Recorder) -> bool:
     import torch
-    from harness import cli
     from harness.flops import mfu, model_flops
-    from harness.launch import base_parser, launch, resolve_defaults
     from harness.loss import chunked_loss_sum
-    from harness.models import load_config
-    from harness.run import Run, make_pair
+    from harness.run import make_pair
     from harness.strategy import Reference
-    from harness.data import MarkovLanguage
     from harness import dropout
     import rig.compose4d
     model = "tiny" if a.smoke else "llama3.2-1b"
@@ -352,16 +371,7 @@ def speed_section(a, rec: Recorder) -> bool:
     chunk = 64 if a.smoke else 4096
     warm, iters = (1, 2) if a.smoke else (2, 5)
     dev = torch.device(a.device)
-    C4 = rig.compose4d.Compose4D
-    parser = base_parser("compose4d.py", C4.modes, C4.plants)
-    rig.compose4d.Compose4D.add_args(parser)
-    argv = ["--model", model, "--dtype", "bfloat16", "--attn", "sdpa", "--batch", str(B),
-            "--length", str(S), "--device", a.device, "--mode", "benchmark"]
-    args = resolve_defaults(parser.parse_args(argv), "benchmark", a.device, 1)
-    config, _ = cli._validate(rig.compose4d.Compose4D, args, 1, 0)
-    env = launch(args)
-    run = Run(args, env, config, MarkovLanguage(config.vocab_size, 0, 4))
-    batch = run.batch(0)
+    args, config, env, run, batch = reference_run(a, model, S, B)
     tokens = B * S
     flops = model_flops(config, tokens, S)
 
@@ -420,6 +430,45 @@ def speed_section(a, rec: Recorder) -> bool:
     else:
         rec.add(dict(run="compose4d W=1", skipped="the section's budget"))
     return ok and bool(refs)
+
+
+def fp8_section(a, rec: Recorder) -> bool:
+    """The reference step in bf16 and with each FP8 recipe, from the same weights and batch:
+    tokens/s, the speed-up over bf16 and the loss after the warm-up and timed steps (each
+    recipe's within 0.5 nats of bf16's, and finite, or the row fails)."""
+    import torch
+    import fp8
+    from harness.models import build_model
+    from harness.strategy import Reference
+    model = (os.path.join(ROOT, "configs", "tiny-fp8.json") if a.smoke   # (128-wide: blockwise)
+             else "llama3.2-1b")
+    S, B = (128, 2) if a.smoke else (2048, 4)
+    warm, iters = (1, 2) if a.smoke else (2, 5)
+    args, config, env, run, batch = reference_run(a, model, S, B)
+    ok, base = True, None
+    for recipe in (None, "tensorwise", "rowwise", "blockwise"):
+        name = recipe or "bf16"
+        if rec.left() < 10:
+            rec.add(dict(run=name, skipped="the section's budget"))
+            continue
+        free(a.device)
+        m = build_model(args, config, torch.device(a.device))
+        converted = fp8.convert(m, recipe) if recipe else []
+        ref, losses = Reference(m, args, env), []
+        t = cuda_timed(lambda: losses.append(ref.step(batch)), warm, iters, a.device)
+        r = dict(run=name, model=model, batch=B, length=S, step_s=t, tokens_per_s=B * S / t,
+                 converted=len(converted), loss_first=losses[0], loss_last=losses[-1],
+                 over_bf16=None if base is None else base["step_s"] / t)
+        r["ok"] = all(x == x for x in losses) and (
+            base is None or abs(r["loss_last"] - base["loss_last"]) < 0.5)
+        base = base or r
+        print(f"--- fp8 {name}: step {t * 1e3:.1f} ms, {r['tokens_per_s']:,.0f} tokens/s"
+              + (f", {r['over_bf16']:.2f}x bf16's" if r["over_bf16"] else "")
+              + f", loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}", flush=True)
+        rec.add(r)
+        ok &= r["ok"]
+        del ref, m
+    return ok and base is not None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -525,7 +574,7 @@ def worker(a) -> int:
     rec.doc["budget_s"] = round(a.deadline - time.time(), 1)
     rec.write()
     fn = dict(device=device_section, speed=speed_section, memory=memory_section,
-              cp=cp_section)[a.worker]
+              cp=cp_section, fp8=fp8_section)[a.worker]
     return rec.finish(fn(a, rec))
 
 

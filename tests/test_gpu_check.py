@@ -59,7 +59,8 @@ def test_smoke_every_section(tmp_path):
     p = _run(tmp_path, "--budget-s", "300")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     files = sorted(os.listdir(tmp_path))
-    assert files == ["cp.json", "device.json", "gpu_check.log", "memory.json", "speed.json"]
+    assert files == ["cp.json", "device.json", "fp8.json", "gpu_check.log", "memory.json",
+                     "speed.json"]
     docs = {f[:-5]: json.load(open(tmp_path / f)) for f in files if f.endswith(".json")}
     for name, d in docs.items():
         assert d["ok"] is True and d["rc"] == 0 and d["torch"] and d["device"], (name, d)
@@ -75,6 +76,10 @@ def test_smoke_every_section(tmp_path):
     assert trials and trials[0]["length"] == docs["memory"]["strategies"]["tp"]["predicted_max"]
     assert {t["kind"] for t in trials} <= {"OK", "OOM"}
     assert docs["cp"]["rows"] and all(r["accurate"] for r in docs["cp"]["rows"] if r["C"] > 1)
+    fp8_rows = docs["fp8"]["items"]                      # bf16, then each recipe beside it
+    assert [r["run"] for r in fp8_rows] == ["bf16", "tensorwise", "rowwise", "blockwise"]
+    assert all(r["ok"] for r in fp8_rows) and fp8_rows[0]["converted"] == 0
+    assert all(r["converted"] > 0 and r["over_bf16"] for r in fp8_rows[1:]), fp8_rows
 
 
 def test_failures_are_loud(tmp_path):
