@@ -351,15 +351,20 @@ class GatherFP8:
         if dtype == torch.float16:
             raise ValueError("fp8: the FP8 all-gather dequantises into param_dtype, and "
                              "float16's range cannot hold every q / s: bfloat16 or float32")
-        a = self.amax.to(dtype)
-        q, _ = quantize(rows.to(dtype).view(1, -1), E4M3, "tensor",
-                        amax=a if a.dtype == torch.float64 else a.float())
+        q, _ = quantize(rows.to(dtype).view(1, -1), E4M3, "tensor", amax=self.amax_in(dtype))
         return q.view(-1)
 
     def dequantize(self, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """q [n] e4m3 -> out [n] in its dtype, q / s, in place (no fp32 temporary)."""
-        a = self.amax.to(out.dtype)
+        """q [n] e4m3 -> out [n] in its dtype, q / s with quantize's s, in place (no fp32
+        temporary)."""
+        a = self.amax_in(out.dtype)
         return out.copy_(q).mul_(scale_of(a, E4M3, a.dtype).reciprocal())
+
+    def amax_in(self, dtype) -> torch.Tensor:
+        """The amax of the weight rounded to `dtype`, in the precision quantize casts with
+        (float64's own, else float32: tensor_amax's rule)."""
+        a = self.amax.to(dtype)
+        return a if a.dtype == torch.float64 else a.float()
 
 
 def precompute_scales(model: nn.Module, *_) -> None:

@@ -225,10 +225,9 @@ class FSDPUnit:
             # autograd saved the full parameters in the forward: refilling them is no change
             with torch.autograd._unsafe_preserve_version_counter(
                     tuple(p.unsharded for p in self.params)):
-                torch.split_with_sizes_copy(out.view(self.world, -1),      # [W, N b] -> bytes
-                                            [f.numel() // self.world * f.itemsize for f in fulls],
-                                            dim=1, out=[f.view(torch.uint8).view(self.world, -1)
-                                                        for f in fulls])
+                into = [f.view(torch.uint8).view(self.world, -1) for f in fulls]   # [W, c rest b]
+                torch.split_with_sizes_copy(out.view(self.world, -1), [v.shape[1] for v in into],
+                                            dim=1, out=into)                 # [W, N b] -> bytes
                 for p, f in zip(self.params, fulls):
                     if f is not p.full:   # in place: q, then q / s (the layer recasts it)
                         p.cast.dequantize(f, out=p.full)

@@ -58,7 +58,8 @@ def _validate(cls, args, world: int, rank: int):
         errs.append(f"--doc-mask: {cls.name} does not mask packed documents yet (ddp, zero, "
                     f"fsdp, tp, sp, pp, cp, ep, compose4d do)")
     if getattr(args, "fp8", None) and cls.convert_fp8 is None:
-        errs.append(f"--fp8: {cls.name} does not train in FP8 yet (ddp, zero, fsdp, tp, sp, pp, cp, ep, compose4d do)")
+        errs.append(f"--fp8: {cls.name} does not train in FP8 yet (ddp, zero, fsdp, tp, sp, "
+                    f"pp, cp, ep, compose4d do)")
     bench = args.mode == "benchmark" and cls.fp8_benchmark and args.fp8 == "tensorwise"
     if getattr(args, "fp8", None) and (args.mode not in ("correctness", "learning", "plants")
                                        and not bench or getattr(args, "compare_native", False)

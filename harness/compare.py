@@ -16,7 +16,7 @@ from .loss import IGNORE_INDEX
 from .models import build_model
 from .oracle import OracleAdamW
 from .run import Run
-from .strategy import Reference, Strategy, full_tensor, reference_class
+from .strategy import Reference, Strategy, full_tensor, make_reference
 
 
 # Verdicts: an error is judged against the measured numerical noise of the same computation
@@ -419,10 +419,7 @@ def reference_in(run: Run, cls, dtype: str, prepare=None):
     if getattr(a, "fp8", None):   # (the strategy's FP8 layers, on one device)
         cls.convert_fp8(model, a.fp8)
     a.reference_optimizer = OracleAdamW   # (harness.Reference builds it)
-    ref = reference_class(cls)(model, a, run.env)
-    if getattr(a, "fp8", None) and cls.fp8_micro_rows:   # (the strategy's micro-batches)
-        ref.micro_rows = cls.fp8_micro_rows(a, run.env.world)
-    return ref
+    return make_reference(cls, model, a, run.env)
 
 
 @dataclass

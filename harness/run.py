@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .data import Batch, MarkovLanguage, make_batch, pad_id
 from .meter import METER
 from .models import build_model
-from .strategy import reference_class
+from .strategy import make_reference
 
 
 @dataclass
@@ -71,9 +71,7 @@ def make_pair(run: Run, cls, perturb: bool, with_ref: bool):
     local = copy.deepcopy(ref_model) if keep_ref else ref_model
     if perturb and cls.syncs_initial_params and run.env.rank != 0:
         local = perturbed(local, 1000 + run.env.rank, copy_first=False)
-    ref = reference_class(cls)(ref_model, run.args, run.env) if keep_ref else None
-    if ref is not None and getattr(run.args, "fp8", None) and cls.fp8_micro_rows:
-        ref.micro_rows = cls.fp8_micro_rows(run.args, run.env.world)
+    ref = make_reference(cls, ref_model, run.args, run.env) if keep_ref else None
     del ref_model
     with METER.measuring():  # count the one-time set-up traffic (e.g. the initial broadcast)
         METER.reset()

@@ -219,6 +219,15 @@ def reference_class(cls):
     return getattr(cls, "reference", None) or Reference
 
 
+def make_reference(cls, model, args, env):
+    """cls's single-device reference on `model`; under --fp8 it runs the strategy's
+    micro-batches one by one (cls.fp8_micro_rows), each cast with its own amaxes."""
+    ref = reference_class(cls)(model, args, env)
+    if getattr(args, "fp8", None) and cls.fp8_micro_rows:
+        ref.micro_rows = cls.fp8_micro_rows(args, env.world)
+    return ref
+
+
 def natives(cls, args) -> list:
     n = cls.native
     if n is not None and not isinstance(n, (type, list, tuple)):

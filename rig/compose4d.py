@@ -142,8 +142,9 @@ def fp8_compose_constraints(args, T: int, config) -> list[str]:
     if not getattr(args, "fp8", None):
         return []
     if args.fp8 == "blockwise" or is_moe(config):
-        return [f"--fp8 under compose4d: {'blockwise' if args.fp8 == 'blockwise' else 'a MoE model'}"
-                f" is not built yet (tensorwise and rowwise on a dense model are)"]
+        what = "blockwise" if args.fp8 == "blockwise" else "a MoE model"
+        return [f"--fp8 under compose4d: {what} is not built yet (tensorwise and rowwise on a "
+                f"dense model are)"]
     return fp8_tp_constraints(args, T, config) if T > 1 else []
 
 

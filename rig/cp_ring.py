@@ -6,7 +6,8 @@ from harness import (DTYPES, Expect, METER, Plant, Strategy, attention_features,
 from harness.precision import grad_reduce_dtype
 from harness.timing import CallTimer
 from harness.cli import main as harness_main
-from rig.ddp import fp8_constraints, fp8_data_parallel, make_optimizer, token_sharded_step
+from rig.ddp import (fp8_constraints, fp8_data_parallel, fp8_tiles, make_optimizer,
+                     token_sharded_step)
 
 import cp_balance
 import ddp
@@ -45,10 +46,7 @@ def cp_constraints(args, world, config) -> list[str]:
         errs.append(f"--cp-balance greedy: sequence length {args.length} is not divisible by "
                     f"2 x cp x 4 = {8 * world} chunks")
     chunk = args.length // (parts * (4 if args.cp_balance != "none" else 1))
-    if getattr(args, "fp8", None) == "blockwise" and chunk % fp8.BLOCK:
-        errs.append(f"--fp8 blockwise under cp: a chunk of {chunk} positions is not a multiple "
-                    f"of {fp8.BLOCK} (the weight gradient's tiles along the tokens would not be "
-                    f"one device's)")
+    errs += fp8_tiles(args, "a cp chunk of {} positions is", chunk)
     return errs + fp8_constraints(args, world, 1)   # (linears whole, tokens split: DDP's)
 
 

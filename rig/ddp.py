@@ -45,10 +45,16 @@ def fp8_constraints(args, world: int, micro_batches: int, averaged: bool = True)
         return [f"--fp8 rowwise at W={world}: its power-of-2 scales cast a rank's gradient "
                 f"(W times one device's, before the average) on another grid unless W is a "
                 f"power of 2"]
-    if args.fp8 == "blockwise" and tokens % fp8.BLOCK:
-        return [f"--fp8 blockwise: a rank's {tokens} tokens per step are not a multiple of "
-                f"{fp8.BLOCK} (the weight gradient's 1 x {fp8.BLOCK} tiles along the tokens "
-                f"would straddle two ranks)"]
+    return fp8_tiles(args, "a rank's {} tokens per micro-batch are", tokens)
+
+
+def fp8_tiles(args, what: str, n: int) -> list[str]:
+    """--fp8 blockwise: the weight gradient's 1 x 128 tiles run along the tokens, so the n
+    tokens a rank (a micro-batch, a row's chunk) casts on its own must fill whole tiles, or its
+    tiles are not one device's. what: the refusal's subject, `{}` for n."""
+    if getattr(args, "fp8", None) == "blockwise" and n % fp8.BLOCK:
+        return [f"--fp8 blockwise: {what.format(n)} not a multiple of {fp8.BLOCK} (the weight "
+                f"gradient's 1 x {fp8.BLOCK} tiles along the tokens would not be one device's)"]
     return []
 
 

@@ -9,7 +9,7 @@ from harness.timeline import ascii_timeline, measured_bubble, plot_timeline
 from harness.timing import ActionTimeline
 from harness.cli import main as harness_main
 import fp8
-from rig.ddp import make_optimizer
+from rig.ddp import fp8_tiles, make_optimizer
 
 from pp import Pipeline, clip_across_stages
 from pp_schedule import (SCHEDULES, schedule_error, boundary_messages, bubble_formula, chunk_owner,
@@ -31,11 +31,8 @@ def pp_constraints(args, world, config) -> list[str]:
     err = schedule_error(args.schedule, P, M)
     if err:
         return [err]
-    tokens = args.batch // M * args.length   # a micro-batch's, every stage casting it whole
-    if getattr(args, "fp8", None) == "blockwise" and tokens % fp8.BLOCK:
-        return [f"--fp8 blockwise: a micro-batch's {tokens} tokens are not a multiple of "
-                f"{fp8.BLOCK} (the weight gradient's 1 x {fp8.BLOCK} tiles along the tokens)"]
-    return []
+    # (every stage casts a whole micro-batch)
+    return fp8_tiles(args, "a micro-batch's {} tokens are", args.batch // M * args.length)
 
 
 def pp_micro_rows(args, world: int) -> list[list[int]]:

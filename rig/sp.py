@@ -13,7 +13,8 @@ from sp import (ULYSSES_ALL_TO_ALLS, parallelize, parallelize_ulysses, region_co
                 set_documents, ulysses_bytes)
 
 import fp8
-from rig.ddp import fp8_constraints, fp8_data_parallel, make_optimizer, token_sharded_step
+from rig.ddp import (fp8_constraints, fp8_data_parallel, fp8_tiles, make_optimizer,
+                     token_sharded_step)
 from rig.tp import (PLANT_ARGS, tp_gather_rows, TP, norm_sharded_comm, partial_numel,
                     standalone_constraints)
 from tp import LOSS_ALL_REDUCES
@@ -193,11 +194,8 @@ def sp_constraints(args, world, config) -> list[str]:
     if h % world or kv % world:
         return [f"ulysses needs num_attention_heads ({h}) and num_key_value_heads ({kv}) "
                 f"divisible by the sequence-parallel size {world}"]
-    if getattr(args, "fp8", None) == "blockwise" and (args.length // world) % fp8.BLOCK:
-        return [f"--fp8 blockwise under ulysses: a rank's {args.length // world} positions of "
-                f"each row are not a multiple of {fp8.BLOCK} (the weight gradient's tiles along "
-                f"the tokens would not be one device's)"]
-    return fp8_constraints(args, world, 1)   # (its linears whole, its tokens split: as DDP's)
+    return (fp8_tiles(args, "ulysses: a rank's {} positions of each row are", args.length // world)
+            or fp8_constraints(args, world, 1))   # (its linears whole, its tokens split: as DDP's)
 
 
 class SyncMegatronSP(MegatronSP):

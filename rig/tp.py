@@ -15,7 +15,7 @@ from tp import classify
 from tp_plan import head_dims, meta_model
 import fp8
 import muon
-from rig.ddp import MUON_PLANT, make_optimizer
+from rig.ddp import MUON_PLANT, fp8_tiles, make_optimizer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -55,10 +55,7 @@ def fp8_tp_constraints(args, world, config) -> list[str]:
                 return [f"--fp8 {args.fp8} at T={world}: {name}'s shard has {local} "
                         f"{'input' if kind == 'row' else 'output'} features, not a multiple of "
                         f"the kernel's {tile}"]
-    tokens = args.batch * args.length   # (every tp rank holds every token)
-    if args.fp8 == "blockwise" and tokens % fp8.BLOCK:
-        return [f"--fp8 blockwise: {tokens} tokens per step are not a multiple of {fp8.BLOCK}"]
-    return []
+    return fp8_tiles(args, "the step's {} tokens (on every tp rank) are", args.batch * args.length)
 
 
 def standalone_constraints(args, world, config) -> list[str]:

@@ -441,7 +441,7 @@ def test_fp8_under_more_layouts(runs, key):
 @pytest.mark.parametrize("script,world,args,msg", [
     ("ddp.py", 3, ["--fp8", "rowwise", "--batch", "6"], "--fp8 rowwise at W=3: its power-of-2"),
     ("zero.py", 3, ["--fp8", "blockwise", "--batch", "6", "--length", "32"],
-     "--fp8 blockwise: a rank's 64 tokens per step are not a multiple of 128"),
+     "--fp8 blockwise: a rank's 64 tokens per micro-batch are not a multiple of 128"),
     ("compose4d.py", 2, ["--fp8", "blockwise", "--model", "configs/tiny-fp8.json"],
      "--fp8 under compose4d: blockwise is not built yet"),
     ("pp.py", 2, ["--fp8", "blockwise", "--model", "configs/tiny-fp8.json", "--batch", "8",
@@ -452,9 +452,9 @@ def test_fp8_under_more_layouts(runs, key):
      "--fp8 blockwise at T=2: model.layers.0.self_attn.q_proj's shard has 64 output features"),
     ("sp.py", 2, ["--fp8", "tensorwise", "--async-tp"], "--fp8 with --async-tp"),
     ("cp_ring.py", 2, ["--fp8", "blockwise", "--model", "configs/tiny-fp8.json"],
-     "--fp8 blockwise under cp: a chunk of 16 positions"),
+     "--fp8 blockwise: a cp chunk of 16 positions is not a multiple of 128"),
     ("sp.py", 2, ["--variant", "ulysses", "--fp8", "blockwise", "--model",
-                  "configs/tiny-fp8.json"], "--fp8 blockwise under ulysses"),
+                  "configs/tiny-fp8.json"], "--fp8 blockwise: ulysses: a rank's 32 positions of each row are not"),
     ("ddp.py", 2, ["--fp8", "tensorwise", "--compare-native"], "--fp8: --mode correctness,"),
 ])
 def test_a_layout_fp8_cannot_match_is_refused_in_one_line(script, world, args, msg):
