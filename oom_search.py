@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,8 +93,10 @@ def run_trial(strategy, nproc, length, batch, args) -> Outcome:
         cmd += ["--mem-budget-gb", str(args.mem_budget_gb)]
     if args.mem_fraction:
         cmd += ["--mem-fraction", str(args.mem_fraction)]
+    # (faulthandler: a worker killed by a signal prints its Python stack, which the crash's
+    # detail then names)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               PYTHONWARNINGS="ignore")
+               PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=HERE, start_new_session=True)
@@ -107,20 +110,32 @@ def run_trial(strategy, nproc, length, batch, args) -> Outcome:
 
 
 def classify(rc: int, out: str, err: str, seconds: float = 0.0) -> Outcome:
+    """A trial's outcome from its exit code and output. A trial that printed TRIAL OK measured
+    its peak on every rank (rank 0 gathered them): a worker that dies after that, in the group's
+    teardown or the interpreter's exit, leaves the measurement standing, and the detail says how
+    the process ended. A crash names torchrun's root cause (exit code or signal) and the worker's
+    first error line or, under faulthandler, the first frame of the fatal signal's stack."""
     text = out + err
+    lines = text.splitlines()
+    root = lines[max((i for i, l in enumerate(lines) if l.startswith("Root Cause")), default=0):]
+    exitcode = [l.strip() for l in root if l.strip().startswith(("exitcode", "traceback : Sig"))]
+    fatal = [l.strip() for l in lines if l.startswith("Fatal Python error")
+             or re.match(r'  File ".*", line \d+ in ', l)][:2]     # faulthandler's own format
+    ended = "; ".join(exitcode[:2] + fatal) or f"exit {rc}"
     for line in out.splitlines():
-        if line.startswith("TRIAL OK ") and rc == 0:
+        if line.startswith("TRIAL OK "):
             res = json.loads(line[len("TRIAL OK "):])
-            return Outcome("OK", res["peak"], seconds, res.get("source", ""))
-    oom = [l for l in text.splitlines() if "TRIAL OOM" in l]
+            note = "" if rc == 0 else f"; then exit {rc} after the measurement: {ended[:200]}"
+            return Outcome("OK", res["peak"], seconds, res.get("source", "") + note)
+    oom = [l for l in lines if "TRIAL OOM" in l]
     if oom:
         return Outcome("OOM", None, seconds, oom[0][oom[0].index("TRIAL OOM"):][:160])
-    errors = [l for l in text.splitlines() if l.startswith("error:")]
+    errors = [l for l in lines if l.startswith("error:")]
     if errors:
         return Outcome("invalid", None, seconds, errors[0])
-    last = [l for l in text.splitlines() if l.strip()][-1:] or [""]
-    why = [l.strip() for l in text.splitlines() if "Error" in l and "errors/__init__" not in l]
-    return Outcome("crash", None, seconds, f"exit {rc}: {last[0][:160]}"
+    why = [l.strip() for l in lines if re.search(r"\w(Error|Exception)\b.*: ", l)
+           and "ChildFailedError" not in l]
+    return Outcome("crash", None, seconds, f"exit {rc}: {ended[:200]}"
                    + (f" ({why[0][:200]})" if why else ""))
 
 
@@ -147,7 +162,8 @@ def search(trial, lo: int, hi: int | None, step: int, retries: int = 1,
             o = trial(x)
             res.trials.append((x, o))
             progress(f"  {x:>8}: {o.kind}" + (f" peak {o.peak / 2**20:,.1f} MiB" if o.peak else "")
-                     + (f" ({o.detail})" if o.kind != "OK" and o.detail else "")
+                     + (f" ({o.detail})" if o.detail and (o.kind != "OK" or "exit" in o.detail)
+                        else "")
                      + f"  [{o.seconds:.1f}s]")
             if o.kind not in ("crash", "timeout"):
                 break
