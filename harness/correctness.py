@@ -19,7 +19,7 @@ import copy
 import os
 from dataclasses import dataclass, field
 
-from .compare import (NOISE_MAX, Comparison, Judged, NoisePolicy, noise_sources,
+from .compare import (Comparison, Judged, NoisePolicy, noise_sources,
                       preclip_grads, reference_in)
 from .loading import release_memory, rss_peak, rss_reset
 from .dropout import rates
@@ -43,6 +43,9 @@ def run_correctness(run: Run, cls) -> bool:
         with planting(None if c is not cls else args.plant_bug), loaded_once(run.env.is_main):
             ok &= _correctness_one(run, c)   # (PyTorch's own above: no plant)
     return ok
+
+
+NULL = contextlib.nullcontext()
 
 
 def _declared_for(plant: Plant, cls, args) -> bool:
@@ -134,7 +137,7 @@ def _correctness_one(run: Run, cls) -> bool:
     args, env = run.args, run.env
     start = gather_objects(rss_reset())   # the peak counts from here
     rank0_group(args.timeout)   # (made by every rank before rank 0 goes off alone)
-    policy = NoisePolicy(args.dtype, k=args.tol_k)
+    policy = NoisePolicy(args.dtype, k=args.tol_k, fp8=bool(getattr(args, "fp8", None)))
     target = _target(run, cls, policy) if env.is_main else None
     release_memory()   # the reference model rank 0 freed
     wait_for_rank0(args.timeout)   # the others wait while rank 0 runs the target
@@ -147,9 +150,11 @@ def _correctness_one(run: Run, cls) -> bool:
               f"{' dropout=%s' % rates(run.config) if rates(run.config) else ''}"
               f"{' PLANTED BUG: ' + args.plant_bug if args.plant_bug else ''}")
     watch = HostSyncs(env.device) if args.host_syncs else None
+    amaxes = (cls.fp8_amax_log() if getattr(args, "fp8", None) == "tensorwise"
+              and cls.fp8_amax_log else None)
     for s in range(args.steps):
         batch = run.batch(s)
-        with watch.region() if watch else contextlib.nullcontext():
+        with watch.region() if watch else contextlib.nullcontext(), amaxes or NULL:
             loss = strat.step(batch)
         # (read on every rank: a DTensor baseline's norm may be a collective to read)
         norm = float(full_tensor(strat.grad_norm)) if args.clip else None
@@ -170,7 +175,8 @@ def _correctness_one(run: Run, cls) -> bool:
             run.print(f"  step {s}: loss {loss:.12f}  float64 reference {t.loss:.12f}  rel err "
                       f"{abs(loss - t.loss) / abs(t.loss):.2e}")
         del grads, params
-    extra = strat.extra_checks() + ([host_sync_check(watch)] if watch else [])
+    extra = (strat.extra_checks() + ([host_sync_check(watch)] if watch else [])
+             + ([amaxes.check()] if amaxes else []))
     name = strat.name
     del strat
     release_memory()
@@ -293,7 +299,7 @@ def _report_correctness(run, name, cmp: Comparison, extra, memory: dict) -> bool
     if cmp.implausible:
         label, worst_noise = max(cmp.implausible.items(), key=lambda x: x[1])
         problems.append(f"a noise sample that is not noise: {len(cmp.implausible)} tensors' "
-                        f"(first: {label} {worst_noise:.2f}) > {NOISE_MAX} of the tensor's own "
+                        f"(first: {label} {worst_noise:.2f}) > {cmp.policy.noise_max} of the tensor's own "
                         f"scale; a noise source is broken, its tolerance would accept anything")
     if cmp.extra:
         problems.append(f"unexpected tensors {cmp.extra[:3]}")

@@ -74,6 +74,10 @@ class Strategy:
     # --fp8 with micro-batches: (args, world) -> the global batch's rows of each micro-batch the
     # strategy casts with its own amaxes (None: one), which the reference then runs one by one
     fp8_micro_rows = None
+    # --fp8 tensorwise, correctness: a context manager recording every amax this rank's casts
+    # use in the strategy's steps; its check() (a collective) says whether they are the same on
+    # every rank (rig/fp8.py's AmaxLog; None where ranks run different layers: pp, compose4d)
+    fp8_amax_log = None
     self_check = None     # ("what", build(model, args) -> fn(ids) -> logits): selfcheck.py
 
     @staticmethod

@@ -6,8 +6,8 @@ from harness import (DTYPES, Expect, METER, Plant, Strategy, attention_features,
 from harness.precision import grad_reduce_dtype
 from harness.timing import CallTimer
 from harness.cli import main as harness_main
-from rig.ddp import (fp8_constraints, fp8_data_parallel, fp8_tiles, make_optimizer,
-                     token_sharded_step)
+from rig.ddp import (AmaxLog, fp8_constraints, fp8_data_parallel, fp8_tiles,
+                     make_optimizer, token_sharded_step)
 
 import cp_balance
 import ddp
@@ -66,6 +66,7 @@ PLANT_ARGS = ("--dtype", "float32", "--clip", "0.5")
 
 class CP(Strategy):
     convert_fp8 = staticmethod(fp8.convert)   # (the ring's attention itself stays in bf16)
+    fp8_amax_log = AmaxLog   # every rank runs every FP8 linear: its amaxes, bit for bit
     optimizers = ("adamw", "muon")   # muon.py: replicated weights, NS duplicated
     lora = True
     doc_mask = True   # (each block pair its documents' mask: cp_ring.set_documents; torch kernel)

@@ -10,6 +10,7 @@ from harness import (Batch, Expect, Plant, Strategy, dropout, global_loss, lm_lo
 from harness.precision import LOW_PRECISION, grad_reduce_dtype, muon_kwargs
 from harness.reduce_probe import ReductionProbe
 from harness.cli import main as harness_main
+from harness.run import gather_objects
 
 from ddp import DataParallel, NaiveDataParallel, forward_backward
 import fp8
@@ -56,6 +57,49 @@ def fp8_tiles(args, what: str, n: int) -> list[str]:
         return [f"--fp8 blockwise: {what.format(n)} not a multiple of {fp8.BLOCK} (the weight "
                 f"gradient's 1 x {fp8.BLOCK} tiles along the tokens would not be one device's)"]
     return []
+
+
+class AmaxLog:
+    """--fp8 tensorwise, the correctness mode's check of the scales themselves (every strategy
+    whose ranks all run every FP8 linear: data, tensor, sequence, context and expert parallel):
+    every amax a rank's casts used during the strategy's steps (fp8.global_amax's results, in
+    call order), gathered after them, must be the same on every rank bit for bit: each rank holds
+    a part of the tensor and casts it with the whole tensor's scale. Exact in any dtype, so it
+    holds in bf16, where the tensors themselves are compared only within FP8's own noise (a bf16
+    rounding that moves a value across an FP8 rounding boundary moves it by 1/8 in e4m3, 1/4 in
+    e5m2: one device's bf16 FP8 gradients land up to ~0.3 of a tensor's scale from the float64
+    FP8 target), which a per-rank scale hides in."""
+
+    def __init__(self):
+        self.amaxes = []
+
+    def __enter__(self):
+        self._global = fp8.global_amax
+
+        def recording(a, over):
+            out = self._global(a, over)
+            self.amaxes.append(out.detach().double().reshape(-1).clone())
+            return out
+        fp8.global_amax = recording   # (fp8's own calls read the module's global)
+        return self
+
+    def __exit__(self, *exc):
+        fp8.global_amax = self._global
+
+    def check(self) -> tuple[str, bool, str]:
+        mine = torch.cat(self.amaxes).cpu() if self.amaxes else torch.zeros(0).double()
+        ranks = gather_objects(mine)
+        differ = [r for r, t in enumerate(ranks)
+                  if t.shape != ranks[0].shape or not torch.equal(t, ranks[0])]
+        n = ranks[0].numel()
+        worst = max((float(((t - ranks[0]).abs() / ranks[0].clamp(min=1e-30)).max())
+                     for t in ranks if t.shape == ranks[0].shape and t.numel()), default=0.0)
+        ok = n > 0 and not differ
+        return ("fp8 scales whole on every rank", ok,
+                f"{n} amaxes per rank over the steps, " + (
+                    "bit-identical on every rank" if ok else
+                    f"ranks {differ} differ from rank 0 (largest relative difference {worst:.2e})"
+                    if n else "none recorded"))
 
 
 def data_parallel_micro_rows(args, world: int) -> list[list[int]] | None:
@@ -114,6 +158,7 @@ class DDP(Strategy):
     doc_mask = True
     convert_fp8 = staticmethod(fp8.convert)
     fp8_micro_rows = staticmethod(data_parallel_micro_rows)   # (--grad-accum K)
+    fp8_amax_log = AmaxLog
     name = "ddp"
     optimizers = ("adamw", "muon")   # muon.py: rig/muon.py builds it
     lora = True

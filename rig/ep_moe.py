@@ -8,7 +8,7 @@ from harness.precision import grad_reduce_dtype
 from harness.routing import RoutingStats, drop_over_capacity, hf_moe_objective
 from harness.cli import main as harness_main
 import fp8
-from rig.ddp import fp8_constraints, fp8_data_parallel, make_optimizer
+from rig.ddp import AmaxLog, fp8_constraints, fp8_data_parallel, make_optimizer
 
 from ddp import DataParallel
 from ep_moe import (COUNT_ALL_TO_ALLS, TOKEN_ALL_TO_ALLS, LocalExperts, ReferenceMoE,
@@ -112,6 +112,7 @@ class ExpertParallel(Strategy):
     optimizers = ("adamw", "muon")   # muon.py: dense matrices replicated; expert stacks take AdamW
     name = "ep"
     convert_fp8 = staticmethod(fp8.convert)   # the dense linears; expert stacks stay
+    fp8_amax_log = AmaxLog   # every rank runs every FP8 linear: its amaxes, bit for bit
     doc_mask = True   # (HF's forward: its packed-sequence mask from the documents' positions)
     reference = MoEReference
     # Top-k routing is discontinuous: in float32, rounding differences between the layouts flip

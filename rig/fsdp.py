@@ -16,8 +16,8 @@ from trainer4d.comm import owner_comm
 from fsdp import MixedPrecisionPolicy, collectives_per_unit, fully_shard, hsdp_groups
 from fsdp_state import clip_grad_norm_, full_tensors, units
 
-from rig.ddp import (DDP, MUON_PLANT, batch_constraints, data_parallel_micro_rows,
-                     fp8_data_parallel)
+from rig.ddp import (AmaxLog, DDP, MUON_PLANT, batch_constraints,
+                     data_parallel_micro_rows, fp8_data_parallel)
 from rig.zero import TorchFSDP2
 
 
@@ -57,6 +57,7 @@ class FSDP(Strategy):
     model.parameters(): the loop a user writes. In bf16 runs the shards are fp32 masters (the
     reference's, exactly) under MixedPrecisionPolicy(bf16, the run's reduce dtype)."""
     convert_fp8 = staticmethod(fp8.convert)
+    fp8_amax_log = AmaxLog   # every rank runs every FP8 linear: its amaxes, bit for bit
     fp8_micro_rows = staticmethod(data_parallel_micro_rows)   # (--grad-accum K)
     fp8_benchmark = True   # its formulas count the amax all-reduces and the FP8 all-gather
     name = "fsdp"

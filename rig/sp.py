@@ -13,8 +13,8 @@ from sp import (ULYSSES_ALL_TO_ALLS, parallelize, parallelize_ulysses, region_co
                 set_documents, ulysses_bytes)
 
 import fp8
-from rig.ddp import (fp8_constraints, fp8_data_parallel, fp8_tiles, make_optimizer,
-                     token_sharded_step)
+from rig.ddp import (AmaxLog, fp8_constraints, fp8_data_parallel, fp8_tiles,
+                     make_optimizer, token_sharded_step)
 from rig.tp import (PLANT_ARGS, tp_gather_rows, TP, norm_sharded_comm, partial_numel,
                     standalone_constraints)
 from tp import LOSS_ALL_REDUCES
@@ -213,6 +213,7 @@ class SP(Strategy):
     """Dispatches to the variant chosen by --variant (the harness builds one class)."""
     name = "sp"
     convert_fp8 = staticmethod(fp8.convert)   # megatron: fp8.carry; ulysses: fp8.scope
+    fp8_amax_log = AmaxLog   # every rank runs every FP8 linear: its amaxes, bit for bit
     optimizers = ("adamw", "muon")   # muon.py: rig/muon.py builds it
     lora = True
     doc_mask = True   # (megatron: HF's forward and mask; ulysses refuses, sp_constraints)

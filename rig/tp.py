@@ -15,7 +15,7 @@ from tp import classify
 from tp_plan import head_dims, meta_model
 import fp8
 import muon
-from rig.ddp import MUON_PLANT, fp8_tiles, make_optimizer
+from rig.ddp import AmaxLog, MUON_PLANT, fp8_tiles, make_optimizer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,6 +76,7 @@ LORA_PLANT = ("--lora", "4", "--dtype", "float32", "--clip", "0.5")
 class TP(Strategy):
     name = "tp"
     convert_fp8 = staticmethod(fp8.convert)   # fp8.carry keeps them in FP8 as TP splits them
+    fp8_amax_log = AmaxLog   # every rank runs every FP8 linear: its amaxes, bit for bit
     optimizers = ("adamw", "muon")   # muon.py: rig/muon.py builds it
     lora = True
     chunked_ce = True

@@ -13,8 +13,8 @@ import ddp
 from zero import Zero, ZeroOptimizer, collectives_per_unit
 from zero_units import backward_gathers, outside_units, reduce_scattered, state_bytes
 
-from rig.ddp import (MUON_PLANT, TorchDDP, batch_constraints, data_parallel_micro_rows,
-                     fp8_data_parallel)
+from rig.ddp import (AmaxLog, MUON_PLANT, TorchDDP, batch_constraints,
+                     data_parallel_micro_rows, fp8_data_parallel)
 
 
 def optimizer_on_shards(model, engine: Zero, args) -> ZeroOptimizer:
@@ -56,6 +56,7 @@ def muon_gather_flops(plan) -> int:
 
 class ZeRO(Strategy):
     convert_fp8 = staticmethod(fp8.convert)
+    fp8_amax_log = AmaxLog   # every rank runs every FP8 linear: its amaxes, bit for bit
     fp8_micro_rows = staticmethod(data_parallel_micro_rows)   # (--grad-accum K)
     name = "zero"
     optimizers = ("adamw", "muon")   # muon.py: optimizer_on_shards builds it

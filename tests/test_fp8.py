@@ -220,7 +220,11 @@ HEAVY = {key: Runs(script, world, tier="heavy", runs={"fp8": list(args)})
              ("zero.py", "zero.py", 2, ["--stage", "3", "--fp8", "tensorwise", *F64]),
              ("fsdp.py", "fsdp.py", 2, ["--fp8", "rowwise", "--grad-accum", "2", *F64]),
              ("pp.py zb", "pp.py", 2, ["--fp8", "rowwise", "--schedule", "zb", *F64]),
-             ("ddp.py bf16", "ddp.py", 2, ["--fp8", "tensorwise", "--dtype", "bfloat16"]),
+             ("ddp.py bf16", "ddp.py", 2, ["--fp8", "tensorwise", "--dtype", "bfloat16",
+                                          "--mode", "plants", "--plants",
+                                          "fp8-amax-per-rank,no-average"]),
+             ("tp.py bf16 learning", "tp.py", 2, ["--fp8", "tensorwise", "--dtype", "bfloat16",
+                                                  "--mode", "learning"]),
              ("tp.py blockwise", "tp.py", 2, ["--fp8", "blockwise", "--model",
                                               "configs/tiny-fp8-tp.json", *F64]),
              ("sp.py megatron", "sp.py", 2, ["--variant", "megatron", "--fp8", "tensorwise",
@@ -426,14 +430,20 @@ def test_ddp_in_fp8_matches_one_device_in_fp8(runs, recipe):
 def test_fp8_under_more_layouts(runs, key):
     """ZeRO-3 and FSDP (the gathered weights: whole, their scales one device's; FSDP with two
     micro-batches), a zero-bubble pipeline (its split backward in FP8 too), DDP at an
-    uneven W=3, a bf16 run (within bf16 and FP8's noise against the float64 FP8 target), TP's
+    uneven W=3, a bf16 run (the tensors within bf16 and FP8's noise against the float64 FP8
+    target, the scales bit-identical on every rank: the plants fp8-amax-per-rank and
+    no-average FAIL) and tp's bf16 learning run, TP's
     blockwise (128-wide shards: tiles whole on each rank), Megatron SP (tp.py's layers), and
     Ulysses, CP's zig-zag and EP's dense layers (whole linears, split tokens: DDP's scopes), and
     compose4d at W=4 (tp x pp, dp x tp with two micro-batches, tp+sp x cp)."""
     batch = HEAVY[key]
     r = runs(batch, next(iter(batch.runs)))
-    if "bf16" in key:
-        assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    if key == "ddp.py bf16":   # the tensors within FP8's bf16 noise, the scales exactly
+        assert r.rc == 0 and r.last_line.startswith("PASS plants") and "2/2 planted" in r.stdout
+        assert ("check fp8 scales whole on every rank: ok (168 amaxes" in r.stdout
+                and "ranks [1] differ from rank 0" in r.stdout), r
+    elif "learning" in key:    # within LEARNING_TOL_FP8 (tp's first norms part by ~0.1)
+        assert r.rc == 0 and r.last_line.startswith("PASS tp W=2 bfloat16"), r
     else:
         exact(r)
 
