@@ -10,8 +10,6 @@ import gc
 import math
 import os
 import socket
-import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -19,7 +17,7 @@ import torch.distributed as dist
 from .compare import TOL_K
 from .meter import METER
 from .models import DTYPES, PRESETS
-from .run import Env
+from .run import Env, fail_config  # noqa: F401  (the package's name for it)
 from .strategy import HARNESS_PLANTS
 
 
@@ -260,14 +258,3 @@ def teardown(clean: bool = True):
                 dist.barrier()
         dist.destroy_process_group()
     gc.collect()
-
-
-def fail_config(msg: str, rank: int):
-    """One line from rank 0, exit code 2. Under torchrun the other ranks wait (up to 30 s) so
-    the launcher, which SIGTERMs every worker once one has exited, cannot kill rank 0 before it
-    has printed: rank 0's exit code 2 is then torchrun's "root cause"."""
-    if rank == 0:
-        print(f"error: {msg}", file=sys.stderr, flush=True)
-    elif "TORCHELASTIC_RUN_ID" in os.environ:
-        time.sleep(30)
-    sys.exit(2)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import os
+import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +16,7 @@ import torch.distributed as dist
 from .data import Batch, MarkovLanguage, make_batch, pad_id
 from .meter import METER
 from .models import build_model
+from .plants import planted
 from .strategy import make_reference
 
 
@@ -61,10 +65,54 @@ def perturbed(model, seed: int, copy_first: bool = True) -> torch.nn.Module:
     return m
 
 
+def fail_config(msg: str, rank: int):
+    """One line from rank 0, exit code 2. Under torchrun the other ranks wait (up to 30 s) so
+    the launcher, which SIGTERMs every worker once one has exited, cannot kill rank 0 before it
+    has printed: rank 0's exit code 2 is then torchrun's "root cause"."""
+    if rank == 0:
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(30)
+    sys.exit(2)
+
+
+def fingerprint(model) -> torch.Tensor:
+    """Each parameter's and floating buffer's sum and L2 norm, reduced in float64 on the model's
+    device: two random inits that differ anywhere differ here."""
+    f64 = torch.float64   # (reduced in float64, no float64 copy of a tensor)
+    ts = [t.detach() for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+    return torch.stack([x for t in ts for x in (t.sum(dtype=f64),
+                                                torch.linalg.vector_norm(t, dtype=f64))])
+
+
+def same_build(model, env):
+    """Every rank built the same weights, or the run ends here in one line (exit 2 on every
+    rank). A seeded random init is reproducible across ranks on the CPU; on a GPU it need not
+    be (each device's generator, a kernel's order), and only DDP broadcasts rank 0's weights:
+    every other strategy would cut its shards from different models without a word. One
+    all-gather of the fingerprints at set-up, none in a step."""
+    if planted("build-per-rank") and env.rank == 1:   # plant: rank 1's init drawn differently
+        with torch.no_grad():
+            next(model.parameters()).add_(1e-3)
+    mine = fingerprint(model)
+    every = [torch.empty_like(mine) for _ in range(env.world)]
+    with METER.paused():
+        dist.all_gather(every, mine)
+    differ = [r for r, f in enumerate(every) if not torch.equal(f, every[0])]
+    if differ:
+        dist.destroy_process_group()
+        fail_config(f"the model built on rank{'s' if len(differ) > 1 else ''} "
+                    f"{', '.join(map(str, differ))} differs from rank 0's (a random init that "
+                    f"is not reproducible across devices): load a checkpoint (--model DIR), or "
+                    f"build on the CPU and move it", env.rank)
+
+
 def make_pair(run: Run, cls, perturb: bool, with_ref: bool):
-    """(reference on rank 0 or None, strategy) from one reference build. A rank that keeps no
-    reference hands the build itself to the strategy (no second copy of the model)."""
+    """(reference on rank 0 or None, strategy) from one reference build, the same on every
+    rank (same_build). A rank that keeps no reference hands the build itself to the strategy
+    (no second copy of the model)."""
     ref_model = build_model(run.args, run.config, run.env.device)
+    same_build(ref_model, run.env)
     if getattr(run.args, "fp8", None):   # (both sides: the reference trains in FP8 too)
         cls.convert_fp8(ref_model, run.args.fp8)
     keep_ref = with_ref and run.env.is_main

@@ -48,6 +48,9 @@ HARNESS_PLANTS = {
                                       "its mask is drawn from the rank's generator, not keyed "
                                       "by the tokens' global coordinates",
                                       ("--model", "tiny-starcoder2", "--dropout", "0.1")),
+    # every strategy's set-up (run.same_build): the run must end in one line, exit 2
+    "build-per-rank": Plant("rank 1's model is built with other weights than rank 0's (a "
+                            "device's random init that is not reproducible across ranks)"),
     "master-no-copy": Plant("MasterAdamW.step does not copy the updated fp32 masters back into "
                             "the bf16 weights: the model never changes",
                             ("--dtype", "bfloat16")),

@@ -261,9 +261,18 @@ def device_section(a, rec: Recorder) -> bool:
     return ok
 
 
+def differ_from_checkpoint(exported: dict, saved: dict) -> list[str]:
+    """The names of the saved tensors (a checkpoint's parameters) the export lacks or holds
+    otherwise than the saved tensor rounded to the export's dtype."""
+    import torch
+    return [n for n, t in saved.items() if n not in exported
+            or not torch.equal(exported[n].cpu(), t.to(exported[n].dtype).cpu())]
+
+
 def train_items(a, rec, ip, tmp) -> bool:
     """compose4d's train mode: save every 10 steps, resume from the checkpoint to step 30 and
-    export to HF, reload the export on the device and evaluate it."""
+    export to HF, reload the export on the device, evaluate it and compare every tensor with
+    the trainer's final model (the step-30 checkpoint)."""
     from harness.hostsync import HostSyncs
     ck, hf = os.path.join(tmp, "ckpt"), os.path.join(tmp, "hf")
     base = ["--mode", "train", "--dtype", "bfloat16", "--model", "configs/tiny-tied.json",
@@ -283,17 +292,26 @@ def train_items(a, rec, ip, tmp) -> bool:
             return False
     import torch
     from transformers import AutoModelForCausalLM
+    from trainer4d.checkpoint import load_checkpoint
     t0 = time.time()
     try:
         m = AutoModelForCausalLM.from_pretrained(hf).to(a.device)
         x = torch.randint(0, m.config.vocab_size, (2, 32), device=a.device)
         with torch.no_grad():
             loss = m(input_ids=x, labels=x).loss.float().item()
-        good = loss == loss and 0 < loss < 2 * torch.log(torch.tensor(m.config.vocab_size)).item()
+        sane = loss == loss and 0 < loss < 2 * torch.log(torch.tensor(m.config.vocab_size)).item()
+        # the trainer's final model: its last checkpoint's parameters (fp32 masters under a
+        # bf16 run) in the export's dtype, tensor by tensor, bit for bit
+        meta, full = load_checkpoint(ck)
+        sd = m.state_dict()
+        differ = differ_from_checkpoint(sd, full["param"])
+        good = sane and meta["step"] == 30 and not differ
         rec.add(dict(label="hf-reload", ok=good, loss=loss, dtype=str(m.dtype),
-                     seconds=round(time.time() - t0, 1)))
+                     checkpoint_step=meta["step"], tensors=len(full["param"]),
+                     differ_from_checkpoint=differ[:5], seconds=round(time.time() - t0, 1)))
         print(f"--- hf-reload: {'PASS' if good else 'FAIL'} the export reloads on "
-              f"{a.device}, loss {loss:.3f} on random tokens", flush=True)
+              f"{a.device}, loss {loss:.3f} on random tokens; {len(full['param'])} tensors "
+              f"against the step-{meta['step']} checkpoint, {len(differ)} differ", flush=True)
     except Exception as e:              # noqa: BLE001
         good = False
         rec.add(dict(label="hf-reload", ok=False, error=f"{type(e).__name__}: {e}"[:300]))

@@ -68,6 +68,9 @@ def test_smoke_every_section(tmp_path):
     labels = [(i["label"], i.get("mode")) for i in dev["items"]]
     assert ("ddp", "correctness") in labels and ("zero3", "learning") in labels
     assert [lab for lab, _ in labels][-3:] == ["train-save", "train-resume", "hf-reload"]
+    reload = dev["items"][-1]      # the export is the trainer's final model, tensor by tensor
+    assert reload["checkpoint_step"] == 30 and reload["tensors"] > 0, reload
+    assert reload["differ_from_checkpoint"] == [], reload
     steps = [i["host_syncs"]["steps"] for i in dev["items"] if i.get("mode") == "correctness"]
     assert steps and all(s >= 2 for s in steps)        # the steps were watched
     assert dev["host_syncs_unexpected"] == 0, dev
@@ -89,3 +92,19 @@ def test_failures_are_loud(tmp_path):
     assert json.load(open(tmp_path / "device.json"))["ok"] is False
     p = _run(tmp_path, "--sections", "gpu")
     assert p.returncode == 2 and "'gpu' is not one of" in p.stderr
+
+
+def test_the_export_is_compared_with_the_checkpoint_bit_for_bit():
+    """differ_from_checkpoint: an fp32 master rounded to the export's bf16 matches; one bf16
+    ulp off, or a tensor missing, is named."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    saved = {"a": torch.randn(8, 4), "b": torch.randn(3)}
+    export = {n: t.bfloat16() for n, t in saved.items()}
+    assert gc.differ_from_checkpoint(export, saved) == []
+    export["a"] = export["a"].clone()
+    export["a"][0, 0] = torch.nextafter(export["a"][0, 0], torch.tensor(9.0, dtype=torch.bfloat16))
+    del export["b"]
+    assert gc.differ_from_checkpoint(export, saved) == ["a", "b"]

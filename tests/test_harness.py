@@ -614,3 +614,26 @@ def test_rounding_floor_skips_what_is_not_its_sum():
     with Spread(nn.ModuleList([pos, lin])) as s:
         lin(input=pos(mask)).sum().backward()
     assert s.floors(1.0) == {}
+
+
+def test_fingerprint_sees_any_differing_weight():
+    """run.fingerprint: one entry changed anywhere, in a parameter or a floating buffer, moves
+    it; the same weights give it bit for bit."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    fp = harness.run.fingerprint(m)
+    assert torch.equal(fp, harness.run.fingerprint(m)) and fp.dtype == torch.float64
+    for t in (m[0].weight, m[1].running_mean):
+        with torch.no_grad():
+            t.view(-1)[-1] += 1e-3
+        assert not torch.equal(fp, harness.run.fingerprint(m))
+        fp = harness.run.fingerprint(m)
+
+
+def test_a_model_built_differently_on_a_rank_ends_the_run_in_one_line():
+    """Every strategy's set-up all-gathers the build's fingerprints (run.same_build): the plant
+    build-per-rank (rank 1's weights moved, as a device's init that is not reproducible across
+    ranks) ends tp.py, which would otherwise cut its shards from two models, with one line."""
+    from conftest import assert_config_error, launch
+    r = launch("tp.py", 2, "--plant-bug", "build-per-rank")
+    assert_config_error(r, "the model built on rank 1 differs from rank 0's")

@@ -38,7 +38,7 @@ from harness import DTYPES, METER, Batch, Run, build_model, is_moe, loading
 from harness.flops import mfu
 from harness.loading import has_safetensors, meta_model
 from harness.recompute import apply_recompute, recompute_what
-from harness.run import gather_objects
+from harness.run import gather_objects, same_build
 from harness.trainlog import TrainLog, memory_now
 from harness import train_data
 
@@ -215,6 +215,7 @@ def build(run: Run, cls):
         load = strat.load_report["grow"]
     else:
         model, how = build_model(args, run.config, env.device), "built all"
+        same_build(model, env)
         load = None if before is None else loading.rss_peak() - before
         strat = cls(model, args, env)
     if args.recompute != "none":
