@@ -15,7 +15,18 @@ auto|sdpa|torch) and says which and why in one line.
 import torch
 import torch.nn.functional as F
 
-from cp_ring import TorchKernel, _acc_dtype, _expand, _reduce_rep
+from cp_ring import TorchKernel, _acc_dtype
+
+
+def _expand(x, n_rep):
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)   # (B, n_kv, ..) -> (B, n_h, ..)
+
+
+def _reduce_rep(x, n_rep):
+    if n_rep == 1:
+        return x
+    B, H, n, d = x.shape
+    return x.view(B, H // n_rep, n_rep, n, d).sum(2)   # (B, n_h, c, d) -> (B, n_kv, c, d)
 
 
 class SDPAKernel(TorchKernel):
@@ -34,6 +45,9 @@ class SDPAKernel(TorchKernel):
         else:
             self.op, self.name = "efficient", "sdpa-efficient"
         self._aux = None   # the last forward's non-varlen placeholders (cu_seqlens, rng state)
+
+    def operand_dtype(self, q):   # dO and O in the inputs' dtype, as the fused backward takes
+        return q.dtype
 
     @staticmethod
     def fused(rel, qr, kr):

@@ -16,8 +16,9 @@ Megatron-LM's and ring-flash-attention's (Zhu, 2024); Llama 3 (2024) all-gathers
     Layouts (--variant): zigzag (default) cuts the sequence into 2W chunks, rank r holding r and
     2W-1-r, so every rank has the same causal work; ring: contiguous (rank W-1 attends to all,
     rank 0 to its own block); allgather: zig-zag, K/V all-gathered per layer, dK/dV
-    reduce-scattered. GQA: only the kv heads travel. Shapes: s = S/W local tokens; a block is
-    q (B, n_h, c_q, d) against K/V (B, n_kv, c_k, d), c_q, c_k a chunk's length (s/2 zig-zag).
+    reduce-scattered. GQA: only the kv heads travel. Shapes: s = S/W local tokens in n chunks
+    of c (2 of s/2 zig-zag), laid out chunk-major once per pass, so that a block, q (B, n_h, c, d)
+    against K/V (B, n_kv, c, d), is contiguous views: its work is the kernel and the merge.
 
 Communication per layer (s = S/W local tokens, kv = H_kv * d, b bytes, batch B)
     ring/zigzag  forward: W-1 hops of K and V, each B*s*2kv*b; backward: W-1 hops of K, V, dK,
@@ -94,31 +95,17 @@ class CPContext:
 # ----------------------------------------------------------------------------------------------
 # Block kernels (pure torch; they return the log-sum-exp)
 # ----------------------------------------------------------------------------------------------
-def _expand(x, n_rep):
-    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)   # (B, n_kv, ..) -> (B, n_h, ..)
-
-
-def _reduce_rep(x, n_rep):
-    if n_rep == 1:
-        return x
-    B, H, n, d = x.shape
-    return x.view(B, H // n_rep, n_rep, n, d).sum(2)   # (B, n_h, c, d) -> (B, n_kv, c, d)
-
-
 def _group(x, n_rep):
     """(B, n_h, c, ...) -> (B, n_kv, n_rep * c, ...): each kv head's n_rep query heads as
     one block of rows, so that GQA is a matmul against the kv head itself (no repeated K/V)."""
-    if n_rep == 1:
-        return x
-    return x.reshape(x.shape[0], x.shape[1] // n_rep, n_rep * x.shape[2], *x.shape[3:])
+    return x if n_rep == 1 else x.reshape(x.shape[0], x.shape[1] // n_rep, n_rep * x.shape[2],
+                                          *x.shape[3:])
 
 
 def _ungroup(x, n_rep):
-    """The inverse of _group."""
-    if n_rep == 1:
-        return x
-    # (B, n_kv, n_rep * c, ...) -> (B, n_h, c, ...)
-    return x.reshape(x.shape[0], x.shape[1] * n_rep, x.shape[2] // n_rep, *x.shape[3:])
+    """The inverse of _group: (B, n_kv, n_rep * c, ...) -> (B, n_h, c, ...)."""
+    return x if n_rep == 1 else x.reshape(x.shape[0], x.shape[1] * n_rep, x.shape[2] // n_rep,
+                                          *x.shape[3:])
 
 
 def _scores(q, k, scale, rel, qr, kr, n_rep=1):
@@ -159,10 +146,11 @@ def merge(state, block):
         return block
     (acc, l, m), (acc_b, l_b, m_b) = state, block
     new_m = torch.maximum(m, m_b)
-    a, b = torch.exp(m - _finite(new_m)), torch.exp(m_b - _finite(new_m))
+    a, b = torch.exp(torch.stack([m, m_b]) - _finite(new_m))   # both factors in one pass
+    l = torch.addcmul(l * a, l_b, b)
     if planted("merge-no-rescale"):   # plant: the running output keeps its old max
-        return acc + acc_b * b[..., None], l * a + l_b * b, new_m
-    return acc * a[..., None] + acc_b * b[..., None], l * a + l_b * b, new_m
+        return torch.addcmul(acc, acc_b, b[..., None]), l, new_m
+    return torch.addcmul(acc * a[..., None], acc_b, b[..., None]), l, new_m
 
 
 def block_backward(q, k, v, do, lse, delta, scale, rel, qr, kr):
@@ -188,9 +176,13 @@ class TorchKernel:
         backward(q, k, v, do, out, lse, delta, scale, rel, qr, kr) -> (dq, dk, dv) of the
             block, from the final out, lse and delta = rowsum(dO * out) of the whole row
 
-    q is (B, n_h, c_q, d), k and v (B, n_kv, c_k, d): GQA by the kernel's own grouped heads (no
-    repeated K/V), dk and dv returned at the kv heads."""
+    q is (B, n_h, c_q, d), k and v (B, n_kv, c_k, d), each contiguous: GQA by the kernel's own
+    grouped heads (no repeated K/V), dk and dv returned at the kv heads; dO and O come in
+    operand_dtype(q)."""
     name = "torch"
+
+    def operand_dtype(self, q):   # the dtype its backward takes dO and O in
+        return _acc_dtype(q)
 
     def forward(self, q, k, v, scale, rel, qr, kr, acc_dtype):
         return block_forward(q.to(acc_dtype), k.to(acc_dtype), v.to(acc_dtype), scale, rel,
@@ -213,10 +205,10 @@ def _hop(tensors: list, cp: CPContext):
     its recv are posted together, so no ordering can deadlock). Returns (buffers, requests)."""
     def peer(r):
         return dist.get_global_rank(cp.group, r % cp.world) if cp.group else r % cp.world
-    recv = [torch.empty_like(t) for t in tensors]   # each (2, B, n_kv, s, d): K/V or dK/dV
+    recv = [torch.empty_like(t) for t in tensors]   # K/V blocks or their dK/dV
     ops = [dist.P2POp(dist.isend, t, peer(cp.rank + 1), cp.group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, t, peer(cp.rank - 1), cp.group) for t in recv]
-    return recv, dist.batch_isend_irecv(ops)       # (2, B, n_kv, s, d) each way
+    return recv, dist.batch_isend_irecv(ops)       # (n, 2, B, n_kv, c, d) each way
 
 
 def _wait(reqs):
@@ -238,56 +230,67 @@ def set_documents(cp, doc_positions):
     cp.blocks = {key: m if any_ else "skip" for (key, m), any_ in zip(cp.blocks.items(), seen)}
 
 
+def _blocks(x, n):
+    """(B, h, s, ...) -> (n, B, h, s/n, ...): n chunks, each contiguous, copied once."""
+    return x.unflatten(2, (n, -1)).movedim(2, 0).contiguous()
+
+
+def _unblocks(x):
+    """The inverse of _blocks: (n, B, h, c, ...) -> (B, h, n c, ...)."""
+    return x.movedim(0, 2).flatten(2, 3)
+
+
+def _kv_blocks(k, v, n):
+    """K and V as the buffer that travels, (n, 2, B, n_kv, c, d): chunk-major, one copy."""
+    return torch.stack([t.unflatten(2, (n, -1)).movedim(2, 0) for t in (k, v)], dim=1)
+
+
 def _pairs(cp, src):
-    """(query chunk, key chunk, relation) for this rank's queries against rank src's K/V,
-    each chunk as (local start, local end, global range); pairs with no causal work left out."""
-    for qa, qb, qr in cp.offsets(cp.rank):
-        for ka, kb, kr in cp.offsets(src):
+    """((query chunk's index, its global range), (key chunk's, ...), relation) for this rank's
+    queries against rank src's K/V; pairs with no causal work left out."""
+    for i, (_, _, qr) in enumerate(cp.offsets(cp.rank)):
+        for j, (_, _, kr) in enumerate(cp.offsets(src)):
             rel = cp.blocks.get((qr, kr), relation(qr, kr))   # (packed documents: their mask)
             if planted("unmasked-diagonal"):   # plant: the diagonal block attends to its future
                 rel = "full" if isinstance(rel, str) and rel == "mask" else rel
             if planted("doc-mask-own-rank-only"):   # plant: other ranks' blocks causal only
                 rel = rel if src == cp.rank else relation(qr, kr)
             if not (isinstance(rel, str) and rel == "skip"):
-                yield (qa, qb, qr), (ka, kb, kr), rel
+                yield (i, qr), (j, kr), rel
 
 
-def _attend(q, k, v, cp, src, scale, acc):
-    """Accumulate q's attention to rank src's K/V block into acc[(q chunk)] = (acc, l, m)."""
-    for (qa, qb, qr), (ka, kb, kr), rel in _pairs(cp, src):   # chunks of dim 2 (s)
-        # q (B, n_h, s, d) -> (B, n_h, c_q, d); k, v (B, n_kv, s, d) -> (B, n_kv, c_k, d)
-        block = cp.kernel.forward(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], scale, rel,
-                                  qr, kr, acc["dtype"])
-        acc[qa] = merge(acc.get(qa), block)
+def _attend(q, kv, cp, src, scale, acc):
+    """q's chunks (n, B, n_h, c, d) attend to src's kv blocks: acc[i] = chunk i's (acc, l, m)."""
+    for (i, qr), (j, kr), rel in _pairs(cp, src):
+        block = cp.kernel.forward(q[i], kv[j, 0], kv[j, 1], scale, rel, qr, kr, acc["dtype"])
+        acc[i] = merge(acc.get(i), block)
 
 
-def _grad(q, k, v, do, out, lse, delta, cp, src, scale, dq, dkv):
-    """Accumulate the block's contributions into dq (local) and dkv (src's block)."""
-    for (qa, qb, qr), (ka, kb, kr), rel in _pairs(cp, src):   # chunks of dim 2, as in _attend
+def _grad(q, kv, do, out, lse, delta, cp, src, scale, dq, dkv):
+    """The blocks' gradients into dq (chunk-major) and dkv (src's K/V blocks' layout)."""
+    for (i, qr), (j, kr), rel in _pairs(cp, src):   # chunks as in _attend
         dq_b, dk_b, dv_b = cp.kernel.backward(   # (B, n_h, c_q, d); (B, n_kv, c_k, d) twice
-            q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], do[:, :, qa:qb], out[:, :, qa:qb],
-            lse[:, :, qa:qb], delta[:, :, qa:qb], scale, rel, qr, kr)
-        dq[:, :, qa:qb] += dq_b
-        dkv[0][:, :, ka:kb] += dk_b     # (at the kv heads: the kernel groups the query heads)
-        dkv[1][:, :, ka:kb] += dv_b
+            q[i], kv[j, 0], kv[j, 1], do[i], out[i], lse[i], delta[i], scale, rel, qr, kr)
+        dq[i].add_(dq_b)     # (in place on the view: `dq[i] += ` would copy it back too)
+        dkv[j, 0].add_(dk_b)     # (at the kv heads: the kernel groups the query heads)
+        dkv[j, 1].add_(dv_b)
 
 
-def _finish(acc):
-    """(out, lse) of the local queries: out = acc / l, lse = m + log l, chunks in local order.
-    A row that saw nothing (l = 0; never under a causal layout) gives out 0, lse -inf."""
-    keys = sorted(k for k in acc if k != "dtype")
-    # chunks -> a (B, n_h, s, d), l and m (B, n_h, s)
-    a, l, m = (torch.cat([acc[k][i] for k in keys], dim=2) for i in range(3))
+def _finish(acc, n):
+    """Chunk-major (out, lse) (n, B, n_h, c, d), (n, B, n_h, c): acc / l, m + log l. A row
+    that saw nothing (l = 0; never under a causal layout) gives out 0, lse -inf."""
+    a, l, m = (torch.stack([acc[i][j] for i in range(n)]) for j in range(3))
     return a / torch.where(l > 0, l, 1.0)[..., None], m + torch.log(l)
 
 
 def _backward_setup(ctx, dout):
-    """What both backwards start from: saved tensors, dO in the accumulation dtype, the row sums
-    delta = rowsum(dO * O) of the softmax backward, and a zero dQ."""
+    """What both backwards start from, chunk-major: q, dO and O (the kernel's operand dtype),
+    lse, the softmax backward's row sums delta = rowsum(dO * O) (fp32/64) and a zero dQ."""
     q, k, v, out, lse = ctx.saved_tensors
-    do = dout.to(out.dtype)
-    return (q, k, v, out, lse, ctx.cp, ctx.scale, do, (do * out).sum(-1),   # delta (B, n_h, s)
-            torch.zeros_like(q, dtype=out.dtype))
+    n, dt = out.shape[0], ctx.cp.kernel.operand_dtype(q)
+    do = _blocks(dout, n)
+    return (_blocks(q, n), k, v, out.to(dt), lse, ctx.cp, ctx.scale, do.to(dt),
+            (do.to(out.dtype) * out).sum(-1), torch.zeros_like(out))   # delta (n, B, n_h, c)
 
 
 class RingAttention(torch.autograd.Function):
@@ -296,26 +299,25 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cp, scale):   # q (B, n_h, s, d), k, v (B, n_kv, s, d) -> q's shape
-        acc = {"dtype": _acc_dtype(q)}
-        kv = torch.stack([k, v]).contiguous()          # (2, B, n_kv, s, d): only kv heads travel
+        acc, n = {"dtype": _acc_dtype(q)}, len(cp.chunks[cp.rank])
+        qb, kv = _blocks(q, n), _kv_blocks(k, v, n)    # (n, 2, B, n_kv, c, d): kv heads travel
         for step in range(cp.world):
             src = (cp.rank - step) % cp.world
             if step < cp.world - 1:
-                nxt, reqs = _hop([kv], cp)             # overlaps the block below
-            _attend(q, kv[0], kv[1], cp, src, scale, acc)
+                nxt, reqs = _hop([kv], cp)             # overlaps the blocks below
+            _attend(qb, kv, cp, src, scale, acc)
             if step < cp.world - 1:
                 _wait(reqs)
                 kv = nxt[0]
-        out, lse = _finish(acc)
+        out, lse = _finish(acc, n)                     # chunk-major, kept for the backward
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.scale = cp, scale
-        return out.to(q.dtype)
+        return _unblocks(out).to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):   # (B, n_h, s, d) -> dq (B, n_h, s, d), dk, dv (B, n_kv, s, d)
         q, k, v, out, lse, cp, scale, do, delta, dq = _backward_setup(ctx, dout)
-        dt = dq.dtype
-        kv = torch.stack([k, v]).contiguous()          # (2, B, n_kv, s, d)
+        kv, dt = _kv_blocks(k, v, dq.shape[0]), dq.dtype   # (n, 2, B, n_kv, c, d)
         # Both transfers hide behind a block's compute (as ring-flash-attention does): the next
         # K/V hop is posted before this block's gradients, and the dK/dV accumulated so far for
         # the block held now (sent by the previous rank after its compute) arrive meanwhile;
@@ -325,8 +327,8 @@ class RingAttention(torch.autograd.Function):
             src = (cp.rank - step) % cp.world
             if step < cp.world - 1:
                 nxt, kv_reqs = _hop([kv], cp)
-            dkv = torch.zeros_like(kv, dtype=dt)       # (2, B, n_kv, s, d): our part for src
-            _grad(q, kv[0], kv[1], do, out, lse, delta, cp, src, scale, dq, dkv)
+            dkv = torch.zeros_like(kv, dtype=dt)       # our part of block src's dK/dV
+            _grad(q, kv, do, out, lse, delta, cp, src, scale, dq, dkv)
             if cp.world == 1:
                 break
             if dkv_reqs is not None:                   # the earlier ranks' parts for block src
@@ -342,15 +344,16 @@ class RingAttention(torch.autograd.Function):
         else:
             _wait(dkv_reqs)
             dkv = arrived
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        dk, dv = (_unblocks(t) for t in dkv.unbind(1))
+        return _unblocks(dq).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def _gather_kv(k, v, cp):
-    """Every rank's K and V as (W, B, 2, n_kv, s, d): one all-gather, rank blocks on dim 0."""
-    kv = torch.stack([k, v], dim=1).contiguous()       # (B, 2, n_kv, s, d)
-    full = torch.empty((cp.world * kv.shape[0],) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
-    dist.all_gather_into_tensor(full, kv, group=cp.group)   # (B, ..) -> (W*B, 2, n_kv, s, d)
-    return full.view((cp.world,) + kv.shape)               # (W, B, 2, n_kv, s, d)
+def _gather_kv(k, v, cp, n):
+    """Every rank's K/V blocks as (W, n, 2, B, n_kv, c, d): one all-gather, ranks on dim 0."""
+    kv = _kv_blocks(k, v, n)                           # (n, 2, B, n_kv, c, d)
+    full = torch.empty((cp.world * n,) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
+    dist.all_gather_into_tensor(full, kv, group=cp.group)   # (n, ..) -> (W*n, 2, B, n_kv, c, d)
+    return full.view((cp.world,) + kv.shape)               # (W, n, 2, B, n_kv, c, d)
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -358,33 +361,30 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cp, scale):   # q (B, n_h, s, d), k, v (B, n_kv, s, d) -> q's shape
-        full = _gather_kv(k, v, cp)                       # (W, B, 2, n_kv, s, d)
-        acc = {"dtype": _acc_dtype(q)}
-        for src in range(cp.world):                           # src's K, V: (B, n_kv, s, d) each
-            _attend(q, full[src][:, 0], full[src][:, 1], cp, src, scale, acc)
-        out, lse = _finish(acc)
+        acc, n = {"dtype": _acc_dtype(q)}, len(cp.chunks[cp.rank])
+        full, qb = _gather_kv(k, v, cp, n), _blocks(q, n)     # (W, n, 2, B, n_kv, c, d)
+        for src in range(cp.world):                           # src's K/V blocks
+            _attend(qb, full[src], cp, src, scale, acc)
+        out, lse = _finish(acc, n)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.scale = cp, scale
-        return out.to(q.dtype)
+        return _unblocks(out).to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):   # (B, n_h, s, d) -> dq (B, n_h, s, d), dk, dv (B, n_kv, s, d)
         q, k, v, out, lse, cp, scale, do, delta, dq = _backward_setup(ctx, dout)
-        dt = dq.dtype
-        full = _gather_kv(k, v, cp)                      # K/V were not kept: gather again
-        dfull = torch.zeros(full.shape, dtype=dt, device=q.device)   # (W, B, 2, n_kv, s, d)
+        full = _gather_kv(k, v, cp, dq.shape[0])         # K/V were not kept: gather again
+        dfull = torch.zeros(full.shape, dtype=dq.dtype, device=q.device)  # (W, n, 2, B, n_kv, c, d)
         for src in range(cp.world):
-            blk = [dfull[src][:, 0], dfull[src][:, 1]]
-            _grad(q, full[src][:, 0], full[src][:, 1], do, out, lse, delta, cp, src, scale,
-                  dq, blk)
-        # (B, 2, n_kv, s, d): this rank's dK/dV
+            _grad(q, full[src], do, out, lse, delta, cp, src, scale, dq, dfull[src])
+        # (n, 2, B, n_kv, c, d): this rank's dK/dV
         mine = torch.empty(full.shape[1:], dtype=full.dtype, device=full.device)
         if planted("no-reduce-scatter"):   # plant: only our own queries' dK/dV
             mine = dfull[cp.rank].to(full.dtype)
         else:
             dist.reduce_scatter_tensor(mine, dfull.to(full.dtype).view((-1,) + full.shape[2:]),
-                                       group=cp.group)   # (W*B, 2, n_kv, s, d) -> (B, ..)
-        return dq.to(q.dtype), mine[:, 0], mine[:, 1], None, None
+                                       group=cp.group)   # (W*n, 2, ..) -> (n, 2, ..)
+        return _unblocks(dq).to(q.dtype), _unblocks(mine[:, 0]), _unblocks(mine[:, 1]), None, None
 
 
 def cp_attention(q, k, v, cp: CPContext, scale: float):

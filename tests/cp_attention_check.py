@@ -61,31 +61,33 @@ def distributed(args):
 # --kernel: the block loop and merge alone, in one process
 # ----------------------------------------------------------------------------------------------
 def ring_local(q, k, v, do, scale, variant, W, kernel=None):
-    """(out, dq, dk, dv) from cp_ring's block loop (_attend, _finish, _grad), every rank
-    played in turn with every K/V block at hand: the arithmetic of the ring without its
-    transport. kernel: a cp_ring block kernel (default the pure one)."""
+    """(out, dq, dk, dv) from cp_ring's block loop (_attend, _finish, _grad on the chunk-major
+    blocks), every rank played in turn with every K/V block at hand: the arithmetic of the
+    ring without its transport. kernel: a cp_ring block kernel (default the pure one)."""
     out, dq = torch.empty_like(q), torch.empty_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     cps = [cp_ring.CPContext(variant, None, q.shape[2], world=W, rank=r, kernel=kernel)
            for r in range(W)]
     pos = [cp_ring.positions(cp.chunks[cp.rank]) for cp in cps]
+    n = len(cps[0].chunks[0])
+    kvs = [cp_ring._kv_blocks(k[:, :, pos[s]], v[:, :, pos[s]], n) for s in range(W)]
     for r, cp in enumerate(cps):
-        acc = {"dtype": cp_ring._acc_dtype(q)}
+        acc, qb = {"dtype": cp_ring._acc_dtype(q)}, cp_ring._blocks(q[:, :, pos[r]], n)
         for src in range(W):
-            cp_ring._attend(q[:, :, pos[r]], k[:, :, pos[src]], v[:, :, pos[src]], cp, src,
-                            scale, acc)
-        o, lse = cp_ring._finish(acc)
-        out[:, :, pos[r]] = o.to(q.dtype)
-        do_r = do[:, :, pos[r]].to(o.dtype)
-        delta = (do_r * o).sum(-1)
+            cp_ring._attend(qb, kvs[src], cp, src, scale, acc)
+        o, lse = cp_ring._finish(acc, n)
+        out[:, :, pos[r]] = cp_ring._unblocks(o).to(q.dtype)
+        dt = cp.kernel.operand_dtype(q)
+        do_r = cp_ring._blocks(do[:, :, pos[r]], n)
+        delta = (do_r.to(o.dtype) * o).sum(-1)
         dq_r = torch.zeros_like(o)
         for src in range(W):
-            dkv = torch.zeros((2,) + k[:, :, pos[src]].shape, dtype=o.dtype, device=o.device)
-            cp_ring._grad(q[:, :, pos[r]], k[:, :, pos[src]], v[:, :, pos[src]], do_r, o,
-                          lse, delta, cp, src, scale, dq_r, dkv)
-            dk[:, :, pos[src]] += dkv[0].to(k.dtype)
-            dv[:, :, pos[src]] += dkv[1].to(v.dtype)
-        dq[:, :, pos[r]] = dq_r.to(q.dtype)
+            dkv = torch.zeros_like(kvs[src], dtype=o.dtype)
+            cp_ring._grad(qb, kvs[src], do_r.to(dt), o.to(dt), lse, delta, cp, src, scale,
+                          dq_r, dkv)
+            dk[:, :, pos[src]] += cp_ring._unblocks(dkv[:, 0]).to(k.dtype)
+            dv[:, :, pos[src]] += cp_ring._unblocks(dkv[:, 1]).to(v.dtype)
+        dq[:, :, pos[r]] = cp_ring._unblocks(dq_r).to(q.dtype)
     return out, dq, dk, dv
 
 
@@ -136,7 +138,7 @@ def kernel(args):
             q, k, v, do = (torch.randn(B, h, S, D, generator=g, dtype=torch.float64)
                            for h in (H, HKV, HKV, H))
             q, k = q * mag ** 0.5, (k + shift) * mag ** 0.5       # logits ~ mag, shifted keys
-            logit = float((q @ cp_ring._expand(k, H // HKV).transpose(-1, -2)).abs().max()
+            logit = float((q @ cp_kernels._expand(k, H // HKV).transpose(-1, -2)).abs().max()
                           * scale)
             for dt in dtypes:
                 x = [t.to(dt) for t in (q, k, v, do)]
