@@ -79,6 +79,8 @@ def apply(cp, chunks):
     """Give cp_ring's context (cp_ring.CPContext) this batch's layout: every rank's chunks
     (its blocks' global ranges) and this rank's positions, the columns of the batch it feeds
     and whose labels it scores (one gather for both: the loss is the batch's, unpermuted)."""
+    if len({b - a for rank in chunks for a, b in rank}) != 1:   # (cp_ring lays chunks out as
+        raise ValueError("cp_balance: the ring's chunks must be of one length")   # equal blocks)
     cp.chunks = chunks
     cp.positions = cp_ring.positions(chunks[cp.rank])
 

@@ -189,8 +189,9 @@ class TorchKernel:
                              qr, kr)
 
     def backward(self, q, k, v, do, out, lse, delta, scale, rel, qr, kr):
-        dt = do.dtype
-        return block_backward(q.to(dt), k.to(dt), v.to(dt), do, lse, delta, scale, rel, qr, kr)
+        dt = _acc_dtype(q)   # (dO may come in the inputs' dtype: a fused kernel's fallback)
+        return block_backward(q.to(dt), k.to(dt), v.to(dt), do.to(dt), lse, delta, scale, rel,
+                              qr, kr)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,7 +232,7 @@ def set_documents(cp, doc_positions):
 
 
 def _blocks(x, n):
-    """(B, h, s, ...) -> (n, B, h, s/n, ...): n chunks, each contiguous, copied once."""
+    """(B, h, s, ...) -> (n, B, h, s/n, ...): n equal chunks, each contiguous, copied once."""
     return x.unflatten(2, (n, -1)).movedim(2, 0).contiguous()
 
 
@@ -271,7 +272,7 @@ def _grad(q, kv, do, out, lse, delta, cp, src, scale, dq, dkv):
     for (i, qr), (j, kr), rel in _pairs(cp, src):   # chunks as in _attend
         dq_b, dk_b, dv_b = cp.kernel.backward(   # (B, n_h, c_q, d); (B, n_kv, c_k, d) twice
             q[i], kv[j, 0], kv[j, 1], do[i], out[i], lse[i], delta[i], scale, rel, qr, kr)
-        dq[i].add_(dq_b)     # (in place on the view: `dq[i] += ` would copy it back too)
+        dq[i].add_(dq_b)     # (`dq[i] += ` would also dispatch a copy_ of the view onto itself)
         dkv[j, 0].add_(dk_b)     # (at the kv heads: the kernel groups the query heads)
         dkv[j, 1].add_(dv_b)
 
@@ -287,15 +288,14 @@ def _backward_setup(ctx, dout):
     """What both backwards start from, chunk-major: q, dO and O (the kernel's operand dtype),
     lse, the softmax backward's row sums delta = rowsum(dO * O) (fp32/64) and a zero dQ."""
     q, k, v, out, lse = ctx.saved_tensors
-    n, dt = out.shape[0], ctx.cp.kernel.operand_dtype(q)
-    do = _blocks(dout, n)
-    return (_blocks(q, n), k, v, out.to(dt), lse, ctx.cp, ctx.scale, do.to(dt),
+    n, dt = len(ctx.cp.chunks[ctx.cp.rank]), ctx.cp.kernel.operand_dtype(q)
+    do = _blocks(dout, n).to(dt)
+    return (_blocks(q, n), k, v, out.to(dt), lse, ctx.cp, ctx.scale, do,
             (do.to(out.dtype) * out).sum(-1), torch.zeros_like(out))   # delta (n, B, n_h, c)
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of local q (B, n_h, s, d) to the whole sharded sequence, K/V
-    (B, n_kv, s, d) passed around the ring."""
+    """Causal attention of the local queries to the whole sharded sequence, K/V on a ring."""
 
     @staticmethod
     def forward(ctx, q, k, v, cp, scale):   # q (B, n_h, s, d), k, v (B, n_kv, s, d) -> q's shape
@@ -317,7 +317,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):   # (B, n_h, s, d) -> dq (B, n_h, s, d), dk, dv (B, n_kv, s, d)
         q, k, v, out, lse, cp, scale, do, delta, dq = _backward_setup(ctx, dout)
-        kv, dt = _kv_blocks(k, v, dq.shape[0]), dq.dtype   # (n, 2, B, n_kv, c, d)
+        kv, dt = _kv_blocks(k, v, len(cp.chunks[cp.rank])), dq.dtype   # (n, 2, B, n_kv, c, d)
         # Both transfers hide behind a block's compute (as ring-flash-attention does): the next
         # K/V hop is posted before this block's gradients, and the dK/dV accumulated so far for
         # the block held now (sent by the previous rank after its compute) arrive meanwhile;
@@ -373,7 +373,7 @@ class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):   # (B, n_h, s, d) -> dq (B, n_h, s, d), dk, dv (B, n_kv, s, d)
         q, k, v, out, lse, cp, scale, do, delta, dq = _backward_setup(ctx, dout)
-        full = _gather_kv(k, v, cp, dq.shape[0])         # K/V were not kept: gather again
+        full = _gather_kv(k, v, cp, len(cp.chunks[cp.rank]))   # not kept: gathered again
         dfull = torch.zeros(full.shape, dtype=dq.dtype, device=q.device)  # (W, n, 2, B, n_kv, c, d)
         for src in range(cp.world):
             _grad(q, full[src], do, out, lse, delta, cp, src, scale, dq, dfull[src])
@@ -440,8 +440,8 @@ def ring_messages(world: int) -> int:
 
 
 def ring_bytes(world: int, kv_block: int, dkv_block: int) -> int:
-    """Their bytes: kv_block = one rank's K and V (B, 2, n_kv, S/W, d); dkv_block the same in
-    the accumulation dtype (at least float32)."""
+    """Their bytes: kv_block = one rank's K and V (its n blocks (n, 2, B, n_kv, S/(W n), d));
+    dkv_block the same in the accumulation dtype (at least float32)."""
     return (world - 1) * kv_block + (world - 1) * (kv_block + dkv_block) + dkv_block
 
 

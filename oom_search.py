@@ -119,8 +119,10 @@ def classify(rc: int, out: str, err: str, seconds: float = 0.0) -> Outcome:
     lines = text.splitlines()
     root = lines[max((i for i, l in enumerate(lines) if l.startswith("Root Cause")), default=0):]
     exitcode = [l.strip() for l in root if l.strip().startswith(("exitcode", "traceback : Sig"))]
-    fatal = [l.strip() for l in lines if l.startswith("Fatal Python error")
-             or re.match(r'  File ".*", line \d+ in ', l)][:2]     # faulthandler's own format
+    cur = next((i for i, l in enumerate(lines) if l.startswith("Current thread")), len(lines))
+    fatal = [l.strip() for l in lines if l.startswith("Fatal Python error")][:1] + [
+        l.strip() for l in lines[cur:] if re.match(r'  File ".*", line \d+ in ', l)][:1]
+    # (faulthandler's format: the crashing thread's stack after "Current thread")
     ended = "; ".join(exitcode[:2] + fatal) or f"exit {rc}"
     for line in out.splitlines():
         if line.startswith("TRIAL OK "):

@@ -101,7 +101,9 @@ NOISE_MAX = 0.25
 # tensor's scale from the float64 FP8 target (ddp W=2, tiny, tensorwise). A sample of the
 # tensor's whole scale is still broken. The tensors then catch gross errors only (a missing
 # average: err/tol 1.1-2.1); FP8's own invariant, each rank casting with the whole tensor's
-# scale, is checked exactly beside them (Strategy.fp8_amax_log), and float64 proves the rest.
+# scale, is checked exactly beside them (Strategy.fp8_amax_log: only there does the limit
+# apply; harness/cli.py refuses other low-precision FP8 correctness runs), and float64 proves
+# the rest.
 NOISE_MAX_FP8 = 1.0
 # ... except on a tensor whose gradient is zero in exact arithmetic, where rounding is all
 # there is (OPT's k_proj.bias: a key bias adds q.b to every key's score, which the softmax
@@ -138,7 +140,7 @@ class NoisePolicy:
     dtype: str                   # the run's dtype
     k: float = TOL_K
     floor_ulps: float = TOL_FLOOR_ULPS
-    fp8: bool = False            # --fp8: FP8 casts inside the GEMMs
+    fp8: bool = False            # --fp8 with its scales checked exactly (fp8_amax_log)
 
     @property
     def noise_max(self) -> float:

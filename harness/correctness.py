@@ -137,7 +137,10 @@ def _correctness_one(run: Run, cls) -> bool:
     args, env = run.args, run.env
     start = gather_objects(rss_reset())   # the peak counts from here
     rank0_group(args.timeout)   # (made by every rank before rank 0 goes off alone)
-    policy = NoisePolicy(args.dtype, k=args.tol_k, fp8=bool(getattr(args, "fp8", None)))
+    # --fp8 tensorwise where every rank runs every FP8 linear: the scales checked exactly, and
+    # the tensors within FP8's own noise (cli refuses a low-precision --fp8 run without it)
+    scales = getattr(args, "fp8", None) == "tensorwise" and cls.fp8_amax_log is not None
+    policy = NoisePolicy(args.dtype, k=args.tol_k, fp8=scales)
     target = _target(run, cls, policy) if env.is_main else None
     release_memory()   # the reference model rank 0 freed
     wait_for_rank0(args.timeout)   # the others wait while rank 0 runs the target
@@ -150,11 +153,10 @@ def _correctness_one(run: Run, cls) -> bool:
               f"{' dropout=%s' % rates(run.config) if rates(run.config) else ''}"
               f"{' PLANTED BUG: ' + args.plant_bug if args.plant_bug else ''}")
     watch = HostSyncs(env.device) if args.host_syncs else None
-    amaxes = (cls.fp8_amax_log() if getattr(args, "fp8", None) == "tensorwise"
-              and cls.fp8_amax_log else None)
+    amaxes = cls.fp8_amax_log() if scales else None
     for s in range(args.steps):
         batch = run.batch(s)
-        with watch.region() if watch else contextlib.nullcontext(), amaxes or NULL:
+        with watch.region() if watch else NULL, amaxes or NULL:
             loss = strat.step(batch)
         # (read on every rank: a DTensor baseline's norm may be a collective to read)
         norm = float(full_tensor(strat.grad_norm)) if args.clip else None

@@ -79,7 +79,7 @@ class Strategy:
     fp8_micro_rows = None
     # --fp8 tensorwise, correctness: a context manager recording every amax this rank's casts
     # use in the strategy's steps; its check() (a collective) says whether they are the same on
-    # every rank (rig/fp8.py's AmaxLog; None where ranks run different layers: pp, compose4d)
+    # every rank (rig/ddp.py's AmaxLog; None where ranks run different layers: pp, compose4d)
     fp8_amax_log = None
     self_check = None     # ("what", build(model, args) -> fn(ids) -> logits): selfcheck.py
 

@@ -68,7 +68,9 @@ class AmaxLog:
     holds in bf16, where the tensors themselves are compared only within FP8's own noise (a bf16
     rounding that moves a value across an FP8 rounding boundary moves it by 1/8 in e4m3, 1/4 in
     e5m2: one device's bf16 FP8 gradients land up to ~0.3 of a tensor's scale from the float64
-    FP8 target), which a per-rank scale hides in."""
+    FP8 target), which a per-rank scale hides in. What it proves is agreement: a scale wrong
+    the same way on every rank passes it (float64's element-wise run catches those), and so does
+    a cast that changes the amax after global_amax returned (fsdp's gather plant: float64 too)."""
 
     def __init__(self):
         self.amaxes = []
@@ -89,13 +91,14 @@ class AmaxLog:
     def check(self) -> tuple[str, bool, str]:
         mine = torch.cat(self.amaxes).cpu() if self.amaxes else torch.zeros(0).double()
         ranks = gather_objects(mine)
+        bits = lambda t: t.view(torch.int64)   # noqa: E731  (a NaN equals itself, bit for bit)
         differ = [r for r, t in enumerate(ranks)
-                  if t.shape != ranks[0].shape or not torch.equal(t, ranks[0])]
+                  if t.shape != ranks[0].shape or not torch.equal(bits(t), bits(ranks[0]))]
         n = ranks[0].numel()
         worst = max((float(((t - ranks[0]).abs() / ranks[0].clamp(min=1e-30)).max())
                      for t in ranks if t.shape == ranks[0].shape and t.numel()), default=0.0)
         ok = n > 0 and not differ
-        return ("fp8 scales whole on every rank", ok,
+        return ("fp8 scales the same on every rank", ok,
                 f"{n} amaxes per rank over the steps, " + (
                     "bit-identical on every rank" if ok else
                     f"ranks {differ} differ from rank 0 (largest relative difference {worst:.2e})"

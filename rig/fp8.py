@@ -1,6 +1,7 @@
 """The test rig for fp8.py: `torchrun fp8.py --mode ...` is ddp.py's data parallelism with FP8
 linears, --fp8 tensorwise by default (every other strategy takes --fp8 R too: rig/__init__.py)."""
 from harness.cli import main as harness_main
+
 from rig.ddp import DDP
 
 
@@ -18,4 +19,3 @@ class FP8(DDP):
 def main():
     """`torchrun fp8.py --mode ...`: fp8.py's __main__ lands here."""
     harness_main(FP8)
-

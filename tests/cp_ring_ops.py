@@ -8,6 +8,7 @@ its elementwise ops write.
 Prints one JSON line from rank 0: per ring step (the totals / W), the ops by kind
     attention  the block kernels' own (the fused SDPA ops, or the pure kernel's matmuls)
     view       metadata only (views, reshapes of contiguous tensors, as_strided): no traffic
+    comm       the hops and collectives (c10d)
     other      everything else: copies, casts, the merge, the masks, allocations
 and the bytes the `other` ops write. On a GPU each `other` op is a kernel launch, and its bytes
 pass through HBM: the loop's overhead around the attention itself (issue 74).
@@ -42,11 +43,13 @@ class Count(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = func._schema.name
         kind = ("attention" if name.startswith(ATTENTION) else "view" if name in VIEW
-                else "other")
+                else "comm" if name.startswith("c10d") else "other")
         self.ops[kind] += 1
         if kind == "other":
             self.names[name] += 1
             outs = out if isinstance(out, (tuple, list)) else (out,)
+            if name == "aten::copy_" and args[0].data_ptr() == args[1].data_ptr():
+                outs = ()   # a view copied onto itself (`x[i] += y`): ATen moves no bytes
             self.bytes += sum(t.numel() * t.element_size() for t in outs
                               if isinstance(t, torch.Tensor))
         return out
@@ -69,7 +72,8 @@ def main(a):
         with Count() as c:
             cp_ring.cp_attention(*leaf, cp, D ** -0.5).backward(do)
         res[variant] = dict(other_ops=c.ops["other"] / W, attention_ops=c.ops["attention"] / W,
-                            view_ops=c.ops["view"] / W, other_bytes=c.bytes / W,
+                            view_ops=c.ops["view"] / W, comm_ops=c.ops["comm"] / W,
+                            other_bytes=c.bytes / W,
                             other_by_name=dict(c.names.most_common(12)))
     if rank == 0:
         doc = dict(world=W, seq=a.seq, dtype=a.dtype, kernel=kernel.name, per_ring_step=res,

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from harness import DTYPES, METER, Batch, Run, build_model, is_moe, loading
 from harness.flops import mfu
 from harness.loading import has_safetensors, meta_model
+from harness.models import has_weights
 from harness.recompute import apply_recompute, recompute_what
 from harness.run import gather_objects, same_build
 from harness.trainlog import TrainLog, memory_now
@@ -215,8 +216,9 @@ def build(run: Run, cls):
         load = strat.load_report["grow"]
     else:
         model, how = build_model(args, run.config, env.device), "built all"
-        same_build(model, env)
         load = None if before is None else loading.rss_peak() - before
+        if not has_weights(args.model):   # (checkpoint files: the same bytes on every rank)
+            same_build(model, env)
         strat = cls(model, args, env)
     if args.recompute != "none":
         apply_recompute(strat.model, args.recompute)
