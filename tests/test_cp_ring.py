@@ -211,3 +211,21 @@ def test_the_ring_loops_work_around_the_kernels_is_held():
         row = got[variant]
         assert row["other_ops"] <= ops and row["other_bytes"] <= nbytes, (variant, row)
     assert got["zigzag"]["attention_ops"] == 5.0, got   # 5 causal blocks x 2 passes / 2 steps
+
+
+def test_a_fused_kernels_fallback_block_takes_its_operands_in_bf16():
+    """The fused kernel hands a block it cannot express (a tensor mask, packed documents) to the
+    pure one, with dO and O in its own operand dtype (bf16): the pure backward computes in fp32
+    whatever it is given, and matches the same block given fp32 operands."""
+    g = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(1, 2, 8, 4, generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(1, 1, 8, 4, generator=g).bfloat16() for _ in range(2))
+    rel = torch.ones(1, 8, 8, dtype=torch.bool).tril()          # a document mask, as a tensor
+    kern = cp_kernels.SDPAKernel("cpu", torch.bfloat16)
+    a, l, m = kern.forward(q, k, v, 0.5, rel, (0, 8), (0, 8), torch.float32)
+    out, lse = a / l[..., None], m + torch.log(l)
+    delta = (do.float() * out).sum(-1)
+    got = kern.backward(q, k, v, do, out.bfloat16(), lse, delta, 0.5, rel, (0, 8), (0, 8))
+    ref = cp_ring.TorchKernel().backward(q, k, v, do.float(), out, lse, delta, 0.5, rel,
+                                         (0, 8), (0, 8))
+    assert all(x.dtype == torch.float32 and torch.equal(x, y) for x, y in zip(got, ref))
