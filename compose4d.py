@@ -318,8 +318,9 @@ class Parallel4D:
         t[1].fill_(float(flag))    # (a kernel argument: `t[1] = flag` would copy a host tensor)
         if norm is not None and dist.get_rank() == 0:
             t[2] = norm
-        with METER.paused():
-            dist.all_reduce(t)                                        # [3], summed over the world
+        if dist.get_world_size() > 1:   # [3] summed over the world (a world of one's: itself)
+            with METER.paused():
+                dist.all_reduce(t)
         ce, n, g = t.tolist()
         return ce, n > 0, (g if norm is not None else None)
 
@@ -357,8 +358,7 @@ class Parallel4D:
         return lr_at(step, self.args)
 
     def update(self, grads: list[torch.Tensor]):
-        """Clip by the global norm, the optimizer on the shards at this step's learning rate,
-        all-gather the updated parameters."""
+        """Clip by the global norm, step the shards at this step's rate, gather the updates."""
         with phase("optimizer"):
             self.grad_norm = self.last_norm = self.clip(grads, self.args.clip)
             t = self.t + 1 if planted("lr-one-step-ahead") else self.t   # plant
@@ -377,14 +377,15 @@ class Parallel4D:
     def clip(self, grads, max_norm: float) -> float:
         """The global gradient norm over all four dimensions (one scalar all-reduce over the
         world), and clipping by it when max_norm > 0 (torch's clip_grad_norm_ formula)."""
-        sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device)     # [1]
-        for gr, sl in zip(grads, self.norm_slices):
-            for a, b in sl:
-                sq += gr[a:b].double().pow(2).sum()
+        parts = [gr[a:b] for gr, sl in zip(grads, self.norm_slices) for a, b in sl]
+        # each part's norm in its dtype, one multi-tensor op (as torch's clip); squares in fp64
+        sq = (torch.stack(torch._foreach_norm(parts)).double().square().sum().reshape(1) if parts
+              else torch.zeros(1, dtype=torch.float64, device=grads[0].device))     # [1]
         group = None                              # the world: every stage's and shard's squares
         if planted("clip-norm-misses-pp"):       # plant: each stage's own norm
             group = self.groups["dpcp"]
-        dist.all_reduce(sq, group=group)          # [1]
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(sq, group=group)      # [1]
         return clip_by_norm(sq, grads, max_norm)
 
     def local(self, name: str, t: torch.Tensor) -> torch.Tensor:

@@ -219,7 +219,7 @@ class Zero(FlatTensors):
         u.clear_stale()
         src = (u.grad_full if u.grad_full.dtype == u.grad_shard.dtype
                else u.grad_full.to(u.grad_shard.dtype))   # bf16 gradients summed in fp32
-        if self.average:  # pre-divide: the sum over ranks is then the average
+        if self.average and u.world > 1:  # pre-divide: the sum over ranks is then the average
             src.div_(u.world)
         out, handle = self.reduce_scatter(src, u.grad_shard, u.group)   # flat [W * s] -> [s]
         self.pending.append((u, out, handle))
@@ -229,6 +229,8 @@ class Zero(FlatTensors):
     def reduce_scatter(self, src: torch.Tensor, like: torch.Tensor, group):
         """Start summing src [W s] over `group` (the unit's) into a new shard shaped like
         `like`: (shard, handle). zeropp.ZeroPP replaces it with qgZ's quantized all-to-alls."""
+        if dist.get_world_size(group) == 1:   # a group of one: the sum is src itself
+            return src, None
         out = torch.empty_like(like)
         return out, dist.reduce_scatter_tensor(out, src, group=group, async_op=True)  # -> [s]
 
@@ -236,9 +238,11 @@ class Zero(FlatTensors):
         """Wait for the oldest reductions until `keep` are left in flight."""
         while len(self.pending) > keep:
             u, out, handle = self.pending.pop(0)
-            handle.wait()
+            if handle is not None:
+                handle.wait()
             if self.stage == 1:
-                u.grad_shard.copy_(out)   # one reduction per step
+                if out.data_ptr() != u.grad_shard.data_ptr():   # (a group of one: in place)
+                    u.grad_shard.copy_(out)   # one reduction per step
             elif planted("overwrite-accum"):   # plant: keeps only the last micro-batch
                 u.grad_shard.copy_(out)
             else:
@@ -278,6 +282,8 @@ class Zero(FlatTensors):
         if planted("no-param-gather"):   # plant: other ranks' updates never arrive
             return
         for u in self.units:
+            if u.world == 1 and u.shard.data_ptr() == u.full.data_ptr():
+                continue   # a group of one whose shard is the buffer itself: nothing to gather
             later = overlap and self.overlap_param_gather and bool(u.modules)
             u.handle = dist.all_gather_into_tensor(u.full, u.shard.clone(), group=u.group,
                                                    async_op=later)   # [s] x W -> flat [W * s]

@@ -5,6 +5,7 @@ run (`--runs FILE`: several argument lists in one process group).
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import gc
 import json
@@ -249,4 +250,12 @@ def main(cls, argv=None):
         clean = True
     finally:
         teardown(clean)
-    sys.exit(0 if ok else 1)
+    # Exit without the interpreter's finalisation, as tests/forkserver.py's workers and
+    # tests/spawned.py's ranks do: gloo's threads there have aborted finished, passing ranks
+    # after the group was destroyed (SIGABRT, "terminate called without an active exception";
+    # pytorch/pytorch#179291: tensors a gloo work still holds freed without the interpreter),
+    # which CI saw end oom_search's tp and sp trials. Everything is written; atexit runs first.
+    atexit._run_exitfuncs()
+    for f in (sys.stdout, sys.stderr):
+        f.flush()
+    os._exit(0 if ok else 1)

@@ -180,16 +180,20 @@ class ZeRO(Strategy):
                 [u.padded for _, u in muon.matrix_units(self.optimizer)], mb)
         muon_note = (f" + Muon's gather of the updates: {calls} units holding a matrix, "
                      f"{nbytes:,} B" if calls else "")
-        rows = [Expect("reduce_scatter_tensor", "world", n_rs * rs_times,
-                       padded_rs * rb * rs_times,
-                       f"Psi*b_reduce = {padded_rs * rb:,} B per reduction, one per unit"
-                       + (" with gradients" if n_rs < n else "") + f" ({n_rs})"
-                       + (f", x{K} micro-batches" if rs_times > 1 else ""))]
+        # a world of one reduces nothing, and its shards (stages 1, 2) are the buffers themselves
+        one = self.env.world == 1
+        rows = [] if one else [Expect(
+            "reduce_scatter_tensor", "world", n_rs * rs_times, padded_rs * rb * rs_times,
+            f"Psi*b_reduce = {padded_rs * rb:,} B per reduction, one per unit"
+            + (" with gradients" if n_rs < n else "") + f" ({n_rs})"
+            + (f", x{K} micro-batches" if rs_times > 1 else ""))]
         if self.args.stage < 3:
-            rows.append(Expect("all_gather_into_tensor", "world", n * ag_times + calls,
-                               full * ag_times + nbytes,
-                               f"Psi*b = {full:,} B: updated parameters, one per unit"
-                               + muon_note))
+            if calls or not one:
+                rows.append(Expect("all_gather_into_tensor", "world",
+                                   n * ag_times * (not one) + calls,
+                                   full * ag_times * (not one) + nbytes,
+                                   f"Psi*b = {full:,} B: updated parameters, one per unit"
+                                   + muon_note))
         else:   # forward per unit; backward from the first unit that trains on (LoRA)
             nb, fb = backward_gathers(z.units, self.model)
             fb *= b

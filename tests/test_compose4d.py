@@ -214,8 +214,9 @@ def test_benchmark_comm_per_group(runs):
     assert comm["all_reduce|tp"]["bytes"] == 2 * (1 + 4 * 2) * nhb_mb
     assert comm["isend|pp"]["calls"] == 2 and comm["isend|pp"]["bytes"] == 2 * nhb_mb
     assert (comm["all_reduce|world"]["calls"], comm["all_reduce|world"]["bytes"]) == (1, 8)
-    # ZeRO-1 over dp x cp (a group of one here): one reduce-scatter per unit of the stage
-    assert comm["reduce_scatter_tensor|dpcp"]["calls"] == 3     # embed + 2 layers
+    # ZeRO-1 over dp x cp, a group of one here: nothing to reduce-scatter or gather (the shards
+    # are the buffers themselves), where it once made one of each per unit of the stage
+    assert not [k for k in comm if k.endswith("|dpcp")], comm
 
 
 @pytest.mark.slow
@@ -394,3 +395,20 @@ def test_bad_layouts(tmp_path, nproc, args, msg):
     args = [str(path) if a == "TWO_LAYERS" else a for a in args]
     assert_config_error(launch("compose4d.py", nproc, *args, as_rank0=True), msg,
                         torchrun=False)
+
+
+def test_the_w1_overhead_measurement_runs(tmp_path):
+    """scripts/compose4d_overhead.py (a smoke test, not a timed claim): compose4d at W=1 and the
+    reference interleaved, both profiled, their extra ops listed."""
+    import json
+    import subprocess
+    import sys
+    from conftest import ROOT
+    out = tmp_path / "o.json"
+    r = subprocess.run([sys.executable, "scripts/compose4d_overhead.py", "--rounds", "2",
+                        "--profile-rounds", "1", "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.load(open(out))
+    assert len(doc["step_ratios"]) == 2 and doc["ops_by_extra_time"], doc
+    assert all(v > 0 for v in doc["profiled_ms_per_step"].values()), doc

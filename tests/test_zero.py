@@ -227,29 +227,42 @@ def test_zero_optimizer_resumes_its_fp32_masters(tmp_path):
     spawned.spawn(_zero_resume_bf16, 2, str(tmp_path / "init"))
 
 
-def test_overlapped_param_gather_is_waited_by_each_units_own_forward(group):
+def test_overlapped_param_gather_is_waited_by_each_units_own_forward(tmp_path):
     """Stages 1, 2: the step launches the parameter all-gathers async; each unit's gather is
     finished by its own modules' forward pre-hook, not before (the later units' gathers are still
     in flight while the first layers compute) and not after (every unit is complete when used);
-    --sync-param-gather's engine finishes them inside the step."""
-    args = harness.resolve_defaults(harness.base_parser("t").parse_args([]), "correctness", "cpu")
-    for overlap in (True, False):
-        m = harness.build_model(args, harness.load_config("tiny"), "cpu")
-        z = zero.Zero(m, stage=1, overlap_param_gather=overlap)
-        opt = zero.ZeroOptimizer(m.parameters(), torch.optim.AdamW, engine=z, lr=1e-3)
-        x = torch.randint(0, m.config.vocab_size, (2, 8))
-        m(x).logits.float().sum().backward()
-        opt.step()
-        assert [u.handle is not None for u in z.units] == [overlap] * len(z.units)
-        seen = {}
-        for i, layer in enumerate(m.model.layers):   # runs after the engine's own pre-hook
-            layer.register_forward_pre_hook(
-                lambda mod, a, i=i: [seen.setdefault(i, [u.handle is None for u in z.units])]
-                and None)
-        m(x)
-        n = len(z.units)
-        assert seen[0] == [True, True] + [not overlap] * (n - 2), seen[0]   # embed, layers.0
-        assert all(u.handle is None for u in z.units)
+    --sync-param-gather's engine finishes them inside the step. (W=2: a group of one gathers
+    nothing, its shards being the buffers themselves.)"""
+    spawned.spawn(_overlapped_gather, 2, str(tmp_path / "init"))
+
+
+def _overlapped_gather(rank, world, init_file):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        args = harness.resolve_defaults(harness.base_parser("t").parse_args([]), "correctness",
+                                        "cpu")
+        for overlap in (True, False):
+            m = harness.build_model(args, harness.load_config("tiny"), "cpu")
+            z = zero.Zero(m, stage=1, overlap_param_gather=overlap)
+            opt = zero.ZeroOptimizer(m.parameters(), torch.optim.AdamW, engine=z, lr=1e-3)
+            x = torch.randint(0, m.config.vocab_size, (2, 8),
+                              generator=torch.Generator().manual_seed(rank))
+            m(x).logits.float().sum().backward()
+            opt.step()
+            assert [u.handle is not None for u in z.units] == [overlap] * len(z.units)
+            seen = {}
+            for i, layer in enumerate(m.model.layers):   # runs after the engine's own pre-hook
+                layer.register_forward_pre_hook(
+                    lambda mod, a, i=i: [seen.setdefault(i, [u.handle is None for u in z.units])]
+                    and None)
+            m(x)
+            n = len(z.units)
+            assert seen[0] == [True, True] + [not overlap] * (n - 2), seen[0]   # embed, layers.0
+            assert all(u.handle is None for u in z.units)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_units_cover_every_parameter_once():
@@ -398,3 +411,17 @@ def test_zeropp_at_one_rank_checks_qgz_against_the_exact_result():
     r = launch("zeropp.py", 1, "--node-size", "1", "--length", "32", torchrun=False)
     assert r.rc == 0 and r.last_line.startswith("PASS"), r
     assert "ok (max |qgZ - exact| / bound = 0.000 (N=1, M=1))" in r.stdout, r
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_world_of_one_reduces_and_gathers_nothing_but_stage_3s_restores(stage, tmp_path):
+    """W=1: a group of one's reduce-scatter is the gradient itself and, at stages 1 and 2, the
+    shard is the buffer itself: no collective (each was a self-copy, and gloo's slowed the whole
+    process); stage 3 still gathers its freed buffers back. The benchmark's formulas say so."""
+    from conftest import launch
+    r = launch("zero.py", 1, "--mode", "benchmark", "--stage", str(stage), "--bench-iters", "2",
+               out=tmp_path, torchrun=False)
+    assert r.rc == 0 and r.last_line.startswith(f"PASS zero{stage} W=1 benchmark"), r
+    comm = r.json("benchmark.json")["ours"]["comm"]
+    assert "reduce_scatter_tensor|world" not in comm, comm
+    assert ("all_gather_into_tensor|world" in comm) == (stage == 3), comm

@@ -25,21 +25,24 @@ def expected_comm(self) -> list[Expect]:
     L_st = sum(len(self.pipe.chunk_layers[c]) for c in self.pipe.my_chunks)
     z = self.zero
     rows = []
-    # (over a group of one as well: zero.py does not skip)
+    # (a group of one reduces nothing and, at stages 1 and 2, gathers nothing: its shard is the
+    # buffer itself; stage 3's gathers restore freed buffers, a group of one's too)
     rs, ag = zero.collectives_per_unit(a.zero, M)
     rb = z.units[0].grad_shard.element_size()   # the reduce dtype's (fp32 for bf16)
     dense = "shard" if a.replicate > 1 else "dpcp"    # (HSDP: dp x cp / R ranks)
     for group, what in ((dense, "Psi_r"), ("edp", "experts' Psi_e,r")):   # (edp: MoE)
         units = [u for u in z.units if (u.group is z.group) == (group == dense)]
-        if not units:
+        one = bool(units) and units[0].world == 1
+        if not units or (one and a.zero < 3):
             continue
         padded = sum(u.padded for u in units)
         n_rs, p_rs = zero_units.reduce_scattered(units)   # (--lora: the adapters only)
-        rows += [Expect("reduce_scatter_tensor", group, n_rs * rs, p_rs * rb * rs,
-                        f"ZeRO-{a.zero}: {what}*b_reduce = {p_rs * rb:,} B, one per unit"
-                        + (" with gradients" if n_rs < len(units) else "")
-                        + (f", x{M} micro-batches" if rs > 1 else "")),
-                 Expect("all_gather_into_tensor", group, len(units) * ag, padded * b * ag,
+        rows += [] if one else [Expect(
+            "reduce_scatter_tensor", group, n_rs * rs, p_rs * rb * rs,
+            f"ZeRO-{a.zero}: {what}*b_reduce = {p_rs * rb:,} B, one per unit"
+            + (" with gradients" if n_rs < len(units) else "")
+            + (f", x{M} micro-batches" if rs > 1 else ""))]
+        rows += [Expect("all_gather_into_tensor", group, len(units) * ag, padded * b * ag,
                         f"parameters per unit, forward and backward x{M} micro-batches"
                         if a.zero == 3 else "updated parameters, one per unit")]
         if a.zero == 3:   # (--lora: no backward gather before the first unit that trains)
@@ -51,7 +54,8 @@ def expected_comm(self) -> list[Expect]:
         rows.append(Expect("all_reduce", "replicate", 1, shard * rb,
                            "HSDP: the dense gradient shards summed over the R replicas, once "
                            "per step"))
-    rows.append(Expect("all_reduce", "world", 1, 8, "global gradient norm (fp64)"))
+    if self.env.world > 1:   # (a world of one sums nothing)
+        rows.append(Expect("all_reduce", "world", 1, 8, "global gradient norm (fp64)"))
     rows += _muon_rows(self, dense, T)
     rows += compose_moe.expected_comm(self, self.blocks)
     if P > 1:
