@@ -15,7 +15,9 @@ def params_of(name):
 
 
 def test_parameter_counts_on_the_meta_device():
-    assert params_of("tiny") == dict(total=TINY_PSI, experts=0, dense=TINY_PSI)
+    # fp8_linear: the decoder linears' weights, 4 x (2 x 64 x 64 + 2 x 32 x 64 + 3 x 128 x 64)
+    assert params_of("tiny") == dict(total=TINY_PSI, experts=0, dense=TINY_PSI,
+                                     fp8_linear=147_456)
     p = params_of("llama3-405b")
     assert p["total"] == 405_853_388_800 and p["experts"] == 0
     moe = params_of("tiny-moe")
@@ -86,12 +88,30 @@ def test_ring_all_reduce_steps_and_bytes():
         assert r["sent"] == [2 * (N - 1) * (60 // N) * 4] * N
 
 
+def test_the_fp8_all_gather_saves_what_fsdp_measured():
+    """fp8_gather=1 (fsdp.py's --fp8-all-gather, torchao's FSDP float8 all-gather): the decoder
+    linears' weights gathered at 1 byte instead of 2. On configs/tiny-fp8.json at dp=2 the
+    forward and backward gathers save 2 x 327,680 B, what fsdp.py's benchmark measured between
+    its bf16 and FP8 gathers (results/fp8-cpu.json; scripts/fp8_study.py)."""
+    import json
+    import os
+    cfg = load_config("configs/tiny-fp8.json")
+    p = plan.count_params(cfg)
+    gathered = [dict((r[:2], r[3]) for r in plan.comm_per_step(cfg, p, plan.parse_layout(
+        f"dp=2,zero=3,fp8=1{extra}"), 2))[("dp", "all_gather")] for extra in ("", ",fp8_gather=1")]
+    m = json.load(open(os.path.join(ROOT, "results", "fp8-cpu.json")))
+    measured = (m["all_gather_bytes_bf16"]["measured"] - m["all_gather_bytes_fp8"]["measured"])
+    assert gathered[0] - gathered[1] == 2 * p["fp8_linear"] == measured == 655_360, gathered
+
+
 def test_bad_layout_is_one_line(capsys):
     import pytest
     for text, msg in [("tp=2,xx=3", "unknown layout key 'xx'"), ("dp=6,ep=4", "ep=4 must divide"),
                       ("pp=4,m=6,schedule=interleaved", "interleaved 1F1B needs the "
                        "micro-batches (6) to be a multiple of the pipeline size 4"),
-                      ("pp=4,m=6,schedule=dualpipev", "DualPipeV needs the micro-batches (6)")]:
+                      ("pp=4,m=6,schedule=dualpipev", "DualPipeV needs the micro-batches (6)"),
+                      ("dp=8,zero=1,fp8=1,fp8_gather=1", "fp8_gather=1: the FP8 all-gather of "
+                       "FSDP's weights needs fp8=1 and zero=3")]:
         with pytest.raises(SystemExit) as e:
             plan.parse_layout(text)
         err = capsys.readouterr().err.strip().splitlines()

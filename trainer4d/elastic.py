@@ -174,16 +174,22 @@ def format_table(target: int, rows: list[Plan]) -> list[str]:
 
 def count_params(config) -> dict:
     """Parameters of the HF model built on the meta device (nothing allocated): total, routed
-    experts (`.experts.` in the name), and the rest (dense). replan's and plan.py's."""
+    experts (`.experts.` in the name), and the rest (dense); fp8_linear, the weights of the
+    decoder layers' linears that fp8.py converts under tensorwise (what an FP8 all-gather
+    sends at 1 byte). replan's and plan.py's."""
     import torch
     from transformers import AutoModelForCausalLM
+    import fp8
+    from harness import parts
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     total = experts = 0
     for name, p in model.named_parameters():
         total += p.numel()
         experts += p.numel() if ".experts." in name else 0
-    return dict(total=total, experts=experts, dense=total - experts)
+    lin = sum(m.weight.numel() for layer in (parts(model).layers or []) for m in layer.modules()
+              if type(m) is torch.nn.Linear and fp8.eligible(m, "tensorwise"))
+    return dict(total=total, experts=experts, dense=total - experts, fp8_linear=lin)
 
 
 # ----------------------------------------------------------------------------------------------

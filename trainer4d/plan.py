@@ -87,7 +87,7 @@ def load(name: str):
 # ----------------------------------------------------------------------------------------------
 DEFAULTS = dict(tp=1, cp=1, pp=1, dp=1, ep=1, seq=4096, mb=1, m=None, v=1, schedule="1f1b",
                 zero=1, sp=0, recompute="none", recompute_every=1, tp_overlap=0, pp_scatter=0,
-                dp_overlap=1, attn="flash", reduce_bytes=4, fp8=0)
+                dp_overlap=1, attn="flash", reduce_bytes=4, fp8=0, fp8_gather=0)
 WORDS = ("schedule", "recompute", "attn")        # the keys whose values are words
 
 
@@ -108,6 +108,9 @@ def parse_layout(text: str) -> dict:
         lay["m"] = lay["pp"]
     if (lay["dp"] * lay["cp"]) % lay["ep"]:
         refuse(f"ep={lay['ep']} must divide dp x cp = {lay['dp'] * lay['cp']}")
+    if lay["fp8_gather"] and not (lay["fp8"] and lay["zero"] == 3):
+        refuse("fp8_gather=1: the FP8 all-gather of FSDP's weights needs fp8=1 and zero=3 "
+               f"(layout {text})")
     from pp_schedule import schedule_error
     err = schedule_error(lay["schedule"], lay["pp"], lay["m"]) if lay["pp"] > 1 else None
     if err:   # (before any report: the simulator would find the deadlock after the memory lines)
@@ -244,6 +247,12 @@ def comm_per_step(config, params: dict, lay, elem: int) -> list[tuple]:
             continue
         r = lay.get("reduce_bytes", 4)           # the gradients' reduction dtype: fp32 by default
         z, rs, ag = lay["zero"], psi * r, psi * elem
+        # fp8_gather (torchao's enable_fsdp_float8_all_gather, fsdp.py's --fp8-all-gather): the
+        # decoder linears' weights gathered at 1 byte (each shard cast with the whole weight's
+        # scale: one all-reduce of every amax per step, a few kB, not counted)
+        lin = (params.get("fp8_linear", 0) / (T * P) if kind == "dense" and lay.get("fp8_gather")
+               else 0)
+        ag -= lin * (elem - 1)
         if z == 0:
             rows.append((group, "all_reduce", 1, rs, f"the gradients: Psi_r x {r}"
                          + (" (fp32)" if r == 4 else "")))
@@ -252,6 +261,7 @@ def comm_per_step(config, params: dict, lay, elem: int) -> list[tuple]:
         rows.append((group, "reduce_scatter", k, k * rs,
                      f"gradients, Psi_r x {r}" + (" per micro-batch" if k > 1 else "")))
         rows.append((group, "all_gather", g, g * ag, "parameters, Psi_r x e"
+                     + (" (the FP8 linears' at 1 byte)" if lin else "")
                      + (" forward and backward per micro-batch" if z == 3 else "")))
     if E > 1:
         moe = sum(1 for i in range(config.num_hidden_layers)

@@ -429,7 +429,8 @@ def layout_text(lay: dict) -> str:
     sched = (f", {lay['schedule']}" + (f" V={lay['v']}" if lay["schedule"] == "interleaved" else "")
              if lay["pp"] > 1 else "")
     extra = "".join(s for k, s in (("tp_overlap", ", TP overlapped"),
-                                   ("pp_scatter", ", scatter/gather"), ("fp8", ", FP8"))
+                                   ("pp_scatter", ", scatter/gather"), ("fp8", ", FP8"),
+                                   ("fp8_gather", " (FP8 all-gather)"))
                     if lay.get(k))
     k = lay.get("recompute_every", 1)
     rec = lay["recompute"] + (f" (1 layer in {k})" if k > 1 and lay["recompute"] != "none" else "")
