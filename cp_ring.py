@@ -140,8 +140,7 @@ def block_forward(q, k, v, scale, rel, qr, kr):
 
 
 def merge(state, block):
-    """Online softmax: add a block's (acc, l, m) to the running (acc, l, m), both rescaled to
-    the larger max (each factor exp(m - m') <= 1, the difference of two scores)."""
+    """Online softmax: a block's (acc, l, m) into the running one, rescaled to the larger max."""
     if state is None:
         return block
     (acc, l, m), (acc_b, l_b, m_b) = state, block
@@ -218,16 +217,18 @@ def _wait(reqs):
 
 
 def set_documents(cp, doc_positions):
-    """Packed documents for the next forwards (--doc-mask): the whole sequences' (B, S)
-    positions within their documents (None: one document per row). Each block pair then gets
-    its own mask, causal within a document (B, c_q, c_k), and a pair in which no query may see
-    any key is skipped, not computed and masked (decided here, with one host read per step)."""
+    """Packed documents for the next forwards (--doc-mask): the sequences' (B, S) positions in
+    their documents (None: one per row). Each block pair gets its mask, causal within a document
+    (B, c_q, c_k); a pair in which no query may see any key is skipped (one host read a step)."""
     cp.blocks, docs = {}, doc_positions
     for qr, kr in ((qr, kr) for _, _, qr in cp.offsets(cp.rank) for r in range(cp.world)
                    for _, _, kr in cp.offsets(r) if docs is not None):
         qi, ki = (torch.arange(*x, device=docs.device) for x in (qr, kr))
         cp.blocks[qr, kr] = document_mask(docs, qi, ki)        # (B, c_q, c_k)
     seen = torch.stack([m.any() for m in cp.blocks.values()]).tolist() if docs is not None else []
+    if planted("doc-skip-by-corner"):   # plant: an off-diagonal pair judged by one corner pair
+        seen = [s if qk[0] == qk[1] else bool(m[:, -1, 0].any())
+                for (qk, m), s in zip(cp.blocks.items(), seen)]
     cp.blocks = {key: m if any_ else "skip" for (key, m), any_ in zip(cp.blocks.items(), seen)}
 
 
@@ -319,9 +320,8 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse, cp, scale, do, delta, dq = _backward_setup(ctx, dout)
         kv, dt = _kv_blocks(k, v, len(cp.chunks[cp.rank])), dq.dtype   # (n, 2, B, n_kv, c, d)
         # Both transfers hide behind a block's compute (as ring-flash-attention does): the next
-        # K/V hop is posted before this block's gradients, and the dK/dV accumulated so far for
-        # the block held now (sent by the previous rank after its compute) arrive meanwhile;
-        # this rank adds its part and passes them on. After W hops they are home.
+        # K/V hop is posted before this block's gradients; the dK/dV accumulated so far for the
+        # block held now arrive meanwhile, get this rank's part and go on: home after W hops.
         dkv_reqs = None
         for step in range(cp.world):
             src = (cp.rank - step) % cp.world

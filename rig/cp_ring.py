@@ -91,6 +91,10 @@ class CP(Strategy):
                                         "K/V get the documents' mask, the other ranks' blocks "
                                         "stay causal (a leak across a boundary at a chunk edge)",
                                         ("--doc-mask", *PLANT_ARGS)),
+        "doc-skip-by-corner": Plant("packed documents: an off-diagonal block pair is skipped "
+                                    "when its corner pair (the last query, the first key) is "
+                                    "masked, though other queries in it see other keys",
+                                    ("--doc-mask", *PLANT_ARGS)),
         "balanced-labels-zigzag": Plant("--cp-balance greedy: the inputs take the balanced "
                                         "layout's columns, the labels keep zig-zag's (the "
                                         "permutation not applied to the labels)",
