@@ -14,15 +14,15 @@ together), and gradient clipping across all four dimensions.
 
 Rank grid: rank = tp + T (cp + C (dp + D pp)), TP innermost, PP outermost (--pipeline-first puts
 PP inside DP); D = W / (T P C). CP ranks hold the same weights and see other tokens of the same
-sequences, exactly as DP ranks see other sequences: gradients are summed and ZeRO's shards live
-over dp x cp.
+sequences, as DP ranks see other sequences: gradients are summed, ZeRO's shards live over dp x cp.
 
 One step: this rank's dp share of the sequences and cp share of their tokens (zig-zag chunks with
 global positions) through its pipeline stage in M micro-batches, each backpropagating
 CE_sum / N_global; then the sums over dp x cp (ZeRO's reduce-scatter), over tp (partial gradients
 of SP's norms), over the tied pair; global-norm clipping (each element counted once,
-`shared_over`); AdamW (or --optimizer muon: muon.py's owners) on the shards; the all-gather of
-the updated parameters.
+`shared_over`); AdamW (or --optimizer muon: muon.py's owners) on the shards; their all-gather.
+The step clips (torch's clip_grad_norm_ would take one rank's norm of the plain shards); sharded
+(tp, ZeRO-3, experts), model.state_dict() refuses (DCP would save shards): trainer4d's checkpoints.
 
 Communication per step and rank: the formulas are trainer4d/comm.py's (tp 4 L_r + f + l
 all-reduces of N_r H b; cp 2 (C-1) hops per layer and micro-batch; pp 2 M sends per boundary;
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from harness import (DTYPES, METER, Batch, all_reduce_flat, clip_by_norm, global_loss, is_moe,
-                     name_group, parts, phase, planted)
+                     name_group, parts, phase, planted, refuse_state_dict)
 from harness.precision import adamw_kwargs, grad_reduce_dtype, muon_kwargs
 from harness import loading
 import compose_moe
@@ -97,8 +97,7 @@ def make_groups(grid: Grid, rank: int, tied: bool, replicas: int = 1) -> dict:
         dpcp = grid.groups_over(("dp", "cp"))
         out["shard"], out["replicate"] = fsdp.new_block_groups(dpcp, len(dpcp[0]) // replicas)
     out["tied"] = None
-    P = grid.size["pp"]
-    if tied and P > 1:
+    if tied and grid.size["pp"] > 1:
         pairs = [[g[0], g[-1]] for g in grid.groups_over(("pp",))]
         mine, _ = dist.new_subgroups_by_enumeration(pairs)
         out["tied"] = name_group(mine, "tied")
@@ -139,9 +138,8 @@ class Parallel4D:
             self.partial = [*self.tp.kv_copy_params.values(),
                             *self.tp.group_partials.values()]
         # Context parallelism: ring attention over the cp group, this rank's zig-zag tokens.
-        self.pos = None
-        if C > 1:
-            self.pos = cp_ring.parallelize(model, g["cp"], args.length).positions.to(env.device)
+        self.pos = (cp_ring.parallelize(model, g["cp"], args.length).positions.to(env.device)
+                    if C > 1 else None)
         # Pipeline: this rank's stage (drops the other layers), over the pp group.
         V = args.virtual_stages if args.schedule == "interleaved" else 1
         s = args.length // C // T   # under SP: this rank's contiguous share of its tokens
@@ -159,9 +157,8 @@ class Parallel4D:
             b.stage_layers = len(self.blocks)
         # A model built on the meta device (train mode, --model a checkpoint directory) gets
         # its storage now that it is cut: each rank reads only the ranges it holds.
-        self.load_report = None
-        if any(p.is_meta for p in model.parameters()):
-            self.load_report = loading.load_layout_shards(self)   # (this rank's tensors only)
+        self.load_report = (loading.load_layout_shards(self)   # (this rank's tensors only)
+                            if any(p.is_meta for p in model.parameters()) else None)
         # ZeRO over dp x cp, on this stage's (TP-sharded) parameters; gradients summed.
         # Experts: over the ranks that hold the same experts (edp).
         zgroup = g["dp"] if planted("grad-sum-misses-cp") else g.get("shard", g["dpcp"])  # plant
@@ -171,6 +168,9 @@ class Parallel4D:
                               units=units, prefetch=int(args.zero == 3 and not self.moe),
                               unit_groups={u[0]: egroup for u in units if u[0].endswith("experts")},
                               reduce_dtype=grad_reduce_dtype(DTYPES[args.dtype], args))
+        if T > 1 or args.zero == 3 or self.moe and args.ep > 1:   # else DCP saves it right
+            refuse_state_dict(model, f"compose4d: {self.name} holds shards, which DCP would "
+                              f"save as whole tensors; save with trainer4d's checkpoints")
         params = list(model.parameters())     # AdamW on the shards, the run's hyperparameters
         if args.optimizer == "muon":   # muon.py: an owner per matrix over dp x cp, whole over tp
             self.optimizer = zero.ZeroOptimizer(

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from harness import planted
+from harness import planted, refuse_state_dict
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,7 +403,12 @@ def parallelize(model, group, capacity_factor: float | None = None, aux_free_bia
     opts = types.SimpleNamespace(capacity_factor=capacity_factor, aux_free_bias=aux_free_bias,
                                  z_coef=z_coef, experts_impl=experts_impl)
     stats = _NoStats() if stats is None else stats
-    return install(model, lambda b: ExpertParallelMoE(b, stats, opts, group))
+    blocks = install(model, lambda b: ExpertParallelMoE(b, stats, opts, group))
+    if dist.get_world_size(group) > 1:   # E/W experts under each expert tensor's name
+        refuse_state_dict(model, "ep: each rank holds E/W experts under every expert tensor's "
+                          "name, which torch.distributed.checkpoint would save as all E; save "
+                          "gather_experts(dict(model.named_parameters()), group)")
+    return blocks
 
 
 def is_expert(name: str) -> bool:

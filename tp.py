@@ -44,7 +44,7 @@ from lora import param_like
 from tp_families import embed_scale, local_heads, ShardedRMSNorm
 from tp_plan import head_dims, pad_vocab, ShardedTensors, vocab_rows
 from tp_plan import join_shards, meta_model, shape_constraints   # noqa: F401 (re-exported)
-from harness import all_reduce_flat, IGNORE_INDEX, local_part, parts, planted
+from harness import all_reduce_flat, IGNORE_INDEX, local_part, parts, planted, refuse_state_dict
 
 
 # ----------------------------------------------------------------------------------------------
@@ -356,6 +356,8 @@ class TensorParallel(ShardedTensors):
             self.split_dim[self.vocab_names[1]] = 0
         if dtensor:   # every parameter a DTensor over its shard, a label (tp_dtensor.py)
             tp_dtensor.label(self)
+        else:         # plain shards, which DCP would take for whole tensors: refused
+            refuse_state_dict(model, tp_dtensor.PLAIN)
         named = dict(model.named_parameters())
         # replicated kv heads: each copy's gradient covers its own q heads only, summed over
         # the m copies (name -> parameter)

@@ -33,6 +33,7 @@ padded to a multiple of T (its padded rows would be saved). torch's clip is righ
 Public API
     label(tpm)          every parameter of tpm.model a DTensor (tp.parallelize calls it)
     mesh_of(tpm)        the device mesh of the labels
+    PLAIN               what model.state_dict() raises after parallelize(..., dtensor=False)
 """
 import torch
 import torch.distributed as dist
@@ -40,6 +41,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
 from harness import planted
+
+# what model.state_dict() raises after tp.parallelize(..., dtensor=False)
+PLAIN = ("tp: parallelize(..., dtensor=False) keeps plain shards, which "
+         "torch.distributed.checkpoint would save as whole tensors; parallelize with "
+         "dtensor=True, or save with tpm.full(...) or trainer4d's checkpoints")
 
 
 def mesh_of(tpm) -> DeviceMesh:

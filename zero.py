@@ -26,8 +26,8 @@ Public API
     opt = ZeroOptimizer(params_or_groups, torch.optim.AdamW, stage=1|2, lr=...)   any elementwise
         torch optimizer, its state sharded; clip_grad_norm_, state_dict() / load_state_dict()
         in torch's unsharded format; stage 3: ZeroOptimizer(..., engine=Zero(model, stage=3)).
-    engine = Zero(model, group=None, stage=1|2|3, units=None, prefetch=0, ...)   the hooks
-    The units (FlatUnit: the flat buffer and its shard) and their bytes: zero_units.py.
+    engine = Zero(model, group=None, stage=1|2|3, units=None, prefetch=0, ...)   the hooks;
+    the units (FlatUnit: the flat buffer and its shard) and their bytes: zero_units.py.
 
 Run:  torchrun --nproc_per_node=2 zero.py --mode correctness --stage 3   (learning, benchmark)
 """
@@ -37,11 +37,12 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from harness import planted
+from harness import planted, refuse_state_dict
 from harness.precision import grad_reduce_dtype
 import ddp
 from zero_state import FlatTensors, ShardedState, clip_shard_grads  # noqa: F401
-from zero_units import FlatUnit, decoder_units, pad_to, split_frozen, state_bytes  # noqa: F401
+from zero_units import (STAGE3_STATE_DICT, FlatUnit, decoder_units, pad_to,  # noqa: F401
+                        split_frozen, state_bytes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -109,6 +110,7 @@ class Zero(FlatTensors):
                 u.modules[-1].register_forward_hook(
                     lambda mod, args, out, u=u: self._post_forward(u, out))
                 u.free_params()
+            refuse_state_dict(model, STAGE3_STATE_DICT)   # freed storage: DCP would save it
         if self.overlap_param_gather:
             # every module that holds a unit's parameters waits for the gathers of the units
             # that own them (a tied parameter may belong to an earlier unit)
@@ -117,9 +119,8 @@ class Zero(FlatTensors):
                     deps = list(dict.fromkeys(self.unit_of[p] for p in m.parameters()
                                               if p in self.unit_of))
                     m.register_forward_pre_hook(lambda mod, args, deps=deps: self.wait_params(deps))
-        if stage >= 2:
-            for u in self.units:
-                u.free_grads()
+        for u in (self.units if stage >= 2 else []):
+            u.free_grads()
         # Reduce-scatters launch in reverse unit order (the backward's order) on every rank.
         self.order = [u for u in reversed(self.units) if u.n_grads]
         self.consumed = False   # an optimizer step used the shards (ZeroOptimizer.step)
@@ -179,10 +180,9 @@ class Zero(FlatTensors):
         u.take_grad(p)
         if self.stage == 1:
             if u.launched:
-                raise RuntimeError(
-                    f"ZeRO stage 1: a gradient of unit {u.name!r} arrived after its reduce-"
-                    f"scatter in this step; the backward that reduces (reduce_in_backward) must "
-                    f"be the last before step()")
+                raise RuntimeError(f"ZeRO stage 1: a gradient of unit {u.name!r} arrived after "
+                                   f"its reduce-scatter in this step; the backward that reduces "
+                                   f"(reduce_in_backward) must be the last before step()")
             if not self.sync:
                 return  # accumulate; reduce-scattered once, in finish()
         u.ready.add(p)

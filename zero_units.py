@@ -20,6 +20,12 @@ import torch.distributed as dist
 import ddp
 from harness import parts, planted
 
+# what model.state_dict() raises under stage 3 (harness.refuse_state_dict)
+STAGE3_STATE_DICT = ("zero: stage 3 frees every parameter's storage between uses, which "
+                     "torch.distributed.checkpoint would save as the whole tensor; save with "
+                     "engine.full_tensors('param') or opt.state_dict() (unsharded), or "
+                     "trainer4d's checkpoints")
+
 
 def pad_to(n: int, w: int) -> int:
     return -(-n // w) * w

@@ -150,7 +150,8 @@ from .models import (DTYPES, PRESETS, ConfigError, attention_features, attention
 from .plants import planted, planting  # noqa: F401
 from .precision import MasterAdamW  # noqa: F401
 from .run import Env, Run  # noqa: F401
-from .collectives import all_reduce_flat, clip_by_norm, like, local_part  # noqa: F401
+from .collectives import (all_reduce_flat, clip_by_norm, like, local_part,  # noqa: F401
+                          refuse_state_dict)
 from .strategy import (HARNESS_PLANTS, DTensorBaseline, Plant, Reference,  # noqa: F401
                        Strategy, full_tensor, make_adamw, spread_across_ranks)
 

@@ -21,6 +21,24 @@ def like(param, t):
                               stride=param.stride(), run_check=False)
 
 
+def refuse_state_dict(model, line: str):
+    """model.state_dict() raises ValueError(line), before anything reads or writes a tensor:
+    for a model that holds plain shards (this rank's rows, experts or freed storage under the
+    whole tensor's name), which torch.distributed.checkpoint takes as replicated and would save
+    as the whole tensor. Called again, the newest line is the one raised (compose4d's over the
+    tp and zero it is built from)."""
+    from .plants import planted
+    if planted("state-dict-unrefused"):   # plant: the plain shards saved as if whole
+        return
+    if not hasattr(model, "_state_dict_refused"):
+        model.register_state_dict_post_hook(_refuse)
+    model._state_dict_refused = line
+
+
+def _refuse(module, state_dict, prefix, local_metadata):
+    raise ValueError(module._state_dict_refused)
+
+
 def all_reduce_flat(tensors: list[torch.Tensor], group=None):
     """Sum `tensors` over the group in place with one all_reduce of their concatenation
     (many small gradients: one call instead of one each)."""

@@ -112,3 +112,60 @@ def test_what_dcp_cannot_take_is_refused_in_one_line(tmp_path):
     lines = [x for x in r.stderr.splitlines() if x.startswith("tp: ")]
     assert r.returncode != 0 and lines and "fused projection" in lines[0], r.stderr[-2000:]
     assert "tpm.full" in lines[0] and not os.path.exists(os.path.join(tmp, "ours-tp-ckpt"))
+
+
+DCP4D = os.path.join(ROOT, "tests", "dcp4d_check.py")
+
+
+def test_compose4d_state_dict_saves_whole_tensors_or_refuses(tmp_path):
+    """compose4d's model after two steps, then a user's dcp.save(model.state_dict()) at W=2
+    (tests/dcp4d_check.py, one launch): across pipeline stages (tied embeddings, ZeRO-2) each
+    name is held whole, and the checkpoint loads on one device into a fresh model equal to the
+    trained one exactly; with tp shards (and ZeRO-3's freed storage) state_dict() refuses in
+    one line naming trainer4d's checkpoints, before anything is written. The planted bug
+    `state-dict-unrefused` (the refusal skipped) saves each rank's rows as the whole tensor:
+    the load then fails (or, where shapes agree, differs)."""
+    runs = {"pp": ["--pp", "2", "--model", "configs/tiny-tied.json", "--zero", "2"],
+            "tp": ["--tp", "2", "--zero", "3"],
+            "plant": ["--tp", "2", "--plant-bug", "state-dict-unrefused"]}
+    spec = tmp_path / "runs.json"
+    spec.write_text(json.dumps([["--mode", "train", *a, "--out", str(tmp_path / k)]
+                                for k, a in runs.items()]))
+    r = torchrun(DCP4D, 2, "--runs", str(spec))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = {k: json.load(open(tmp_path / k / "dcp.json")) for k in runs}
+    assert got["pp"] == {"keys_missing": [], "keys_extra": [], "max_abs_diff": 0.0}, got
+    line = got["tp"]["refused"]
+    assert line.startswith("compose4d: ") and "trainer4d's checkpoints" in line, got
+    assert "\n" not in line and not got["tp"]["written"], got
+    bad = got["plant"]
+    assert "refused" not in bad and (bad.get("load_error") or bad["max_abs_diff"] > 0), got
+
+
+def test_plain_shards_refuse_state_dict(group):
+    """tp.parallelize(..., dtensor=False) (plain shards) and ZeRO-3 (freed storage under every
+    name): model.state_dict() raises one line naming the project's own save, so
+    torch.distributed.checkpoint writes nothing; with dtensor=True it returns DTensors."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    import harness
+    import tp
+    import zero
+    from torch.distributed.tensor import DTensor
+
+    def model():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(harness.load_config("tiny"))
+    m = model()
+    tp.parallelize(m, dtensor=False)
+    with pytest.raises(ValueError, match=r"^tp: .*dtensor=True.*tpm\.full") as e:
+        m.state_dict()
+    assert "\n" not in str(e.value)
+    m = model()
+    tp.parallelize(m)
+    assert all(isinstance(t, DTensor) for t in m.state_dict().values()
+               if t.is_floating_point())
+    m = model()
+    zero.Zero(m, stage=3)
+    with pytest.raises(ValueError, match=r"^zero: stage 3 .*full_tensors"):
+        m.state_dict()
