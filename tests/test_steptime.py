@@ -229,6 +229,22 @@ def test_validation_reproduces_the_results_file():
     assert lines[-1].startswith("median |error| ")
 
 
+def test_validation_says_how_each_source_counts_attention():
+    """Like with like: every row is predicted with causal attention in full, and the validation
+    prints each source's own count: Megatron's rows from r0.8.0's formula (in full, where current
+    Megatron-LM halves it), Narayanan's in hardware FLOPs, Llama 3's count an assumption."""
+    from trainer4d.published import ROWS, SOURCES
+    lines = []
+    validate(out=lines.append)
+    said = {l.split(":", 1)[0].rsplit(" ", 1)[-1]: l.split(":", 1)[1]
+            for l in lines if l.startswith("causal attention's FLOPs, ")}
+    assert set(said) == {r[1] for r in ROWS} and set(said) <= set(SOURCES)
+    assert "r0.8.0" in said["megatron"] and "in full" in said["megatron"]
+    assert "halves" in said["megatron"] and "r0.8.0" in SOURCES["megatron"]
+    assert "assumed" in said["llama3"] and "recompute" in said["narayanan"]
+    for r in ROWS:   # each row's convention as its source counted
+        assert r[8] == ("hardware" if r[1] == "narayanan" else "model"), r[0]
+
 def test_cli_step_time_and_a_bad_gpu():
     run = [sys.executable, "-m", "trainer4d.plan", "--model", "llama2-7b", "--layout", "dp=8"]
     r = subprocess.run(run + ["--gpu", "h100"], capture_output=True, text=True, cwd=ROOT)

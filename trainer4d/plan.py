@@ -345,7 +345,7 @@ def validate(out=print, unpublished_v: int | None = None) -> dict:
     source's convention (tokens/s converted with the same FLOPs per token on both sides).
     unpublished_v: another V for the rows whose interleaved V is the assumed 2 (sensitivity)."""
     import statistics
-    from .published import ROWS, SOURCES
+    from .published import ATTENTION_COUNT, ROWS, SOURCES
     from .steptime import BREAKDOWN, GPUS, constants, flops_per_token, layout_text, table
     c = constants()
     rows = []
@@ -374,6 +374,8 @@ def validate(out=print, unpublished_v: int | None = None) -> dict:
                   mamf={k: round(g["mamf"] / g["peak"], 4) for k, g in GPUS.items()})
     for line in table(result).splitlines():
         out(line)
+    for source in sorted({r["source"] for r in rows}):   # like with like: the count per source
+        out(f"causal attention's FLOPs, {source}: {ATTENTION_COUNT[source]}")
     out(f"median |error| {result['median_abs_rel_err']:.1%} over {len(rows)} rows from "
         f"{len({r['source'] for r in rows})} sources; worst {worst['id']} {worst['rel_err']:+.1%}")
     return result

@@ -14,7 +14,8 @@ Rules for what a source leaves out, the same for every row:
     recompute       none unless the source says (Narayanan: full, its FLOP count assumes it)
     DP sharding     Megatron-LM 2021: all-reduce (ZeRO-0); Megatron-core: its distributed
                     optimizer with overlapped gathers (ZeRO-1); Llama 3: FSDP that keeps the
-                    parameters after forward and reduce-scatters once per step (ZeRO-1 here);
+                    parameters after forward (FSDP's ZeRO-2 mode; ZeRO-1 here, a conservative
+                    approximation: interview Q25);
                     torchtitan's FSDP2: ZeRO-3 (resharded after forward)
     MLP             Megatron's GPT: 4h, not gated, multi-head attention (the README's table does
                     not say; its parameter counts agree)
@@ -61,6 +62,19 @@ SOURCES = {
                   "HBM2e at 500 W, 8 per host, 400 Gb/s per GPU; TPS/GPU at the 90th "
                   "iteration; seq 8192 from train_configs at 9dec370) and docs/performance.md at "
                   "9dec370 (A100 80GB, FSDP2 on 64 GPUs; 405B on 128 H100 96GB)",
+}
+
+# How each source counts causal attention's FLOPs. The validation predicts every row with
+# attention in full (harness.flops; "hardware" adds the recompute's forward), so a row compares
+# like with like where its source counted in full too: current Megatron-LM (which halves it,
+# the causal mask's zero half) would not.
+ATTENTION_COUNT = {
+    "llama3": "in full, assumed: the paper reports 'BF16 MFU' without its FLOP count",
+    "narayanan": "in full (Eq. 3's s/6h term: the whole s x s square), plus the recompute's "
+                 "forward (hardware FLOPs)",
+    "megatron": "in full: r0.8.0's num_floating_point_operations (12 B s L h^2 (... + s/h)); "
+                "current Megatron-LM halves it",
+    "torchtitan": "not needed: tokens/s, converted with the same FLOPs per token on both sides",
 }
 
 # (id, source, model name, shape, gpu, layout, metric, published, convention, what the row assumes)

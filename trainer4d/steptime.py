@@ -32,7 +32,8 @@ A roofline model built from the suite's own formulas, for one GPU of the busiest
                  FP8 / bf16 peak, their casts FP8_CAST_BYTES per feature and token through HBM
 
 The reported FLOP/s follow a source's convention: "model" = harness.flops (6 Psi_matmul + 12 L h s
-per token, attention counted in full as Megatron, torchtitan and PaLM do), "hardware" = Narayanan
+per token, attention counted in full as Megatron-core r0.8.0, torchtitan and PaLM do; current
+Megatron-LM halves it: published.ATTENTION_COUNT says each source's count), "hardware" = Narayanan
 et al. 2021's, which also counts the recompute's forward (96 B s l h^2 (1 + s/6h + V/16lh)).
 
 Every GPU figure is a datasheet's (GPUS, each with its source); the three numbers that are not
