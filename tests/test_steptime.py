@@ -245,6 +245,59 @@ def test_validation_says_how_each_source_counts_attention():
     for r in ROWS:   # each row's convention as its source counted
         assert r[8] == ("hardware" if r[1] == "narayanan" else "model"), r[0]
 
+def test_every_validation_row_runs_through_the_cli(tmp_path, capsys):
+    """What the validation proves is what a user gets: each published row's model written as an
+    HF config file (published.hf_config: Llama's when gated, GPT-2's otherwise, with its biases
+    and learned positions) and its layout as the CLI's text, `python -m trainer4d.plan --model
+    FILE --layout ... --gpu ...` predicts the row's step: exactly for the Llama-shaped rows, within
+    0.5% for GPT's (its biases and position embeddings, which the row's shape leaves out, add
+    optimizer and gradient bytes)."""
+    from trainer4d import plan
+    from trainer4d.published import ROWS, hf_config
+    val = {r["id"]: r for r in validate(out=lambda *_: None)["rows"]}
+    for rid, _, _, sh, gpu, lay, *_ in ROWS:
+        path = str(tmp_path / f"{rid}.json")
+        hf_config(sh, lay["seq"]).to_json_file(path)
+        rows = plan.main(["--model", path, "--layout", ",".join(f"{k}={v}" for k, v in lay.items()),
+                          "--gpu", gpu])
+        got, want = rows[0]["steptime"]["step"], val[rid]["step_s"]
+        assert got == pytest.approx(want, rel=5e-3 if not sh["gated"] else 1e-4), rid
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("kind,kw,gated", [
+    ("gpt2", dict(n_embd=1024, n_layer=4, n_head=16), False),           # GPT-3-shaped: GELU
+    ("bloom", dict(hidden_size=1024, n_layer=4, n_head=16), False),     # ALiBi, LayerNorm bias
+    ("mpt", dict(d_model=1024, n_layers=4, n_heads=16, expansion_ratio=4), False),
+    ("nemotron", dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
+                      num_attention_heads=16, num_key_value_heads=4), False),  # squared ReLU
+    ("mistral", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                     num_attention_heads=16, num_key_value_heads=1), True),    # MQA
+])
+def test_any_dense_decoder_config_reaches_the_step_time(kind, kw, gated, tmp_path, capsys):
+    """The CLI prices any dense HF decoder, its shape read from the model built on the meta
+    device (steptime.shape_of), not from family names: gated or not, norms with or without bias,
+    GQA/MQA. The layer's matmul parameters and the model's parameters are the meta model's
+    exactly, and the step's matmul time is 6 Psi_matmul per token at the matmul ceiling."""
+    from transformers import CONFIG_MAPPING
+    from trainer4d import plan
+    from trainer4d.elastic import count_params
+    path = str(tmp_path / "config.json")
+    config = CONFIG_MAPPING[kind](vocab_size=32000, **kw)
+    config.to_json_file(path)
+    sh = st.shape_of(config)
+    assert sh["gated"] is gated and sh["params"] == count_params(config)["total"], sh
+    h, f = config.hidden_size, sh["ffn"]
+    assert sh["layer_matmul"] - (3 if gated else 2) * h * f == (2 * h + 2 * sh["kv_heads"] *
+                                                                  sh["head_dim"]) * h, sh
+    rows = plan.main(["--model", path, "--layout", "tp=2,dp=4,seq=2048,m=4", "--gpu", "h100"])
+    r = rows[0]["steptime"]
+    out = capsys.readouterr().out
+    assert "not modelled" not in out and "step time on H100" in out, out
+    n = 4 * 2048
+    assert r["matmul"] == pytest.approx(
+        6 * (4 * sh["layer_matmul"] + 32000 * h) * n / 2 / st.gpu_spec("h100")["mamf"], rel=1e-9)
+
 def test_cli_step_time_and_a_bad_gpu():
     run = [sys.executable, "-m", "trainer4d.plan", "--model", "llama2-7b", "--layout", "dp=8"]
     r = subprocess.run(run + ["--gpu", "h100"], capture_output=True, text=True, cwd=ROOT)

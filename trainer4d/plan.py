@@ -332,10 +332,11 @@ def step_report(shape: dict, lay, gpu: str, elem: int, convention: str = "model"
 def step_lines(config, params, lay, gpu: str, elem: int, out=print) -> dict | None:
     """The step time, tokens/s, TFLOP/s and MFU of the layout on `gpu`, and its breakdown."""
     from . import steptime
-    if params["experts"] or not is_llama(config):
-        out("  step time         not modelled (dense Llama-family layers only)")
+    shape = None if params["experts"] else steptime.shape_of(config)
+    if shape is None:
+        out("  step time         not modelled (dense decoder layers only: no routed experts)")
         return None
-    r = step_report(steptime.shape_of(config), lay, gpu, elem)
+    r = step_report(shape, lay, gpu, elem)
     steptime.print_report(r, out)
     return r
 

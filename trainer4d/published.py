@@ -160,3 +160,18 @@ ROWS += [
     titan("D'4", "Llama 3.1 405B", LLAMA3_405B, "h100-96gb", 109.0, "FSDP 16 x TP 8 (TP 8 from "
           "its config), full AC, bf16", dp=16, mb=2, tp=8, recompute_every=1),
 ]
+
+
+def hf_config(shape: dict, seq: int):
+    """A row's model as an HF config, what a user hands the CLI (`--model FILE`): LlamaConfig
+    when its MLP is gated, GPT2Config otherwise (GPT's LayerNorm and linear biases, learned
+    positions for `seq` tokens). tests/test_steptime.py runs every row through the CLI with it."""
+    from transformers import GPT2Config, LlamaConfig
+    if shape["gated"]:
+        return LlamaConfig(hidden_size=shape["hidden"], intermediate_size=shape["ffn"],
+                           num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+                           num_key_value_heads=shape["kv_heads"], vocab_size=shape["vocab"],
+                           tie_word_embeddings=shape["tied"])
+    return GPT2Config(n_embd=shape["hidden"], n_inner=shape["ffn"], n_layer=shape["layers"],
+                      n_head=shape["heads"], vocab_size=shape["vocab"], n_positions=seq,
+                      tie_word_embeddings=shape["tied"])

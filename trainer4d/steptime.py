@@ -157,17 +157,53 @@ LLAMA32_1B = dict(layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, gated=
 # ----------------------------------------------------------------------------------------------
 # A model's shape and its FLOPs
 # ----------------------------------------------------------------------------------------------
-def shape_of(config) -> dict:
-    """The shape step_time needs, from an HF config (Llama-family layers: gated MLP)."""
-    from harness.anatomy import kv_heads, mlp_width
-    return dict(layers=config.num_hidden_layers, hidden=config.hidden_size,
-                heads=config.num_attention_heads, kv_heads=kv_heads(config),
-                ffn=mlp_width(config), gated=getattr(config, "model_type", "") != "gpt2",
-                vocab=config.vocab_size, tied=bool(getattr(config, "tie_word_embeddings", False)))
+def shape_of(config) -> dict | None:
+    """The shape step_time needs, read from any dense HF decoder: the model is built on the meta
+    device with one decoder layer (nothing allocated), and its parts are measured, not named.
+    The attention's matmul weights (fused or not, GQA/MQA) and the MLP's (the layer's other
+    2-D weights) give the layer's exact matmul parameters; the MLP's width is its
+    down projection's other dimension and it is gated when it holds 3 h x ffn matrices (SwiGLU,
+    GeGLU; 2: GELU, squared ReLU); the rest of the layer (norms with or without bias, linear
+    biases) and of the model (positions, the final norm) is counted exactly. None when the
+    layers have routed experts or a part cannot be found (a MoE layer: not modelled)."""
+    import copy
+    import torch
+    from transformers import AutoModelForCausalLM
+    from harness.anatomy import attention_of, kv_heads, parts
+    one = copy.deepcopy(config)
+    one.num_hidden_layers = 1
+    if isinstance(getattr(one, "layer_types", None), list):   # per-layer kinds: the first
+        one.layer_types = one.layer_types[:1]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(one)
+    p = parts(model)
+    layer = p.layers[0] if p.layers is not None else None
+    attention = attention_of(layer) if layer is not None else None
+    if attention is None or any(".experts." in n for n, _ in layer.named_parameters()):
+        return None
+    h = config.hidden_size
+    inside = {id(w) for w in attention.parameters()}
+    mlp = [w for w in layer.parameters() if w.dim() == 2 and id(w) not in inside]  # (OPT: fc1,
+    if not mlp:                                                   # fc2 directly in the layer)
+        return None
+    down = mlp[-1]      # (the last registered: the down projection, [h, f] or [f, h])
+    ffn = down.shape[1] if down.shape[0] == h else down.shape[0]
+    mlp_mm = sum(w.numel() for w in mlp)
+    layer_mm = mlp_mm + sum(w.numel() for w in attention.parameters() if w.dim() == 2)
+    layer_all = sum(w.numel() for w in layer.parameters())
+    rest = sum(w.numel() for w in model.parameters()) - layer_all
+    return dict(layers=config.num_hidden_layers, hidden=h, heads=config.num_attention_heads,
+                kv_heads=kv_heads(config), ffn=ffn, gated=round(mlp_mm / (h * ffn)) == 3,
+                vocab=config.vocab_size, tied=bool(p.tied), layer_matmul=layer_mm,
+                params=config.num_hidden_layers * layer_all + rest,
+                head_dim=getattr(config, "head_dim", None) or h // config.num_attention_heads)
 
 
 def layer_matmul_params(sh: dict) -> int:
-    """One decoder layer's matmul parameters: q and o (h x h), k and v (h x kv), the MLP."""
+    """One decoder layer's matmul parameters: q and o (h x h), k and v (h x kv), the MLP (or, for
+    a shape read from a model, shape_of's count)."""
+    if "layer_matmul" in sh:
+        return sh["layer_matmul"]
     h = sh["hidden"]
     kv = sh["kv_heads"] * (h // sh["heads"])
     return 2 * h * h + 2 * h * kv + (3 if sh["gated"] else 2) * h * sh["ffn"]
@@ -187,7 +223,10 @@ def layer_linear_features(sh: dict) -> int:
 
 
 def param_count(sh: dict) -> int:
-    """All parameters: the layers (matmuls and two norms), embedding, head unless tied, the norm."""
+    """All parameters: the layers (matmuls and two norms), embedding, head unless tied, the norm
+    (or, for a shape read from a model, shape_of's count)."""
+    if "params" in sh:
+        return sh["params"]
     h, V = sh["hidden"], sh["vocab"]
     return sh["layers"] * (layer_matmul_params(sh) + 2 * h) + V * h * (1 if sh["tied"] else 2) + h
 
@@ -232,7 +271,8 @@ def config_of(sh: dict):
     return SimpleNamespace(model_type="llama", hidden_size=sh["hidden"],
                            num_hidden_layers=sh["layers"], num_attention_heads=sh["heads"],
                            num_key_value_heads=sh["kv_heads"], intermediate_size=sh["ffn"],
-                           vocab_size=sh["vocab"], head_dim=sh["hidden"] // sh["heads"],
+                           vocab_size=sh["vocab"],
+                           head_dim=sh.get("head_dim", sh["hidden"] // sh["heads"]),
                            tie_word_embeddings=sh["tied"])
 
 
