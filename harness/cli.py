@@ -22,7 +22,7 @@ from .launch import Env, base_parser, env_from_os, fail_config, launch, resolve_
 from .learning import run_learning
 from .lora_setup import constraints as lora_constraints
 from .dropout import dropping, rate_fields, rates
-from .models import ConfigError, common_constraints, load_config, resolve_attn
+from .models import LOW_PRECISION, ConfigError, common_constraints, load_config, resolve_attn
 from .nccl import nccl_checked
 from .plants import planting
 from .run import Run
@@ -69,7 +69,7 @@ def _validate(cls, args, world: int, rank: int):
                     f"tensorwise), without PyTorch's baselines (the other benchmarks' formulas "
                     f"do not count the amax all-reduces yet, and the baselines do not train in "
                     f"FP8)")
-    low = [d for d in dtypes if d in ("bfloat16", "float16")]
+    low = [d for d in dtypes if d in LOW_PRECISION]
     if (getattr(args, "fp8", None) and args.mode in ("correctness", "plants") and low
             and not (args.fp8 == "tensorwise" and cls.fp8_amax_log)):
         errs.append(f"--fp8 {args.fp8} in {low[0]}: the tensors there are compared only within "

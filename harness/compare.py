@@ -13,7 +13,7 @@ import torch
 
 from .dropout import HiddenDropout
 from .loss import IGNORE_INDEX
-from .models import build_model
+from .models import LOW_PRECISION, build_model
 from .oracle import OracleAdamW
 from .run import Run
 from .strategy import Reference, Strategy, full_tensor, make_reference
@@ -145,7 +145,7 @@ class NoisePolicy:
     @property
     def noise_max(self) -> float:
         """The largest plausible noise sample, relative to the tensor's scale."""
-        return NOISE_MAX_FP8 if self.fp8 and self.dtype in ("bfloat16", "float16") else NOISE_MAX
+        return NOISE_MAX_FP8 if self.fp8 and self.dtype in LOW_PRECISION else NOISE_MAX
 
     @property
     def noise_dtype(self) -> str:
@@ -187,7 +187,7 @@ class NoisePolicy:
 
     @property
     def lr_floor_per_step(self) -> float:
-        if self.dtype in ("bfloat16", "float16"):
+        if self.dtype in LOW_PRECISION:
             return LOW_PRECISION_LR_FLIP
         return PARAM_LR_FLOOR * min(1.0, EPS[self.dtype] / ADAM_EPS)
 

@@ -20,6 +20,7 @@ import math
 import os
 import time
 
+from .models import LOW_PRECISION
 from .report import plot_learning, write_json
 from .run import Run, broadcast_verdict, make_pair
 from .strategy import full_tensor
@@ -77,7 +78,7 @@ def _report_learning(run, name, rows, norms, floor) -> bool:
     tail = rows[-min(5, len(rows)):]
     last = sum(l for _, _, l in tail) / len(tail)
     tol = norm_tol = LEARNING_TOL[args.dtype]
-    if getattr(args, "fp8", None) and args.dtype in ("bfloat16", "float16"):
+    if getattr(args, "fp8", None) and args.dtype in LOW_PRECISION:
         norm_tol = max(tol, LEARNING_TOL_FP8)
     # "well below the initial loss": at least half of the way from the start to the floor;
     # --lora: an eighth (rank-R adapters on a frozen random-init model: 5.55 -> 4.86 nats in

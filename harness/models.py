@@ -21,6 +21,7 @@ from .dropout import rates, set_rates as set_dropout
 
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+LOW_PRECISION = ("bfloat16", "float16")   # the --dtype names of 16-bit runs
 
 
 _TINY_FAMILY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
