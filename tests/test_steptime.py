@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = dict(layers=2, hidden=8, heads=2, kv_heads=2, ffn=16, gated=True, vocab=32, tied=False)
 # a toy GPU with round numbers: 100 FLOP/s peak, matmuls at 50, 1,000 B/s HBM, NVLink 10 B/s,
 # network 1 B/s, 4 GPUs per node
-GPU = dict(name="toy", peak=100.0, hbm=1000.0, nvlink=10.0, net=1.0, per_node=4, mamf=50.0)
+GPU = dict(name="toy", peak=100.0, hbm=1000.0, nvlink=10.0, nic=1.0, nics=4, per_node=4, mamf=50.0)
 
 
 def toy_layout(**kw):
@@ -146,9 +146,10 @@ def test_data_parallel_exposure_by_hand():
     # reduced in fp16 (reduce_bytes=2): half the bytes
     half = step(toy_layout(dp=2, dp_overlap=0, reduce_bytes=2))
     assert half["dp"] == pytest.approx(t / 2)
-    # across nodes (8 GPUs of 4 per node): the network's bandwidth instead
+    # across nodes (8 GPUs of 4 per node): the network's bandwidth instead, the group's 4 ranks
+    # per node under rings over the node's 4 NICs (1.0 each)
     far = step(toy_layout(dp=8))
-    t8 = 2 * 7 / 8 * 4 * 1832 / 1.0
+    t8 = 2 * 7 / 8 * 4 * 1832 / (4 * 1.0)
     assert far["dp"] == pytest.approx(max(0.0, t8 - 2 * compute / 3) + t8 / 2)
 
 
@@ -197,6 +198,43 @@ def test_link_follows_the_rank_order():
     assert st.link(lay, "dp", g)[0] == "network" and st.link(lay, "pp", g)[0] == "network"
     assert st.link(parse_layout("tp=2,dp=4"), "dp", g)[0] == "nvlink"      # 2 x 4 = 8 per node
     assert st.link(parse_layout("tp=2,dp=8"), "dp", g)[0] == "network"
+
+
+def test_rings_over_rails_share_the_nodes_nics():
+    """NCCL's ring per rail leaves a node once: a group with g ranks per node gets g NIC shares
+    per GPU (one beside tp = 8, all eight when DP fills the node), NVLink its cap; a pipeline
+    send and an all-to-all their GPU's own share; fewer or slower NICs (the CLI's
+    --nics-per-node, --nic-gbps) scale every network link."""
+    g = st.GPUS["h100"]
+    assert st.link(parse_layout("tp=8,dp=64"), "dp", g) == ("network", 50e9)        # g = 1
+    assert st.link(parse_layout("tp=2,dp=32"), "dp", g) == ("network", 4 * 50e9)    # g = 4
+    assert st.link(parse_layout("dp=64"), "dp", g) == ("network", 8 * 50e9)         # g = 8
+    assert st.link(parse_layout("tp=16"), "tp", g) == ("network", 8 * 50e9)
+    assert st.link(parse_layout("pp=16"), "pp", g) == ("network", 50e9)
+    assert st.link(dict(parse_layout("dp=64"), dp=1024), "dp", dict(g, nvlink=300e9))[1] == 300e9
+    four = dict(g, nics=4, nic=100e9 / 8)          # 4 x 100 Gb/s per node of 8 GPUs
+    assert st.link(parse_layout("dp=64"), "dp", four) == ("network", 8 * 4 * 12.5e9 / 8)
+    assert st.link(parse_layout("pp=16"), "pp", four) == ("network", 4 * 12.5e9 / 8)
+
+
+def test_cli_network_flags(capsys):
+    """--nics-per-node and --nic-gbps describe the --gpu machine (named in the report); FSDP over
+    64 GPUs slows on 4 x 100 Gb/s per node; a bad value or the flags without --gpu: one line,
+    exit 2, before any report."""
+    from trainer4d import plan
+    args = ["--model", "llama2-7b", "--layout", "dp=64,zero=3,seq=4096", "--gpu", "h100"]
+    fast = plan.main(args)[0]["steptime"]
+    slow = plan.main(args + ["--nics-per-node", "4", "--nic-gbps", "100"])[0]["steptime"]
+    out = capsys.readouterr().out
+    assert "4 x 100 Gb/s NICs per node" in out and slow["dp"] > 4 * fast["dp"], (fast, slow)
+    for bad in (["--nic-gbps", "0"], ["--nics-per-node", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            plan.main(args + bad)
+        assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--model", "llama2-7b", "--layout", "dp=8", "--nic-gbps", "100"])
+    err = capsys.readouterr()
+    assert e.value.code == 2 and "give --gpu" in err.err and "parameters" not in err.out
 
 
 def test_constants_come_from_the_h100_measurements():

@@ -39,7 +39,8 @@ Where each number comes from (imported, not copied; new here: comm_per_step and 
     logits         oom_search.predict_peak's logits and loss term, on the last stage
     bubble         pp_schedule.bubble_formula; in-flight micro-batches from pp_schedule.simulate
     wire bytes     harness.meter.RING_FACTOR (ring algorithms; steptime.wire_bytes)
-    step time      --gpu NAME: trainer4d/steptime.py's model with comm_per_step's rows (step_report;
+    step time      --gpu NAME (--nics-per-node, --nic-gbps: its network): trainer4d/steptime.py's
+                   model with comm_per_step's rows, for any dense HF decoder (steptime.shape_of;
                    `validate` holds it against published runs, trainer4d/published.py)
     comm per step  comm_per_step() below, counted with the formula functions of tp.py, sp.py,
                    cp_ring.py, pp_schedule.py and zero.py (the same ones the rig's expected
@@ -321,7 +322,7 @@ def plan(config, params, lay, elem: int, mem_gib: float | None, out=print) -> di
 # ----------------------------------------------------------------------------------------------
 # The step time (trainer4d/steptime.py's model, fed this file's comm rows), and its validation
 # ----------------------------------------------------------------------------------------------
-def step_report(shape: dict, lay, gpu: str, elem: int, convention: str = "model") -> dict:
+def step_report(shape: dict, lay, gpu, elem: int, convention: str = "model") -> dict:
     """steptime.report for a model shape (steptime.shape_of) with comm_per_step's rows."""
     from . import steptime
     n = steptime.param_count(shape)
@@ -329,7 +330,7 @@ def step_report(shape: dict, lay, gpu: str, elem: int, convention: str = "model"
     return steptime.report(shape, lay, gpu, rows, elem, convention)
 
 
-def step_lines(config, params, lay, gpu: str, elem: int, out=print) -> dict | None:
+def step_lines(config, params, lay, gpu, elem: int, out=print) -> dict | None:
     """The step time, tokens/s, TFLOP/s and MFU of the layout on `gpu`, and its breakdown."""
     from . import steptime
     shape = None if params["experts"] else steptime.shape_of(config)
@@ -514,10 +515,25 @@ def main(argv=None):
     p.add_argument("--mem-gib", type=float, default=None, help="memory per GPU, for 'fits'")
     p.add_argument("--gpu", default=None, help="predict the step time and MFU on this GPU "
                    "(a100, a100-40gb, h100, h100-96gb, h800, h200, b200): trainer4d/steptime.py")
+    p.add_argument("--nics-per-node", type=int, default=None,
+                   help="the machine's network: NICs per node (default: one per GPU, 8)")
+    p.add_argument("--nic-gbps", type=float, default=None,
+                   help="Gb/s per NIC and direction (default: the GPU's system, 200 A100, 400 H100)")
     a = p.parse_args(argv)
+    gpu = a.gpu
     if a.gpu:
         from .steptime import gpu_spec
-        gpu_spec(a.gpu)                                 # an unknown name ends here, in one line
+        gpu = dict(gpu_spec(a.gpu))                     # an unknown name ends here, in one line
+        for value, key, scale, flag in ((a.nics_per_node, "nics", 1, "--nics-per-node"),
+                                        (a.nic_gbps, "nic", 1e9 / 8, "--nic-gbps")):
+            if value is not None:
+                if value <= 0:
+                    refuse(f"{flag} {value}: not a positive number")
+                gpu[key] = value * scale
+        if a.nics_per_node is not None or a.nic_gbps is not None:
+            gpu["name"] += f", {gpu['nics']:g} x {gpu['nic'] * 8 / 1e9:g} Gb/s NICs per node"
+    elif a.nics_per_node is not None or a.nic_gbps is not None:
+        refuse("--nics-per-node and --nic-gbps describe the --gpu machine: give --gpu")
     layouts = [parse_layout(text) for text in a.layout]   # every refusal before any report
     if a.gpu and any(lay["fp8"] for lay in layouts):
         from .steptime import gpu_spec
@@ -530,7 +546,7 @@ def main(argv=None):
     for lay in layouts:
         rows.append(plan(config, params, lay, elem, a.mem_gib))
         if a.gpu:
-            rows[-1]["steptime"] = step_lines(config, params, lay, a.gpu, elem)
+            rows[-1]["steptime"] = step_lines(config, params, lay, gpu, elem)
     if len(rows) > 1:
         print(f"summary ({a.model}, {a.dtype}; GiB per GPU)")
         print(f"  {'layout':<44} {'states':>7} {'acts':>7} {'logits':>7} {'total':>7}")

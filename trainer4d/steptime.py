@@ -50,44 +50,46 @@ from types import SimpleNamespace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Datasheet figures per GPU: dense bf16 peak FLOP/s (no sparsity), HBM bytes/s, NVLink bytes/s per
-# GPU and direction, network bytes/s per GPU (one NIC per GPU, the HGX reference design), GPUs per
-# node; mamf: the largest bf16 matmul FLOP/s measured (Bekman, ml-engineering,
+# GPU and direction, bytes/s per NIC and NICs per node (one per GPU, the HGX/DGX reference design;
+# the CLI's --nics-per-node and --nic-gbps change them for another machine), GPUs per node;
+# mamf: the largest bf16 matmul FLOP/s measured (Bekman, ml-engineering,
 # compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table", its torch
 # 2.6-2.7 rows: A100 SXM 271.2, H100 SXM 794.5 ("H200 is the same"), B200 SXM 1,745.0).
 GPUS = {
     # A100 datasheet (nvidia-a100-datasheet-us-2188504): BF16 Tensor Core 312 TFLOPS (624 with
     # sparsity), 80GB HBM2e 2,039 GB/s, NVLink 600 GB/s (12 links x 25 GB/s each direction);
     # HDR InfiniBand 200 Gb/s per GPU (Selene: eight 200Gbps HCAs per node, Narayanan et al. 2021)
-    "a100": dict(name="A100 80GB SXM", peak=312e12, hbm=2.039e12, nvlink=300e9, net=25e9,
-                 per_node=8, mamf=271.2e12, fp8=None),   # (no FP8 tensor cores)
+    "a100": dict(name="A100 80GB SXM", peak=312e12, hbm=2.039e12, nvlink=300e9, nic=25e9,
+                 nics=8, per_node=8, mamf=271.2e12, fp8=None),   # (no FP8 tensor cores)
     # the same datasheet's 40GB part: HBM2 1,555 GB/s; the rest as the 80GB's
-    "a100-40gb": dict(name="A100 40GB SXM", peak=312e12, hbm=1.555e12, nvlink=300e9, net=25e9,
-                      per_node=8, mamf=271.2e12, fp8=None),
+    "a100-40gb": dict(name="A100 40GB SXM", peak=312e12, hbm=1.555e12, nvlink=300e9,
+                      nic=25e9, nics=8, per_node=8, mamf=271.2e12, fp8=None),
     # H100 whitepaper v1.04 Table 1: BF16 Tensor Core 989.4 TFLOPS dense; product page: 80GB
     # HBM3 3.35 TB/s; 18 NVLink-4 links, 900 GB/s total; 400 Gb/s NDR per GPU (DGX H100); FP8
     # Tensor Core 1,978.9 TFLOPS dense (3,957.8 with sparsity)
     "h100": dict(name="H100 80GB SXM (HBM3, 700 W)", peak=989.4e12, hbm=3.35e12, nvlink=450e9,
-                 net=50e9, per_node=8, mamf=794.5e12, fp8=1978.9e12),
+                 nic=50e9, nics=8, per_node=8, mamf=794.5e12, fp8=1978.9e12),
     # torchtitan's benchmark GPUs (benchmarks/llama3_h100_202412_torchtitan.md): "96GB HBM2e with
     # 2.4 TB/sec", 500 W, "400 Gb/s per GPU"; its peak is unpublished: "between SXM and NVL" (the
     # H100 NVL datasheet: BF16 1,671 TFLOPS with sparsity, 835.5 dense), taken at the middle of
     # that bracket, 912.5 TFLOPS; its matmul ceiling: the H100 SXM's MAMF scaled the same (FP8:
     # twice the bf16 peak, as on every Hopper datasheet)
     "h100-96gb": dict(name="H100 96GB HBM2e (500 W)", peak=912.5e12, hbm=2.4e12, nvlink=450e9,
-                      net=50e9, per_node=8, mamf=794.5e12 * 912.5 / 989.4, fp8=2 * 912.5e12),
+                      nic=50e9, nics=8, per_node=8, mamf=794.5e12 * 912.5 / 989.4,
+                      fp8=2 * 912.5e12),
     # H800: the H100 die with NVLink cut to 400 GB/s (no public NVIDIA datasheet; third-party
     # spec sheets); DeepSeek-V3's report: "IB (50 GB/s)" per GPU
-    "h800": dict(name="H800 SXM", peak=989.4e12, hbm=3.35e12, nvlink=200e9, net=50e9,
+    "h800": dict(name="H800 SXM", peak=989.4e12, hbm=3.35e12, nvlink=200e9, nic=50e9, nics=8,
                  per_node=8, mamf=794.5e12, fp8=1978.9e12),
     # H200 product page: BF16 1,979 TFLOPS with sparsity (989 dense), FP8 3,958 (1,979 dense),
     # 141GB HBM3e 4.8 TB/s; NVLink 900 GB/s
-    "h200": dict(name="H200 SXM 141GB", peak=989.4e12, hbm=4.8e12, nvlink=450e9, net=50e9,
+    "h200": dict(name="H200 SXM 141GB", peak=989.4e12, hbm=4.8e12, nvlink=450e9, nic=50e9, nics=8,
                  per_node=8, mamf=794.5e12, fp8=1978.9e12),
     # HGX B200 page: FP16/BF16 36 PFLOPS per 8 GPUs with sparsity ("dense is 1/2"): 2.25 PF per
     # GPU; DGX B200 64 TB/s HBM3e per 8 GPUs; NVLink 5 1.8 TB/s; ConnectX-7 400 Gb/s per GPU;
     # FP8 72 PFLOPS with sparsity per 8 GPUs: 4.5 PF dense per GPU
-    "b200": dict(name="B200 (HGX, 1000 W)", peak=2.25e15, hbm=8.0e12, nvlink=900e9, net=50e9,
-                 per_node=8, mamf=1745e12, fp8=4.5e15),
+    "b200": dict(name="B200 (HGX, 1000 W)", peak=2.25e15, hbm=8.0e12, nvlink=900e9, nic=50e9,
+                 nics=8, per_node=8, mamf=1745e12, fp8=4.5e15),
 }
 GPU_ALIASES = {"a100-80gb": "a100", "h100-sxm": "h100", "h200-sxm": "h200"}
 
@@ -305,7 +307,14 @@ def stages(L: int, P: int) -> list[tuple[int, bool]]:
 # ----------------------------------------------------------------------------------------------
 def link(lay: dict, group: str, gpu: dict) -> tuple[str, float]:
     """(link class, bytes/s per GPU and direction) of a group: NVLink when its ranks, at stride
-    (the product of the groups inside it), fit in one node; else the network's."""
+    (the product of the groups inside it), fit in one node; else the network's, as NCCL routes
+    it. A ring collective runs one ring per rail (channel), and each ring leaves a node once:
+    per node, one rank's share of the wire bytes crosses the network, through all the node's
+    NICs. The node's NICs are shared by the per_node / g groups of this kind in it (g: this
+    group's ranks per node), so a group of g ranks per node gets g NIC-shares per GPU: a
+    data-parallel group that fills the node (FSDP alone) all of them, one beside tp = 8 a
+    GPU's own. A point-to-point send (pp) and an all-to-all (ep) leave through each GPU's NIC
+    share (no ring to fold them into). Capped by NVLink, which the ring's hops inside a node use."""
     size = {"tp": lay["tp"], "cp": lay["cp"], "pp": lay["pp"], "dp": lay["dp"] * lay["cp"],
             "edp": lay["dp"] * lay["cp"] // lay["ep"], "ep": lay["ep"]}[group]
     inner = {"tp": 1, "cp": lay["tp"], "pp": lay["tp"] * lay["cp"],
@@ -314,7 +323,13 @@ def link(lay: dict, group: str, gpu: dict) -> tuple[str, float]:
     if group == "dp" and lay["cp"] > 1:     # ZeRO over dp x cp: the cp ranks are inside tp x cp
         inner = lay["tp"]
     span = inner * size     # pp: the whole pipeline; once it spans nodes, a boundary crosses
-    return ("nvlink", gpu["nvlink"]) if span <= gpu["per_node"] else ("network", gpu["net"])
+    if span <= gpu["per_node"]:
+        return "nvlink", gpu["nvlink"]
+    share = gpu["nic"] * gpu["nics"] / gpu["per_node"]   # one GPU's share of its node's NICs
+    if group in ("pp", "ep"):
+        return "network", share
+    g = max(1, min(size, gpu["per_node"] // inner))      # this group's ranks in one node
+    return "network", min(gpu["nvlink"], share * g)
 
 
 def wire_bytes(group: str, op: str, nbytes: float, lay: dict) -> float:
