@@ -57,7 +57,7 @@ def _validate(cls, args, world: int, rank: int):
             errs += cls.constraints(a, world, config)
     if getattr(args, "doc_mask", False) and not cls.doc_mask:
         errs.append(f"--doc-mask: {cls.name} does not mask packed documents yet (ddp, zero, "
-                    f"fsdp, tp, sp, pp, cp, ep, compose4d do)")
+                    f"zero++, fsdp, tp, sp, pp, cp, ep, compose4d do)")
     if getattr(args, "fp8", None) and cls.convert_fp8 is None:
         errs.append(f"--fp8: {cls.name} does not train in FP8 yet (ddp, zero, fsdp, tp, sp, "
                     f"pp, cp, ep, compose4d do)")

@@ -249,7 +249,8 @@ class QuantizationNoise(Reference):
                     mb = batch.shard(r, self.W).split(K)[k]
                     self.optimizer.zero_grad(set_to_none=True)
                     with dropout.at(mb):
-                        logits = self.model(input_ids=mb.input_ids).logits
+                        logits = self.model(input_ids=mb.input_ids,
+                                            position_ids=mb.doc_positions).logits
                     ce = lm_loss_sum(logits, mb.labels)
                     (ce / batch.n_tokens).backward()
                     ce_sum += ce.item()
@@ -344,7 +345,7 @@ class ZeroPlusPlus(ZeRO):
     name = "zero++"
     optimizers, muon_modes = ("adamw",), ("auto",)   # (Muon over qwZ's int8 gathers: not built)
     lora = False   # (LoRA's frozen units under qwZ / hpZ / qgZ: not built)
-    doc_mask = False   # (its step runs its own micro-batch loop)
+    doc_mask = True    # (zero.py's step; the noise reference's loop passes the documents too)
     _ZEROPP = ("--stage", "3", "--zeropp", "qwz,hpz,qgz", "--node-size", "2")
     plants = {
         "qwz-local-dequant": Plant("qwZ: each rank dequantizes every rank's int8 blocks "
