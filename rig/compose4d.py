@@ -64,7 +64,7 @@ def compose_constraints(args, world, config) -> list[str]:
     if getattr(args, "doc_mask", False):   # (dp x tp x pp: pp.py's stage loop, HF's masks)
         why = ("--cp: compose4d does not hand the documents to the ring yet" if C > 1 else
                "--sp: the layers see 1/tp of the sequence, the document masks the whole"
-               if args.sp else "a MoE model's router loss" if is_moe(config) else None)
+               if args.sp else None)
         if why:
             return [f"--doc-mask with {why}"]
     errs = fp8_compose_constraints(args, T, config)
@@ -164,7 +164,7 @@ class Compose4D(Parallel4D, Strategy):
     name = "4d"
     convert_fp8 = staticmethod(fp8.convert)   # tp's carry, dp x cp's token scopes, micro rows
     fp8_micro_rows = staticmethod(compose_micro_rows)
-    doc_mask = True   # (dp x tp x pp, the train mode too; refused with cp, sp, MoE: constraints)
+    doc_mask = True   # (dp x tp x pp, MoE, the train mode too; refused with cp, sp: constraints)
     self_check = ("compose4d's stage loop (pp.py's)", stage_loop)
     reference = staticmethod(reference)
     # Realistic one-line bugs, each beside the line it breaks (grep the name), and the
