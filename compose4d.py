@@ -138,8 +138,8 @@ class Parallel4D:
             self.partial = [*self.tp.kv_copy_params.values(),
                             *self.tp.group_partials.values()]
         # Context parallelism: ring attention over the cp group, this rank's zig-zag tokens.
-        self.pos = (cp_ring.parallelize(model, g["cp"], args.length).positions.to(env.device)
-                    if C > 1 else None)
+        self.ring = cp_ring.parallelize(model, g["cp"], args.length) if C > 1 else None
+        self.pos = self.ring.positions.to(env.device) if C > 1 else None
         # Pipeline: this rank's stage (drops the other layers), over the pp group.
         V = args.virtual_stages if args.schedule == "interleaved" else 1
         s = args.length // C // T   # under SP: this rank's contiguous share of its tokens
@@ -148,7 +148,7 @@ class Parallel4D:
             positions=None if planted("cp-local-positions") else self.pos,   # plant
             seq_shards=T if args.sp else 1,
             hidden_columns=slice(self.me["tp"] * s, (self.me["tp"] + 1) * s) if args.sp else None,
-            loss_sum=self.tp.loss_sum if self.tp is not None else None)
+            loss_sum=self.tp.loss_sum if self.tp is not None else None, ring=self.ring)
         mine = self.pipe.my_chunks
         self.first, self.last = 0 in mine, self.pipe.n_chunks - 1 in mine
         kept = {id(m) for m in model.modules()}
@@ -297,7 +297,8 @@ class Parallel4D:
         self.cut_row = pipeline.Cut(self.pipe, M, stop) if stop is not None and M else None
         # the CE sum plus this rank's share of the MoE router losses (as a sum over the
         # batch's tokens), for the logged objective (the CE sum alone without MoE)
-        loss_sum = (self.pipe.run(local, M, n_tokens, mbs=mbs, steps=self.cut_row)
+        loss_sum = (self.pipe.run(local, M, n_tokens, mbs=mbs, steps=self.cut_row,
+                                  docs=batch.doc_positions)
                     + compose_moe.logged_terms(self.blocks) * batch.n_tokens if M else
                     torch.zeros((), dtype=torch.float64, device=self.env.device))
         grads = self.reduce_grads()
@@ -334,7 +335,8 @@ class Parallel4D:
             self.optimizer.reduce_gradients()     # per unit: flat [W * s] -> this rank's [s]
             grads = self.optimizer.grad_shards()  # [s] per unit, over dp x cp (edp: experts)
             if not planted("sp-partials-unreduced"):   # plant: norms' partials left unsummed
-                self._reduce_slices(grads, self.partial_slices, g["tp"])
+                all_reduce_flat([grads[i][a:b] for i, sl in enumerate(self.partial_slices)   # flat
+                                 for a, b in sl], g["tp"])   # [the slices' b - a] (T = 1: none)
             if self.pipe.tie_trains():
                 if not planted("tied-sync-skipped"):   # plant: the tie forgotten
                     dist.all_reduce(grads[0] if self.first else grads[-1], group=g["tied"])  # [s]
@@ -348,7 +350,8 @@ class Parallel4D:
         """The global CE sum of a held-out batch: forwards only, through the same split."""
         self.model.eval()   # (no dropout in a held-out loss)
         try:
-            ce = pipeline.evaluate(self.pipe, self.local_batch(batch), self.args.grad_accum)
+            ce = pipeline.evaluate(self.pipe, self.local_batch(batch), self.args.grad_accum,
+                                   batch.doc_positions)
         finally:
             self.model.train()
         # every tp rank computed the same CE sum: counted once
@@ -367,12 +370,6 @@ class Parallel4D:
             self.optimizer.step()     # on the edited shards, then the all-gather
         compose_moe.after_step(self.blocks, self.args)   # (the aux-free bias)
         self.t += 1
-
-    @staticmethod
-    def _reduce_slices(grads, slices, group):
-        if dist.get_world_size(group) > 1:
-            all_reduce_flat([grads[i][a:b] for i, sl in enumerate(slices)   # flat [sum of
-                                    for a, b in sl], group)               # the slices' b - a]
 
     def clip(self, grads, max_norm: float) -> float:
         """The global gradient norm over all four dimensions (one scalar all-reduce over the

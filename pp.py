@@ -121,13 +121,15 @@ class Pipeline:
 
     def __init__(self, model, P: int, V: int, rank: int, schedule_name: str, group=None,
                  tie_group=None, split_backward: bool | None = None, *, positions=None,
-                 seq_shards: int = 1, hidden_columns: slice | None = None, loss_sum=None):
+                 seq_shards: int = 1, hidden_columns: slice | None = None, loss_sum=None,
+                 ring=None):
         V = chunks_per_rank(schedule_name, V)
         self.model, self.rank, self.group = model, rank, group
         self.stages, self.virtual_stages = P, V     # P stages, V chunks per rank
         self.schedule_name, self.n_chunks = schedule_name, P * V
         self.positions, self.seq_shards = positions, seq_shards
         self.hidden_columns, self.loss_sum = hidden_columns, loss_sum or lm_loss_sum
+        self.ring, self.docs, self.ring_blocks = ring, None, {}   # (compose4d's cp: documents)
         self._grids = {}         # M -> Grid
         # the model's parts, found by HF's accessors (any causal LM's names: harness.parts)
         self.parts = p = parts(model)
@@ -264,6 +266,7 @@ class Pipeline:
         activations). The last chunk returns the loss the micro-batch backpropagates, its CE
         sum / n_tokens (so the sum over micro-batches is the global mean), and the CE sum to
         report; the other chunks return their output activations and None."""
+        self.documents(m, mbs[m])
         with dropout.at(mbs[m], hidden=self.hidden_columns):
             out = self.run_chunk(c, x, mbs[m].input_ids.shape[1], mbs[m].doc_positions)
         if c < self.n_chunks - 1:
@@ -276,6 +279,19 @@ class Pipeline:
             loss = ce / mbs[m].n_tokens / len(mbs)
         return loss, ce.detach().double()
 
+    def documents(self, m, mb=None):
+        """Ring attention (`ring`: compose4d's cp_ring context) under packed documents: micro-
+        batch m's block masks, made from its rows' whole-sequence positions (`docs`, the global
+        batch's, by row id) before its forward (mb given), put back before its backward
+        (another micro-batch's forward may have run between, and its masks are others')."""
+        if self.ring is None:
+            return
+        if mb is not None:
+            from cp_ring import set_documents
+            set_documents(self.ring, None if self.docs is None else self.docs[mb.row_ids()])
+            self.ring_blocks[m] = self.ring.blocks
+        self.ring.blocks = self.ring_blocks[m]
+
     def backward(self, kind, c, m, x, out, g):
         """B, I or W of chunk c for micro-batch m, from its stashed input x and output out and
         the output's gradient g (None on the last chunk, where out is the loss). B: the whole
@@ -283,6 +299,8 @@ class Pipeline:
         (norms, embeddings), the linear layers stashing their (input, output gradient) pairs;
         W: the linear layers' weight gradients from those pairs (x, out, g unused). Returns the
         input's gradient, for chunk c - 1 (B and I, c > 0), else None."""
+        if not planted("ring-docs-not-restored"):   # plant: the last forward's masks kept
+            self.documents(m)
         if kind == "B":
             torch.autograd.backward(out, g)
         elif kind == "I":
@@ -304,7 +322,7 @@ class Pipeline:
         return self._grids[M]
 
     def run(self, batch: Batch, M: int, n_tokens: int | None = None,
-            mbs: list | None = None, steps=None) -> torch.Tensor:
+            mbs: list | None = None, steps=None, docs=None) -> torch.Tensor:
         """This rank's part of one optimizer step over `batch` in M micro-batches (or the given
         list `mbs`, whose sizes may differ when P = 1); each micro-batch backpropagates its CE
         sum / n_tokens (default: the batch's own count). Returns the CE sum of the micro-batches
@@ -312,8 +330,9 @@ class Pipeline:
         grid (Grid): at each step the step's action (its input taken from a posted receive),
         then the step's batch of sends and receives. `steps`: that row as the caller edits it
         (default grid(M).steps[rank]; the trainer's preemption cuts it short:
-        trainer4d/pipeline.py)."""
+        trainer4d/pipeline.py). docs: the global batch's (B, S) document positions, for `ring`."""
         n_tokens = n_tokens or batch.n_tokens
+        self.docs, self.ring_blocks = docs, {}
         mbs = mbs or batch.split(M)             # (B, S) -> M micro-batches, each (B/M, S)
         M = len(mbs)
         B, S = mbs[0].input_ids.shape           # a micro-batch's: B is its rows from here on

@@ -62,8 +62,7 @@ def compose_constraints(args, world, config) -> list[str]:
     if errs:
         return errs
     if getattr(args, "doc_mask", False):   # (dp x tp x pp: pp.py's stage loop, HF's masks)
-        why = ("--cp: compose4d does not hand the documents to the ring yet" if C > 1 else
-               "--sp: the layers see 1/tp of the sequence, the document masks the whole"
+        why = ("--sp: the layers see 1/tp of the sequence, the document masks the whole"
                if args.sp else None)
         if why:
             return [f"--doc-mask with {why}"]
@@ -164,7 +163,7 @@ class Compose4D(Parallel4D, Strategy):
     name = "4d"
     convert_fp8 = staticmethod(fp8.convert)   # tp's carry, dp x cp's token scopes, micro rows
     fp8_micro_rows = staticmethod(compose_micro_rows)
-    doc_mask = True   # (dp x tp x pp, MoE, the train mode too; refused with cp, sp: constraints)
+    doc_mask = True   # (dp x tp x pp x cp, MoE, the train mode too; refused with sp: constraints)
     self_check = ("compose4d's stage loop (pp.py's)", stage_loop)
     reference = staticmethod(reference)
     # Realistic one-line bugs, each beside the line it breaks (grep the name), and the
@@ -192,6 +191,10 @@ class Compose4D(Parallel4D, Strategy):
             "the model's: the aux term counted once per stage", _MOE, world=4),
         "dropout-rank-local": Plant(dropout.PLANT_DOC, dropout.PLANT_ARGS + (
             "--tp", "2", "--pp", "2"), world=4),
+        "ring-docs-not-restored": Plant(
+            "--doc-mask under cp and pp: a micro-batch's backward runs with the ring's block "
+            "masks of the last forward, another micro-batch's documents",
+            ("--doc-mask", "--cp", "2", "--pp", "2", "--grad-accum", "2"), world=4),
         "lr-one-step-ahead": Plant(
             "step k runs at the schedule's learning rate for step k + 1", _CP),
         "grad-sum-misses-cp": Plant(

@@ -42,13 +42,15 @@ class Cut:
 
 
 @torch.no_grad()
-def evaluate(pipe, batch: Batch, M: int) -> torch.Tensor:
+def evaluate(pipe, batch: Batch, M: int, docs=None) -> torch.Tensor:
     """Forward only (held-out loss): this rank's chunks on each of M micro-batches, no graph
     kept. Returns the CE sum of the micro-batches whose loss this rank computed (float64).
     Every rank walks micro-batch m's chunks 0..C-1 in order, taking chunk c's input from
     chunk c-1's rank and handing its output to chunk c+1's: a chain, so each pair of ranks
     posts its sends and receives in the same order and nothing waits in a cycle (NCCL
-    matches them in issue order; no tags are needed)."""
+    matches them in issue order; no tags are needed). docs: as Pipeline.run's (ring attention's
+    packed documents)."""
+    pipe.docs = docs
     mbs = batch.split(M)                    # (B, S) -> M micro-batches, each (B/M, S)
     B, S = mbs[0].input_ids.shape           # a micro-batch's: B is its rows from here on
     shape = (B, S // pipe.seq_shards, pipe.model.config.hidden_size)   # (B, S/T, H)
@@ -56,6 +58,7 @@ def evaluate(pipe, batch: Batch, M: int) -> torch.Tensor:
     device = batch.input_ids.device
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for mb in mbs:
+        pipe.documents(0, mb)
         for c in pipe.my_chunks:
             if c == 0:
                 x = mb.input_ids
