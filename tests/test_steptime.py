@@ -281,7 +281,8 @@ def test_validation_says_how_each_source_counts_attention():
     assert "halves" in said["megatron"] and "r0.8.0" in SOURCES["megatron"]
     assert "assumed" in said["llama3"] and "recompute" in said["narayanan"]
     for r in ROWS:   # each row's convention as its source counted
-        assert r[8] == ("hardware" if r[1] == "narayanan" else "model"), r[0]
+        assert r[8] == ("hardware" if r[1] in ("narayanan", "bloom") else "model"), r[0]
+        assert (r[8] == "hardware") == ("recompute's forward" in said[r[1]]), r[0]
 
 def test_every_validation_row_runs_through_the_cli(tmp_path, capsys):
     """What the validation proves is what a user gets: each published row's model written as an

@@ -58,6 +58,17 @@ SOURCES = {
                 "seq 4096, H100; --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap; "
                 "FLOPs by training.py's num_floating_point_operations (3 x forward, attention in "
                 "full)",
+    "llmfoundry": "mosaicml/llm-foundry scripts/train/benchmarking/README.md at 061f2c7ce6 (MPT "
+                  "on H100 80GB and A100 80GB, FSDP FULL_SHARD over all GPUs, amp_bf16; T/s/GPU; "
+                  "its MFU counts 6 N + 12 L d s per token, attention in full, as harness.flops); "
+                  "shapes from scripts/train/yamls/pretrain/mpt-*.yaml (ALiBi, MLP 4h, MHA, "
+                  "vocab 50368, tied)",
+    "bloom": "bigscience-workshop/bigscience train/tr11-176B-ml (chronicles.md at e726b15982: "
+             "'TFLOPs: 149.02' at GBS 2048, 105.22 s per iteration; README.md: NHIDDEN=14336 "
+             "NLAYERS=70 NHEADS=112, SEQ_LEN=2048; TP 4 x PP 12 x DP 8 on 384 A100 80GB, MBS 2, "
+             "full activation checkpointing, Megatron-DeepSpeed's pipeline, its bf16 optimizer "
+             "sharding the states (ZeRO-1); its TFLOPs count the recompute's forward (Narayanan's "
+             "formula, hardware FLOPs), vocab padded to 250,880)",
     "torchtitan": "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (H100 96GB "
                   "HBM2e at 500 W, 8 per host, 400 Gb/s per GPU; TPS/GPU at the 90th "
                   "iteration; seq 8192 from train_configs at 9dec370) and docs/performance.md at "
@@ -75,6 +86,9 @@ ATTENTION_COUNT = {
     "megatron": "in full: r0.8.0's num_floating_point_operations (12 B s L h^2 (... + s/h)); "
                 "current Megatron-LM halves it",
     "torchtitan": "not needed: tokens/s, converted with the same FLOPs per token on both sides",
+    "llmfoundry": "not needed: tokens/s (its MFU's count, 6 N + 12 L d s, is in full too)",
+    "bloom": "in full, plus the recompute's forward (Narayanan's formula with f = 4: hardware "
+             "FLOPs)",
 }
 
 # (id, source, model name, shape, gpu, layout, metric, published, convention, what the row assumes)
@@ -160,6 +174,32 @@ ROWS += [
     titan("D'4", "Llama 3.1 405B", LLAMA3_405B, "h100-96gb", 109.0, "FSDP 16 x TP 8 (TP 8 from "
           "its config), full AC, bf16", dp=16, mb=2, tp=8, recompute_every=1),
 ]
+
+# MosaicML's llm-foundry benchmark table: MPT under FSDP FULL_SHARD on every GPU, amp_bf16, its
+# activation checkpointing per row (full), published as tokens/s per GPU (T/s/GPU); (model,
+# seq, GPUs, GPU, micro-batch, grad accum, act. ckpt, T/s/GPU)
+MPT = {"7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}
+for rid, (size, seq, gpus, gpu, mbs, accum, ckpt, tps) in {
+        "F1": ("70b", 2048, 64, "h100", 8, 4, True, 1039.0),
+        "F2": ("30b", 2048, 32, "h100", 14, 3, True, 2308.0),
+        "F3": ("13b", 2048, 64, "h100", 2, 1, False, 4800.0),
+        "F4": ("7b", 2048, 8, "h100", 6, 1, False, 10643.0),
+        "F5": ("7b", 8192, 8, "h100", 8, 2, True, 6935.0),
+        "F6": ("70b", 2048, 64, "a100", 8, 4, True, 410.0)}.items():
+    L, h, heads = MPT[size]
+    ROWS.append((rid, "llmfoundry", f"MPT-{size}", gpt(L, h, heads, 50368, True), gpu,
+                 lay(dp=gpus, seq=seq, mb=mbs, m=accum, zero=3,
+                     recompute="full" if ckpt else "none"),
+                 "tokens", tps, "model", f"FSDP FULL_SHARD (ZeRO-3), micro-batch {mbs} x "
+                 f"{accum}, {'activation checkpointing' if ckpt else 'no recompute'}; "
+                 + ("8 x 400 Gb/s per node (unpublished)" if gpu == "h100"
+                    else "1600 Gb/s RoCE per node")))
+# BLOOM-176B at full throttle: GBS 2048 = 8 replicas x 128 micro-batches of 2 sequences
+ROWS.append(("G1", "bloom", "BLOOM 176B", gpt(70, 14336, 112, 250880, True), "a100",
+             lay(tp=4, pp=12, dp=8, seq=2048, mb=2, m=128, zero=1, recompute="full",
+                 attn="eager"),
+             "tflops", 149.02, "hardware", "1F1B (DeepSpeed's pipeline), no SP, TP not "
+             "overlapped, attention unfused (2022), the network unpublished (8 x 200 Gb/s)"))
 
 
 def hf_config(shape: dict, seq: int):
