@@ -281,8 +281,11 @@ def test_validation_says_how_each_source_counts_attention():
     assert "halves" in said["megatron"] and "r0.8.0" in SOURCES["megatron"]
     assert "assumed" in said["llama3"] and "recompute" in said["narayanan"]
     for r in ROWS:   # each row's convention as its source counted
-        assert r[8] == ("hardware" if r[1] in ("narayanan", "bloom") else "model"), r[0]
+        want = ("hardware" if r[1] in ("narayanan", "bloom") else
+                "causal" if r[1] == "mcore-moe" else "model")
+        assert r[8] == want, r[0]
         assert (r[8] == "hardware") == ("recompute's forward" in said[r[1]]), r[0]
+        assert (r[8] == "causal") == ("causal half" in said[r[1]] and r[6] == "tflops"), r[0]
 
 def test_every_validation_row_runs_through_the_cli(tmp_path, capsys):
     """What the validation proves is what a user gets: each published row's model written as an
@@ -363,3 +366,44 @@ def test_the_docs_example_is_the_calculators_output(capsys):
     out = capsys.readouterr().out
     block = doc.split("```text\n")[1].split("```")[0]
     assert block == out[out.index("  step time"):], out
+
+
+def test_moe_step_by_hand(capsys):
+    """MoE: the shape measured on the meta model (Qwen3-30B-A3B's config: every parameter, the
+    active matmuls per layer: attention at 32 heads of 128, the router, 8 of 128 experts);
+    MoE parallel folding (EP 32 over TP 2 x DP 16 with SP: each tp rank's tokens dispatched on
+    their own, the experts' ZeRO group 1, the ep ring stride 1); the all-to-alls' bytes, their
+    exposure with and without ep_overlap, and the token copies a MoE layer keeps."""
+    from transformers import Qwen3MoeConfig
+    from trainer4d.elastic import count_params
+    from trainer4d.plan import comm_per_step, step_report
+    from trainer4d.published import QWEN3_30B_A3B
+    cfg = Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                         num_key_value_heads=4, head_dim=128, num_experts=128,
+                         num_experts_per_tok=8, moe_intermediate_size=768, vocab_size=151936,
+                         tie_word_embeddings=False)
+    sh = st.shape_of(cfg)
+    h, k = 2048, 8
+    attn = 2 * h * 128 * (32 + 4)
+    assert sh["layer_matmul"] == attn + h * 128 + 3 * h * k * 768
+    assert sh["params"] == count_params(cfg)["total"] == QWEN3_30B_A3B["params"]
+    assert sh["expert_params"] == 48 * 128 * 3 * h * 768 and sh["ffn"] == k * 768
+    assert st.attention_width(sh) == 4096
+    fold = parse_layout("tp=2,pp=8,dp=16,ep=32,sp=1,seq=4096,m=16")
+    assert st.folded(fold) and st.expert_dp(fold) == 1
+    assert st.link(fold, "ep", st.GPUS["h100"]) == ("network", 50e9)     # 32 ranks, stride 1
+    with pytest.raises(SystemExit) as e:
+        parse_layout("tp=2,dp=16,ep=32")                                  # folding needs SP
+    assert e.value.code == 2 and "folding" in capsys.readouterr().err
+    n = 1 * 4096                                   # tokens per micro-batch on this GPU
+    rows = {(g, op): (c, b) for g, op, c, b, _ in comm_per_step(
+        st.config_of(sh), dict(total=sh["params"], dense=sh["params"] - sh["expert_params"],
+                               experts=sh["expert_params"]), fold, 2)}
+    assert rows["ep", "all_to_all"] == (4 * 6 * 16, 4 * 6 * 16 * k * n * h * 2 / 2)   # / tp
+    lay = parse_layout("dp=32,ep=8,seq=4096,m=8")
+    plain, hidden = (step_report(sh, dict(lay, ep_overlap=o), "h100", 2) for o in (0, 1))
+    ep = plain["comm"]["ep", "all_to_all"]["seconds"] / 8
+    assert plain["ep"] == pytest.approx(8 * ep)
+    assert hidden["ep"] == pytest.approx(8 * max(0.0, ep - plain["matmul"] / 8))
+    dense = {x: v for x, v in sh.items() if x not in ("experts", "top_k", "moe_layers")}
+    assert st.kept_bytes(sh, lay, 2)[0] - st.kept_bytes(dense, lay, 2)[0] == 2 * k * h * 2 * n

@@ -19,7 +19,9 @@ reduce_bytes (the gradients' reduction: 4, fp32, by default); for the step time 
 tp_overlap (1: TP's collectives hidden behind the matmuls, async TP / Megatron's
 --tp-comm-overlap), pp_scatter (1: each TP rank sends 1/tp of a stage boundary's activation,
 Megatron's scatter/gather), dp_overlap (0: the gradients reduced after the backward), attn
-(flash, or eager: the s x s scores computed whole and kept). Bytes per element from --dtype.
+(flash, or eager: the s x s scores computed whole and kept), ep_overlap (1: the expert
+all-to-alls hidden behind another micro-batch's matmuls, Megatron's EP overlap or DualPipe).
+Bytes per element from --dtype.
 
 Where each number comes from (imported, not copied; new here: comm_per_step and the TP split):
     parameters     counted: the HF model is built from its config on the meta device
@@ -88,7 +90,7 @@ def load(name: str):
 # ----------------------------------------------------------------------------------------------
 DEFAULTS = dict(tp=1, cp=1, pp=1, dp=1, ep=1, seq=4096, mb=1, m=None, v=1, schedule="1f1b",
                 zero=1, sp=0, recompute="none", recompute_every=1, tp_overlap=0, pp_scatter=0,
-                dp_overlap=1, attn="flash", reduce_bytes=4, fp8=0, fp8_gather=0)
+                dp_overlap=1, attn="flash", reduce_bytes=4, fp8=0, fp8_gather=0, ep_overlap=0)
 WORDS = ("schedule", "recompute", "attn")        # the keys whose values are words
 
 
@@ -107,8 +109,11 @@ def parse_layout(text: str) -> dict:
         lay[key] = val if key in WORDS else int(val)
     if lay["m"] is None:   # enough micro-batches to fill the pipeline once
         lay["m"] = lay["pp"]
-    if (lay["dp"] * lay["cp"]) % lay["ep"]:
-        refuse(f"ep={lay['ep']} must divide dp x cp = {lay['dp'] * lay['cp']}")
+    dpc = lay["dp"] * lay["cp"]
+    if dpc % lay["ep"] and (lay["tp"] * dpc % lay["ep"] or not lay["sp"]):
+        refuse(f"ep={lay['ep']} must divide dp x cp = {dpc} (or tp x dp x cp = "
+               f"{lay['tp'] * dpc} with sp=1: MoE parallel folding, each tp rank's tokens "
+               f"dispatched on their own)")
     if lay["fp8_gather"] and not (lay["fp8"] and lay["zero"] == 3):
         refuse("fp8_gather=1: the FP8 all-gather of FSDP's weights needs fp8=1 and zero=3 "
                f"(layout {text})")
@@ -142,8 +147,9 @@ def state_bytes(params: dict, lay, elem: int) -> dict:
     zero, dpc = lay["zero"], lay["dp"] * lay["cp"]
     fp32_shard = elem < 4 and zero >= 1
     out = {}
+    from .steptime import expert_dp
     for kind, n, dp, split in (("dense", params["dense"], dpc, lay["tp"]),
-                               ("experts", params["experts"], dpc // lay["ep"], lay["ep"])):
+                               ("experts", params["experts"], expert_dp(lay), lay["ep"])):
         psi = n / (split * lay["pp"])
         out[kind] = model_state_bytes(psi, zero, dp, elem,
                                       0 if fp32_shard and zero >= 2 else elem,
@@ -212,16 +218,16 @@ def comm_per_step(config, params: dict, lay, elem: int) -> list[tuple]:
     plus = f" + {num(x)} recomputed" if again else ""
     if T > 1:
         if lay["sp"]:     # a middle stage: no embedding, no head (sp.py's formula)
-            n = sp.region_collectives(L, first=False, last=False)
-            ag = M * (n["all_gather_into_tensor"] + again)
-            rs = M * (n["reduce_scatter_tensor"] + again)
+            per = sp.region_collectives(L, first=False, last=False)
+            ag = M * (per["all_gather_into_tensor"] + again)
+            rs = M * (per["reduce_scatter_tensor"] + again)
             rows.append(("tp", "all_gather", ag, ag * act, f"{num(6 + x)} per layer per "
                          f"micro-batch (4 + 2 backward re-gathers{plus}) of b s h e"))
             rows.append(("tp", "reduce_scatter", rs, rs * act, f"{num(4 + x)} per layer per "
                          f"micro-batch{f' (4{plus})' if again else ''} of b s h e"))
         else:
-            n = M * (tp.region_all_reduces(L, first=False, last=False) + again)
-            rows.append(("tp", "all_reduce", n, n * act, f"{num(4 + x)} per layer per "
+            ar = M * (tp.region_all_reduces(L, first=False, last=False) + again)
+            rows.append(("tp", "all_reduce", ar, ar * act, f"{num(4 + x)} per layer per "
                          f"micro-batch (2 forward, 2 backward{plus}) of b s h e"))
     if C > 1:
         kv = config.num_key_value_heads * (getattr(config, "head_dim", None)
@@ -242,7 +248,8 @@ def comm_per_step(config, params: dict, lay, elem: int) -> list[tuple]:
                 + (" and chunk" if lay["v"] > 1 else "") + ": b s h e"
                 + (" / tp" if split else ""))
         rows.append(("pp", "send", sends, sends * msg, what))
-    for kind, group, ranks in (("dense", "dp", D * C), ("experts", "edp", D * C // E)):
+    from .steptime import expert_dp, folded
+    for kind, group, ranks in (("dense", "dp", D * C), ("experts", "edp", expert_dp(lay))):
         psi = params[kind] / ((T if kind == "dense" else E) * P)
         if ranks <= 1 or psi == 0:
             continue
@@ -271,8 +278,10 @@ def comm_per_step(config, params: dict, lay, elem: int) -> list[tuple]:
         k = config.num_experts_per_tok
         import ep_moe
         calls = ep_moe.TOKEN_ALL_TO_ALLS * moe_l * M
-        rows.append(("ep", "all_to_all", calls, calls * k * n * h * elem,
-                     "dispatch + combine, forward + backward, per MoE layer: k b s h e"))
+        fold = T if folded(lay) else 1    # folded: each tp rank's 1/T of the tokens (SP)
+        rows.append(("ep", "all_to_all", calls, calls * k * n * h * elem / fold,
+                     "dispatch + combine, forward + backward, per MoE layer: k b s h e"
+                     + (" / tp (folded)" if fold > 1 else "")))
     return rows
 
 
@@ -325,17 +334,19 @@ def plan(config, params, lay, elem: int, mem_gib: float | None, out=print) -> di
 def step_report(shape: dict, lay, gpu, elem: int, convention: str = "model") -> dict:
     """steptime.report for a model shape (steptime.shape_of) with comm_per_step's rows."""
     from . import steptime
-    n = steptime.param_count(shape)
-    rows = comm_per_step(steptime.config_of(shape), dict(total=n, dense=n, experts=0), lay, elem)
+    n, ex = steptime.param_count(shape), shape.get("expert_params", 0)
+    rows = comm_per_step(steptime.config_of(shape), dict(total=n, dense=n - ex, experts=ex), lay,
+                         elem)
     return steptime.report(shape, lay, gpu, rows, elem, convention)
 
 
 def step_lines(config, params, lay, gpu, elem: int, out=print) -> dict | None:
     """The step time, tokens/s, TFLOP/s and MFU of the layout on `gpu`, and its breakdown."""
     from . import steptime
-    shape = None if params["experts"] else steptime.shape_of(config)
+    shape = steptime.shape_of(config)
     if shape is None:
-        out("  step time         not modelled (dense decoder layers only: no routed experts)")
+        out("  step time         not modelled (a layer whose parts were not found, or experts "
+            "that are not gated h x f matrices)")
         return None
     r = step_report(shape, lay, gpu, elem)
     steptime.print_report(r, out)

@@ -63,6 +63,16 @@ SOURCES = {
                   "its MFU counts 6 N + 12 L d s per token, attention in full, as harness.flops); "
                   "shapes from scripts/train/yamls/pretrain/mpt-*.yaml (ALiBi, MLP 4h, MHA, "
                   "vocab 50368, tied)",
+    "mcore-moe": "NVIDIA/Megatron-LM examples/moe_recipes/README.md at 8a2ac1fdc7 (dev): "
+                 "'Median TFLOP/s/GPU' per recipe, the tuple 'TP/PP/EP/CP/ETP' and "
+                 "'MBS/GBS/SL', each row's YAML beside it; H100; routing forced balanced "
+                 "(moe_router_force_load_balancing); Megatron-LM's count of this era halves "
+                 "causal attention",
+    "bridge": "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md at 4ab94dfad3, "
+              "release 26.04.01, DGX-H100: 'Tokens / sec / GPU' with GBS, MBS, sequence "
+              "length, TP, PP, CP, VP, EP; 'we force-balance the token distribution among "
+              "experts and all benchmarks are token-dropless'; recipes in src/megatron/bridge/"
+              "perf_recipes (qwen/h100)",
     "bloom": "bigscience-workshop/bigscience train/tr11-176B-ml (chronicles.md at e726b15982: "
              "'TFLOPs: 149.02' at GBS 2048, 105.22 s per iteration; README.md: NHIDDEN=14336 "
              "NLAYERS=70 NHEADS=112, SEQ_LEN=2048; TP 4 x PP 12 x DP 8 on 384 A100 80GB, MBS 2, "
@@ -89,6 +99,9 @@ ATTENTION_COUNT = {
     "llmfoundry": "not needed: tokens/s (its MFU's count, 6 N + 12 L d s, is in full too)",
     "bloom": "in full, plus the recompute's forward (Narayanan's formula with f = 4: hardware "
              "FLOPs)",
+    "mcore-moe": "the causal half (Megatron-LM's num_floating_point_operations since 2025; "
+                 "its MoE layers' active experts)",
+    "bridge": "not needed: tokens/s (its TFLOP/s count the causal half)",
 }
 
 # (id, source, model name, shape, gpu, layout, metric, published, convention, what the row assumes)
@@ -201,12 +214,49 @@ ROWS.append(("G1", "bloom", "BLOOM 176B", gpt(70, 14336, 112, 250880, True), "a1
              "tflops", 149.02, "hardware", "1F1B (DeepSpeed's pipeline), no SP, TP not "
              "overlapped, attention unfused (2022), the network unpublished (8 x 200 Gb/s)"))
 
+# Qwen3's MoE models (Megatron-LM's recipe YAMLs and NeMo's qwen3.py: 128 routed experts, top 8,
+# every layer MoE, no shared expert, 128-wide heads, untied, q and k norms)
+def _qwen3(layers, hidden, heads, expert_ffn):
+    from .steptime import moe_shape
+    return moe_shape(layers, hidden, heads, 4, 128, 128, 8, expert_ffn, 151936, False,
+                     other=2 * hidden + 2 * 128)
+
+
+QWEN3_30B_A3B, QWEN3_235B_A22B = _qwen3(48, 2048, 32, 768), _qwen3(94, 4096, 64, 1536)
+ROWS += [
+    ("E1", "mcore-moe", "Qwen3-235B-A22B", QWEN3_235B_A22B, "h100",
+     lay(tp=2, pp=8, dp=16, ep=32, seq=4096, m=128, schedule="interleaved", v=4, sp=1,
+         ep_overlap=1), "tflops", 214.3, "causal",
+     "EP 32 folded over TP 2 x DP 16; V = 4 from its YAML's 3 layers per virtual stage; its "
+     "selective recompute (MoE activation, norms) not priced; TP not overlapped"),
+    ("E2", "mcore-moe", "Qwen3-30B-A3B", QWEN3_30B_A3B, "h100",
+     lay(dp=32, ep=8, seq=4096, m=8), "tflops", 234.1, "causal", "BF16 baseline, no recompute"),
+    ("E3", "mcore-moe", "Qwen3-30B-A3B", QWEN3_30B_A3B, "h100",
+     lay(dp=32, ep=8, seq=4096, m=8, fp8=1), "tflops", 232.4, "causal",
+     "FP8 blockwise as fp8=1 (the decoder linears at the FP8 peak's ratio)"),
+    ("E4", "bridge", "Qwen3-30B-A3B", QWEN3_30B_A3B, "h100",
+     lay(dp=16, ep=16, seq=4096, m=64, fp8=1), "tokens", 8960.0, "model",
+     "FP8, EP 16 over two nodes, no recompute, EP not overlapped (its recipe: HybridEP)"),
+    ("E5", "bridge", "Qwen3-235B-A22B", QWEN3_235B_A22B, "h100",
+     lay(tp=2, pp=8, dp=16, ep=32, seq=4096, m=512, schedule="interleaved", v=4, sp=1, fp8=1,
+         ep_overlap=1), "tokens", 1712.0, "model",
+     "FP8, EP 32 folded over TP 2 x DP 16, EP overlapped (its recipe's moe_a2a_overlap), no "
+     "recompute"),
+]
+
 
 def hf_config(shape: dict, seq: int):
     """A row's model as an HF config, what a user hands the CLI (`--model FILE`): LlamaConfig
     when its MLP is gated, GPT2Config otherwise (GPT's LayerNorm and linear biases, learned
     positions for `seq` tokens). tests/test_steptime.py runs every row through the CLI with it."""
-    from transformers import GPT2Config, LlamaConfig
+    from transformers import GPT2Config, LlamaConfig, Qwen3MoeConfig
+    if "experts" in shape:   # (the Qwen3 MoE rows)
+        return Qwen3MoeConfig(hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
+                              num_attention_heads=shape["heads"],
+                              num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"],
+                              num_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
+                              moe_intermediate_size=shape["expert_ffn"],
+                              vocab_size=shape["vocab"], tie_word_embeddings=shape["tied"])
     if shape["gated"]:
         return LlamaConfig(hidden_size=shape["hidden"], intermediate_size=shape["ffn"],
                            num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],

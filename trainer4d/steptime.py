@@ -159,6 +159,33 @@ LLAMA32_1B = dict(layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, gated=
 # ----------------------------------------------------------------------------------------------
 # A model's shape and its FLOPs
 # ----------------------------------------------------------------------------------------------
+def moe_shape(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, experts: int,
+              top_k: int, expert_ffn: int, vocab: int, tied: bool, shared_ffn: int = 0,
+              dense_layers: int = 0, dense_ffn: int = 0, attention: int | None = None,
+              other: int = 0) -> dict:
+    """A MoE model's shape for step_time: gated (SwiGLU) experts of width expert_ffn, top_k of
+    `experts` routed per token, shared experts of total width shared_ffn, the first
+    dense_layers dense (width dense_ffn). Per layer, on average over the model: the active
+    matmul parameters (attention, the router's h x E, the shared experts, top_k routed ones) and
+    the active MLP width (the activations a token keeps); every parameter counted (attention:
+    its matmul parameters if given, else q, k, v, o at heads x head_dim; other: per layer beyond
+    the matmuls, the norms)."""
+    h, moe = hidden, layers - dense_layers
+    attn = attention if attention is not None else 2 * h * head_dim * (heads + kv_heads)
+    active = attn + h * experts + 3 * h * (shared_ffn + top_k * expert_ffn)
+    dense = attn + 3 * h * dense_ffn
+    routed = moe * experts * 3 * h * expert_ffn
+    norms = other or 2 * h
+    params = (moe * (active - 3 * h * top_k * expert_ffn) + dense_layers * dense + routed
+              + layers * norms + vocab * h * (1 if tied else 2) + h)
+    return dict(layers=layers, hidden=h, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                ffn=round((moe * (top_k * expert_ffn + shared_ffn) + dense_layers * dense_ffn)
+                          / layers), gated=True, vocab=vocab, tied=tied,
+                layer_matmul=(moe * active + dense_layers * dense) / layers, params=params,
+                experts=experts, top_k=top_k, moe_layers=moe, expert_params=routed,
+                expert_ffn=expert_ffn)
+
+
 def shape_of(config) -> dict | None:
     """The shape step_time needs, read from any dense HF decoder: the model is built on the meta
     device with one decoder layer (nothing allocated), and its parts are measured, not named.
@@ -166,23 +193,28 @@ def shape_of(config) -> dict | None:
     2-D weights) give the layer's exact matmul parameters; the MLP's width is its
     down projection's other dimension and it is gated when it holds 3 h x ffn matrices (SwiGLU,
     GeGLU; 2: GELU, squared ReLU); the rest of the layer (norms with or without bias, linear
-    biases) and of the model (positions, the final norm) is counted exactly. None when the
-    layers have routed experts or a part cannot be found (a MoE layer: not modelled)."""
+    biases) and of the model (positions, the final norm) is counted exactly. A MoE model
+    (harness.is_moe) is built whole and measured by moe_shape_of. None when a part cannot be
+    found."""
     import copy
     import torch
     from transformers import AutoModelForCausalLM
     from harness.anatomy import attention_of, kv_heads, parts
+    from harness.models import is_moe
     one = copy.deepcopy(config)
-    one.num_hidden_layers = 1
-    if isinstance(getattr(one, "layer_types", None), list):   # per-layer kinds: the first
-        one.layer_types = one.layer_types[:1]
+    if not is_moe(config):
+        one.num_hidden_layers = 1
+        if isinstance(getattr(one, "layer_types", None), list):   # per-layer kinds: the first
+            one.layer_types = one.layer_types[:1]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(one)
     p = parts(model)
     layer = p.layers[0] if p.layers is not None else None
     attention = attention_of(layer) if layer is not None else None
-    if attention is None or any(".experts." in n for n, _ in layer.named_parameters()):
+    if attention is None:
         return None
+    if is_moe(config):
+        return moe_shape_of(config, model, p)
     h = config.hidden_size
     inside = {id(w) for w in attention.parameters()}
     mlp = [w for w in layer.parameters() if w.dim() == 2 and id(w) not in inside]  # (OPT: fc1,
@@ -199,6 +231,40 @@ def shape_of(config) -> dict | None:
                 vocab=config.vocab_size, tied=bool(p.tied), layer_matmul=layer_mm,
                 params=config.num_hidden_layers * layer_all + rest,
                 head_dim=getattr(config, "head_dim", None) or h // config.num_attention_heads)
+
+
+def moe_shape_of(config, model, p) -> dict | None:
+    """moe_shape measured on the meta model: a layer with routed experts (`.experts.` in its
+    parameters' names, n_experts of them by the config) against the dense ones; per expert its
+    routed parameters / n_experts (3 h x width: gated); the router, the 2-D weight of shape
+    (n_experts, h) beside them; the shared experts, the layer's other MLP matrices."""
+    from harness.anatomy import attention_of, kv_heads
+    h = config.hidden_size
+    E = next(getattr(config, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
+             if getattr(config, k, None))
+    moe = [l for l in p.layers if any(".experts." in n for n, _ in l.named_parameters())]
+    dense = [l for l in p.layers if l not in moe]
+    if not moe:
+        return None
+    layer, attention = moe[0], attention_of(moe[0])
+    inside = {id(w) for w in attention.parameters()}
+    routed = sum(w.numel() for n, w in layer.named_parameters() if ".experts." in n)
+    mats = [w for n, w in layer.named_parameters()
+            if w.dim() == 2 and id(w) not in inside and ".experts." not in n]
+    shared = sum(w.numel() for w in mats if tuple(w.shape) != (E, h))
+    if routed % (3 * h * E) or shared % (3 * h):
+        return None     # (experts that are not gated h x f matrices: not priced)
+    d_mlp = ([w for w in dense[0].parameters() if w.dim() == 2
+              and id(w) not in {id(x) for x in attention_of(dense[0]).parameters()}]
+             if dense else [])
+    attn = sum(w.numel() for w in attention.parameters() if w.dim() == 2)
+    return moe_shape(config.num_hidden_layers, h, config.num_attention_heads, kv_heads(config),
+                     getattr(config, "head_dim", None) or h // config.num_attention_heads, E,
+                     config.num_experts_per_tok, routed // (3 * h * E), config.vocab_size,
+                     bool(p.tied), shared_ffn=shared // (3 * h), dense_layers=len(dense),
+                     dense_ffn=sum(w.numel() for w in d_mlp) // (3 * h), attention=attn,
+                     other=sum(w.numel() for w in layer.parameters()) - attn - routed
+                     - sum(w.numel() for w in mats))
 
 
 def layer_matmul_params(sh: dict) -> int:
@@ -233,13 +299,20 @@ def param_count(sh: dict) -> int:
     return sh["layers"] * (layer_matmul_params(sh) + 2 * h) + V * h * (1 if sh["tied"] else 2) + h
 
 
+def attention_width(sh: dict) -> int:
+    """The attention's query width, heads x head_dim (h unless the head dim is set apart: Qwen3's
+    MoE models have 32 heads of 128 at h = 2048): the scores' and values' FLOPs scale with it."""
+    return sh["heads"] * sh.get("head_dim", sh["hidden"] // sh["heads"])
+
+
 def flops_per_token(sh: dict, seq: int, convention: str = "model") -> float:
     """Training FLOPs per token in a source's convention. model: harness.flops.model_flops's
-    6 Psi_matmul + 12 L h s (the head counted, the embedding not, attention in full); hardware:
-    Narayanan et al. 2021's, the layers' forward once more for the recompute (8 per parameter,
-    16 L h s), the head not."""
-    L, h, V = sh["layers"], sh["hidden"], sh["vocab"]
-    layers, head = L * layer_matmul_params(sh), V * h
+    6 Psi_matmul + 12 L h s (the head counted, the embedding not, attention in full; h: the
+    attention's width; a MoE layer's Psi_matmul: its active matmuls, the router, the shared
+    experts and top_k routed ones); hardware: Narayanan et al. 2021's, the layers' forward once
+    more for the recompute (8 per parameter, 16 L h s), the head not."""
+    L, V = sh["layers"], sh["vocab"]
+    layers, head, h = L * layer_matmul_params(sh), V * sh["hidden"], attention_width(sh)
     if convention == "model":
         return 6 * (layers + head) + 12 * L * h * seq
     if convention == "hardware":
@@ -261,7 +334,7 @@ def executed_per_token(sh: dict, lay: dict) -> float:
     """Hardware FLOPs per token: the model's and the recompute's forward (full: the recomputed
     layers' 2 per parameter and 4 L h s; selective: attention's 4 L h s), attention in full
     (Narayanan et al.'s HFU; equal to flops_per_token(..., "hardware") under full recompute)."""
-    L, h, s = sh["layers"], sh["hidden"], lay["seq"]
+    L, h, s = sh["layers"], attention_width(sh), lay["seq"]
     again, att_again = recomputed(lay)
     return (flops_per_token(sh, s, "model") + 2 * again * L * layer_matmul_params(sh)
             + 4 * att_again * L * h * s)
@@ -270,12 +343,14 @@ def executed_per_token(sh: dict, lay: dict) -> float:
 def config_of(sh: dict):
     """A Llama-shaped stand-in for the suite's formula functions (plan.comm_per_step,
     recompute.activation_bytes, oom_search.predict_peak), which read these attributes."""
+    moe = dict(num_experts_per_tok=sh["top_k"], num_local_experts=sh["experts"],
+               first_k_dense_replace=sh["layers"] - sh["moe_layers"]) if "experts" in sh else {}
     return SimpleNamespace(model_type="llama", hidden_size=sh["hidden"],
                            num_hidden_layers=sh["layers"], num_attention_heads=sh["heads"],
                            num_key_value_heads=sh["kv_heads"], intermediate_size=sh["ffn"],
                            vocab_size=sh["vocab"],
                            head_dim=sh.get("head_dim", sh["hidden"] // sh["heads"]),
-                           tie_word_embeddings=sh["tied"])
+                           tie_word_embeddings=sh["tied"], **moe)
 
 
 def kept_bytes(sh: dict, lay: dict, elem: int) -> tuple[float, float]:
@@ -288,6 +363,11 @@ def kept_bytes(sh: dict, lay: dict, elem: int) -> tuple[float, float]:
     attn = "eager" if lay.get("attn") == "eager" else "sdpa"    # eager: the s x s scores too
     per_layer = activation_bytes(cfg, lay["mb"], s, elem, "none", attn, tp=lay["tp"],
                                  sp=bool(lay["sp"]))["per_layer"]
+    if "experts" in sh:   # a MoE layer's token copies: dispatched (the experts' input, kept for
+        # their backward) and returned (the experts' outputs, kept for the weighted combine),
+        # top_k of each token each (its experts' inner activations: in the active ffn above)
+        tokens = lay["mb"] * s // (lay["tp"] if lay["sp"] else 1)
+        per_layer += sh["moe_layers"] / sh["layers"] * 2 * sh["top_k"] * sh["hidden"] * elem * tokens
     logits = predict_peak("tp" if lay["tp"] > 1 else "ddp", lay["tp"], s, lay["mb"], cfg,
                           elem)["logits"]
     return per_layer, logits
@@ -305,6 +385,17 @@ def stages(L: int, P: int) -> list[tuple[int, bool]]:
 # ----------------------------------------------------------------------------------------------
 # Where each group's ranks sit, and what a collective costs
 # ----------------------------------------------------------------------------------------------
+def folded(lay: dict) -> bool:
+    """MoE parallel folding (Megatron-core's): an ep group larger than dp x cp takes the tp ranks
+    in too (expert TP 1: each tp rank's sequence-parallel tokens dispatched on their own)."""
+    return (lay["dp"] * lay["cp"]) % lay["ep"] != 0
+
+
+def expert_dp(lay: dict) -> int:
+    """The ranks that hold the same experts (ZeRO's and the reduction's group for them)."""
+    return lay["dp"] * lay["cp"] * (lay["tp"] if folded(lay) else 1) // lay["ep"]
+
+
 def link(lay: dict, group: str, gpu: dict) -> tuple[str, float]:
     """(link class, bytes/s per GPU and direction) of a group: NVLink when its ranks, at stride
     (the product of the groups inside it), fit in one node; else the network's, as NCCL routes
@@ -316,9 +407,9 @@ def link(lay: dict, group: str, gpu: dict) -> tuple[str, float]:
     GPU's own. A point-to-point send (pp) and an all-to-all (ep) leave through each GPU's NIC
     share (no ring to fold them into). Capped by NVLink, which the ring's hops inside a node use."""
     size = {"tp": lay["tp"], "cp": lay["cp"], "pp": lay["pp"], "dp": lay["dp"] * lay["cp"],
-            "edp": lay["dp"] * lay["cp"] // lay["ep"], "ep": lay["ep"]}[group]
+            "edp": expert_dp(lay), "ep": lay["ep"]}[group]
     inner = {"tp": 1, "cp": lay["tp"], "pp": lay["tp"] * lay["cp"],
-             "dp": lay["tp"] * lay["cp"] * lay["pp"], "ep": lay["tp"],
+             "dp": lay["tp"] * lay["cp"] * lay["pp"], "ep": 1 if folded(lay) else lay["tp"],
              "edp": lay["tp"] * lay["cp"] * lay["pp"]}[group]
     if group == "dp" and lay["cp"] > 1:     # ZeRO over dp x cp: the cp ranks are inside tp x cp
         inner = lay["tp"]
@@ -337,7 +428,7 @@ def wire_bytes(group: str, op: str, nbytes: float, lay: dict) -> float:
     on the group's size; a point-to-point send: its buffer)."""
     from harness.meter import RING_FACTOR
     size = dict(tp=lay["tp"], cp=lay["cp"], pp=2, dp=lay["dp"] * lay["cp"],
-                edp=lay["dp"] * lay["cp"] // lay["ep"], ep=lay["ep"])[group]
+                edp=expert_dp(lay), ep=lay["ep"])[group]
     key = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
            "all_to_all": "all_to_all_single"}.get(op, op)
     return nbytes * RING_FACTOR[key](size) if key in RING_FACTOR else nbytes
@@ -350,7 +441,12 @@ def comm_seconds(rows: list, lay: dict, gpu: dict) -> dict:
     for group, op, calls, nbytes, _ in rows:
         wire = wire_bytes(group, op, nbytes, lay)
         kind, bw = link(lay, group, gpu)
-        out[(group, op)] = dict(seconds=wire / bw, calls=calls, link=kind, wire=wire)
+        off = wire
+        if group == "ep" and kind == "network":   # the share bound for other nodes (the rest
+            inside = max(1, gpu["per_node"] // (1 if folded(lay) else lay["tp"]))   # goes over
+            # NVLink meanwhile)
+            off = nbytes * (lay["ep"] - min(inside, lay["ep"])) / lay["ep"]
+        out[(group, op)] = dict(seconds=off / bw, calls=calls, link=kind, wire=wire)
     return out
 
 
@@ -389,7 +485,7 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
         """One micro-batch through a stage on one GPU (forward F, backward 2F, the recompute's
         forward again): its matmul, attention and elementwise seconds."""
         mm = ((6 + 2 * again) * layers * layer_mm / speed + 6 * head_mm * head) * n / T
-        att = (12 + 4 * att_again) * layers * h * lay["seq"] * n / T
+        att = (12 + 4 * att_again) * layers * attention_width(sh) * lay["seq"] * n / T
         if lay.get("attn") == "eager":    # the s x s scores as batched matmuls, masked half too
             t_att = att / g["mamf"]
         else:                             # a flash kernel skips the masked half
@@ -407,7 +503,9 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
     # per micro-batch: TP (hidden behind the matmuls with async TP), CP, pp sends, all-to-alls
     tp = total("tp") / M
     tp_exposed = max(0.0, tp - t_mm) if lay.get("tp_overlap") else tp
-    slot = compute + tp_exposed + (total("cp") + total("pp") + total("ep")) / M
+    ep = total("ep") / M   # ep_overlap: the all-to-alls behind another micro-batch's matmuls
+    ep_exposed = max(0.0, ep - t_mm) if lay.get("ep_overlap") else ep
+    slot = compute + tp_exposed + (total("cp") + total("pp")) / M + ep_exposed
     bubble = pp_schedule.simulate(lay["schedule"], P, M, lay["v"])[2] if P > 1 else 0.0
     pipeline = M * slot / (1 - bubble)
     # data parallel, one link shared by every DP collective of a phase: ZeRO-3's forward gathers
@@ -430,11 +528,14 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
     if not lay.get("dp_overlap", 1):      # reduced after the backward (Megatron 2021's local DDP)
         dp = reduce + gather
     # the optimizer step over this GPU's shard (ZeRO-1+: 1/(dp cp) of the stage's parameters)
-    shard = param_count(sh) / (T * P) / (lay["dp"] * lay["cp"] if lay["zero"] >= 1 else 1)
+    ex = sh.get("expert_params", 0)    # routed experts: split over ep (not tp), ZeRO over edp
+    z = lay["zero"] >= 1
+    shard = ((param_count(sh) - ex) / (T * P * (lay["dp"] * lay["cp"] if z else 1))
+             + ex / (lay["ep"] * P * (expert_dp(lay) if z else 1)))
     optimizer = OPTIMIZER_BYTES * shard / g["hbm"]
     step = pipeline + dp + optimizer
     return dict(step=step, matmul=M * t_mm, attention=M * t_att, elementwise=M * t_elem,
-                tp=M * tp_exposed, cp=total("cp"), pp_send=total("pp"), ep=total("ep"),
+                tp=M * tp_exposed, cp=total("cp"), pp_send=total("pp"), ep=M * ep_exposed,
                 bubble=pipeline - M * slot, dp=dp, optimizer=optimizer, comm=comm)
 
 
@@ -481,11 +582,12 @@ def print_report(r: dict, out=print, width: int = 60) -> None:
 # The validation table (trainer4d.plan.validate computes its rows)
 # ----------------------------------------------------------------------------------------------
 def layout_text(lay: dict) -> str:
-    dims = " ".join(f"{k}{lay[k]}" for k in ("tp", "cp", "pp", "dp") if lay[k] > 1)
+    dims = " ".join(f"{k}{lay[k]}" for k in ("tp", "cp", "pp", "dp", "ep") if lay.get(k, 1) > 1)
     sched = (f", {lay['schedule']}" + (f" V={lay['v']}" if lay["schedule"] == "interleaved" else "")
              if lay["pp"] > 1 else "")
     extra = "".join(s for k, s in (("tp_overlap", ", TP overlapped"),
                                    ("pp_scatter", ", scatter/gather"), ("fp8", ", FP8"),
+                                   ("ep_overlap", ", EP overlapped"),
                                    ("fp8_gather", " (FP8 all-gather)"))
                     if lay.get(k))
     k = lay.get("recompute_every", 1)
