@@ -73,6 +73,10 @@ SOURCES = {
               "length, TP, PP, CP, VP, EP; 'we force-balance the token distribution among "
               "experts and all benchmarks are token-dropless'; recipes in src/megatron/bridge/"
               "perf_recipes (qwen/h100)",
+    "mlm-llama": "NVIDIA/Megatron-LM examples/llama/README.md at bd32927e7e, 'FP8 Performance' "
+                 "(Model, #GPUs, GBS, MBS, SL, TP, PP, CP, VP, EP, GA, Tokens/sec/GPU, "
+                 "TFLOP/sec/GPU); the GPU is not named in the table (H100: its script is "
+                 "train_llama3_8b_h100_fp8.sh, the configuration NeMo's performance scripts')",
     "bloom": "bigscience-workshop/bigscience train/tr11-176B-ml (chronicles.md at e726b15982: "
              "'TFLOPs: 149.02' at GBS 2048, 105.22 s per iteration; README.md: NHIDDEN=14336 "
              "NLAYERS=70 NHEADS=112, SEQ_LEN=2048; TP 4 x PP 12 x DP 8 on 384 A100 80GB, MBS 2, "
@@ -99,6 +103,8 @@ ATTENTION_COUNT = {
     "llmfoundry": "not needed: tokens/s (its MFU's count, 6 N + 12 L d s, is in full too)",
     "bloom": "in full, plus the recompute's forward (Narayanan's formula with f = 4: hardware "
              "FLOPs)",
+    "mlm-llama": "not needed: tokens/s (its TFLOP/s count attention in full: 57.91 GFLOP per "
+                 "token at Llama 3 8B's 8K, its 800 / 13,812)",
     "mcore-moe": "the causal half (Megatron-LM's num_floating_point_operations since 2025; "
                  "its MoE layers' active experts)",
     "bridge": "not needed: tokens/s (its TFLOP/s count the causal half)",
@@ -213,6 +219,19 @@ ROWS.append(("G1", "bloom", "BLOOM 176B", gpt(70, 14336, 112, 250880, True), "a1
                  attn="eager"),
              "tflops", 149.02, "hardware", "1F1B (DeepSpeed's pipeline), no SP, TP not "
              "overlapped, attention unfused (2022), the network unpublished (8 x 200 Gb/s)"))
+# Megatron-LM's Llama 3 FP8 table (NeMo's performance scripts): DP = GPUs / (TP PP CP), M = GA
+ROWS += [
+    ("H1", "mlm-llama", "Llama 3 8B", LLAMA3_8B, "h100", lay(cp=2, dp=4, seq=8192, m=32, fp8=1),
+     "tokens", 13812.0, "model", "FP8 as fp8=1, CP 2, no recompute, H100 (inferred)"),
+    ("H2", "mlm-llama", "Llama 3 70B", LLAMA3_70B, "h100",
+     lay(tp=4, pp=8, dp=2, seq=8192, m=64, schedule="interleaved", v=5, sp=1, tp_overlap=1,
+         fp8=1), "tokens", 1621.0, "model",
+     "FP8, SP with TP overlapped (NeMo's scripts turn it on), no recompute, H100 (inferred)"),
+    ("H3", "mlm-llama", "Llama 3 405B", LLAMA3_405B, "h100",
+     lay(tp=8, pp=8, cp=2, dp=8, seq=8192, m=64, schedule="interleaved", v=8, sp=1,
+         tp_overlap=1, fp8=1), "tokens", 315.0, "model",
+     "FP8, SP with TP overlapped, no recompute, H100 (inferred)"),
+]
 
 # Qwen3's MoE models (Megatron-LM's recipe YAMLs and NeMo's qwen3.py: 128 routed experts, top 8,
 # every layer MoE, no shared expert, 128-wide heads, untied, q and k norms)
