@@ -194,7 +194,8 @@ class Pipeline:
         cos_sin = rotary_by_type(p, h, pos, types)      # {type: ((1 or B, S, d), ...)}
         masks = (None if self.positions is not None    # (context parallel: its own attention)
                  else attention_masks(config, S, h.dtype, h.device) if docs is None
-                 else document_masks(config, h, docs))
+                 else document_masks(config, h.new_empty(h.shape[0], docs.shape[1], 1), docs))
+        # (the masks span the whole sequence: under SP, h holds 1/T of it, attention all of it)
         if planted("doc-mask-causal-only"):   # plant: packed documents attend across
             masks = attention_masks(config, S, h.dtype, h.device)
         for i in self.chunk_layers[c]:

@@ -61,11 +61,6 @@ def compose_constraints(args, world, config) -> list[str]:
     errs = moe_constraints(args, config, D, C)
     if errs:
         return errs
-    if getattr(args, "doc_mask", False):   # (dp x tp x pp: pp.py's stage loop, HF's masks)
-        why = ("--sp: the layers see 1/tp of the sequence, the document masks the whole"
-               if args.sp else None)
-        if why:
-            return [f"--doc-mask with {why}"]
     errs = fp8_compose_constraints(args, T, config)
     errs = errs or (tp_constraints(args, T, config) if T > 1 else [])
     kv = kv_heads(config)
@@ -163,7 +158,7 @@ class Compose4D(Parallel4D, Strategy):
     name = "4d"
     convert_fp8 = staticmethod(fp8.convert)   # tp's carry, dp x cp's token scopes, micro rows
     fp8_micro_rows = staticmethod(compose_micro_rows)
-    doc_mask = True   # (dp x tp x pp x cp, MoE, the train mode too; refused with sp: constraints)
+    doc_mask = True   # (every layout: pp.py's stage loop with HF's masks, the ring's own blocks)
     self_check = ("compose4d's stage loop (pp.py's)", stage_loop)
     reference = staticmethod(reference)
     # Realistic one-line bugs, each beside the line it breaks (grep the name), and the
