@@ -82,11 +82,14 @@ W2 = Runs("compose4d.py", 2, tier="slow", runs={
     "cp": [*TEXT, "--cp", "2", "--dtype", "float64", "--steps", "3", *EVAL3],
     "second": [*TEXT, "--tp", "2", "--dtype", "float64", "--steps", "6", "--resume", ck,
                "--save", ck],     # (--resume D --save D: D need not exist when validated)
-    # packed documents (--doc-mask, positions restarting after each EOS): the same on tp 2 and
-    # pp 2, and not the unmasked run's ("whole")
+    # packed documents (--doc-mask, positions restarting after each EOS): the same on tp 2, pp 2
+    # and cp 2 (the ring's block masks, in training and in the held-out loss), and not the
+    # unmasked run's ("whole")
     "packed-tp": [*TEXT, "--tp", "2", "--dtype", "float64", "--steps", "3",
                   "--doc-mask", "--eval-every", "2", "--eval-batches", "1"],
     "packed-pp": [*TEXT, "--pp", "2", "--dtype", "float64", "--steps", "3",
+                  "--doc-mask", "--eval-every", "2", "--eval-batches", "1"],
+    "packed-cp": [*TEXT, "--cp", "2", "--dtype", "float64", "--steps", "3",
                   "--doc-mask", "--eval-every", "2", "--eval-batches", "1"],
 })
 
@@ -253,12 +256,14 @@ def test_resume_refuses_a_checkpoint_of_other_data(tmp_path, runs):
 def test_packed_documents_train_the_same_on_any_layout(runs):
     """--mode train --doc-mask on the corpus: each document (EOS-terminated) attends within
     itself, positions restarting after each EOS; the losses and held-out losses are the same on
-    tp 2 and pp 2 (float64), and differ from the unmasked run's from the first step."""
-    tp, pp, whole = (rows(_ok(runs, k)) for k in ("packed-tp", "packed-pp", "whole"))
-    for a, b in zip(tp, pp):
-        for key in ("loss", "eval_loss"):
-            if key in a:
-                assert abs(a[key] - b[key]) <= 1e-12 * abs(b[key]), (key, a, b)
+    tp 2, pp 2 and cp 2 (float64), and differ from the unmasked run's from the first step."""
+    tp, pp, cp = (rows(_ok(runs, k)) for k in ("packed-tp", "packed-pp", "packed-cp"))
+    for other in (pp, cp):
+        assert len(other) == len(tp)
+        for a, b in zip(tp, other):
+            for key in ("loss", "eval_loss"):
+                if key in a:
+                    assert abs(a[key] - b[key]) <= 1e-12 * abs(b[key]), (key, a, b)
     packed, plain = (train_rows(_ok(runs, k)) for k in ("packed-tp", "whole"))
     assert [r["step"] for r in packed] == [0, 1, 2] and len(tp) == len(pp) > 3
     assert abs(packed[0]["loss"] - plain[0]["loss"]) > 1e-6, (packed[0], plain[0])
