@@ -407,3 +407,19 @@ def test_moe_step_by_hand(capsys):
     assert hidden["ep"] == pytest.approx(8 * max(0.0, ep - plain["matmul"] / 8))
     dense = {x: v for x, v in sh.items() if x not in ("experts", "top_k", "moe_layers")}
     assert st.kept_bytes(sh, lay, 2)[0] - st.kept_bytes(dense, lay, 2)[0] == 2 * k * h * 2 * n
+
+
+def test_packed_documents_cut_attentions_work_by_one_formula():
+    """doc_min=N: rows cut by the suite's document lengths (harness.data.doc_lengths), each
+    document attending within itself; attention's work is the share of causal pairs left
+    (steptime.doc_work, by hand here), the rest of the step unchanged; N = seq: one document."""
+    from harness.data import doc_lengths
+    S, N = 64, 4
+    want = sum(sum(n * (n + 1) // 2 for n in doc_lengths(0, i, S, N)) for i in range(64))
+    assert st.doc_work(S, N) == pytest.approx(want / 64 / (S * (S + 1) / 2), rel=1e-12)
+    assert st.doc_work(S, S) == 1.0 and 0 < st.doc_work(8192, 256) < st.doc_work(8192, 2048) < 1
+    lay = toy_layout()
+    plain, packed = step(lay), step(dict(lay, seq=lay["seq"], doc_min=2))
+    share = st.doc_work(lay["seq"], 2)
+    assert packed["attention"] == pytest.approx(plain["attention"] * share)
+    assert packed["matmul"] == plain["matmul"] and packed["elementwise"] == plain["elementwise"]

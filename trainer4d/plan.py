@@ -20,7 +20,9 @@ tp_overlap (1: TP's collectives hidden behind the matmuls, async TP / Megatron's
 --tp-comm-overlap), pp_scatter (1: each TP rank sends 1/tp of a stage boundary's activation,
 Megatron's scatter/gather), dp_overlap (0: the gradients reduced after the backward), attn
 (flash, or eager: the s x s scores computed whole and kept), ep_overlap (1: the expert
-all-to-alls hidden behind another micro-batch's matmuls, Megatron's EP overlap or DualPipe).
+all-to-alls hidden behind another micro-batch's matmuls, Megatron's EP overlap or DualPipe),
+doc_min (N > 0: packed documents of the suite's length distribution floored at N tokens, each
+attending within itself: attention's work by steptime.doc_work).
 Bytes per element from --dtype.
 
 Where each number comes from (imported, not copied; new here: comm_per_step and the TP split):
@@ -90,7 +92,8 @@ def load(name: str):
 # ----------------------------------------------------------------------------------------------
 DEFAULTS = dict(tp=1, cp=1, pp=1, dp=1, ep=1, seq=4096, mb=1, m=None, v=1, schedule="1f1b",
                 zero=1, sp=0, recompute="none", recompute_every=1, tp_overlap=0, pp_scatter=0,
-                dp_overlap=1, attn="flash", reduce_bytes=4, fp8=0, fp8_gather=0, ep_overlap=0)
+                dp_overlap=1, attn="flash", reduce_bytes=4, fp8=0, fp8_gather=0, ep_overlap=0,
+                doc_min=0)
 WORDS = ("schedule", "recompute", "attn")        # the keys whose values are words
 
 

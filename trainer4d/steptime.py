@@ -322,6 +322,21 @@ def flops_per_token(sh: dict, seq: int, convention: str = "model") -> float:
     raise ValueError(convention)
 
 
+def doc_work(seq: int, doc_min: int, rows: int = 64, seed: int = 0) -> float:
+    """Causal attention's work under packed documents (layout key doc_min=N): rows of `seq`
+    tokens cut by the suite's length distribution (harness.data.doc_lengths: Pareto alpha 1.2
+    floored at N tokens, the last document cut by the row's end), each document attending
+    within itself: the mean over `rows` rows of sum l (l + 1) / 2 over seq (seq + 1) / 2, the
+    share of the causal pairs left (a kernel that skips every masked pair does that much; flash
+    kernels skip whole masked blocks, so reach it at their block size). Memory does not change:
+    a flash kernel keeps its output and log-sum-exp, eager the whole s x s scores, masked or
+    not (oom_search's count is the same)."""
+    from harness.data import doc_lengths
+    pairs = [sum(n * (n + 1) // 2 for n in doc_lengths(seed, i, seq, doc_min))
+             for i in range(rows)]
+    return sum(pairs) / rows / (seq * (seq + 1) / 2)
+
+
 def recomputed(lay: dict) -> tuple[float, float]:
     """(the share of the layers' matmul forward, the share of attention's forward) the recompute
     runs again: full: 1/k of the layers (recompute_every=k); selective: attention alone."""
@@ -481,11 +496,13 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
     # and attention in bf16; each FP8 linear's casts add FP8_CAST_BYTES per feature and token
     speed = g["fp8"] / g["peak"] if fp8 else 1.0
 
+    docs = doc_work(lay["seq"], lay["doc_min"]) if lay.get("doc_min") else 1.0   # (packed)
+
     def stage(layers: int, head: bool) -> tuple[float, float, float]:
         """One micro-batch through a stage on one GPU (forward F, backward 2F, the recompute's
         forward again): its matmul, attention and elementwise seconds."""
         mm = ((6 + 2 * again) * layers * layer_mm / speed + 6 * head_mm * head) * n / T
-        att = (12 + 4 * att_again) * layers * attention_width(sh) * lay["seq"] * n / T
+        att = (12 + 4 * att_again) * layers * attention_width(sh) * lay["seq"] * n / T * docs
         if lay.get("attn") == "eager":    # the s x s scores as batched matmuls, masked half too
             t_att = att / g["mamf"]
         else:                             # a flash kernel skips the masked half
@@ -588,6 +605,7 @@ def layout_text(lay: dict) -> str:
     extra = "".join(s for k, s in (("tp_overlap", ", TP overlapped"),
                                    ("pp_scatter", ", scatter/gather"), ("fp8", ", FP8"),
                                    ("ep_overlap", ", EP overlapped"),
+                                   ("doc_min", f", documents >= {lay.get('doc_min')} tokens"),
                                    ("fp8_gather", " (FP8 all-gather)"))
                     if lay.get(k))
     k = lay.get("recompute_every", 1)
