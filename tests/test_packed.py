@@ -148,3 +148,16 @@ def test_every_strategy_on_hfs_forward_masks_the_documents(runs, script, world):
 def test_a_strategy_with_its_own_attention_refuses_packed_documents(script, args, msg):
     r = launch(script, 2, "--mode", "correctness", "--doc-mask", *args, as_rank0=True)
     assert_config_error(r, msg, torchrun=False)
+
+
+W8 = Runs("compose4d.py", 8, {"packed": PACKED + ["--tp", "2", "--cp", "2", "--pp", "2",
+                                                  "--grad-accum", "2"]}, tier="heavy")
+
+
+@pytest.mark.heavy
+def test_compose4d_masks_documents_at_w8_with_cp(runs):
+    """tp 2 x cp 2 x pp 2 (W = 8): the ring's block masks per micro-batch beside TP's split
+    heads and the pipeline, against one device with the same documents."""
+    r = runs(W8, "packed")
+    assert r.rc == 0 and r.last_line.startswith("PASS"), r
+    assert r.json("correctness.json")[0]["ok"], r
