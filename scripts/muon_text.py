@@ -13,11 +13,11 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import text_demo
+
 
 
 def main():
@@ -29,28 +29,14 @@ def main():
                         "results/muon-text-cpu.json updates the tracked figures)")
     a = p.parse_args()
     tmp = tempfile.mkdtemp()
-    subprocess.run([sys.executable, os.path.join(HERE, "scripts", "text_demo.py"), tmp],
-                   check=True, cwd=HERE, capture_output=True)
-    common = ["--mode", "train", "--model", os.path.join(tmp, "llama-init"),
-              "--data", os.path.join(tmp, "pretrain.jsonl"), "--val-fraction", "0.05",
-              "--dp", "2", "--dtype", "float32", "--batch", "16", "--length", "128",
-              "--steps", str(a.steps), "--lr", "3e-3", "--lr-schedule", "cosine",
-              "--lr-warmup", "20", "--eval-every", str(a.eval_every), "--log-every", "50"]
+    text_demo.make(tmp)
     runs = []
     for opt in ("adamw", "muon"):
-        out = os.path.join(tmp, f"out-{opt}")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", os.path.join(HERE, "compose4d.py"), *common,
-               "--optimizer", opt, "--out", out]
-        r = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=3600)
-        if r.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-        rows = [json.loads(line) for line in open(os.path.join(out, "train.jsonl"))]
-        evals = [dict(step=x["step"] + 1, eval_loss=round(x["eval_loss"], 4))
-                 for x in rows if "eval_loss" in x]
-        train = [x["loss"] for x in rows if "loss" in x]
-        runs.append(dict(optimizer=opt, evals=evals, last_train_loss=round(train[-1], 4)))
-        print(opt, evals, flush=True)
+        run = text_demo.train([*text_demo.pretrain_args(tmp, a.steps, a.eval_every), "--dp", "2",
+                               "--optimizer", opt], 2, os.path.join(tmp, f"out-{opt}"))
+        runs.append(dict(optimizer=opt, evals=run["evals"],
+                         last_train_loss=run["last_train_loss"]))
+        print(opt, run["evals"], flush=True)
     import torch
     result = dict(command="python scripts/muon_text.py " + " ".join(sys.argv[1:]),
                   machine=f"{platform.machine()} CPU, {os.cpu_count()} cores, gloo, torch "

@@ -14,6 +14,11 @@ directory with random weights that the README's first command pre-trains.
 Each JSON line is one document {"text": ...}: a module's docstring, or a public class's or
 function's ("module.name: docstring"). The split is by module, so fine-tuning meets modules the
 pre-training never saw.
+
+For the scripts that train on it (muon_text.py, doc_mask_text.py): make(dir) writes the files,
+pretrain_args(dir, steps, eval_every) gives training.md's pre-training settings, and
+train(args, nproc, out) runs compose4d.py --mode train and returns its logged held-out losses
+and first and last training losses.
 """
 from __future__ import annotations
 
@@ -60,6 +65,47 @@ def stdlib_documents() -> dict[str, list[str]]:
         if docs:
             out[name] = docs
     return out
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make(directory: str):
+    """This script's files in `directory` (a process of its own: its imports stay there)."""
+    import subprocess
+    subprocess.run([sys.executable, os.path.abspath(__file__), directory], check=True, cwd=ROOT,
+                   capture_output=True)
+
+
+def pretrain_args(directory: str, steps: int, eval_every: int) -> list[str]:
+    """compose4d.py --mode train with training.md's pre-training settings on make()'s files:
+    float32, batch 16 x 128 tokens, AdamW at 3e-3 with 20 warm-up steps then cosine, 5% of the
+    modules held out, the held-out loss every `eval_every` steps."""
+    return ["--mode", "train", "--model", os.path.join(directory, "llama-init"),
+            "--data", os.path.join(directory, "pretrain.jsonl"), "--val-fraction", "0.05",
+            "--dtype", "float32", "--batch", "16", "--length", "128", "--steps", str(steps),
+            "--lr", "3e-3", "--lr-schedule", "cosine", "--lr-warmup", "20",
+            "--eval-every", str(eval_every), "--log-every", "50"]
+
+
+def train(args: list[str], nproc: int, out: str) -> dict:
+    """torchrun compose4d.py `args` --out `out`: {"evals": [{"step", "eval_loss"}] (step 0:
+    before training), "first_train_loss", "last_train_loss", "seconds"}; a failure ends the
+    calling script with torchrun's last lines."""
+    import subprocess
+    import time
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", os.path.join(ROOT, "compose4d.py"), *args, "--out", out]
+    t0 = time.time()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    rows = [json.loads(line) for line in open(os.path.join(out, "train.jsonl"))]
+    train_losses = [x["loss"] for x in rows if "loss" in x]
+    return dict(evals=[dict(step=x["step"] + 1, eval_loss=round(x["eval_loss"], 4))
+                       for x in rows if "eval_loss" in x],
+                first_train_loss=round(train_losses[0], 4),
+                last_train_loss=round(train_losses[-1], 4), seconds=round(time.time() - t0, 1))
 
 
 def main():
