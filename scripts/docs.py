@@ -634,6 +634,11 @@ def process(text: str, write: bool) -> tuple[str, list[str]]:
             problems.append(f"table {name}: differs from its results file")
         return opening + want + closing
 
+    starts = {m.start() for m in FIG.finditer(text)}
+    for i in (i for i in range(len(text)) if text.startswith("<!--fig ", i) and i not in starts
+              and text[i - 1:i] != "`"):     # (one quoted in inline code: an example)
+        problems.append(f"a figure marker that does not parse (source, path and format, no "
+                        f"spaces): {text[i:i + 80]!r}")
     text = TABLE.sub(table, FIG.sub(fig, text))
     return text, problems
 

@@ -139,3 +139,13 @@ def test_recompute_costs_come_from_one_table():
         assert recompute_costs_outside_the_table(read(page)) == [], page
     planted = "Full recompute cost +22.1% here and selective -6%.\n\nNothing else."
     assert recompute_costs_outside_the_table(planted) == ["+22.1%", "-6%"]
+
+
+def test_a_figure_marker_that_does_not_parse_is_reported():
+    """A marker whose path holds a space (a JSON key with spaces) matched nothing and was
+    skipped in silence: docs.py now reports every `<!--fig ` that is not a whole marker."""
+    bad = "x <!--fig results/plan-validation.json families.PP >= 8.rows d-->3<!--/fig--> y"
+    _, problems = docs.process(bad, write=False)
+    assert problems and "does not parse" in problems[0], problems
+    good = "x <!--fig results/plan-validation.json families.pp8.rows d-->3<!--/fig--> y"
+    assert all("does not parse" not in p for p in docs.process(good, write=False)[1])

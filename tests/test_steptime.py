@@ -372,8 +372,9 @@ def test_moe_step_by_hand(capsys):
     """MoE: the shape measured on the meta model (Qwen3-30B-A3B's config: every parameter, the
     active matmuls per layer: attention at 32 heads of 128, the router, 8 of 128 experts);
     MoE parallel folding (EP 32 over TP 2 x DP 16 with SP: each tp rank's tokens dispatched on
-    their own, the experts' ZeRO group 1, the ep ring stride 1); the all-to-alls' bytes, their
-    exposure with and without ep_overlap, and the token copies a MoE layer keeps."""
+    their own, the experts' ZeRO group 1); where the ep and edp groups sit in each rank order;
+    the all-to-alls' bytes, their exposure with and without ep_overlap, and the token copies a
+    MoE layer keeps."""
     from transformers import Qwen3MoeConfig
     from trainer4d.elastic import count_params
     from trainer4d.plan import comm_per_step, step_report
@@ -391,7 +392,13 @@ def test_moe_step_by_hand(capsys):
     assert st.attention_width(sh) == 4096
     fold = parse_layout("tp=2,pp=8,dp=16,ep=32,sp=1,seq=4096,m=16")
     assert st.folded(fold) and st.expert_dp(fold) == 1
-    assert st.link(fold, "ep", st.GPUS["h100"]) == ("network", 50e9)     # 32 ranks, stride 1
+    g = st.GPUS["h100"]
+    assert st.in_node(fold, "ep", 8) == 2          # Llama 3's order: the tp pair, dp at stride 16
+    mega = dict(fold, order="megatron")            # DP inside PP: dp at stride 2, 4 per node
+    assert st.in_node(mega, "ep", 8) == 8 and st.link(mega, "ep", g) == ("network", 50e9)
+    flat = parse_layout("dp=32,ep=8")              # 8 consecutive ranks hold all the experts;
+    assert st.link(flat, "ep", g)[0] == "nvlink"   # those holding the same ones sit 8 apart
+    assert st.pieces(flat, "edp") == [(4, 8)] and st.link(flat, "edp", g) == ("network", 50e9)
     with pytest.raises(SystemExit) as e:
         parse_layout("tp=2,dp=16,ep=32")                                  # folding needs SP
     assert e.value.code == 2 and "folding" in capsys.readouterr().err
@@ -423,3 +430,20 @@ def test_packed_documents_cut_attentions_work_by_one_formula():
     share = st.doc_work(lay["seq"], 2)
     assert packed["attention"] == pytest.approx(plain["attention"] * share)
     assert packed["matmul"] == plain["matmul"] and packed["elementwise"] == plain["elementwise"]
+
+
+def test_routed_experts_split_over_tp_only_when_folded():
+    """Without folding every tp rank routes the same tokens through the same experts (
+    compose_moe.py): only the rest of the layer splits T ways; folded (sequence parallel), the
+    tp ranks' tokens differ and the experts' work splits too."""
+    from trainer4d.plan import step_report
+    from trainer4d.published import QWEN3_30B_A3B as sh
+    routed = 3 * 2048 * 8 * 768                    # per layer: top 8 of 768 wide, gated
+    one = step_report(sh, parse_layout("dp=16,ep=8,seq=4096,m=1"), "h100", 2)["matmul"]
+    tp = step_report(sh, parse_layout("tp=2,dp=8,ep=8,seq=4096,m=1"), "h100", 2)["matmul"]
+    fold = step_report(sh, parse_layout("tp=2,dp=8,ep=16,sp=1,seq=4096,m=1"), "h100",
+                       2)["matmul"]
+    per = one / (48 * sh["layer_matmul"] + 151936 * 2048)   # seconds per matmul parameter
+    assert tp == pytest.approx(per * (48 * (sh["layer_matmul"] - routed) / 2 + 48 * routed
+                                      + 151936 * 2048 / 2))
+    assert fold == pytest.approx(one / 2)

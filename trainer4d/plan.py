@@ -22,7 +22,8 @@ Megatron's scatter/gather), dp_overlap (0: the gradients reduced after the backw
 (flash, or eager: the s x s scores computed whole and kept), ep_overlap (1: the expert
 all-to-alls hidden behind another micro-batch's matmuls, Megatron's EP overlap or DualPipe),
 doc_min (N > 0: packed documents of the suite's length distribution floored at N tokens, each
-attending within itself: attention's work by steptime.doc_work).
+attending within itself: attention's work by steptime.doc_work), order (the rank order, which
+groups share a node: llama3, TP CP PP DP innermost first, the default; megatron, TP CP DP PP).
 Bytes per element from --dtype.
 
 Where each number comes from (imported, not copied; new here: comm_per_step and the TP split):
@@ -93,8 +94,8 @@ def load(name: str):
 DEFAULTS = dict(tp=1, cp=1, pp=1, dp=1, ep=1, seq=4096, mb=1, m=None, v=1, schedule="1f1b",
                 zero=1, sp=0, recompute="none", recompute_every=1, tp_overlap=0, pp_scatter=0,
                 dp_overlap=1, attn="flash", reduce_bytes=4, fp8=0, fp8_gather=0, ep_overlap=0,
-                doc_min=0)
-WORDS = ("schedule", "recompute", "attn")        # the keys whose values are words
+                doc_min=0, order="llama3")
+WORDS = ("schedule", "recompute", "attn", "order")   # the keys whose values are words
 
 
 def refuse(line: str):
@@ -110,6 +111,10 @@ def parse_layout(text: str) -> dict:
         if key not in DEFAULTS:
             refuse(f"unknown layout key {key!r} (keys: {', '.join(DEFAULTS)})")
         lay[key] = val if key in WORDS else int(val)
+    from .steptime import ORDERS
+    if lay["order"] not in ORDERS:
+        refuse(f"order={lay['order']}: one of {', '.join(ORDERS)} (the rank order, innermost "
+               f"first: {'; '.join(f'{k} ' + ' '.join(v) for k, v in ORDERS.items())})")
     if lay["m"] is None:   # enough micro-batches to fill the pipeline once
         lay["m"] = lay["pp"]
     dpc = lay["dp"] * lay["cp"]
@@ -357,12 +362,13 @@ def step_lines(config, params, lay, gpu, elem: int, out=print) -> dict | None:
 
 
 # the layout families whose residuals docs/steptime.md reports (issue: the model's one-sided bias)
-FAMILIES = {
-    "PP >= 8": lambda lay: lay["pp"] >= 8,
-    "PP 2-7": lambda lay: 1 < lay["pp"] < 8,
-    "FSDP only (ZeRO-3, no TP or PP)": lambda lay: lay["zero"] == 3 and lay["tp"] == lay["pp"] == 1,
-    "TP 8 without PP": lambda lay: lay["tp"] >= 8 and lay["pp"] == 1,
-    "MoE": lambda lay: lay["ep"] > 1,
+FAMILIES = {   # key (results/plan-validation.json's) -> (what it holds, who belongs)
+    "pp8": ("PP >= 8", lambda lay: lay["pp"] >= 8),
+    "pp2-7": ("PP 2-7", lambda lay: 1 < lay["pp"] < 8),
+    "fsdp": ("FSDP only (ZeRO-3, no TP or PP)",
+             lambda lay: lay["zero"] == 3 and lay["tp"] == lay["pp"] == 1),
+    "tp8": ("TP 8 without PP", lambda lay: lay["tp"] >= 8 and lay["pp"] == 1),
+    "moe": ("MoE", lambda lay: lay["ep"] > 1),
 }
 
 
@@ -395,11 +401,11 @@ def validate(out=print, unpublished_v: int | None = None) -> dict:
     worst = max(rows, key=lambda r: abs(r["rel_err"]))
     lays = {rid: lay for rid, _, _, _, _, lay, *_ in ROWS}
     families = {}   # the residuals by layout family (a row may sit in two)
-    for name, member in FAMILIES.items():
+    for key, (name, member) in FAMILIES.items():
         e = [r["rel_err"] for r in rows if member(lays[r["id"]])]
         if e:
-            families[name] = dict(rows=len(e), median=round(statistics.median(e), 4),
-                                  too_fast=sum(x > 0 for x in e))
+            families[key] = dict(name=name, rows=len(e), median=round(statistics.median(e), 4),
+                                 too_fast=sum(x > 0 for x in e))
     result = dict(rows=rows, median_abs_rel_err=round(statistics.median(errs), 4),
                   worst=dict(id=worst["id"], rel_err=worst["rel_err"]), families=families,
                   too_fast=sum(r["rel_err"] > 0 for r in rows),
@@ -408,8 +414,8 @@ def validate(out=print, unpublished_v: int | None = None) -> dict:
                   mamf={k: round(g["mamf"] / g["peak"], 4) for k, g in GPUS.items()})
     for line in table(result).splitlines():
         out(line)
-    for name, f in families.items():
-        out(f"family {name}: {f['rows']} rows, median error {f['median']:+.1%}, "
+    for f in families.values():
+        out(f"family {f['name']}: {f['rows']} rows, median error {f['median']:+.1%}, "
             f"{f['too_fast']} predicted too fast")
     for source in sorted({r["source"] for r in rows}):   # like with like: the count per source
         out(f"causal attention's FLOPs, {source}: {ATTENTION_COUNT[source]}")
@@ -554,7 +560,8 @@ def main(argv=None):
     p.add_argument("--nics-per-node", type=int, default=None,
                    help="the machine's network: NICs per node (default: one per GPU, 8)")
     p.add_argument("--nic-gbps", type=float, default=None,
-                   help="Gb/s per NIC and direction (default: the GPU's system, 200 A100, 400 H100)")
+                   help="Gb/s per NIC and direction (default: the GPU's system's, 200 on "
+                        "A100, 400 on H100)")
     a = p.parse_args(argv)
     gpu = a.gpu
     if a.gpu:

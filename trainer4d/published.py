@@ -68,8 +68,8 @@ SOURCES = {
                  "'MBS/GBS/SL', each row's YAML beside it; H100; routing forced balanced "
                  "(moe_router_force_load_balancing); Megatron-LM's count of this era halves "
                  "causal attention",
-    "bridge": "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md at 4ab94dfad3, "
-              "release 26.04.01, DGX-H100: 'Tokens / sec / GPU' with GBS, MBS, sequence "
+    "bridge": "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md, its '26.04.01 NeMo "
+              "Container' section, DGX-H100: 'Tokens / sec / GPU' with GBS, MBS, sequence "
               "length, TP, PP, CP, VP, EP; 'we force-balance the token distribution among "
               "experts and all benchmarks are token-dropless'; recipes in src/megatron/bridge/"
               "perf_recipes (qwen/h100)",
@@ -143,6 +143,7 @@ for rid, (L, h, heads, T, P, gpus, batch, tf, mbs, vp, ddp) in {
     V = L // (P * vp) if vp else 1
     ROWS.append((rid, "narayanan", f"GPT {L}x{h}", gpt(L, h, heads, 51200, True), "a100",
                  lay(tp=T, pp=P, dp=D, seq=2048, mb=mbs, m=batch // (D * mbs), zero=0,
+                     order="megatron",
                      recompute="full", pp_scatter=1, reduce_bytes=2, attn="eager",
                      dp_overlap=int(ddp == "torch"),
                      schedule="interleaved" if V > 1 else "1f1b", v=V),
@@ -157,6 +158,7 @@ for rid, (L, h, heads, T, P, D, batch, tf) in {
         "C9": (112, 18432, 144, 8, 16, 48, 3072, 459.9)}.items():
     ROWS.append((rid, "megatron", f"GPT {L}x{h}", gpt(L, h, heads, 131072, False), "h100",
                  lay(tp=T, pp=P, dp=D, seq=4096, m=batch // D, zero=1, tp_overlap=int(T > 1),
+                     order="megatron",
                      sp=int(T > 1),
                      schedule="interleaved" if P > 1 else "1f1b", v=UNPUBLISHED_V if P > 1 else 1),
                  "tflops", tf, "model",
@@ -216,20 +218,21 @@ for rid, (size, seq, gpus, gpu, mbs, accum, ckpt, tps) in {
 # BLOOM-176B at full throttle: GBS 2048 = 8 replicas x 128 micro-batches of 2 sequences
 ROWS.append(("G1", "bloom", "BLOOM 176B", gpt(70, 14336, 112, 250880, True), "a100",
              lay(tp=4, pp=12, dp=8, seq=2048, mb=2, m=128, zero=1, recompute="full",
-                 attn="eager"),
+                 attn="eager", order="megatron"),
              "tflops", 149.02, "hardware", "1F1B (DeepSpeed's pipeline), no SP, TP not "
              "overlapped, attention unfused (2022), the network unpublished (8 x 200 Gb/s)"))
 # Megatron-LM's Llama 3 FP8 table (NeMo's performance scripts): DP = GPUs / (TP PP CP), M = GA
 ROWS += [
-    ("H1", "mlm-llama", "Llama 3 8B", LLAMA3_8B, "h100", lay(cp=2, dp=4, seq=8192, m=32, fp8=1),
+    ("H1", "mlm-llama", "Llama 3 8B", LLAMA3_8B, "h100",
+     lay(cp=2, dp=4, seq=8192, m=32, fp8=1, order="megatron"),
      "tokens", 13812.0, "model", "FP8 as fp8=1, CP 2, no recompute, H100 (inferred)"),
     ("H2", "mlm-llama", "Llama 3 70B", LLAMA3_70B, "h100",
      lay(tp=4, pp=8, dp=2, seq=8192, m=64, schedule="interleaved", v=5, sp=1, tp_overlap=1,
-         fp8=1), "tokens", 1621.0, "model",
+         fp8=1, order="megatron"), "tokens", 1621.0, "model",
      "FP8, SP with TP overlapped (NeMo's scripts turn it on), no recompute, H100 (inferred)"),
     ("H3", "mlm-llama", "Llama 3 405B", LLAMA3_405B, "h100",
      lay(tp=8, pp=8, cp=2, dp=8, seq=8192, m=64, schedule="interleaved", v=8, sp=1,
-         tp_overlap=1, fp8=1), "tokens", 315.0, "model",
+         tp_overlap=1, fp8=1, order="megatron"), "tokens", 315.0, "model",
      "FP8, SP with TP overlapped, no recompute, H100 (inferred)"),
 ]
 
@@ -245,20 +248,21 @@ QWEN3_30B_A3B, QWEN3_235B_A22B = _qwen3(48, 2048, 32, 768), _qwen3(94, 4096, 64,
 ROWS += [
     ("E1", "mcore-moe", "Qwen3-235B-A22B", QWEN3_235B_A22B, "h100",
      lay(tp=2, pp=8, dp=16, ep=32, seq=4096, m=128, schedule="interleaved", v=4, sp=1,
-         ep_overlap=1), "tflops", 214.3, "causal",
+         ep_overlap=1, order="megatron"), "tflops", 214.3, "causal",
      "EP 32 folded over TP 2 x DP 16; V = 4 from its YAML's 3 layers per virtual stage; its "
      "selective recompute (MoE activation, norms) not priced; TP not overlapped"),
     ("E2", "mcore-moe", "Qwen3-30B-A3B", QWEN3_30B_A3B, "h100",
-     lay(dp=32, ep=8, seq=4096, m=8), "tflops", 234.1, "causal", "BF16 baseline, no recompute"),
+     lay(dp=32, ep=8, seq=4096, m=8, order="megatron"), "tflops", 234.1, "causal",
+     "BF16 baseline, no recompute"),
     ("E3", "mcore-moe", "Qwen3-30B-A3B", QWEN3_30B_A3B, "h100",
-     lay(dp=32, ep=8, seq=4096, m=8, fp8=1), "tflops", 232.4, "causal",
+     lay(dp=32, ep=8, seq=4096, m=8, fp8=1, order="megatron"), "tflops", 232.4, "causal",
      "FP8 blockwise as fp8=1 (the decoder linears at the FP8 peak's ratio)"),
     ("E4", "bridge", "Qwen3-30B-A3B", QWEN3_30B_A3B, "h100",
-     lay(dp=16, ep=16, seq=4096, m=64, fp8=1), "tokens", 8960.0, "model",
+     lay(dp=16, ep=16, seq=4096, m=64, fp8=1, order="megatron"), "tokens", 8960.0, "model",
      "FP8, EP 16 over two nodes, no recompute, EP not overlapped (its recipe: HybridEP)"),
     ("E5", "bridge", "Qwen3-235B-A22B", QWEN3_235B_A22B, "h100",
      lay(tp=2, pp=8, dp=16, ep=32, seq=4096, m=512, schedule="interleaved", v=4, sp=1, fp8=1,
-         ep_overlap=1), "tokens", 1712.0, "model",
+         ep_overlap=1, order="megatron"), "tokens", 1696.0, "model",
      "FP8, EP 32 folded over TP 2 x DP 16, EP overlapped (its recipe's moe_a2a_overlap), no "
      "recompute"),
 ]

@@ -382,7 +382,8 @@ def kept_bytes(sh: dict, lay: dict, elem: int) -> tuple[float, float]:
         # their backward) and returned (the experts' outputs, kept for the weighted combine),
         # top_k of each token each (its experts' inner activations: in the active ffn above)
         tokens = lay["mb"] * s // (lay["tp"] if lay["sp"] else 1)
-        per_layer += sh["moe_layers"] / sh["layers"] * 2 * sh["top_k"] * sh["hidden"] * elem * tokens
+        per_layer += (sh["moe_layers"] / sh["layers"] * 2 * sh["top_k"] * sh["hidden"] * elem
+                      * tokens)
     logits = predict_peak("tp" if lay["tp"] > 1 else "ddp", lay["tp"], s, lay["mb"], cfg,
                           elem)["logits"]
     return per_layer, logits
@@ -411,6 +412,47 @@ def expert_dp(lay: dict) -> int:
     return lay["dp"] * lay["cp"] * (lay["tp"] if folded(lay) else 1) // lay["ep"]
 
 
+# the rank orders, innermost first: Llama 3's (PP inside DP, the default) and Megatron-LM's
+# (DP inside PP: Megatron, Megatron-DeepSpeed, NeMo, torchtitan's mesh), layout key order=
+ORDERS = {"llama3": ("tp", "cp", "pp", "dp"), "megatron": ("tp", "cp", "dp", "pp")}
+
+
+def pieces(lay: dict, group: str) -> list[tuple[int, int]]:
+    """A group's members as (count, rank stride) along the grid's dimensions, innermost first.
+    ZeRO's dp group spans dp x cp; an ep group is ep consecutive members of that enumeration
+    (cp first; folded: tp x cp x dp), an edp group the members ep apart in it."""
+    stride, s = {}, 1
+    for d in ORDERS[lay.get("order", "llama3")]:
+        stride[d], s = s, s * lay[d]
+    T, C, D, E = lay["tp"], lay["cp"], lay["dp"], lay["ep"]
+    dims = ([(T, 1)] if folded(lay) and group in ("ep", "edp") else []) + [(C, stride["cp"]),
+                                                                           (D, stride["dp"])]
+    if group in ("tp", "cp", "pp"):
+        return [(lay[group], stride[group])]
+    if group == "dp":
+        return dims
+    out, step = [], 1      # walk the enumeration: ep takes the first E members, edp every E-th
+    for n, st in dims:
+        if group == "ep":
+            take = min(n, max(1, E // step))
+            out.append((take, st))
+        else:                   # edp: along this dimension, members `E / step` apart
+            gap = max(1, E // step)
+            out.append((max(1, n // gap), st * gap) if gap < n else (1, st))
+        step *= n
+    return [(n, st) for n, st in out if n > 1] or [(1, 1)]
+
+
+def in_node(lay: dict, group: str, per_node: int) -> int:
+    """How many of a group's members share one node (per_node consecutive ranks)."""
+    g, span = 1, 1
+    for n, st in pieces(lay, group):
+        if st * (n - 1) + span > per_node:          # not all n of this dimension fit
+            return g * max(1, min(n, per_node // st)) if st < per_node and g == span else g
+        g, span = g * n, st * (n - 1) + span
+    return g
+
+
 def link(lay: dict, group: str, gpu: dict) -> tuple[str, float]:
     """(link class, bytes/s per GPU and direction) of a group: NVLink when its ranks, at stride
     (the product of the groups inside it), fit in one node; else the network's, as NCCL routes
@@ -423,18 +465,12 @@ def link(lay: dict, group: str, gpu: dict) -> tuple[str, float]:
     share (no ring to fold them into). Capped by NVLink, which the ring's hops inside a node use."""
     size = {"tp": lay["tp"], "cp": lay["cp"], "pp": lay["pp"], "dp": lay["dp"] * lay["cp"],
             "edp": expert_dp(lay), "ep": lay["ep"]}[group]
-    inner = {"tp": 1, "cp": lay["tp"], "pp": lay["tp"] * lay["cp"],
-             "dp": lay["tp"] * lay["cp"] * lay["pp"], "ep": 1 if folded(lay) else lay["tp"],
-             "edp": lay["tp"] * lay["cp"] * lay["pp"]}[group]
-    if group == "dp" and lay["cp"] > 1:     # ZeRO over dp x cp: the cp ranks are inside tp x cp
-        inner = lay["tp"]
-    span = inner * size     # pp: the whole pipeline; once it spans nodes, a boundary crosses
-    if span <= gpu["per_node"]:
+    g = in_node(lay, group, gpu["per_node"])        # this group's ranks in one node
+    if g >= size:           # (pp: the whole pipeline; once it spans nodes, a boundary crosses)
         return "nvlink", gpu["nvlink"]
     share = gpu["nic"] * gpu["nics"] / gpu["per_node"]   # one GPU's share of its node's NICs
     if group in ("pp", "ep"):
         return "network", share
-    g = max(1, min(size, gpu["per_node"] // inner))      # this group's ranks in one node
     return "network", min(gpu["nvlink"], share * g)
 
 
@@ -458,9 +494,8 @@ def comm_seconds(rows: list, lay: dict, gpu: dict) -> dict:
         kind, bw = link(lay, group, gpu)
         off = wire
         if group == "ep" and kind == "network":   # the share bound for other nodes (the rest
-            inside = max(1, gpu["per_node"] // (1 if folded(lay) else lay["tp"]))   # goes over
-            # NVLink meanwhile)
-            off = nbytes * (lay["ep"] - min(inside, lay["ep"])) / lay["ep"]
+            inside = in_node(lay, "ep", gpu["per_node"])   # goes over NVLink meanwhile)
+            off = nbytes * (lay["ep"] - inside) / lay["ep"]
         out[(group, op)] = dict(seconds=off / bw, calls=calls, link=kind, wire=wire)
     return out
 
@@ -496,12 +531,20 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
     # and attention in bf16; each FP8 linear's casts add FP8_CAST_BYTES per feature and token
     speed = g["fp8"] / g["peak"] if fp8 else 1.0
 
-    docs = doc_work(lay["seq"], lay["doc_min"]) if lay.get("doc_min") else 1.0   # (packed)
+    # packed documents: a flash kernel skips the masked pairs (eager computes the whole square)
+    docs = (doc_work(lay["seq"], lay["doc_min"])
+            if lay.get("doc_min") and lay.get("attn") != "eager" else 1.0)
+    # a MoE layer's routed experts: the tp ranks split their tokens only when folded (sequence
+    # parallel); otherwise every tp rank runs the same tokens through the same experts
+    routed = (sh["moe_layers"] / L * 3 * h * sh["top_k"] * sh["expert_ffn"]
+              if "experts" in sh else 0.0)
+    expert_split = T if "experts" in sh and folded(lay) else 1
 
     def stage(layers: int, head: bool) -> tuple[float, float, float]:
         """One micro-batch through a stage on one GPU (forward F, backward 2F, the recompute's
         forward again): its matmul, attention and elementwise seconds."""
-        mm = ((6 + 2 * again) * layers * layer_mm / speed + 6 * head_mm * head) * n / T
+        mm = ((6 + 2 * again) * layers * (layer_mm - routed + routed * T / expert_split) / speed
+              + 6 * head_mm * head) * n / T
         att = (12 + 4 * att_again) * layers * attention_width(sh) * lay["seq"] * n / T * docs
         if lay.get("attn") == "eager":    # the s x s scores as batched matmuls, masked half too
             t_att = att / g["mamf"]
@@ -521,7 +564,8 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
     tp = total("tp") / M
     tp_exposed = max(0.0, tp - t_mm) if lay.get("tp_overlap") else tp
     ep = total("ep") / M   # ep_overlap: the all-to-alls behind another micro-batch's matmuls
-    ep_exposed = max(0.0, ep - t_mm) if lay.get("ep_overlap") else ep
+    window = t_mm - (tp - tp_exposed if lay.get("tp_overlap") else 0.0)   # (what TP left)
+    ep_exposed = max(0.0, ep - max(0.0, window)) if lay.get("ep_overlap") else ep
     slot = compute + tp_exposed + (total("cp") + total("pp")) / M + ep_exposed
     bubble = pp_schedule.simulate(lay["schedule"], P, M, lay["v"])[2] if P > 1 else 0.0
     pipeline = M * slot / (1 - bubble)
