@@ -283,11 +283,13 @@ class Pipeline:
     def documents(self, m, mb=None):
         """Ring attention (`ring`: compose4d's cp_ring context) under packed documents: micro-
         batch m's block masks, made from its rows' whole-sequence positions (`docs`, the global
-        batch's, by row id) before its forward (mb given), put back before its backward
-        (another micro-batch's forward may have run between, and its masks are others')."""
+        batch's, by row id) before its first forward (mb given), put back before its other
+        chunks' forwards and its backwards (another micro-batch's forward may have run between,
+        and its masks are others'). They are kept for the step (M of them: a bound to lift
+        when S grows, by dropping each after its last backward)."""
         if self.ring is None:
             return
-        if mb is not None:
+        if mb is not None and m not in self.ring_blocks:   # (once per micro-batch, not chunk)
             from cp_ring import set_documents
             set_documents(self.ring, None if self.docs is None else self.docs[mb.row_ids()])
             self.ring_blocks[m] = self.ring.blocks

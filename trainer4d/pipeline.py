@@ -50,15 +50,15 @@ def evaluate(pipe, batch: Batch, M: int, docs=None) -> torch.Tensor:
     posts its sends and receives in the same order and nothing waits in a cycle (NCCL
     matches them in issue order; no tags are needed). docs: as Pipeline.run's (ring attention's
     packed documents)."""
-    pipe.docs = docs
+    pipe.docs, pipe.ring_blocks = docs, {}
     mbs = batch.split(M)                    # (B, S) -> M micro-batches, each (B/M, S)
     B, S = mbs[0].input_ids.shape           # a micro-batch's: B is its rows from here on
     shape = (B, S // pipe.seq_shards, pipe.model.config.hidden_size)   # (B, S/T, H)
     dtype = next(pipe.model.parameters()).dtype
     device = batch.input_ids.device
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for mb in mbs:
-        pipe.documents(0, mb)
+    for m, mb in enumerate(mbs):
+        pipe.documents(m, mb)
         for c in pipe.my_chunks:
             if c == 0:
                 x = mb.input_ids
