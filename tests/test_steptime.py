@@ -447,3 +447,18 @@ def test_routed_experts_split_over_tp_only_when_folded():
     assert tp == pytest.approx(per * (48 * (sh["layer_matmul"] - routed) / 2 + 48 * routed
                                       + 151936 * 2048 / 2))
     assert fold == pytest.approx(one / 2)
+
+
+def test_selective_recompute_reruns_the_scores_only_when_unfused():
+    """Selective recompute re-runs core attention's forward: its matmuls (att_again) under any
+    kernel, and under unfused attention (attn=eager) also the softmax's elementwise work over
+    the s x s scores, a third of what their kept bytes cost (steptime.scores_bytes); a fused
+    kernel keeps no scores and adds none."""
+    passes = 3.0
+    for attn, extra in (("eager", True), ("flash", False)):
+        none = step(toy_layout(attn=attn), passes=passes)
+        sel = step(toy_layout(attn=attn, recompute="selective"), passes=passes)
+        s = st.scores_bytes(TOY, toy_layout(attn=attn), 2)
+        assert (s > 0) == extra
+        want = passes * s * TOY["layers"] / 3 / GPU["hbm"]
+        assert sel["elementwise"] - none["elementwise"] == pytest.approx(want, abs=1e-12)

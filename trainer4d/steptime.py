@@ -389,6 +389,20 @@ def kept_bytes(sh: dict, lay: dict, elem: int) -> tuple[float, float]:
     return per_layer, logits
 
 
+def scores_bytes(sh: dict, lay: dict, elem: int) -> float:
+    """The s x s part of one layer's kept bytes under unfused attention (attn=eager: the
+    softmax's scores, in fp32 and in the run's dtype), what eager keeps beyond a fused kernel:
+    the region selective recompute re-runs (Korthikanti et al.'s core attention: the softmax
+    over the scores, with 2022's dropout, forward again), 0 under a fused kernel."""
+    if lay.get("attn") != "eager":
+        return 0.0
+    from harness.recompute import activation_bytes
+    cfg, s = config_of(sh), lay["seq"] // lay["cp"]
+    kw = dict(tp=lay["tp"], sp=bool(lay["sp"]))
+    return (activation_bytes(cfg, lay["mb"], s, elem, "none", "eager", **kw)["per_layer"]
+            - activation_bytes(cfg, lay["mb"], s, elem, "none", "sdpa", **kw)["per_layer"])
+
+
 def stages(L: int, P: int) -> list[tuple[int, bool]]:
     """(layers, holds the LM head) of the stages that can be the slowest: ceil(L/P) layers each,
     the last stage the rest and the head (one stage holds everything when P = 1)."""
@@ -520,6 +534,7 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
     layer_mm, head_mm = layer_matmul_params(sh), sh["vocab"] * h
     again, att_again = recomputed(lay)
     per_layer, logits = kept_bytes(sh, lay, elem)
+    scores = scores_bytes(sh, lay, elem)
 
     fp8 = lay.get("fp8", 0)
     if fp8 and not g.get("fp8"):
@@ -552,7 +567,11 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
             t_att = att / 2 / (attn_eff * g["peak"])
         kept = per_layer * layers + logits * head
         cast = fp8 * FP8_CAST_BYTES * layer_linear_features(sh) / T * n * layers
-        return mm / g["mamf"], t_att, (passes * kept + cast) * (1 + again / 3) / g["hbm"]
+        # selective recompute under unfused attention: the s x s elementwise work of the
+        # forward again (the matmuls' FLOPs are att_again's); none under a fused kernel
+        redo = passes * scores * layers / 3 if lay.get("recompute") == "selective" else 0.0
+        return (mm / g["mamf"], t_att,
+                ((passes * kept + cast) * (1 + again / 3) + redo) / g["hbm"])
     t_mm, t_att, t_elem = max((stage(k, head) for k, head in stages(L, P)), key=sum)
     compute = t_mm + t_att + t_elem
     comm = comm_seconds(comm_rows, lay, g)
