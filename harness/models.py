@@ -208,11 +208,16 @@ def resolve_attn(config, attn: str) -> tuple[str, str | None]:
     return attn, None
 
 
+def n_experts(config) -> int:
+    """A Mixture-of-Experts config's routed experts (0: dense): Mixtral's num_local_experts,
+    Qwen-MoE's and OLMoE's num_experts, DeepSeek's n_routed_experts."""
+    return next((getattr(config, k) for k in ("num_local_experts", "num_experts",
+                                              "n_routed_experts") if getattr(config, k, None)), 0)
+
+
 def is_moe(config) -> bool:
-    """A Mixture-of-Experts config: Mixtral's num_local_experts, Qwen-MoE's and OLMoE's
-    num_experts, DeepSeek's n_routed_experts."""
-    return any(getattr(config, k, None) for k in ("num_local_experts", "num_experts",
-                                                   "n_routed_experts"))
+    """A Mixture-of-Experts config (n_experts)."""
+    return bool(n_experts(config))
 
 
 def model_kwargs(config, attn: str) -> dict:

@@ -563,10 +563,11 @@ def main(argv=None):
                    help="Gb/s per NIC and direction (default: the GPU's system's, 200 on "
                         "A100, 400 on H100)")
     a = p.parse_args(argv)
-    gpu = a.gpu
+    gpu = spec = a.gpu
     if a.gpu:
         from .steptime import gpu_spec
-        gpu = dict(gpu_spec(a.gpu))                     # an unknown name ends here, in one line
+        spec = gpu_spec(a.gpu)                          # an unknown name ends here, in one line
+        gpu = dict(spec)
         for value, key, scale, flag in ((a.nics_per_node, "nics", 1, "--nics-per-node"),
                                         (a.nic_gbps, "nic", 1e9 / 8, "--nic-gbps")):
             if value is not None:
@@ -578,10 +579,8 @@ def main(argv=None):
     elif a.nics_per_node is not None or a.nic_gbps is not None:
         refuse("--nics-per-node and --nic-gbps describe the --gpu machine: give --gpu")
     layouts = [parse_layout(text) for text in a.layout]   # every refusal before any report
-    if a.gpu and any(lay["fp8"] for lay in layouts):
-        from .steptime import gpu_spec
-        if not gpu_spec(a.gpu).get("fp8"):
-            refuse(f"fp8=1 on {gpu_spec(a.gpu)['name']}: it has no FP8 tensor cores")
+    if a.gpu and any(lay["fp8"] for lay in layouts) and not spec.get("fp8"):
+        refuse(f"fp8=1 on {spec['name']}: it has no FP8 tensor cores")
     config = load(a.model)
     elem = 4 if a.dtype == "float32" else 2
     params = count_params(config)

@@ -201,6 +201,8 @@ def shape_of(config) -> dict | None:
     from transformers import AutoModelForCausalLM
     from harness.anatomy import attention_of, kv_heads, parts
     from harness.models import is_moe
+    h = config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
     one = copy.deepcopy(config)
     if not is_moe(config):
         one.num_hidden_layers = 1
@@ -214,55 +216,56 @@ def shape_of(config) -> dict | None:
     if attention is None:
         return None
     if is_moe(config):
-        return moe_shape_of(config, model, p)
-    h = config.hidden_size
-    inside = {id(w) for w in attention.parameters()}
-    mlp = [w for w in layer.parameters() if w.dim() == 2 and id(w) not in inside]  # (OPT: fc1,
-    if not mlp:                                                   # fc2 directly in the layer)
+        return moe_shape_of(config, p, head_dim)
+    attn, mlp = matrices(layer)     # (OPT: fc1 and fc2 directly in the layer)
+    if not mlp:
         return None
-    down = mlp[-1]      # (the last registered: the down projection, [h, f] or [f, h])
+    down = mlp[-1][1]   # (the last registered: the down projection, [h, f] or [f, h])
     ffn = down.shape[1] if down.shape[0] == h else down.shape[0]
-    mlp_mm = sum(w.numel() for w in mlp)
-    layer_mm = mlp_mm + sum(w.numel() for w in attention.parameters() if w.dim() == 2)
+    mlp_mm = sum(w.numel() for _, w in mlp)
+    layer_mm = mlp_mm + attn
     layer_all = sum(w.numel() for w in layer.parameters())
     rest = sum(w.numel() for w in model.parameters()) - layer_all
     return dict(layers=config.num_hidden_layers, hidden=h, heads=config.num_attention_heads,
                 kv_heads=kv_heads(config), ffn=ffn, gated=round(mlp_mm / (h * ffn)) == 3,
                 vocab=config.vocab_size, tied=bool(p.tied), layer_matmul=layer_mm,
-                params=config.num_hidden_layers * layer_all + rest,
-                head_dim=getattr(config, "head_dim", None) or h // config.num_attention_heads)
+                params=config.num_hidden_layers * layer_all + rest, head_dim=head_dim)
 
 
-def moe_shape_of(config, model, p) -> dict | None:
-    """moe_shape measured on the meta model: a layer with routed experts (`.experts.` in its
-    parameters' names, n_experts of them by the config) against the dense ones; per expert its
+def matrices(layer) -> tuple[int, list]:
+    """A decoder layer's matmul weights: (its attention's 2-D weights' count, [(name, weight)]
+    of the layer's other 2-D weights, in registration order)."""
+    from harness.anatomy import attention_of
+    inside = {id(w) for w in attention_of(layer).parameters()}
+    return (sum(w.numel() for w in attention_of(layer).parameters() if w.dim() == 2),
+            [(n, w) for n, w in layer.named_parameters() if w.dim() == 2 and id(w) not in inside])
+
+
+def moe_shape_of(config, p, head_dim: int) -> dict | None:
+    """moe_shape measured on the meta model (parts p): a layer with routed experts (`.experts.`
+    in its parameters' names, harness.n_experts of them) against the dense ones; per expert its
     routed parameters / n_experts (3 h x width: gated); the router, the 2-D weight of shape
     (n_experts, h) beside them; the shared experts, the layer's other MLP matrices."""
-    from harness.anatomy import attention_of, kv_heads
-    h = config.hidden_size
-    E = next(getattr(config, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
-             if getattr(config, k, None))
+    from harness.anatomy import kv_heads
+    from harness.models import n_experts
+    h, E = config.hidden_size, n_experts(config)
     moe = [l for l in p.layers if any(".experts." in n for n, _ in l.named_parameters())]
     dense = [l for l in p.layers if l not in moe]
     if not moe:
         return None
-    layer, attention = moe[0], attention_of(moe[0])
-    inside = {id(w) for w in attention.parameters()}
+    layer = moe[0]
+    attn, others = matrices(layer)
     routed = sum(w.numel() for n, w in layer.named_parameters() if ".experts." in n)
-    mats = [w for n, w in layer.named_parameters()
-            if w.dim() == 2 and id(w) not in inside and ".experts." not in n]
+    mats = [w for n, w in others if ".experts." not in n]
     shared = sum(w.numel() for w in mats if tuple(w.shape) != (E, h))
     if routed % (3 * h * E) or shared % (3 * h):
         return None     # (experts that are not gated h x f matrices: not priced)
-    d_mlp = ([w for w in dense[0].parameters() if w.dim() == 2
-              and id(w) not in {id(x) for x in attention_of(dense[0]).parameters()}]
-             if dense else [])
-    attn = sum(w.numel() for w in attention.parameters() if w.dim() == 2)
+    d_mlp = matrices(dense[0])[1] if dense else []
     return moe_shape(config.num_hidden_layers, h, config.num_attention_heads, kv_heads(config),
-                     getattr(config, "head_dim", None) or h // config.num_attention_heads, E,
-                     config.num_experts_per_tok, routed // (3 * h * E), config.vocab_size,
-                     bool(p.tied), shared_ffn=shared // (3 * h), dense_layers=len(dense),
-                     dense_ffn=sum(w.numel() for w in d_mlp) // (3 * h), attention=attn,
+                     head_dim, E, config.num_experts_per_tok, routed // (3 * h * E),
+                     config.vocab_size, bool(p.tied), shared_ffn=shared // (3 * h),
+                     dense_layers=len(dense),
+                     dense_ffn=sum(w.numel() for _, w in d_mlp) // (3 * h), attention=attn,
                      other=sum(w.numel() for w in layer.parameters()) - attn - routed
                      - sum(w.numel() for w in mats))
 
@@ -438,11 +441,11 @@ def pieces(lay: dict, group: str) -> list[tuple[int, int]]:
     stride, s = {}, 1
     for d in ORDERS[lay.get("order", "llama3")]:
         stride[d], s = s, s * lay[d]
+    if group in ("tp", "cp", "pp"):
+        return [(lay[group], stride[group])]
     T, C, D, E = lay["tp"], lay["cp"], lay["dp"], lay["ep"]
     dims = ([(T, 1)] if folded(lay) and group in ("ep", "edp") else []) + [(C, stride["cp"]),
                                                                            (D, stride["dp"])]
-    if group in ("tp", "cp", "pp"):
-        return [(lay[group], stride[group])]
     if group == "dp":
         return dims
     out, step = [], 1      # walk the enumeration: ep takes the first E members, edp every E-th
