@@ -74,7 +74,7 @@ def _validate(cls, args, world: int, rank: int):
             and not (args.fp8 == "tensorwise" and cls.fp8_amax_log)):
         errs.append(f"--fp8 {args.fp8} in {low[0]}: the tensors there are compared only within "
                     f"FP8's own noise, beside an exact check of the scales that tensorwise runs "
-                    f"on ddp, zero, fsdp, tp, sp, cp and ep; prove FP8 with --dtype float64, "
+                    f"on ddp, zero, fsdp, tp, sp, cp, ep and compose4d; prove FP8 with --dtype float64, "
                     f"train it in {low[0]} with --mode learning")
     if getattr(args, "ce_chunk", 0) > 0 and not cls.chunked_ce:
         errs.append(f"--ce-chunk: {cls.name} computes its loss on the full logits (chunked: "

@@ -153,7 +153,7 @@ def _correctness_one(run: Run, cls) -> bool:
               f"{' dropout=%s' % rates(run.config) if rates(run.config) else ''}"
               f"{' PLANTED BUG: ' + args.plant_bug if args.plant_bug else ''}")
     watch = HostSyncs(env.device) if args.host_syncs else None
-    amaxes = cls.fp8_amax_log() if scales else None
+    amaxes = cls.fp8_amax_log(strat.fp8_stage) if scales else None
     for s in range(args.steps):
         batch = run.batch(s)
         with watch.region() if watch else NULL, amaxes or NULL:

@@ -79,8 +79,10 @@ class Strategy:
     fp8_micro_rows = None
     # --fp8 tensorwise, correctness: a context manager recording every amax this rank's casts
     # use in the strategy's steps; its check() (a collective) says whether they are the same on
-    # every rank (rig/ddp.py's AmaxLog; None where ranks run different layers: pp, compose4d)
+    # every rank of its stage (rig/ddp.py's AmaxLog; None where no two ranks run the same
+    # layers: pp.py). fp8_stage: which ranks do (compose4d: the pipeline stage)
     fp8_amax_log = None
+    fp8_stage = 0
     self_check = None     # ("what", build(model, args) -> fn(ids) -> logits): selfcheck.py
 
     @staticmethod

@@ -10,6 +10,7 @@ from harness import (METER, Plant, Strategy, dropout, is_moe, kv_heads, spread_a
                      train_data)
 from harness.cli import main as harness_main
 from harness import lora_setup
+from harness.models import LOW_PRECISION
 from harness.flops import mfu_line
 from trainer4d import comm, elastic, train
 from trainer4d.schedule import Scheduled, ScheduledReference
@@ -21,7 +22,7 @@ import zero_units
 from compose4d import Parallel4D
 from rig.compose_moe import MoEReference, constraints as moe_constraints
 from rig.cp_ring import ring_refusals
-from rig.ddp import MUON_PLANT, data_parallel_micro_rows
+from rig.ddp import AmaxLog, MUON_PLANT, data_parallel_micro_rows, fp8_tiles
 from rig.ep_moe import add_moe_args
 from rig.pp import stage_loop
 from rig.tp import fp8_tp_constraints, tp_constraints
@@ -61,7 +62,7 @@ def compose_constraints(args, world, config) -> list[str]:
     errs = moe_constraints(args, config, D, C)
     if errs:
         return errs
-    errs = fp8_compose_constraints(args, T, config)
+    errs = fp8_compose_constraints(args, T, D, C, config)
     errs = errs or (tp_constraints(args, T, config) if T > 1 else [])
     kv = kv_heads(config)
     if T > 1 and not errs and kv % T and kv != 1:
@@ -130,16 +131,21 @@ class ScheduledMoEReference(Scheduled, MoEReference):
     """compose_moe's reference (HF's MoE model, the router losses per layer and micro-batch)."""
 
 
-def fp8_compose_constraints(args, T: int, config) -> list[str]:
+def fp8_compose_constraints(args, T: int, D: int, C: int, config) -> list[str]:
     """--fp8 under compose4d: tp's rules (fp8.carry), the tokens' amaxes over dp x cp (fp8.scope),
-    each micro-batch cast with its own (compose_micro_rows); blockwise and MoE not yet."""
+    each micro-batch cast with its own (compose_micro_rows); blockwise: a dp rank's micro-batch
+    and each zig-zag cp chunk whole 1 x 128 tiles (the weight gradient's, along the tokens).
+    MoE not yet."""
     if not getattr(args, "fp8", None):
         return []
-    if args.fp8 == "blockwise" or is_moe(config):
-        what = "blockwise" if args.fp8 == "blockwise" else "a MoE model"
-        return [f"--fp8 under compose4d: {what} is not built yet (tensorwise and rowwise on a "
-                f"dense model are)"]
-    return fp8_tp_constraints(args, T, config) if T > 1 else []
+    if args.dtype in LOW_PRECISION and T * D * C == 1:
+        return [f"--fp8 in {args.dtype} at pp = W: no two ranks run the same FP8 linears, so "
+                f"the scales' exact check has nothing to compare (prove it in float64)"]
+    rows = args.batch // max(D * args.grad_accum, 1)
+    return (fp8_tiles(args, "a dp rank's {} tokens per micro-batch are", rows * args.length)
+            or (fp8_tiles(args, "a cp chunk of {} positions is", args.length // (2 * C))
+                if C > 1 else [])
+            or (fp8_tp_constraints(args, T, config) if T > 1 else []))
 
 
 def compose_micro_rows(args, world: int):
@@ -157,6 +163,7 @@ def reference(ref_model, args, env):
 class Compose4D(Parallel4D, Strategy):
     name = "4d"
     convert_fp8 = staticmethod(fp8.convert)   # tp's carry, dp x cp's token scopes, micro rows
+    fp8_amax_log = AmaxLog   # (bf16 tensorwise) each stage's ranks' amaxes, bit for bit
     fp8_micro_rows = staticmethod(compose_micro_rows)
     doc_mask = True   # (every layout: pp.py's stage loop with HF's masks, the ring's own blocks)
     self_check = ("compose4d's stage loop (pp.py's)", stage_loop)
@@ -233,6 +240,7 @@ class Compose4D(Parallel4D, Strategy):
         super().__init__(model, args, env)
         if getattr(args, "fp8", None):   # the tokens are split over dp x cp (rows, zig-zag)
             fp8.scope(model, tokens=[self.groups["dpcp"]])
+            self.fp8_stage = self.me["pp"]   # (AmaxLog: the ranks running the same layers)
         self.print_coordinates()
 
     def print_coordinates(self):

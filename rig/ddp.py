@@ -70,10 +70,12 @@ class AmaxLog:
     e5m2: one device's bf16 FP8 gradients land up to ~0.3 of a tensor's scale from the float64
     FP8 target), which a per-rank scale hides in. What it proves is agreement: a scale wrong
     the same way on every rank passes it (float64's element-wise run catches those), and so does
-    a cast that changes the amax after global_amax returned (fsdp's gather plant: float64 too)."""
+    a cast that changes the amax after global_amax returned (fsdp's gather plant: float64 too).
+    stage: which ranks run the same FP8 linears in the same order (compose4d: its pipeline
+    stage); each rank is held against the lowest rank of its stage."""
 
-    def __init__(self):
-        self.amaxes = []
+    def __init__(self, stage: int = 0):
+        self.amaxes, self.stage = [], stage
 
     def __enter__(self):
         self._global = fp8.global_amax
@@ -90,19 +92,24 @@ class AmaxLog:
 
     def check(self) -> tuple[str, bool, str]:
         mine = torch.cat(self.amaxes).cpu() if self.amaxes else torch.zeros(0).double()
-        ranks = gather_objects(mine)
+        stages, ranks = zip(*gather_objects((self.stage, mine)))
+        first = {}
+        for r, st in enumerate(stages):
+            first.setdefault(st, r)
+        ref = [ranks[first[st]] for st in stages]        # each rank's stage's lowest rank
         bits = lambda t: t.view(torch.int64)   # noqa: E731  (a NaN equals itself, bit for bit)
-        differ = [r for r, t in enumerate(ranks)
-                  if t.shape != ranks[0].shape or not torch.equal(bits(t), bits(ranks[0]))]
-        n = ranks[0].numel()
-        worst = max((float(((t - ranks[0]).abs() / ranks[0].clamp(min=1e-30)).max())
-                     for t in ranks if t.shape == ranks[0].shape and t.numel()), default=0.0)
+        differ = [r for r, (t, f) in enumerate(zip(ranks, ref))
+                  if t.shape != f.shape or not torch.equal(bits(t), bits(f))]
+        n = min(t.numel() for t in ranks)
+        worst = max((float(((t - f).abs() / f.clamp(min=1e-30)).max())
+                     for t, f in zip(ranks, ref) if t.shape == f.shape and t.numel()), default=0.0)
         ok = n > 0 and not differ
-        return ("fp8 scales the same on every rank", ok,
+        where = "every rank" if len(first) == 1 else f"every rank of each of {len(first)} stages"
+        return (f"fp8 scales the same on {where}", ok,
                 f"{n} amaxes per rank over the steps, " + (
-                    "bit-identical on every rank" if ok else
-                    f"ranks {differ} differ from rank 0 (largest relative difference {worst:.2e})"
-                    if n else "none recorded"))
+                    f"bit-identical on {where}" if ok else
+                    f"ranks {differ} differ from their stage's first rank (largest relative "
+                    f"difference {worst:.2e})" if n else "none recorded"))
 
 
 def data_parallel_micro_rows(args, world: int) -> list[list[int]] | None:

@@ -210,6 +210,7 @@ def test_training_stays_with_bf16():
 # float64 correctness run meets the single-device FP8 reference at float64's own noise.
 # ------------------------------------------------------------------------------------------------
 F64 = ["--dtype", "float64"]
+BW = ["--fp8", "blockwise", "--model", "configs/tiny-fp8.json"]   # (128-wide: whole tiles)
 DP2 = Runs("ddp.py", 2, tier="slow", runs={
     "fp8-tensorwise": ["--fp8", "tensorwise", "--grad-accum", "2", *F64],
     "fp8-rowwise": ["--fp8", "rowwise", *F64],
@@ -232,12 +233,33 @@ HEAVY = {key: Runs(script, world, tier="heavy", runs={"fp8": list(args)})
              ("sp.py ulysses", "sp.py", 2, ["--variant", "ulysses", "--fp8", "rowwise", *F64]),
              ("cp_ring.py", "cp_ring.py", 2, ["--fp8", "rowwise", *F64]),
              ("ep_moe.py", "ep_moe.py", 2, ["--fp8", "tensorwise", *F64]),
+             # the rest of the recipe x strategy matrix (test_plants' clean runs hold tensorwise
+             # on ddp, tp, cp, fsdp's gather and compose4d)
+             ("zero.py 1 rowwise", "zero.py", 2, ["--stage", "1", "--fp8", "rowwise", *F64]),
+             ("zero.py 2 blockwise", "zero.py", 2, ["--stage", "2", *BW, *F64]),
+             ("fsdp.py blockwise", "fsdp.py", 2, [*BW, *F64]),
+             ("tp.py rowwise", "tp.py", 2, ["--fp8", "rowwise", *F64]),
+             ("sp.py blockwise", "sp.py", 2, ["--variant", "megatron", "--fp8", "blockwise",
+                                              "--model", "configs/tiny-fp8-tp.json", *F64]),
+             ("pp.py tensorwise", "pp.py", 2, ["--fp8", "tensorwise", *F64]),
+             ("pp.py blockwise", "pp.py", 2, [*BW, *F64]),
+             ("cp_ring.py blockwise", "cp_ring.py", 2, [*BW, "--length", "512", "--batch", "2",
+                                                        *F64]),
              ("compose4d.py tp pp", "compose4d.py", 4, ["--fp8", "tensorwise", "--tp", "2",
                                                         "--pp", "2", *F64]),
              ("compose4d.py dp tp", "compose4d.py", 4, ["--fp8", "rowwise", "--tp", "2", "--dp",
                                                         "2", "--grad-accum", "2", *F64]),
              ("compose4d.py sp cp", "compose4d.py", 4, ["--fp8", "tensorwise", "--tp", "2",
-                                                        "--sp", "--cp", "2", *F64])]}
+                                                        "--sp", "--cp", "2", *F64]),
+             ("compose4d.py blockwise", "compose4d.py", 4, [
+                 "--fp8", "blockwise", "--model", "configs/tiny-fp8-tp.json", "--tp", "2",
+                 "--pp", "2", "--batch", "4", "--length", "128", "--grad-accum", "2", *F64]),
+             ("compose4d.py moe", "compose4d.py", 4, ["--fp8", "tensorwise", "--model",
+                                                      "tiny-moe", "--ep", "2", "--tp", "2", *F64]),
+             ("compose4d.py bf16", "compose4d.py", 4, ["--fp8", "tensorwise", "--tp", "2",
+                                                       "--pp", "2", "--dtype", "bfloat16",
+                                                       "--mode", "plants", "--plants",
+                                                       "fp8-amax-per-rank"])]}
 
 
 # FSDP's FP8 all-gather (--fp8-all-gather, fp8.gather_in_fp8): each shard cast with the whole
@@ -435,13 +457,18 @@ def test_fp8_under_more_layouts(runs, key):
     no-average FAIL) and tp's bf16 learning run, TP's
     blockwise (128-wide shards: tiles whole on each rank), Megatron SP (tp.py's layers), and
     Ulysses, CP's zig-zag and EP's dense layers (whole linears, split tokens: DDP's scopes), and
-    compose4d at W=4 (tp x pp, dp x tp with two micro-batches, tp+sp x cp)."""
+    compose4d at W=4 (tp x pp, dp x tp with two micro-batches, tp+sp x cp, blockwise tp x pp,
+    a MoE model's attention under ep x tp, and tp x pp in bf16: each stage's scales exactly)."""
     batch = HEAVY[key]
     r = runs(batch, next(iter(batch.runs)))
     if key == "ddp.py bf16":   # the tensors within FP8's bf16 noise, the scales exactly
         assert r.rc == 0 and r.last_line.startswith("PASS plants") and "2/2 planted" in r.stdout
         assert ("check fp8 scales the same on every rank: ok (168 amaxes" in r.stdout
-                and "ranks [1] differ from rank 0" in r.stdout), r
+                and "ranks [1] differ from their stage's first rank" in r.stdout), r
+    elif key == "compose4d.py bf16":   # each pipeline stage's ranks against each other
+        assert r.rc == 0 and r.last_line.startswith("PASS plants") and "1/1 planted" in r.stdout
+        assert ("scales the same on every rank of each of 2 stages: ok (84 amaxes" in r.stdout
+                and "ranks [1, 3] differ from their stage's first rank" in r.stdout), r
     elif "learning" in key:    # within LEARNING_TOL_FP8 (tp's first norms part by ~0.1)
         assert r.rc == 0 and r.last_line.startswith("PASS tp W=2 bfloat16"), r
     else:
@@ -452,8 +479,10 @@ def test_fp8_under_more_layouts(runs, key):
     ("ddp.py", 3, ["--fp8", "rowwise", "--batch", "6"], "--fp8 rowwise at W=3: its power-of-2"),
     ("zero.py", 3, ["--fp8", "blockwise", "--batch", "6", "--length", "32"],
      "--fp8 blockwise: a rank's 64 tokens per micro-batch are not a multiple of 128"),
-    ("compose4d.py", 2, ["--fp8", "blockwise", "--model", "configs/tiny-fp8.json"],
-     "--fp8 under compose4d: blockwise is not built yet"),
+    ("compose4d.py", 2, ["--fp8", "blockwise", "--model", "configs/tiny-fp8.json", "--cp", "2"],
+     "--fp8 blockwise: a cp chunk of 16 positions is not a multiple of 128"),
+    ("compose4d.py", 2, ["--fp8", "tensorwise", "--pp", "2", "--dtype", "bfloat16"],
+     "--fp8 in bfloat16 at pp = W: no two ranks run the same FP8 linears"),
     ("pp.py", 2, ["--fp8", "blockwise", "--model", "configs/tiny-fp8.json", "--batch", "8",
                   "--microbatches", "4", "--length", "32"],
      "--fp8 blockwise: a micro-batch's 64 tokens are not a multiple of 128"),
