@@ -18,7 +18,9 @@ heads, V vocabulary):
                  1F1B (M = P) stage r holds P - r micro-batches
     logits       (2e + 4) V per token, + 4V in half precision (/ T vocab-parallel; PP: last stage)
     cp blocks    4 b a (S/2C)^2 e: cp_ring's pure block kernel's backward
-    peak         states + activations + logits + cp blocks (PP: the largest stage)
+    fp8 cast     --fp8: one cast's scaled copy and 1-byte result, tokens x max(h, I/T) x
+                 (max(e, 4) + 1, + 4 in half precision): a bound (X and W are saved as they are)
+    peak         states + activations + logits + cp blocks + fp8 cast (PP: the largest stage)
 More (each term's source, the search, the simulation): docs/internals.md, 'oom_search.py'.
 
 Run:  python oom_search.py --strategy tp --nproc 2 --lo 1024 --mem-budget-gb 1
@@ -54,7 +56,7 @@ CHUNKED_CE = {"ddp", "tp"}   # the strategies that take --ce-chunk (harness/loss
 
 
 def trial_args(strategy: str, nproc: int, length: int, batch: int,
-               ce_chunk: int = 0, lora: int = 0) -> list[str]:
+               ce_chunk: int = 0, lora: int = 0, fp8: str | None = None) -> list[str]:
     """The strategy's command-line arguments for one trial (--batch = sequences per replica)."""
     script, _, extra = STRATEGIES[strategy]
     glob = batch * nproc if strategy in DATA_PARALLEL or strategy == "pp" else batch
@@ -62,7 +64,7 @@ def trial_args(strategy: str, nproc: int, length: int, batch: int,
         extra = extra + ["--microbatches", str(nproc)]
     if ce_chunk:
         extra = extra + ["--ce-chunk", str(ce_chunk)]
-    extra = extra + (["--lora", str(lora)] if lora else [])
+    extra = extra + (["--lora", str(lora)] if lora else []) + (["--fp8", fp8] if fp8 else [])
     return [script, *extra, "--length", str(length), "--batch", str(glob)]
 
 
@@ -82,7 +84,7 @@ def run_trial(strategy, nproc, length, batch, args) -> Outcome:
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     script, *rest = trial_args(strategy, nproc, length, batch, getattr(args, "ce_chunk", 0),
-                               getattr(args, "lora", 0))
+                               getattr(args, "lora", 0), getattr(args, "fp8", None))
     cmd += [os.path.join(HERE, script), *rest, "--mode", "peak", "--model", args.model,
             "--timeout", str(args.timeout)]
     if args.dtype:
@@ -224,7 +226,8 @@ def search(trial, lo: int, hi: int | None, step: int, retries: int = 1,
 # Prediction
 # ----------------------------------------------------------------------------------------------
 def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
-                 eager: bool = False, ce_chunk: int = 0, lora: int = 0) -> dict:
+                 eager: bool = False, ce_chunk: int = 0, lora: int = 0,
+                 fp8: str | None = None) -> dict:
     """Predicted peak bytes per rank (the largest rank), by category (see the docstring)."""
     h, I, V, Ly = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
     a = cfg.num_attention_heads
@@ -251,6 +254,14 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
     # logits, the loss's fp32 log-softmax, the logits' grad; half-precision logits are upcast
     # to an fp32 copy first (lm_loss_sum, tp's vocab-parallel CE)
     logits_tok = V * (2 * elem + 4 + (4 if elem < 4 else 0))
+    # --fp8: X and W are saved in their own dtype (fp8.py, as torchao), so states and
+    # activations are unchanged; one cast at a time holds a scaled copy (fp32; half precision
+    # first upcasts: + 4) and its 1-byte result, of an operand up to tokens x max(h, I / T)
+    # features (MLP's width split under TP; Ulysses and CP's tokens / W): a bound, added
+    cast = 0
+    if fp8:
+        toks = b * L_seq / (W if strategy in ("ulysses", "cp") else 1)
+        cast = toks * max(h, I / T) * (max(elem, 4) + 1 + (4 if elem < 4 else 0))
     if strategy == "pp":
         # pp_schedule.split_layers' balanced split; 1F1B with M = W micro-batches of b: stage r
         # holds W - r of them in flight; the first stage has the embedding, the last the head
@@ -267,7 +278,8 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
                 activations=act_layer * len(rng) *
                 (W - r), attention_blocks=0, logits=tokens * logits_tok if r == W - 1 else 0))
         for d in stages:
-            d["peak"] = d["states"] + d["activations"] + d["logits"]
+            d["fp8_cast"] = cast
+            d["peak"] = d["states"] + d["activations"] + d["logits"] + cast
         return max(stages, key=lambda d: d["peak"])
     # --- model states: params e, grads e, AdamW m and v 2e (opt_e): ZeRO's table (zero.py)
     from zero import model_state_bytes
@@ -301,14 +313,14 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
         logits = max(min(ce_chunk, n) * vocab * per_logit + acc * (n + vocab) * h,
                      (acc + elem) * (n + vocab) * h)
     return dict(states=states, activations=acts, attention_blocks=blocks, logits=logits,
-                peak=states + acts + blocks + logits)
+                fp8_cast=cast, peak=states + acts + blocks + logits + cast)
 
 
 def predict_max(strategy, W, b, cfg, budget, lo, hi, step, elem, eager,
-                ce_chunk: int = 0, lora: int = 0) -> int | None:
+                ce_chunk: int = 0, lora: int = 0, fp8: str | None = None) -> int | None:
     """The largest grid length whose predicted peak fits the budget (the formula is monotone)."""
     ok = lambda L: predict_peak(strategy, W, L, b, cfg, elem, eager,  # noqa: E731
-                                ce_chunk, lora)["peak"] <= budget
+                                ce_chunk, lora, fp8)["peak"] <= budget
     r = search(lambda x: Outcome("OK" if ok(x) else "OOM"), lo, hi or (1 << 22), step)
     return r.best
 
@@ -318,7 +330,7 @@ def predict_max(strategy, W, b, cfg, budget, lo, hi, step, elem, eager,
 # ----------------------------------------------------------------------------------------------
 def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
                   dtype: str = "float32", attn: str = "sdpa", rank: int = 0,
-                  ce_chunk: int = 0, lora: int = 0) -> dict:
+                  ce_chunk: int = 0, lora: int = 0, fp8: str | None = None) -> dict:
     """Peak bytes of rank 0 of a world of W for one full step, without allocating: the model is
     built on the meta device and materialised as FakeTensors, the process group is torch's fake
     backend (collectives return at once), and the harness's live-tensor tracker counts the fake
@@ -336,7 +348,7 @@ def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
     strat_cls = getattr(importlib.import_module("rig." + script[:-3]), cls_name)
     parser = base_parser(script)
     strat_cls.add_args(parser)
-    argv = trial_args(strategy, W, length, batch, ce_chunk, lora)[1:] + ["--mode", "peak", "--model", model,
+    argv = trial_args(strategy, W, length, batch, ce_chunk, lora, fp8)[1:] + ["--mode", "peak", "--model", model,
                                                          "--dtype", dtype, "--device", "cpu",
                                                          "--attn", attn]
     args = resolve_defaults(parser.parse_args(argv), "peak", "cpu", W)
@@ -356,6 +368,8 @@ def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
         if lora:   # peft's layers on the meta model (the base frozen)
             from harness.lora_setup import wrap
             wrap(net, args)
+        if fp8:   # (before the strategy: its scopes and tp's carry find the converted layers)
+            strat_cls.convert_fp8(net, fp8)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
             made = {}   # id(meta parameter) -> fake one, so tied weights stay one tensor
@@ -391,12 +405,14 @@ def simulated_trial(strategy, W, length, batch, args, budget) -> Outcome:
         from harness import DTYPES, load_config
         big = predict_peak("pp", W, length, batch, load_config(args.model),
                            DTYPES[args.dtype or "float32"].itemsize,
-                           args.attn == "eager", lora=getattr(args, "lora", 0))["stage"]
+                           args.attn == "eager", lora=getattr(args, "lora", 0),
+                           fp8=getattr(args, "fp8", None))["stage"]
         ranks = sorted({0, W - 1, big})
     try:
         peak = max(simulate_peak(strategy, W, length, batch, args.model,
                                  args.dtype or "float32", args.attn, r,
-                                 getattr(args, "ce_chunk", 0), getattr(args, "lora", 0))["peak"]
+                                 getattr(args, "ce_chunk", 0), getattr(args, "lora", 0),
+                                 getattr(args, "fp8", None))["peak"]
                    for r in ranks)
     except Exception as e:  # a strategy whose step needs real values (reported, never an OOM)
         return Outcome("crash", None, time.time() - t0,

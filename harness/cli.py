@@ -62,7 +62,7 @@ def _validate(cls, args, world: int, rank: int):
         errs.append(f"--fp8: {cls.name} does not train in FP8 yet (ddp, zero, fsdp, tp, sp, "
                     f"pp, cp, ep, compose4d do)")
     bench = args.mode == "benchmark" and cls.fp8_benchmark and args.fp8 == "tensorwise"
-    if getattr(args, "fp8", None) and (args.mode not in ("correctness", "learning", "plants")
+    if getattr(args, "fp8", None) and (args.mode not in ("correctness", "learning", "plants", "peak")
                                        and not bench or getattr(args, "compare_native", False)
                                        or getattr(args, "paired", False)):
         errs.append(f"--fp8: --mode correctness, learning or plants (fsdp: benchmark with "

@@ -42,6 +42,9 @@ def parse(argv=None):
                         "time, and the prediction's logits term follows it")
     p.add_argument("--lora", type=int, default=0, metavar="R", help="LoRA adapters of rank R "
                    "on every projection, the rest frozen (0: full training)")
+    p.add_argument("--fp8", default=None, choices=["tensorwise", "rowwise"],
+                   help="the trials train the decoder linears in FP8 (fp8.py); the prediction "
+                        "adds one cast's workspace (blockwise: emulated in fp32, not searched)")
     p.add_argument("--simulate", action="store_true",
                    help="no real trials: each one is the real step under FakeTensorMode as rank 0 "
                         "of a fake world of N (any model size, on a laptop)")
@@ -80,7 +83,7 @@ def compare(args, cfg, elem, log) -> int:
         for W in args.worlds:
             o = run_trial(name, W, args.length, args.batch, args)
             pred = predict_peak(name, W, args.length, args.batch, cfg, elem,
-                                args.attn == "eager", args.ce_chunk, args.lora)["peak"]
+                                args.attn == "eager", args.ce_chunk, args.lora, args.fp8)["peak"]
             sim = simulated_trial(name, W, args.length, args.batch, args, float("inf"))
             rows.append(dict(strategy=name, world=W, measured=o.peak, measured_kind=o.kind,
                              predicted=pred, simulated=sim.peak, simulated_note=sim.detail))
@@ -147,12 +150,12 @@ def main(argv=None):
                 if what == "length":
                     row["predicted_max"] = predict_max(
                         name, W, args.batch, cfg, budget, args.lo, args.hi, args.step, elem,
-                        args.attn == "eager", args.ce_chunk, args.lora)
+                        args.attn == "eager", args.ce_chunk, args.lora, args.fp8)
                 if r.best:
                     L, b = (r.best, args.batch) if what == "length" else (args.length, r.best)
                     row["predicted_peak_at_max"] = predict_peak(
                         name, W, L, b, cfg, elem, args.attn == "eager", args.ce_chunk,
-                        args.lora)["peak"]
+                        args.lora, args.fp8)["peak"]
             rows.append(row)
     if args.json:
         print(json.dumps(dict(model=args.model, search=what, budget_gb=args.mem_budget_gb,

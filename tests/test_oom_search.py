@@ -241,3 +241,27 @@ def test_lora_prediction_and_simulation_against_a_real_trial():
     assert row["measured_kind"] == "OK", row
     assert 0 <= row["predicted"] / row["measured"] - 1 <= 0.15, row
     assert abs(row["simulated"] / row["measured"] - 1) <= 0.05, row
+
+
+@pytest.mark.slow
+def test_fp8_cast_bound_and_simulation_against_real_trials():
+    """--fp8 tensorwise (ddp, W=2, a 128-wide model whose linears all convert): the trial's
+    peak rises over the same run's without FP8 (a cast's scaled copy and its 1-byte result live
+    at the peak), by no more than the prediction's one-cast term (fp8_cast: a bound, with the
+    rest of the prediction unchanged), and the simulation, which converts the meta model's
+    linears too, counts the same bytes as the trial."""
+    import harness
+    rows = {}
+    for fp8 in (None, "tensorwise"):
+        r = launch("oom_search.py", 1, "--strategy", "ddp", "--nproc", "2", "--compare",
+                   "--length", "512", "--model", "configs/tiny-fp8.json", "--json",
+                   *(["--fp8", fp8] if fp8 else []), torchrun=False, timeout=600)
+        assert r.rc == 0, r
+        (rows[fp8],) = json.loads(r.stdout)["results"]
+    plain, f8 = rows[None], rows["tensorwise"]
+    cfg = harness.load_config("configs/tiny-fp8.json")
+    term = oom.predict_peak("ddp", 2, 512, 1, cfg, 4, fp8="tensorwise")["fp8_cast"]
+    assert term == 512 * max(cfg.hidden_size, cfg.intermediate_size) * 5
+    assert 0 < f8["measured"] - plain["measured"] <= term, (plain, f8, term)
+    assert f8["predicted"] - plain["predicted"] == term
+    assert f8["simulated"] == f8["measured"], f8
