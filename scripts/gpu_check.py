@@ -18,13 +18,15 @@ OUT/gpu_check.log. The exit code is 0 only if every section that ran passed.
           outside its ALLOWED table fails the run); ZeRO-2/3
           bf16 learning; compose4d train: save, resume from the checkpoint, export to HF, reload.
   speed   the reference step (the HF model, SDPA, fused AdamW with fp32 masters) on llama3.2-1b
-          in bf16, on the full logits and with the chunked cross-entropy: tokens/s, MFU
-          (harness.flops), the top kernels (torch.profiler); compose4d at W=1 beside it.
+          in bf16, on the full logits, with the chunked cross-entropy, and with each decoder
+          block through torch.compile (a lever: its gain over eager, its first loss within
+          0.02): tokens/s, MFU (harness.flops), the top kernels (torch.profiler); compose4d at
+          W=1 beside it.
   memory  the longest sequence at W=1 for tp, sp and pp on llama3.2-1b, bf16, batch 1: real
           trials (oom_search.run_trial, a fresh process each) starting at oom_search's
           prediction for this card, a few each, against the prediction.
   cp      scripts/gpu_cp_kernels.py at C = 2, 4, 8: ring attention's block loop against one
-          fused call on the whole sequence.
+          fused call on the whole sequence, causal and on packed documents (--doc-mask).
   fp8     the reference step on llama3.2-1b in bf16 and with each FP8 recipe (fp8.convert:
           tensorwise and rowwise through torch._scaled_mm, blockwise emulated in fp32),
           tokens/s and the loss after the timed steps side by side.
@@ -55,7 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 SECTIONS = [  # (name, nominal seconds at --budget-s 330, minimum seconds to start it)
-    ("device", 130, 40), ("speed", 80, 30), ("memory", 90, 30), ("cp", 30, 15), ("fp8", 40, 20)]
+    ("device", 130, 40), ("speed", 110, 30), ("memory", 90, 30), ("cp", 30, 15), ("fp8", 40, 20)]
 NOMINAL = sum(s for _, s, _ in SECTIONS)
 GQA = ["--model", "configs/tiny-gqa8.json"]
 STRATEGIES = [  # (label, module, adapter class, extra arguments): the issue's order first
@@ -400,6 +402,17 @@ def speed_section(a, rec: Recorder) -> bool:
             with dropout.at(b):
                 return chunked_loss_sum(self.model, b.input_ids, b.labels, chunk) / b.n_tokens
 
+    class CompiledReference(ChunkedReference):
+        """A lever for the 45% MFU target: each decoder block through torch.compile (inductor
+        on CUDA; the smoke run's aot_eager only proves the plumbing: no codegen on a CPU)."""
+
+        def __init__(self, model, args_, env_):
+            super().__init__(model, args_, env_)
+            from harness.anatomy import parts
+            backend = "aot_eager" if a.smoke else "inductor"
+            for layer in parts(model).layers:
+                layer.compile(backend=backend)
+
     def row(name, step_s, extra=None):
         peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
         r = dict(run=name, model=model, batch=B, length=S, tokens=tokens, step_s=step_s,
@@ -413,9 +426,10 @@ def speed_section(a, rec: Recorder) -> bool:
         return r
 
     ok, refs = True, {}
-    for name, cls in (("reference, full logits", Reference),
-                      (f"reference, chunked CE ({chunk} tokens)", ChunkedReference)):
-        if rec.left() < 15:
+    for name, cls, need in (("reference, full logits", Reference, 15),
+                            (f"reference, chunked CE ({chunk} tokens)", ChunkedReference, 15),
+                            ("reference, chunked CE, compiled blocks", CompiledReference, 45)):
+        if rec.left() < need:
             rec.add(dict(run=name, skipped="the section's budget"))
             continue
         free(a.device)
@@ -426,7 +440,13 @@ def speed_section(a, rec: Recorder) -> bool:
         extra = dict(loss_first=losses[0], loss_last=losses[-1],
                      optimizer=type(ref.optimizer).__name__,
                      fused=bool(ref.optimizer.param_groups[0].get("fused")))
-        if "chunked" in name:
+        if "compiled" in name:   # the lever's gain, and its loss against the eager run's
+            eager = refs.get(f"reference, chunked CE ({chunk} tokens)")
+            if eager:   # the same weights and batch: the first loss agrees within bf16's
+                extra["eager_over_compiled"] = eager["step_s"] / t
+                extra["loss_first_diff"] = d = losses[0] - eager["loss_first"]
+                ok &= abs(d) <= 0.02
+        elif "chunked" in name:
             extra["top_kernels"] = top_kernels(lambda: ref.step(batch), a.device)
         refs[name] = row(name, t, extra)
         ok &= all(x == x for x in losses)
@@ -559,8 +579,8 @@ def cp_section(a, rec: Recorder) -> bool:
     tmp = tempfile.mkdtemp(prefix="gpu_check_cp_")
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "gpu_cp_kernels.py"), tmp,
            "--device", a.device]
-    cmd += ["--seq", "256", "--ranks", "2", "--dtypes", "float32"] if a.smoke else \
-        ["--ranks", "2,4,8"]
+    cmd += ["--seq", "256", "--ranks", "2", "--dtypes", "float32", "--doc-mask", "32"] \
+        if a.smoke else ["--ranks", "2,4,8", "--doc-mask", "256"]
     rec.doc["command"] = " ".join(cmd[1:])
     rc = subprocess.run(cmd, cwd=ROOT, timeout=max(10, rec.left())).returncode
     path = os.path.join(tmp, "cp_kernels.json")
@@ -570,15 +590,19 @@ def cp_section(a, rec: Recorder) -> bool:
     with open(path) as f:
         res = json.load(f)
     rec.doc.update(res)
-    whole = {r["dtype"]: r for r in res["rows"] if r["C"] == 1 and "SDPA" in r["kernel"]}
+    # each loop row against whole-sequence SDPA of its dtype and masking (within 4x + 1e-6)
+    whole = {(r["dtype"], "docs" in r): r for r in res["rows"]
+             if r["C"] == 1 and "SDPA" in r["kernel"]}
     ok = True
     for r in res["rows"]:
-        if r["C"] > 1:   # as accurate as whole-sequence SDPA of the same dtype (within 4x + 1e-6)
-            r["accurate"] = r["err"] <= 4 * whole[r["dtype"]]["err"] + 1e-6
+        if r["C"] > 1:
+            r["accurate"] = r["err"] <= 4 * whole[r["dtype"], "docs" in r]["err"] + 1e-6
             ok &= r["accurate"]
     fused2 = [r for r in res["rows"] if r["C"] == 2 and "fused" in r["kernel"]]
     rec.doc["loop_over_one_call_C2"] = {r["dtype"]: r["over_whole"] for r in fused2}
-    rec.doc["target_C2"] = "at most 1.3x one fused call (reported, not a verdict)"
+    rec.doc["docs_loop_over_one_masked_call_C2"] = {
+        r["dtype"]: r["over_whole"] for r in res["rows"] if r["C"] == 2 and "docs" in r}
+    rec.doc["target_C2"] = "at most 1.5x one fused call (issue 74; reported, not a verdict)"
     rec.add(dict(rc=rc))
     return ok
 

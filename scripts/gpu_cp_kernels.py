@@ -18,6 +18,11 @@ block, the kernel's own forward, merge-free finish and backward), and each loop 
 `over_whole`, its time over that call's. The loop computes only the blocks with causal work
 (under zig-zag 2C(2C+1)/2 of the (2C)^2 chunk pairs, about half), the whole call all of them
 for the pure kernel (it masks the upper half) and half for the fused ones (they skip it).
+
+--doc-mask N: the rows again on packed documents (harness.data's lengths, Pareto from N tokens):
+the loop with cp_ring.set_documents' block masks against SDPA on the whole sequence with the
+same block-diagonal causal mask (one call; an explicit mask takes the memory-efficient kernel
+on CUDA, FlashAttention's varlen form would take no mask at all).
 """
 import argparse
 import json
@@ -68,11 +73,42 @@ def whole(q, k, v, do, scale, kernel):
     return out.to(q.dtype), dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def sdpa_full(q, k, v, do, scale):
+def sdpa_full(q, k, v, do, scale, mask=None):
+    """One SDPA call on the whole sequence, causal or under `mask` (B, S, S), and its grads."""
     leaf = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = cp_kernels.reference_attention(*leaf, scale)
+    if mask is None:
+        out = cp_kernels.reference_attention(*leaf, scale)
+    else:
+        r = q.shape[1] // k.shape[1]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            leaf[0], *(t.repeat_interleave(r, 1) for t in leaf[1:]), attn_mask=mask[:, None],
+            scale=scale)
     out.backward(do)
     return (out.detach(), *(t.grad for t in leaf))
+
+
+def doc_rows(x64, scale, a, dev):
+    """The loop with packed documents' block masks against one masked SDPA call, per dtype."""
+    from harness.data import doc_positions, document_mask
+    docs = doc_positions(0, 0, 1, a.seq, a.doc_mask).to(dev)
+    mask = document_mask(docs)
+    ref, rows = sdpa_full(*x64, scale, mask), []
+    n_docs = int((docs == 0).sum())
+    for dt in (getattr(torch, n) for n in a.dtypes.split(",")):
+        x = [t.to(dt) for t in x64]
+        res, t1 = timed(lambda: sdpa_full(*x, scale, mask))
+        rows.append(dict(kernel="SDPA, whole sequence, document mask", dtype=str(dt)[6:], C=1,
+                         docs=n_docs, err=err(res, ref), ms=t1 * 1e3))
+        kern = cp_kernels.pick_kernel("sdpa", dev, dt)[0]
+        for C in map(int, a.ranks.split(",")):
+            res, t = timed(lambda: ring_local(*x, scale, "zigzag", C, kern, docs))
+            rows.append(dict(kernel=f"ring block loop, document masks ({kern.name})",
+                             dtype=str(dt)[6:], C=C, docs=n_docs, err=err(res, ref),
+                             ms=t * 1e3, over_whole=t / t1))
+            print(f"{str(dt)[6:]:9s} documents ({n_docs}) ring C={C} {kern.name:15s} err "
+                  f"{rows[-1]['err']:.1e}  {t * 1e3:8.2f} ms  x{t / t1:.2f} of one masked "
+                  f"call", flush=True)
+    return rows
 
 
 def err(got, ref):
@@ -87,6 +123,8 @@ def main():
     p.add_argument("--ranks", default="2,4,8")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--doc-mask", type=int, default=0, metavar="N",
+                   help="also on packed documents of at least N tokens (0: no)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     DEVICE = dev = torch.device(a.device)
@@ -124,6 +162,8 @@ def main():
                 print(f"{str(dt)[6:]:9s} ring C={C} {label:10s} {kern.name:15s} err "
                       f"{rows[-1]['err']:.1e}  {t * 1e3:8.2f} ms  x{t / once[label]:.2f} of "
                       f"one call", flush=True)
+    if a.doc_mask:
+        rows += doc_rows(x64, scale, a, dev)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else \
         f"CPU, {torch.get_num_threads()} threads"
     with open(os.path.join(a.out, "cp_kernels.json"), "w") as f:

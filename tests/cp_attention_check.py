@@ -60,14 +60,17 @@ def distributed(args):
 # ----------------------------------------------------------------------------------------------
 # --kernel: the block loop and merge alone, in one process
 # ----------------------------------------------------------------------------------------------
-def ring_local(q, k, v, do, scale, variant, W, kernel=None):
+def ring_local(q, k, v, do, scale, variant, W, kernel=None, docs=None):
     """(out, dq, dk, dv) from cp_ring's block loop (_attend, _finish, _grad on the chunk-major
     blocks), every rank played in turn with every K/V block at hand: the arithmetic of the
-    ring without its transport. kernel: a cp_ring block kernel (default the pure one)."""
+    ring without its transport. kernel: a cp_ring block kernel (default the pure one); docs:
+    (B, S) positions in packed documents (cp_ring.set_documents' block masks)."""
     out, dq = torch.empty_like(q), torch.empty_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     cps = [cp_ring.CPContext(variant, None, q.shape[2], world=W, rank=r, kernel=kernel)
            for r in range(W)]
+    for cp in cps if docs is not None else ():
+        cp_ring.set_documents(cp, docs)
     pos = [cp_ring.positions(cp.chunks[cp.rank]) for cp in cps]
     n = len(cps[0].chunks[0])
     kvs = [cp_ring._kv_blocks(k[:, :, pos[s]], v[:, :, pos[s]], n) for s in range(W)]

@@ -74,11 +74,15 @@ def test_smoke_every_section(tmp_path):
     steps = [i["host_syncs"]["steps"] for i in dev["items"] if i.get("mode") == "correctness"]
     assert steps and all(s >= 2 for s in steps)        # the steps were watched
     assert dev["host_syncs_unexpected"] == 0, dev
-    assert [r["run"] for r in docs["speed"]["items"]][-1].startswith("compose4d")
+    speed = {r["run"]: r for r in docs["speed"]["items"]}
+    assert list(speed)[-1].startswith("compose4d")
+    lever = speed["reference, chunked CE, compiled blocks"]   # Part B's lever, its loss held
+    assert lever["eager_over_compiled"] > 0 and abs(lever["loss_first_diff"]) <= 0.02, lever
     trials = docs["memory"]["strategies"]["tp"]["trials"]
     assert trials and trials[0]["length"] == docs["memory"]["strategies"]["tp"]["predicted_max"]
     assert {t["kind"] for t in trials} <= {"OK", "OOM"}
     assert docs["cp"]["rows"] and all(r["accurate"] for r in docs["cp"]["rows"] if r["C"] > 1)
+    assert docs["cp"]["docs_loop_over_one_masked_call_C2"]["float32"] > 0   # packed documents
     fp8_rows = docs["fp8"]["items"]                      # bf16, then each recipe beside it
     assert [r["run"] for r in fp8_rows] == ["bf16", "tensorwise", "rowwise", "blockwise"]
     assert all(r["ok"] for r in fp8_rows) and fp8_rows[0]["converted"] == 0
