@@ -99,6 +99,8 @@ def quantize(t: torch.Tensor, fmt, groups: str, pow2: bool = False, amax=None, o
         a = x.abs().amax() if amax is None else amax
     elif groups == "row":
         a = x.abs().amax(dim=1, keepdim=True)                           # [M, 1]
+        if planted("fp8-rowwise-wrong-axis"):   # plant: each column's amax (over M, not K)
+            a = x.abs().amax(dim=0, keepdim=True)                       # [1, K]
     elif groups == "tile":
         a = x.view(M, K // BLOCK, BLOCK).abs().amax(dim=2, keepdim=True)  # [M, K/128, 1]
         a = a.expand(M, K // BLOCK, BLOCK).reshape(M, K)
@@ -114,6 +116,8 @@ def quantize(t: torch.Tensor, fmt, groups: str, pow2: bool = False, amax=None, o
     inv = scale.reciprocal()                                            # what the GEMM undoes
     if planted("fp8-scale-not-inverted"):   # plant: the GEMM multiplied by s, not 1/s
         inv = scale
+    if planted("fp8-no-saturation"):   # plant: no clamp: e4m3fn overflows to NaN
+        return (x * scale).to(fmt), inv
     return (x * scale).clamp(-fmax, fmax).to(fmt), inv
 
 
@@ -148,6 +152,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, fmt_a, fmt_b, recipe: str, out_dtype,
     qb, ib = quantize(b, fmt_b, groups, pow2, None if amax is None else amax[1], over(split_b))
     if out_dtype == torch.float64:   # (no FP8 GEMM into float64: the dequantised product,
         return (qa.double() * ia) @ (qb.double() * ib).t()    # each term exact in float64)
+    if (a.shape[1],) in (ia.shape[-1:], ib.shape[-1:]):   # (scales along K: not factored out)
+        return ((qa.float() * ia) @ (qb.float() * ib).t()).to(out_dtype)
     # [M, K] e4m3 @ [K, N] (column-major: b's rows) -> [M, N], scales [M, 1] x [1, N] (or [])
     return torch._scaled_mm(qa, qb.t(), scale_a=ia, scale_b=ib.t() if ib.dim() else ib,
                             out_dtype=out_dtype)
@@ -185,6 +191,8 @@ class FP8MatMul(torch.autograd.Function):
             a_x, a_w = ctx.amax
             a_dy = (history.scale_amax("dy", dy) if recipe == "delayed"
                     else tensor_amax(dy, t + o))
+            if planted("fp8-grad-unscaled"):   # plant: dY cast as it is (scale 1)
+                a_dy = torch.full_like(a_dy, torch.finfo(g_fmt).max)
             amax_dx, amax_dw = (a_dy, a_w), (a_dy, a_x)
         # dX = dY W: [N, out] @ [in, out]^T, contracted over out
         dx = gemm(dy, w.t().contiguous(), g_fmt, E4M3, rec, dy.dtype, amax_dx,

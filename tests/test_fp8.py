@@ -44,7 +44,8 @@ def test_matches_torchao_bit_for_bit():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plant", ["fp8-scale-not-inverted", "fp8-grad-e4m3"])
+@pytest.mark.parametrize("plant", ["fp8-scale-not-inverted", "fp8-grad-e4m3",
+                                   "fp8-grad-unscaled"])
 def test_planted_bugs_fail_against_torchao(plant):
     rows = oracle("--plant", plant)
     assert any(max(r["y"], r["dx"], r["dw"]) > 1e-3 * r["dx_max"] for r in rows), rows
@@ -130,6 +131,45 @@ def test_delayed_scaling_saturates_on_a_jump():
     assert max(errs[s][0] for s in range(8)) < 0.06
     assert errs[8][0] > 0.5 and errs[8][1] < 0.06, errs[8]
     assert errs[9][0] < 0.06, errs[9]
+
+
+def test_numerics_plants_fail():
+    """Three one-line FP8 bugs, each where it shows. A rowwise scale taken along the wrong axis
+    (each column's amax): with power-of-2 scales it changes nothing until a row holds an outlier,
+    which then pushes every other row into e4m3's subnormals (rows after the outlier 0.15 from
+    the exact product, against rowwise's 0.04). The gradient cast without its scale: 1e-6-sized
+    gradients underflow e5m2 (error 1.0, against 0.06). A cast without saturation: under delayed
+    scaling a gradient 50x its history overflows e5m2 to inf, and so does an ordinary step that
+    rises a little over the history's amax (this torch's CPU cast to e4m3fn saturates by
+    itself; e5m2 does not)."""
+    from harness import planting
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(32, 256, generator=g), torch.randn(64, 256, generator=g)
+    x[0] = 1e5
+    errs = {}
+    for plant in (None, "fp8-rowwise-wrong-axis"):
+        with planting(plant):
+            errs[plant] = rel(fp8.fp8_mm(x, w, "rowwise")[1:], x[1:] @ w.t())
+    assert errs[None] < 0.06 and errs["fp8-rowwise-wrong-axis"] > 0.1, errs
+    x = torch.randn(64, 128, generator=g).requires_grad_()
+    w, dy = torch.randn(32, 128, generator=g), torch.randn(64, 32, generator=g) * 1e-6
+    for plant in (None, "fp8-grad-unscaled"):
+        x.grad = None
+        with planting(plant):
+            fp8.fp8_mm(x, w, "tensorwise").backward(dy)
+        errs[plant] = rel(x.grad, dy @ w)
+    assert errs[None] < 0.1 and errs["fp8-grad-unscaled"] > 0.9, errs
+    w = torch.randn(32, 64, generator=g)
+    for plant in (None, "fp8-no-saturation"):
+        hist, finite = fp8.AmaxHistory(16), []
+        with planting(plant):
+            for step in range(10):
+                x = torch.randn(16, 64, generator=g).requires_grad_()
+                fp8.FP8MatMul.apply(x, w, "delayed", hist).backward(
+                    torch.randn(16, 32, generator=g) * (50.0 if step == 8 else 1.0))
+                finite.append(bool(torch.isfinite(x.grad).all()))
+        # (unsaturated, even a step's ordinary rise over the history's amax overflows)
+        assert finite[8] is (plant is None) and (plant or all(finite)), (plant, finite)
 
 
 def test_delayed_backward_casts_with_the_forwards_scales():
