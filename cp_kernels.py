@@ -36,6 +36,7 @@ class SDPAKernel(TorchKernel):
     dtype (no fp32 (B, n_h, c_q, c_k) scores); the block's out and lse enter the fp32 merge. A block
     the fused kernels cannot express (a diagonal whose query and key ranges differ) takes the
     pure kernel."""
+    one_call = True   # a zig-zag ring step in one call (cp_ring._calls): causal blocks skipped
 
     def __init__(self, device_type: str, dtype):
         if device_type == "cpu":

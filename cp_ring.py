@@ -17,8 +17,8 @@ Megatron-LM's and ring-flash-attention's (Zhu, 2024); Llama 3 (2024) all-gathers
     2W-1-r, so every rank has the same causal work; ring: contiguous (rank W-1 attends to all,
     rank 0 to its own block); allgather: zig-zag, K/V all-gathered per layer, dK/dV
     reduce-scattered. GQA: only the kv heads travel. Shapes: s = S/W local tokens in n chunks
-    of c (2 of s/2 zig-zag), laid out chunk-major once per pass, so that a block, q (B, n_h, c, d)
-    against K/V (B, n_kv, c, d), is contiguous views: its work is the kernel and the merge.
+    of c (2 of s/2 zig-zag), as views; a zig-zag step one fused call (own K/V: causal over the
+    local order; an earlier rank's 1st chunk: all queries; a later rank's: our 2nd chunk).
 
 Communication per layer (s = S/W local tokens, kv = H_kv * d, b bytes, batch B)
     ring/zigzag  forward: W-1 hops of K and V, each B*s*2kv*b; backward: W-1 hops of K, V, dK,
@@ -30,8 +30,7 @@ Communication per layer (s = S/W local tokens, kv = H_kv * d, b bytes, batch B)
 Public API
     cp = parallelize(model, group, seq_len, variant="zigzag"): ring attention in place,
         cp.positions this rank's tokens; gradients summed by ddp.DataParallel(..., average=False)
-    The block kernel is TorchKernel (below, the contract); PyTorch's fused SDPA kernels that
-    keep it, and their self-test, are in cp_kernels.py.
+    Block kernels: TorchKernel (below: the contract); fused SDPA ones in cp_kernels.py.
 
 Run:  torchrun --nproc_per_node=2 cp_ring.py --mode correctness   (learning, benchmark, plants)
 """
@@ -57,8 +56,8 @@ def layout(variant: str, world: int, seq: int) -> list[list[tuple[int, int]]]:
             for r in range(world)]
 
 
-def positions(chunks) -> torch.Tensor:
-    return torch.cat([torch.arange(a, b) for a, b in chunks])   # (s,) global positions
+def positions(chunks) -> torch.Tensor:   # (s,) global positions
+    return torch.cat([torch.arange(a, b) for a, b in chunks])
 
 
 def relation(q: tuple[int, int], k: tuple[int, int]) -> str:
@@ -208,7 +207,7 @@ def _hop(tensors: list, cp: CPContext):
     recv = [torch.empty_like(t) for t in tensors]   # K/V blocks or their dK/dV
     ops = [dist.P2POp(dist.isend, t, peer(cp.rank + 1), cp.group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, t, peer(cp.rank - 1), cp.group) for t in recv]
-    return recv, dist.batch_isend_irecv(ops)       # (n, 2, B, n_kv, c, d) each way
+    return recv, dist.batch_isend_irecv(ops)       # (2, B, n_kv, s, d) each way
 
 
 def _wait(reqs):
@@ -232,67 +231,70 @@ def set_documents(cp, doc_positions):
     cp.blocks = {key: m if any_ else "skip" for (key, m), any_ in zip(cp.blocks.items(), seen)}
 
 
-def _blocks(x, n):
-    """(B, h, s, ...) -> (n, B, h, s/n, ...): n equal chunks, each contiguous, copied once."""
-    return x.unflatten(2, (n, -1)).movedim(2, 0).contiguous()
-
-
-def _unblocks(x):
-    """The inverse of _blocks: (n, B, h, c, ...) -> (B, h, n c, ...)."""
-    return x.movedim(0, 2).flatten(2, 3)
-
-
-def _kv_blocks(k, v, n):
-    """K and V as the buffer that travels, (n, 2, B, n_kv, c, d): chunk-major, one copy."""
-    return torch.stack([t.unflatten(2, (n, -1)).movedim(2, 0) for t in (k, v)], dim=1)
-
-
 def _pairs(cp, src):
-    """((query chunk's index, its global range), (key chunk's, ...), relation) for this rank's
-    queries against rank src's K/V; pairs with no causal work left out."""
-    for i, (_, _, qr) in enumerate(cp.offsets(cp.rank)):
-        for j, (_, _, kr) in enumerate(cp.offsets(src)):
+    """((query chunk's local rows, global range), (key chunk's), relation) with causal work."""
+    for qa, qb, qr in cp.offsets(cp.rank):
+        for ka, kb, kr in cp.offsets(src):
             rel = cp.blocks.get((qr, kr), relation(qr, kr))   # (packed documents: their mask)
-            if planted("unmasked-diagonal"):   # plant: the diagonal block attends to its future
-                rel = "full" if isinstance(rel, str) and rel == "mask" else rel
             if planted("doc-mask-own-rank-only"):   # plant: other ranks' blocks causal only
                 rel = rel if src == cp.rank else relation(qr, kr)
             if not (isinstance(rel, str) and rel == "skip"):
-                yield (i, qr), (j, kr), rel
+                yield (qa, qb, qr), (ka, kb, kr), rel
+
+
+def _calls(cp, src):
+    """One ring step's kernel calls, as _pairs: a zig-zag step is one for a fused kernel (the
+    module docstring); documents, other layouts, the pure kernel (s^2 scores held): each pair."""
+    s = cp.offsets(cp.rank)[-1][1]
+    zigzag = cp.variant != "ring" and cp.chunks == layout("zigzag", cp.world, s * cp.world)
+    if cp.blocks or not (zigzag and getattr(cp.kernel, "one_call", False)):
+        calls = _pairs(cp, src)
+    elif src == cp.rank:
+        calls = [((0, s, (0, s)), (0, s, (0, s)), "mask")]
+    else:   # an earlier rank's first chunk, or a later rank's chunks for our second one
+        calls = [((0, s, None), (0, s // 2, None), "full") if src < cp.rank else
+                 ((s // 2, s, None), (0, s, None), "full")]
+    for q, k, rel in calls:
+        if planted("unmasked-diagonal"):   # plant: the diagonal block attends to its future
+            rel = "full" if isinstance(rel, str) and rel == "mask" else rel
+        yield q, k, rel
 
 
 def _attend(q, kv, cp, src, scale, acc):
-    """q's chunks (n, B, n_h, c, d) attend to src's kv blocks: acc[i] = chunk i's (acc, l, m)."""
-    for (i, qr), (j, kr), rel in _pairs(cp, src):
-        block = cp.kernel.forward(q[i], kv[j, 0], kv[j, 1], scale, rel, qr, kr, acc["dtype"])
-        acc[i] = merge(acc.get(i), block)
+    """q (B, n_h, s, d) attends to src's K/V (2, B, n_kv, s, d): acc[a] = the (acc, l, m) of
+    this rank's chunk starting at local row a."""
+    for (qa, qb, qr), (ka, kb, kr), rel in _calls(cp, src):
+        block = cp.kernel.forward(q[:, :, qa:qb], kv[0, :, :, ka:kb], kv[1, :, :, ka:kb], scale,
+                                  rel, qr, kr, acc["dtype"])
+        for a, b, _ in (o for o in cp.offsets(cp.rank) if qa <= o[0] < qb):   # each chunk's rows
+            acc[a] = merge(acc.get(a), tuple(t.narrow(2, a - qa, b - a) for t in block))
 
 
 def _grad(q, kv, do, out, lse, delta, cp, src, scale, dq, dkv):
-    """The blocks' gradients into dq (chunk-major) and dkv (src's K/V blocks' layout)."""
-    for (i, qr), (j, kr), rel in _pairs(cp, src):   # chunks as in _attend
+    """The calls' gradients into dq (B, n_h, s, d) and dkv (src's K/V layout)."""
+    for (qa, qb, qr), (ka, kb, kr), rel in _calls(cp, src):   # as in _attend
         dq_b, dk_b, dv_b = cp.kernel.backward(   # (B, n_h, c_q, d); (B, n_kv, c_k, d) twice
-            q[i], kv[j, 0], kv[j, 1], do[i], out[i], lse[i], delta[i], scale, rel, qr, kr)
-        dq[i].add_(dq_b)     # (`dq[i] += ` would also dispatch a copy_ of the view onto itself)
-        dkv[j, 0].add_(dk_b)     # (at the kv heads: the kernel groups the query heads)
-        dkv[j, 1].add_(dv_b)
+            q[:, :, qa:qb], kv[0, :, :, ka:kb], kv[1, :, :, ka:kb],
+            *(t[:, :, qa:qb] for t in (do, out, lse, delta)), scale, rel, qr, kr)
+        dq[:, :, qa:qb].add_(dq_b)     # (`+=` would also dispatch a copy_ onto itself)
+        dkv[0, :, :, ka:kb].add_(dk_b)     # (at the kv heads: the kernel groups the query heads)
+        dkv[1, :, :, ka:kb].add_(dv_b)
 
 
-def _finish(acc, n):
-    """Chunk-major (out, lse) (n, B, n_h, c, d), (n, B, n_h, c): acc / l, m + log l. A row
-    that saw nothing (l = 0; never under a causal layout) gives out 0, lse -inf."""
-    a, l, m = (torch.stack([acc[i][j] for i in range(n)]) for j in range(3))
+def _finish(acc):
+    """(out, lse) (B, n_h, s, d), (B, n_h, s): acc / l, m + log l, the chunks in local order. A
+    row that saw nothing (l = 0; never under a causal layout) gives out 0, lse -inf."""
+    a, l, m = (torch.cat([acc[r][j] for r in sorted(acc.keys() - {"dtype"})], 2) for j in range(3))
     return a / torch.where(l > 0, l, 1.0)[..., None], m + torch.log(l)
 
 
 def _backward_setup(ctx, dout):
-    """What both backwards start from, chunk-major: q, dO and O (the kernel's operand dtype),
-    lse, the softmax backward's row sums delta = rowsum(dO * O) (fp32/64) and a zero dQ."""
+    """What both backwards start from: q, dO and O (the kernel's operand dtype), lse, the
+    softmax backward's row sums delta = rowsum(dO * O) (fp32/64) and a zero dQ."""
     q, k, v, out, lse = ctx.saved_tensors
-    n, dt = len(ctx.cp.chunks[ctx.cp.rank]), ctx.cp.kernel.operand_dtype(q)
-    do = _blocks(dout, n).to(dt)
-    return (_blocks(q, n), k, v, out.to(dt), lse, ctx.cp, ctx.scale, do,
-            (do.to(out.dtype) * out).sum(-1), torch.zeros_like(out))   # delta (n, B, n_h, c)
+    do = dout.to(ctx.cp.kernel.operand_dtype(q))
+    return (q, k, v, out.to(do.dtype), lse, ctx.cp, ctx.scale, do,
+            (do.to(out.dtype) * out).sum(-1), torch.zeros_like(out))   # delta (B, n_h, s)
 
 
 class RingAttention(torch.autograd.Function):
@@ -300,25 +302,24 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cp, scale):   # q (B, n_h, s, d), k, v (B, n_kv, s, d) -> q's shape
-        acc, n = {"dtype": _acc_dtype(q)}, len(cp.chunks[cp.rank])
-        qb, kv = _blocks(q, n), _kv_blocks(k, v, n)    # (n, 2, B, n_kv, c, d): kv heads travel
+        acc, kv = {"dtype": _acc_dtype(q)}, torch.stack([k, v])   # (2, B, n_kv, s, d) travels
         for step in range(cp.world):
             src = (cp.rank - step) % cp.world
             if step < cp.world - 1:
                 nxt, reqs = _hop([kv], cp)             # overlaps the blocks below
-            _attend(qb, kv, cp, src, scale, acc)
+            _attend(q, kv, cp, src, scale, acc)
             if step < cp.world - 1:
                 _wait(reqs)
                 kv = nxt[0]
-        out, lse = _finish(acc, n)                     # chunk-major, kept for the backward
+        out, lse = _finish(acc)                        # kept for the backward
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.scale = cp, scale
-        return _unblocks(out).to(q.dtype)
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):   # (B, n_h, s, d) -> dq (B, n_h, s, d), dk, dv (B, n_kv, s, d)
         q, k, v, out, lse, cp, scale, do, delta, dq = _backward_setup(ctx, dout)
-        kv, dt = _kv_blocks(k, v, len(cp.chunks[cp.rank])), dq.dtype   # (n, 2, B, n_kv, c, d)
+        kv, dt = torch.stack([k, v]), dq.dtype          # (2, B, n_kv, s, d)
         # Both transfers hide behind a block's compute (as ring-flash-attention does): the next
         # K/V hop is posted before this block's gradients; the dK/dV accumulated so far for the
         # block held now arrive meanwhile, get this rank's part and go on: home after W hops.
@@ -344,16 +345,16 @@ class RingAttention(torch.autograd.Function):
         else:
             _wait(dkv_reqs)
             dkv = arrived
-        dk, dv = (_unblocks(t) for t in dkv.unbind(1))
-        return _unblocks(dq).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dk, dv = dkv.unbind(0)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def _gather_kv(k, v, cp, n):
-    """Every rank's K/V blocks as (W, n, 2, B, n_kv, c, d): one all-gather, ranks on dim 0."""
-    kv = _kv_blocks(k, v, n)                           # (n, 2, B, n_kv, c, d)
-    full = torch.empty((cp.world * n,) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
-    dist.all_gather_into_tensor(full, kv, group=cp.group)   # (n, ..) -> (W*n, 2, B, n_kv, c, d)
-    return full.view((cp.world,) + kv.shape)               # (W, n, 2, B, n_kv, c, d)
+def _gather_kv(k, v, cp):
+    """Every rank's K/V as (W, 2, B, n_kv, s, d): one all-gather, ranks on dim 0."""
+    kv = torch.stack([k, v])                           # (2, B, n_kv, s, d)
+    full = torch.empty((cp.world * 2,) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
+    dist.all_gather_into_tensor(full, kv, group=cp.group)   # (2, ..) -> (W*2, B, n_kv, s, d)
+    return full.view((cp.world,) + kv.shape)               # (W, 2, B, n_kv, s, d)
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -361,30 +362,29 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cp, scale):   # q (B, n_h, s, d), k, v (B, n_kv, s, d) -> q's shape
-        acc, n = {"dtype": _acc_dtype(q)}, len(cp.chunks[cp.rank])
-        full, qb = _gather_kv(k, v, cp, n), _blocks(q, n)     # (W, n, 2, B, n_kv, c, d)
-        for src in range(cp.world):                           # src's K/V blocks
-            _attend(qb, full[src], cp, src, scale, acc)
-        out, lse = _finish(acc, n)
+        acc, full = {"dtype": _acc_dtype(q)}, _gather_kv(k, v, cp)   # (W, 2, B, n_kv, s, d)
+        for src in range(cp.world):                           # src's K/V
+            _attend(q, full[src], cp, src, scale, acc)
+        out, lse = _finish(acc)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.scale = cp, scale
-        return _unblocks(out).to(q.dtype)
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):   # (B, n_h, s, d) -> dq (B, n_h, s, d), dk, dv (B, n_kv, s, d)
         q, k, v, out, lse, cp, scale, do, delta, dq = _backward_setup(ctx, dout)
-        full = _gather_kv(k, v, cp, len(cp.chunks[cp.rank]))   # not kept: gathered again
-        dfull = torch.zeros(full.shape, dtype=dq.dtype, device=q.device)  # (W, n, 2, B, n_kv, c, d)
+        full = _gather_kv(k, v, cp)                     # not kept: gathered again
+        dfull = torch.zeros(full.shape, dtype=dq.dtype, device=q.device)  # (W, 2, B, n_kv, s, d)
         for src in range(cp.world):
             _grad(q, full[src], do, out, lse, delta, cp, src, scale, dq, dfull[src])
-        # (n, 2, B, n_kv, c, d): this rank's dK/dV
+        # (2, B, n_kv, s, d): this rank's dK/dV
         mine = torch.empty(full.shape[1:], dtype=full.dtype, device=full.device)
         if planted("no-reduce-scatter"):   # plant: only our own queries' dK/dV
             mine = dfull[cp.rank].to(full.dtype)
         else:
             dist.reduce_scatter_tensor(mine, dfull.to(full.dtype).view((-1,) + full.shape[2:]),
-                                       group=cp.group)   # (W*n, 2, ..) -> (n, 2, ..)
-        return _unblocks(dq).to(q.dtype), _unblocks(mine[:, 0]), _unblocks(mine[:, 1]), None, None
+                                       group=cp.group)   # (W*2, ..) -> (2, ..)
+        return dq.to(q.dtype), mine[0], mine[1], None, None
 
 
 def cp_attention(q, k, v, cp: CPContext, scale: float):

@@ -61,9 +61,9 @@ def distributed(args):
 # --kernel: the block loop and merge alone, in one process
 # ----------------------------------------------------------------------------------------------
 def ring_local(q, k, v, do, scale, variant, W, kernel=None, docs=None):
-    """(out, dq, dk, dv) from cp_ring's block loop (_attend, _finish, _grad on the chunk-major
-    blocks), every rank played in turn with every K/V block at hand: the arithmetic of the
-    ring without its transport. kernel: a cp_ring block kernel (default the pure one); docs:
+    """(out, dq, dk, dv) from cp_ring's block loop (_attend, _finish, _grad: one kernel call
+    per zig-zag step), every rank played in turn with every K/V block at hand: the arithmetic
+    of the ring without its transport. kernel: a cp_ring block kernel (default the pure one); docs:
     (B, S) positions in packed documents (cp_ring.set_documents' block masks)."""
     out, dq = torch.empty_like(q), torch.empty_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
@@ -72,25 +72,24 @@ def ring_local(q, k, v, do, scale, variant, W, kernel=None, docs=None):
     for cp in cps if docs is not None else ():
         cp_ring.set_documents(cp, docs)
     pos = [cp_ring.positions(cp.chunks[cp.rank]) for cp in cps]
-    n = len(cps[0].chunks[0])
-    kvs = [cp_ring._kv_blocks(k[:, :, pos[s]], v[:, :, pos[s]], n) for s in range(W)]
+    kvs = [torch.stack([k[:, :, pos[s]], v[:, :, pos[s]]]) for s in range(W)]
     for r, cp in enumerate(cps):
-        acc, qb = {"dtype": cp_ring._acc_dtype(q)}, cp_ring._blocks(q[:, :, pos[r]], n)
+        acc, q_r = {"dtype": cp_ring._acc_dtype(q)}, q[:, :, pos[r]]
         for src in range(W):
-            cp_ring._attend(qb, kvs[src], cp, src, scale, acc)
-        o, lse = cp_ring._finish(acc, n)
-        out[:, :, pos[r]] = cp_ring._unblocks(o).to(q.dtype)
+            cp_ring._attend(q_r, kvs[src], cp, src, scale, acc)
+        o, lse = cp_ring._finish(acc)
+        out[:, :, pos[r]] = o.to(q.dtype)
         dt = cp.kernel.operand_dtype(q)
-        do_r = cp_ring._blocks(do[:, :, pos[r]], n)
+        do_r = do[:, :, pos[r]]
         delta = (do_r.to(o.dtype) * o).sum(-1)
         dq_r = torch.zeros_like(o)
         for src in range(W):
             dkv = torch.zeros_like(kvs[src], dtype=o.dtype)
-            cp_ring._grad(qb, kvs[src], do_r.to(dt), o.to(dt), lse, delta, cp, src, scale,
+            cp_ring._grad(q_r, kvs[src], do_r.to(dt), o.to(dt), lse, delta, cp, src, scale,
                           dq_r, dkv)
-            dk[:, :, pos[src]] += cp_ring._unblocks(dkv[:, 0]).to(k.dtype)
-            dv[:, :, pos[src]] += cp_ring._unblocks(dkv[:, 1]).to(v.dtype)
-        dq[:, :, pos[r]] = cp_ring._unblocks(dq_r).to(q.dtype)
+            dk[:, :, pos[src]] += dkv[0].to(k.dtype)
+            dv[:, :, pos[src]] += dkv[1].to(v.dtype)
+        dq[:, :, pos[r]] = dq_r.to(q.dtype)
     return out, dq, dk, dv
 
 
