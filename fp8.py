@@ -100,7 +100,7 @@ def quantize(t: torch.Tensor, fmt, groups: str, pow2: bool = False, amax=None, o
     elif groups == "row":
         a = x.abs().amax(dim=1, keepdim=True)                           # [M, 1]
         if planted("fp8-rowwise-wrong-axis"):   # plant: each column's amax (over M, not K)
-            a = x.abs().amax(dim=0, keepdim=True)                       # [1, K]
+            a = x.abs().amax(dim=0, keepdim=True)   # [1, K] (float64: dequantised; else refused)
     elif groups == "tile":
         a = x.view(M, K // BLOCK, BLOCK).abs().amax(dim=2, keepdim=True)  # [M, K/128, 1]
         a = a.expand(M, K // BLOCK, BLOCK).reshape(M, K)
@@ -116,9 +116,10 @@ def quantize(t: torch.Tensor, fmt, groups: str, pow2: bool = False, amax=None, o
     inv = scale.reciprocal()                                            # what the GEMM undoes
     if planted("fp8-scale-not-inverted"):   # plant: the GEMM multiplied by s, not 1/s
         inv = scale
-    if planted("fp8-no-saturation"):   # plant: no clamp: e4m3fn overflows to NaN
-        return (x * scale).to(fmt), inv
-    return (x * scale).clamp(-fmax, fmax).to(fmt), inv
+    q = (x * scale).clamp(-fmax, fmax)
+    if planted("fp8-no-saturation"):   # plant: no clamp (e5m2 overflows to inf)
+        q = x * scale
+    return q.to(fmt), inv
 
 
 def scale_of(amax: torch.Tensor, fmt, dtype) -> torch.Tensor:
@@ -152,8 +153,6 @@ def gemm(a: torch.Tensor, b: torch.Tensor, fmt_a, fmt_b, recipe: str, out_dtype,
     qb, ib = quantize(b, fmt_b, groups, pow2, None if amax is None else amax[1], over(split_b))
     if out_dtype == torch.float64:   # (no FP8 GEMM into float64: the dequantised product,
         return (qa.double() * ia) @ (qb.double() * ib).t()    # each term exact in float64)
-    if (a.shape[1],) in (ia.shape[-1:], ib.shape[-1:]):   # (scales along K: not factored out)
-        return ((qa.float() * ia) @ (qb.float() * ib).t()).to(out_dtype)
     # [M, K] e4m3 @ [K, N] (column-major: b's rows) -> [M, N], scales [M, 1] x [1, N] (or [])
     return torch._scaled_mm(qa, qb.t(), scale_a=ia, scale_b=ib.t() if ib.dim() else ib,
                             out_dtype=out_dtype)

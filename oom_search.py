@@ -19,7 +19,9 @@ heads, V vocabulary):
     logits       (2e + 4) V per token, + 4V in half precision (/ T vocab-parallel; PP: last stage)
     cp blocks    4 b a (S/2C)^2 e: cp_ring's pure block kernel's backward
     fp8 cast     --fp8: one cast's scaled copy and 1-byte result, tokens x max(h, I/T) x
-                 (max(e, 4) + 1, + 4 in half precision): a bound (X and W are saved as they are)
+                 (max(e, 4) + 1, + 4 in half precision): an estimate, not a bound (--simulate
+                 counts the casts exactly: under sp and pp the dW GEMM's transposed copies of dY
+                 and X reach 1.9x it)
     peak         states + activations + logits + cp blocks + fp8 cast (PP: the largest stage)
 More (each term's source, the search, the simulation): docs/internals.md, 'oom_search.py'.
 
@@ -257,7 +259,7 @@ def predict_peak(strategy: str, W: int, L_seq: int, b: int, cfg, elem: int = 4,
     # --fp8: X and W are saved in their own dtype (fp8.py, as torchao), so states and
     # activations are unchanged; one cast at a time holds a scaled copy (fp32; half precision
     # first upcasts: + 4) and its 1-byte result, of an operand up to tokens x max(h, I / T)
-    # features (MLP's width split under TP; Ulysses and CP's tokens / W): a bound, added
+    # features (MLP's width split under TP; Ulysses and CP's tokens / W): an estimate
     cast = 0
     if fp8:
         toks = b * L_seq / (W if strategy in ("ulysses", "cp") else 1)

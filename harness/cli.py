@@ -65,7 +65,7 @@ def _validate(cls, args, world: int, rank: int):
     if getattr(args, "fp8", None) and (args.mode not in ("correctness", "learning", "plants", "peak")
                                        and not bench or getattr(args, "compare_native", False)
                                        or getattr(args, "paired", False)):
-        errs.append(f"--fp8: --mode correctness, learning or plants (fsdp: benchmark with "
+        errs.append(f"--fp8: --mode correctness, learning, plants or peak (fsdp: benchmark with "
                     f"tensorwise), without PyTorch's baselines (the other benchmarks' formulas "
                     f"do not count the amax all-reduces yet, and the baselines do not train in "
                     f"FP8)")

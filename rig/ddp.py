@@ -103,12 +103,15 @@ class AmaxLog:
         n = min(t.numel() for t in ranks)
         worst = max((float(((t - f).abs() / f.clamp(min=1e-30)).max())
                      for t, f in zip(ranks, ref) if t.shape == f.shape and t.numel()), default=0.0)
-        ok = n > 0 and not differ
+        alone = len(first) == len(stages) > 1   # (W > 1, no rank shares a stage: none compared)
+        ok = n > 0 and not differ and not alone
         where = "every rank" if len(first) == 1 else f"every rank of each of {len(first)} stages"
+        first_of = "rank 0" if len(first) == 1 else "their stage's first rank"
         return (f"fp8 scales the same on {where}", ok,
                 f"{n} amaxes per rank over the steps, " + (
                     f"bit-identical on {where}" if ok else
-                    f"ranks {differ} differ from their stage's first rank (largest relative "
+                    "no two ranks run the same layers: nothing compared" if alone else
+                    f"ranks {differ} differ from {first_of} (largest relative "
                     f"difference {worst:.2e})" if n else "none recorded"))
 
 

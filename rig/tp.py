@@ -12,7 +12,7 @@ from harness.cli import main as harness_main
 from tp import (LOSS_ALL_REDUCES, TensorParallel, parallelize, region_all_reduces,
                 shape_constraints)
 from tp import classify
-from tp_plan import head_dims, meta_model
+from tp_plan import head_dims, meta_model, segments
 import fp8
 import muon
 from rig.ddp import AmaxLog, MUON_PLANT, fp8_tiles, make_optimizer
@@ -50,10 +50,14 @@ def fp8_tp_constraints(args, world, config) -> list[str]:
     for name, m in model.named_modules():
         kind = kinds.get(f"{name}.weight")
         if isinstance(m, fp8.Float8Linear) and kind in ("column", "fused", "row"):
-            local = m.in_features // world if kind == "row" else m.out_features // world
-            if local % tile:
+            # (a fused [q; k; v] or [gate; up]: each segment's shard, or blocks would mix parts)
+            segs = (segments(model, name, m.out_features) or (m.out_features,)) \
+                if kind == "fused" else (m.in_features if kind == "row" else m.out_features,)
+            local = next((n // world for n in segs if n // world % tile), 0)
+            if local:
                 return [f"--fp8 {args.fp8} at T={world}: {name}'s shard has {local} "
-                        f"{'input' if kind == 'row' else 'output'} features, not a multiple of "
+                        f"{'input' if kind == 'row' else 'output'} features"
+                        f"{' in a fused segment' if kind == 'fused' else ''}, not a multiple of "
                         f"the kernel's {tile}"]
     return fp8_tiles(args, "the step's {} tokens (on every tp rank) are", args.batch * args.length)
 

@@ -56,7 +56,7 @@ import types
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-SECTIONS = [  # (name, nominal seconds at --budget-s 330, minimum seconds to start it)
+SECTIONS = [  # (name, nominal seconds, scaled by --budget-s / their sum; minimum to start)
     ("device", 130, 40), ("speed", 110, 30), ("memory", 90, 30), ("cp", 30, 15), ("fp8", 40, 20)]
 NOMINAL = sum(s for _, s, _ in SECTIONS)
 GQA = ["--model", "configs/tiny-gqa8.json"]

@@ -20,9 +20,10 @@ block, the kernel's own forward, merge-free finish and backward), and each loop 
 for the pure kernel (it masks the upper half) and half for the fused ones (they skip it).
 
 --doc-mask N: the rows again on packed documents (harness.data's lengths, Pareto from N tokens):
-the loop with cp_ring.set_documents' block masks against SDPA on the whole sequence with the
-same block-diagonal causal mask (one call; an explicit mask takes the memory-efficient kernel
-on CUDA, FlashAttention's varlen form would take no mask at all).
+the loop with cp_ring.set_documents' block masks (tensor masks: every block through the pure
+kernel, as the fused ones take none) against SDPA on the whole sequence with the same
+block-diagonal causal mask (one call; an explicit mask takes the memory-efficient kernel on
+CUDA; FlashAttention's varlen form would take no mask at all).
 """
 import argparse
 import json
@@ -102,10 +103,11 @@ def doc_rows(x64, scale, a, dev):
         kern = cp_kernels.pick_kernel("sdpa", dev, dt)[0]
         for C in map(int, a.ranks.split(",")):
             res, t = timed(lambda: ring_local(*x, scale, "zigzag", C, kern, docs))
-            rows.append(dict(kernel=f"ring block loop, document masks ({kern.name})",
+            rows.append(dict(kernel="ring block loop, document masks (every block a tensor "
+                                    "mask: the pure kernel; the fused ones take none)",
                              dtype=str(dt)[6:], C=C, docs=n_docs, err=err(res, ref),
                              ms=t * 1e3, over_whole=t / t1))
-            print(f"{str(dt)[6:]:9s} documents ({n_docs}) ring C={C} {kern.name:15s} err "
+            print(f"{str(dt)[6:]:9s} documents ({n_docs}) ring C={C} pure (masks)    err "
                   f"{rows[-1]['err']:.1e}  {t * 1e3:8.2f} ms  x{t / t1:.2f} of one masked "
                   f"call", flush=True)
     return rows

@@ -247,9 +247,10 @@ def test_lora_prediction_and_simulation_against_a_real_trial():
 def test_fp8_cast_bound_and_simulation_against_real_trials():
     """--fp8 tensorwise (ddp, W=2, a 128-wide model whose linears all convert): the trial's
     peak rises over the same run's without FP8 (a cast's scaled copy and its 1-byte result live
-    at the peak), by no more than the prediction's one-cast term (fp8_cast: a bound, with the
-    rest of the prediction unchanged), and the simulation, which converts the meta model's
-    linears too, counts the same bytes as the trial."""
+    at the peak), here by no more than the prediction's one-cast term (fp8_cast: an estimate,
+    the rest of the prediction unchanged; sp and pp exceed it, docs/internals.md), and the
+    simulation, which converts the meta model's linears too, counts the same bytes as the
+    trial."""
     import harness
     rows = {}
     for fp8 in (None, "tensorwise"):
