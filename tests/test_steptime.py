@@ -462,3 +462,20 @@ def test_selective_recompute_reruns_the_scores_only_when_unfused():
         assert (s > 0) == extra
         want = passes * s * TOY["layers"] / 3 / GPU["hbm"]
         assert sel["elementwise"] - none["elementwise"] == pytest.approx(want, abs=1e-12)
+
+
+def test_a_named_gpus_links_run_at_nccls_measured_share():
+    """A named GPU's collectives run at NCCL's measured share of a link (LINK_EFFICIENCY: 0.81
+    of NVLink, a ring's nccl-tests busbw; 0.96 of a NIC), a toy spec without it at the
+    datasheet's rate: tp's all-reduce inside a node over NVLink, dp's across nodes over the NICs
+    (tp 8 beside it: one NIC share per GPU)."""
+    lay = parse_layout("tp=8,dp=4")
+    rows = [("tp", "all_reduce", 1, 1e9, None), ("dp", "reduce_scatter", 1, 1e9, None)]
+    h100 = st.GPUS["h100"]
+    got = st.comm_seconds(rows, lay, h100)
+    wire = {g: st.wire_bytes(g, op, 1e9, lay) for g, op, *_ in rows}
+    assert got["tp", "all_reduce"]["seconds"] == pytest.approx(wire["tp"] / (450e9 * 0.81))
+    assert got["dp", "reduce_scatter"]["seconds"] == pytest.approx(wire["dp"] / (50e9 * 0.96))
+    toy = {k: v for k, v in h100.items() if k != "link_efficiency"}
+    assert st.comm_seconds(rows, lay, toy)["tp", "all_reduce"]["seconds"] == pytest.approx(
+        wire["tp"] / 450e9)

@@ -17,7 +17,8 @@ A roofline model built from the suite's own formulas, for one GPU of the busiest
                  layers and the LM head)
     comm         trainer4d.plan.comm_per_step's rows, wire bytes (harness.meter.RING_FACTOR) over
                  NVLink when the group fits in a node (rank order TP, CP, PP, DP innermost
-                 first: Llama 3's), else the network's bandwidth per GPU
+                 first: Llama 3's), else the network's bandwidth per GPU, each at NCCL's
+                 measured share of it (LINK_EFFICIENCY)
     overlap      TP exposed (async TP: hidden behind the matmuls); CP's K,V all-gathers exposed
                  (Llama 3's variant); pipeline sends and all-to-alls exposed; DP's collectives
                  share one link per phase: the gradient reduction (and ZeRO-3's backward
@@ -36,9 +37,9 @@ per token, attention counted in full as Megatron-core r0.8.0, torchtitan and PaL
 Megatron-LM halves it: published.ATTENTION_COUNT says each source's count), "hardware" = Narayanan
 et al. 2021's, which also counts the recompute's forward (96 B s l h^2 (1 + s/6h + V/16lh)).
 
-Every GPU figure is a datasheet's (GPUS, each with its source); the three numbers that are not
-(MAMF per GPU, ATTENTION_EFFICIENCY, ELEMENTWISE_PASSES) come from measurements, the same for
-every row, never fitted to a published row: see constants().
+Every GPU figure is a datasheet's (GPUS, each with its source); the numbers that are not (MAMF
+per GPU, ATTENTION_EFFICIENCY, ELEMENTWISE_PASSES, LINK_EFFICIENCY) come from measurements, the
+same for every row, never fitted to a published row: see constants() and LINK_EFFICIENCY.
 """
 from __future__ import annotations
 
@@ -502,6 +503,16 @@ def wire_bytes(group: str, op: str, nbytes: float, lay: dict) -> float:
     return nbytes * RING_FACTOR[key](size) if key in RING_FACTOR else nbytes
 
 
+# What NCCL moves of a link's datasheet bandwidth on large messages (nccl-tests busbw): NVLink 4's
+# rings 80-82% (8 x H200 at 16 GiB: all-gather 361.4, reduce-scatter 362.9, all-reduce 367.2 of
+# 450 GB/s; stas00/ml-engineering, network/README.md, its SHARP section; NVLS's 480 GB/s
+# all-reduce is not taken: it serves all-reduce only), a 400 Gb/s ConnectX-7 NIC "around
+# 48GB/s" of 50 (NVIDIA/nccl-tests issue 319). Every named GPU's spec carries them.
+LINK_EFFICIENCY = {"nvlink": 0.81, "network": 0.96}
+for _spec in GPUS.values():
+    _spec.setdefault("link_efficiency", LINK_EFFICIENCY)
+
+
 def comm_seconds(rows: list, lay: dict, gpu: dict) -> dict:
     """Seconds per optimizer step of each (group, op) of trainer4d.plan.comm_per_step's rows, on
     its link."""
@@ -513,7 +524,8 @@ def comm_seconds(rows: list, lay: dict, gpu: dict) -> dict:
         if group == "ep" and kind == "network":   # the share bound for other nodes (the rest
             inside = in_node(lay, "ep", gpu["per_node"])   # goes over NVLink meanwhile)
             off = nbytes * (lay["ep"] - inside) / lay["ep"]
-        out[(group, op)] = dict(seconds=off / bw, calls=calls, link=kind, wire=wire)
+        eff = gpu.get("link_efficiency", {}).get(kind, 1.0)   # (a toy spec: the datasheet's)
+        out[(group, op)] = dict(seconds=off / (bw * eff), calls=calls, link=kind, wire=wire)
     return out
 
 
