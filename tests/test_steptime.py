@@ -411,7 +411,8 @@ def test_moe_step_by_hand(capsys):
     plain, hidden = (step_report(sh, dict(lay, ep_overlap=o), "h100", 2) for o in (0, 1))
     ep = plain["comm"]["ep", "all_to_all"]["seconds"] / 8
     assert plain["ep"] == pytest.approx(8 * ep)
-    assert hidden["ep"] == pytest.approx(8 * max(0.0, ep - plain["matmul"] / 8))
+    exposed = max(0.0, ep - plain["matmul"] / 8)   # + the matmuls' slowdown beside the rest
+    assert hidden["ep"] == pytest.approx(8 * (exposed + st.OVERLAP_SLOWDOWN * (ep - exposed)))
     dense = {x: v for x, v in sh.items() if x not in ("experts", "top_k", "moe_layers")}
     assert st.kept_bytes(sh, lay, 2)[0] - st.kept_bytes(dense, lay, 2)[0] == 2 * k * h * 2 * n
 
@@ -479,3 +480,23 @@ def test_a_named_gpus_links_run_at_nccls_measured_share():
     toy = {k: v for k, v in h100.items() if k != "link_efficiency"}
     assert st.comm_seconds(rows, lay, toy)["tp", "all_reduce"]["seconds"] == pytest.approx(
         wire["tp"] / 450e9)
+
+
+def test_a_hidden_second_slows_the_compute_beside_it():
+    """A named GPU's overlapped communication costs OVERLAP_SLOWDOWN (0.189, Lee et al. 2025)
+    of each hidden second, charged to that communication: TP overlapped behind the matmuls
+    (Megatron's --tp-comm-overlap) costs 0.189 x its time where a toy spec (no slowdown field)
+    hides it for free; exposed TP costs the same either way."""
+    lay = parse_layout("tp=8,seq=4096,tp_overlap=1,sp=1")
+    h100 = st.GPUS["h100"]
+    free = {k: v for k, v in h100.items() if k != "overlap_slowdown"}
+    from trainer4d.published import LLAMA3_70B as sh
+    n = st.param_count(sh)
+    rows = comm_per_step(st.config_of(sh), dict(total=n, dense=n, experts=0), lay, 2)
+    named, toy = (st.step_time(sh, lay, g, rows) for g in (h100, free))
+    tp = sum(v["seconds"] for (grp, _), v in named["comm"].items() if grp == "tp")
+    assert tp < named["matmul"] and toy["tp"] == 0.0          # all of it hidden
+    assert named["tp"] == pytest.approx(st.OVERLAP_SLOWDOWN * tp)
+    plain = dict(lay, tp_overlap=0)
+    assert st.step_time(sh, plain, h100, rows)["tp"] == pytest.approx(
+        st.step_time(sh, plain, free, rows)["tp"])

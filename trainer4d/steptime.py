@@ -24,7 +24,8 @@ A roofline model built from the suite's own formulas, for one GPU of the busiest
                  share one link per phase: the gradient reduction (and ZeRO-3's backward
                  gathers) behind the backward of one micro-batch (ZeRO-2/3: of each), the
                  parameter gathers behind a forward, except the last bucket reduced and the
-                 first unit gathered (a layer each)
+                 first unit gathered (a layer each); a hidden second slows the compute beside
+                 it by OVERLAP_SLOWDOWN, charged to the communication
     bubble       pp_schedule.simulate's idle fraction of the schedule (unit costs F=1, B=2; equal to
                  bubble_formula for 1F1B and interleaved), the stages balanced
     optimizer    AdamW with fp32 masters over this GPU's shard: 30 bytes per parameter of HBM
@@ -38,8 +39,9 @@ Megatron-LM halves it: published.ATTENTION_COUNT says each source's count), "har
 et al. 2021's, which also counts the recompute's forward (96 B s l h^2 (1 + s/6h + V/16lh)).
 
 Every GPU figure is a datasheet's (GPUS, each with its source); the numbers that are not (MAMF
-per GPU, ATTENTION_EFFICIENCY, ELEMENTWISE_PASSES, LINK_EFFICIENCY) come from measurements, the
-same for every row, never fitted to a published row: see constants() and LINK_EFFICIENCY.
+per GPU, ATTENTION_EFFICIENCY, ELEMENTWISE_PASSES, LINK_EFFICIENCY, OVERLAP_SLOWDOWN) come from
+measurements, the same for every row, never fitted to a published row: see constants(),
+LINK_EFFICIENCY and OVERLAP_SLOWDOWN.
 """
 from __future__ import annotations
 
@@ -509,8 +511,15 @@ def wire_bytes(group: str, op: str, nbytes: float, lay: dict) -> float:
 # all-reduce is not taken: it serves all-reduce only), a 400 Gb/s ConnectX-7 NIC "around
 # 48GB/s" of 50 (NVIDIA/nccl-tests issue 319). Every named GPU's spec carries them.
 LINK_EFFICIENCY = {"nvlink": 0.81, "network": 0.96}
+# Compute that runs beside communication is slower: 18.9% on average against the same compute
+# alone (Lee et al. 2025, "Characterizing Compute-Communication Overlap in GPU-Accelerated
+# Distributed Deep Learning", arXiv 2507.03114: GPT and Llama training on A100, H100, MI250 and
+# MI210; SMs and HBM shared with NCCL's kernels). Each second of communication hidden behind
+# compute costs this much of a second, charged to that communication (tp, ep, dp).
+OVERLAP_SLOWDOWN = 0.189
 for _spec in GPUS.values():
     _spec.setdefault("link_efficiency", LINK_EFFICIENCY)
+    _spec.setdefault("overlap_slowdown", OVERLAP_SLOWDOWN)
 
 
 def comm_seconds(rows: list, lay: dict, gpu: dict) -> dict:
@@ -600,7 +609,9 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
     ep = total("ep") / M   # ep_overlap: the all-to-alls behind another micro-batch's matmuls
     window = t_mm - (tp - tp_exposed if lay.get("tp_overlap") else 0.0)   # (what TP left)
     ep_exposed = max(0.0, ep - max(0.0, window)) if lay.get("ep_overlap") else ep
-    slot = compute + tp_exposed + (total("cp") + total("pp")) / M + ep_exposed
+    k = g.get("overlap_slowdown", 0.0)   # (a toy spec: overlap is free)
+    tp_cost, ep_cost = (x + k * (t - x) for t, x in ((tp, tp_exposed), (ep, ep_exposed)))
+    slot = compute + tp_cost + (total("cp") + total("pp")) / M + ep_cost
     bubble = pp_schedule.simulate(lay["schedule"], P, M, lay["v"])[2] if P > 1 else 0.0
     pipeline = M * slot / (1 - bubble)
     # data parallel, one link shared by every DP collective of a phase: ZeRO-3's forward gathers
@@ -619,7 +630,7 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
     else:
         phases = [(gather, fwd), (reduce, M * bwd if z == 2 else bwd)]
         tails = reduce / ((M if z == 2 else 1) * units) + gather / units
-    dp = sum(max(0.0, t - window) for t, window in phases) + tails
+    dp = sum(max(0.0, t - window) + k * min(t, window) for t, window in phases) + tails
     if not lay.get("dp_overlap", 1):      # reduced after the backward (Megatron 2021's local DDP)
         dp = reduce + gather
     # the optimizer step over this GPU's shard (ZeRO-1+: 1/(dp cp) of the stage's parameters)
@@ -630,7 +641,7 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
     optimizer = OPTIMIZER_BYTES * shard / g["hbm"]
     step = pipeline + dp + optimizer
     return dict(step=step, matmul=M * t_mm, attention=M * t_att, elementwise=M * t_elem,
-                tp=M * tp_exposed, cp=total("cp"), pp_send=total("pp"), ep=M * ep_exposed,
+                tp=M * tp_cost, cp=total("cp"), pp_send=total("pp"), ep=M * ep_cost,
                 bubble=pipeline - M * slot, dp=dp, optimizer=optimizer, comm=comm)
 
 
