@@ -350,9 +350,8 @@ def simulate_peak(strategy: str, W: int, length: int, batch: int, model: str,
     strat_cls = getattr(importlib.import_module("rig." + script[:-3]), cls_name)
     parser = base_parser(script)
     strat_cls.add_args(parser)
-    argv = trial_args(strategy, W, length, batch, ce_chunk, lora, fp8)[1:] + ["--mode", "peak", "--model", model,
-                                                         "--dtype", dtype, "--device", "cpu",
-                                                         "--attn", attn]
+    argv = trial_args(strategy, W, length, batch, ce_chunk, lora, fp8)[1:] + [
+        "--mode", "peak", "--model", model, "--dtype", dtype, "--device", "cpu", "--attn", attn]
     args = resolve_defaults(parser.parse_args(argv), "peak", "cpu", W)
     config = load_config(model)
     errs = common_constraints(args, W, config) + strat_cls.constraints(args, W, config)

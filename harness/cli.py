@@ -62,8 +62,9 @@ def _validate(cls, args, world: int, rank: int):
         errs.append(f"--fp8: {cls.name} does not train in FP8 yet (ddp, zero, fsdp, tp, sp, "
                     f"pp, cp, ep, compose4d do)")
     bench = args.mode == "benchmark" and cls.fp8_benchmark and args.fp8 == "tensorwise"
-    if getattr(args, "fp8", None) and (args.mode not in ("correctness", "learning", "plants", "peak")
-                                       and not bench or getattr(args, "compare_native", False)
+    fp8_modes = ("correctness", "learning", "plants", "peak")
+    if getattr(args, "fp8", None) and (args.mode not in fp8_modes and not bench
+                                       or getattr(args, "compare_native", False)
                                        or getattr(args, "paired", False)):
         errs.append(f"--fp8: --mode correctness, learning, plants or peak (fsdp: benchmark with "
                     f"tensorwise), without PyTorch's baselines (the other benchmarks' formulas "
@@ -74,8 +75,8 @@ def _validate(cls, args, world: int, rank: int):
             and not (args.fp8 == "tensorwise" and cls.fp8_amax_log)):
         errs.append(f"--fp8 {args.fp8} in {low[0]}: the tensors there are compared only within "
                     f"FP8's own noise, beside an exact check of the scales that tensorwise runs "
-                    f"on ddp, zero, fsdp, tp, sp, cp, ep and compose4d; prove FP8 with --dtype float64, "
-                    f"train it in {low[0]} with --mode learning")
+                    f"on ddp, zero, fsdp, tp, sp, cp, ep and compose4d; prove FP8 with --dtype "
+                    f"float64, train it in {low[0]} with --mode learning")
     if getattr(args, "ce_chunk", 0) > 0 and not cls.chunked_ce:
         errs.append(f"--ce-chunk: {cls.name} computes its loss on the full logits (chunked: "
                     f"ddp.py's plain head and tp.py's vocab-parallel head)")

@@ -137,8 +137,9 @@ def test_numerics_plants_fail():
     """Three one-line FP8 bugs, each where it shows. A rowwise scale taken along the wrong axis
     (each column's amax, in float64: torch._scaled_mm refuses a [1, K] scale): with power-of-2
     scales it changes nothing until a row holds an outlier, which then pushes every other row
-    into e4m3's subnormals (rows after the outlier 0.15 from the exact product, against 0.04). The gradient cast without its scale: 1e-6-sized
-    gradients underflow e5m2 (error 1.0, against 0.06). A cast without saturation: under delayed
+    into e4m3's subnormals (rows after the outlier 0.15 from the exact product, against 0.04).
+    The gradient cast without its scale: 1e-6-sized gradients underflow e5m2 (error 1.0,
+    against 0.06). A cast without saturation: under delayed
     scaling a gradient 50x its history overflows e5m2 to inf, and so does an ordinary step that
     rises a little over the history's amax (this torch's CPU cast to e4m3fn saturates by
     itself; e5m2 does not)."""
