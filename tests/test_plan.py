@@ -111,7 +111,10 @@ def test_bad_layout_is_one_line(capsys):
                        "micro-batches (6) to be a multiple of the pipeline size 4"),
                       ("pp=4,m=6,schedule=dualpipev", "DualPipeV needs the micro-batches (6)"),
                       ("dp=8,zero=1,fp8=1,fp8_gather=1", "fp8_gather=1: the FP8 all-gather of "
-                       "FSDP's weights needs fp8=1 and zero=3")]:
+                       "FSDP's weights needs fp8=1 and zero=3"),
+                      ("dp=8,zero=1,bwd_prefetch=post", "bwd_prefetch=post: pre or post, and "
+                       "post (FSDP1's BACKWARD_POST"), ("dp=8,zero=3,bwd_prefetch=late",
+                                                        "bwd_prefetch=late: pre or post")]:
         with pytest.raises(SystemExit) as e:
             plan.parse_layout(text)
         err = capsys.readouterr().err.strip().splitlines()

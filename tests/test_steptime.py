@@ -141,6 +141,12 @@ def test_data_parallel_exposure_by_hand():
     ag, rs = 1832 * 2 / 2 / 10.0, 1832 * 4 / 2 / 10.0
     assert z3["dp"] == pytest.approx(max(0.0, ag - compute / 3)
                                      + max(0.0, rs + ag - 2 * compute / 3) + rs / 2 + ag / 2)
+    # FSDP1's BACKWARD_POST (bwd_prefetch=post): the backward's gather waits in front of the
+    # gradient computation that needs it, exposed; only the reduction shares the backward
+    post = step(toy_layout(dp=2, zero=3, bwd_prefetch="post"))
+    assert post["dp"] == pytest.approx(max(0.0, ag - compute / 3)
+                                       + max(0.0, rs - 2 * compute / 3) + rs / 2 + ag / 2 + ag)
+    assert post["dp"] > z3["dp"]
     # not overlapped (Megatron 2021's local DDP): the whole all-reduce after the backward
     assert step(toy_layout(dp=2, dp_overlap=0))["dp"] == pytest.approx(t)
     # reduced in fp16 (reduce_bytes=2): half the bytes

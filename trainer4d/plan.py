@@ -23,7 +23,10 @@ Megatron's scatter/gather), dp_overlap (0: the gradients reduced after the backw
 all-to-alls hidden behind another micro-batch's matmuls, Megatron's EP overlap or DualPipe),
 doc_min (N > 0: packed documents of the suite's length distribution floored at N tokens, each
 attending within itself: attention's work by steptime.doc_work), order (the rank order, which
-groups share a node: llama3, TP CP PP DP innermost first, the default; megatron, TP CP DP PP).
+groups share a node: llama3, TP CP PP DP innermost first, the default; megatron, TP CP DP PP),
+bwd_prefetch (zero=3: pre, the next unit's all-gather before the current gradient computation,
+FSDP2's and FSDP1's BACKWARD_PRE, the default; post, FSDP1's BACKWARD_POST, Composer's default:
+after it, so the backward's all-gathers are exposed).
 Bytes per element from --dtype.
 
 Where each number comes from (imported, not copied; new here: comm_per_step and the TP split):
@@ -94,8 +97,8 @@ def load(name: str):
 DEFAULTS = dict(tp=1, cp=1, pp=1, dp=1, ep=1, seq=4096, mb=1, m=None, v=1, schedule="1f1b",
                 zero=1, sp=0, recompute="none", recompute_every=1, tp_overlap=0, pp_scatter=0,
                 dp_overlap=1, attn="flash", reduce_bytes=4, fp8=0, fp8_gather=0, ep_overlap=0,
-                doc_min=0, order="llama3")
-WORDS = ("schedule", "recompute", "attn", "order")   # the keys whose values are words
+                doc_min=0, order="llama3", bwd_prefetch="pre")
+WORDS = ("schedule", "recompute", "attn", "order", "bwd_prefetch")   # the keys whose values are words
 
 
 def refuse(line: str):
@@ -122,6 +125,10 @@ def parse_layout(text: str) -> dict:
         refuse(f"ep={lay['ep']} must divide dp x cp = {dpc} (or tp x dp x cp = "
                f"{lay['tp'] * dpc} with sp=1: MoE parallel folding, each tp rank's tokens "
                f"dispatched on their own)")
+    if lay["bwd_prefetch"] not in ("pre", "post") or (lay["bwd_prefetch"] == "post"
+                                                      and lay["zero"] != 3):
+        refuse(f"bwd_prefetch={lay['bwd_prefetch']}: pre or post, and post (FSDP1's "
+               f"BACKWARD_POST: the backward's all-gathers exposed) needs zero=3 (layout {text})")
     if lay["fp8_gather"] and not (lay["fp8"] and lay["zero"] == 3):
         refuse("fp8_gather=1: the FP8 all-gather of FSDP's weights needs fp8=1 and zero=3 "
                f"(layout {text})")

@@ -198,7 +198,10 @@ ROWS += [
 
 # MosaicML's llm-foundry benchmark table: MPT under FSDP FULL_SHARD on every GPU, amp_bf16, its
 # activation checkpointing per row (full), published as tokens/s per GPU (T/s/GPU); (model,
-# seq, GPUs, GPU, micro-batch, grad accum, act. ckpt, T/s/GPU)
+# seq, GPUs, GPU, micro-batch, grad accum, act. ckpt, T/s/GPU). Composer's FSDP1 with its
+# defaults (composer/trainer/dist_strategy.py: backward_prefetch 'BACKWARD_POST'; the yamls
+# set none): the backward's all-gathers exposed (bwd_prefetch=post); the table's MP Mode
+# DEFAULT reduces the gradients in fp32, PURE (the A100 70B row) in bf16 (reduce_bytes=2)
 MPT = {"7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}
 for rid, (size, seq, gpus, gpu, mbs, accum, ckpt, tps) in {
         "F1": ("70b", 2048, 64, "h100", 8, 4, True, 1039.0),
@@ -210,11 +213,12 @@ for rid, (size, seq, gpus, gpu, mbs, accum, ckpt, tps) in {
     L, h, heads = MPT[size]
     ROWS.append((rid, "llmfoundry", f"MPT-{size}", gpt(L, h, heads, 50368, True), gpu,
                  lay(dp=gpus, seq=seq, mb=mbs, m=accum, zero=3,
-                     recompute="full" if ckpt else "none"),
+                     recompute="full" if ckpt else "none", bwd_prefetch="post",
+                     reduce_bytes=4 if gpu == "h100" else 2),
                  "tokens", tps, "model", f"FSDP FULL_SHARD (ZeRO-3), micro-batch {mbs} x "
                  f"{accum}, {'activation checkpointing' if ckpt else 'no recompute'}; "
-                 + ("8 x 400 Gb/s per node (unpublished)" if gpu == "h100"
-                    else "1600 Gb/s RoCE per node")))
+                 + ("fp32 reduction (DEFAULT); 8 x 400 Gb/s per node (unpublished)"
+                    if gpu == "h100" else "bf16 reduction (PURE); 1600 Gb/s RoCE per node")))
 # BLOOM-176B at full throttle: GBS 2048 = 8 replicas x 128 micro-batches of 2 sequences
 ROWS.append(("G1", "bloom", "BLOOM 176B", gpt(70, 14336, 112, 250880, True), "a100",
              lay(tp=4, pp=12, dp=8, seq=2048, mb=2, m=128, zero=1, recompute="full",

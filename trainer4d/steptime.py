@@ -25,7 +25,8 @@ A roofline model built from the suite's own formulas, for one GPU of the busiest
                  gathers) behind the backward of one micro-batch (ZeRO-2/3: of each), the
                  parameter gathers behind a forward, except the last bucket reduced and the
                  first unit gathered (a layer each); a hidden second slows the compute beside
-                 it by OVERLAP_SLOWDOWN, charged to the communication
+                 it by OVERLAP_SLOWDOWN, charged to the communication; FSDP1's BACKWARD_POST
+                 (bwd_prefetch=post): the backward's gathers exposed
     bubble       pp_schedule.simulate's idle fraction of the schedule (unit costs F=1, B=2; equal to
                  bubble_formula for 1F1B and interleaved), the stages balanced
     optimizer    AdamW with fp32 masters over this GPU's shard: 30 bytes per parameter of HBM
@@ -624,13 +625,19 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
     z = lay["zero"]
     reduce = sum(total(g, op) for g in ("dp", "edp") for op in ("all_reduce", "reduce_scatter"))
     gather = sum(total(g, "all_gather") for g in ("dp", "edp"))
+    # ZeRO-3 under FSDP1's BACKWARD_POST (bwd_prefetch=post, Composer's default): the next
+    # unit's all-gather is issued after the current gradient computation, which the next
+    # gradient computation waits for; only the reduce-scatters hide ("This overlaps the current
+    # reduce-scatter and the next gradient computation", torch's BackwardPrefetch docstring)
+    post = z == 3 and lay.get("bwd_prefetch") == "post"
     if z == 3:
-        phases = [(gather / 2, M * fwd), (reduce + gather / 2, M * bwd)]
+        phases = [(gather / 2, M * fwd), (reduce + (0.0 if post else gather / 2), M * bwd)]
         tails = reduce / (M * units) + gather / (2 * M * units)
     else:
         phases = [(gather, fwd), (reduce, M * bwd if z == 2 else bwd)]
         tails = reduce / ((M if z == 2 else 1) * units) + gather / units
-    dp = sum(max(0.0, t - window) + k * min(t, window) for t, window in phases) + tails
+    dp = (sum(max(0.0, t - window) + k * min(t, window) for t, window in phases) + tails
+          + (gather / 2 if post else 0.0))
     if not lay.get("dp_overlap", 1):      # reduced after the backward (Megatron 2021's local DDP)
         dp = reduce + gather
     # the optimizer step over this GPU's shard (ZeRO-1+: 1/(dp cp) of the stage's parameters)
@@ -699,8 +706,9 @@ def layout_text(lay: dict) -> str:
                     if lay.get(k))
     k = lay.get("recompute_every", 1)
     rec = lay["recompute"] + (f" (1 layer in {k})" if k > 1 and lay["recompute"] != "none" else "")
-    return (f"{dims}, seq {lay['seq']}, mb {lay['mb']} x M {lay['m']}{sched}, ZeRO-{lay['zero']}, "
-            f"recompute {rec}{extra}")
+    post = ", BACKWARD_POST" if lay.get("bwd_prefetch") == "post" else ""
+    return (f"{dims}, seq {lay['seq']}, mb {lay['mb']} x M {lay['m']}{sched}, ZeRO-{lay['zero']}"
+            f"{post}, recompute {rec}{extra}")
 
 
 def table(data: dict) -> str:
