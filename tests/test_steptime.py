@@ -152,11 +152,20 @@ def test_data_parallel_exposure_by_hand():
     # reduced in fp16 (reduce_bytes=2): half the bytes
     half = step(toy_layout(dp=2, dp_overlap=0, reduce_bytes=2))
     assert half["dp"] == pytest.approx(t / 2)
-    # across nodes (8 GPUs of 4 per node): the network's bandwidth instead, the group's 4 ranks
+    # across nodes (12 GPUs of 4 per node): the network's bandwidth instead, the group's 4 ranks
     # per node under rings over the node's 4 NICs (1.0 each)
-    far = step(toy_layout(dp=8))
-    t8 = 2 * 7 / 8 * 4 * 1832 / (4 * 1.0)
-    assert far["dp"] == pytest.approx(max(0.0, t8 - 2 * compute / 3) + t8 / 2)
+    far = step(toy_layout(dp=12))
+    t12 = 2 * 11 / 12 * 4 * 1832 / (4 * 1.0)
+    assert far["dp"] == pytest.approx(max(0.0, t12 - 2 * compute / 3) + t12 / 2)
+    # on exactly two nodes NCCL's tree all-reduce crosses the network with half the ring's
+    # traffic: twice the node's NICs (capped by NVLink); a reduce-scatter stays a ring
+    two = step(toy_layout(dp=8))
+    t8 = 2 * 7 / 8 * 4 * 1832 / (2 * 4 * 1.0)
+    assert two["dp"] == pytest.approx(max(0.0, t8 - 2 * compute / 3) + t8 / 2)
+    lay8 = toy_layout(dp=8)
+    assert st.tree_on_two_nodes(lay8, "dp", "all_reduce", GPU)
+    assert not st.tree_on_two_nodes(lay8, "dp", "reduce_scatter", GPU)
+    assert not st.tree_on_two_nodes(toy_layout(tp=4, dp=2), "dp", "all_reduce", GPU)  # 1 a node
 
 
 def test_tensor_parallel_comm_and_its_overlap_by_hand():

@@ -98,7 +98,7 @@ DEFAULTS = dict(tp=1, cp=1, pp=1, dp=1, ep=1, seq=4096, mb=1, m=None, v=1, sched
                 zero=1, sp=0, recompute="none", recompute_every=1, tp_overlap=0, pp_scatter=0,
                 dp_overlap=1, attn="flash", reduce_bytes=4, fp8=0, fp8_gather=0, ep_overlap=0,
                 doc_min=0, order="llama3", bwd_prefetch="pre")
-WORDS = ("schedule", "recompute", "attn", "order", "bwd_prefetch")   # the keys whose values are words
+WORDS = ("schedule", "recompute", "attn", "order", "bwd_prefetch")   # keys with word values
 
 
 def refuse(line: str):

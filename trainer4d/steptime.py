@@ -17,8 +17,9 @@ A roofline model built from the suite's own formulas, for one GPU of the busiest
                  layers and the LM head)
     comm         trainer4d.plan.comm_per_step's rows, wire bytes (harness.meter.RING_FACTOR) over
                  NVLink when the group fits in a node (rank order TP, CP, PP, DP innermost
-                 first: Llama 3's), else the network's bandwidth per GPU, each at NCCL's
-                 measured share of it (LINK_EFFICIENCY)
+                 first: Llama 3's), else the network's bandwidth per GPU (an all-reduce over
+                 two nodes: NCCL's tree, twice it), each at NCCL's measured share of it
+                 (LINK_EFFICIENCY)
     overlap      TP exposed (async TP: hidden behind the matmuls); CP's K,V all-gathers exposed
                  (Llama 3's variant); pipeline sends and all-to-alls exposed; DP's collectives
                  share one link per phase: the gradient reduction (and ZeRO-3's backward
@@ -474,6 +475,21 @@ def in_node(lay: dict, group: str, per_node: int) -> int:
     return g
 
 
+def group_size(lay: dict, group: str) -> int:
+    return {"tp": lay["tp"], "cp": lay["cp"], "pp": lay["pp"], "dp": lay["dp"] * lay["cp"],
+            "edp": expert_dp(lay), "ep": lay["ep"]}[group]
+
+
+def tree_on_two_nodes(lay: dict, group: str, op: str, gpu: dict) -> bool:
+    """NCCL's tree all-reduce where it beats the ring on bandwidth: a group of two nodes with
+    several ranks in each. The tree reduces along NVLink inside a node and crosses the network
+    with half the ring's traffic, "up to ~2x the network speed", so "NCCL should use Tree on 2
+    nodes for large sizes" (S. Jeaugey, NVIDIA/nccl issue 946). Its other gain, latency on small
+    messages, this model has no term for (its collectives are tens of MB and more)."""
+    g = in_node(lay, group, gpu["per_node"])
+    return op == "all_reduce" and 1 < g and group_size(lay, group) == 2 * g
+
+
 def link(lay: dict, group: str, gpu: dict) -> tuple[str, float]:
     """(link class, bytes/s per GPU and direction) of a group: NVLink when its ranks, at stride
     (the product of the groups inside it), fit in one node; else the network's, as NCCL routes
@@ -484,8 +500,7 @@ def link(lay: dict, group: str, gpu: dict) -> tuple[str, float]:
     data-parallel group that fills the node (FSDP alone) all of them, one beside tp = 8 a
     GPU's own. A point-to-point send (pp) and an all-to-all (ep) leave through each GPU's NIC
     share (no ring to fold them into). Capped by NVLink, which the ring's hops inside a node use."""
-    size = {"tp": lay["tp"], "cp": lay["cp"], "pp": lay["pp"], "dp": lay["dp"] * lay["cp"],
-            "edp": expert_dp(lay), "ep": lay["ep"]}[group]
+    size = group_size(lay, group)
     g = in_node(lay, group, gpu["per_node"])        # this group's ranks in one node
     if g >= size:           # (pp: the whole pipeline; once it spans nodes, a boundary crosses)
         return "nvlink", gpu["nvlink"]
@@ -530,6 +545,8 @@ def comm_seconds(rows: list, lay: dict, gpu: dict) -> dict:
     for group, op, calls, nbytes, _ in rows:
         wire = wire_bytes(group, op, nbytes, lay)
         kind, bw = link(lay, group, gpu)
+        if kind == "network" and tree_on_two_nodes(lay, group, op, gpu):
+            bw = min(gpu["nvlink"], 2 * bw)
         off = wire
         if group == "ep" and kind == "network":   # the share bound for other nodes (the rest
             inside = in_node(lay, "ep", gpu["per_node"])   # goes over NVLink meanwhile)
