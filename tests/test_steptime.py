@@ -194,6 +194,16 @@ def test_pipeline_bubble_by_hand():
     slot = (r["matmul"] + r["attention"]) / 4 + r["pp_send"] / 4
     assert r["pp_send"] == pytest.approx(4 * (4 * 8 * 2) / 10.0)
     assert r["bubble"] == pytest.approx(4 * slot / (1 - 1 / 5) - 4 * slot)
+    # pp_overlap (Megatron-core's interleaved overlap_p2p_comm): the sends hidden behind the
+    # micro-batch's compute; a toy spec's overlap is free, a named GPU's costs its slowdown
+    hid = step(toy_layout(pp=2, m=4, pp_overlap=1))
+    assert hid["pp_send"] == 0.0 and hid["step"] < r["step"]
+    g = dict(GPU, overlap_slowdown=0.25)
+    rows = comm_per_step(st.config_of(TOY), dict(total=1832, dense=1832, experts=0),
+                         toy_layout(pp=2, m=4, pp_overlap=1), 2)
+    slow = st.step_time(TOY, toy_layout(pp=2, m=4, pp_overlap=1), g, rows, elem=2, passes=0.0,
+                        attn_eff=0.25)
+    assert slow["pp_send"] == pytest.approx(0.25 * r["pp_send"])
     assert r["matmul"] == pytest.approx(4 * 6 * (640 + 256) * 4 / 50.0)
     # interleaved, V = 2 over 4 layers: (P-1)/(V M + P-1) of the step idle
     four = dict(TOY, layers=4)

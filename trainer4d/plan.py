@@ -21,6 +21,8 @@ tp_overlap (1: TP's collectives hidden behind the matmuls, async TP / Megatron's
 Megatron's scatter/gather), dp_overlap (0: the gradients reduced after the backward), attn
 (flash, or eager: the s x s scores computed whole and kept), ep_overlap (1: the expert
 all-to-alls hidden behind another micro-batch's matmuls, Megatron's EP overlap or DualPipe),
+pp_overlap (1: the pipeline sends hidden behind a micro-batch's compute, Megatron-core's
+interleaved schedule with overlap_p2p_comm, its default there),
 doc_min (N > 0: packed documents of the suite's length distribution floored at N tokens, each
 attending within itself: attention's work by steptime.doc_work), order (the rank order, which
 groups share a node: llama3, TP CP PP DP innermost first, the default; megatron, TP CP DP PP),
@@ -97,7 +99,7 @@ def load(name: str):
 DEFAULTS = dict(tp=1, cp=1, pp=1, dp=1, ep=1, seq=4096, mb=1, m=None, v=1, schedule="1f1b",
                 zero=1, sp=0, recompute="none", recompute_every=1, tp_overlap=0, pp_scatter=0,
                 dp_overlap=1, attn="flash", reduce_bytes=4, fp8=0, fp8_gather=0, ep_overlap=0,
-                doc_min=0, order="llama3", bwd_prefetch="pre")
+                pp_overlap=0, doc_min=0, order="llama3", bwd_prefetch="pre")
 WORDS = ("schedule", "recompute", "attn", "order", "bwd_prefetch")   # keys with word values
 
 

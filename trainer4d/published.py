@@ -19,6 +19,10 @@ Rules for what a source leaves out, the same for every row:
                     torchtitan's FSDP2: ZeRO-3 (resharded after forward)
     MLP             Megatron's GPT: 4h, not gated, multi-head attention (the README's table does
                     not say; its parameter counts agree)
+    pipeline sends  overlapped (pp_overlap=1) under Megatron-core's interleaved schedule, whose
+                    overlap_p2p_comm is on unless --no-overlap-p2p-communication (Megatron-LM's
+                    arguments.py; off for plain 1F1B); exposed elsewhere (Megatron-LM 2021,
+                    DeepSpeed's pipeline, Llama 3's unpublished framework)
 """
 from __future__ import annotations
 
@@ -160,7 +164,8 @@ for rid, (L, h, heads, T, P, D, batch, tf) in {
                  lay(tp=T, pp=P, dp=D, seq=4096, m=batch // D, zero=1, tp_overlap=int(T > 1),
                      order="megatron",
                      sp=int(T > 1),
-                     schedule="interleaved" if P > 1 else "1f1b", v=UNPUBLISHED_V if P > 1 else 1),
+                     schedule="interleaved" if P > 1 else "1f1b", v=UNPUBLISHED_V if P > 1 else 1,
+                     pp_overlap=int(P > 1)),
                  "tflops", tf, "model",
                  "micro-batch 1" + (", V = 2" if P > 1 else "") + ", SP (TP overlap needs it), "
                  "no recompute, MLP 4h"))
@@ -232,11 +237,11 @@ ROWS += [
      "tokens", 13812.0, "model", "FP8 as fp8=1, CP 2, no recompute, H100 (inferred)"),
     ("H2", "mlm-llama", "Llama 3 70B", LLAMA3_70B, "h100",
      lay(tp=4, pp=8, dp=2, seq=8192, m=64, schedule="interleaved", v=5, sp=1, tp_overlap=1,
-         fp8=1, order="megatron"), "tokens", 1621.0, "model",
+         fp8=1, order="megatron", pp_overlap=1), "tokens", 1621.0, "model",
      "FP8, SP with TP overlapped (NeMo's scripts turn it on), no recompute, H100 (inferred)"),
     ("H3", "mlm-llama", "Llama 3 405B", LLAMA3_405B, "h100",
      lay(tp=8, pp=8, cp=2, dp=8, seq=8192, m=64, schedule="interleaved", v=8, sp=1,
-         tp_overlap=1, fp8=1, order="megatron"), "tokens", 315.0, "model",
+         tp_overlap=1, fp8=1, order="megatron", pp_overlap=1), "tokens", 315.0, "model",
      "FP8, SP with TP overlapped, no recompute, H100 (inferred)"),
 ]
 
@@ -252,7 +257,7 @@ QWEN3_30B_A3B, QWEN3_235B_A22B = _qwen3(48, 2048, 32, 768), _qwen3(94, 4096, 64,
 ROWS += [
     ("E1", "mcore-moe", "Qwen3-235B-A22B", QWEN3_235B_A22B, "h100",
      lay(tp=2, pp=8, dp=16, ep=32, seq=4096, m=128, schedule="interleaved", v=4, sp=1,
-         ep_overlap=1, order="megatron"), "tflops", 214.3, "causal",
+         ep_overlap=1, order="megatron", pp_overlap=1), "tflops", 214.3, "causal",
      "EP 32 folded over TP 2 x DP 16; V = 4 from its YAML's 3 layers per virtual stage; its "
      "selective recompute (MoE activation, norms) not priced; TP not overlapped"),
     ("E2", "mcore-moe", "Qwen3-30B-A3B", QWEN3_30B_A3B, "h100",
@@ -266,7 +271,7 @@ ROWS += [
      "FP8, EP 16 over two nodes, no recompute, EP not overlapped (its recipe: HybridEP)"),
     ("E5", "bridge", "Qwen3-235B-A22B", QWEN3_235B_A22B, "h100",
      lay(tp=2, pp=8, dp=16, ep=32, seq=4096, m=512, schedule="interleaved", v=4, sp=1, fp8=1,
-         ep_overlap=1, order="megatron"), "tokens", 1696.0, "model",
+         ep_overlap=1, order="megatron", pp_overlap=1), "tokens", 1696.0, "model",
      "FP8, EP 32 folded over TP 2 x DP 16, EP overlapped (its recipe's moe_a2a_overlap), no "
      "recompute"),
 ]

@@ -21,7 +21,8 @@ A roofline model built from the suite's own formulas, for one GPU of the busiest
                  two nodes: NCCL's tree, twice it), each at NCCL's measured share of it
                  (LINK_EFFICIENCY)
     overlap      TP exposed (async TP: hidden behind the matmuls); CP's K,V all-gathers exposed
-                 (Llama 3's variant); pipeline sends and all-to-alls exposed; DP's collectives
+                 (Llama 3's variant); pipeline sends (pp_overlap: hidden behind a micro-batch's
+                 compute) and all-to-alls (ep_overlap: behind the matmuls) exposed; DP's collectives
                  share one link per phase: the gradient reduction (and ZeRO-3's backward
                  gathers) behind the backward of one micro-batch (ZeRO-2/3: of each), the
                  parameter gathers behind a forward, except the last bucket reduced and the
@@ -628,8 +629,13 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
     window = t_mm - (tp - tp_exposed if lay.get("tp_overlap") else 0.0)   # (what TP left)
     ep_exposed = max(0.0, ep - max(0.0, window)) if lay.get("ep_overlap") else ep
     k = g.get("overlap_slowdown", 0.0)   # (a toy spec: overlap is free)
-    tp_cost, ep_cost = (x + k * (t - x) for t, x in ((tp, tp_exposed), (ep, ep_exposed)))
-    slot = compute + tp_cost + (total("cp") + total("pp")) / M + ep_cost
+    # pipeline sends (pp_overlap: Megatron-core's interleaved schedule, overlap_p2p_comm, its
+    # default there) behind the next chunk's compute
+    pp = total("pp") / M
+    pp_exposed = max(0.0, pp - compute) if lay.get("pp_overlap") else pp
+    tp_cost, ep_cost, pp_cost = (x + k * (t - x) for t, x in
+                                 ((tp, tp_exposed), (ep, ep_exposed), (pp, pp_exposed)))
+    slot = compute + tp_cost + total("cp") / M + pp_cost + ep_cost
     bubble = pp_schedule.simulate(lay["schedule"], P, M, lay["v"])[2] if P > 1 else 0.0
     pipeline = M * slot / (1 - bubble)
     # data parallel, one link shared by every DP collective of a phase: ZeRO-3's forward gathers
@@ -665,7 +671,7 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
     optimizer = OPTIMIZER_BYTES * shard / g["hbm"]
     step = pipeline + dp + optimizer
     return dict(step=step, matmul=M * t_mm, attention=M * t_att, elementwise=M * t_elem,
-                tp=M * tp_cost, cp=total("cp"), pp_send=total("pp"), ep=M * ep_cost,
+                tp=M * tp_cost, cp=total("cp"), pp_send=M * pp_cost, ep=M * ep_cost,
                 bubble=pipeline - M * slot, dp=dp, optimizer=optimizer, comm=comm)
 
 
@@ -718,6 +724,7 @@ def layout_text(lay: dict) -> str:
     extra = "".join(s for k, s in (("tp_overlap", ", TP overlapped"),
                                    ("pp_scatter", ", scatter/gather"), ("fp8", ", FP8"),
                                    ("ep_overlap", ", EP overlapped"),
+                                   ("pp_overlap", ", sends overlapped"),
                                    ("doc_min", f", documents >= {lay.get('doc_min')} tokens"),
                                    ("fp8_gather", " (FP8 all-gather)"))
                     if lay.get(k))
