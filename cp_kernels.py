@@ -145,7 +145,8 @@ def pick_kernel(choice: str, device: torch.device, dtype) -> tuple[TorchKernel, 
     kern = SDPAKernel(device.type, dtype)
     bad = self_test(kern, device, dtype)
     if bad:
-        return TorchKernel(), f"attention block kernel: torch ({kern.name} failed its self-test: {bad})"
+        return TorchKernel(), (f"attention block kernel: torch ({kern.name} failed its "
+                               f"self-test: {bad})")
     return kern, f"attention block kernel: {kern.name} (fused, log-sum-exp; self-test passed)"
 
 

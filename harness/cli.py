@@ -66,10 +66,10 @@ def _validate(cls, args, world: int, rank: int):
     if getattr(args, "fp8", None) and (args.mode not in fp8_modes and not bench
                                        or getattr(args, "compare_native", False)
                                        or getattr(args, "paired", False)):
-        errs.append(f"--fp8: --mode correctness, learning, plants or peak (fsdp: benchmark with "
-                    f"tensorwise), without PyTorch's baselines (the other benchmarks' formulas "
-                    f"do not count the amax all-reduces yet, and the baselines do not train in "
-                    f"FP8)")
+        errs.append("--fp8: --mode correctness, learning, plants or peak (fsdp: benchmark with "
+                    "tensorwise), without PyTorch's baselines (the other benchmarks' formulas "
+                    "do not count the amax all-reduces yet, and the baselines do not train in "
+                    "FP8)")
     low = [d for d in dtypes if d in LOW_PRECISION]
     if (getattr(args, "fp8", None) and args.mode in ("correctness", "plants") and low
             and not (args.fp8 == "tensorwise" and cls.fp8_amax_log)):

@@ -114,7 +114,9 @@ def test_bad_layout_is_one_line(capsys):
                        "FSDP's weights needs fp8=1 and zero=3"),
                       ("dp=8,zero=1,bwd_prefetch=post", "bwd_prefetch=post: pre or post, and "
                        "post (FSDP1's BACKWARD_POST"), ("dp=8,zero=3,bwd_prefetch=late",
-                                                        "bwd_prefetch=late: pre or post")]:
+                                                        "bwd_prefetch=late: pre or post"),
+                      ("pp=4,m=8,pp_overlap=1", "pp_overlap=1: Megatron-core overlaps the "
+                       "pipeline's sends under the interleaved schedule only")]:
         with pytest.raises(SystemExit) as e:
             plan.parse_layout(text)
         err = capsys.readouterr().err.strip().splitlines()

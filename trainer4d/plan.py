@@ -22,13 +22,13 @@ Megatron's scatter/gather), dp_overlap (0: the gradients reduced after the backw
 (flash, or eager: the s x s scores computed whole and kept), ep_overlap (1: the expert
 all-to-alls hidden behind another micro-batch's matmuls, Megatron's EP overlap or DualPipe),
 pp_overlap (1: the pipeline sends hidden behind a micro-batch's compute, Megatron-core's
-interleaved schedule with overlap_p2p_comm, its default there),
+interleaved schedule with overlap_p2p_comm, its default there; the interleaved schedule only),
 doc_min (N > 0: packed documents of the suite's length distribution floored at N tokens, each
 attending within itself: attention's work by steptime.doc_work), order (the rank order, which
 groups share a node: llama3, TP CP PP DP innermost first, the default; megatron, TP CP DP PP),
-bwd_prefetch (zero=3: pre, the next unit's all-gather before the current gradient computation,
-FSDP2's and FSDP1's BACKWARD_PRE, the default; post, FSDP1's BACKWARD_POST, Composer's default:
-after it, so the backward's all-gathers are exposed).
+bwd_prefetch (zero=3: pre, each unit's all-gather issued before the gradient computation of the
+unit before it, FSDP2's and FSDP1's BACKWARD_PRE, the default; post, FSDP1's BACKWARD_POST,
+Composer's default: issued after it, so the backward's first unit waits for its own gather).
 Bytes per element from --dtype.
 
 Where each number comes from (imported, not copied; new here: comm_per_step and the TP split):
@@ -130,7 +130,10 @@ def parse_layout(text: str) -> dict:
     if lay["bwd_prefetch"] not in ("pre", "post") or (lay["bwd_prefetch"] == "post"
                                                       and lay["zero"] != 3):
         refuse(f"bwd_prefetch={lay['bwd_prefetch']}: pre or post, and post (FSDP1's "
-               f"BACKWARD_POST: the backward's all-gathers exposed) needs zero=3 (layout {text})")
+               f"BACKWARD_POST) needs zero=3 (layout {text})")
+    if lay["pp_overlap"] and (lay["pp"] == 1 or lay["schedule"] != "interleaved"):
+        refuse(f"pp_overlap=1: Megatron-core overlaps the pipeline's sends under the interleaved "
+               f"schedule only (pp > 1, schedule=interleaved; layout {text})")
     if lay["fp8_gather"] and not (lay["fp8"] and lay["zero"] == 3):
         refuse("fp8_gather=1: the FP8 all-gather of FSDP's weights needs fp8=1 and zero=3 "
                f"(layout {text})")
@@ -416,6 +419,7 @@ def validate(out=print, unpublished_v: int | None = None) -> dict:
             families[key] = dict(name=name, rows=len(e), median=round(statistics.median(e), 4),
                                  too_fast=sum(x > 0 for x in e))
     result = dict(rows=rows, median_abs_rel_err=round(statistics.median(errs), 4),
+                  mean_abs_rel_err=round(statistics.mean(errs), 4),
                   worst=dict(id=worst["id"], rel_err=worst["rel_err"]), families=families,
                   too_fast=sum(r["rel_err"] > 0 for r in rows),
                   sources=SOURCES, constants={k: (round(v, 4) if isinstance(v, float) else v)
@@ -428,7 +432,8 @@ def validate(out=print, unpublished_v: int | None = None) -> dict:
             f"{f['too_fast']} predicted too fast")
     for source in sorted({r["source"] for r in rows}):   # like with like: the count per source
         out(f"causal attention's FLOPs, {source}: {ATTENTION_COUNT[source]}")
-    out(f"median |error| {result['median_abs_rel_err']:.1%} over {len(rows)} rows from "
+    out(f"median |error| {result['median_abs_rel_err']:.1%} (mean "
+        f"{result['mean_abs_rel_err']:.1%}) over {len(rows)} rows from "
         f"{len({r['source'] for r in rows})} sources; worst {worst['id']} {worst['rel_err']:+.1%}; "
         f"{result['too_fast']} of {len(rows)} predicted too fast")
     return result

@@ -21,8 +21,11 @@ Rules for what a source leaves out, the same for every row:
                     not say; its parameter counts agree)
     pipeline sends  overlapped (pp_overlap=1) under Megatron-core's interleaved schedule, whose
                     overlap_p2p_comm is on unless --no-overlap-p2p-communication (Megatron-LM's
-                    arguments.py; off for plain 1F1B); exposed elsewhere (Megatron-LM 2021,
-                    DeepSpeed's pipeline, Llama 3's unpublished framework)
+                    arguments.py; off for plain 1F1B; the README of the C rows: "pipeline-
+                    parallel communication (enabled by default)"; assumed for NeMo's and
+                    Megatron-Bridge's interleaved rows, H2, H3, E5, which run Megatron-core);
+                    exposed elsewhere (Megatron-LM 2021, DeepSpeed's pipeline, Llama 3's
+                    unpublished framework)
 """
 from __future__ import annotations
 
@@ -205,7 +208,7 @@ ROWS += [
 # activation checkpointing per row (full), published as tokens/s per GPU (T/s/GPU); (model,
 # seq, GPUs, GPU, micro-batch, grad accum, act. ckpt, T/s/GPU). Composer's FSDP1 with its
 # defaults (composer/trainer/dist_strategy.py: backward_prefetch 'BACKWARD_POST'; the yamls
-# set none): the backward's all-gathers exposed (bwd_prefetch=post); the table's MP Mode
+# set none): the backward's first unit waits for its gather (bwd_prefetch=post); MP Mode
 # DEFAULT reduces the gradients in fp32, PURE (the A100 70B row) in bf16 (reduce_bytes=2)
 MPT = {"7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}
 for rid, (size, seq, gpus, gpu, mbs, accum, ckpt, tps) in {

@@ -28,7 +28,7 @@ A roofline model built from the suite's own formulas, for one GPU of the busiest
                  parameter gathers behind a forward, except the last bucket reduced and the
                  first unit gathered (a layer each); a hidden second slows the compute beside
                  it by OVERLAP_SLOWDOWN, charged to the communication; FSDP1's BACKWARD_POST
-                 (bwd_prefetch=post): the backward's gathers exposed
+                 (bwd_prefetch=post): the backward's first unit gathered too, per micro-batch
     bubble       pp_schedule.simulate's idle fraction of the schedule (unit costs F=1, B=2; equal to
                  bubble_formula for 1F1B and interleaved), the stages balanced
     optimizer    AdamW with fp32 masters over this GPU's shard: 30 bytes per parameter of HBM
@@ -484,9 +484,11 @@ def group_size(lay: dict, group: str) -> int:
 def tree_on_two_nodes(lay: dict, group: str, op: str, gpu: dict) -> bool:
     """NCCL's tree all-reduce where it beats the ring on bandwidth: a group of two nodes with
     several ranks in each. The tree reduces along NVLink inside a node and crosses the network
-    with half the ring's traffic, "up to ~2x the network speed", so "NCCL should use Tree on 2
-    nodes for large sizes" (S. Jeaugey, NVIDIA/nccl issue 946). Its other gain, latency on small
-    messages, this model has no term for (its collectives are tens of MB and more)."""
+    with half the ring's traffic: "If the bottleneck is the network and intra-node bandwidth is
+    far from being saturated, the Tree performance can go up to ~2x the network speed", so "NCCL
+    should use Tree on 2 nodes for large sizes" (S. Jeaugey, NVIDIA/nccl issue 946); NVLink
+    still caps it (comm_seconds). Its other gain, latency on small messages, this model has no
+    term for (its collectives are tens of MB and more)."""
     g = in_node(lay, group, gpu["per_node"])
     return op == "all_reduce" and 1 < g and group_size(lay, group) == 2 * g
 
@@ -500,7 +502,8 @@ def link(lay: dict, group: str, gpu: dict) -> tuple[str, float]:
     group's ranks per node), so a group of g ranks per node gets g NIC-shares per GPU: a
     data-parallel group that fills the node (FSDP alone) all of them, one beside tp = 8 a
     GPU's own. A point-to-point send (pp) and an all-to-all (ep) leave through each GPU's NIC
-    share (no ring to fold them into). Capped by NVLink, which the ring's hops inside a node use."""
+    share (no ring to fold them into). A ring's hops inside a node run over NVLink, which caps
+    it (comm_seconds, each link at its measured share)."""
     size = group_size(lay, group)
     g = in_node(lay, group, gpu["per_node"])        # this group's ranks in one node
     if g >= size:           # (pp: the whole pipeline; once it spans nodes, a boundary crosses)
@@ -508,7 +511,7 @@ def link(lay: dict, group: str, gpu: dict) -> tuple[str, float]:
     share = gpu["nic"] * gpu["nics"] / gpu["per_node"]   # one GPU's share of its node's NICs
     if group in ("pp", "ep"):
         return "network", share
-    return "network", min(gpu["nvlink"], share * g)
+    return "network", share * g
 
 
 def wire_bytes(group: str, op: str, nbytes: float, lay: dict) -> float:
@@ -532,7 +535,7 @@ LINK_EFFICIENCY = {"nvlink": 0.81, "network": 0.96}
 # alone (Lee et al. 2025, "Characterizing Compute-Communication Overlap in GPU-Accelerated
 # Distributed Deep Learning", arXiv 2507.03114: GPT and Llama training on A100, H100, MI250 and
 # MI210; SMs and HBM shared with NCCL's kernels). Each second of communication hidden behind
-# compute costs this much of a second, charged to that communication (tp, ep, dp).
+# compute costs this much of a second, charged to that communication (tp, ep, pp, dp).
 OVERLAP_SLOWDOWN = 0.189
 for _spec in GPUS.values():
     _spec.setdefault("link_efficiency", LINK_EFFICIENCY)
@@ -546,14 +549,18 @@ def comm_seconds(rows: list, lay: dict, gpu: dict) -> dict:
     for group, op, calls, nbytes, _ in rows:
         wire = wire_bytes(group, op, nbytes, lay)
         kind, bw = link(lay, group, gpu)
-        if kind == "network" and tree_on_two_nodes(lay, group, op, gpu):
-            bw = min(gpu["nvlink"], 2 * bw)
+        eff = gpu.get("link_efficiency", {})           # (a toy spec: the datasheet's rates)
+        rate = bw * eff.get(kind, 1.0)
+        if kind == "network" and group not in ("pp", "ep"):
+            if tree_on_two_nodes(lay, group, op, gpu):
+                rate *= 2
+            # the ring's (or tree's) hops inside a node run over NVLink: no faster than it
+            rate = min(rate, gpu["nvlink"] * eff.get("nvlink", 1.0))
         off = wire
         if group == "ep" and kind == "network":   # the share bound for other nodes (the rest
             inside = in_node(lay, "ep", gpu["per_node"])   # goes over NVLink meanwhile)
             off = nbytes * (lay["ep"] - inside) / lay["ep"]
-        eff = gpu.get("link_efficiency", {}).get(kind, 1.0)   # (a toy spec: the datasheet's)
-        out[(group, op)] = dict(seconds=off / (bw * eff), calls=calls, link=kind, wire=wire)
+        out[(group, op)] = dict(seconds=off / rate, calls=calls, link=kind, wire=wire)
     return out
 
 
@@ -630,7 +637,7 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
     ep_exposed = max(0.0, ep - max(0.0, window)) if lay.get("ep_overlap") else ep
     k = g.get("overlap_slowdown", 0.0)   # (a toy spec: overlap is free)
     # pipeline sends (pp_overlap: Megatron-core's interleaved schedule, overlap_p2p_comm, its
-    # default there) behind the next chunk's compute
+    # default there) behind the micro-batch's compute
     pp = total("pp") / M
     pp_exposed = max(0.0, pp - compute) if lay.get("pp_overlap") else pp
     tp_cost, ep_cost, pp_cost = (x + k * (t - x) for t, x in
@@ -648,19 +655,19 @@ def step_time(sh: dict, lay: dict, gpu, comm_rows: list, elem: int = 2,
     z = lay["zero"]
     reduce = sum(total(g, op) for g in ("dp", "edp") for op in ("all_reduce", "reduce_scatter"))
     gather = sum(total(g, "all_gather") for g in ("dp", "edp"))
-    # ZeRO-3 under FSDP1's BACKWARD_POST (bwd_prefetch=post, Composer's default): the next
-    # unit's all-gather is issued after the current gradient computation, which the next
-    # gradient computation waits for; only the reduce-scatters hide ("This overlaps the current
-    # reduce-scatter and the next gradient computation", torch's BackwardPrefetch docstring)
-    post = z == 3 and lay.get("bwd_prefetch") == "post"
     if z == 3:
-        phases = [(gather / 2, M * fwd), (reduce + (0.0 if post else gather / 2), M * bwd)]
+        phases = [(gather / 2, M * fwd), (reduce + gather / 2, M * bwd)]
         tails = reduce / (M * units) + gather / (2 * M * units)
+        # FSDP1's BACKWARD_POST (bwd_prefetch=post, Composer's default) prefetches each unit's
+        # gather from the post-backward hook of the unit before it, so the backward's first
+        # unit, which has none, waits for its own gather in every micro-batch (pytorch#108190);
+        # the rest overlap as under BACKWARD_PRE (the CPU issues them a unit ahead)
+        if lay.get("bwd_prefetch") == "post":
+            tails += gather / (2 * units)
     else:
         phases = [(gather, fwd), (reduce, M * bwd if z == 2 else bwd)]
         tails = reduce / ((M if z == 2 else 1) * units) + gather / units
-    dp = (sum(max(0.0, t - window) + k * min(t, window) for t, window in phases) + tails
-          + (gather / 2 if post else 0.0))
+    dp = sum(max(0.0, t - window) + k * min(t, window) for t, window in phases) + tails
     if not lay.get("dp_overlap", 1):      # reduced after the backward (Megatron 2021's local DDP)
         dp = reduce + gather
     # the optimizer step over this GPU's shard (ZeRO-1+: 1/(dp cp) of the stage's parameters)
