@@ -204,17 +204,17 @@ def test_pipeline_bubble_by_hand():
     assert r["bubble"] == pytest.approx(4 * slot / (1 - 1 / 5) - 4 * slot)
     # pp_overlap (Megatron-core's interleaved overlap_p2p_comm): the sends hidden behind the
     # micro-batch's compute; a toy spec's overlap is free, a named GPU's costs its slowdown
-    hid = step(toy_layout(pp=2, m=4, pp_overlap=1))
+    hid = step(toy_layout(pp=2, m=4, schedule="interleaved", pp_overlap=1))
     assert hid["pp_send"] == 0.0 and hid["step"] < r["step"]
     g = dict(GPU, overlap_slowdown=0.25)
     rows = comm_per_step(st.config_of(TOY), dict(total=1832, dense=1832, experts=0),
-                         toy_layout(pp=2, m=4, pp_overlap=1), 2)
-    slow = st.step_time(TOY, toy_layout(pp=2, m=4, pp_overlap=1), g, rows, elem=2, passes=0.0,
+                         toy_layout(pp=2, m=4, schedule="interleaved", pp_overlap=1), 2)
+    slow = st.step_time(TOY, toy_layout(pp=2, m=4, schedule="interleaved", pp_overlap=1), g, rows, elem=2, passes=0.0,
                         attn_eff=0.25)
     assert slow["pp_send"] == pytest.approx(0.25 * r["pp_send"])
     # sends longer than a micro-batch's whole compute (forward and backward): only the excess
     crawl = dict(GPU, nvlink=0.01)
-    lay = toy_layout(pp=2, m=4, pp_overlap=1)
+    lay = toy_layout(pp=2, m=4, schedule="interleaved", pp_overlap=1)
     c = st.step_time(TOY, lay, crawl, rows, elem=2, passes=0.0, attn_eff=0.25)
     sends = 4 * (4 * 8 * 2) / 0.01
     assert c["pp_send"] == pytest.approx(sends - (c["matmul"] + c["attention"]))
@@ -237,6 +237,18 @@ def test_link_follows_the_rank_order():
     assert st.link(lay, "dp", g)[0] == "network" and st.link(lay, "pp", g)[0] == "network"
     assert st.link(parse_layout("tp=2,dp=4"), "dp", g)[0] == "nvlink"      # 2 x 4 = 8 per node
     assert st.link(parse_layout("tp=2,dp=8"), "dp", g)[0] == "network"
+
+
+def test_published_rows_are_layouts_the_cli_takes():
+    """published.lay() skips parse_layout: each row's framework flags stay where the CLI takes
+    them (pp_overlap under the interleaved schedule, bwd_prefetch=post under ZeRO-3)."""
+    from trainer4d.published import ROWS
+    for rid, lay in ((r[0], r[5]) for r in ROWS):
+        parse_layout(",".join(f"{k}={v}" for k, v in lay.items()))   # exit 2 on a bad one
+        if lay.get("pp_overlap"):
+            assert lay["schedule"] == "interleaved" and lay["pp"] > 1, rid
+        if lay.get("bwd_prefetch") == "post":
+            assert lay["zero"] == 3, rid
 
 
 def test_rings_over_rails_share_the_nodes_nics():

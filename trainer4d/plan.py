@@ -21,7 +21,7 @@ tp_overlap (1: TP's collectives hidden behind the matmuls, async TP / Megatron's
 Megatron's scatter/gather), dp_overlap (0: the gradients reduced after the backward), attn
 (flash, or eager: the s x s scores computed whole and kept), ep_overlap (1: the expert
 all-to-alls hidden behind another micro-batch's matmuls, Megatron's EP overlap or DualPipe),
-pp_overlap (1: the pipeline sends hidden behind a micro-batch's compute, Megatron-core's
+pp_overlap (1: the pipeline sends hidden behind the micro-batch's compute, Megatron-core's
 interleaved schedule with overlap_p2p_comm, its default there; the interleaved schedule only),
 doc_min (N > 0: packed documents of the suite's length distribution floored at N tokens, each
 attending within itself: attention's work by steptime.doc_work), order (the rank order, which

@@ -16,7 +16,9 @@ Rules for what a source leaves out, the same for every row:
                     optimizer with overlapped gathers (ZeRO-1); Llama 3: FSDP that keeps the
                     parameters after forward (FSDP's ZeRO-2 mode; ZeRO-1 here, a conservative
                     approximation: interview Q25);
-                    torchtitan's FSDP2: ZeRO-3 (resharded after forward)
+                    torchtitan's FSDP2: ZeRO-3 (resharded after forward); llm-foundry:
+                    Composer's FSDP1, ZeRO-3 with BACKWARD_POST (bwd_prefetch=post), the
+                    gradients reduced as its table's MP Mode says (DEFAULT fp32, PURE bf16)
     MLP             Megatron's GPT: 4h, not gated, multi-head attention (the README's table does
                     not say; its parameter counts agree)
     pipeline sends  overlapped (pp_overlap=1) under Megatron-core's interleaved schedule, whose

@@ -18,10 +18,11 @@ A roofline model built from the suite's own formulas, for one GPU of the busiest
     comm         trainer4d.plan.comm_per_step's rows, wire bytes (harness.meter.RING_FACTOR) over
                  NVLink when the group fits in a node (rank order TP, CP, PP, DP innermost
                  first: Llama 3's), else the network's bandwidth per GPU (an all-reduce over
-                 two nodes: NCCL's tree, twice it), each at NCCL's measured share of it
-                 (LINK_EFFICIENCY)
+                 two nodes with several ranks in each: NCCL's tree, twice it), each at NCCL's
+                 measured share of it (LINK_EFFICIENCY); a ring or tree across nodes no faster
+                 than NVLink at its measured share (its hops inside a node)
     overlap      TP exposed (async TP: hidden behind the matmuls); CP's K,V all-gathers exposed
-                 (Llama 3's variant); pipeline sends (pp_overlap: hidden behind a micro-batch's
+                 (Llama 3's variant); pipeline sends (pp_overlap: hidden behind the micro-batch's
                  compute) and all-to-alls (ep_overlap: behind the matmuls) exposed; DP's collectives
                  share one link per phase: the gradient reduction (and ZeRO-3's backward
                  gathers) behind the backward of one micro-batch (ZeRO-2/3: of each), the
