@@ -204,18 +204,14 @@ def test_pipeline_bubble_by_hand():
     assert r["bubble"] == pytest.approx(4 * slot / (1 - 1 / 5) - 4 * slot)
     # pp_overlap (Megatron-core's interleaved overlap_p2p_comm): the sends hidden behind the
     # micro-batch's compute; a toy spec's overlap is free, a named GPU's costs its slowdown
-    hid = step(toy_layout(pp=2, m=4, schedule="interleaved", pp_overlap=1))
+    ov = toy_layout(pp=2, m=4, schedule="interleaved", pp_overlap=1)
+    hid = step(ov)
     assert hid["pp_send"] == 0.0 and hid["step"] < r["step"]
-    g = dict(GPU, overlap_slowdown=0.25)
-    rows = comm_per_step(st.config_of(TOY), dict(total=1832, dense=1832, experts=0),
-                         toy_layout(pp=2, m=4, schedule="interleaved", pp_overlap=1), 2)
-    slow = st.step_time(TOY, toy_layout(pp=2, m=4, schedule="interleaved", pp_overlap=1), g, rows, elem=2, passes=0.0,
-                        attn_eff=0.25)
-    assert slow["pp_send"] == pytest.approx(0.25 * r["pp_send"])
+    rows = comm_per_step(st.config_of(TOY), dict(total=1832, dense=1832, experts=0), ov, 2)
+    on = lambda g: st.step_time(TOY, ov, g, rows, elem=2, passes=0.0, attn_eff=0.25)  # noqa: E731
+    assert on(dict(GPU, overlap_slowdown=0.25))["pp_send"] == pytest.approx(0.25 * r["pp_send"])
     # sends longer than a micro-batch's whole compute (forward and backward): only the excess
-    crawl = dict(GPU, nvlink=0.01)
-    lay = toy_layout(pp=2, m=4, schedule="interleaved", pp_overlap=1)
-    c = st.step_time(TOY, lay, crawl, rows, elem=2, passes=0.0, attn_eff=0.25)
+    c = on(dict(GPU, nvlink=0.01))
     sends = 4 * (4 * 8 * 2) / 0.01
     assert c["pp_send"] == pytest.approx(sends - (c["matmul"] + c["attention"]))
     assert r["matmul"] == pytest.approx(4 * 6 * (640 + 256) * 4 / 50.0)

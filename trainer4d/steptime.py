@@ -477,6 +477,9 @@ def in_node(lay: dict, group: str, per_node: int) -> int:
     return g
 
 
+NOT_RINGS = ("pp", "ep")   # a point-to-point send and an all-to-all: no ring over the node
+
+
 def group_size(lay: dict, group: str) -> int:
     return {"tp": lay["tp"], "cp": lay["cp"], "pp": lay["pp"], "dp": lay["dp"] * lay["cp"],
             "edp": expert_dp(lay), "ep": lay["ep"]}[group]
@@ -510,7 +513,7 @@ def link(lay: dict, group: str, gpu: dict) -> tuple[str, float]:
     if g >= size:           # (pp: the whole pipeline; once it spans nodes, a boundary crosses)
         return "nvlink", gpu["nvlink"]
     share = gpu["nic"] * gpu["nics"] / gpu["per_node"]   # one GPU's share of its node's NICs
-    if group in ("pp", "ep"):
+    if group in NOT_RINGS:
         return "network", share
     return "network", share * g
 
@@ -519,8 +522,7 @@ def wire_bytes(group: str, op: str, nbytes: float, lay: dict) -> float:
     """Bytes one rank sends for a row of trainer4d.plan.comm_per_step (harness.meter.RING_FACTOR
     on the group's size; a point-to-point send: its buffer)."""
     from harness.meter import RING_FACTOR
-    size = dict(tp=lay["tp"], cp=lay["cp"], pp=2, dp=lay["dp"] * lay["cp"],
-                edp=expert_dp(lay), ep=lay["ep"])[group]
+    size = 2 if group == "pp" else group_size(lay, group)     # (a send: one pair)
     key = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
            "all_to_all": "all_to_all_single"}.get(op, op)
     return nbytes * RING_FACTOR[key](size) if key in RING_FACTOR else nbytes
@@ -552,7 +554,7 @@ def comm_seconds(rows: list, lay: dict, gpu: dict) -> dict:
         kind, bw = link(lay, group, gpu)
         eff = gpu.get("link_efficiency", {})           # (a toy spec: the datasheet's rates)
         rate = bw * eff.get(kind, 1.0)
-        if kind == "network" and group not in ("pp", "ep"):
+        if kind == "network" and group not in NOT_RINGS:
             if tree_on_two_nodes(lay, group, op, gpu):
                 rate *= 2
             # the ring's (or tree's) hops inside a node run over NVLink: no faster than it
